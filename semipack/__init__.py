@@ -1,0 +1,49 @@
+"""semipack: semiring backpropagation for PyTorch.
+
+with semipack.extend(model, semipack.MaxProd()):
+    loss = lossfunc(model(x), y)
+    loss.backward()
+p.grad, p.semiring_grad
+"""
+
+from . import rules  # noqa: F401  (registers the built-in op rules)
+from .api import extend, grad
+from .errors import MessageLostError, SemipackError, UnsupportedOpError
+from .rules.registry import OpCall, register_rule, registered_ops
+from .semirings import (
+    Boolean,
+    Entropy,
+    Extremes,
+    LogCount,
+    LogSum,
+    MaxProd,
+    Real,
+    Semiring,
+    SignedLog,
+    SignedMaxProd,
+)
+from .transport.message import Message
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "Boolean",
+    "Entropy",
+    "Extremes",
+    "LogCount",
+    "LogSum",
+    "MaxProd",
+    "Message",
+    "MessageLostError",
+    "OpCall",
+    "Real",
+    "SemipackError",
+    "Semiring",
+    "SignedLog",
+    "SignedMaxProd",
+    "UnsupportedOpError",
+    "extend",
+    "grad",
+    "register_rule",
+    "registered_ops",
+]

@@ -1,0 +1,36 @@
+"""Errors semipack raises instead of returning a silently wrong number."""
+
+from __future__ import annotations
+
+
+class SemipackError(RuntimeError):
+    """Base class of semipack's errors."""
+
+
+class UnsupportedOpError(SemipackError):
+    """An aten op reached a semiring message and semipack has no rule for it.
+
+    ``op`` is the aten overload (e.g. ``aten.cumsum.default``), ``node`` the autograd node whose
+    backward called it (e.g. ``CumsumBackward0``) and ``module`` the dotted path of the module
+    whose forward created that node, when the forward ran inside ``semipack.extend``.
+    """
+
+    def __init__(self, op: str, node: str | None, module: str | None, reason: str = "") -> None:
+        self.op, self.node, self.module = op, node, module
+        where = f"in the backward of {node}" if node else "outside any autograd node"
+        if module is not None:
+            origin = f"created by module '{module}'" if module else "created by the root module"
+        else:
+            origin = (
+                "module unknown (run the forward inside semipack.extend(model, ...) to name it)"
+            )
+        why = f": {reason}" if reason else ""
+        super().__init__(
+            f"semipack has no semiring rule for {op} {where}, {origin}{why}. "
+            f"Register one with @semipack.register_rule(torch.ops.{op}) "
+            "(see 'Adding an op rule' in the README)."
+        )
+
+
+class MessageLostError(SemipackError):
+    """A plain gradient reached a place where a semiring message was required."""

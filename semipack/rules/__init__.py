@@ -1,0 +1,17 @@
+"""Per-op semiring rules. Importing this package registers every built-in rule."""
+
+from . import (  # noqa: F401  (imported for their registrations)
+    arithmetic,
+    attention,
+    contractions,
+    convolution,
+    embedding,
+    normalization,
+    pointwise,
+    pooling,
+    softmax,
+    structural,
+)
+from .registry import OpCall, register_rule, registered_ops, rule_for
+
+__all__ = ["OpCall", "register_rule", "registered_ops", "rule_for"]

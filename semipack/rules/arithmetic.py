@@ -1,0 +1,86 @@
+"""Arithmetic on messages: the engine's accumulation, scaling by edge weights, reductions."""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from ..semirings.base import normalize_dims
+from ..transport.message import Message
+from .registry import OpCall, register_rule
+from .structural import inplace_from
+
+aten = torch.ops.aten
+
+
+@register_rule(aten.add.Tensor, aten.add.Scalar)
+def add(call: OpCall):
+    """Two messages meeting is the semiring plus; a zero plain operand changes nothing."""
+    a, b = call["self"], call["other"]
+    if call["alpha"] != 1 and isinstance(b, Message):
+        raise call.error("add with alpha != 1 on a message")
+    shape = torch.broadcast_shapes(*(x.shape for x in (a, b) if isinstance(x, Tensor)))
+    parts = call.semiring.plus(call.state(a, shape), call.state(b, shape))
+    return call.wrap(call.run_real(), parts)
+
+
+@register_rule(aten.sub.Tensor, aten.sub.Scalar)
+def sub(call: OpCall):
+    a, b = call["self"], call["other"]
+    if isinstance(b, Message):
+        raise call.error("subtracting a message has no semiring meaning")
+    call.state(b)  # checks that the plain operand is zero
+    return call.wrap(call.run_real(), call["self"].parts)
+
+
+def _scale(call: OpCall, weight) -> Message:
+    msg = call["self"] if isinstance(call["self"], Message) else call["other"]
+    if not isinstance(weight, Tensor):
+        weight = torch.tensor(weight, dtype=msg.parts[0].dtype, device=msg.device)
+    return call.wrap(call.run_real(), call.semiring.scale(msg.parts, weight))
+
+
+@register_rule(aten.mul.Tensor, aten.mul.Scalar)
+def mul(call: OpCall):
+    """Multiplying a message by a plain tensor multiplies it by edge weights."""
+    a, b = call["self"], call["other"]
+    if isinstance(a, Message) and isinstance(b, Message):
+        raise call.error("the product of two messages has no semiring meaning")
+    return _scale(call, b if isinstance(a, Message) else a)
+
+
+@register_rule(aten.div.Tensor, aten.div.Scalar)
+def div(call: OpCall):
+    a, b = call["self"], call["other"]
+    if not isinstance(a, Message) or isinstance(b, Message):
+        raise call.error("only a message divided by a plain tensor has a semiring meaning")
+    weight = b.reciprocal() if isinstance(b, Tensor) else 1.0 / b
+    return _scale(call, weight)
+
+
+@register_rule(aten.neg.default)
+def neg(call: OpCall):
+    return _scale(call, -1.0)
+
+
+@register_rule(aten.sum.dim_IntList, aten.sum.default)
+def sum_(call: OpCall):
+    msg = call["self"]
+    dims = normalize_dims(call.bound.get("dim"), msg.dim())
+    keepdim = bool(call.bound.get("keepdim") or False)
+    if msg.dim() == 0:
+        parts = msg.parts
+    else:
+        parts = call.semiring.sum(msg.parts, dims, keepdim)
+    return call.wrap(call.run_real(), parts)
+
+
+for _inplace, _rule in [
+    (aten.add_.Tensor, add),
+    (aten.mul_.Tensor, mul),
+    (aten.mul_.Scalar, mul),
+    (aten.div_.Tensor, div),
+    (aten.div_.Scalar, div),
+    (aten.neg_.default, neg),
+]:
+    register_rule(_inplace)(inplace_from(_rule))

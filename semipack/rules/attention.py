@@ -1,0 +1,104 @@
+"""Fused scaled-dot-product attention, drawn as its reference decomposition.
+
+Whatever kernel PyTorch picked (CPU flash, CUDA flash / memory-efficient / cuDNN), the graph is
+the one of ``S = Q Kᵀ * scale (+ mask); P = softmax(S); O = P V``, so a model gives the same
+semiring values with ``attn_implementation="sdpa"`` and ``"eager"``.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor
+
+from ..semirings.base import Semiring, State
+from .registry import OpCall, register_rule
+from .softmax import softmax_contract
+
+aten = torch.ops.aten
+
+
+def attention_probs(
+    q: Tensor, k: Tensor, mask: Tensor | None, causal: bool, scale: float
+) -> Tensor:
+    scores = torch.matmul(q, k.transpose(-1, -2)) * scale
+    if causal:
+        lq, lk = scores.shape[-2:]
+        keep = torch.ones(lq, lk, dtype=torch.bool, device=q.device).tril()
+        scores = scores.masked_fill(~keep, float("-inf"))
+    if mask is not None:
+        if mask.dtype == torch.bool:
+            scores = scores.masked_fill(~mask, float("-inf"))
+        else:
+            scores = scores + mask
+    return torch.softmax(scores, -1)
+
+
+def _t(parts: State) -> State:
+    return tuple(p.transpose(-1, -2) for p in parts)
+
+
+def attention_contract(
+    sr: Semiring,
+    m_out: State,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    probs: Tensor,
+    scale: float,
+) -> tuple[State, State, State]:
+    """Messages to (Q, K, V) from the message on O, all batched over leading dims."""
+    m_probs = sr.matmul(m_out, v.transpose(-1, -2))  # ∂O[i,d]/∂P[i,j] = V[j,d]
+    m_v = _t(sr.matmul(_t(m_out), probs))  # ∂O[i,d]/∂V[j,d] = P[i,j]
+    rows = probs.shape[-1]
+    flat = tuple(p.reshape(-1, rows) for p in m_probs)
+    m_scores = softmax_contract(sr, flat, probs.reshape(-1, rows))
+    m_scores = tuple(p.reshape(probs.shape) for p in m_scores)
+    m_q = sr.matmul(m_scores, k * scale)  # ∂S[i,j]/∂Q[i,d] = K[j,d] * scale
+    m_k = _t(sr.matmul(_t(m_scores), q * scale))  # ∂S[i,j]/∂K[j,d] = Q[i,d] * scale
+    return m_q, m_k, m_v
+
+
+def _sdpa_backward(call: OpCall, grad_name: str, mask_name: str | None, n_outputs: int):
+    if call["dropout_p"]:
+        raise call.error("attention dropout inside a fused kernel cannot be replayed")
+    msg = call[grad_name]
+    q, k, v = call["query"], call["key"], call["value"]
+    if k.shape[-3] != q.shape[-3]:
+        raise call.error("grouped-query attention (fewer key heads than query heads)")
+    dtype = msg.parts[0].dtype if msg.parts[0].is_floating_point() else torch.float32
+    q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
+    scale = call["scale"]
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    mask = call[mask_name] if mask_name else None
+    if mask is not None and mask.dtype != torch.bool:
+        mask = mask.to(dtype)
+    probs = attention_probs(q, k, mask, bool(call["is_causal"]), scale)
+    m_q, m_k, m_v = attention_contract(call.semiring, msg.parts, q, k, v, probs, scale)
+    real = call.run_real()
+    reals = list(real) if real is not None else [None] * n_outputs
+    outs = [call.wrap(r, parts) for r, parts in zip(reals[:3], (m_q, m_k, m_v), strict=True)]
+    return tuple(outs + reals[3:])
+
+
+@register_rule(aten._scaled_dot_product_flash_attention_for_cpu_backward.default)
+def sdpa_cpu_flash_backward(call: OpCall):
+    return _sdpa_backward(call, "grad_out", "attn_mask", 3)
+
+
+@register_rule(aten._scaled_dot_product_flash_attention_backward.default)
+def sdpa_cuda_flash_backward(call: OpCall):
+    return _sdpa_backward(call, "grad_out", None, 3)
+
+
+@register_rule(aten._scaled_dot_product_efficient_attention_backward.default)
+def sdpa_efficient_backward(call: OpCall):
+    if call["grad_input_mask"][3]:
+        raise call.error("a gradient for the attention bias is not supported")
+    return _sdpa_backward(call, "grad_out_", "attn_bias", 4)
+
+
+@register_rule(aten._scaled_dot_product_cudnn_attention_backward.default)
+def sdpa_cudnn_backward(call: OpCall):
+    return _sdpa_backward(call, "grad_out", "attn_bias", 3)

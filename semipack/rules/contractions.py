@@ -1,0 +1,54 @@
+"""Matrix products: the '+' hidden inside a matmul's backward becomes the semiring's plus."""
+
+from __future__ import annotations
+
+import torch
+
+from ..semirings.base import State
+from ..transport.message import Message
+from .registry import OpCall, register_rule
+
+aten = torch.ops.aten
+
+
+def _t(parts: State) -> State:
+    return tuple(p.transpose(-1, -2) for p in parts)
+
+
+@register_rule(aten.mm.default, aten.bmm.default)
+def matmul(call: OpCall):
+    """out[i, j] = ⊕_k a[i, k] ⊗ b[k, j], with exactly one of a, b a message."""
+    a, b = call["self"], call["mat2"]
+    sr = call.semiring
+    if isinstance(a, Message) and isinstance(b, Message):
+        raise call.error("the product of two messages has no semiring meaning")
+    if isinstance(a, Message):
+        parts = sr.matmul(a.parts, b)
+    else:  # (a @ m) = (mᵀ @ aᵀ)ᵀ
+        parts = _t(sr.matmul(_t(b.parts), a.transpose(-1, -2)))
+    return call.wrap(call.run_real(), parts)
+
+
+@register_rule(aten.mv.default)
+def mv(call: OpCall):
+    a, v = call["self"], call["vec"]
+    sr = call.semiring
+    if isinstance(a, Message) and isinstance(v, Message):
+        raise call.error("the product of two messages has no semiring meaning")
+    if isinstance(v, Message):  # out[i] = ⊕_j a[i, j] ⊗ v[j]
+        parts = tuple(p[0] for p in sr.matmul(tuple(p[None] for p in v.parts), a.t()))
+    else:
+        parts = tuple(p[:, 0] for p in sr.matmul(a.parts, v[:, None]))
+    return call.wrap(call.run_real(), parts)
+
+
+@register_rule(aten.dot.default)
+def dot(call: OpCall):
+    a, b = call["self"], call["tensor"]
+    if isinstance(a, Message) and isinstance(b, Message):
+        raise call.error("the product of two messages has no semiring meaning")
+    msg, w = (a, b) if isinstance(a, Message) else (b, a)
+    parts = tuple(
+        p[0, 0] for p in call.semiring.matmul(tuple(p[None] for p in msg.parts), w[:, None])
+    )
+    return call.wrap(call.run_real(), parts)

@@ -1,0 +1,83 @@
+"""convolution_backward in the semiring, by im2col index maps and a semiring matmul.
+
+Input message: each (output channel, position) sends to the taps of its window through the
+kernel weights (a semiring matmul with the kernel), then the taps are scattered back onto the
+input with the semiring's plus where windows overlap. Weight message: the unfolded input is the
+matrix of edge weights between output messages and kernel entries.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from .registry import OpCall, register_rule
+from .windows import expand_param, scatter_windows, window_index
+
+aten = torch.ops.aten
+
+
+@register_rule(aten.convolution_backward.default)
+def convolution_backward(call: OpCall):
+    msg, x, w = call["grad_output"], call["input"], call["weight"]
+    if call["transposed"]:
+        raise call.error("transposed convolution is not supported yet")
+    mask, groups = call["output_mask"], call["groups"]
+    sr = call.semiring
+    nsp = x.dim() - 2
+    batch, channels, out_channels = x.shape[0], x.shape[1], w.shape[0]
+    in_size, out_size, kernel = list(x.shape[2:]), list(msg.shape[2:]), list(w.shape[2:])
+    index = window_index(
+        in_size,
+        out_size,
+        kernel,
+        expand_param(call["stride"], nsp),
+        expand_param(call["padding"], nsp),
+        expand_param(call["dilation"], nsp),
+        device=x.device,
+    )  # [taps, L]
+    taps, positions = index.shape
+    spatial = math.prod(in_size)
+    c_g, o_g = channels // groups, out_channels // groups
+    dtype = msg.parts[0].dtype if msg.parts[0].is_floating_point() else torch.float32
+    m = tuple(p.reshape(batch, out_channels, positions) for p in msg.parts)
+
+    grad_in = grad_w = grad_b = None
+    if mask[0]:
+        dest = sr.zeros((batch, channels * spatial), msg.dtype, x.device)
+        group_index = (torch.arange(c_g, device=x.device)[:, None, None] * spatial + index).reshape(
+            c_g * taps, positions
+        )
+        group_index = torch.where(index.repeat(c_g, 1) >= 0, group_index, -1)
+        for g in range(groups):
+            m_g = tuple(p[:, g * o_g : (g + 1) * o_g].transpose(1, 2) for p in m)  # [B, L, Og]
+            w_g = w[g * o_g : (g + 1) * o_g].reshape(o_g, c_g * taps).to(dtype)
+            cols = sr.matmul(m_g, w_g)  # [B, L, Cg*T]
+            cols = tuple(p.transpose(1, 2) for p in cols)  # [B, Cg*T, L]
+            shift = torch.where(group_index >= 0, group_index + g * c_g * spatial, -1)
+            dest = scatter_windows(sr, dest, batch, channels * spatial, shift, cols)
+        grad_in = tuple(p.reshape(x.shape) for p in dest)
+    if mask[1]:
+        x_flat = torch.cat(
+            [x.reshape(batch, channels, spatial), x.new_zeros(batch, channels, 1)], -1
+        )
+        unfolded = x_flat[:, :, torch.where(index >= 0, index, spatial)].to(dtype)  # [B, C, T, L]
+        pieces = []
+        for g in range(groups):
+            x_g = unfolded[:, g * c_g : (g + 1) * c_g].permute(0, 3, 1, 2)
+            x_g = x_g.reshape(batch * positions, c_g * taps)
+            m_g = tuple(
+                p[:, g * o_g : (g + 1) * o_g].permute(1, 0, 2).reshape(o_g, batch * positions)
+                for p in m
+            )
+            pieces.append(sr.matmul(m_g, x_g))
+        grad_w = tuple(torch.cat(p, 0).reshape(w.shape) for p in zip(*pieces, strict=True))
+    if mask[2]:
+        grad_b = sr.sum(m, [0, 2])
+    real = call.run_real()
+    reals = list(real) if real is not None else [None, None, None]
+    return tuple(
+        call.wrap(r, parts) if want and parts is not None else r
+        for want, parts, r in zip(mask, (grad_in, grad_w, grad_b), reals, strict=True)
+    )

@@ -1,0 +1,24 @@
+"""embedding_dense_backward: each looked-up row sends its message back to its weight row."""
+
+from __future__ import annotations
+
+import torch
+
+from .registry import OpCall, register_rule
+
+aten = torch.ops.aten
+
+
+@register_rule(aten.embedding_dense_backward.default)
+def embedding_dense_backward(call: OpCall):
+    if call["scale_grad_by_freq"]:
+        raise call.error("scale_grad_by_freq scales gradients by a statistic, not a derivative")
+    msg, indices = call["grad_output"], call["indices"].reshape(-1)
+    dim = msg.shape[-1]
+    src = tuple(p.reshape(-1, dim) for p in msg.parts)
+    padding = call["padding_idx"]
+    if padding is not None and padding >= 0:  # autograd treats the padding row as constant
+        keep = indices != padding
+        indices, src = indices[keep], tuple(p[keep] for p in src)
+    dest = call.zeros((call["num_weights"], dim))
+    return call.wrap(call.run_real(), call.semiring.index_plus(dest, 0, indices, src))

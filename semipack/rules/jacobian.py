@@ -1,0 +1,55 @@
+"""Contraction of messages with dense per-row Jacobians, built block by block.
+
+Softmax, log-softmax and the normalisation layers couple every entry of a row with every other,
+so the message to input ``j`` is ``⊕_i m_i ⊗ J_ij``. Their Jacobians have a closed form; we build
+it for a bounded block of rows and columns at a time and hand each block to the semiring's
+matmul, so no [rows, n, n] tensor is ever held whole.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import Tensor
+
+from ..semirings.base import BLOCK_ELEMENTS, Semiring, State
+
+# jac(rows, cols) -> J[rows, n_out, cols] for a slice of rows and a slice of input columns
+JacobianBlock = Callable[[slice, slice], Tensor]
+
+
+def contract_rows(sr: Semiring, m: State, jac: JacobianBlock, n_in: int) -> State:
+    """``out[r, j] = ⊕_i m[r, i] ⊗ lift(J[r, i, j])`` for messages ``m`` of shape [rows, n_out]."""
+    rows, n_out = m[0].shape
+    cols = max(1, min(n_in, BLOCK_ELEMENTS // max(1, n_out)))
+    row_block = max(1, BLOCK_ELEMENTS // max(1, n_out * cols))
+    out_rows = []
+    for r0 in range(0, rows, row_block):
+        rs = slice(r0, min(rows, r0 + row_block))
+        m_blk = tuple(c[rs].unsqueeze(1) for c in m)
+        pieces = [
+            sr.matmul(m_blk, jac(rs, slice(c0, min(n_in, c0 + cols))))
+            for c0 in range(0, n_in, cols)
+        ]
+        out_rows.append(tuple(torch.cat(p, -1).squeeze(1) for p in zip(*pieces, strict=True)))
+    return tuple(torch.cat(p, 0) for p in zip(*out_rows, strict=True))
+
+
+def identity_block(n: int, cols: slice, dtype: torch.dtype, device) -> Tensor:
+    """δ_ij for i in [0, n) and j in ``cols``, as a [n, len(cols)] 0/1 tensor."""
+    i = torch.arange(n, device=device)[:, None]
+    j = torch.arange(cols.start, cols.stop, device=device)[None, :]
+    return (i == j).to(dtype)
+
+
+def rows_last(x: Tensor, dim: int) -> Tensor:
+    """Move ``dim`` last and flatten the rest into rows: [rows, n]."""
+    return x.movedim(dim, -1).reshape(-1, x.shape[dim])
+
+
+def unrows(x: Tensor, like_shape, dim: int) -> Tensor:
+    """Inverse of ``rows_last`` for a tensor shaped like the original."""
+    moved = list(like_shape)
+    n = moved.pop(dim)
+    return x.reshape(*moved, n).movedim(-1, dim)

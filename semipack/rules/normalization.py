@@ -1,0 +1,112 @@
+"""layer_norm and batch_norm: normalisation couples a whole row (or channel) of entries.
+
+For y_i = g_i * x̂_i + b_i with x̂ = (x - mean) * rstd over n entries, the local derivatives are
+∂y_i/∂x_j = g_i * rstd * (δ_ij - 1/n - x̂_i x̂_j / n): every input entry feeds every output entry
+of its row. In eval mode batch_norm uses running statistics, so it is a per-channel scaling.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor
+
+from ..semirings.base import Semiring, State
+from .jacobian import contract_rows, identity_block
+from .registry import OpCall, register_rule
+
+aten = torch.ops.aten
+
+
+def normalized_contract(
+    sr: Semiring, m: State, x_hat: Tensor, rstd: Tensor, gain: Tensor, gain_per_row: bool
+) -> State:
+    """Messages through rows of a normalisation; ``m``, ``x_hat``: [rows, n]; ``rstd``: [rows];
+    ``gain``: [n] per entry (layer_norm) or [rows] per row (batch_norm's channels)."""
+    n = x_hat.shape[-1]
+
+    def jac(rows: slice, cols: slice) -> Tensor:
+        xh = x_hat[rows]
+        eye = identity_block(n, cols, xh.dtype, xh.device)
+        centred = eye[None] - (1.0 + xh[:, :, None] * xh[:, None, cols]) / n
+        g = gain[rows, None, None] if gain_per_row else gain[None, :, None]
+        return g * rstd[rows, None, None] * centred
+
+    return contract_rows(sr, m, jac, n)
+
+
+def _param_messages(sr: Semiring, m: State, x_hat: Tensor, reduce_dims: list[int]):
+    """(weight, bias) messages: weight edges carry x̂, bias edges carry 1."""
+    return sr.sum(sr.scale(m, x_hat), reduce_dims), sr.sum(m, reduce_dims)
+
+
+def _outputs(call: OpCall, real, grad_in, grad_w, grad_b, mask):
+    reals = list(real) if real is not None else [None, None, None]
+    outs = []
+    for want, parts, r in zip(mask, (grad_in, grad_w, grad_b), reals, strict=True):
+        outs.append(call.wrap(r, parts) if want and parts is not None else r)
+    return tuple(outs)
+
+
+@register_rule(aten.native_layer_norm_backward.default)
+def layer_norm_backward(call: OpCall):
+    msg, x = call["grad_out"], call["input"]
+    mask = call["output_mask"]
+    n = math.prod(call["normalized_shape"])
+    dtype = msg.parts[0].dtype if msg.parts[0].is_floating_point() else torch.float32
+    rows = x.numel() // n
+    x_hat = ((x - call["mean"]) * call["rstd"]).to(dtype).reshape(rows, n)
+    rstd = call["rstd"].to(dtype).reshape(rows)
+    weight = call["weight"]
+    gain = weight.to(dtype).reshape(n) if weight is not None else torch.ones(n, dtype=dtype)
+    m = tuple(p.reshape(rows, n) for p in msg.parts)
+    sr = call.semiring
+    grad_in = grad_w = grad_b = None
+    if mask[0]:
+        grad_in = tuple(
+            p.reshape(x.shape) for p in normalized_contract(sr, m, x_hat, rstd, gain, False)
+        )
+    if mask[1] or mask[2]:
+        w, b = _param_messages(sr, m, x_hat, [0])
+        shape = tuple(call["normalized_shape"])
+        grad_w = tuple(p.reshape(shape) for p in w) if mask[1] and weight is not None else None
+        grad_b = (
+            tuple(p.reshape(shape) for p in b) if mask[2] and call["bias"] is not None else None
+        )
+    return _outputs(call, call.run_real(), grad_in, grad_w, grad_b, mask)
+
+
+@register_rule(aten.native_batch_norm_backward.default)
+def batch_norm_backward(call: OpCall):
+    msg, x = call["grad_out"], call["input"]
+    mask, train = call["output_mask"], call["train"]
+    dtype = msg.parts[0].dtype if msg.parts[0].is_floating_point() else torch.float32
+    channels = x.shape[1]
+    rows = x.movedim(1, 0).reshape(channels, -1).to(dtype)
+    if train:
+        mean, invstd = call["save_mean"].to(dtype), call["save_invstd"].to(dtype)
+    else:
+        mean = call["running_mean"].to(dtype)
+        invstd = (call["running_var"].to(dtype) + call["eps"]).rsqrt()
+    x_hat = (rows - mean[:, None]) * invstd[:, None]
+    weight = call["weight"]
+    gain = weight.to(dtype) if weight is not None else torch.ones(channels, dtype=dtype)
+    m = tuple(p.movedim(1, 0).reshape(channels, -1) for p in msg.parts)
+    sr = call.semiring
+
+    def back(parts: State) -> State:
+        moved = (channels, x.shape[0], *x.shape[2:])
+        return tuple(p.reshape(moved).movedim(0, 1) for p in parts)
+
+    grad_in = grad_w = grad_b = None
+    if mask[0]:
+        if train:
+            grad_in = back(normalized_contract(sr, m, x_hat, invstd, gain, True))
+        else:
+            grad_in = back(sr.scale(m, (gain * invstd)[:, None]))
+    if mask[1] or mask[2]:
+        w, b = _param_messages(sr, m, x_hat, [1])
+        grad_w = w if mask[1] and weight is not None else None
+        grad_b = b if mask[2] else None
+    return _outputs(call, call.run_real(), grad_in, grad_w, grad_b, mask)

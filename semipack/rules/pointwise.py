@@ -1,0 +1,88 @@
+"""Elementwise derivatives: activations, dropout and pointwise losses.
+
+Each of these backward ops is ``grad_input = grad_output * d`` for an elementwise factor ``d``
+that depends only on the saved forward tensors. Calling the op itself with a gradient of ones
+gives exactly ``d``: the local partial derivatives, i.e. the edge weights. That keeps every rule
+here one line and guarantees the same derivative autograd uses.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from ..transport.message import Message
+from .registry import OpCall, call_by_name, register_rule
+
+aten = torch.ops.aten
+
+ACTIVATION_BACKWARDS = [
+    aten.threshold_backward.default,
+    aten.gelu_backward.default,
+    aten.silu_backward.default,
+    aten.mish_backward.default,
+    aten.tanh_backward.default,
+    aten.sigmoid_backward.default,
+    aten.softplus_backward.default,
+    aten.leaky_relu_backward.default,
+    aten.elu_backward.default,
+    aten.hardtanh_backward.default,
+    aten.hardswish_backward.default,
+    aten.hardsigmoid_backward.default,
+    aten.log_sigmoid_backward.default,
+    aten.logit_backward.default,
+    aten.native_dropout_backward.default,
+]
+
+# Losses whose grad_output is a scalar (reduction='mean'/'sum') or has the input's shape.
+LOSS_BACKWARDS = [
+    aten.mse_loss_backward.default,
+    aten.binary_cross_entropy_backward.default,
+    aten.smooth_l1_loss_backward.default,
+    aten.huber_loss_backward.default,
+    aten.soft_margin_loss_backward.default,
+]
+
+# Losses over a class dimension (dim 1): grad_output lacks that dimension when reduction='none'.
+CLASS_LOSS_BACKWARDS = [
+    aten.nll_loss_backward.default,
+    aten.nll_loss2d_backward.default,
+]
+
+
+def edge_weights(call: OpCall, grad_name: str, shape) -> Tensor:
+    """The op's elementwise derivative: the op applied to a gradient of ones."""
+    named = dict(call.bound)
+    msg = named[grad_name]
+    named[grad_name] = torch.ones(tuple(msg.shape), dtype=msg.dtype, device=msg.device)
+    return call_by_name(call.func, named).to(msg.parts[0].dtype if msg.parts else msg.dtype)
+
+
+def _message_arg(call: OpCall) -> tuple[str, Message]:
+    name = call.func._schema.arguments[0].name
+    msg = call.bound[name]
+    if not isinstance(msg, Message):
+        raise call.error("the message must be the gradient argument")
+    for arg in call.func._schema.arguments[1:]:
+        if isinstance(call.bound[arg.name], Message):
+            raise call.error(f"a message reached argument '{arg.name}'")
+    return name, msg
+
+
+@register_rule(*ACTIVATION_BACKWARDS)
+def activation(call: OpCall):
+    name, msg = _message_arg(call)
+    weights = edge_weights(call, name, msg.shape)
+    return call.wrap(call.run_real(), call.semiring.scale(msg.parts, weights))
+
+
+@register_rule(*LOSS_BACKWARDS, *CLASS_LOSS_BACKWARDS)
+def pointwise_loss(call: OpCall):
+    """Each input entry feeds one loss entry: weights = op(ones); the message is broadcast."""
+    name, msg = _message_arg(call)
+    weights = edge_weights(call, name, msg.shape)
+    parts = msg.parts
+    if call.func in CLASS_LOSS_BACKWARDS and msg.dim() > 0:
+        parts = tuple(p.unsqueeze(1) for p in parts)
+    parts = tuple(p.expand(weights.shape) for p in parts)
+    return call.wrap(call.run_real(), call.semiring.scale(parts, weights))

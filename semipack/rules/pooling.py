@@ -1,0 +1,123 @@
+"""Pooling: max pooling routes each output to its argmax, average pooling spreads 1/size."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from .registry import OpCall, register_rule
+from .windows import (
+    adaptive_positions,
+    combine_dims,
+    expand_param,
+    scatter_windows,
+    sliding_positions,
+)
+
+aten = torch.ops.aten
+
+
+def _flat(call: OpCall, nsp: int):
+    msg, x = call["grad_output"], call["self"]
+    lead = math.prod(x.shape[:-nsp])
+    spatial = math.prod(x.shape[-nsp:])
+    outs = math.prod(msg.shape[-nsp:])
+    m = tuple(p.reshape(lead, outs) for p in msg.parts)
+    dest = call.semiring.zeros((lead, spatial), msg.dtype, x.device)
+    return msg, x, lead, spatial, outs, m, dest
+
+
+def _max_pool(call: OpCall, nsp: int):
+    """Each output entry has one edge, of weight 1, from the input entry it selected."""
+    msg, x, lead, spatial, outs, m, dest = _flat(call, nsp)
+    index = call["indices"].reshape(lead, outs)
+    targets = (torch.arange(lead, device=x.device)[:, None] * spatial + index).reshape(-1)
+    src = tuple(p.reshape(-1) for p in m)
+    flat = tuple(p.reshape(-1) for p in dest)
+    parts = tuple(p.reshape(x.shape) for p in call.semiring.index_plus(flat, 0, targets, src))
+    return call.wrap(call.run_real(), parts)
+
+
+@register_rule(
+    aten.max_pool2d_with_indices_backward.default, aten.adaptive_max_pool2d_backward.default
+)
+def max_pool2d_backward(call: OpCall):
+    return _max_pool(call, 2)
+
+
+@register_rule(
+    aten.max_pool3d_with_indices_backward.default, aten.adaptive_max_pool3d_backward.default
+)
+def max_pool3d_backward(call: OpCall):
+    return _max_pool(call, 3)
+
+
+def _avg_divisors(call: OpCall, in_size, out_size, kernel, stride, padding) -> torch.Tensor:
+    """PyTorch's divisor per output position, as a flat [L] tensor."""
+    override = call["divisor_override"]
+    include_pad = call["count_include_pad"]
+    sizes = []
+    for i, o, k, s, p in zip(in_size, out_size, kernel, stride, padding, strict=True):
+        start = torch.arange(o) * s - p
+        end = torch.minimum(start + k, torch.tensor(i + p))
+        full = end - start
+        clipped = torch.minimum(end, torch.tensor(i)) - torch.clamp(start, min=0)
+        sizes.append(full if include_pad else clipped)
+    div = sizes[0]
+    for extra in sizes[1:]:
+        div = div[..., None] * extra
+    div = div.reshape(-1)
+    return torch.full_like(div, override) if override else div
+
+
+def _avg_pool(call: OpCall, nsp: int):
+    msg, x, lead, spatial, outs, m, dest = _flat(call, nsp)
+    in_size, out_size = list(x.shape[-nsp:]), list(msg.shape[-nsp:])
+    kernel = expand_param(call["kernel_size"], nsp)
+    stride = expand_param(call["stride"], nsp, default=kernel)
+    padding = expand_param(call["padding"], nsp)
+    positions = sliding_positions(in_size, out_size, kernel, stride, padding, [1] * nsp, x.device)
+    index = combine_dims(positions, in_size)
+    dtype = m[0].dtype if m[0].is_floating_point() else torch.float32
+    weights = 1.0 / _avg_divisors(call, in_size, out_size, kernel, stride, padding).to(dtype)
+    src = call.semiring.scale(tuple(p[:, None, :] for p in m), weights.to(x.device)[None, None, :])
+    src = tuple(p.expand(lead, index.shape[0], outs) for p in src)
+    parts = scatter_windows(call.semiring, dest, lead, spatial, index, src)
+    return call.wrap(call.run_real(), tuple(p.reshape(x.shape) for p in parts))
+
+
+@register_rule(aten.avg_pool2d_backward.default)
+def avg_pool2d_backward(call: OpCall):
+    return _avg_pool(call, 2)
+
+
+@register_rule(aten.avg_pool3d_backward.default)
+def avg_pool3d_backward(call: OpCall):
+    return _avg_pool(call, 3)
+
+
+def _adaptive_avg(call: OpCall, nsp: int):
+    msg, x, lead, spatial, outs, m, dest = _flat(call, nsp)
+    in_size, out_size = list(x.shape[-nsp:]), list(msg.shape[-nsp:])
+    positions, lengths = adaptive_positions(in_size, out_size, x.device)
+    index = combine_dims(positions, in_size)
+    area = lengths[0]
+    for extra in lengths[1:]:
+        area = area[..., None] * extra
+    dtype = m[0].dtype if m[0].is_floating_point() else torch.float32
+    weights = 1.0 / area.reshape(-1).to(dtype)
+    src = call.semiring.scale(tuple(p[:, None, :] for p in m), weights[None, None, :])
+    src = tuple(p.expand(lead, index.shape[0], outs) for p in src)
+    parts = scatter_windows(call.semiring, dest, lead, spatial, index, src)
+    return call.wrap(call.run_real(), tuple(p.reshape(x.shape) for p in parts))
+
+
+@register_rule(aten._adaptive_avg_pool2d_backward.default)
+def adaptive_avg_pool2d_backward(call: OpCall):
+    return _adaptive_avg(call, 2)
+
+
+@register_rule(aten._adaptive_avg_pool3d_backward.default)
+def adaptive_avg_pool3d_backward(call: OpCall):
+    return _adaptive_avg(call, 3)

@@ -1,0 +1,55 @@
+"""softmax and log_softmax: dense per-row Jacobians with a closed form."""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from ..semirings.base import Semiring, State
+from .jacobian import contract_rows, identity_block, rows_last, unrows
+from .registry import OpCall, register_rule
+
+aten = torch.ops.aten
+
+
+def softmax_contract(sr: Semiring, m: State, probs: Tensor) -> State:
+    """Messages through softmax rows: ∂y_i/∂x_j = y_i (δ_ij - y_j); ``m``, ``probs``: [rows, n]."""
+    n = probs.shape[-1]
+
+    def jac(rows: slice, cols: slice) -> Tensor:
+        y = probs[rows]
+        eye = identity_block(n, cols, y.dtype, y.device)
+        return y[:, :, None] * (eye[None] - y[:, None, cols])
+
+    return contract_rows(sr, m, jac, n)
+
+
+def log_softmax_contract(sr: Semiring, m: State, log_probs: Tensor) -> State:
+    """Messages through log_softmax rows: ∂y_i/∂x_j = δ_ij - p_j."""
+    n = log_probs.shape[-1]
+    probs = log_probs.exp()
+
+    def jac(rows: slice, cols: slice) -> Tensor:
+        eye = identity_block(n, cols, probs.dtype, probs.device)
+        return (eye[None] - probs[rows, None, cols]).expand(probs[rows].shape[0], n, -1)
+
+    return contract_rows(sr, m, jac, n)
+
+
+def _rowwise(call: OpCall, contract) -> object:
+    msg, out, dim = call["grad_output"], call["output"], call["dim"] % call["output"].dim()
+    dtype = msg.parts[0].dtype if msg.parts[0].is_floating_point() else torch.float32
+    m = tuple(rows_last(p, dim) for p in msg.parts)
+    parts = contract(call.semiring, m, rows_last(out.to(dtype), dim))
+    parts = tuple(unrows(p, out.shape, dim) for p in parts)
+    return call.wrap(call.run_real(), parts)
+
+
+@register_rule(aten._softmax_backward_data.default)
+def softmax_backward(call: OpCall):
+    return _rowwise(call, softmax_contract)
+
+
+@register_rule(aten._log_softmax_backward_data.default)
+def log_softmax_backward(call: OpCall):
+    return _rowwise(call, log_softmax_contract)

@@ -1,0 +1,297 @@
+"""Ops that move message entries without combining them: views, copies, concatenation, selection.
+
+Moving a message entry is exact in every semiring, so these rules run the op on each state
+component. Ops that create fresh entries (zero-filled gradients, padding) fill them with the
+semiring's zero, never with a literal 0.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from ..transport.message import Message
+from .registry import OpCall, per_component, register_rule, wrap_outputs
+
+aten = torch.ops.aten
+
+VIEW_LIKE = [
+    aten.view.default,
+    aten._unsafe_view.default,
+    aten._reshape_alias.default,
+    aten.reshape.default,
+    aten.expand.default,
+    aten.permute.default,
+    aten.transpose.int,
+    aten.t.default,
+    aten.squeeze,
+    aten.unsqueeze.default,
+    aten.select.int,
+    aten.slice.Tensor,
+    aten.narrow.default,
+    aten.split.Tensor,
+    aten.split_with_sizes.default,
+    aten.unsafe_split.Tensor,
+    aten.unbind.int,
+    aten.chunk.default,
+    aten.clone.default,
+    aten.alias.default,
+    aten.detach.default,
+    aten.flip.default,
+    aten.roll.default,
+    aten.diagonal.default,
+    aten.repeat.default,
+    aten.unfold.default,
+    aten.index.Tensor,
+    aten.index_select.default,
+    aten.gather.default,
+    aten.movedim.int,
+    aten.lift_fresh.default,
+]
+
+
+@register_rule(*VIEW_LIKE)
+def move_entries(call: OpCall):
+    real, outs = per_component(call, ("self",))
+    return wrap_outputs(call, real, outs)
+
+
+@register_rule(aten.cat.default, aten.stack.default)
+def concatenate(call: OpCall):
+    real, outs = per_component(call, ("tensors",))
+    return wrap_outputs(call, real, outs)
+
+
+@register_rule(
+    aten.select_scatter.default,
+    aten.slice_scatter.default,
+    aten.diagonal_scatter.default,
+    aten.scatter.src,
+)
+def overwrite_entries(call: OpCall):
+    real, outs = per_component(call, ("self", "src"))
+    return wrap_outputs(call, real, outs)
+
+
+@register_rule(aten.where.self)
+def where(call: OpCall):
+    real, outs = per_component(call, ("self", "other"))
+    return wrap_outputs(call, real, outs)
+
+
+@register_rule(aten.where.ScalarOther, aten.where.ScalarSelf, aten.where.Scalar)
+def where_scalar(call: OpCall):
+    b = call.bound
+    shape = torch.broadcast_shapes(
+        b["condition"].shape, *(v.shape for v in (b["self"], b["other"]) if isinstance(v, Tensor))
+    )
+    a_state = call.state(b["self"], shape)
+    o_state = call.state(b["other"], shape)
+    real = call.run_real()
+    cond = b["condition"]
+    parts = tuple(torch.where(cond, x, y) for x, y in zip(a_state, o_state, strict=True))
+    return call.wrap(real, parts)
+
+
+@register_rule(aten.masked_fill.Scalar, aten.masked_fill.Tensor)
+def masked_fill(call: OpCall):
+    value = call["value"]
+    value = value.item() if isinstance(value, Tensor) else value
+    if value != 0:
+        raise call.error("masked_fill of a message with a non-zero value")
+    msg, mask = call["self"], call["mask"]
+    parts = tuple(
+        p.masked_fill(mask, z) for p, z in zip(msg.parts, call.semiring.zero, strict=True)
+    )
+    return call.wrap(call.run_real(), parts)
+
+
+@register_rule(aten.constant_pad_nd.default)
+def pad(call: OpCall):
+    if call["value"] != 0:
+        raise call.error("padding a message with a non-zero value")
+    msg = call["self"]
+    parts = tuple(
+        aten.constant_pad_nd.default(p, call["pad"], z)
+        for p, z in zip(msg.parts, call.semiring.zero, strict=True)
+    )
+    return call.wrap(call.run_real(), parts)
+
+
+# --- fresh gradients: zero-filled, i.e. "no path" ------------------------------------------------
+
+
+@register_rule(
+    aten.zeros_like.default,
+    aten.empty_like.default,
+    aten.new_zeros.default,
+    aten.new_empty.default,
+    aten.new_empty_strided.default,
+)
+def fresh_zero(call: OpCall):
+    msg = call["self"]
+    size = call.bound.get("size")
+    shape = tuple(msg.shape) if size is None else tuple(size)
+    real = None
+    if call.regular:
+        real = torch.zeros(shape, dtype=call.bound.get("dtype") or msg.dtype, device=msg.device)
+    return call.wrap(real, call.zeros(shape))
+
+
+@register_rule(aten.new_full.default, aten.full_like.default)
+def fresh_full(call: OpCall):
+    if call["fill_value"] != 0:
+        raise call.error("a message filled with a non-zero constant")
+    return fresh_zero(call)
+
+
+@register_rule(aten.zero_.default)
+def zero_(call: OpCall):
+    msg = call["self"]
+    for p, z in zip(msg.parts, call.semiring.zero, strict=True):
+        p.fill_(z)
+    if msg.gradient is not None:
+        msg.gradient.zero_()
+    return msg
+
+
+@register_rule(aten.fill_.Scalar, aten.fill_.Tensor)
+def fill_(call: OpCall):
+    value = call["value"]
+    if (value.item() if isinstance(value, Tensor) else value) != 0:
+        raise call.error("filling a message with a non-zero constant")
+    return zero_(call)
+
+
+def _scatter_into_zeros(call: OpCall, view) -> Message:
+    """``out = zeros(input_sizes); view(out).copy_(grad)`` with the semiring's zero."""
+    msg = call["grad_output"]
+    sizes = tuple(call["input_sizes"])
+    parts = []
+    for p, z in zip(msg.parts, call.semiring.zero, strict=True):
+        out = torch.full(sizes, z, dtype=p.dtype, device=p.device)
+        view(out).copy_(p)
+        parts.append(out)
+    return call.wrap(call.run_real(), tuple(parts))
+
+
+@register_rule(aten.slice_backward.default)
+def slice_backward(call: OpCall):
+    dim, start, end, step = call["dim"], call["start"], call["end"], call["step"]
+    return _scatter_into_zeros(call, lambda t: t.slice(dim, start, end, step))
+
+
+@register_rule(aten.select_backward.default)
+def select_backward(call: OpCall):
+    dim, index = call["dim"], call["index"]
+    return _scatter_into_zeros(call, lambda t: t.select(dim, index))
+
+
+@register_rule(aten.diagonal_backward.default)
+def diagonal_backward(call: OpCall):
+    offset, d1, d2 = call["offset"], call["dim1"], call["dim2"]
+    return _scatter_into_zeros(call, lambda t: t.diagonal(offset, d1, d2))
+
+
+@register_rule(aten._to_copy.default)
+def to_copy(call: OpCall):
+    """dtype/device casts: the regular gradient is cast; the state keeps its own dtype."""
+    msg = call["self"]
+    real = call.run_real()
+    dtype = call.bound.get("dtype") or msg.dtype
+    device = call.bound.get("device") or msg.device
+    dtypes = call.semiring.component_dtypes(dtype)
+    parts = tuple(p.to(device=device, dtype=dt) for p, dt in zip(msg.parts, dtypes, strict=True))
+    return Message(real, parts, call.semiring, dtype)
+
+
+# --- in-place ops ------------------------------------------------------------------------------
+
+
+@register_rule(aten.copy_.default)
+def copy_(call: OpCall):
+    dest, src = call["self"], call["src"]
+    if not isinstance(dest, Message):
+        raise call.error("copying a semiring message into a plain tensor would drop its state")
+    state = call.state(src, dest.shape)
+    for d, s in zip(dest.parts, state, strict=True):
+        d.copy_(s)
+    if dest.gradient is not None:
+        dest.gradient.copy_(src.gradient if isinstance(src, Message) else src)
+    return dest
+
+
+def inplace_from(outofplace):
+    """Make an in-place rule from an out-of-place one: compute, then write into ``self``."""
+
+    def rule(call: OpCall):
+        dest = call.args[0]
+        if not isinstance(dest, Message):
+            raise call.error("an in-place op would write a semiring message into a plain tensor")
+        functional = _functional_variant(call.func)
+        result = outofplace(OpCallFor(functional, call))
+        for d, r in zip(dest.parts, result.parts, strict=True):
+            d.copy_(r)
+        if dest.gradient is not None:
+            dest.gradient.copy_(result.gradient)
+        return dest
+
+    return rule
+
+
+def _functional_variant(func):
+    name = func._schema.name.split("::")[1].rstrip("_")
+    packet = getattr(aten, name)
+    return getattr(packet, func._overloadname)
+
+
+def OpCallFor(func, call: OpCall) -> OpCall:
+    return OpCall(func, call.args, call.kwargs)
+
+
+@register_rule(aten.index_put.default)
+def index_put(call: OpCall):
+    msg, indices, values = call["self"], call["indices"], call["values"]
+    if not call["accumulate"]:
+        real, outs = per_component(call, ("self", "values"))
+        return wrap_outputs(call, real, outs)
+    # accumulate=True: duplicated indices meet, so they combine with the semiring's plus.
+    shape = tuple(msg.shape)
+    flat_ids = torch.arange(msg.numel(), device=msg.device).reshape(shape)[tuple(indices)]
+    dest = tuple(p.reshape(-1) for p in call.state(msg, shape))
+    src = tuple(p.expand(flat_ids.shape).reshape(-1) for p in call.state(values, flat_ids.shape))
+    out = call.semiring.index_plus(dest, 0, flat_ids.reshape(-1), src)
+    return call.wrap(call.run_real(), tuple(p.reshape(shape) for p in out))
+
+
+@register_rule(aten.index_add.default)
+def index_add(call: OpCall):
+    if call["alpha"] != 1:
+        raise call.error("index_add with alpha != 1")
+    msg = call["self"]
+    dest = call.state(msg, msg.shape)
+    src = call.state(call["source"])
+    out = call.semiring.index_plus(dest, call["dim"] % msg.dim(), call["index"], src)
+    return call.wrap(call.run_real(), out)
+
+
+@register_rule(aten.scatter_add.default)
+def scatter_add(call: OpCall):
+    msg, dim, index, src = call["self"], call["dim"], call["index"], call["src"]
+    shape = tuple(msg.shape)
+    targets = torch.arange(msg.numel(), device=msg.device).reshape(shape).gather(dim, index)
+    window = tuple(slice(0, s) for s in index.shape)
+    src_parts = tuple(p[window].reshape(-1) for p in call.state(src))
+    dest = tuple(p.reshape(-1) for p in call.state(msg, shape))
+    out = call.semiring.index_plus(dest, 0, targets.reshape(-1), src_parts)
+    return call.wrap(call.run_real(), tuple(p.reshape(shape) for p in out))
+
+
+for _inplace, _rule in [
+    (aten.index_put_.default, index_put),
+    (aten.index_add_.default, index_add),
+    (aten.scatter_add_.default, scatter_add),
+    (aten.masked_fill_.Scalar, masked_fill),
+    (aten.masked_fill_.Tensor, masked_fill),
+]:
+    register_rule(_inplace)(inplace_from(_rule))

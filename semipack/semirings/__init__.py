@@ -1,0 +1,23 @@
+"""Built-in semirings. Each is a small class; see ``base.Semiring`` for how to add one."""
+
+from .base import Semiring, State
+from .boolean import Boolean
+from .entropy import Entropy
+from .log_sum import LogCount, LogSum
+from .max_prod import MaxProd
+from .real import Real
+from .signed_max_prod import Extremes, SignedLog, SignedMaxProd
+
+__all__ = [
+    "Boolean",
+    "Entropy",
+    "Extremes",
+    "LogCount",
+    "LogSum",
+    "MaxProd",
+    "Real",
+    "Semiring",
+    "SignedLog",
+    "SignedMaxProd",
+    "State",
+]

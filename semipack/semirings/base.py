@@ -1,0 +1,183 @@
+"""The semiring interface every message computation is written against.
+
+A semiring *state* is a tuple of same-shaped tensors (its "components"): one for MaxProd (the log
+of the best path product), two for Entropy (log-normaliser and expected surprisal), four for
+SignedMaxProd. The op rules only ever call the methods below, so a new semiring is a subclass
+that fills in the six primitives (``zero``, ``one``, ``lift``, ``plus``, ``times``, ``sum``) and,
+optionally, faster ``matmul`` / ``index_plus`` kernels.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, ClassVar
+
+import torch
+from torch import Tensor
+
+State = tuple[Tensor, ...]
+
+#: Largest number of elements a blocked fallback may broadcast at once (32 MiB of float32).
+BLOCK_ELEMENTS = 1 << 23
+
+
+def normalize_dims(dims: int | Sequence[int] | None, ndim: int) -> list[int]:
+    """Turn an aten ``dim`` argument into a sorted list of non-negative dims (None or [] = all)."""
+    if dims is None:
+        return list(range(ndim))
+    if isinstance(dims, int):
+        dims = [dims]
+    if len(dims) == 0:
+        return list(range(ndim))
+    return sorted({d % ndim if ndim else 0 for d in dims})
+
+
+class Semiring:
+    """Base class: subclass it and implement ``lift``, ``plus``, ``times`` and ``sum``.
+
+    ``zero`` is the value of "no path" (the identity of ``plus``), ``one`` the value of the empty
+    path (the identity of ``times``), both given per component. ``lift`` turns a tensor of local
+    partial derivatives into states; a derivative that is exactly 0 must lift to ``zero`` so that
+    zero-weight edges and absent edges are the same thing.
+    """
+
+    #: Names of the state components, in order.
+    components: ClassVar[tuple[str, ...]] = ("value",)
+    zero: ClassVar[tuple[float | bool, ...]] = (0.0,)
+    one: ClassVar[tuple[float | bool, ...]] = (1.0,)
+    #: True when ``plus`` is an idempotent max/or (the family that needs fused kernels).
+    max_like: ClassVar[bool] = False
+
+    @property
+    def name(self) -> str:
+        return type(self).__name__
+
+    def __repr__(self) -> str:
+        return f"{self.name}()"
+
+    # --- the six primitives -------------------------------------------------------------------
+    def lift(self, w: Tensor) -> State:
+        raise NotImplementedError
+
+    def plus(self, a: State, b: State) -> State:
+        raise NotImplementedError
+
+    def times(self, a: State, b: State) -> State:
+        raise NotImplementedError
+
+    def sum(self, a: State, dims: list[int], keepdim: bool = False) -> State:
+        """Plus-reduce over ``dims`` (already normalised, non-empty)."""
+        raise NotImplementedError
+
+    def readout(self, a: State) -> Any:
+        """What users see: a tensor (or named tuple of tensors) of the state's shape."""
+        return a[0]
+
+    # --- dtypes and constants -----------------------------------------------------------------
+    def state_dtype(self, grad_dtype: torch.dtype) -> torch.dtype:
+        """Components are kept in at least float32, whatever the gradient dtype."""
+        if not grad_dtype.is_floating_point:
+            return torch.float32
+        return torch.promote_types(grad_dtype, torch.float32)
+
+    def component_dtypes(self, grad_dtype: torch.dtype) -> tuple[torch.dtype, ...]:
+        return (self.state_dtype(grad_dtype),) * len(self.components)
+
+    def full(
+        self,
+        values: tuple[float | bool, ...],
+        shape: Sequence[int],
+        grad_dtype: torch.dtype,
+        device: torch.device | str,
+    ) -> State:
+        dtypes = self.component_dtypes(grad_dtype)
+        return tuple(
+            torch.full(tuple(shape), v, dtype=dt, device=device)
+            for v, dt in zip(values, dtypes, strict=True)
+        )
+
+    def zeros(self, shape: Sequence[int], grad_dtype: torch.dtype, device) -> State:
+        return self.full(self.zero, shape, grad_dtype, device)
+
+    def ones(self, shape: Sequence[int], grad_dtype: torch.dtype, device) -> State:
+        return self.full(self.one, shape, grad_dtype, device)
+
+    def fill_like(self, a: State, values: tuple[float | bool, ...]) -> State:
+        return tuple(torch.full_like(c, v) for c, v in zip(a, values, strict=True))
+
+    def is_zero(self, a: State) -> Tensor:
+        """Boolean mask of entries equal to the semiring zero (no path)."""
+        out = None
+        for c, z in zip(a, self.zero, strict=True):
+            hit = c == z
+            out = hit if out is None else out & hit
+        return out
+
+    def where(self, cond: Tensor, a: State, b: State) -> State:
+        return tuple(torch.where(cond, x, y) for x, y in zip(a, b, strict=True))
+
+    # --- derived operations (override for speed) ----------------------------------------------
+    def scale(self, a: State, w: Tensor) -> State:
+        """``a ⊗ lift(w)`` elementwise with broadcasting: multiply messages by edge weights."""
+        return self.times(a, self.lift(w))
+
+    def matmul(self, a: State, w: Tensor) -> State:
+        """``out[..., i, j] = ⊕_k a[..., i, k] ⊗ lift(w[..., k, j])`` (message on the left).
+
+        The default broadcasts and plus-reduces in blocks, so it never holds more than
+        ``BLOCK_ELEMENTS`` broadcast entries per component at once.
+        """
+        return blocked_matmul(self, a, w)
+
+    def index_plus(self, dest: State, dim: int, index: Tensor, src: State) -> State:
+        """``dest[..., index[i], ...] ⊕= src[..., i, ...]`` along ``dim`` (out of place).
+
+        The default expresses the scatter as a semiring matmul with a 0/1 routing matrix, which
+        is correct for every semiring; built-in semirings override it with scatter-reduce kernels.
+        """
+        n, size = index.numel(), dest[0].shape[dim]
+        route = torch.zeros(n, size, dtype=torch.float64, device=index.device)
+        route[torch.arange(n, device=index.device), index.reshape(-1)] = 1.0
+        moved = tuple(c.movedim(dim, -1) for c in src)
+        lead = moved[0].shape[:-1]
+        flat = tuple(c.reshape(-1, n) for c in moved)
+        routed = self.matmul(flat, route.to(self.state_dtype(torch.float32)))
+        routed = tuple(c.reshape(*lead, size).movedim(-1, dim) for c in routed)
+        return self.plus(dest, routed)
+
+
+def blocked_matmul(sr: Semiring, a: State, w: Tensor) -> State:
+    """Semiring matmul by broadcast-and-reduce over bounded blocks of rows and columns."""
+    lw = sr.lift(w)
+    n, k = a[0].shape[-2], a[0].shape[-1]
+    m = w.shape[-1]
+    batch = torch.broadcast_shapes(a[0].shape[:-2], w.shape[:-2])
+    per_row = max(1, k * m * max(1, _numel(batch)))
+    if per_row <= BLOCK_ELEMENTS:
+        rows, cols = max(1, BLOCK_ELEMENTS // per_row), m
+    else:
+        rows = 1
+        cols = max(1, BLOCK_ELEMENTS // max(1, k * max(1, _numel(batch))))
+    out_rows = []
+    for r0 in range(0, n, rows):
+        a_blk = tuple(c[..., r0 : r0 + rows, :, None] for c in a)
+        out_cols = []
+        for c0 in range(0, m, cols):
+            w_blk = tuple(c[..., None, :, c0 : c0 + cols] for c in lw)
+            out_cols.append(sr.sum(sr.times(a_blk, w_blk), [_ndim(a_blk, w_blk) - 2]))
+        out_rows.append(tuple(torch.cat(parts, -1) for parts in zip(*out_cols, strict=True)))
+    if n == 0:
+        shape = (*batch, 0, m)
+        return sr.zeros(shape, w.dtype, w.device)
+    return tuple(torch.cat(parts, -2) for parts in zip(*out_rows, strict=True))
+
+
+def _numel(shape: Sequence[int]) -> int:
+    out = 1
+    for s in shape:
+        out *= s
+    return out
+
+
+def _ndim(a: State, b: State) -> int:
+    return max(a[0].dim(), b[0].dim())

@@ -1,0 +1,43 @@
+"""Boolean: reachability through edges of non-zero weight."""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from .base import Semiring, State
+
+
+class Boolean(Semiring):
+    """True where at least one path with all local derivatives non-zero exists."""
+
+    zero = (False,)
+    one = (True,)
+    max_like = True
+
+    def component_dtypes(self, grad_dtype: torch.dtype) -> tuple[torch.dtype, ...]:
+        return (torch.bool,)
+
+    def lift(self, w: Tensor) -> State:
+        return (w != 0,)
+
+    def plus(self, a: State, b: State) -> State:
+        return (a[0] | b[0],)
+
+    def times(self, a: State, b: State) -> State:
+        return (a[0] & b[0],)
+
+    def sum(self, a: State, dims: list[int], keepdim: bool = False) -> State:
+        out = a[0]
+        for d in sorted(dims, reverse=True):
+            out = out.any(d, keepdim=keepdim)
+        return (out,)
+
+    def matmul(self, a: State, w: Tensor) -> State:
+        # Counting reachable predecessors with a float matmul is exact enough: counts are >= 0.
+        dtype = self.state_dtype(w.dtype)
+        return (torch.matmul(a[0].to(dtype), (w != 0).to(dtype)) > 0,)
+
+    def index_plus(self, dest: State, dim: int, index: Tensor, src: State) -> State:
+        hits = dest[0].to(torch.float32).index_add(dim, index, src[0].to(torch.float32))
+        return (hits > 0,)

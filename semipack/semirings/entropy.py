@@ -1,0 +1,71 @@
+"""Entropy of the path distribution, via the expectation semiring kept in normalised log form."""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from ._log import finite_or_zero, shifted_exp
+from .base import Semiring, State
+
+
+class Entropy(Semiring):
+    """Shannon entropy (nats) of p(path) ∝ product of |local derivatives| along the path.
+
+    The expectation semiring pairs ``<Z, Y>`` (Z = Σ w, Y = Σ w·(-log w) over paths). We store
+    ``L = log Z`` and ``R = Y / Z`` (the mean path surprisal), which turns ``times`` into plain
+    addition and keeps every number finite on deep graphs. Entropy is ``R + L``; it is NaN where
+    no path exists (the distribution is empty).
+    """
+
+    components = ("log_normalizer", "mean_surprisal")
+    zero = (float("-inf"), 0.0)
+    one = (0.0, 0.0)
+
+    def lift(self, w: Tensor) -> State:
+        log_w = w.to(self.state_dtype(w.dtype)).abs().log()
+        surprisal = torch.where(torch.isfinite(log_w), -log_w, torch.zeros_like(log_w))
+        return (log_w, surprisal)
+
+    def plus(self, a: State, b: State) -> State:
+        big = torch.logaddexp(a[0], b[0])
+        safe = finite_or_zero(big)
+        wa = (a[0] - safe).exp()
+        wb = (b[0] - safe).exp()
+        return (big, wa * a[1] + wb * b[1])
+
+    def times(self, a: State, b: State) -> State:
+        return (a[0] + b[0], a[1] + b[1])
+
+    def sum(self, a: State, dims: list[int], keepdim: bool = False) -> State:
+        big = torch.logsumexp(a[0], dims, keepdim=True)
+        weights = (a[0] - finite_or_zero(big)).exp()
+        mean = (weights * a[1]).sum(dims, keepdim=keepdim)
+        return (big if keepdim else big.squeeze(dims), mean)
+
+    def is_zero(self, a: State) -> Tensor:
+        # Only the normaliser decides: a zero-mass state may carry any mean surprisal.
+        return a[0] == float("-inf")
+
+    def readout(self, a: State) -> Tensor:
+        h = a[0] + a[1]
+        return torch.where(torch.isfinite(a[0]), h, torch.full_like(h, float("nan")))
+
+    def matmul(self, a: State, w: Tensor) -> State:
+        # Σ_k e_k|w_kj| (R_k - log|w_kj|) = (e∘R) @ |w| - e @ (|w| log|w|): three BLAS calls.
+        e, m = shifted_exp(a[0], -1)
+        mag = w.to(e.dtype).abs()
+        mag_log_mag = torch.xlogy(mag, mag)
+        s = torch.matmul(e, mag)
+        t = torch.matmul(e * a[1], mag) - torch.matmul(e, mag_log_mag)
+        mean = torch.where(s > 0, t / s, torch.zeros_like(s))
+        return (s.log() + m, mean)
+
+    def index_plus(self, dest: State, dim: int, index: Tensor, src: State) -> State:
+        peak = finite_or_zero(dest[0].index_reduce(dim, index, src[0], "amax", include_self=True))
+        e_dest = (dest[0] - peak).exp()
+        e_src = (src[0] - peak.index_select(dim, index)).exp()
+        total = e_dest.index_add(dim, index, e_src)
+        weighted = (e_dest * dest[1]).index_add(dim, index, e_src * src[1])
+        mean = torch.where(total > 0, weighted / total, torch.zeros_like(total))
+        return (total.log() + peak, mean)

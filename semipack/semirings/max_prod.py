@@ -1,0 +1,46 @@
+"""MaxProd: the best single path, kept in log space so long paths never under- or overflow."""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from ._log import log_abs
+from .base import Semiring, State
+
+
+class MaxProd(Semiring):
+    """Max over paths of the product of |local derivatives|.
+
+    The state is ``log max|path product|`` (``-inf`` = no path). ``readout`` returns the linear
+    value ``exp(state)``; pass ``log=True`` to read the log directly (finite where linear would
+    overflow or underflow).
+    """
+
+    zero = (float("-inf"),)
+    one = (0.0,)
+    max_like = True
+
+    def __init__(self, log: bool = False) -> None:
+        self.log = log
+
+    def __repr__(self) -> str:
+        return f"MaxProd(log={self.log})"
+
+    def lift(self, w: Tensor) -> State:
+        return (log_abs(w, self.state_dtype(w.dtype)),)
+
+    def plus(self, a: State, b: State) -> State:
+        return (torch.maximum(a[0], b[0]),)
+
+    def times(self, a: State, b: State) -> State:
+        return (a[0] + b[0],)
+
+    def sum(self, a: State, dims: list[int], keepdim: bool = False) -> State:
+        return (a[0].amax(dims, keepdim=keepdim),)
+
+    def readout(self, a: State) -> Tensor:
+        return a[0] if self.log else a[0].exp()
+
+    def index_plus(self, dest: State, dim: int, index: Tensor, src: State) -> State:
+        return (dest[0].index_reduce(dim, index, src[0], "amax", include_self=True),)

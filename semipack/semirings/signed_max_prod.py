@@ -1,0 +1,120 @@
+"""SignedMaxProd: the largest and the smallest signed path products, in log space."""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+from torch import Tensor
+
+from ._log import log_abs
+from .base import Semiring, State
+
+INF = float("inf")
+
+
+class Extremes(NamedTuple):
+    """The largest and the smallest signed path product of each entry."""
+
+    largest: Tensor
+    smallest: Tensor
+
+
+class SignedLog(NamedTuple):
+    """A signed value as ``sign * exp(log_abs)``; ``sign`` is 0 where there is no path."""
+
+    sign: Tensor
+    log_abs: Tensor
+
+
+class SignedMaxProd(Semiring):
+    """Largest and smallest signed product over paths (a negative derivative swaps them).
+
+    To stay exact and overflow-free the state tracks four log-magnitudes: the largest and the
+    smallest |product| among positive paths and among negative paths. The largest signed product
+    is the largest positive one or, when every path is negative, minus the smallest negative
+    magnitude; the smallest signed product is symmetric. ``readout`` gives
+    ``Extremes(largest, smallest)`` in linear scale (0 where no path exists), or, with
+    ``log=True``, each as a ``SignedLog(sign, log_abs)``.
+    """
+
+    components = ("pos_max", "neg_max", "pos_min", "neg_min")
+    zero = (-INF, -INF, INF, INF)
+    one = (0.0, -INF, 0.0, INF)
+    max_like = True
+
+    def __init__(self, log: bool = False) -> None:
+        self.log = log
+
+    def __repr__(self) -> str:
+        return f"SignedMaxProd(log={self.log})"
+
+    def lift(self, w: Tensor) -> State:
+        lw = log_abs(w, self.state_dtype(w.dtype))
+        pos, neg = w > 0, w < 0
+        return (
+            torch.where(pos, lw, -INF),
+            torch.where(neg, lw, -INF),
+            torch.where(pos, lw, INF),
+            torch.where(neg, lw, INF),
+        )
+
+    def plus(self, a: State, b: State) -> State:
+        return (
+            torch.maximum(a[0], b[0]),
+            torch.maximum(a[1], b[1]),
+            torch.minimum(a[2], b[2]),
+            torch.minimum(a[3], b[3]),
+        )
+
+    def times(self, a: State, b: State) -> State:
+        # sign rules: (+)(+) and (-)(-) are positive, mixed signs are negative.
+        return (
+            torch.maximum(a[0] + b[0], a[1] + b[1]),
+            torch.maximum(a[0] + b[1], a[1] + b[0]),
+            torch.minimum(a[2] + b[2], a[3] + b[3]),
+            torch.minimum(a[2] + b[3], a[3] + b[2]),
+        )
+
+    def sum(self, a: State, dims: list[int], keepdim: bool = False) -> State:
+        return (
+            a[0].amax(dims, keepdim=keepdim),
+            a[1].amax(dims, keepdim=keepdim),
+            a[2].amin(dims, keepdim=keepdim),
+            a[3].amin(dims, keepdim=keepdim),
+        )
+
+    def scale(self, a: State, w: Tensor) -> State:
+        # Multiplying by one signed edge routes each component instead of combining pairs.
+        lw = log_abs(w, a[0].dtype)
+        pos, neg = w > 0, w < 0
+        return (
+            torch.where(pos, a[0] + lw, torch.where(neg, a[1] + lw, -INF)),
+            torch.where(pos, a[1] + lw, torch.where(neg, a[0] + lw, -INF)),
+            torch.where(pos, a[2] + lw, torch.where(neg, a[3] + lw, INF)),
+            torch.where(pos, a[3] + lw, torch.where(neg, a[2] + lw, INF)),
+        )
+
+    def readout(self, a: State) -> Extremes:
+        pos_max, neg_max, pos_min, neg_min = a
+        has_pos, has_neg = pos_max > -INF, neg_max > -INF
+        largest = SignedLog(
+            torch.where(has_pos, 1.0, torch.where(has_neg, -1.0, 0.0)).to(pos_max.dtype),
+            torch.where(has_pos, pos_max, torch.where(has_neg, neg_min, -INF)),
+        )
+        smallest = SignedLog(
+            torch.where(has_neg, -1.0, torch.where(has_pos, 1.0, 0.0)).to(pos_max.dtype),
+            torch.where(has_neg, neg_max, torch.where(has_pos, pos_min, -INF)),
+        )
+        if self.log:
+            return Extremes(largest, smallest)
+        return Extremes(
+            largest.sign * largest.log_abs.exp(), smallest.sign * smallest.log_abs.exp()
+        )
+
+    def index_plus(self, dest: State, dim: int, index: Tensor, src: State) -> State:
+        reduce = ("amax", "amax", "amin", "amin")
+        return tuple(
+            d.index_reduce(dim, index, s, r, include_self=True)
+            for d, s, r in zip(dest, src, reduce, strict=True)
+        )

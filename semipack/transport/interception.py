@@ -1,0 +1,72 @@
+"""Turning the user's own ``loss.backward()`` into a semiring backward inside ``extend``.
+
+``Tensor.backward`` and ``torch.autograd.backward`` both consult torch-function modes, so a mode
+active for the duration of the block can take over exactly those two calls and pass every other
+call straight through. Nothing global is patched, and the mode ends with the block.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+from torch import Tensor
+from torch.overrides import TorchFunctionMode
+
+from ..semirings.base import Semiring
+from . import backward as bw
+
+
+class BackwardInterceptor(TorchFunctionMode):
+    def __init__(self, sr: Semiring, regular_grads: bool, watched: Iterable[Tensor] = ()) -> None:
+        super().__init__()
+        self.sr = sr
+        self.regular_grads = regular_grads
+        self.watched = list(watched)
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch.Tensor.backward:
+            return self._backward(*args, **kwargs)
+        if func is torch.autograd.backward:
+            return self._autograd_backward(*args, **kwargs)
+        return func(*args, **kwargs)
+
+    def _backward(self, tensor, gradient=None, retain_graph=None, create_graph=False, inputs=None):
+        self._run([tensor], [gradient], retain_graph, create_graph, inputs)
+
+    def _autograd_backward(
+        self,
+        tensors,
+        grad_tensors=None,
+        retain_graph=None,
+        create_graph=False,
+        grad_variables=None,
+        inputs=None,
+    ):
+        tensors = [tensors] if isinstance(tensors, Tensor) else list(tensors)
+        if grad_tensors is None:
+            grad_tensors = grad_variables
+        if grad_tensors is None:
+            grad_tensors = [None] * len(tensors)
+        elif isinstance(grad_tensors, Tensor):
+            grad_tensors = [grad_tensors]
+        self._run(tensors, list(grad_tensors), retain_graph, create_graph, inputs)
+
+    def _run(self, tensors, grads, retain_graph, create_graph, inputs) -> None:
+        if isinstance(inputs, Tensor):
+            inputs = [inputs]
+        reached = bw.backward(
+            tensors,
+            grads,
+            self.sr,
+            regular_grads=self.regular_grads,
+            retain_graph=retain_graph,
+            create_graph=create_graph,
+            inputs=inputs,
+        )
+        # A watched parameter this backward did not reach must not keep a stale value.
+        reached_ids = {id(t) for t in reached if hasattr(t, bw.SEMIRING_GRAD)}
+        for p in self.watched:
+            if id(p) not in reached_ids and hasattr(p, bw.SEMIRING_GRAD):
+                delattr(p, bw.SEMIRING_GRAD)

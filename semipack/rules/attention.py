@@ -56,7 +56,7 @@ def attention_contract(
     m_scores = softmax_contract(sr, flat, probs.reshape(-1, rows))
     m_scores = tuple(p.reshape(probs.shape) for p in m_scores)
     m_q = sr.matmul(m_scores, k * scale)  # ∂S[i,j]/∂Q[i,d] = K[j,d] * scale
-    m_k = _t(sr.matmul(_t(m_scores), q * scale))  # ∂S[i,j]/∂K[j,d] = Q[i,d] * scale
+    m_k = sr.matmul(_t(m_scores), q * scale)  # ∂S[i,j]/∂K[j,d] = Q[i,d] * scale
     return m_q, m_k, m_v
 
 

@@ -16,10 +16,6 @@ from .registry import OpCall, per_component, register_rule, wrap_outputs
 aten = torch.ops.aten
 
 VIEW_LIKE = [
-    aten.view.default,
-    aten._unsafe_view.default,
-    aten._reshape_alias.default,
-    aten.reshape.default,
     aten.expand.default,
     aten.permute.default,
     aten.transpose.int,
@@ -54,6 +50,14 @@ VIEW_LIKE = [
 def move_entries(call: OpCall):
     real, outs = per_component(call, ("self",))
     return wrap_outputs(call, real, outs)
+
+
+@register_rule(aten.view.default, aten._unsafe_view.default, aten._reshape_alias.default)
+def reshape(call: OpCall):
+    """State components need not share the regular gradient's strides, so they reshape
+    (copying only when a view is impossible) where the gradient views."""
+    msg, size = call["self"], call["size"]
+    return call.wrap(call.run_real(), tuple(p.reshape(size) for p in msg.parts))
 
 
 @register_rule(aten.cat.default, aten.stack.default)

@@ -181,3 +181,11 @@ def _numel(shape: Sequence[int]) -> int:
 
 def _ndim(a: State, b: State) -> int:
     return max(a[0].dim(), b[0].dim())
+
+
+def index_reduce(dest: Tensor, dim: int, index: Tensor, src: Tensor, reduce: str) -> Tensor:
+    """``dest.index_reduce(dim, index, src, reduce, include_self=True)`` via ``scatter_reduce``
+    (stable API): ``index`` is 1-D along ``dim`` and broadcast over the other dims of ``src``."""
+    shape = [1] * src.dim()
+    shape[dim] = -1
+    return dest.scatter_reduce(dim, index.view(shape).expand_as(src), src, reduce, include_self=True)

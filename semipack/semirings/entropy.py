@@ -6,7 +6,7 @@ import torch
 from torch import Tensor
 
 from ._log import finite_or_zero, shifted_exp
-from .base import Semiring, State
+from .base import Semiring, State, index_reduce
 
 
 class Entropy(Semiring):
@@ -62,7 +62,7 @@ class Entropy(Semiring):
         return (s.log() + m, mean)
 
     def index_plus(self, dest: State, dim: int, index: Tensor, src: State) -> State:
-        peak = finite_or_zero(dest[0].index_reduce(dim, index, src[0], "amax", include_self=True))
+        peak = finite_or_zero(index_reduce(dest[0], dim, index, src[0], "amax"))
         e_dest = (dest[0] - peak).exp()
         e_src = (src[0] - peak.index_select(dim, index)).exp()
         total = e_dest.index_add(dim, index, e_src)

@@ -6,7 +6,7 @@ import torch
 from torch import Tensor
 
 from ._log import log_abs
-from .base import Semiring, State
+from .base import Semiring, State, index_reduce
 
 
 class MaxProd(Semiring):
@@ -43,4 +43,4 @@ class MaxProd(Semiring):
         return a[0] if self.log else a[0].exp()
 
     def index_plus(self, dest: State, dim: int, index: Tensor, src: State) -> State:
-        return (dest[0].index_reduce(dim, index, src[0], "amax", include_self=True),)
+        return (index_reduce(dest[0], dim, index, src[0], "amax"),)

@@ -8,7 +8,7 @@ import torch
 from torch import Tensor
 
 from ._log import log_abs
-from .base import Semiring, State
+from .base import Semiring, State, index_reduce
 
 INF = float("inf")
 
@@ -115,6 +115,6 @@ class SignedMaxProd(Semiring):
     def index_plus(self, dest: State, dim: int, index: Tensor, src: State) -> State:
         reduce = ("amax", "amax", "amin", "amin")
         return tuple(
-            d.index_reduce(dim, index, s, r, include_self=True)
+            index_reduce(d, dim, index, s, r)
             for d, s, r in zip(dest, src, reduce, strict=True)
         )

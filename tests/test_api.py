@@ -1,0 +1,344 @@
+"""The public API contract: extend / grad, restoration of the model, errors, graph semantics."""
+
+from __future__ import annotations
+
+import copy
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import semipack
+
+
+def small_model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(4, 5), nn.Tanh(), nn.Linear(5, 3)).double()
+
+
+def data():
+    g = torch.Generator().manual_seed(1)
+    return torch.randn(6, 4, generator=g, dtype=torch.float64), torch.tensor([0, 1, 2, 0, 1, 2])
+
+
+def snapshot(model: nn.Module) -> dict:
+    """Everything extend could leave behind on a model."""
+    return {
+        name: (
+            type(m),
+            dict(m._forward_hooks),
+            dict(m._forward_pre_hooks),
+            dict(m._backward_hooks),
+            dict(m._backward_pre_hooks),
+            sorted(k for k in vars(m) if not k.startswith("_")),
+            m.forward,
+        )
+        for name, m in model.named_modules()
+    }
+
+
+# --- graph semantics: y = 2x versus y = x + x versus y = x * x ---------------------------------
+
+
+@pytest.mark.parametrize(
+    ("sr", "two_x", "x_plus_x", "x_times_x"),
+    [
+        # x = 3. 2x: one edge of weight 2. x+x: two edges of weight 1. x*x: two edges of weight 3.
+        (semipack.Real(), 2.0, 2.0, 6.0),
+        (semipack.MaxProd(), 2.0, 1.0, 3.0),
+        (semipack.LogSum(), math.log(2.0), math.log(2.0), math.log(6.0)),
+        (semipack.LogCount(), 0.0, math.log(2.0), math.log(2.0)),
+        (semipack.Entropy(), 0.0, math.log(2.0), math.log(2.0)),
+        (semipack.Boolean(), True, True, True),
+    ],
+    ids=lambda v: v.name if isinstance(v, semipack.Semiring) else None,
+)
+def test_per_use_edges(sr, two_x, x_plus_x, x_times_x) -> None:
+    x = torch.tensor([3.0], dtype=torch.float64, requires_grad=True)
+    for f, expected in [(lambda t: 2 * t, two_x), (lambda t: t + t, x_plus_x), (lambda t: t * t, x_times_x)]:
+        (value,) = semipack.grad(f(x).sum(), x, sr)
+        if isinstance(expected, bool):
+            assert value.item() is expected
+        else:
+            assert value.item() == pytest.approx(expected, rel=1e-12, abs=1e-12)
+
+
+def test_signed_paths_swap_under_negative_edges() -> None:
+    """loss = 2x - 5x has paths +2 and -5: largest +2, smallest -5; MaxProd sees |−5| = 5."""
+    x = torch.tensor([1.5], dtype=torch.float64, requires_grad=True)
+    (ext,) = semipack.grad((2 * x - 5 * x).sum(), x, semipack.SignedMaxProd())
+    assert ext.largest.item() == pytest.approx(2.0)
+    assert ext.smallest.item() == pytest.approx(-5.0)
+    (mp,) = semipack.grad((2 * x - 5 * x).sum(), x, semipack.MaxProd())
+    assert mp.item() == pytest.approx(5.0)
+    # a further negative edge swaps which path is largest
+    (ext,) = semipack.grad((-(2 * x - 5 * x)).sum(), x, semipack.SignedMaxProd())
+    assert ext.largest.item() == pytest.approx(5.0)
+    assert ext.smallest.item() == pytest.approx(-2.0)
+
+
+def test_relu_zero_derivative_removes_the_edge() -> None:
+    x = torch.tensor([-1.0, 2.0], dtype=torch.float64, requires_grad=True)
+    loss = torch.relu(x).sum()
+    (reach,) = semipack.grad(loss, x, semipack.Boolean(), retain_graph=True)
+    assert reach.tolist() == [False, True]
+    (ent,) = semipack.grad(loss, x, semipack.Entropy())
+    assert math.isnan(ent[0].item()) and ent[1].item() == 0.0
+
+
+def test_grad_outputs_are_lifted_as_root_edges() -> None:
+    x = torch.tensor([1.0, 2.0], dtype=torch.float64, requires_grad=True)
+    y = 3 * x
+    (val,) = semipack.grad(y, x, semipack.MaxProd(), torch.tensor([-2.0, 0.5], dtype=torch.float64))
+    assert val.tolist() == pytest.approx([6.0, 1.5])
+
+
+# --- extend --------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("forward_inside", [True, False])
+def test_extend_sets_grad_exactly_and_semiring_grad(forward_inside: bool) -> None:
+    model = small_model()
+    x, y = data()
+    x.requires_grad_(True)
+    reference = copy.deepcopy(model)
+    x_ref = x.detach().clone().requires_grad_(True)
+    F.cross_entropy(reference(x_ref), y).backward()
+
+    if forward_inside:
+        with semipack.extend(model, semipack.MaxProd()):
+            F.cross_entropy(model(x), y).backward()
+    else:
+        loss = F.cross_entropy(model(x), y)
+        with semipack.extend(model, semipack.MaxProd()):
+            loss.backward()
+    for p, q in zip(model.parameters(), reference.parameters(), strict=True):
+        assert torch.equal(p.grad, q.grad)
+        assert p.semiring_grad.shape == p.shape
+        assert (p.semiring_grad >= 0).all()
+    assert torch.equal(x.grad, x_ref.grad)
+    assert x.semiring_grad.shape == x.shape
+
+
+def test_extend_matches_functional_grad() -> None:
+    model = small_model()
+    x, y = data()
+    for sr in [semipack.Real(), semipack.LogSum(), semipack.Entropy()]:
+        loss = F.cross_entropy(model(x), y)
+        expected = semipack.grad(loss, list(model.parameters()), sr)
+        model.zero_grad()
+        with semipack.extend(model, sr):
+            F.cross_entropy(model(x), y).backward()
+        for p, e in zip(model.parameters(), expected, strict=True):
+            torch.testing.assert_close(p.semiring_grad, e, rtol=0, atol=0)
+
+
+def test_real_semiring_grad_equals_autograd() -> None:
+    model = small_model()
+    x, y = data()
+    with semipack.extend(model, semipack.Real()):
+        F.cross_entropy(model(x), y).backward()
+    for p in model.parameters():
+        torch.testing.assert_close(p.semiring_grad, p.grad, rtol=1e-12, atol=1e-14)
+
+
+def test_regular_grads_off_leaves_grad_untouched() -> None:
+    model = small_model()
+    x, y = data()
+    with semipack.extend(model, semipack.LogSum(), regular_grads=False):
+        F.cross_entropy(model(x), y).backward()
+    for p in model.parameters():
+        assert p.grad is None
+        assert torch.isfinite(p.semiring_grad).all()
+
+
+def test_grads_accumulate_like_autograd_and_semiring_grad_is_per_backward() -> None:
+    model = small_model()
+    x, y = data()
+    reference = copy.deepcopy(model)
+    for _ in range(2):
+        F.cross_entropy(reference(x), y).backward()
+    with semipack.extend(model, semipack.MaxProd()):
+        F.cross_entropy(model(x), y).backward()
+        first = model[0].weight.semiring_grad.clone()
+        F.cross_entropy(model(x), y).backward()
+    for p, q in zip(model.parameters(), reference.parameters(), strict=True):
+        assert torch.equal(p.grad, q.grad)
+    torch.testing.assert_close(model[0].weight.semiring_grad, first, rtol=0, atol=0)
+
+
+def test_unreached_parameters_lose_stale_values() -> None:
+    model = small_model()
+    x, y = data()
+    with semipack.extend(model, semipack.MaxProd()):
+        F.cross_entropy(model(x), y).backward()
+        assert hasattr(model[0].weight, "semiring_grad")
+        # a backward that only reaches the last layer
+        model[2](torch.randn(2, 5, dtype=torch.float64)).sum().backward()
+    assert not hasattr(model[0].weight, "semiring_grad")
+    assert hasattr(model[2].weight, "semiring_grad")
+
+
+def test_backward_inputs_argument_restricts_leaves() -> None:
+    model = small_model()
+    x, y = data()
+    with semipack.extend(model, semipack.MaxProd()):
+        F.cross_entropy(model(x), y).backward(inputs=[model[2].weight])
+    assert model[2].weight.grad is not None and model[0].weight.grad is None
+    assert hasattr(model[2].weight, "semiring_grad")
+    assert not hasattr(model[0].weight, "semiring_grad")
+
+
+def test_torch_autograd_backward_is_intercepted_too() -> None:
+    model = small_model()
+    x, y = data()
+    with semipack.extend(model, semipack.Boolean()):
+        torch.autograd.backward(F.cross_entropy(model(x), y))
+    assert model[0].weight.semiring_grad.dtype == torch.bool
+
+
+def test_model_restored_after_normal_exit_and_after_exception() -> None:
+    model = small_model()
+    x, y = data()
+    before_state = {k: v.clone() for k, v in model.state_dict().items()}
+    before = snapshot(model)
+    modules = list(model.modules())
+    with semipack.extend(model, semipack.Entropy()):
+        F.cross_entropy(model(x), y).backward()
+    assert snapshot(model) == before
+    assert list(model.modules()) == modules  # same module objects
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, before_state[k])
+
+    with pytest.raises(ZeroDivisionError), semipack.extend(model, semipack.MaxProd()):
+        model(x)
+        raise ZeroDivisionError
+    assert snapshot(model) == before
+    assert torch.overrides._get_current_function_mode_stack() == []
+
+    class Boom(nn.Module):
+        def forward(self, t):
+            raise ValueError("inside forward")
+
+    model.append(Boom())
+    before = snapshot(model)
+    with pytest.raises(ValueError, match="inside forward"), semipack.extend(model, semipack.Real()):
+        model(x)
+    assert snapshot(model) == before
+
+
+def test_plain_backward_after_the_block_is_plain() -> None:
+    model = small_model()
+    x, y = data()
+    with semipack.extend(model, semipack.MaxProd()):
+        pass
+    F.cross_entropy(model(x), y).backward()
+    assert not hasattr(model[0].weight, "semiring_grad")
+
+
+def test_extend_rejects_non_semirings() -> None:
+    with pytest.raises(TypeError, match="semipack semiring"), semipack.extend(small_model(), "max"):
+        pass
+
+
+# --- errors --------------------------------------------------------------------------------------
+
+
+class Cumulative(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(3, 3)
+        self.head = nn.Sequential(nn.Identity(), CumsumLayer())
+
+    def forward(self, x):
+        return self.head(self.proj(x))
+
+
+class CumsumLayer(nn.Module):
+    def forward(self, x):
+        return x.cumsum(0)
+
+
+def test_unsupported_op_names_op_node_module_and_fix() -> None:
+    model = Cumulative()
+    with pytest.raises(semipack.UnsupportedOpError) as info, semipack.extend(model, semipack.MaxProd()):
+        model(torch.randn(2, 3)).sum().backward()
+    err = info.value
+    assert err.op == "aten.cumsum.default"
+    assert err.node == "CumsumBackward0"
+    assert err.module == "head.1"
+    assert str(err) == (
+        "semipack has no semiring rule for aten.cumsum.default in the backward of "
+        "CumsumBackward0, created by module 'head.1'. Register one with "
+        "@semipack.register_rule(torch.ops.aten.cumsum.default) (see 'Adding an op rule' in "
+        "the README)."
+    )
+    assert all(not m._forward_hooks and not m._forward_pre_hooks for m in model.modules())
+
+
+def test_unsupported_op_without_module_says_how_to_name_it() -> None:
+    x = torch.randn(3, requires_grad=True)
+    with pytest.raises(semipack.UnsupportedOpError, match="module unknown"):
+        semipack.grad(x.cumsum(0).sum(), x, semipack.MaxProd())
+
+
+def test_ops_without_semiring_meaning_raise() -> None:
+    x = torch.randn(3, requires_grad=True)
+
+    class SquareGrad(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, t):
+            return t.clone()
+
+        @staticmethod
+        def backward(ctx, g):
+            return g * g  # a product of two messages
+
+    with pytest.raises(semipack.UnsupportedOpError, match="product of two messages"):
+        semipack.grad(SquareGrad.apply(x).sum(), x, semipack.MaxProd())
+
+
+def test_plain_gradient_reaching_a_leaf_is_an_error() -> None:
+    x = torch.randn(3, requires_grad=True)
+
+    class Forgetful(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, t):
+            return t.clone()
+
+        @staticmethod
+        def backward(ctx, g):
+            return torch.ones(3)  # ignores the incoming message
+
+    with pytest.raises(semipack.MessageLostError, match="plain gradient reached a leaf"):
+        semipack.grad(Forgetful.apply(x).sum(), x, semipack.MaxProd())
+
+
+def test_user_rule_registration_is_used() -> None:
+    """A user rule for cumsum: reverse cumulative plus = semiring suffix sums."""
+    aten = torch.ops.aten
+    from semipack.rules import registry
+
+    saved = dict(registry._RULES)
+
+    @semipack.register_rule(aten.cumsum.default)
+    def cumsum_rule(call: semipack.OpCall):
+        msg, dim = call["self"], call["dim"]
+        sr = call.semiring
+        n = msg.shape[dim]
+        cols = []
+        for i in range(n):  # out[i] = ⊕_{j <= i} m[j]  (the formula's flip/cumsum/flip)
+            cols.append(sr.sum(tuple(p.narrow(dim, 0, i + 1) for p in msg.parts), [dim], True))
+        parts = tuple(torch.cat(c, dim) for c in zip(*cols, strict=True))
+        return call.wrap(call.run_real(), parts)
+
+    try:
+        x = torch.tensor([1.0, 2.0, 3.0], dtype=torch.float64, requires_grad=True)
+        (count,) = semipack.grad(x.cumsum(0).sum(), x, semipack.LogCount())
+        # x[i] feeds outputs i..2 of the cumsum: 3, 2, 1 paths
+        torch.testing.assert_close(count, torch.tensor([3.0, 2.0, 1.0], dtype=torch.float64).log())
+    finally:
+        registry._RULES.clear()
+        registry._RULES.update(saved)

@@ -182,7 +182,7 @@ def _scatter_into_zeros(call: OpCall, view) -> Message:
 @register_rule(aten.slice_backward.default)
 def slice_backward(call: OpCall):
     dim, start, end, step = call["dim"], call["start"], call["end"], call["step"]
-    return _scatter_into_zeros(call, lambda t: t.slice(dim, start, end, step))
+    return _scatter_into_zeros(call, lambda t: aten.slice.Tensor(t, dim, start, end, step))
 
 
 @register_rule(aten.select_backward.default)

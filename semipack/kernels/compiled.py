@@ -1,0 +1,59 @@
+"""torch.compile with an eager fallback, shared by every fused kernel.
+
+Kernels are compiled once per shape family (``dynamic=True``), lazily on first use. If
+compilation fails (no C++ compiler, unsupported platform) the kernel falls back to its eager
+implementation for the rest of the process, with one warning naming the kernel.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+_state = {"enabled": os.environ.get("SEMIPACK_COMPILE", "1") not in ("0", "false", "no")}
+
+
+def set_compile(enabled: bool) -> None:
+    """Switch compiled kernels on or off for the whole process (eager fallbacks otherwise)."""
+    _state["enabled"] = bool(enabled)
+
+
+def compile_enabled() -> bool:
+    return _state["enabled"]
+
+
+def compiled(eager: Callable[..., Any], fused: Callable[..., Any] | None = None):
+    """Decorate-able: returns ``call(*args)`` running ``torch.compile(fused or eager)``.
+
+    ``eager`` is the reference (a blocked implementation that never materialises large
+    broadcasts); ``fused`` is the expression handed to inductor, which fuses the broadcast into
+    its reduction loop. Both must compute the same values.
+    """
+    source = fused or eager
+    holder: dict[str, Any] = {"fn": None, "broken": False}
+
+    @functools.wraps(eager)
+    def call(*args: Any) -> Any:
+        if not _state["enabled"] or holder["broken"]:
+            return eager(*args)
+        if holder["fn"] is None:
+            holder["fn"] = torch.compile(source, dynamic=True)
+        try:
+            return holder["fn"](*args)
+        except Exception as exc:  # compilation or codegen failure: keep working, eagerly
+            holder["broken"] = True
+            warnings.warn(
+                f"semipack: compiling kernel {source.__qualname__} failed ({type(exc).__name__}: "
+                f"{exc}); using the eager fallback from now on",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+            return eager(*args)
+
+    call.eager = eager  # type: ignore[attr-defined]
+    return call

@@ -8,6 +8,7 @@ from typing import Any
 
 from torch import Tensor, nn
 
+from .extensions import FUNCTION_EXTENSIONS, eager_attention_routed, installed
 from .semirings.base import Semiring
 from .transport import backward as _bw
 from .transport.interception import BackwardInterceptor
@@ -16,7 +17,11 @@ from .transport.provenance import ModuleTracker
 
 @contextmanager
 def extend(
-    model: nn.Module | None, semiring: Semiring, *, regular_grads: bool = True
+    model: nn.Module | None,
+    semiring: Semiring,
+    *,
+    regular_grads: bool = True,
+    extensions: bool = True,
 ) -> Iterator[nn.Module | None]:
     """Run every ``backward()`` inside the block as a semiring backward.
 
@@ -26,7 +31,9 @@ def extend(
     in which case ``.grad`` is left untouched and the regular gradient is not computed.
 
     The forward may run inside the block or before it; running it inside lets error messages
-    name the module an unsupported op came from. On exit (normal or by an exception) the model
+    name the module an unsupported op came from, and lets the module extensions (fused kernels,
+    named sites) take over supported layers. ``extensions=False`` keeps every op on the generic
+    per-op rules: same values, slower. On exit (normal or by an exception) the model
     has no hooks or attributes of semipack's left, only the ``semiring_grad`` results.
     """
     if not isinstance(semiring, Semiring):
@@ -34,7 +41,12 @@ def extend(
     watched = [p for p in model.parameters() if p.requires_grad] if model is not None else []
     with ExitStack() as stack:
         stack.enter_context(ModuleTracker(model).active())
-        stack.enter_context(BackwardInterceptor(semiring, regular_grads, watched))
+        reroute = {}
+        if extensions:
+            stack.enter_context(installed(model))
+            stack.enter_context(eager_attention_routed())
+            reroute = FUNCTION_EXTENSIONS
+        stack.enter_context(BackwardInterceptor(semiring, regular_grads, watched, reroute))
         yield model
 
 

@@ -47,10 +47,21 @@ def attention_contract(
     v: Tensor,
     probs: Tensor,
     scale: float,
+    keep: Tensor | None = None,
+    m_weights: State | None = None,
 ) -> tuple[State, State, State]:
-    """Messages to (Q, K, V) from the message on O, all batched over leading dims."""
-    m_probs = sr.matmul(m_out, v.transpose(-1, -2))  # ∂O[i,d]/∂P[i,j] = V[j,d]
-    m_v = _t(sr.matmul(_t(m_out), probs))  # ∂O[i,d]/∂V[j,d] = P[i,j]
+    """Messages to (Q, K, V) from the message on O, batched over leading dims.
+
+    The graph: S = Q Kᵀ * scale (+ mask), P = softmax(S), W = P * keep (dropout, optional),
+    O = W V. ``m_weights`` is an extra message arriving on W (when the attention weights are
+    themselves used downstream).
+    """
+    weights = probs if keep is None else probs * keep
+    m_w = sr.matmul(m_out, v.transpose(-1, -2))  # ∂O[i,d]/∂W[i,j] = V[j,d]
+    if m_weights is not None:
+        m_w = sr.plus(m_w, m_weights)
+    m_v = _t(sr.matmul(_t(m_out), weights))  # ∂O[i,d]/∂V[j,d] = W[i,j]
+    m_probs = m_w if keep is None else sr.scale(m_w, keep)  # ∂W/∂P = keep
     rows = probs.shape[-1]
     flat = tuple(p.reshape(-1, rows) for p in m_probs)
     m_scores = softmax_contract(sr, flat, probs.reshape(-1, rows))
@@ -60,13 +71,28 @@ def attention_contract(
     return m_q, m_k, m_v
 
 
+def repeat_heads(t: Tensor, groups: int) -> Tensor:
+    """Grouped-query attention: each key/value head serves ``groups`` query heads."""
+    if groups == 1:
+        return t
+    b, h, n, d = t.shape
+    return t[:, :, None].expand(b, h, groups, n, d).reshape(b, h * groups, n, d)
+
+
+def fold_heads(sr: Semiring, m: State, groups: int) -> State:
+    """Inverse of ``repeat_heads`` for messages: the repeated uses meet in a plus."""
+    if groups == 1:
+        return m
+    b, hg, n, d = m[0].shape
+    return sr.sum(tuple(p.reshape(b, hg // groups, groups, n, d) for p in m), [2])
+
+
 def _sdpa_backward(call: OpCall, grad_name: str, mask_name: str | None, n_outputs: int):
     if call["dropout_p"]:
         raise call.error("attention dropout inside a fused kernel cannot be replayed")
     msg = call[grad_name]
     q, k, v = call["query"], call["key"], call["value"]
-    if k.shape[-3] != q.shape[-3]:
-        raise call.error("grouped-query attention (fewer key heads than query heads)")
+    groups = q.shape[-3] // k.shape[-3]
     dtype = msg.parts[0].dtype if msg.parts[0].is_floating_point() else torch.float32
     q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
     scale = call["scale"]
@@ -74,8 +100,11 @@ def _sdpa_backward(call: OpCall, grad_name: str, mask_name: str | None, n_output
     mask = call[mask_name] if mask_name else None
     if mask is not None and mask.dtype != torch.bool:
         mask = mask.to(dtype)
+    k, v = repeat_heads(k, groups), repeat_heads(v, groups)
     probs = attention_probs(q, k, mask, bool(call["is_causal"]), scale)
-    m_q, m_k, m_v = attention_contract(call.semiring, msg.parts, q, k, v, probs, scale)
+    sr = call.semiring
+    m_q, m_k, m_v = attention_contract(sr, msg.parts, q, k, v, probs, scale)
+    m_k, m_v = fold_heads(sr, m_k, groups), fold_heads(sr, m_v, groups)
     real = call.run_real()
     reals = list(real) if real is not None else [None] * n_outputs
     outs = [call.wrap(r, parts) for r, parts in zip(reals[:3], (m_q, m_k, m_v), strict=True)]

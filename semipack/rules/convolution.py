@@ -11,44 +11,50 @@ from __future__ import annotations
 import math
 
 import torch
+from torch import Tensor
 
+from ..semirings.base import Semiring, State
 from .registry import OpCall, register_rule
 from .windows import expand_param, scatter_windows, window_index
 
 aten = torch.ops.aten
 
 
-@register_rule(aten.convolution_backward.default)
-def convolution_backward(call: OpCall):
-    msg, x, w = call["grad_output"], call["input"], call["weight"]
-    if call["transposed"]:
-        raise call.error("transposed convolution is not supported yet")
-    mask, groups = call["output_mask"], call["groups"]
-    sr = call.semiring
+def conv_messages(
+    sr: Semiring,
+    m_parts: State,
+    x: Tensor,
+    w: Tensor,
+    stride,
+    padding,
+    dilation,
+    groups: int,
+    mask: tuple[bool, bool, bool],
+) -> tuple[State | None, State | None, State | None]:
+    """Semiring messages to (input, weight, bias) of ``conv(x, w)`` from the output message."""
     nsp = x.dim() - 2
     batch, channels, out_channels = x.shape[0], x.shape[1], w.shape[0]
-    in_size, out_size, kernel = list(x.shape[2:]), list(msg.shape[2:]), list(w.shape[2:])
+    in_size, out_size, kernel = list(x.shape[2:]), list(m_parts[0].shape[2:]), list(w.shape[2:])
     index = window_index(
         in_size,
         out_size,
         kernel,
-        expand_param(call["stride"], nsp),
-        expand_param(call["padding"], nsp),
-        expand_param(call["dilation"], nsp),
+        expand_param(stride, nsp),
+        expand_param(padding, nsp),
+        expand_param(dilation, nsp),
         device=x.device,
     )  # [taps, L]
     taps, positions = index.shape
     spatial = math.prod(in_size)
     c_g, o_g = channels // groups, out_channels // groups
-    dtype = msg.parts[0].dtype if msg.parts[0].is_floating_point() else torch.float32
-    m = tuple(p.reshape(batch, out_channels, positions) for p in msg.parts)
+    dtype = m_parts[0].dtype if m_parts[0].is_floating_point() else torch.float32
+    m = tuple(p.reshape(batch, out_channels, positions) for p in m_parts)
 
     grad_in = grad_w = grad_b = None
     if mask[0]:
-        dest = sr.zeros((batch, channels * spatial), msg.dtype, x.device)
-        group_index = (torch.arange(c_g, device=x.device)[:, None, None] * spatial + index).reshape(
-            c_g * taps, positions
-        )
+        dest = sr.zeros((batch, channels * spatial), dtype, x.device)
+        per_channel = torch.arange(c_g, device=x.device)[:, None, None] * spatial
+        group_index = (per_channel + index).reshape(c_g * taps, positions)
         group_index = torch.where(index.repeat(c_g, 1) >= 0, group_index, -1)
         for g in range(groups):
             m_g = tuple(p[:, g * o_g : (g + 1) * o_g].transpose(1, 2) for p in m)  # [B, L, Og]
@@ -59,10 +65,9 @@ def convolution_backward(call: OpCall):
             dest = scatter_windows(sr, dest, batch, channels * spatial, shift, cols)
         grad_in = tuple(p.reshape(x.shape) for p in dest)
     if mask[1]:
-        x_flat = torch.cat(
-            [x.reshape(batch, channels, spatial), x.new_zeros(batch, channels, 1)], -1
-        )
-        unfolded = x_flat[:, :, torch.where(index >= 0, index, spatial)].to(dtype)  # [B, C, T, L]
+        pad = x.new_zeros(batch, channels, 1)
+        x_flat = torch.cat([x.reshape(batch, channels, spatial), pad], -1)
+        unfolded = x_flat[:, :, torch.where(index >= 0, index, spatial)].to(dtype)  # [B,C,T,L]
         pieces = []
         for g in range(groups):
             x_g = unfolded[:, g * c_g : (g + 1) * c_g].permute(0, 3, 1, 2)
@@ -75,9 +80,29 @@ def convolution_backward(call: OpCall):
         grad_w = tuple(torch.cat(p, 0).reshape(w.shape) for p in zip(*pieces, strict=True))
     if mask[2]:
         grad_b = sr.sum(m, [0, 2])
+    return grad_in, grad_w, grad_b
+
+
+@register_rule(aten.convolution_backward.default)
+def convolution_backward(call: OpCall):
+    msg, x, w = call["grad_output"], call["input"], call["weight"]
+    if call["transposed"]:
+        raise call.error("transposed convolution is not supported yet")
+    mask = call["output_mask"]
+    grads = conv_messages(
+        call.semiring,
+        msg.parts,
+        x,
+        w,
+        call["stride"],
+        call["padding"],
+        call["dilation"],
+        call["groups"],
+        mask,
+    )
     real = call.run_real()
     reals = list(real) if real is not None else [None, None, None]
     return tuple(
         call.wrap(r, parts) if want and parts is not None else r
-        for want, parts, r in zip(mask, (grad_in, grad_w, grad_b), reals, strict=True)
+        for want, parts, r in zip(mask, grads, reals, strict=True)
     )

@@ -7,7 +7,7 @@ call straight through. Nothing global is patched, and the mode ends with the blo
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Mapping
 
 import torch
 from torch import Tensor
@@ -18,11 +18,20 @@ from . import backward as bw
 
 
 class BackwardInterceptor(TorchFunctionMode):
-    def __init__(self, sr: Semiring, regular_grads: bool, watched: Iterable[Tensor] = ()) -> None:
+    """Takes over backward calls; optionally reroutes functions to their extensions too."""
+
+    def __init__(
+        self,
+        sr: Semiring,
+        regular_grads: bool,
+        watched: Iterable[Tensor] = (),
+        reroute: Mapping[Callable, Callable] | None = None,
+    ) -> None:
         super().__init__()
         self.sr = sr
         self.regular_grads = regular_grads
         self.watched = list(watched)
+        self.reroute = dict(reroute or {})
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -30,6 +39,9 @@ class BackwardInterceptor(TorchFunctionMode):
             return self._backward(*args, **kwargs)
         if func is torch.autograd.backward:
             return self._autograd_backward(*args, **kwargs)
+        replacement = self.reroute.get(func)
+        if replacement is not None:
+            return replacement(*args, **kwargs)
         return func(*args, **kwargs)
 
     def _backward(self, tensor, gradient=None, retain_graph=None, create_graph=False, inputs=None):

@@ -33,7 +33,11 @@ class ModuleTracker:
                 for name, module in self.model.named_modules():
                     stack.enter_context(self._hooks(module, name))
             stack.enter_context(torch.autograd.graph.node_creation_hook(self._stamp))
-            yield self
+            _ACTIVE.append(self)
+            try:
+                yield self
+            finally:
+                _ACTIVE.remove(self)
 
     @contextmanager
     def _hooks(self, module: nn.Module, name: str):
@@ -60,3 +64,14 @@ def current_site() -> tuple[str | None, str | None]:
         return None, None
     module = node.metadata.get(MODULE_KEY)
     return node.name(), module
+
+
+_ACTIVE: list[ModuleTracker] = []
+
+
+def current_module() -> str:
+    """Dotted path of the innermost module whose forward is running under semipack.extend."""
+    for tracker in reversed(_ACTIVE):
+        if tracker.stack:
+            return tracker.stack[-1]
+    return OUTSIDE_MODEL

@@ -1,0 +1,156 @@
+"""Attention: one fused backward per attention call, drawn as its reference decomposition.
+
+Two entry points route attention through ``AttentionFunction``:
+
+- ``scaled_dot_product_attention`` calls made inside ``semipack.extend`` (any module that calls
+  ``F.scaled_dot_product_attention``: Hugging Face models in "sdpa" mode,
+  ``nn.MultiheadAttention`` / ``nn.TransformerEncoderLayer`` on their fast path, user blocks);
+- Hugging Face "eager" attention (QKᵀ / softmax / V written by hand), see ``hf.py``.
+
+The forward runs the original computation as the inner graph (so regular gradients are exactly
+those of a plain backward); the backward computes the semiring messages to Q, K and V per head
+with batched semiring matmuls and the O(n) softmax kernel, never building a
+[batch, heads, queries, keys, dim] tensor, and names the sites (head, query token, key token).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from ..readout.sites import Site, stamp
+from ..rules.attention import attention_contract, attention_probs, fold_heads, repeat_heads
+from ..transport.provenance import current_module
+from .base import InnerGraph, as_message, split_message
+
+_sdpa = F.scaled_dot_product_attention
+
+
+@dataclass(frozen=True)
+class AttentionSpec:
+    """Everything the reference decomposition needs besides Q, K and V."""
+
+    scale: float
+    mask: Tensor | None = None  # bool (True = attend) or additive float
+    causal: bool = False
+    keep: Tensor | None = None  # dropout multipliers (mask / (1 - p)), or None
+    kv_groups: int = 1  # query heads per key/value head
+
+
+class AttentionFunction(torch.autograd.Function):
+    """(Q, K, V) -> (O, W): O = W V with W = dropout(softmax(Q Kᵀ scale + mask))."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, inner_fn: Callable, spec: AttentionSpec):
+        ctx.set_materialize_grads(False)
+        ctx.inner = InnerGraph(inner_fn, [q, k, v])
+        ctx.spec = spec
+        out, weights = ctx.inner.outputs
+        return out.detach(), (weights.detach() if weights is not None else None)
+
+    @staticmethod
+    def backward(ctx, grad_out, grad_weights):
+        inner, spec = ctx.inner, ctx.spec
+        reg_out, m_out, sr = split_message(grad_out)
+        reg_w, m_w, sr_w = split_message(grad_weights)
+        sr = sr or sr_w
+        outputs = [inner.outputs[0]]
+        grads = [reg_out]
+        if inner.outputs[1] is not None:
+            outputs.append(inner.outputs[1])
+            grads.append(reg_w)
+        reg = inner.regular_grads(outputs, grads)
+        if sr is None:
+            return (*reg, None, None)
+        q, k, v = (t.detach() for t in inner.leaves)
+        dtype = q.dtype if q.dtype in (torch.float32, torch.float64) else torch.float32
+        q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
+        k_all, v_all = repeat_heads(k, spec.kv_groups), repeat_heads(v, spec.kv_groups)
+        mask = spec.mask
+        if mask is not None and mask.dtype != torch.bool:
+            mask = mask.to(dtype)
+        probs = attention_probs(q, k_all, mask, spec.causal, spec.scale)
+        shape = probs.shape
+        if m_out is None:
+            m_out = sr.zeros((*shape[:-1], v.shape[-1]), dtype, q.device)
+        m_q, m_k, m_v = attention_contract(
+            sr, m_out, q, k_all, v_all, probs, spec.scale, spec.keep, m_w
+        )
+        m_k, m_v = fold_heads(sr, m_k, spec.kv_groups), fold_heads(sr, m_v, spec.kv_groups)
+        like = inner.leaves
+        msgs = tuple(
+            as_message(r, s, sr, t) if t.requires_grad else None
+            for r, s, t in zip(reg, (m_q, m_k, m_v), like, strict=True)
+        )
+        return (*msgs, None, None)
+
+
+def fused_attention(
+    q: Tensor, k: Tensor, v: Tensor, inner_fn: Callable, spec: AttentionSpec
+) -> tuple[Tensor, Tensor | None]:
+    """Apply ``AttentionFunction`` and name its outputs' sites."""
+    out, weights = AttentionFunction.apply(q, k, v, inner_fn, spec)
+    module = current_module()
+    stamp(
+        out,
+        (
+            Site(module, "attention output", ("batch", "head", "query", "dim")),
+            Site(module, "attention weights", ("batch", "head", "query", "key")),
+        ),
+    )
+    return out, weights
+
+
+def semiring_sdpa(
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    attn_mask: Tensor | None = None,
+    dropout_p: float = 0.0,
+    is_causal: bool = False,
+    scale: float | None = None,
+    enable_gqa: bool = False,
+) -> Tensor:
+    """Drop-in for ``F.scaled_dot_product_attention`` used while ``extend`` is active."""
+    if not any(t.requires_grad for t in (query, key, value)) or query.dim() != 4:
+        return _sdpa(
+            query,
+            key,
+            value,
+            attn_mask=attn_mask,
+            dropout_p=dropout_p,
+            is_causal=is_causal,
+            scale=scale,
+            enable_gqa=enable_gqa,
+        )
+    scale_value = 1.0 / math.sqrt(query.shape[-1]) if scale is None else scale
+    groups = query.shape[-3] // key.shape[-3]
+    keep = None
+    if dropout_p > 0.0:
+        lq, lk = query.shape[-2], key.shape[-2]
+        shape = (*torch.broadcast_shapes(query.shape[:-2], key.shape[:-2]), lq, lk)
+        keep = (torch.rand(shape, device=query.device) >= dropout_p).to(query.dtype)
+        keep = keep / (1.0 - dropout_p)
+    spec = AttentionSpec(scale_value, attn_mask, is_causal, keep, groups)
+
+    if keep is None:
+
+        def inner(q, k, v):
+            out = _sdpa(
+                q, k, v, attn_mask=attn_mask, is_causal=is_causal, scale=scale, enable_gqa=enable_gqa
+            )
+            return out, None
+    else:
+
+        def inner(q, k, v):
+            probs = attention_probs(q, repeat_heads(k, groups), attn_mask, is_causal, scale_value)
+            weights = probs * keep
+            return torch.matmul(weights, repeat_heads(v, groups)), None
+
+    out, _ = fused_attention(query, key, value, inner, spec)
+    return out

@@ -1,0 +1,67 @@
+"""nn.Conv1d / nn.Conv2d: semiring convolution via window index maps and the semiring matmul."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ..readout.sites import Site, stamp
+from ..rules.convolution import conv_messages
+from ..transport.provenance import current_module
+from .base import InnerGraph, ModuleExtension, as_message, register_extension, split_message
+
+
+class ConvFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, bias, module):
+        ctx.inner = InnerGraph(module._conv_forward, [x, weight, bias])
+        ctx.geometry = (module.stride, module.padding, module.dilation, module.groups)
+        return ctx.inner.outputs.detach()
+
+    @staticmethod
+    def backward(ctx, grad):
+        regular, parts, sr = split_message(grad)
+        inner = ctx.inner
+        reg = inner.regular_grads([inner.outputs], [regular])
+        if parts is None:
+            return (*reg, None)
+        x, weight, bias = (t.detach() if t is not None else None for t in inner.leaves)
+        stride, padding, dilation, groups = ctx.geometry
+        need = ctx.needs_input_grad
+        mask = (need[0], need[1], need[2] and bias is not None)
+        states = conv_messages(sr, parts, x, weight, stride, padding, dilation, groups, mask)
+        msgs = tuple(
+            as_message(r, s, sr, like) if s is not None else None
+            for r, s, like in zip(reg, states, (x, weight, bias), strict=True)
+        )
+        return (*msgs, None)
+
+
+class ConvExtension(ModuleExtension):
+    def applies_to(self, module: nn.Module) -> bool:
+        # Only zero padding given as numbers maps onto the window index maps.
+        return (
+            super().applies_to(module)
+            and module.padding_mode == "zeros"
+            and not isinstance(module.padding, str)
+        )
+
+    def forward(self, module, x: torch.Tensor) -> torch.Tensor:
+        if x.dim() == module.weight.dim() - 1:  # unbatched input
+            return self.forward(module, x.unsqueeze(0)).squeeze(0)
+        out = ConvFunction.apply(x, module.weight, module.bias, module)
+        spatial = ("position",) if out.dim() == 3 else ("row", "column")
+        stamp(out, (Site(current_module(), "output", ("batch", "channel", *spatial)),))
+        return out
+
+
+class Conv1dExtension(ConvExtension):
+    module_class = nn.Conv1d
+
+
+class Conv2dExtension(ConvExtension):
+    module_class = nn.Conv2d
+
+
+register_extension(Conv1dExtension())
+register_extension(Conv2dExtension())

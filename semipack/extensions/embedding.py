@@ -1,0 +1,67 @@
+"""nn.Embedding: each looked-up row routes its message back to the weight row it came from."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..readout.sites import Site, stamp
+from ..transport.provenance import current_module
+from .base import InnerGraph, ModuleExtension, as_message, register_extension, split_message
+
+
+def embedding_messages(sr, m, indices, num_weights: int, padding_idx: int | None):
+    """Weight state of ``weight[indices]``: an edge of weight 1 per lookup, none for padding."""
+    dim = m[0].shape[-1]
+    flat_ids = indices.reshape(-1)
+    src = tuple(p.reshape(-1, dim) for p in m)
+    if padding_idx is not None and padding_idx >= 0:
+        keep = flat_ids != padding_idx
+        flat_ids, src = flat_ids[keep], tuple(p[keep] for p in src)
+    dtype = m[0].dtype
+    dest = sr.zeros((num_weights, dim), dtype, m[0].device)
+    return sr.index_plus(dest, 0, flat_ids, src)
+
+
+class EmbeddingFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, weight, indices, padding_idx):
+        ctx.inner = InnerGraph(lambda w: F.embedding(indices, w, padding_idx), [weight])
+        ctx.indices, ctx.padding_idx = indices, padding_idx
+        return ctx.inner.outputs.detach()
+
+    @staticmethod
+    def backward(ctx, grad):
+        regular, parts, sr = split_message(grad)
+        inner = ctx.inner
+        (reg,) = inner.regular_grads([inner.outputs], [regular])
+        if parts is None:
+            return reg, None, None
+        weight = inner.leaves[0].detach()
+        state = embedding_messages(sr, parts, ctx.indices, weight.shape[0], ctx.padding_idx)
+        return as_message(reg, state, sr, weight), None, None
+
+
+class EmbeddingExtension(ModuleExtension):
+    module_class = nn.Embedding
+
+    def applies_to(self, module: nn.Module) -> bool:
+        # max_norm renormalises the weight in place and scale_grad_by_freq rescales gradients:
+        # both leave the plain ops in charge (the generic path then names the problem).
+        return (
+            super().applies_to(module)
+            and module.max_norm is None
+            and not module.scale_grad_by_freq
+            and not module.sparse
+        )
+
+    def forward(self, module: nn.Embedding, indices: torch.Tensor) -> torch.Tensor:
+        padding = module.padding_idx
+        out = EmbeddingFunction.apply(module.weight, indices, padding)
+        dims = ("batch", "token", "feature")[-out.dim() :]
+        stamp(out, (Site(current_module(), "output", dims),))
+        return out
+
+
+register_extension(EmbeddingExtension())

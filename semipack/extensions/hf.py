@@ -1,0 +1,89 @@
+"""Hugging Face "eager" attention (QKᵀ / softmax / V by hand) through the fused extension.
+
+transformers resolves attention functions through ``ALL_ATTENTION_FUNCTIONS``; "eager" is not in
+that registry, so each model falls back to the ``eager_attention_forward`` of its own modeling
+file. While ``extend`` is active we register an "eager" entry that runs the model's own eager
+function as the inner graph (exact regular gradients) inside ``AttentionFunction`` (fused
+semiring backward, named heads and tokens). Anything the reference decomposition does not
+describe (attention dropout in training, soft-capping, sliding windows, attention sinks) runs the
+model's own function unchanged, i.e. through the generic per-op path.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+from torch import Tensor, nn
+
+from .attention import AttentionSpec, fused_attention
+
+_UNSUPPORTED_KWARGS = ("softcap", "sliding_window", "s_aux", "sinks")
+
+
+def _own_eager(module: nn.Module):
+    return getattr(sys.modules.get(type(module).__module__), "eager_attention_forward", None)
+
+
+def semiring_eager_attention(
+    module: nn.Module,
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    attention_mask: Tensor | None,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    **kwargs: Any,
+):
+    original = _own_eager(module)
+    if original is None:
+        raise RuntimeError(
+            f"semipack: {type(module).__name__} resolved 'eager' attention but its modeling "
+            "file has no eager_attention_forward"
+        )
+
+    def run_original(q: Tensor, k: Tensor, v: Tensor):
+        return original(module, q, k, v, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
+
+    plain = (dropout > 0.0 and module.training) or any(
+        kwargs.get(name) is not None for name in _UNSUPPORTED_KWARGS
+    )
+    if plain or not any(t.requires_grad for t in (query, key, value)):
+        return run_original(query, key, value)
+
+    scale = query.shape[-1] ** -0.5 if scaling is None else scaling
+    mask = attention_mask
+    if mask is not None and mask.dim() == 4:
+        mask = mask[..., : key.shape[-2]]
+    groups = getattr(module, "num_key_value_groups", 1) or 1
+    spec = AttentionSpec(scale=scale, mask=mask, kv_groups=groups)
+
+    def inner(q: Tensor, k: Tensor, v: Tensor):
+        out, weights = run_original(q, k, v)
+        return out.transpose(1, 2), weights  # back to [batch, head, query, dim]
+
+    out, weights = fused_attention(query, key, value, inner, spec)
+    return out.transpose(1, 2).contiguous(), weights
+
+
+@contextmanager
+def eager_attention_routed() -> Iterator[bool]:
+    """Register the semiring eager attention with transformers for the duration of the block."""
+    try:
+        from transformers.modeling_utils import AttentionInterface
+    except ImportError:  # transformers is optional
+        yield False
+        return
+    mapping = AttentionInterface._global_mapping
+    missing = object()
+    previous = mapping.get("eager", missing)
+    mapping["eager"] = semiring_eager_attention
+    try:
+        yield True
+    finally:
+        if previous is missing:
+            mapping.pop("eager", None)
+        else:
+            mapping["eager"] = previous

@@ -1,0 +1,82 @@
+"""nn.LayerNorm: the dense per-row Jacobian handled by the fused normalisation kernel."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from ..readout.sites import Site, stamp
+from ..rules import normalization as norm_rules
+from ..transport.provenance import current_module
+from .base import InnerGraph, ModuleExtension, as_message, register_extension, split_message
+
+
+def layer_norm_messages(sr, m, x, mean, rstd, weight, bias, shape, need):
+    """(input, weight, bias) states of layer_norm from the output state ``m``."""
+    n = math.prod(shape)
+    rows = x.numel() // n
+    dtype = m[0].dtype if m[0].is_floating_point() else torch.float32
+    x_hat = ((x - mean) * rstd).to(dtype).reshape(rows, n)
+    m_rows = tuple(p.reshape(rows, n) for p in m)
+    m_x = m_w = m_b = None
+    if need[0]:
+        gain = weight.to(dtype).reshape(n) if weight is not None else torch.ones(n, dtype=dtype)
+        flat = norm_rules.normalized_contract(
+            sr, m_rows, x_hat, rstd.to(dtype).reshape(rows), gain, False
+        )
+        m_x = tuple(p.reshape(x.shape) for p in flat)
+    if need[1] or need[2]:
+        w, b = sr.sum(sr.scale(m_rows, x_hat), [0]), sr.sum(m_rows, [0])
+        if need[1] and weight is not None:
+            m_w = tuple(p.reshape(shape) for p in w)
+        if need[2] and bias is not None:
+            m_b = tuple(p.reshape(shape) for p in b)
+    return m_x, m_w, m_b
+
+
+class LayerNormFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, bias, shape, eps):
+        def run(x_, w_, b_):
+            return torch.native_layer_norm(x_, shape, w_, b_, eps)
+
+        ctx.inner = InnerGraph(run, [x, weight, bias])
+        ctx.shape = tuple(shape)
+        return ctx.inner.outputs[0].detach()
+
+    @staticmethod
+    def backward(ctx, grad):
+        regular, parts, sr = split_message(grad)
+        inner = ctx.inner
+        out, mean, rstd = inner.outputs
+        reg = inner.regular_grads([out], [regular])
+        reg = [*reg, None, None]
+        if parts is None:
+            return tuple(reg)
+        x, weight, bias = (t.detach() if t is not None else None for t in inner.leaves)
+        need = ctx.needs_input_grad
+        states = layer_norm_messages(
+            sr, parts, x, mean.detach(), rstd.detach(), weight, bias, ctx.shape, need[:3]
+        )
+        msgs = tuple(
+            as_message(r, s, sr, like) if s is not None else None
+            for r, s, like in zip(reg[:3], states, (x, weight, bias), strict=True)
+        )
+        return (*msgs, None, None)
+
+
+class LayerNormExtension(ModuleExtension):
+    module_class = nn.LayerNorm
+
+    def forward(self, module: nn.LayerNorm, x: torch.Tensor) -> torch.Tensor:
+        out = LayerNormFunction.apply(
+            x, module.weight, module.bias, module.normalized_shape, module.eps
+        )
+        dims = ("batch", "token", "feature") if out.dim() == 3 else ("batch", "feature")
+        stamp(out, (Site(current_module(), "output", dims[-out.dim() :]),))
+        return out
+
+
+register_extension(LayerNormExtension())

@@ -1,0 +1,68 @@
+"""nn.Linear: messages to input, weight and bias in one fused backward."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..readout.sites import Site, stamp
+from ..transport.provenance import current_module
+from .base import InnerGraph, ModuleExtension, as_message, register_extension, split_message
+
+
+def linear_messages(sr, m, x, weight, want_x: bool, want_w: bool, want_b: bool):
+    """(input, weight, bias) states of ``x @ weight.T + bias`` from the output state ``m``.
+
+    ∂out[n, o]/∂x[n, i] = W[o, i];  ∂out[n, o]/∂W[o, i] = x[n, i];  ∂out[n, o]/∂b[o] = 1.
+    """
+    rows = tuple(p.reshape(-1, p.shape[-1]) for p in m)
+    dtype = rows[0].dtype if rows[0].is_floating_point() else torch.float32
+    x2 = x.reshape(-1, x.shape[-1]).to(dtype)
+    m_x = m_w = m_b = None
+    if want_x:
+        m_x = tuple(p.reshape(x.shape) for p in sr.matmul(rows, weight.to(dtype)))
+    if want_w:
+        m_w = sr.matmul(tuple(p.t() for p in rows), x2)
+    if want_b:
+        m_b = sr.sum(rows, [0])
+    return m_x, m_w, m_b
+
+
+class LinearFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, bias):
+        ctx.inner = InnerGraph(F.linear, [x, weight, bias])
+        return ctx.inner.outputs.detach()
+
+    @staticmethod
+    def backward(ctx, grad):
+        regular, parts, sr = split_message(grad)
+        inner = ctx.inner
+        reg = inner.regular_grads([inner.outputs], [regular])
+        if parts is None:
+            return tuple(reg)
+        x, weight, bias = (t.detach() if t is not None else None for t in inner.leaves)
+        need = ctx.needs_input_grad
+        states = linear_messages(sr, parts, x, weight, need[0], need[1], need[2] and bias is not None)
+        return tuple(
+            as_message(r, s, sr, like) if s is not None else None
+            for r, s, like in zip(reg, states, (x, weight, bias), strict=True)
+        )
+
+
+class LinearExtension(ModuleExtension):
+    module_class = nn.Linear
+
+    def forward(self, module: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+        out = LinearFunction.apply(x, module.weight, module.bias)
+        dims = (*(f"dim{i}" for i in range(out.dim() - 1)), "neuron")
+        if out.dim() == 3:
+            dims = ("batch", "token", "neuron")
+        elif out.dim() == 2:
+            dims = ("batch", "neuron")
+        stamp(out, (Site(current_module(), "output", dims),))
+        return out
+
+
+register_extension(LinearExtension())

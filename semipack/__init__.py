@@ -21,6 +21,7 @@ from .semirings import (
     Semiring,
     SignedLog,
     SignedMaxProd,
+    TopPath,
 )
 from .transport.message import Message
 
@@ -41,6 +42,7 @@ __all__ = [
     "Semiring",
     "SignedLog",
     "SignedMaxProd",
+    "TopPath",
     "UnsupportedOpError",
     "extend",
     "grad",

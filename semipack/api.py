@@ -46,7 +46,8 @@ def extend(
             stack.enter_context(installed(model))
             stack.enter_context(eager_attention_routed())
             reroute = FUNCTION_EXTENSIONS
-        stack.enter_context(BackwardInterceptor(semiring, regular_grads, watched, reroute))
+        names = {id(p): n for n, p in model.named_parameters()} if model is not None else {}
+        stack.enter_context(BackwardInterceptor(semiring, regular_grads, watched, reroute, names))
         yield model
 
 

@@ -246,42 +246,42 @@ def test_extend_rejects_non_semirings() -> None:
 # --- errors --------------------------------------------------------------------------------------
 
 
-class Cumulative(nn.Module):
+class Padded(nn.Module):
     def __init__(self) -> None:
         super().__init__()
         self.proj = nn.Linear(3, 3)
-        self.head = nn.Sequential(nn.Identity(), CumsumLayer())
+        self.head = nn.Sequential(nn.Identity(), ReflectPad())
 
     def forward(self, x):
         return self.head(self.proj(x))
 
 
-class CumsumLayer(nn.Module):
+class ReflectPad(nn.Module):
     def forward(self, x):
-        return x.cumsum(0)
+        return F.pad(x, (1, 1), mode="reflect")
 
 
 def test_unsupported_op_names_op_node_module_and_fix() -> None:
-    model = Cumulative()
+    model = Padded()
     with pytest.raises(semipack.UnsupportedOpError) as info, semipack.extend(model, semipack.MaxProd()):
         model(torch.randn(2, 3)).sum().backward()
     err = info.value
-    assert err.op == "aten.cumsum.default"
-    assert err.node == "CumsumBackward0"
+    assert err.op == "aten.reflection_pad1d_backward.default"
+    assert err.node == "ReflectionPad1DBackward0"
     assert err.module == "head.1"
     assert str(err) == (
-        "semipack has no semiring rule for aten.cumsum.default in the backward of "
-        "CumsumBackward0, created by module 'head.1'. Register one with "
-        "@semipack.register_rule(torch.ops.aten.cumsum.default) (see 'Adding an op rule' in "
-        "the README)."
+        "semipack has no semiring rule for aten.reflection_pad1d_backward.default in the "
+        "backward of ReflectionPad1DBackward0, created by module 'head.1'. Register one with "
+        "@semipack.register_rule(torch.ops.aten.reflection_pad1d_backward.default) (see "
+        "'Adding an op rule' in the README)."
     )
     assert all(not m._forward_hooks and not m._forward_pre_hooks for m in model.modules())
 
 
 def test_unsupported_op_without_module_says_how_to_name_it() -> None:
-    x = torch.randn(3, requires_grad=True)
+    x = torch.randn(1, 3, requires_grad=True)
     with pytest.raises(semipack.UnsupportedOpError, match="module unknown"):
-        semipack.grad(x.cumsum(0).sum(), x, semipack.MaxProd())
+        semipack.grad(F.pad(x, (1, 1), mode="reflect").sum(), x, semipack.MaxProd())
 
 
 def test_ops_without_semiring_meaning_raise() -> None:
@@ -317,28 +317,30 @@ def test_plain_gradient_reaching_a_leaf_is_an_error() -> None:
 
 
 def test_user_rule_registration_is_used() -> None:
-    """A user rule for cumsum: reverse cumulative plus = semiring suffix sums."""
+    """A user rule for reflection padding: each padded position sends its message back to the
+    input entry it copies, and copies of the same entry meet in the semiring's plus."""
     aten = torch.ops.aten
     from semipack.rules import registry
 
     saved = dict(registry._RULES)
 
-    @semipack.register_rule(aten.cumsum.default)
-    def cumsum_rule(call: semipack.OpCall):
-        msg, dim = call["self"], call["dim"]
-        sr = call.semiring
-        n = msg.shape[dim]
-        cols = []
-        for i in range(n):  # out[i] = ⊕_{j <= i} m[j]  (the formula's flip/cumsum/flip)
-            cols.append(sr.sum(tuple(p.narrow(dim, 0, i + 1) for p in msg.parts), [dim], True))
-        parts = tuple(torch.cat(c, dim) for c in zip(*cols, strict=True))
-        return call.wrap(call.run_real(), parts)
+    @semipack.register_rule(aten.reflection_pad1d_backward.default)
+    def reflection_pad_rule(call: semipack.OpCall):
+        msg, x, (left, right) = call["grad_output"], call["self"], call["padding"]
+        n = x.shape[-1]
+        q = torch.arange(n + left + right) - left
+        source = torch.where(q < 0, -q, torch.where(q >= n, 2 * (n - 1) - q, q))
+        dest = call.zeros(x.shape)
+        return call.wrap(call.run_real(), call.semiring.index_plus(dest, x.dim() - 1, source, msg.parts))
 
     try:
-        x = torch.tensor([1.0, 2.0, 3.0], dtype=torch.float64, requires_grad=True)
-        (count,) = semipack.grad(x.cumsum(0).sum(), x, semipack.LogCount())
-        # x[i] feeds outputs i..2 of the cumsum: 3, 2, 1 paths
-        torch.testing.assert_close(count, torch.tensor([3.0, 2.0, 1.0], dtype=torch.float64).log())
+        x = torch.tensor([[1.0, 2.0, 3.0, 4.0]], dtype=torch.float64, requires_grad=True)
+        padded = F.pad(x, (2, 1), mode="reflect")  # [3, 2, 1, 2, 3, 4, 3]
+        (count,) = semipack.grad(padded.sum(), x, semipack.LogCount(), retain_graph=True)
+        # x[0] appears once, x[1] twice, x[2] three times, x[3] once
+        torch.testing.assert_close(count, torch.tensor([[1.0, 2.0, 3.0, 1.0]], dtype=torch.float64).log())
+        (real,) = semipack.grad(padded.sum(), x, semipack.Real())
+        torch.testing.assert_close(real, torch.autograd.grad(F.pad(x, (2, 1), mode="reflect").sum(), x)[0])
     finally:
         registry._RULES.clear()
         registry._RULES.update(saved)

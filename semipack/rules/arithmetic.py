@@ -34,10 +34,18 @@ def sub(call: OpCall):
 
 
 def _scale(call: OpCall, weight) -> Message:
+    """Edge weights are taken in the state's precision, whatever dtype the formula used."""
     msg = call["self"] if isinstance(call["self"], Message) else call["other"]
-    if not isinstance(weight, Tensor):
-        weight = torch.tensor(weight, dtype=msg.parts[0].dtype, device=msg.device)
+    dtype = _weight_dtype(msg)
+    if isinstance(weight, Tensor):
+        weight = weight.to(dtype)
+    else:
+        weight = torch.tensor(weight, dtype=dtype, device=msg.device)
     return call.wrap(call.run_real(), call.semiring.scale(msg.parts, weight))
+
+
+def _weight_dtype(msg: Message) -> torch.dtype:
+    return msg.semiring.state_dtype(msg.dtype)
 
 
 @register_rule(aten.mul.Tensor, aten.mul.Scalar)
@@ -54,7 +62,10 @@ def div(call: OpCall):
     a, b = call["self"], call["other"]
     if not isinstance(a, Message) or isinstance(b, Message):
         raise call.error("only a message divided by a plain tensor has a semiring meaning")
-    weight = b.reciprocal() if isinstance(b, Tensor) else 1.0 / b
+    if isinstance(b, Tensor):
+        weight = 1.0 / b.to(_weight_dtype(a))
+    else:
+        weight = 1.0 / b
     return _scale(call, weight)
 
 

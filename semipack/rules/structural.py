@@ -125,12 +125,39 @@ def pad(call: OpCall):
 # --- fresh gradients: zero-filled, i.e. "no path" ------------------------------------------------
 
 
+@register_rule(aten.new_empty_strided.default)
+def fresh_zero_strided(call: OpCall):
+    """Zero message with the given strides: ``as_strided`` views of it are then meaningful."""
+    msg, size, stride = call["self"], tuple(call["size"]), tuple(call["stride"])
+    dtypes = call.semiring.component_dtypes(msg.dtype)
+    parts = tuple(
+        torch.empty_strided(size, stride, dtype=dt, device=msg.device).fill_(z)
+        for dt, z in zip(dtypes, call.semiring.zero, strict=True)
+    )
+    real = None
+    if call.regular:
+        real = torch.empty_strided(size, stride, dtype=msg.dtype, device=msg.device).zero_()
+    return call.wrap(real, parts)
+
+
+@register_rule(aten.as_strided.default)
+def as_strided(call: OpCall):
+    """A raw strided view is only meaningful when every component shares the message's layout
+    (as for the buffers autograd's CopySlices allocates); anything else is refused."""
+    msg = call["self"]
+    ref = msg.gradient if msg.gradient is not None else msg.parts[0]
+    for p in msg.parts:
+        if p.stride() != ref.stride() or p.storage_offset() != ref.storage_offset():
+            raise call.error("as_strided on a message whose state layout differs from its gradient's")
+    real, outs = per_component(call, ("self",))
+    return wrap_outputs(call, real, outs)
+
+
 @register_rule(
     aten.zeros_like.default,
     aten.empty_like.default,
     aten.new_zeros.default,
     aten.new_empty.default,
-    aten.new_empty_strided.default,
 )
 def fresh_zero(call: OpCall):
     msg = call["self"]
@@ -261,7 +288,9 @@ def index_put(call: OpCall):
         return wrap_outputs(call, real, outs)
     # accumulate=True: duplicated indices meet, so they combine with the semiring's plus.
     shape = tuple(msg.shape)
-    flat_ids = torch.arange(msg.numel(), device=msg.device).reshape(shape)[tuple(indices)]
+    # in an aten index list None means "all of this dim", not a new axis
+    where = tuple(slice(None) if i is None else i for i in indices)
+    flat_ids = torch.arange(msg.numel(), device=msg.device).reshape(shape)[where]
     dest = tuple(p.reshape(-1) for p in call.state(msg, shape))
     src = tuple(p.expand(flat_ids.shape).reshape(-1) for p in call.state(values, flat_ids.shape))
     out = call.semiring.index_plus(dest, 0, flat_ids.reshape(-1), src)

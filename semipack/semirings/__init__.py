@@ -7,6 +7,7 @@ from .log_sum import LogCount, LogSum
 from .max_prod import MaxProd
 from .real import Real
 from .signed_max_prod import Extremes, SignedLog, SignedMaxProd
+from .top_path import TopPath
 
 __all__ = [
     "Boolean",
@@ -20,4 +21,5 @@ __all__ = [
     "SignedLog",
     "SignedMaxProd",
     "State",
+    "TopPath",
 ]

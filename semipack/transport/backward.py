@@ -9,6 +9,7 @@ semiring readout is stored as ``.semiring_grad``.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -64,6 +65,24 @@ def _check(leaf_msg: Any, leaf: Tensor) -> Message:
     return leaf_msg
 
 
+@contextmanager
+def path_recording(sr: Semiring, roots: Sequence[Tensor], leaf_names: dict[int, str] | None):
+    """For path-recording semirings (TopPath): a fresh trace and pre-hooks for this pass."""
+    if not getattr(sr, "records_paths", False):
+        yield None
+        return
+    from ..readout.paths import PathTrace, attach
+
+    trace = PathTrace(leaf_names)
+    handles = attach(trace, roots)
+    sr.trace = trace
+    try:
+        yield trace
+    finally:
+        for h in handles:
+            h.remove()
+
+
 def backward(
     tensors: Sequence[Tensor],
     grad_tensors: Sequence[Tensor | None],
@@ -73,6 +92,7 @@ def backward(
     retain_graph: bool | None = None,
     create_graph: bool = False,
     inputs: Sequence[Tensor] | None = None,
+    leaf_names: dict[int, str] | None = None,
 ) -> list[Tensor]:
     """``torch.autograd.backward`` that also sets ``leaf.semiring_grad``; returns the leaves."""
     if create_graph:
@@ -80,6 +100,18 @@ def backward(
     leaves = list(inputs) if inputs is not None else graph_leaves(tensors)
     if not leaves:
         return []
+    with path_recording(sr, tensors, leaf_names) as trace:
+        captured = _run_backward(tensors, grad_tensors, sr, leaves, regular_grads, retain_graph, inputs)
+        for i, leaf in enumerate(leaves):
+            msg = captured.get(id(leaf))
+            if msg is not None:
+                setattr(leaf, SEMIRING_GRAD, sr.readout(msg.parts))
+                if trace is not None:
+                    trace.capture_leaf(leaf, msg, f"leaf {i}")
+    return leaves
+
+
+def _run_backward(tensors, grad_tensors, sr, leaves, regular_grads, retain_graph, inputs):
     seed = seeds(tensors, grad_tensors, sr, regular_grads)
     captured: dict[int, Message] = {}
     if regular_grads:
@@ -112,11 +144,7 @@ def backward(
         for leaf, msg in zip(leaves, got, strict=True):
             if msg is not None:
                 captured[id(leaf)] = _check(msg, leaf)
-    for leaf in leaves:
-        msg = captured.get(id(leaf))
-        if msg is not None:
-            setattr(leaf, SEMIRING_GRAD, sr.readout(msg.parts))
-    return leaves
+    return captured
 
 
 def grad(

@@ -26,12 +26,14 @@ class BackwardInterceptor(TorchFunctionMode):
         regular_grads: bool,
         watched: Iterable[Tensor] = (),
         reroute: Mapping[Callable, Callable] | None = None,
+        leaf_names: dict[int, str] | None = None,
     ) -> None:
         super().__init__()
         self.sr = sr
         self.regular_grads = regular_grads
         self.watched = list(watched)
         self.reroute = dict(reroute or {})
+        self.leaf_names = leaf_names
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -76,6 +78,7 @@ class BackwardInterceptor(TorchFunctionMode):
             retain_graph=retain_graph,
             create_graph=create_graph,
             inputs=inputs,
+            leaf_names=self.leaf_names,
         )
         # A watched parameter this backward did not reach must not keep a stale value.
         reached_ids = {id(t) for t in reached if hasattr(t, bw.SEMIRING_GRAD)}

@@ -1,0 +1,217 @@
+"""Reading the best path out of a TopPath backward pass.
+
+While the backward runs, a pre-hook on every autograd node records, for each tensor the node
+produced, the successor id and message value of each entry, then gives the entries fresh ids
+before the node's backward runs. Extensions may record tensors internal to a fused module the
+same way (``PathTrace.relabel``). A leaf entry's successor starts the walk; following successors
+reaches the root, whose successor is -1.
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+from ..transport.message import Message
+from ..transport.provenance import MODULE_KEY
+from .sites import SITE_KEY, Site
+
+NO_SUCCESSOR = -1
+
+
+@dataclass
+class TensorRecord:
+    """One tensor of the graph as the backward saw it: ids ``base .. base + numel``."""
+
+    base: int
+    shape: tuple[int, ...]
+    successors: Tensor  # flat int64
+    log_values: Tensor  # flat
+    op: str
+    module: str | None
+    site: Site | None
+
+
+@dataclass
+class PathStep:
+    """One scalar node on a path: where it is and the log of the best product from it onward."""
+
+    description: str
+    module: str | None
+    op: str
+    index: tuple[int, ...]
+    log_value: float
+
+
+@dataclass
+class Path:
+    """The best path from a leaf entry to the root, leaf first."""
+
+    leaf: str
+    index: tuple[int, ...]
+    log_value: float
+    steps: list[PathStep] = field(default_factory=list)
+
+    @property
+    def value(self) -> float:
+        """The product of |local derivatives| along the path."""
+        return math.exp(self.log_value)
+
+    def modules(self) -> list[tuple[str | None, tuple[int, ...]]]:
+        """(module, entry) of the last step of each run of steps inside one module: the module
+        outputs the path passes through, independent of how the module's ops were recorded."""
+        out: list[tuple[str | None, tuple[int, ...]]] = []
+        for i, step in enumerate(self.steps):
+            nxt = self.steps[i + 1] if i + 1 < len(self.steps) else None
+            if nxt is None or nxt.module != step.module:
+                out.append((step.module, step.index))
+        return out
+
+    def __str__(self) -> str:
+        lines = [f"best path from {self.leaf}{list(self.index)}: value {self.value:.6g}"]
+        previous = self.log_value
+        for step in self.steps:
+            edge = math.exp(previous - step.log_value) if math.isfinite(step.log_value) else 0.0
+            lines.append(f"  x{edge:<12.6g} {step.description}")
+            previous = step.log_value
+        return "\n".join(lines)
+
+
+class PathTrace:
+    """Successor tables of one backward pass."""
+
+    def __init__(self, leaf_names: dict[int, str] | None = None) -> None:
+        self.records: list[TensorRecord] = []
+        self.bases: list[int] = []
+        self.next_id = 0
+        self.leaves: dict[int, tuple[str, Tensor, Tensor, tuple[int, ...]]] = {}
+        self.leaf_names = leaf_names or {}
+
+    def relabel(
+        self,
+        log_values: Tensor,
+        successors: Tensor,
+        op: str,
+        module: str | None,
+        site: Site | None = None,
+    ) -> Tensor:
+        """Record a tensor's successors and return fresh ids for its entries."""
+        shape = tuple(log_values.shape)
+        numel = log_values.numel()
+        base = self.next_id
+        self.next_id += numel
+        self.records.append(
+            TensorRecord(
+                base,
+                shape,
+                successors.expand(shape).reshape(-1).clone(),
+                log_values.reshape(-1).detach().clone(),
+                op,
+                module,
+                site,
+            )
+        )
+        self.bases.append(base)
+        return torch.arange(base, base + numel, device=log_values.device).reshape(shape)
+
+    def capture_leaf(self, leaf: Tensor, message: Message, fallback_name: str) -> None:
+        name = self.leaf_names.get(id(leaf), fallback_name)
+        log_values, successors = message.parts
+        self.leaves[id(leaf)] = (
+            name,
+            log_values.detach().clone(),
+            successors.expand(log_values.shape).clone(),
+            tuple(leaf.shape),
+        )
+
+    def locate(self, node_id: int) -> tuple[TensorRecord, int]:
+        i = bisect.bisect_right(self.bases, node_id) - 1
+        record = self.records[i]
+        return record, node_id - record.base
+
+    def node_prehook(self, node):
+        """A pre-hook that records the node's incoming messages and relabels their entries."""
+        op = node.name().removesuffix("Backward0").removesuffix("Backward1").removesuffix("Backward")
+        module = node.metadata.get(MODULE_KEY)
+        sites = node.metadata.get(SITE_KEY, ())
+
+        def hook(grad_outputs: Sequence[Tensor | None]):
+            out = []
+            changed = False
+            for slot, g in enumerate(grad_outputs):
+                if not isinstance(g, Message) or not getattr(g.semiring, "records_paths", False):
+                    out.append(g)
+                    continue
+                site = sites[slot] if slot < len(sites) else None
+                ids = self.relabel(g.parts[0], g.parts[1], op, module, site)
+                out.append(Message(g.gradient, (g.parts[0], ids), g.semiring, g.dtype))
+                changed = True
+            return tuple(out) if changed else None
+
+        return hook
+
+
+def attach(trace: PathTrace, roots: Sequence[Tensor]) -> list:
+    """Register the recording pre-hook on every non-leaf node reachable from ``roots``."""
+    handles, seen = [], set()
+    stack = [t.grad_fn for t in roots if t.grad_fn is not None]
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        if not hasattr(node, "variable"):  # AccumulateGrad: leaves are captured separately
+            handles.append(node.register_prehook(trace.node_prehook(node)))
+        stack.extend(fn for fn, _ in node.next_functions)
+    return handles
+
+
+def _describe(record: TensorRecord, index: tuple[int, ...]) -> str:
+    if record.site is not None:
+        return record.site.describe(index)
+    where = record.module if record.module not in (None, "") else "<root module>"
+    if record.module is None:
+        where = "<unnamed>"
+    return f"{where}: {record.op} output {list(index)}"
+
+
+def top_path(trace: PathTrace, leaf: Tensor, index: tuple[int, ...] | int | None = None) -> Path:
+    if id(leaf) not in trace.leaves:
+        raise KeyError("this tensor was not a leaf of the last TopPath backward pass")
+    name, log_values, successors, shape = trace.leaves[id(leaf)]
+    if index is None:
+        flat = int(log_values.reshape(-1).argmax())
+    else:
+        idx = (index,) if isinstance(index, int) else tuple(index)
+        flat = _ravel(idx, shape)
+    start = tuple(int(i) for i in torch.unravel_index(torch.tensor(flat), shape)) if shape else ()
+    path = Path(name, start, float(log_values.reshape(-1)[flat]))
+    node = int(successors.reshape(-1)[flat])
+    guard = len(trace.records) + 1
+    while node != NO_SUCCESSOR and guard > 0:
+        record, offset = trace.locate(node)
+        entry = tuple(int(i) for i in torch.unravel_index(torch.tensor(offset), record.shape))
+        path.steps.append(
+            PathStep(
+                _describe(record, entry),
+                record.module,
+                record.op,
+                entry,
+                float(record.log_values[offset]),
+            )
+        )
+        node = int(record.successors[offset])
+        guard -= 1
+    return path
+
+
+def _ravel(index: tuple[int, ...], shape: tuple[int, ...]) -> int:
+    flat = 0
+    for i, s in zip(index, shape, strict=True):
+        flat = flat * s + (i % s)
+    return flat

@@ -1,0 +1,119 @@
+"""TopPath: MaxProd that also remembers where each best path goes, so the path can be read out.
+
+Each state entry carries, next to ``log max|path product|``, the id of its best *successor*: the
+downstream scalar node on the best path to the root. Plus keeps the id of the larger operand,
+sums and matmuls keep the id at the argmax, and multiplying by an edge weight keeps the message's
+id. During the backward pass every autograd node re-labels the entries of the tensor it produced
+with fresh ids after recording their successors (see ``semipack.readout.paths``), so following
+successors from a leaf entry walks the best path up to the root.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from ._log import log_abs
+from .base import BLOCK_ELEMENTS, State, index_reduce
+from .max_prod import MaxProd
+
+NO_SUCCESSOR = -1
+
+
+class TopPath(MaxProd):
+    """The single best path and its value (ties go to the first candidate).
+
+    ``readout`` is MaxProd's. After a backward, ``path(leaf, index)`` returns the best path from
+    ``leaf[index]`` (default: the leaf's best entry) to the root, step by step, with the name of
+    every site it passes (module, head, token, neuron where an extension named them).
+    """
+
+    components = ("log_max", "successor")
+    zero = (float("-inf"), NO_SUCCESSOR)
+    one = (0.0, NO_SUCCESSOR)
+    records_paths = True
+
+    def __init__(self, log: bool = False) -> None:
+        super().__init__(log)
+        self.trace = None
+
+    def __repr__(self) -> str:
+        return f"TopPath(log={self.log})"
+
+    def component_dtypes(self, grad_dtype: torch.dtype) -> tuple[torch.dtype, ...]:
+        return (self.state_dtype(grad_dtype), torch.int64)
+
+    def lift(self, w: Tensor) -> State:
+        value = log_abs(w, self.state_dtype(w.dtype))
+        return (value, torch.full(value.shape, NO_SUCCESSOR, dtype=torch.int64, device=w.device))
+
+    def plus(self, a: State, b: State) -> State:
+        take_b = b[0] > a[0]
+        return torch.maximum(a[0], b[0]), torch.where(take_b, b[1], a[1])
+
+    def times(self, a: State, b: State) -> State:
+        # one operand is an edge weight (no successor of its own): keep the message's id
+        return a[0] + b[0], torch.maximum(a[1], b[1])
+
+    def scale(self, a: State, w: Tensor) -> State:
+        value = a[0] + log_abs(w, a[0].dtype)
+        return value, a[1].expand(value.shape)
+
+    def sum(self, a: State, dims: list[int], keepdim: bool = False) -> State:
+        kept = [d for d in range(a[0].dim()) if d not in dims]
+        order = kept + list(dims)
+        values = a[0].permute(order).flatten(len(kept))
+        ids = a[1].expand(a[0].shape).permute(order).flatten(len(kept))
+        best, where = values.max(-1)
+        chosen = ids.gather(-1, where[..., None])[..., 0]
+        if keepdim:
+            shape = [1 if d in dims else s for d, s in enumerate(a[0].shape)]
+            best, chosen = best.reshape(shape), chosen.reshape(shape)
+        return best, chosen
+
+    def matmul(self, a: State, w: Tensor) -> State:
+        values, where = maxplus_argmax(a[0], log_abs(w, a[0].dtype))
+        k = a[0].shape[-1]
+        ids = a[1].expand(a[0].shape).expand(*values.shape[:-1], k)
+        return values, torch.gather(ids, -1, where)
+
+    def index_plus(self, dest: State, dim: int, index: Tensor, src: State) -> State:
+        best = index_reduce(dest[0], dim, index, src[0], "amax")
+        # which contribution attained the max: the destination itself, else the last source
+        gathered = best.index_select(dim, index)
+        wins = src[0] == gathered
+        src_ids = torch.where(wins, src[1].expand(src[0].shape), NO_SUCCESSOR)
+        from_src = index_reduce(
+            torch.full_like(dest[1].expand(dest[0].shape), NO_SUCCESSOR), dim, index, src_ids, "amax"
+        )
+        keep_dest = dest[0] == best
+        return best, torch.where(keep_dest, dest[1].expand(dest[0].shape), from_src)
+
+    def is_zero(self, a: State) -> Tensor:
+        return a[0] == float("-inf")
+
+    def path(self, leaf: Tensor, index: tuple[int, ...] | int | None = None):
+        """The best path from ``leaf[index]`` to the root of the last backward pass."""
+        from ..readout.paths import top_path
+
+        if self.trace is None:
+            raise RuntimeError("no backward pass has been run with this TopPath semiring yet")
+        return top_path(self.trace, leaf, index)
+
+
+def maxplus_argmax(a: Tensor, b: Tensor) -> tuple[Tensor, Tensor]:
+    """``max_k a[..., i, k] + b[..., k, j]`` and the first k attaining it, in bounded blocks."""
+    n, k, m = a.shape[-2], a.shape[-1], b.shape[-1]
+    batch = torch.broadcast_shapes(a.shape[:-2], b.shape[:-2])
+    per_row = max(1, k * m * max(1, batch.numel()))
+    rows = max(1, BLOCK_ELEMENTS // per_row)
+    values, where = [], []
+    for r0 in range(0, n, rows):
+        block = a[..., r0 : r0 + rows, :, None] + b[..., None, :, :]
+        best, idx = block.max(-2)
+        values.append(best)
+        where.append(idx)
+    if not values:
+        shape = (*batch, 0, m)
+        return a.new_empty(shape), torch.empty(shape, dtype=torch.int64, device=a.device)
+    return torch.cat(values, -2), torch.cat(where, -2)

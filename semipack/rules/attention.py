@@ -12,7 +12,9 @@ import math
 import torch
 from torch import Tensor
 
+from ..readout.sites import Site
 from ..semirings.base import Semiring, State
+from ..transport.provenance import current_site
 from .registry import OpCall, register_rule
 from .softmax import softmax_contract
 
@@ -60,15 +62,30 @@ def attention_contract(
     m_w = sr.matmul(m_out, v.transpose(-1, -2))  # ∂O[i,d]/∂W[i,j] = V[j,d]
     if m_weights is not None:
         m_w = sr.plus(m_w, m_weights)
+    m_w = record_internal(sr, m_w, "attention weights")
     m_v = _t(sr.matmul(_t(m_out), weights))  # ∂O[i,d]/∂V[j,d] = W[i,j]
     m_probs = m_w if keep is None else sr.scale(m_w, keep)  # ∂W/∂P = keep
     rows = probs.shape[-1]
     flat = tuple(p.reshape(-1, rows) for p in m_probs)
     m_scores = softmax_contract(sr, flat, probs.reshape(-1, rows))
     m_scores = tuple(p.reshape(probs.shape) for p in m_scores)
+    m_scores = record_internal(sr, m_scores, "attention scores")
     m_q = sr.matmul(m_scores, k * scale)  # ∂S[i,j]/∂Q[i,d] = K[j,d] * scale
     m_k = sr.matmul(_t(m_scores), q * scale)  # ∂S[i,j]/∂K[j,d] = Q[i,d] * scale
     return m_q, m_k, m_v
+
+
+def record_internal(sr: Semiring, m: State, tensor: str) -> State:
+    """Let path readouts see a tensor internal to the fused op (weights, scores) as the nodes of
+    the reference decomposition, named by head and token."""
+    trace = getattr(sr, "trace", None)
+    if not getattr(sr, "records_paths", False) or trace is None:
+        return m
+    node, module = current_site()
+    dims = ("batch", "head", "query", "key")[-m[0].dim() :]
+    site = Site(module if module is not None else "<unnamed>", tensor, dims)
+    ids = trace.relabel(m[0], m[1], tensor, module, site)
+    return (m[0], ids)
 
 
 def repeat_heads(t: Tensor, groups: int) -> Tensor:

@@ -165,7 +165,13 @@ def grad(
     elif isinstance(grad_outputs, Tensor):
         grad_outputs = [grad_outputs]
     seed = seeds(outputs, list(grad_outputs), sr, regular=messages)
-    got = torch.autograd.grad(outputs, inputs, seed, retain_graph=retain_graph, allow_unused=True)
+    with path_recording(sr, outputs, None) as trace:
+        got = torch.autograd.grad(
+            outputs, inputs, seed, retain_graph=retain_graph, allow_unused=True
+        )
+        for i, (t, msg) in enumerate(zip(inputs, got, strict=True)):
+            if trace is not None and isinstance(msg, Message):
+                trace.capture_leaf(t, msg, f"input {i}")
     result = []
     for t, msg in zip(inputs, got, strict=True):
         if msg is None:

@@ -1,0 +1,95 @@
+"""TopPath: the best path is recovered, its value is MaxProd's, and extensions find the same one."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import semipack
+from test_extensions import CASES, _loss
+
+
+def test_hand_computed_best_path() -> None:
+    """loss = 3·a + 0.5·(2·a)·b with a = x[0]: paths from x[0] have products 3 and 2·0.5·b."""
+    x = torch.tensor([1.0, 4.0], dtype=torch.float64, requires_grad=True)
+    a, b = x[0], x[1]
+    tp = semipack.TopPath()
+    loss = 3 * a + 0.5 * ((2 * a) * b)
+    (value,) = semipack.grad(loss, x, tp)
+    # x[0]: max(3, 2 * 0.5 * b = 4) = 4 ;  x[1]: 0.5 * (2a) = 1
+    assert value.tolist() == pytest.approx([4.0, 1.0])
+    path = tp.path(x, 0)
+    assert path.value == pytest.approx(4.0)
+    ops = [s.op for s in path.steps]
+    # x[0] -> select -> (2·a) -> ((2a)·b) -> (·0.5) -> (+) = loss
+    assert ops == ["Select", "Mul", "Mul", "Mul", "Add"]
+    edges = [math.exp(p - s.log_value) for p, s in zip([path.log_value] + [s.log_value for s in path.steps], path.steps)]
+    assert edges == pytest.approx([1.0, 2.0, 4.0, 0.5, 1.0])
+    assert path.steps[-1].log_value == pytest.approx(0.0)  # the root
+    # raising b's use below 3 switches the best path to the direct edge
+    x2 = torch.tensor([1.0, 2.0], dtype=torch.float64, requires_grad=True)
+    semipack.grad(3 * x2[0] + 0.5 * ((2 * x2[0]) * x2[1]), x2, tp)
+    assert [s.op for s in tp.path(x2, 0).steps] == ["Select", "Mul", "Add"]
+
+
+def test_path_value_matches_max_prod_and_edges_multiply_up() -> None:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        torch.nn.Linear(4, 6), torch.nn.GELU(), torch.nn.LayerNorm(6), torch.nn.Linear(6, 3)
+    ).double()
+    x = torch.randn(2, 4, dtype=torch.float64, requires_grad=True)
+    tp = semipack.TopPath()
+    with semipack.extend(model, tp):
+        torch.nn.functional.cross_entropy(model(x), torch.tensor([0, 2])).backward()
+    mp = semipack.grad(
+        torch.nn.functional.cross_entropy(model(x), torch.tensor([0, 2])),
+        list(model.parameters()),
+        semipack.MaxProd(),
+    )
+    for p, want in zip(model.parameters(), mp, strict=True):
+        torch.testing.assert_close(p.semiring_grad, want, rtol=1e-10, atol=0)
+        for index in [None, tuple(0 for _ in p.shape)]:
+            path = tp.path(p, index)
+            flat_value = want[path.index] if path.index else want
+            assert path.value == pytest.approx(float(flat_value), rel=1e-9)
+            # log values fall by log|edge| at each step and reach 0 (the seed) at the root
+            assert path.steps[-1].log_value == pytest.approx(0.0, abs=1e-12)
+            logs = [path.log_value] + [s.log_value for s in path.steps]
+            assert all(math.isfinite(v) for v in logs)
+
+
+def test_path_requires_a_backward_and_a_leaf() -> None:
+    tp = semipack.TopPath()
+    with pytest.raises(RuntimeError, match="no backward pass"):
+        tp.path(torch.zeros(1))
+    x = torch.ones(2, requires_grad=True)
+    semipack.grad((2 * x).sum(), x, tp)
+    with pytest.raises(KeyError, match="not a leaf"):
+        tp.path(torch.zeros(1))
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
+def test_extension_and_generic_path_agree(case) -> None:
+    if case.name.startswith("bert"):
+        pytest.importorskip("transformers")
+    results = []
+    for extensions in (True, False):
+        model = case.build()
+        inputs = case.inputs()
+        tp = semipack.TopPath()
+        with semipack.extend(model, tp, extensions=extensions):
+            _loss(model, inputs).backward()
+        leaves = [(n, p) for n, p in model.named_parameters() if hasattr(p, "semiring_grad")]
+        leaves += [(f"input{i}", t) for i, t in enumerate(t for t in inputs if t.requires_grad)]
+        results.append({n: (t.semiring_grad, tp.path(t)) for n, t in leaves})
+    fast, slow = results
+    assert fast.keys() == slow.keys()
+    for name in fast:
+        value_fast, path_fast = fast[name]
+        value_slow, path_slow = slow[name]
+        torch.testing.assert_close(value_fast, value_slow, rtol=1e-9, atol=1e-12)
+        assert path_fast.index == path_slow.index, name
+        assert path_fast.log_value == pytest.approx(path_slow.log_value, rel=1e-9, abs=1e-12)
+        assert path_fast.modules() == path_slow.modules(), name

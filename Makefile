@@ -32,7 +32,7 @@ demo: $(VENV)/.demo
 test: $(VENV)/.test
 	$(PY) -m ruff check semipack tests examples benchmarks
 	$(PY) -m ruff format --check semipack tests examples benchmarks
-	$(PY) -m pytest -q -n 2 -p no:cacheprovider
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q -n 2 -p no:cacheprovider
 
 bench: $(VENV)/.bench
 	$(PY) benchmarks/run.py

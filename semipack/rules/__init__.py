@@ -9,6 +9,7 @@ from . import (  # noqa: F401  (imported for their registrations)
     normalization,
     pointwise,
     pooling,
+    resampling,
     scan,
     softmax,
     structural,

@@ -86,3 +86,38 @@ def pointwise_loss(call: OpCall):
         parts = tuple(p.unsqueeze(1) for p in parts)
     parts = tuple(p.expand(weights.shape) for p in parts)
     return call.wrap(call.run_real(), call.semiring.scale(parts, weights))
+
+
+@register_rule(aten.glu_backward.default)
+def glu_backward(call: OpCall):
+    """glu(x) = a * sigmoid(b) with x = [a, b] along ``dim``: out_i has one edge from a_i
+    (weight sigmoid(b_i)) and one from b_i (weight a_i sigmoid(b_i)(1 - sigmoid(b_i)))."""
+    msg, x, dim = call["grad_output"], call["self"], call["dim"] % call["self"].dim()
+    dtype = msg.parts[0].dtype if msg.parts[0].is_floating_point() else torch.float32
+    a, b = x.to(dtype).chunk(2, dim)
+    gate = torch.sigmoid(b)
+    to_a = call.semiring.scale(msg.parts, gate)
+    to_b = call.semiring.scale(msg.parts, a * gate * (1 - gate))
+    parts = tuple(torch.cat(pair, dim) for pair in zip(to_a, to_b, strict=True))
+    return call.wrap(call.run_real(), parts)
+
+
+@register_rule(aten._prelu_kernel_backward.default)
+def prelu_backward(call: OpCall):
+    """prelu(x) = x if x > 0 else w_c x: edge weight 1 or w_c from x, and x from w_c where x <= 0."""
+    msg, x, weight = call["grad_output"], call["self"], call["weight"]
+    dtype = msg.parts[0].dtype if msg.parts[0].is_floating_point() else torch.float32
+    xs, w = x.to(dtype), weight.to(dtype)
+    shape = [1] * x.dim()
+    if w.numel() > 1:
+        shape[1] = -1
+    w_b = w.reshape(shape)
+    sr = call.semiring
+    to_x = sr.scale(msg.parts, torch.where(xs > 0, torch.ones_like(xs), w_b))
+    to_w = sr.scale(msg.parts, torch.where(xs > 0, torch.zeros_like(xs), xs))
+    dims = [d for d in range(x.dim()) if not (w.numel() > 1 and d == 1)]
+    to_w = sr.sum(to_w, dims) if dims else to_w
+    to_w = tuple(p.reshape(weight.shape) for p in to_w)
+    real = call.run_real()
+    reals = real if real is not None else (None, None)
+    return call.wrap(reals[0], to_x), call.wrap(reals[1], to_w)

@@ -24,12 +24,10 @@ VIEW_LIKE = [
     aten.unsqueeze.default,
     aten.select.int,
     aten.slice.Tensor,
-    aten.narrow.default,
     aten.split.Tensor,
     aten.split_with_sizes.default,
     aten.unsafe_split.Tensor,
     aten.unbind.int,
-    aten.chunk.default,
     aten.clone.default,
     aten.alias.default,
     aten.detach.default,
@@ -41,8 +39,9 @@ VIEW_LIKE = [
     aten.index.Tensor,
     aten.index_select.default,
     aten.gather.default,
-    aten.movedim.int,
     aten.lift_fresh.default,
+    aten.pixel_shuffle.default,
+    aten.pixel_unshuffle.default,
 ]
 
 
@@ -77,24 +76,27 @@ def overwrite_entries(call: OpCall):
     return wrap_outputs(call, real, outs)
 
 
+@register_rule(aten.masked_scatter.default)
+def masked_scatter(call: OpCall):
+    real, outs = per_component(call, ("self", "source"))
+    return wrap_outputs(call, real, outs)
+
+
+@register_rule(aten.tril.default, aten.triu.default)
+def triangle(call: OpCall):
+    """Entries outside the triangle become "no path", not a literal 0."""
+    msg = call["self"]
+    rows, cols = msg.shape[-2:]
+    keep = torch.ones(rows, cols, dtype=torch.bool, device=msg.device)
+    keep = keep.tril(call["diagonal"]) if call.func is aten.tril.default else keep.triu(call["diagonal"])
+    zeros = call.zeros(msg.shape)
+    return call.wrap(call.run_real(), call.semiring.where(keep, msg.parts, zeros))
+
+
 @register_rule(aten.where.self)
 def where(call: OpCall):
     real, outs = per_component(call, ("self", "other"))
     return wrap_outputs(call, real, outs)
-
-
-@register_rule(aten.where.ScalarOther, aten.where.ScalarSelf, aten.where.Scalar)
-def where_scalar(call: OpCall):
-    b = call.bound
-    shape = torch.broadcast_shapes(
-        b["condition"].shape, *(v.shape for v in (b["self"], b["other"]) if isinstance(v, Tensor))
-    )
-    a_state = call.state(b["self"], shape)
-    o_state = call.state(b["other"], shape)
-    real = call.run_real()
-    cond = b["condition"]
-    parts = tuple(torch.where(cond, x, y) for x, y in zip(a_state, o_state, strict=True))
-    return call.wrap(real, parts)
 
 
 @register_rule(aten.masked_fill.Scalar, aten.masked_fill.Tensor)

@@ -246,33 +246,33 @@ def test_extend_rejects_non_semirings() -> None:
 # --- errors --------------------------------------------------------------------------------------
 
 
-class Padded(nn.Module):
+class Upsampled(nn.Module):
     def __init__(self) -> None:
         super().__init__()
         self.proj = nn.Linear(3, 3)
-        self.head = nn.Sequential(nn.Identity(), ReflectPad())
+        self.head = nn.Sequential(nn.Identity(), Bilinear())
 
     def forward(self, x):
         return self.head(self.proj(x))
 
 
-class ReflectPad(nn.Module):
+class Bilinear(nn.Module):
     def forward(self, x):
-        return F.pad(x, (1, 1), mode="reflect")
+        return F.interpolate(x[:, None, :, None], scale_factor=2, mode="bilinear")
 
 
 def test_unsupported_op_names_op_node_module_and_fix() -> None:
-    model = Padded()
+    model = Upsampled()
     with pytest.raises(semipack.UnsupportedOpError) as info, semipack.extend(model, semipack.MaxProd()):
         model(torch.randn(2, 3)).sum().backward()
     err = info.value
-    assert err.op == "aten.reflection_pad1d_backward.default"
-    assert err.node == "ReflectionPad1DBackward0"
+    assert err.op == "aten.upsample_bilinear2d_backward.default"
+    assert err.node == "UpsampleBilinear2DBackward0"
     assert err.module == "head.1"
     assert str(err) == (
-        "semipack has no semiring rule for aten.reflection_pad1d_backward.default in the "
-        "backward of ReflectionPad1DBackward0, created by module 'head.1'. Register one with "
-        "@semipack.register_rule(torch.ops.aten.reflection_pad1d_backward.default) (see "
+        "semipack has no semiring rule for aten.upsample_bilinear2d_backward.default in the "
+        "backward of UpsampleBilinear2DBackward0, created by module 'head.1'. Register one with "
+        "@semipack.register_rule(torch.ops.aten.upsample_bilinear2d_backward.default) (see "
         "'Adding an op rule' in the README)."
     )
     assert all(not m._forward_hooks and not m._forward_pre_hooks for m in model.modules())
@@ -281,7 +281,7 @@ def test_unsupported_op_names_op_node_module_and_fix() -> None:
 def test_unsupported_op_without_module_says_how_to_name_it() -> None:
     x = torch.randn(1, 3, requires_grad=True)
     with pytest.raises(semipack.UnsupportedOpError, match="module unknown"):
-        semipack.grad(F.pad(x, (1, 1), mode="reflect").sum(), x, semipack.MaxProd())
+        semipack.grad(F.interpolate(x[None], scale_factor=2, mode="linear").sum(), x, semipack.MaxProd())
 
 
 def test_ops_without_semiring_meaning_raise() -> None:
@@ -317,8 +317,8 @@ def test_plain_gradient_reaching_a_leaf_is_an_error() -> None:
 
 
 def test_user_rule_registration_is_used() -> None:
-    """A user rule for reflection padding: each padded position sends its message back to the
-    input entry it copies, and copies of the same entry meet in the semiring's plus."""
+    """A user rule (replacing the built-in one) for reflection padding: each padded position sends
+    its message back to the input entry it copies; copies of one entry meet in the plus."""
     aten = torch.ops.aten
     from semipack.rules import registry
 

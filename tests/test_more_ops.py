@@ -81,3 +81,19 @@ def test_ops_without_rules_raise_naming_the_op(op: str) -> None:
     with pytest.raises(semipack.UnsupportedOpError) as info:
         semipack.grad(UNSUPPORTED[op](x).sum(), x, semipack.MaxProd())
     assert info.value.op == op
+
+
+def test_boolean_keeps_edges_that_only_float64_resolves() -> None:
+    """A target probability one ulp below 1: the edge 1 - p = 2.2e-16 exists in float64.
+
+    Boolean states are bool tensors; the Jacobian must still be built in the gradient's
+    precision (it once was built in float32, where 1 - p rounds to 0 and the path vanished).
+    """
+    logits = torch.tensor([[-46.965, -36.451, 0.0]], dtype=torch.float64, requires_grad=True)
+    loss = F.cross_entropy(logits, torch.tensor([2]))
+    (grad,) = torch.autograd.grad(loss, logits, retain_graph=True)
+    assert grad[0, 2] != 0
+    (reach,) = semipack.grad(loss, logits, semipack.Boolean(), retain_graph=True)
+    assert torch.equal(reach, grad != 0)
+    (count,) = semipack.grad(loss, logits, semipack.LogCount())
+    assert torch.equal(count, torch.zeros_like(count))  # one path to each logit

@@ -17,7 +17,7 @@ def layer_norm_messages(sr, m, x, mean, rstd, weight, bias, shape, need):
     """(input, weight, bias) states of layer_norm from the output state ``m``."""
     n = math.prod(shape)
     rows = x.numel() // n
-    dtype = m[0].dtype if m[0].is_floating_point() else torch.float32
+    dtype = sr.state_dtype(x.dtype)
     x_hat = ((x - mean) * rstd).to(dtype).reshape(rows, n)
     m_rows = tuple(p.reshape(rows, n) for p in m)
     m_x = m_w = m_b = None

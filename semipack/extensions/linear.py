@@ -17,7 +17,7 @@ def linear_messages(sr, m, x, weight, want_x: bool, want_w: bool, want_b: bool):
     ∂out[n, o]/∂x[n, i] = W[o, i];  ∂out[n, o]/∂W[o, i] = x[n, i];  ∂out[n, o]/∂b[o] = 1.
     """
     rows = tuple(p.reshape(-1, p.shape[-1]) for p in m)
-    dtype = rows[0].dtype if rows[0].is_floating_point() else torch.float32
+    dtype = sr.state_dtype(x.dtype)
     x2 = x.reshape(-1, x.shape[-1]).to(dtype)
     m_x = m_w = m_b = None
     if want_x:

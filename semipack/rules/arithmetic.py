@@ -36,16 +36,12 @@ def sub(call: OpCall):
 def _scale(call: OpCall, weight) -> Message:
     """Edge weights are taken in the state's precision, whatever dtype the formula used."""
     msg = call["self"] if isinstance(call["self"], Message) else call["other"]
-    dtype = _weight_dtype(msg)
+    dtype = call.weight_dtype
     if isinstance(weight, Tensor):
         weight = weight.to(dtype)
     else:
         weight = torch.tensor(weight, dtype=dtype, device=msg.device)
     return call.wrap(call.run_real(), call.semiring.scale(msg.parts, weight))
-
-
-def _weight_dtype(msg: Message) -> torch.dtype:
-    return msg.semiring.state_dtype(msg.dtype)
 
 
 @register_rule(aten.mul.Tensor, aten.mul.Scalar)
@@ -63,7 +59,7 @@ def div(call: OpCall):
     if not isinstance(a, Message) or isinstance(b, Message):
         raise call.error("only a message divided by a plain tensor has a semiring meaning")
     if isinstance(b, Tensor):
-        weight = 1.0 / b.to(_weight_dtype(a))
+        weight = 1.0 / b.to(call.weight_dtype)
     else:
         weight = 1.0 / b
     return _scale(call, weight)

@@ -110,7 +110,7 @@ def _sdpa_backward(call: OpCall, grad_name: str, mask_name: str | None, n_output
     msg = call[grad_name]
     q, k, v = call["query"], call["key"], call["value"]
     groups = q.shape[-3] // k.shape[-3]
-    dtype = msg.parts[0].dtype if msg.parts[0].is_floating_point() else torch.float32
+    dtype = call.weight_dtype
     q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
     scale = call["scale"]
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale

@@ -47,7 +47,7 @@ def conv_messages(
     taps, positions = index.shape
     spatial = math.prod(in_size)
     c_g, o_g = channels // groups, out_channels // groups
-    dtype = m_parts[0].dtype if m_parts[0].is_floating_point() else torch.float32
+    dtype = sr.state_dtype(x.dtype)
     m = tuple(p.reshape(batch, out_channels, positions) for p in m_parts)
 
     grad_in = grad_w = grad_b = None

@@ -67,7 +67,7 @@ def layer_norm_backward(call: OpCall):
     msg, x = call["grad_out"], call["input"]
     mask = call["output_mask"]
     n = math.prod(call["normalized_shape"])
-    dtype = msg.parts[0].dtype if msg.parts[0].is_floating_point() else torch.float32
+    dtype = call.weight_dtype
     rows = x.numel() // n
     x_hat = ((x - call["mean"]) * call["rstd"]).to(dtype).reshape(rows, n)
     rstd = call["rstd"].to(dtype).reshape(rows)
@@ -94,7 +94,7 @@ def layer_norm_backward(call: OpCall):
 def batch_norm_backward(call: OpCall):
     msg, x = call["grad_out"], call["input"]
     mask, train = call["output_mask"], call["train"]
-    dtype = msg.parts[0].dtype if msg.parts[0].is_floating_point() else torch.float32
+    dtype = call.weight_dtype
     channels = x.shape[1]
     rows = x.movedim(1, 0).reshape(channels, -1).to(dtype)
     if train:

@@ -55,7 +55,7 @@ def edge_weights(call: OpCall, grad_name: str, shape) -> Tensor:
     named = dict(call.bound)
     msg = named[grad_name]
     named[grad_name] = torch.ones(tuple(msg.shape), dtype=msg.dtype, device=msg.device)
-    return call_by_name(call.func, named).to(msg.parts[0].dtype if msg.parts else msg.dtype)
+    return call_by_name(call.func, named).to(call.weight_dtype)
 
 
 def _message_arg(call: OpCall) -> tuple[str, Message]:
@@ -93,7 +93,7 @@ def glu_backward(call: OpCall):
     """glu(x) = a * sigmoid(b) with x = [a, b] along ``dim``: out_i has one edge from a_i
     (weight sigmoid(b_i)) and one from b_i (weight a_i sigmoid(b_i)(1 - sigmoid(b_i)))."""
     msg, x, dim = call["grad_output"], call["self"], call["dim"] % call["self"].dim()
-    dtype = msg.parts[0].dtype if msg.parts[0].is_floating_point() else torch.float32
+    dtype = call.weight_dtype
     a, b = x.to(dtype).chunk(2, dim)
     gate = torch.sigmoid(b)
     to_a = call.semiring.scale(msg.parts, gate)
@@ -106,7 +106,7 @@ def glu_backward(call: OpCall):
 def prelu_backward(call: OpCall):
     """prelu(x) = x if x > 0 else w_c x: edge weight 1 or w_c from x, and x from w_c where x <= 0."""
     msg, x, weight = call["grad_output"], call["self"], call["weight"]
-    dtype = msg.parts[0].dtype if msg.parts[0].is_floating_point() else torch.float32
+    dtype = call.weight_dtype
     xs, w = x.to(dtype), weight.to(dtype)
     shape = [1] * x.dim()
     if w.numel() > 1:

@@ -79,7 +79,7 @@ def _avg_pool(call: OpCall, nsp: int):
     padding = expand_param(call["padding"], nsp)
     positions = sliding_positions(in_size, out_size, kernel, stride, padding, [1] * nsp, x.device)
     index = combine_dims(positions, in_size)
-    dtype = m[0].dtype if m[0].is_floating_point() else torch.float32
+    dtype = call.weight_dtype
     weights = 1.0 / _avg_divisors(call, in_size, out_size, kernel, stride, padding).to(dtype)
     src = call.semiring.scale(tuple(p[:, None, :] for p in m), weights.to(x.device)[None, None, :])
     src = tuple(p.expand(lead, index.shape[0], outs) for p in src)
@@ -105,7 +105,7 @@ def _adaptive_avg(call: OpCall, nsp: int):
     area = lengths[0]
     for extra in lengths[1:]:
         area = area[..., None] * extra
-    dtype = m[0].dtype if m[0].is_floating_point() else torch.float32
+    dtype = call.weight_dtype
     weights = 1.0 / area.reshape(-1).to(dtype)
     src = call.semiring.scale(tuple(p[:, None, :] for p in m), weights[None, None, :])
     src = tuple(p.expand(lead, index.shape[0], outs) for p in src)

@@ -99,6 +99,12 @@ class OpCall:
     def __getitem__(self, name: str) -> Any:
         return self.bound[name]
 
+    @property
+    def weight_dtype(self) -> torch.dtype:
+        """The precision edge weights are built in: the gradient's dtype, at least float32
+        (never the dtype of a boolean or integer state component)."""
+        return self.semiring.state_dtype(self.dtype)
+
     def error(self, reason: str = "") -> UnsupportedOpError:
         return unsupported(self.func, reason)
 

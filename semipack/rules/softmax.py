@@ -55,7 +55,7 @@ def log_softmax_contract_dense(sr: Semiring, m: State, log_probs: Tensor) -> Sta
 
 def _rowwise(call: OpCall, contract) -> object:
     msg, out, dim = call["grad_output"], call["output"], call["dim"] % call["output"].dim()
-    dtype = msg.parts[0].dtype if msg.parts[0].is_floating_point() else torch.float32
+    dtype = call.weight_dtype
     m = tuple(rows_last(p, dim) for p in msg.parts)
     parts = contract(call.semiring, m, rows_last(out.to(dtype), dim))
     parts = tuple(unrows(p, out.shape, dim) for p in parts)

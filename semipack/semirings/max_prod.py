@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from ..kernels.tropical import maxplus
 from ._log import log_abs
 from .base import Semiring, State, index_reduce
 
@@ -38,6 +39,10 @@ class MaxProd(Semiring):
 
     def sum(self, a: State, dims: list[int], keepdim: bool = False) -> State:
         return (a[0].amax(dims, keepdim=keepdim),)
+
+    def matmul(self, a: State, w: Tensor) -> State:
+        # A compiled max-plus kernel instead of the generic broadcast-and-reduce blocks.
+        return (maxplus(a[0], self.lift(w)[0]),)
 
     def readout(self, a: State) -> Tensor:
         return a[0] if self.log else a[0].exp()

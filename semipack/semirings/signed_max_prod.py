@@ -7,6 +7,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
+from ..kernels.tropical import maxplus
 from ._log import log_abs
 from .base import Semiring, State, index_reduce
 
@@ -94,6 +95,32 @@ class SignedMaxProd(Semiring):
             torch.where(pos, a[2] + lw, torch.where(neg, a[3] + lw, INF)),
             torch.where(pos, a[3] + lw, torch.where(neg, a[2] + lw, INF)),
         )
+
+    def matmul(self, a: State, w: Tensor) -> State:
+        """All four components in one max-plus call, routing signs through a block matrix.
+
+        With ``w`` lifted to its positive and negative parts (``-inf``/``+inf`` where an entry
+        has the other sign or is zero), ``[pos_max | neg_max] @ [[P, N], [N, P]]`` gives
+        ``[pos_max' | neg_max']`` and the min components are the same product of the negated
+        ``[pos_min | neg_min]`` and min-parts. Both products are stacked on a leading batch dim.
+        Negation is exact, so this equals the generic blocked product bit for bit.
+        """
+        rank = max(a[0].dim(), w.dim())  # equal ranks, so the stacked dim lines up below
+        a = tuple(c.reshape((1,) * (rank - c.dim()) + tuple(c.shape)) for c in a)
+        pos_max, neg_max, pos_min, neg_min = (
+            c.reshape((1,) * (rank - c.dim()) + tuple(c.shape)) for c in self.lift(w)
+        )
+        route_max = torch.cat(
+            [torch.cat([pos_max, neg_max], -1), torch.cat([neg_max, pos_max], -1)], -2
+        )
+        route_min = torch.cat(
+            [torch.cat([pos_min, neg_min], -1), torch.cat([neg_min, pos_min], -1)], -2
+        )
+        left = torch.stack([torch.cat([a[0], a[1]], -1), -torch.cat([a[2], a[3]], -1)])
+        right = torch.stack([route_max, -route_min])
+        out = maxplus(left, right)
+        m = w.shape[-1]
+        return (out[0, ..., :m], out[0, ..., m:], -out[1, ..., :m], -out[1, ..., m:])
 
     def readout(self, a: State) -> Extremes:
         pos_max, neg_max, pos_min, neg_min = a

@@ -13,8 +13,9 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from ..kernels.tropical import maxplus_argmax
 from ._log import log_abs
-from .base import BLOCK_ELEMENTS, State, index_reduce
+from .base import State, index_reduce
 from .max_prod import MaxProd
 
 NO_SUCCESSOR = -1
@@ -100,20 +101,3 @@ class TopPath(MaxProd):
             raise RuntimeError("no backward pass has been run with this TopPath semiring yet")
         return top_path(self.trace, leaf, index)
 
-
-def maxplus_argmax(a: Tensor, b: Tensor) -> tuple[Tensor, Tensor]:
-    """``max_k a[..., i, k] + b[..., k, j]`` and the first k attaining it, in bounded blocks."""
-    n, k, m = a.shape[-2], a.shape[-1], b.shape[-1]
-    batch = torch.broadcast_shapes(a.shape[:-2], b.shape[:-2])
-    per_row = max(1, k * m * max(1, batch.numel()))
-    rows = max(1, BLOCK_ELEMENTS // per_row)
-    values, where = [], []
-    for r0 in range(0, n, rows):
-        block = a[..., r0 : r0 + rows, :, None] + b[..., None, :, :]
-        best, idx = block.max(-2)
-        values.append(best)
-        where.append(idx)
-    if not values:
-        shape = (*batch, 0, m)
-        return a.new_empty(shape), torch.empty(shape, dtype=torch.int64, device=a.device)
-    return torch.cat(values, -2), torch.cat(where, -2)

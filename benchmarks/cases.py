@@ -49,7 +49,9 @@ def conv2d() -> Workload:
     x = _fixed((32, 64, 32, 32), 1).requires_grad_(True)
     weights = _fixed((32, 64, 32, 32), 2)
     return Workload(
-        "conv2d", "Conv2d 64->64 3x3, 32x32 images, batch 32", model,
+        "conv2d",
+        "Conv2d 64->64 3x3, 32x32 images, batch 32",
+        model,
         lambda: (model(x) * weights).sum(),
     )
 
@@ -77,7 +79,10 @@ def bert_layer() -> Workload:
         return (out * weights).sum()
 
     return Workload(
-        "bert_layer", "BERT-base encoder layer (768, 12 heads, FFN 3072), 8 x 128 tokens", model, loss
+        "bert_layer",
+        "BERT-base encoder layer (768, 12 heads, FFN 3072), 8 x 128 tokens",
+        model,
+        loss,
     )
 
 

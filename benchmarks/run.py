@@ -25,9 +25,10 @@ from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import semipack  # noqa: E402
-from cases import WORKLOADS, Workload  # noqa: E402
-from common import Measurement, backward_step, machine, measure  # noqa: E402
+from cases import WORKLOADS, Workload
+from common import Measurement, backward_step, machine, measure
+
+import semipack
 
 SEMIRINGS = {
     "MaxProd": semipack.MaxProd,
@@ -106,7 +107,8 @@ def _row(workload: Workload, semiring: str, path: str, m: Measurement, plain: Me
 
 def table(rows: list[dict]) -> str:
     lines = [
-        "| workload | semiring | path | backward (s) | time / plain | peak MB | memory / plain | target |",
+        "| workload | semiring | path | backward (s) | time / plain | peak MB | memory / plain "
+        "| target |",
         "|---|---|---|---:|---:|---:|---:|---|",
     ]
     for r in rows:
@@ -158,7 +160,9 @@ def _exec_with_returning_allocator() -> None:
 
 def main() -> None:
     _exec_with_returning_allocator()
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawTextHelpFormatter
+    )
     parser.add_argument("--workloads", nargs="*", default=list(WORKLOADS))
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--write", type=Path, default=None, help="write the results as markdown")

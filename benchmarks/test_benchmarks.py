@@ -14,9 +14,10 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import semipack  # noqa: E402
-from cases import WORKLOADS  # noqa: E402
-from common import backward_step  # noqa: E402
+from cases import WORKLOADS
+from common import backward_step
+
+import semipack
 
 VARIANTS = {
     "plain": None,

@@ -36,7 +36,10 @@ def main() -> None:
             loss.backward()
         value = model[0].weight.semiring_grad
         if isinstance(value, semipack.Extremes):
-            row = " ".join(f"[{lo:+.4f}, {hi:+.4f}]" for lo, hi in zip(value.smallest[0], value.largest[0]))
+            row = " ".join(
+                f"[{lo:+.4f}, {hi:+.4f}]"
+                for lo, hi in zip(value.smallest[0], value.largest[0], strict=False)
+            )
         else:
             row = " ".join(f"{v:+.4f}" if v.dtype != torch.bool else str(bool(v)) for v in value[0])
         print(f"  {sr.name:>14}: {row}")

@@ -57,7 +57,11 @@ def snapshot(model: nn.Module) -> dict:
 )
 def test_per_use_edges(sr, two_x, x_plus_x, x_times_x) -> None:
     x = torch.tensor([3.0], dtype=torch.float64, requires_grad=True)
-    for f, expected in [(lambda t: 2 * t, two_x), (lambda t: t + t, x_plus_x), (lambda t: t * t, x_times_x)]:
+    for f, expected in [
+        (lambda t: 2 * t, two_x),
+        (lambda t: t + t, x_plus_x),
+        (lambda t: t * t, x_times_x),
+    ]:
         (value,) = semipack.grad(f(x).sum(), x, sr)
         if isinstance(expected, bool):
             assert value.item() is expected
@@ -263,7 +267,10 @@ class Bilinear(nn.Module):
 
 def test_unsupported_op_names_op_node_module_and_fix() -> None:
     model = Upsampled()
-    with pytest.raises(semipack.UnsupportedOpError) as info, semipack.extend(model, semipack.MaxProd()):
+    with (
+        pytest.raises(semipack.UnsupportedOpError) as info,
+        semipack.extend(model, semipack.MaxProd()),
+    ):
         model(torch.randn(2, 3)).sum().backward()
     err = info.value
     assert err.op == "aten.upsample_bilinear2d_backward.default"
@@ -281,7 +288,9 @@ def test_unsupported_op_names_op_node_module_and_fix() -> None:
 def test_unsupported_op_without_module_says_how_to_name_it() -> None:
     x = torch.randn(1, 3, requires_grad=True)
     with pytest.raises(semipack.UnsupportedOpError, match="module unknown"):
-        semipack.grad(F.interpolate(x[None], scale_factor=2, mode="linear").sum(), x, semipack.MaxProd())
+        semipack.grad(
+            F.interpolate(x[None], scale_factor=2, mode="linear").sum(), x, semipack.MaxProd()
+        )
 
 
 def test_ops_without_semiring_meaning_raise() -> None:
@@ -331,16 +340,22 @@ def test_user_rule_registration_is_used() -> None:
         q = torch.arange(n + left + right) - left
         source = torch.where(q < 0, -q, torch.where(q >= n, 2 * (n - 1) - q, q))
         dest = call.zeros(x.shape)
-        return call.wrap(call.run_real(), call.semiring.index_plus(dest, x.dim() - 1, source, msg.parts))
+        return call.wrap(
+            call.run_real(), call.semiring.index_plus(dest, x.dim() - 1, source, msg.parts)
+        )
 
     try:
         x = torch.tensor([[1.0, 2.0, 3.0, 4.0]], dtype=torch.float64, requires_grad=True)
         padded = F.pad(x, (2, 1), mode="reflect")  # [3, 2, 1, 2, 3, 4, 3]
         (count,) = semipack.grad(padded.sum(), x, semipack.LogCount(), retain_graph=True)
         # x[0] appears once, x[1] twice, x[2] three times, x[3] once
-        torch.testing.assert_close(count, torch.tensor([[1.0, 2.0, 3.0, 1.0]], dtype=torch.float64).log())
+        torch.testing.assert_close(
+            count, torch.tensor([[1.0, 2.0, 3.0, 1.0]], dtype=torch.float64).log()
+        )
         (real,) = semipack.grad(padded.sum(), x, semipack.Real())
-        torch.testing.assert_close(real, torch.autograd.grad(F.pad(x, (2, 1), mode="reflect").sum(), x)[0])
+        torch.testing.assert_close(
+            real, torch.autograd.grad(F.pad(x, (2, 1), mode="reflect").sum(), x)[0]
+        )
     finally:
         registry._RULES.clear()
         registry._RULES.update(saved)

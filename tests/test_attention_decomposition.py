@@ -30,7 +30,9 @@ def eager_attention(q, k, v, mask=None, causal=False, scale=None):
         keep = torch.ones(q.shape[-2], k.shape[-2], dtype=torch.bool).tril()
         scores = scores.masked_fill(~keep, float("-inf"))
     if mask is not None:
-        scores = scores.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else scores + mask
+        scores = (
+            scores.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else scores + mask
+        )
     return torch.matmul(torch.softmax(scores, dim=-1), v)
 
 
@@ -58,7 +60,9 @@ CASES = {
 def test_sdpa_equals_eager_decomposition(sr, case: str) -> None:
     g = torch.Generator().manual_seed(3)
     shape = (2, 3, 4, 5)  # batch, heads, tokens, head dim
-    q, k, v = (torch.randn(shape, generator=g, dtype=torch.float64, requires_grad=True) for _ in range(3))
+    q, k, v = (
+        torch.randn(shape, generator=g, dtype=torch.float64, requires_grad=True) for _ in range(3)
+    )
     opts = dict(CASES[case])
     mask = None
     if opts.pop("mask", None) == "float":
@@ -111,7 +115,9 @@ def test_bert_sdpa_equals_eager(sr) -> None:
         with semipack.extend(model, sr):
             out = model(input_ids=ids, attention_mask=mask).last_hidden_state
             out[:, 0].sum().backward()
-        values.append({n: p.semiring_grad for n, p in model.named_parameters() if hasattr(p, "semiring_grad")})
+        values.append(
+            {n: p.semiring_grad for n, p in model.named_parameters() if hasattr(p, "semiring_grad")}
+        )
     assert values[0].keys() == values[1].keys()
     assert "encoder.layer.0.attention.self.query.weight" in values[0]
     for name in values[0]:

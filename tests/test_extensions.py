@@ -110,20 +110,87 @@ def _seeded(module_fn):
 IDS = torch.tensor([[1, 4, 7, 2, 9], [3, 3, 8, 0, 1]])
 
 CASES = [
-    Case("linear_2d", _seeded(lambda: nn.Linear(5, 4)), lambda: (_x(3, 5),), "LinearFunctionBackward"),
-    Case("linear_3d_nobias", _seeded(lambda: nn.Linear(5, 4, bias=False)), lambda: (_x(2, 3, 5),), "LinearFunctionBackward"),
-    Case("conv1d", _seeded(lambda: nn.Conv1d(4, 6, 3, stride=2, padding=1, dilation=2, groups=2)), lambda: (_x(2, 4, 9),), "ConvFunctionBackward"),
-    Case("conv2d", _seeded(lambda: nn.Conv2d(2, 3, (3, 2), stride=(2, 1), padding=1)), lambda: (_x(2, 2, 6, 5),), "ConvFunctionBackward"),
-    Case("conv2d_unbatched", _seeded(lambda: nn.Conv2d(2, 2, 2)), lambda: (_x(2, 4, 4),), "ConvFunctionBackward"),
-    Case("layer_norm", _seeded(lambda: nn.LayerNorm(6)), lambda: (_x(2, 3, 6),), "LayerNormFunctionBackward"),
-    Case("layer_norm_plain", _seeded(lambda: nn.LayerNorm([2, 3], elementwise_affine=False)), lambda: (_x(4, 2, 3),), "LayerNormFunctionBackward"),
-    Case("embedding", _seeded(lambda: nn.Embedding(10, 4, padding_idx=0)), lambda: (torch.tensor([[1, 0, 3, 1], [2, 2, 9, 0]]),), "EmbeddingFunctionBackward"),
-    Case("sdpa_block", _seeded(lambda: SdpaBlock()), lambda: (_x(2, 4, 8),), "AttentionFunctionBackward"),
-    Case("sdpa_causal_gqa", _seeded(lambda: SdpaBlock(heads=4, kv_heads=2, causal=True)), lambda: (_x(2, 4, 8),), "AttentionFunctionBackward"),
-    Case("sdpa_bool_mask", _seeded(lambda: SdpaBlock(masked=True)), lambda: (_x(1, 5, 8),), "AttentionFunctionBackward"),
-    Case("mha", _seeded(lambda: nn.MultiheadAttention(8, 2, batch_first=True)), lambda: (_x(2, 3, 8),) * 3, "MultiheadAttentionFunctionBackward"),
-    Case("mha_cross_seq_first", _seeded(lambda: nn.MultiheadAttention(8, 4)), lambda: (_x(3, 2, 8), _x(4, 2, 8, seed=2), _x(4, 2, 8, seed=3)), "MultiheadAttentionFunctionBackward"),
-    Case("transformer_layer", _seeded(lambda: nn.TransformerEncoderLayer(8, 2, 16, dropout=0.0, batch_first=True)), lambda: (_x(2, 3, 8),), "MultiheadAttentionFunctionBackward"),
+    Case(
+        "linear_2d", _seeded(lambda: nn.Linear(5, 4)), lambda: (_x(3, 5),), "LinearFunctionBackward"
+    ),
+    Case(
+        "linear_3d_nobias",
+        _seeded(lambda: nn.Linear(5, 4, bias=False)),
+        lambda: (_x(2, 3, 5),),
+        "LinearFunctionBackward",
+    ),
+    Case(
+        "conv1d",
+        _seeded(lambda: nn.Conv1d(4, 6, 3, stride=2, padding=1, dilation=2, groups=2)),
+        lambda: (_x(2, 4, 9),),
+        "ConvFunctionBackward",
+    ),
+    Case(
+        "conv2d",
+        _seeded(lambda: nn.Conv2d(2, 3, (3, 2), stride=(2, 1), padding=1)),
+        lambda: (_x(2, 2, 6, 5),),
+        "ConvFunctionBackward",
+    ),
+    Case(
+        "conv2d_unbatched",
+        _seeded(lambda: nn.Conv2d(2, 2, 2)),
+        lambda: (_x(2, 4, 4),),
+        "ConvFunctionBackward",
+    ),
+    Case(
+        "layer_norm",
+        _seeded(lambda: nn.LayerNorm(6)),
+        lambda: (_x(2, 3, 6),),
+        "LayerNormFunctionBackward",
+    ),
+    Case(
+        "layer_norm_plain",
+        _seeded(lambda: nn.LayerNorm([2, 3], elementwise_affine=False)),
+        lambda: (_x(4, 2, 3),),
+        "LayerNormFunctionBackward",
+    ),
+    Case(
+        "embedding",
+        _seeded(lambda: nn.Embedding(10, 4, padding_idx=0)),
+        lambda: (torch.tensor([[1, 0, 3, 1], [2, 2, 9, 0]]),),
+        "EmbeddingFunctionBackward",
+    ),
+    Case(
+        "sdpa_block",
+        _seeded(lambda: SdpaBlock()),
+        lambda: (_x(2, 4, 8),),
+        "AttentionFunctionBackward",
+    ),
+    Case(
+        "sdpa_causal_gqa",
+        _seeded(lambda: SdpaBlock(heads=4, kv_heads=2, causal=True)),
+        lambda: (_x(2, 4, 8),),
+        "AttentionFunctionBackward",
+    ),
+    Case(
+        "sdpa_bool_mask",
+        _seeded(lambda: SdpaBlock(masked=True)),
+        lambda: (_x(1, 5, 8),),
+        "AttentionFunctionBackward",
+    ),
+    Case(
+        "mha",
+        _seeded(lambda: nn.MultiheadAttention(8, 2, batch_first=True)),
+        lambda: (_x(2, 3, 8),) * 3,
+        "MultiheadAttentionFunctionBackward",
+    ),
+    Case(
+        "mha_cross_seq_first",
+        _seeded(lambda: nn.MultiheadAttention(8, 4)),
+        lambda: (_x(3, 2, 8), _x(4, 2, 8, seed=2), _x(4, 2, 8, seed=3)),
+        "MultiheadAttentionFunctionBackward",
+    ),
+    Case(
+        "transformer_layer",
+        _seeded(lambda: nn.TransformerEncoderLayer(8, 2, 16, dropout=0.0, batch_first=True)),
+        lambda: (_x(2, 3, 8),),
+        "MultiheadAttentionFunctionBackward",
+    ),
     Case("bert_eager", lambda: BertHead("eager"), lambda: (IDS,), "AttentionFunctionBackward"),
     Case("bert_sdpa", lambda: BertHead("sdpa"), lambda: (IDS,), "AttentionFunctionBackward"),
 ]

@@ -332,3 +332,27 @@ def test_compiled_path_inside_a_semiring_backward(sr: Semiring, monkeypatch) -> 
     assert len(calls) == 2
     for g, w in zip(got, want, strict=True):
         torch.testing.assert_close(g, w, rtol=1e-9, atol=1e-11, equal_nan=True)
+
+
+@pytest.mark.parametrize("sr", SEMIRINGS, ids=IDS)
+def test_normalization_compiled_kernel_handles_outlier_features(sr: Semiring) -> None:
+    """Rows dominated by one or two huge features (x̂_j² > (n - 2) / 2), as in transformers with
+    massive activations: the all-pairs kernels' diagonal correction does not hold there and those
+    columns are recomputed exactly. A row with a single non-zero entry has x̂_0² = n - 1, where
+    the true diagonal derivative 1 - (1 + x̂_0²) / n is (numerically) zero."""
+    if not compile_enabled():
+        pytest.skip("compiled kernels are switched off (SEMIPACK_COMPILE=0)")
+    gen = torch.Generator().manual_seed(21)
+    rows, n = 6, 40
+    x = torch.randn(rows, n, generator=gen, dtype=F64)
+    x[0, 3] = 400.0  # one massive feature
+    x[1, 5], x[1, 9] = 300.0, -300.0  # two
+    x[2] = 0.0
+    x[2, 0] = 7.0  # a single non-zero entry
+    x_hat, rstd = layer_norm_stats(x)
+    assert (x_hat * x_hat > (n - 2) / 2).sum() >= 4
+    gain = torch.randn(n, generator=gen, dtype=F64)
+    m = random_state(sr, rows, n, seed=9)
+    got = normalized_messages(sr, m, x_hat, rstd, gain, False, mode="compiled")
+    want = dense(sr, m, normalization_jacobian(x_hat, rstd, gain, False))
+    assert_same_state(sr, got, want)

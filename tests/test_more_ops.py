@@ -9,10 +9,10 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-
-import semipack
 from oracle import build_graph, dynamic_programming
 from test_oracle import SEMIPACK_SEMIRINGS, assert_readout_matches
+
+import semipack
 
 
 def _x(*shape, seed=0):
@@ -35,7 +35,10 @@ FUNCTIONS = {
     "tril": (lambda x: (x @ x.t()).tril(-1), (3, 2)),
     "glu": (lambda x: F.glu(x, -1), (2, 4)),
     "prelu": (lambda x: F.prelu(x, torch.tensor([0.3, -2.0], dtype=torch.float64)), (2, 2, 3)),
-    "masked_select": (lambda x: x.masked_select(torch.tensor([[True, False, True], [False, True, True]])), (2, 3)),
+    "masked_select": (
+        lambda x: x.masked_select(torch.tensor([[True, False, True], [False, True, True]])),
+        (2, 3),
+    ),
     "cumsum": (lambda x: x.cumsum(1), (2, 4)),
     "tensor_unfold": (lambda x: x.unfold(1, 3, 1), (2, 5)),
     "slice_assignment": (_slice_assign, (2, 3)),

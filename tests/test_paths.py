@@ -6,9 +6,9 @@ import math
 
 import pytest
 import torch
+from test_extensions import CASES, _loss
 
 import semipack
-from test_extensions import CASES, _loss
 
 
 def test_hand_computed_best_path() -> None:
@@ -25,7 +25,12 @@ def test_hand_computed_best_path() -> None:
     ops = [s.op for s in path.steps]
     # x[0] -> select -> (2·a) -> ((2a)·b) -> (·0.5) -> (+) = loss
     assert ops == ["Select", "Mul", "Mul", "Mul", "Add"]
-    edges = [math.exp(p - s.log_value) for p, s in zip([path.log_value] + [s.log_value for s in path.steps], path.steps)]
+    edges = [
+        math.exp(p - s.log_value)
+        for p, s in zip(
+            [path.log_value] + [s.log_value for s in path.steps], path.steps, strict=False
+        )
+    ]
     assert edges == pytest.approx([1.0, 2.0, 4.0, 0.5, 1.0])
     assert path.steps[-1].log_value == pytest.approx(0.0)  # the root
     # raising b's use below 3 switches the best path to the direct edge

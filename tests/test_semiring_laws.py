@@ -175,6 +175,6 @@ def test_readouts_of_known_states() -> None:
         pytest.approx(math.log(4.0))
     )
     ls = semipack.LogSum(log=False)
-    assert ls.readout(ls.plus(ls.lift(torch.tensor([1.0])), ls.lift(torch.tensor([-3.0])))).item() == (
-        pytest.approx(4.0)
-    )
+    assert ls.readout(
+        ls.plus(ls.lift(torch.tensor([1.0])), ls.lift(torch.tensor([-3.0])))
+    ).item() == (pytest.approx(4.0))

@@ -31,7 +31,8 @@ def deep_model() -> ResidualMLP:
 
 
 @pytest.mark.parametrize(
-    "sr", [semipack.LogSum(), semipack.Entropy(), semipack.LogCount(), semipack.MaxProd(log=True)],
+    "sr",
+    [semipack.LogSum(), semipack.Entropy(), semipack.LogCount(), semipack.MaxProd(log=True)],
     ids=lambda s: s.name,
 )
 def test_deep_residual_mlp_stays_finite(deep_model: ResidualMLP, sr) -> None:

@@ -51,6 +51,7 @@ class AttentionFunction(torch.autograd.Function):
         ctx.inner = InnerGraph(inner_fn, [q, k, v])
         ctx.spec = spec
         out, weights = ctx.inner.outputs
+        ctx.inner.release_outputs()
         return out.detach(), (weights.detach() if weights is not None else None)
 
     @staticmethod
@@ -59,12 +60,7 @@ class AttentionFunction(torch.autograd.Function):
         reg_out, m_out, sr = split_message(grad_out)
         reg_w, m_w, sr_w = split_message(grad_weights)
         sr = sr or sr_w
-        outputs = [inner.outputs[0]]
-        grads = [reg_out]
-        if inner.outputs[1] is not None:
-            outputs.append(inner.outputs[1])
-            grads.append(reg_w)
-        reg = inner.regular_grads(outputs, grads)
+        reg = inner.regular_grads([reg_out, reg_w])
         if sr is None:
             return (*reg, None, None)
         q, k, v = (t.detach() for t in inner.leaves)
@@ -142,7 +138,13 @@ def semiring_sdpa(
 
         def inner(q, k, v):
             out = _sdpa(
-                q, k, v, attn_mask=attn_mask, is_causal=is_causal, scale=scale, enable_gqa=enable_gqa
+                q,
+                k,
+                v,
+                attn_mask=attn_mask,
+                is_causal=is_causal,
+                scale=scale,
+                enable_gqa=enable_gqa,
             )
             return out, None
     else:

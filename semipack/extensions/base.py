@@ -122,22 +122,37 @@ class InnerGraph:
         with torch.enable_grad():
             self.outputs = fn(*self.leaves)
 
-    def regular_grads(
-        self, outputs: Sequence[Tensor], grads: Sequence[Tensor | None]
-    ) -> list[Tensor | None]:
-        """Gradients for the inner inputs from exactly the ops of a plain backward.
+    def release_outputs(self) -> None:
+        """Keep only the autograd edges of the outputs, not their data: a plain backward does
+        not keep a module's outputs alive, so neither should the inner graph."""
+        outputs = self.outputs if isinstance(self.outputs, tuple) else (self.outputs,)
+        self.edges = [
+            None if o is None or o.grad_fn is None else torch.autograd.graph.get_gradient_edge(o)
+            for o in outputs
+        ]
+        self.outputs = None
+
+    def regular_grads(self, grads: Sequence[Tensor | None]) -> list[Tensor | None]:
+        """Gradients for the inner inputs from exactly the ops of a plain backward, given the
+        gradients of the outputs (in order; None for an output without one).
 
         A repeated input receives its whole gradient at its first position and zeros at the
         others (autograd adds them up again).
         """
-        pairs = [(o, g) for o, g in zip(outputs, grads, strict=True) if g is not None]
+        pairs = [
+            (e, g)
+            for e, g in zip(self.edges, grads, strict=False)
+            if g is not None and e is not None
+        ]
         unique = [
-            t for t, first in zip(self.leaves, self.first_use, strict=True) if first and t.requires_grad
+            t
+            for t, first in zip(self.leaves, self.first_use, strict=True)
+            if first and t.requires_grad
         ]
         if not unique or not pairs:
             return [None] * len(self.leaves)
         got = torch.autograd.grad(
-            [o for o, _ in pairs],
+            [e for e, _ in pairs],
             unique,
             [g for _, g in pairs],
             retain_graph=True,

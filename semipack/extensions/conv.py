@@ -16,13 +16,15 @@ class ConvFunction(torch.autograd.Function):
     def forward(ctx, x, weight, bias, module):
         ctx.inner = InnerGraph(module._conv_forward, [x, weight, bias])
         ctx.geometry = (module.stride, module.padding, module.dilation, module.groups)
-        return ctx.inner.outputs.detach()
+        out = ctx.inner.outputs.detach()
+        ctx.inner.release_outputs()
+        return out
 
     @staticmethod
     def backward(ctx, grad):
         regular, parts, sr = split_message(grad)
         inner = ctx.inner
-        reg = inner.regular_grads([inner.outputs], [regular])
+        reg = inner.regular_grads([regular])
         if parts is None:
             return (*reg, None)
         x, weight, bias = (t.detach() if t is not None else None for t in inner.leaves)

@@ -29,13 +29,15 @@ class EmbeddingFunction(torch.autograd.Function):
     def forward(ctx, weight, indices, padding_idx):
         ctx.inner = InnerGraph(lambda w: F.embedding(indices, w, padding_idx), [weight])
         ctx.indices, ctx.padding_idx = indices, padding_idx
-        return ctx.inner.outputs.detach()
+        out = ctx.inner.outputs.detach()
+        ctx.inner.release_outputs()
+        return out
 
     @staticmethod
     def backward(ctx, grad):
         regular, parts, sr = split_message(grad)
         inner = ctx.inner
-        (reg,) = inner.regular_grads([inner.outputs], [regular])
+        (reg,) = inner.regular_grads([regular])
         if parts is None:
             return reg, None, None
         weight = inner.leaves[0].detach()

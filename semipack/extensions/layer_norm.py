@@ -44,22 +44,23 @@ class LayerNormFunction(torch.autograd.Function):
 
         ctx.inner = InnerGraph(run, [x, weight, bias])
         ctx.shape = tuple(shape)
-        return ctx.inner.outputs[0].detach()
+        out, mean, rstd = (t.detach() for t in ctx.inner.outputs)
+        ctx.stats = (mean, rstd)
+        ctx.inner.release_outputs()
+        return out
 
     @staticmethod
     def backward(ctx, grad):
         regular, parts, sr = split_message(grad)
         inner = ctx.inner
-        out, mean, rstd = inner.outputs
-        reg = inner.regular_grads([out], [regular])
+        mean, rstd = ctx.stats
+        reg = inner.regular_grads([regular])
         reg = [*reg, None, None]
         if parts is None:
             return tuple(reg)
         x, weight, bias = (t.detach() if t is not None else None for t in inner.leaves)
         need = ctx.needs_input_grad
-        states = layer_norm_messages(
-            sr, parts, x, mean.detach(), rstd.detach(), weight, bias, ctx.shape, need[:3]
-        )
+        states = layer_norm_messages(sr, parts, x, mean, rstd, weight, bias, ctx.shape, need[:3])
         msgs = tuple(
             as_message(r, s, sr, like) if s is not None else None
             for r, s, like in zip(reg[:3], states, (x, weight, bias), strict=True)

@@ -33,18 +33,22 @@ class LinearFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias):
         ctx.inner = InnerGraph(F.linear, [x, weight, bias])
-        return ctx.inner.outputs.detach()
+        out = ctx.inner.outputs.detach()
+        ctx.inner.release_outputs()
+        return out
 
     @staticmethod
     def backward(ctx, grad):
         regular, parts, sr = split_message(grad)
         inner = ctx.inner
-        reg = inner.regular_grads([inner.outputs], [regular])
+        reg = inner.regular_grads([regular])
         if parts is None:
             return tuple(reg)
         x, weight, bias = (t.detach() if t is not None else None for t in inner.leaves)
         need = ctx.needs_input_grad
-        states = linear_messages(sr, parts, x, weight, need[0], need[1], need[2] and bias is not None)
+        states = linear_messages(
+            sr, parts, x, weight, need[0], need[1], need[2] and bias is not None
+        )
         return tuple(
             as_message(r, s, sr, like) if s is not None else None
             for r, s, like in zip(reg, states, (x, weight, bias), strict=True)

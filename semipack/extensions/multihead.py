@@ -63,6 +63,7 @@ class MultiheadAttentionFunction(torch.autograd.Function):
         ctx.inner = InnerGraph(run, [query, key, value, w_in, b_in, w_out, b_out])
         ctx.module, ctx.options = module, options
         out, weights = ctx.inner.outputs
+        ctx.inner.release_outputs()
         return out.detach(), (weights.detach() if weights is not None else None)
 
     @staticmethod
@@ -71,11 +72,7 @@ class MultiheadAttentionFunction(torch.autograd.Function):
         reg_out, m_out, sr = split_message(grad_out)
         reg_w, m_w, sr_w = split_message(grad_weights)
         sr = sr or sr_w
-        outputs, grads = [inner.outputs[0]], [reg_out]
-        if inner.outputs[1] is not None:
-            outputs.append(inner.outputs[1])
-            grads.append(reg_w)
-        reg = inner.regular_grads(outputs, grads)
+        reg = inner.regular_grads([reg_out, reg_w])
         if sr is None:
             return (*reg, None, None)
         states = _semiring_messages(ctx, sr, m_out, m_w)
@@ -136,8 +133,10 @@ def _semiring_messages(ctx, sr, m_out: State | None, m_weights: State | None) ->
     m_p = None
     if m_weights is not None:
         if options["average_attn_weights"]:  # mean over heads: an edge of weight 1/h per head
-            m_p = sr.scale(tuple(p[:, None].expand(b, h, t_q, t_k) for p in m_weights),
-                           torch.tensor(1.0 / h, dtype=dtype))
+            m_p = sr.scale(
+                tuple(p[:, None].expand(b, h, t_q, t_k) for p in m_weights),
+                torch.tensor(1.0 / h, dtype=dtype),
+            )
         else:
             m_p = m_weights
     m_q, m_k, m_v = attention_contract(sr, m_heads, q, k, v, probs, scale, None, m_p)
@@ -148,7 +147,9 @@ def _semiring_messages(ctx, sr, m_out: State | None, m_weights: State | None) ->
     per_input = []
     weight_parts, bias_parts = [], []
     for m_y, x, w in ((m_q, xq, w_q), (m_k, xk, w_k), (m_v, xv, w_v)):
-        m_x, m_w, m_b = linear_messages(sr, merge(m_y), x, w, True, need[3], need[4] and b_in is not None)
+        m_x, m_w, m_b = linear_messages(
+            sr, merge(m_y), x, w, True, need[3], need[4] and b_in is not None
+        )
         per_input.append(tuple(p if batch_first else p.transpose(0, 1) for p in m_x))
         weight_parts.append(m_w)
         bias_parts.append(m_b)

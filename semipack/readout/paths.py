@@ -136,7 +136,9 @@ class PathTrace:
 
     def node_prehook(self, node):
         """A pre-hook that records the node's incoming messages and relabels their entries."""
-        op = node.name().removesuffix("Backward0").removesuffix("Backward1").removesuffix("Backward")
+        op = (
+            node.name().removesuffix("Backward0").removesuffix("Backward1").removesuffix("Backward")
+        )
         module = node.metadata.get(MODULE_KEY)
         sites = node.metadata.get(SITE_KEY, ())
 

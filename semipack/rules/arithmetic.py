@@ -26,7 +26,7 @@ def add(call: OpCall):
 
 @register_rule(aten.sub.Tensor, aten.sub.Scalar)
 def sub(call: OpCall):
-    a, b = call["self"], call["other"]
+    _a, b = call["self"], call["other"]
     if isinstance(b, Message):
         raise call.error("subtracting a message has no semiring meaning")
     call.state(b)  # checks that the plain operand is zero
@@ -58,10 +58,7 @@ def div(call: OpCall):
     a, b = call["self"], call["other"]
     if not isinstance(a, Message) or isinstance(b, Message):
         raise call.error("only a message divided by a plain tensor has a semiring meaning")
-    if isinstance(b, Tensor):
-        weight = 1.0 / b.to(call.weight_dtype)
-    else:
-        weight = 1.0 / b
+    weight = 1.0 / b.to(call.weight_dtype) if isinstance(b, Tensor) else 1.0 / b
     return _scale(call, weight)
 
 
@@ -75,10 +72,7 @@ def sum_(call: OpCall):
     msg = call["self"]
     dims = normalize_dims(call.bound.get("dim"), msg.dim())
     keepdim = bool(call.bound.get("keepdim") or False)
-    if msg.dim() == 0:
-        parts = msg.parts
-    else:
-        parts = call.semiring.sum(msg.parts, dims, keepdim)
+    parts = msg.parts if msg.dim() == 0 else call.semiring.sum(msg.parts, dims, keepdim)
     return call.wrap(call.run_real(), parts)
 
 

@@ -81,7 +81,7 @@ def record_internal(sr: Semiring, m: State, tensor: str) -> State:
     trace = getattr(sr, "trace", None)
     if not getattr(sr, "records_paths", False) or trace is None:
         return m
-    node, module = current_site()
+    _node, module = current_site()
     dims = ("batch", "head", "query", "key")[-m[0].dim() :]
     site = Site(module if module is not None else "<unnamed>", tensor, dims)
     ids = trace.relabel(m[0], m[1], tensor, module, site)

@@ -104,7 +104,7 @@ def glu_backward(call: OpCall):
 
 @register_rule(aten._prelu_kernel_backward.default)
 def prelu_backward(call: OpCall):
-    """prelu(x) = x if x > 0 else w_c x: edge weight 1 or w_c from x, and x from w_c where x <= 0."""
+    """prelu(x) = x if x > 0 else w_c x: edge weight 1 or w_c from x, x from w_c where x <= 0."""
     msg, x, weight = call["grad_output"], call["self"], call["weight"]
     dtype = call.weight_dtype
     xs, w = x.to(dtype), weight.to(dtype)

@@ -30,7 +30,7 @@ def _flat(call: OpCall, nsp: int):
 
 def _max_pool(call: OpCall, nsp: int):
     """Each output entry has one edge, of weight 1, from the input entry it selected."""
-    msg, x, lead, spatial, outs, m, dest = _flat(call, nsp)
+    _msg, x, lead, spatial, outs, m, dest = _flat(call, nsp)
     index = call["indices"].reshape(lead, outs)
     targets = (torch.arange(lead, device=x.device)[:, None] * spatial + index).reshape(-1)
     src = tuple(p.reshape(-1) for p in m)

@@ -35,7 +35,9 @@ def cumsum(call: OpCall):
     msg = call["self"]
     if msg.dim() == 0:
         return call.wrap(call.run_real(), msg.parts)
-    return call.wrap(call.run_real(), prefix_plus(call.semiring, msg.parts, call["dim"] % msg.dim()))
+    return call.wrap(
+        call.run_real(), prefix_plus(call.semiring, msg.parts, call["dim"] % msg.dim())
+    )
 
 
 @register_rule(aten.unfold_backward.default)

@@ -88,7 +88,11 @@ def triangle(call: OpCall):
     msg = call["self"]
     rows, cols = msg.shape[-2:]
     keep = torch.ones(rows, cols, dtype=torch.bool, device=msg.device)
-    keep = keep.tril(call["diagonal"]) if call.func is aten.tril.default else keep.triu(call["diagonal"])
+    keep = (
+        keep.tril(call["diagonal"])
+        if call.func is aten.tril.default
+        else keep.triu(call["diagonal"])
+    )
     zeros = call.zeros(msg.shape)
     return call.wrap(call.run_real(), call.semiring.where(keep, msg.parts, zeros))
 
@@ -150,7 +154,9 @@ def as_strided(call: OpCall):
     ref = msg.gradient if msg.gradient is not None else msg.parts[0]
     for p in msg.parts:
         if p.stride() != ref.stride() or p.storage_offset() != ref.storage_offset():
-            raise call.error("as_strided on a message whose state layout differs from its gradient's")
+            raise call.error(
+                "as_strided on a message whose state layout differs from its gradient's"
+            )
     real, outs = per_component(call, ("self",))
     return wrap_outputs(call, real, outs)
 

@@ -188,4 +188,6 @@ def index_reduce(dest: Tensor, dim: int, index: Tensor, src: Tensor, reduce: str
     (stable API): ``index`` is 1-D along ``dim`` and broadcast over the other dims of ``src``."""
     shape = [1] * src.dim()
     shape[dim] = -1
-    return dest.scatter_reduce(dim, index.view(shape).expand_as(src), src, reduce, include_self=True)
+    return dest.scatter_reduce(
+        dim, index.view(shape).expand_as(src), src, reduce, include_self=True
+    )

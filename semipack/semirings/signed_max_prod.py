@@ -142,6 +142,5 @@ class SignedMaxProd(Semiring):
     def index_plus(self, dest: State, dim: int, index: Tensor, src: State) -> State:
         reduce = ("amax", "amax", "amin", "amin")
         return tuple(
-            index_reduce(d, dim, index, s, r)
-            for d, s, r in zip(dest, src, reduce, strict=True)
+            index_reduce(d, dim, index, s, r) for d, s, r in zip(dest, src, reduce, strict=True)
         )

@@ -85,7 +85,11 @@ class TopPath(MaxProd):
         wins = src[0] == gathered
         src_ids = torch.where(wins, src[1].expand(src[0].shape), NO_SUCCESSOR)
         from_src = index_reduce(
-            torch.full_like(dest[1].expand(dest[0].shape), NO_SUCCESSOR), dim, index, src_ids, "amax"
+            torch.full_like(dest[1].expand(dest[0].shape), NO_SUCCESSOR),
+            dim,
+            index,
+            src_ids,
+            "amax",
         )
         keep_dest = dest[0] == best
         return best, torch.where(keep_dest, dest[1].expand(dest[0].shape), from_src)
@@ -100,4 +104,3 @@ class TopPath(MaxProd):
         if self.trace is None:
             raise RuntimeError("no backward pass has been run with this TopPath semiring yet")
         return top_path(self.trace, leaf, index)
-

@@ -101,7 +101,9 @@ def backward(
     if not leaves:
         return []
     with path_recording(sr, tensors, leaf_names) as trace:
-        captured = _run_backward(tensors, grad_tensors, sr, leaves, regular_grads, retain_graph, inputs)
+        captured = _run_backward(
+            tensors, grad_tensors, sr, leaves, regular_grads, retain_graph, inputs
+        )
         for i, leaf in enumerate(leaves):
             msg = captured.get(id(leaf))
             if msg is not None:

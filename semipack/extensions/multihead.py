@@ -13,6 +13,7 @@ import math
 from typing import Any
 
 import torch
+from einops import rearrange, repeat
 from torch import Tensor, nn
 from torch.nn.utils.stateless import _reparametrize_module
 
@@ -100,7 +101,6 @@ def _semiring_messages(ctx, sr, m_out: State | None, m_weights: State | None) ->
 
     xq, xk, xv = to_bf(query), to_bf(key), to_bf(value)
     b, t_q, e = xq.shape
-    t_k = xk.shape[1]
     h = module.num_heads
     d = e // h
     w_q, w_k, w_v = w_in.to(dtype).chunk(3)
@@ -110,16 +110,19 @@ def _semiring_messages(ctx, sr, m_out: State | None, m_weights: State | None) ->
         y = x @ w.t()
         return y + bias if bias is not None else y
 
-    def heads(y: Tensor, n: int) -> Tensor:
-        return y.reshape(b, n, h, d).transpose(1, 2)
+    def heads(y: Tensor) -> Tensor:
+        return rearrange(y, "b t (h d) -> b h t d", h=h)
 
-    q = heads(project(xq, w_q, b_q), t_q)
-    k = heads(project(xk, w_k, b_k), t_k)
-    v = heads(project(xv, w_v, b_v), t_k)
+    def merged(y: Tensor) -> Tensor:
+        return rearrange(y, "b h t d -> b t (h d)")
+
+    q = heads(project(xq, w_q, b_q))
+    k = heads(project(xk, w_k, b_k))
+    v = heads(project(xv, w_v, b_v))
     mask = additive_mask(options["attn_mask"], options["key_padding_mask"], b, h, dtype)
     scale = 1.0 / math.sqrt(d)
     probs = attention_probs(q, k, mask, False, scale)
-    concat = (probs @ v).transpose(1, 2).reshape(b, t_q, e)
+    concat = merged(probs @ v)
 
     if m_out is None:
         m_out = sr.zeros((b, t_q, e), dtype, query.device)
@@ -129,12 +132,12 @@ def _semiring_messages(ctx, sr, m_out: State | None, m_weights: State | None) ->
     m_concat, m_wo, m_bo = linear_messages(
         sr, m_out, concat, w_out.to(dtype), True, need[5], need[6] and b_out is not None
     )
-    m_heads = tuple(p.reshape(b, t_q, h, d).transpose(1, 2) for p in m_concat)
+    m_heads = tuple(heads(p) for p in m_concat)
     m_p = None
     if m_weights is not None:
         if options["average_attn_weights"]:  # mean over heads: an edge of weight 1/h per head
             m_p = sr.scale(
-                tuple(p[:, None].expand(b, h, t_q, t_k) for p in m_weights),
+                tuple(repeat(p, "b q k -> b h q k", h=h) for p in m_weights),
                 torch.tensor(1.0 / h, dtype=dtype),
             )
         else:
@@ -142,7 +145,7 @@ def _semiring_messages(ctx, sr, m_out: State | None, m_weights: State | None) ->
     m_q, m_k, m_v = attention_contract(sr, m_heads, q, k, v, probs, scale, None, m_p)
 
     def merge(m: State) -> State:
-        return tuple(p.transpose(1, 2).reshape(b, -1, e) for p in m)
+        return tuple(merged(p) for p in m)
 
     per_input = []
     weight_parts, bias_parts = [], []

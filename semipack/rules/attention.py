@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 
 import torch
+from einops import rearrange, repeat
 from torch import Tensor
 
 from ..readout.sites import Site
@@ -92,16 +93,15 @@ def repeat_heads(t: Tensor, groups: int) -> Tensor:
     """Grouped-query attention: each key/value head serves ``groups`` query heads."""
     if groups == 1:
         return t
-    b, h, n, d = t.shape
-    return t[:, :, None].expand(b, h, groups, n, d).reshape(b, h * groups, n, d)
+    return repeat(t, "b h n d -> b (h g) n d", g=groups)
 
 
 def fold_heads(sr: Semiring, m: State, groups: int) -> State:
     """Inverse of ``repeat_heads`` for messages: the repeated uses meet in a plus."""
     if groups == 1:
         return m
-    b, hg, n, d = m[0].shape
-    return sr.sum(tuple(p.reshape(b, hg // groups, groups, n, d) for p in m), [2])
+    split = tuple(rearrange(p, "b (h g) n d -> b h g n d", g=groups) for p in m)
+    return sr.sum(split, [2])
 
 
 def _sdpa_backward(call: OpCall, grad_name: str, mask_name: str | None, n_outputs: int):

@@ -1,0 +1,82 @@
+"""CUDA: the same values on the GPU as on the CPU (skipped without CUDA)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import semipack
+from semipack.kernels.tropical import maxplus, maxplus_argmax
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
+]
+
+SEMIRINGS = [
+    semipack.Real,
+    semipack.MaxProd,
+    semipack.SignedMaxProd,
+    semipack.LogSum,
+    semipack.Entropy,
+    semipack.Boolean,
+    semipack.LogCount,
+]
+
+
+def _block() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.TransformerEncoderLayer(16, 4, 32, dropout=0.0, batch_first=True)
+
+
+@pytest.mark.parametrize("make", SEMIRINGS, ids=[s.__name__ for s in SEMIRINGS])
+def test_transformer_layer_cuda_matches_cpu(make) -> None:
+    x = torch.randn(2, 5, 16, generator=torch.Generator().manual_seed(1))
+    values = []
+    for device in ("cpu", "cuda"):
+        model = _block().to(device)
+        inp = x.to(device).requires_grad_(True)
+        with semipack.extend(model, make()):
+            model(inp).pow(2).sum().backward()
+        values.append({n: p.semiring_grad for n, p in model.named_parameters()})
+    for name, cpu_value in values[0].items():
+        gpu_value = values[1][name]
+        if isinstance(cpu_value, tuple):
+            for a, b in zip(cpu_value, gpu_value, strict=True):
+                torch.testing.assert_close(b.cpu(), a, rtol=1e-4, atol=1e-5, equal_nan=True)
+        elif cpu_value.dtype == torch.bool:
+            assert torch.equal(gpu_value.cpu(), cpu_value), name
+        else:
+            torch.testing.assert_close(
+                gpu_value.cpu(), cpu_value, rtol=1e-4, atol=1e-5, equal_nan=True
+            )
+
+
+def test_compiled_maxplus_on_cuda_matches_reference() -> None:
+    g = torch.Generator(device="cuda").manual_seed(0)
+    a = torch.randn(3, 130, 70, device="cuda", generator=g)
+    b = torch.randn(3, 70, 90, device="cuda", generator=g)
+    a[0, 5] = float("-inf")
+    reference = (a[..., :, :, None] + b[..., None, :, :]).max(-2)
+    torch.testing.assert_close(maxplus(a, b), reference.values)
+    values, index = maxplus_argmax(a, b)
+    torch.testing.assert_close(values, reference.values)
+    finite = torch.isfinite(reference.values)
+    assert torch.equal(index[finite], reference.indices[finite])
+
+
+def test_sdpa_cuda_kernel_is_drawn_as_decomposition() -> None:
+    q, k, v = (torch.randn(1, 2, 6, 8, device="cuda", requires_grad=True) for _ in range(3))
+    fused = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    scores = (q @ k.transpose(-1, -2)) / 8**0.5
+    scores = scores.masked_fill(
+        ~torch.ones(6, 6, dtype=torch.bool, device="cuda").tril(), -torch.inf
+    )
+    eager = torch.softmax(scores, -1) @ v
+    for make in (semipack.MaxProd, semipack.Entropy):
+        got = semipack.grad(fused.sum(), [q, k, v], make(), retain_graph=True)
+        want = semipack.grad(eager.sum(), [q, k, v], make(), retain_graph=True)
+        for a, b in zip(got, want, strict=True):
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)

@@ -47,6 +47,26 @@ FUNCTIONS = {
     "cumprod": (lambda x: x.cumprod(1), (2, 3)),
     "sort_topk": (lambda x: x.sort(1).values[:, :2] * x.topk(2).values, (2, 4)),
     "norm": (lambda x: x.norm(dim=1), (3, 4)),
+    "conv3d": (
+        lambda x: F.conv3d(
+            x,
+            torch.linspace(-1, 1, 16, dtype=torch.float64).reshape(2, 1, 2, 2, 2),
+            stride=(1, 2, 1),
+            padding=1,
+        ),
+        (1, 1, 3, 3, 3),
+    ),
+    "instance_norm": (lambda x: F.instance_norm(x), (2, 2, 5)),
+    "rms_norm": (lambda x: F.rms_norm(x, (4,)), (3, 4)),
+    "max_pool1d": (lambda x: F.max_pool1d(x, 2, stride=1), (1, 2, 5)),
+    "avg_pool1d": (lambda x: F.avg_pool1d(x, 3, stride=2, padding=1), (1, 2, 6)),
+    "adaptive_max_pool2d": (lambda x: F.adaptive_max_pool2d(x, 2), (1, 1, 3, 5)),
+    "elementwise_math": (
+        lambda x: x.exp() * x.sin() + x.abs().sqrt() - torch.erf(x) + x.pow(3),
+        (2, 3),
+    ),
+    "reductions": (lambda x: torch.stack([x.prod(1), x.amax(1), x.logsumexp(1), x.std(1)]), (3, 4)),
+    "clamp_where": (lambda x: x.clamp(-0.5, 0.5) + torch.where(x > 0, x, 0.0), (2, 4)),
 }
 
 

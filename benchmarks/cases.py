@@ -27,6 +27,11 @@ class Workload:
     description: str
     model: nn.Module
     loss: Callable[[], torch.Tensor]
+    inputs: tuple[torch.Tensor, ...] = ()
+
+    def leaves(self) -> list[torch.Tensor]:
+        """Every tensor a backward writes results to: parameters and inputs with grad."""
+        return [*self.model.parameters(), *(t for t in self.inputs if t.requires_grad)]
 
 
 def _fixed(shape, seed: int) -> torch.Tensor:
@@ -39,7 +44,7 @@ def linear() -> Workload:
     x = _fixed((1024, 768), 1).requires_grad_(True)
     weights = _fixed((1024, 3072), 2)
     return Workload(
-        "linear", "Linear 768->3072, batch 1024", model, lambda: (model(x) * weights).sum()
+        "linear", "Linear 768->3072, batch 1024", model, lambda: (model(x) * weights).sum(), (x,)
     )
 
 
@@ -53,6 +58,7 @@ def conv2d() -> Workload:
         "Conv2d 64->64 3x3, 32x32 images, batch 32",
         model,
         lambda: (model(x) * weights).sum(),
+        (x,),
     )
 
 
@@ -83,6 +89,7 @@ def bert_layer() -> Workload:
         "BERT-base encoder layer (768, 12 heads, FFN 3072), 8 x 128 tokens",
         model,
         loss,
+        (x,),
     )
 
 

@@ -32,8 +32,14 @@ def _status(key: str) -> int:
     raise KeyError(key)
 
 
-def peak_memory(fn: Callable[[], object]) -> int:
-    """Peak bytes resident above the starting point while ``fn`` runs (Linux only)."""
+def peak_memory(fn: Callable[[], object], reset: Callable[[], None] | None = None) -> int:
+    """Peak bytes resident above the starting point while ``fn`` runs (Linux only).
+
+    ``reset`` drops results of earlier runs (``.grad``, ``.semiring_grad``) *before* the
+    starting point is read, so that freeing them inside ``fn`` does not hide new allocations.
+    """
+    if reset is not None:
+        reset()
     gc.collect()
     base = _status("VmRSS:")
     with open("/proc/self/clear_refs", "w") as f:
@@ -48,7 +54,11 @@ class Measurement:
     peak_bytes: int
 
 
-def measure(step: Callable[[], Callable[[], object]], repeats: int = 3) -> Measurement:
+def measure(
+    step: Callable[[], Callable[[], object]],
+    repeats: int = 3,
+    reset: Callable[[], None] | None = None,
+) -> Measurement:
     """``step()`` runs a forward and returns the backward to time; both count for memory."""
     step()()  # warm-up: compiles kernels, fills caches
     times = []
@@ -57,7 +67,7 @@ def measure(step: Callable[[], Callable[[], object]], repeats: int = 3) -> Measu
         start = time.perf_counter()
         backward()
         times.append(time.perf_counter() - start)
-    peak = peak_memory(lambda: step()())
+    peak = peak_memory(lambda: step()(), reset)
     return Measurement(statistics.median(times), peak)
 
 
@@ -89,6 +99,19 @@ def backward_step(
         return backward
 
     return step
+
+
+def clear_results(tensors) -> Callable[[], None]:
+    """A reset for ``peak_memory``: forget gradients and semiring values of these leaves."""
+    tensors = list(tensors)
+
+    def reset() -> None:
+        for t in tensors:
+            t.grad = None
+            if hasattr(t, "semiring_grad"):
+                del t.semiring_grad
+
+    return reset
 
 
 def machine() -> str:

@@ -26,7 +26,7 @@ from tqdm import tqdm
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from cases import WORKLOADS, Workload
-from common import Measurement, backward_step, machine, measure
+from common import Measurement, backward_step, clear_results, machine, measure
 
 import semipack
 
@@ -78,12 +78,13 @@ def run(names: list[str], repeats: int) -> list[dict]:
     rows = []
     for name in tqdm(names, desc="workloads"):
         workload = WORKLOADS[name]()
-        plain = measure(backward_step(workload.model, workload.loss), repeats)
+        reset = clear_results(workload.leaves())
+        plain = measure(backward_step(workload.model, workload.loss), repeats, reset)
         rows.append(_row(workload, "plain backward", "-", plain, plain))
         for sr_name, make in SEMIRINGS.items():
             for path, extensions in (("fused", True), ("generic", False)):
                 m = measure(
-                    backward_step(workload.model, workload.loss, make(), extensions), repeats
+                    backward_step(workload.model, workload.loss, make(), extensions), repeats, reset
                 )
                 rows.append(_row(workload, sr_name, path, m, plain))
         if name == "linear":

@@ -7,6 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..readout.sites import Site, stamp
+from ..semirings.base import scatter_into_zeros
 from ..transport.provenance import current_module
 from .base import InnerGraph, ModuleExtension, as_message, register_extension, split_message
 
@@ -19,9 +20,7 @@ def embedding_messages(sr, m, indices, num_weights: int, padding_idx: int | None
     if padding_idx is not None and padding_idx >= 0:
         keep = flat_ids != padding_idx
         flat_ids, src = flat_ids[keep], tuple(p[keep] for p in src)
-    dtype = m[0].dtype
-    dest = sr.zeros((num_weights, dim), dtype, m[0].device)
-    return sr.index_plus(dest, 0, flat_ids, src)
+    return scatter_into_zeros(sr, (num_weights, dim), 0, flat_ids, src, m[0].dtype)
 
 
 class EmbeddingFunction(torch.autograd.Function):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from ..semirings.base import scatter_into_zeros
 from .registry import OpCall, register_rule
 
 aten = torch.ops.aten
@@ -20,5 +21,6 @@ def embedding_dense_backward(call: OpCall):
     if padding is not None and padding >= 0:  # autograd treats the padding row as constant
         keep = indices != padding
         indices, src = indices[keep], tuple(p[keep] for p in src)
-    dest = call.zeros((call["num_weights"], dim))
-    return call.wrap(call.run_real(), call.semiring.index_plus(dest, 0, indices, src))
+    shape = (call["num_weights"], dim)
+    state = scatter_into_zeros(call.semiring, shape, 0, indices, src, call.dtype)
+    return call.wrap(call.run_real(), state)

@@ -50,7 +50,7 @@ CLASS_LOSS_BACKWARDS = [
 ]
 
 
-def edge_weights(call: OpCall, grad_name: str, shape) -> Tensor:
+def edge_weights(call: OpCall, grad_name: str) -> Tensor:
     """The op's elementwise derivative: the op applied to a gradient of ones."""
     named = dict(call.bound)
     msg = named[grad_name]
@@ -72,7 +72,7 @@ def _message_arg(call: OpCall) -> tuple[str, Message]:
 @register_rule(*ACTIVATION_BACKWARDS)
 def activation(call: OpCall):
     name, msg = _message_arg(call)
-    weights = edge_weights(call, name, msg.shape)
+    weights = edge_weights(call, name)
     return call.wrap(call.run_real(), call.semiring.scale(msg.parts, weights))
 
 
@@ -80,7 +80,7 @@ def activation(call: OpCall):
 def pointwise_loss(call: OpCall):
     """Each input entry feeds one loss entry: weights = op(ones); the message is broadcast."""
     name, msg = _message_arg(call)
-    weights = edge_weights(call, name, msg.shape)
+    weights = edge_weights(call, name)
     parts = msg.parts
     if call.func in CLASS_LOSS_BACKWARDS and msg.dim() > 0:
         parts = tuple(p.unsqueeze(1) for p in parts)

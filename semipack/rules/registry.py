@@ -155,9 +155,7 @@ def _real_of(x: Any) -> Any:
     return x
 
 
-def per_component(
-    call: OpCall, slots: Iterable[str], fill_zero: bool = False
-) -> tuple[Any, list[Any]]:
+def per_component(call: OpCall, slots: Iterable[str]) -> tuple[Any, list[Any]]:
     """Run the op once per state component, with each message slot replaced by that component.
 
     Non-message arguments are passed unchanged. Used by structural ops (views, copies, cat,
@@ -180,11 +178,12 @@ def per_component(
         kwargs = dict(bound)
         for name, st in states.items():
             kwargs[name] = [s[i] for s in st] if isinstance(st, list) else st[i]
-        outs.append(_call_by_name(call.func, kwargs))
+        outs.append(call_by_name(call.func, kwargs))
     return real, outs
 
 
-def _call_by_name(func: OpOverload, named: dict[str, Any]) -> Any:
+def call_by_name(func: OpOverload, named: dict[str, Any]) -> Any:
+    """Call an aten overload with arguments given by schema name."""
     args, kwargs = [], {}
     for arg in func._schema.arguments:
         if arg.kwarg_only:
@@ -192,11 +191,6 @@ def _call_by_name(func: OpOverload, named: dict[str, Any]) -> Any:
         else:
             args.append(named[arg.name])
     return func(*args, **kwargs)
-
-
-def call_by_name(func: OpOverload, named: dict[str, Any]) -> Any:
-    """Call an aten overload with arguments given by schema name."""
-    return _call_by_name(func, named)
 
 
 def wrap_outputs(call: OpCall, real: Any, outs: list[Any]) -> Any:

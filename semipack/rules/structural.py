@@ -268,7 +268,7 @@ def inplace_from(outofplace):
         if not isinstance(dest, Message):
             raise call.error("an in-place op would write a semiring message into a plain tensor")
         functional = _functional_variant(call.func)
-        result = outofplace(OpCallFor(functional, call))
+        result = outofplace(OpCall(functional, call.args, call.kwargs))
         for d, r in zip(dest.parts, result.parts, strict=True):
             d.copy_(r)
         if dest.gradient is not None:
@@ -282,10 +282,6 @@ def _functional_variant(func):
     name = func._schema.name.split("::")[1].rstrip("_")
     packet = getattr(aten, name)
     return getattr(packet, func._overloadname)
-
-
-def OpCallFor(func, call: OpCall) -> OpCall:
-    return OpCall(func, call.args, call.kwargs)
 
 
 @register_rule(aten.index_put.default)

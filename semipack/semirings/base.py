@@ -146,6 +146,24 @@ class Semiring:
         return self.plus(dest, routed)
 
 
+def scatter_into_zeros(
+    sr: Semiring, shape: Sequence[int], dim: int, index: Tensor, src: State, grad_dtype
+) -> State:
+    """``index_plus`` into a fresh zero state, touching only the rows ``index`` names.
+
+    An embedding table has tens of thousands of rows and a batch looks up a few: reducing the
+    lookups into one row per distinct index first, then placing those rows, keeps the work
+    proportional to the batch instead of the table.
+    """
+    rows, inverse = torch.unique(index, return_inverse=True)
+    compact_shape = list(shape)
+    compact_shape[dim] = rows.numel()
+    device = index.device
+    compact = sr.index_plus(sr.zeros(compact_shape, grad_dtype, device), dim, inverse, src)
+    full = sr.zeros(shape, grad_dtype, device)
+    return tuple(f.index_copy(dim, rows, c) for f, c in zip(full, compact, strict=True))
+
+
 def blocked_matmul(sr: Semiring, a: State, w: Tensor) -> State:
     """Semiring matmul by broadcast-and-reduce over bounded blocks of rows and columns."""
     lw = sr.lift(w)

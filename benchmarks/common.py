@@ -54,12 +54,8 @@ class Measurement:
     peak_bytes: int
 
 
-def measure(
-    step: Callable[[], Callable[[], object]],
-    repeats: int = 3,
-    reset: Callable[[], None] | None = None,
-) -> Measurement:
-    """``step()`` runs a forward and returns the backward to time; both count for memory."""
+def time_backward(step: Callable[[], Callable[[], object]], repeats: int = 3) -> float:
+    """Median backward time; ``step()`` runs a forward and returns the backward to time."""
     step()()  # warm-up: compiles kernels, fills caches
     times = []
     for _ in range(repeats):
@@ -67,8 +63,20 @@ def measure(
         start = time.perf_counter()
         backward()
         times.append(time.perf_counter() - start)
-    peak = peak_memory(lambda: step()(), reset)
-    return Measurement(statistics.median(times), peak)
+    return statistics.median(times)
+
+
+def memory_of(
+    step: Callable[[], Callable[[], object]], reset: Callable[[], None] | None = None
+) -> int:
+    """Peak memory of one forward + backward, after a warm-up run.
+
+    Run it in a process started with ``MALLOC_MMAP_THRESHOLD_`` fixed (see ``run.py``): only
+    then does freed memory go back to the OS so that the high-water mark follows live tensors.
+    That setting slows large allocations down, so times are measured in another process.
+    """
+    step()()
+    return peak_memory(lambda: step()(), reset)
 
 
 def backward_step(

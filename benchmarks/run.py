@@ -4,7 +4,9 @@
     python benchmarks/run.py --write BENCHMARKS.md
     python benchmarks/run.py --workloads linear bert_layer --repeats 5
 
-Every ratio is measured in the same run against that run's plain backward. "fused" runs with
+Every ratio is measured in the same run against that run's plain backward. Times come from this
+process; peak memory from a child process whose allocator returns freed memory to the OS (which
+slows allocation, hence the separate process). "fused" runs with
 module extensions (the default of ``semipack.extend``), "generic" with ``extensions=False`` (every
 op through the per-op rules). For the Linear layer the naive baseline computes the max-plus
 products by broadcasting to [batch, out, in] and reducing; it is timed on 1/16 of the rows and
@@ -15,7 +17,9 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import json
 import os
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -26,7 +30,7 @@ from tqdm import tqdm
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from cases import WORKLOADS, Workload
-from common import Measurement, backward_step, clear_results, machine, measure
+from common import backward_step, clear_results, machine, memory_of, time_backward
 
 import semipack
 
@@ -43,7 +47,7 @@ TARGETS = {  # (workload, semiring, path) -> max ratio of backward time
 MEMORY_TARGET = {("bert_layer", "fused"): 1.5}
 
 
-def naive_linear(workload: Workload, plain: Measurement, fraction: int = 16) -> Measurement:
+def naive_linear_seconds(workload: Workload, fraction: int = 16) -> float:
     """Regular backward plus both max-plus products (input and weight messages) by broadcast."""
     model = workload.model
     x = _linear_input(workload)
@@ -62,8 +66,8 @@ def naive_linear(workload: Workload, plain: Measurement, fraction: int = 16) -> 
     start = time.perf_counter()
     products()
     seconds = (time.perf_counter() - start) * fraction
-    broadcast_bytes = x.shape[0] * model.out_features * model.in_features * 4
-    return Measurement(plain.seconds + seconds, plain.peak_bytes + broadcast_bytes)
+    plain = time_backward(backward_step(workload.model, workload.loss))
+    return plain + seconds
 
 
 def _linear_input(workload: Workload) -> torch.Tensor:
@@ -74,36 +78,72 @@ def _linear_input(workload: Workload) -> torch.Tensor:
     raise RuntimeError("linear workload input not found")
 
 
-def run(names: list[str], repeats: int) -> list[dict]:
-    rows = []
-    for name in tqdm(names, desc="workloads"):
+VARIANTS = [("plain backward", "-")] + [
+    (sr, path) for sr in SEMIRINGS for path in ("fused", "generic")
+]
+
+
+def _step(workload: Workload, semiring: str, path: str):
+    if semiring == "plain backward":
+        return backward_step(workload.model, workload.loss)
+    return backward_step(workload.model, workload.loss, SEMIRINGS[semiring](), path == "fused")
+
+
+def run_times(names: list[str], repeats: int) -> dict:
+    """{(workload, semiring, path): seconds}, plus the naive Linear baseline."""
+    out, descriptions = {}, {}
+    for name in tqdm(names, desc="timing"):
+        workload = WORKLOADS[name]()
+        descriptions[name] = workload.description
+        for semiring, path in VARIANTS:
+            out[(name, semiring, path)] = time_backward(_step(workload, semiring, path), repeats)
+        if name == "linear":
+            out[(name, "MaxProd", "naive")] = naive_linear_seconds(workload)
+    return {"seconds": out, "descriptions": descriptions}
+
+
+def run_memory(names: list[str]) -> dict:
+    """{(workload, semiring, path): peak bytes}, in a process with a returning allocator."""
+    out = {}
+    for name in names:
         workload = WORKLOADS[name]()
         reset = clear_results(workload.leaves())
-        plain = measure(backward_step(workload.model, workload.loss), repeats, reset)
-        rows.append(_row(workload, "plain backward", "-", plain, plain))
-        for sr_name, make in SEMIRINGS.items():
-            for path, extensions in (("fused", True), ("generic", False)):
-                m = measure(
-                    backward_step(workload.model, workload.loss, make(), extensions), repeats, reset
-                )
-                rows.append(_row(workload, sr_name, path, m, plain))
+        for semiring, path in VARIANTS:
+            out[(name, semiring, path)] = memory_of(_step(workload, semiring, path), reset)
         if name == "linear":
-            rows.append(_row(workload, "MaxProd", "naive", naive_linear(workload, plain), plain))
-        del workload
+            model, x = workload.model, _linear_input(workload)
+            broadcast = x.shape[0] * model.out_features * model.in_features * 4
+            out[(name, "MaxProd", "naive")] = out[(name, "plain backward", "-")] + broadcast
+    return out
+
+
+def memory_in_child(names: list[str]) -> dict:
+    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536")
+    cmd = [sys.executable, __file__, "--memory-child", "--workloads", *names]
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, check=True)
+    payload = json.loads(done.stdout.strip().splitlines()[-1])
+    return {tuple(k.split("|")): v for k, v in payload.items()}
+
+
+def combine(times: dict, memory: dict) -> list[dict]:
+    rows = []
+    for (name, semiring, path), seconds in times["seconds"].items():
+        plain_s = times["seconds"][(name, "plain backward", "-")]
+        plain_m = memory[(name, "plain backward", "-")]
+        peak = memory[(name, semiring, path)]
+        rows.append(
+            {
+                "workload": name,
+                "description": times["descriptions"][name],
+                "semiring": semiring,
+                "path": path,
+                "seconds": seconds,
+                "time_ratio": seconds / plain_s,
+                "peak_mb": peak / 2**20,
+                "memory_ratio": peak / max(plain_m, 1),
+            }
+        )
     return rows
-
-
-def _row(workload: Workload, semiring: str, path: str, m: Measurement, plain: Measurement):
-    return {
-        "workload": workload.name,
-        "description": workload.description,
-        "semiring": semiring,
-        "path": path,
-        "seconds": m.seconds,
-        "time_ratio": m.seconds / plain.seconds,
-        "peak_mb": m.peak_bytes / 2**20,
-        "memory_ratio": m.peak_bytes / max(plain.peak_bytes, 1),
-    }
 
 
 def table(rows: list[dict]) -> str:
@@ -151,24 +191,21 @@ def summary(rows: list[dict]) -> str:
     return "\n".join(out)
 
 
-def _exec_with_returning_allocator() -> None:
-    """Large allocations must go back to the OS when freed, or the high-water mark of resident
-    memory stops following the live tensors: fix glibc's mmap threshold (it adapts otherwise)."""
-    if os.environ.get("MALLOC_MMAP_THRESHOLD_") is None:
-        env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536")
-        os.execve(sys.executable, [sys.executable, *sys.argv], env)
-
-
 def main() -> None:
-    _exec_with_returning_allocator()
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawTextHelpFormatter
     )
     parser.add_argument("--workloads", nargs="*", default=list(WORKLOADS))
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--write", type=Path, default=None, help="write the results as markdown")
+    parser.add_argument("--memory-child", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
-    rows = run(args.workloads, args.repeats)
+    if args.memory_child:
+        memory = run_memory(args.workloads)
+        print(json.dumps({"|".join(k): v for k, v in memory.items()}))
+        return
+    times = run_times(args.workloads, args.repeats)
+    rows = combine(times, memory_in_child(args.workloads))
     text = "\n".join(
         [
             f"Machine: {machine()}",

@@ -161,7 +161,7 @@ def scatter_into_zeros(
     device = index.device
     compact = sr.index_plus(sr.zeros(compact_shape, grad_dtype, device), dim, inverse, src)
     full = sr.zeros(shape, grad_dtype, device)
-    return tuple(f.index_copy(dim, rows, c) for f, c in zip(full, compact, strict=True))
+    return tuple(f.index_copy_(dim, rows, c) for f, c in zip(full, compact, strict=True))
 
 
 def blocked_matmul(sr: Semiring, a: State, w: Tensor) -> State:

@@ -230,7 +230,9 @@ Semiring backward passes against a plain backward of the same model, measured in
 the backward alone (the forward runs before the timer starts, inside `semipack.extend`); the
 regular gradient is computed alongside in every semiring row. Peak memory is the peak resident
 memory during forward + backward above the memory before the forward (Linux high-water mark), so
-it includes the saved activations a backward keeps alive.
+it includes the saved activations a backward keeps alive; it is taken in a child process of the
+same run whose allocator returns freed memory to the OS (that slows allocation, so times are not
+taken there).
 
 - **fused**: `semipack.extend(model, semiring)`: module extensions and fused kernels.
 - **generic**: `semipack.extend(model, semiring, extensions=False)`: every aten op through its
@@ -239,6 +241,30 @@ it includes the saved activations a backward keeps alive.
   and reducing, timed on 1/16 of the rows and scaled; its memory is the size of one broadcast.
 
 {results}
+
+## Reading the table
+
+- **fused vs generic.** Both paths call the same kernels (the semiring's matmul, the row-wise
+  softmax/normalisation kernels), so their times are close; extensions add named sites, exact
+  regular gradients from the module's own ops, and the attention internals on top paths.
+- **MaxProd floor.** A BERT-base layer at 8 x 128 tokens needs 14.5 G add-max pairs for its six
+  linear layers (input and weight messages). The compiled max-plus kernel runs at about 28 G
+  pairs/s on this 2-core AVX2 machine (`python benchmarks/bench_tropical.py`), about half of what
+  the vector units can do for max-plus, so those products alone take about 2.5-3 plain
+  backwards; the 3x target would need a hand-written SIMD kernel and nothing else left to do.
+- **Entropy floor.** The exact entropy through a LayerNorm needs log|J_ij| for every (token, i, j)
+  triple: 2 x 1024 x 768 x 768 = 1.2 G logarithms per BERT layer, plus three BLAS products per
+  linear message instead of one. This is what makes Entropy the slowest semiring.
+- **Memory.** A message carries the regular gradient and the semiring state (one extra tensor
+  of the gradient's size for MaxProd and LogSum, two for Entropy), and the kernels keep lifted
+  weights (log|W|) and transposed copies while they run; the plain backward's peak here is small
+  (66 MB above the forward's starting point for the BERT layer), so these transients dominate
+  the ratio.
+- **Convolutions** go through im2col index maps: 9 x the activation size per state component and
+  two max-plus products the size of the convolution itself, against oneDNN's direct convolution
+  kernels in the plain backward.
+- **CUDA**: no table yet; no GPU was available where these numbers were taken. `tests/test_cuda.py`
+  holds the CUDA tests (skipped without a GPU).
 """
 
 

@@ -26,7 +26,7 @@ from torch import Tensor
 from ..readout.sites import Site, stamp
 from ..rules.attention import attention_contract, attention_probs, fold_heads, repeat_heads
 from ..transport.provenance import current_module
-from .base import InnerGraph, as_message, split_message
+from .base import inner_inputs, messages, record_inner, split_message, wanted_inputs
 
 _sdpa = F.scaled_dot_product_attention
 
@@ -48,23 +48,20 @@ class AttentionFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, inner_fn: Callable, spec: AttentionSpec):
         ctx.set_materialize_grads(False)
-        ctx.inner = InnerGraph(inner_fn, [q, k, v])
         ctx.spec = spec
-        out, weights = ctx.inner.outputs
-        ctx.inner.release_outputs()
-        return out.detach(), (weights.detach() if weights is not None else None)
+        return record_inner(ctx, inner_fn, [q, k, v])
 
     @staticmethod
     def backward(ctx, grad_out, grad_weights):
-        inner, spec = ctx.inner, ctx.spec
+        spec = ctx.spec
         reg_out, m_out, sr = split_message(grad_out)
         reg_w, m_w, sr_w = split_message(grad_weights)
         sr = sr or sr_w
-        reg = inner.regular_grads([reg_out, reg_w])
+        reg = ctx.inner.regular_grads([reg_out, reg_w])
         if sr is None:
             return (*reg, None, None)
-        q, k, v = (t.detach() for t in inner.leaves)
-        dtype = q.dtype if q.dtype in (torch.float32, torch.float64) else torch.float32
+        q, k, v = inner_inputs(ctx)
+        dtype = sr.state_dtype(q.dtype)
         q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
         k_all, v_all = repeat_heads(k, spec.kv_groups), repeat_heads(v, spec.kv_groups)
         mask = spec.mask
@@ -78,12 +75,7 @@ class AttentionFunction(torch.autograd.Function):
             sr, m_out, q, k_all, v_all, probs, spec.scale, spec.keep, m_w
         )
         m_k, m_v = fold_heads(sr, m_k, spec.kv_groups), fold_heads(sr, m_v, spec.kv_groups)
-        like = inner.leaves
-        msgs = tuple(
-            as_message(r, s, sr, t) if t.requires_grad else None
-            for r, s, t in zip(reg, (m_q, m_k, m_v), like, strict=True)
-        )
-        return (*msgs, None, None)
+        return (*messages(reg, (m_q, m_k, m_v), sr, wanted_inputs(ctx)), None, None)
 
 
 def fused_attention(

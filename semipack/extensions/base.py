@@ -168,6 +168,44 @@ class InnerGraph:
         return out
 
 
+def record_inner(ctx, fn: Callable[..., Any], inputs: Sequence[Tensor | None]) -> Any:
+    """Run ``fn`` as the Function's inner graph (kept on ``ctx``) and return its outputs,
+    detached, for the Function to return; the inner graph keeps only their autograd edges."""
+    ctx.inner = InnerGraph(fn, inputs)
+    outputs = ctx.inner.outputs
+    if isinstance(outputs, tuple):
+        detached = tuple(None if o is None else o.detach() for o in outputs)
+    else:
+        detached = outputs.detach()
+    ctx.inner.release_outputs()
+    return detached
+
+
+def inner_inputs(ctx) -> list[Tensor | None]:
+    """The inner graph's inputs, detached, for the semiring computation."""
+    return [None if t is None else t.detach() for t in ctx.inner.leaves]
+
+
+def wanted_inputs(ctx) -> list[Tensor | None]:
+    """``inner_inputs``, with None for the inputs autograd wants no gradient for
+    (``needs_input_grad`` also covers the Function's trailing non-tensor arguments)."""
+    needs = ctx.needs_input_grad
+    return [t if needs[i] else None for i, t in enumerate(inner_inputs(ctx))]
+
+
+def messages(
+    regular: Sequence[Tensor | None],
+    states: Sequence[State | None],
+    sr: Semiring,
+    likes: Sequence[Tensor | None],
+) -> tuple[Message | None, ...]:
+    """One backward output per input: a message where a state was computed, else None."""
+    return tuple(
+        as_message(r, s, sr, like) if s is not None and like is not None else None
+        for r, s, like in zip(regular, states, likes, strict=True)
+    )
+
+
 def split_message(grad: Tensor | None) -> tuple[Tensor | None, State | None, Semiring | None]:
     """(regular gradient, semiring state, semiring) of an incoming gradient or message."""
     if isinstance(grad, Message):
@@ -178,7 +216,3 @@ def split_message(grad: Tensor | None) -> tuple[Tensor | None, State | None, Sem
 def as_message(regular: Tensor | None, parts: State | None, sr: Semiring, like: Tensor) -> Message:
     """Wrap a computed state (and regular gradient) for the engine, shaped like ``like``."""
     return Message(regular, parts, sr, like.dtype)
-
-
-def wanted(ctx, i: int) -> bool:
-    return bool(ctx.needs_input_grad[i])

@@ -8,17 +8,21 @@ from torch import nn
 from ..readout.sites import Site, stamp
 from ..rules.convolution import conv_messages
 from ..transport.provenance import current_module
-from .base import InnerGraph, ModuleExtension, as_message, register_extension, split_message
+from .base import (
+    ModuleExtension,
+    inner_inputs,
+    messages,
+    record_inner,
+    register_extension,
+    split_message,
+)
 
 
 class ConvFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, module):
-        ctx.inner = InnerGraph(module._conv_forward, [x, weight, bias])
         ctx.geometry = (module.stride, module.padding, module.dilation, module.groups)
-        out = ctx.inner.outputs.detach()
-        ctx.inner.release_outputs()
-        return out
+        return record_inner(ctx, module._conv_forward, [x, weight, bias])
 
     @staticmethod
     def backward(ctx, grad):
@@ -27,16 +31,12 @@ class ConvFunction(torch.autograd.Function):
         reg = inner.regular_grads([regular])
         if parts is None:
             return (*reg, None)
-        x, weight, bias = (t.detach() if t is not None else None for t in inner.leaves)
+        x, weight, bias = inner_inputs(ctx)
         stride, padding, dilation, groups = ctx.geometry
         need = ctx.needs_input_grad
         mask = (need[0], need[1], need[2] and bias is not None)
         states = conv_messages(sr, parts, x, weight, stride, padding, dilation, groups, mask)
-        msgs = tuple(
-            as_message(r, s, sr, like) if s is not None else None
-            for r, s, like in zip(reg, states, (x, weight, bias), strict=True)
-        )
-        return (*msgs, None)
+        return (*messages(reg, states, sr, (x, weight, bias)), None)
 
 
 class ConvExtension(ModuleExtension):

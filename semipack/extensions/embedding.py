@@ -9,7 +9,14 @@ from torch import nn
 from ..readout.sites import Site, stamp
 from ..semirings.base import scatter_into_zeros
 from ..transport.provenance import current_module
-from .base import InnerGraph, ModuleExtension, as_message, register_extension, split_message
+from .base import (
+    ModuleExtension,
+    inner_inputs,
+    messages,
+    record_inner,
+    register_extension,
+    split_message,
+)
 
 
 def embedding_messages(sr, m, indices, num_weights: int, padding_idx: int | None):
@@ -26,22 +33,18 @@ def embedding_messages(sr, m, indices, num_weights: int, padding_idx: int | None
 class EmbeddingFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, weight, indices, padding_idx):
-        ctx.inner = InnerGraph(lambda w: F.embedding(indices, w, padding_idx), [weight])
         ctx.indices, ctx.padding_idx = indices, padding_idx
-        out = ctx.inner.outputs.detach()
-        ctx.inner.release_outputs()
-        return out
+        return record_inner(ctx, lambda w: F.embedding(indices, w, padding_idx), [weight])
 
     @staticmethod
     def backward(ctx, grad):
         regular, parts, sr = split_message(grad)
-        inner = ctx.inner
-        (reg,) = inner.regular_grads([regular])
+        (reg,) = ctx.inner.regular_grads([regular])
         if parts is None:
             return reg, None, None
-        weight = inner.leaves[0].detach()
+        (weight,) = inner_inputs(ctx)
         state = embedding_messages(sr, parts, ctx.indices, weight.shape[0], ctx.padding_idx)
-        return as_message(reg, state, sr, weight), None, None
+        return (*messages([reg], [state], sr, [weight]), None, None)
 
 
 class EmbeddingExtension(ModuleExtension):

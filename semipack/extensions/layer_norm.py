@@ -10,7 +10,14 @@ from torch import nn
 from ..readout.sites import Site, stamp
 from ..rules import normalization as norm_rules
 from ..transport.provenance import current_module
-from .base import InnerGraph, ModuleExtension, as_message, register_extension, split_message
+from .base import (
+    ModuleExtension,
+    inner_inputs,
+    messages,
+    record_inner,
+    register_extension,
+    split_message,
+)
 
 
 def layer_norm_messages(sr, m, x, mean, rstd, weight, bias, shape, need):
@@ -42,30 +49,22 @@ class LayerNormFunction(torch.autograd.Function):
         def run(x_, w_, b_):
             return torch.native_layer_norm(x_, shape, w_, b_, eps)
 
-        ctx.inner = InnerGraph(run, [x, weight, bias])
         ctx.shape = tuple(shape)
-        out, mean, rstd = (t.detach() for t in ctx.inner.outputs)
+        out, mean, rstd = record_inner(ctx, run, [x, weight, bias])
         ctx.stats = (mean, rstd)
-        ctx.inner.release_outputs()
         return out
 
     @staticmethod
     def backward(ctx, grad):
         regular, parts, sr = split_message(grad)
-        inner = ctx.inner
         mean, rstd = ctx.stats
-        reg = inner.regular_grads([regular])
-        reg = [*reg, None, None]
+        reg = ctx.inner.regular_grads([regular])
         if parts is None:
-            return tuple(reg)
-        x, weight, bias = (t.detach() if t is not None else None for t in inner.leaves)
+            return (*reg, None, None)
+        x, weight, bias = inner_inputs(ctx)
         need = ctx.needs_input_grad
         states = layer_norm_messages(sr, parts, x, mean, rstd, weight, bias, ctx.shape, need[:3])
-        msgs = tuple(
-            as_message(r, s, sr, like) if s is not None else None
-            for r, s, like in zip(reg[:3], states, (x, weight, bias), strict=True)
-        )
-        return (*msgs, None, None)
+        return (*messages(reg, states, sr, (x, weight, bias)), None, None)
 
 
 class LayerNormExtension(ModuleExtension):

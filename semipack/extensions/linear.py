@@ -8,7 +8,14 @@ from torch import nn
 
 from ..readout.sites import Site, stamp
 from ..transport.provenance import current_module
-from .base import InnerGraph, ModuleExtension, as_message, register_extension, split_message
+from .base import (
+    ModuleExtension,
+    inner_inputs,
+    messages,
+    record_inner,
+    register_extension,
+    split_message,
+)
 
 
 def linear_messages(sr, m, x, weight, want_x: bool, want_w: bool, want_b: bool):
@@ -32,10 +39,7 @@ def linear_messages(sr, m, x, weight, want_x: bool, want_w: bool, want_b: bool):
 class LinearFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias):
-        ctx.inner = InnerGraph(F.linear, [x, weight, bias])
-        out = ctx.inner.outputs.detach()
-        ctx.inner.release_outputs()
-        return out
+        return record_inner(ctx, F.linear, [x, weight, bias])
 
     @staticmethod
     def backward(ctx, grad):
@@ -44,15 +48,12 @@ class LinearFunction(torch.autograd.Function):
         reg = inner.regular_grads([regular])
         if parts is None:
             return tuple(reg)
-        x, weight, bias = (t.detach() if t is not None else None for t in inner.leaves)
+        x, weight, bias = inner_inputs(ctx)
         need = ctx.needs_input_grad
         states = linear_messages(
             sr, parts, x, weight, need[0], need[1], need[2] and bias is not None
         )
-        return tuple(
-            as_message(r, s, sr, like) if s is not None else None
-            for r, s, like in zip(reg, states, (x, weight, bias), strict=True)
-        )
+        return messages(reg, states, sr, (x, weight, bias))
 
 
 class LinearExtension(ModuleExtension):

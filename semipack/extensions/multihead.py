@@ -21,7 +21,15 @@ from ..readout.sites import Site, stamp
 from ..rules.attention import attention_contract, attention_probs
 from ..semirings.base import State
 from ..transport.provenance import current_module
-from .base import InnerGraph, ModuleExtension, as_message, register_extension, split_message
+from .base import (
+    ModuleExtension,
+    inner_inputs,
+    messages,
+    record_inner,
+    register_extension,
+    split_message,
+    wanted_inputs,
+)
 from .linear import linear_messages
 
 PARAMS = ("in_proj_weight", "in_proj_bias", "out_proj.weight", "out_proj.bias")
@@ -61,39 +69,25 @@ class MultiheadAttentionFunction(torch.autograd.Function):
             with _reparametrize_module(module, params):
                 return type(module).forward(module, q, k, v, **options)
 
-        ctx.inner = InnerGraph(run, [query, key, value, w_in, b_in, w_out, b_out])
         ctx.module, ctx.options = module, options
-        out, weights = ctx.inner.outputs
-        ctx.inner.release_outputs()
-        return out.detach(), (weights.detach() if weights is not None else None)
+        return record_inner(ctx, run, [query, key, value, w_in, b_in, w_out, b_out])
 
     @staticmethod
     def backward(ctx, grad_out, grad_weights):
-        inner = ctx.inner
         reg_out, m_out, sr = split_message(grad_out)
         reg_w, m_w, sr_w = split_message(grad_weights)
         sr = sr or sr_w
-        reg = inner.regular_grads([reg_out, reg_w])
+        reg = ctx.inner.regular_grads([reg_out, reg_w])
         if sr is None:
             return (*reg, None, None)
         states = _semiring_messages(ctx, sr, m_out, m_w)
-        msgs = []
-        for r, s, leaf, first in zip(reg, states, inner.leaves, inner.first_use, strict=True):
-            if leaf is None or not leaf.requires_grad or s is None:
-                msgs.append(None)
-                continue
-            if r is None and not first and sr is not None and reg_out is not None:
-                r = torch.zeros_like(leaf)
-            msgs.append(as_message(r, s, sr, leaf))
-        return (*msgs, None, None)
+        return (*messages(reg, states, sr, wanted_inputs(ctx)), None, None)
 
 
 def _semiring_messages(ctx, sr, m_out: State | None, m_weights: State | None) -> list:
     module, options = ctx.module, ctx.options
-    query, key, value, w_in, b_in, w_out, b_out = (
-        t.detach() if t is not None else None for t in ctx.inner.leaves
-    )
-    dtype = query.dtype if query.dtype in (torch.float32, torch.float64) else torch.float32
+    query, key, value, w_in, b_in, w_out, b_out = inner_inputs(ctx)
+    dtype = sr.state_dtype(query.dtype)
     batch_first = module.batch_first
 
     def to_bf(t: Tensor) -> Tensor:  # [batch, tokens, embed]

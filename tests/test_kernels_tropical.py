@@ -71,9 +71,11 @@ def compile_on():
 
 @pytest.fixture
 def force_compiled(monkeypatch, compile_on):
-    """Every problem takes the compiled path; returns the list of kernel calls made."""
+    """Every problem takes the compiled path (not the native kernel, tested in
+    test_kernels_native.py); returns the list of kernel calls made."""
     calls: list[str] = []
     monkeypatch.setattr(tropical, "COMPILE_MIN_PAIRS", 0)
+    monkeypatch.setattr(tropical, "native_available", lambda: False)
     for name in ("_maxplus_kernel", "_maxplus_argmax_kernel"):
         kernel = getattr(tropical, name)
 
@@ -113,6 +115,7 @@ def test_maxplus_compiled_eager_reference(shape_a, shape_b, dtype, force_compile
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_maxplus_above_threshold_compiles_by_default(dtype, compile_on, monkeypatch):
+    monkeypatch.setattr(tropical, "native_available", lambda: False)
     calls = []
     kernel = tropical._maxplus_kernel
     monkeypatch.setattr(tropical, "_maxplus_kernel", lambda *x: calls.append(1) or kernel(*x))
@@ -236,6 +239,7 @@ def test_semiring_matmul_equals_blocked(sr, shape_a, shape_w, w_dtype, compiled_
 def test_compile_off_uses_eager_path(monkeypatch, compile_on):
     a, b = log_operands((2, 40, 50), (50, 60), torch.float32, seed=21)
     monkeypatch.setattr(tropical, "COMPILE_MIN_PAIRS", 0)
+    monkeypatch.setattr(tropical, "native_available", lambda: False)
     compiled_values = maxplus(a, b)
     compiled_pair = maxplus_argmax(a, b)
 

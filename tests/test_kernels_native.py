@@ -171,3 +171,25 @@ def test_kept_fraction_estimate_counts_the_candidates():
     _, _, kept = native.maxplus_pruned_f32(a[0], b[0], False, top=native.PRUNE_TOP)
     phase_one = min(native.PRUNE_TOP, 64) / 64
     assert kept / (8 * 64) <= estimate - phase_one + 1e-6
+
+
+@pytest.mark.parametrize(("rows", "n"), [(3, 1), (4, 7), (5, 16), (2, 37)])
+def test_norm_entropy_sums_match_float64_definition(rows, n):
+    """S, T, U of normalization.c against the same sums over the broadcast pairs in float64."""
+    gen = torch.Generator().manual_seed(rows * 100 + n)
+    x = torch.randn(rows, n, generator=gen, dtype=torch.float64)
+    x_hat = x - x.mean(-1, keepdim=True)
+    x_hat[0, 0] = 0.0  # c = 1 exactly
+    if n > 1:
+        x_hat[1, 1], x_hat[1, 0] = 2.0, -0.5  # c = 0 exactly: no edge, no log
+    a = torch.rand(rows, n, generator=gen, dtype=torch.float64)
+    a[-1, -1] = 0.0
+    r = torch.rand(rows, n, generator=gen, dtype=torch.float64) * 4
+    c = (1 + x_hat[:, :, None] * x_hat[:, None, :]).abs()  # [row, i, j]
+    w = a[:, :, None] * c
+    logs = torch.where(c > 0, c.log(), 0.0)
+    want = (w.sum(1), (w * r[:, :, None]).sum(1), (w * logs).sum(1))
+    got = native.norm_entropy_sums_f32(a.float(), r.float(), x_hat.float())
+    for g, expected in zip(got, want, strict=True):
+        assert g.dtype == torch.float32
+        torch.testing.assert_close(g.double(), expected, rtol=2e-6, atol=2e-6)

@@ -29,6 +29,7 @@ fallback.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 
 import torch
@@ -48,6 +49,7 @@ from ..semirings import (
 )
 from ..semirings._log import finite_or_zero, shifted_exp
 from .compiled import compile_enabled, compiled
+from .native import native_available, norm_entropy_sums_f32
 
 INF = float("inf")
 
@@ -125,6 +127,25 @@ def _entropy_fused(log_z: Tensor, surprisal: Tensor, x_hat: Tensor) -> tuple[Ten
     s = w.sum(-1)
     t = (w * r[:, None, :]).sum(-1)
     u = (w * torch.where(mag > 0, mag.log(), 0.0)).sum(-1)
+    return _entropy_from_sums(a, r, shift, x_hat, s, t, u)
+
+
+def _entropy_native(log_z: Tensor, surprisal: Tensor, x_hat: Tensor) -> tuple[Tensor, Tensor]:
+    """``_entropy_fused`` with the three sums from the hand-written kernel, which works with
+    c = |1 + x̂_i x̂_j| = n |J'|: S = S_c / n, T = T_c / n, U = (U_c - log(n) S_c) / n."""
+    n = x_hat.shape[-1]
+    a, shift = shifted_exp(log_z, -1)
+    r = torch.where(a > 0, surprisal, 0.0)
+    s_c, t_c, u_c = norm_entropy_sums_f32(a, r, x_hat)
+    u = (u_c - math.log(n) * s_c) / n
+    return _entropy_from_sums(a, r, shift, x_hat, s_c / n, t_c / n, u)
+
+
+def _entropy_from_sums(
+    a: Tensor, r: Tensor, shift: Tensor, x_hat: Tensor, s: Tensor, t: Tensor, u: Tensor
+) -> tuple[Tensor, Tensor]:
+    """Correct the i = j terms of the all-pairs sums and read out (log Z, mean surprisal)."""
+    n = x_hat.shape[-1]
     wrong, right = _diagonal_terms(a, x_hat)
     wrong_mag, right_mag = (1.0 + x_hat * x_hat) / n, (1.0 - (1.0 + x_hat * x_hat) / n).abs()
     s = s - wrong + right
@@ -240,6 +261,7 @@ def normalized_messages(
     (``gain_per_row``). ``mode``: ``"auto"`` (compiled kernel from ``COMPILE_MIN_PAIRS`` pairs
     up when compilation is on, else None), ``"compiled"`` (always the fused kernel, which falls
     back to its eager form if compiling fails) or ``"eager"`` (the kernel's dense fallback).
+    Entropy on float32 uses the hand-written kernel of :mod:`.native` where it is available.
     """
     if type(sr) is Real:
         return _real_closed_form(m[0], x_hat.to(m[0].dtype), rstd, gain, gain_per_row)
@@ -247,8 +269,9 @@ def normalized_messages(
     if kernel is None:
         return None
     rows, n = x_hat.shape
+    native = type(sr) is Entropy and x_hat.dtype == torch.float32 and native_available()
     if mode == "auto":
-        if not compile_enabled() or rows * n * n < COMPILE_MIN_PAIRS:
+        if not (compile_enabled() or native) or rows * n * n < COMPILE_MIN_PAIRS:
             return None
         mode = "compiled"
     if mode not in ("compiled", "eager"):
@@ -264,7 +287,10 @@ def normalized_messages(
     # Messages are never differentiated: without grad mode, the compiled kernel has one guard
     # state whether it is called inside a backward or not (no recompilation).
     with torch.no_grad():
-        out = kernel(*args) if mode == "compiled" else kernel.eager(*args)  # type: ignore[attr-defined]
+        if mode == "eager":
+            out = kernel.eager(*args)  # type: ignore[attr-defined]
+        else:
+            out = _entropy_native(*args) if native else kernel(*args)
         if mode == "compiled" and type(sr) in ALL_PAIRS_KERNELS:
             out = _fix_outliers(sr, m, x_hat, tuple(out))
     return sr.scale(tuple(out), row_weight[:, None])

@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-_SOURCE = Path(__file__).with_name("maxplus.c")
+_SOURCES = tuple(Path(__file__).with_name(name) for name in ("maxplus.c", "normalization.c"))
 _FLAGS = ("-O3", "-mavx2", "-mfma", "-std=c11", "-fopenmp", "-shared", "-fPIC")
 #: Columns of a packed panel of ``b`` in maxplus.c.
 PANEL_COLS = 16
@@ -73,15 +73,15 @@ def _library() -> ctypes.CDLL | None:
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if compiler is None:
         return None
-    source = _SOURCE.read_bytes()
+    source = b"".join(path.read_bytes() for path in _SOURCES)
     digest = hashlib.sha256(source + " ".join(_FLAGS).encode()).hexdigest()[:16]
-    target = _cache_dir() / f"maxplus-{digest}.so"
+    target = _cache_dir() / f"kernels-{digest}.so"
     try:
         if not target.exists():
             target.parent.mkdir(parents=True, exist_ok=True)
             partial = target.with_name(f"{target.stem}.{os.getpid()}.partial.so")
             subprocess.run(
-                [compiler, *_FLAGS, str(_SOURCE), "-o", str(partial), "-lm"],
+                [compiler, *_FLAGS, *map(str, _SOURCES), "-o", str(partial), "-lm"],
                 check=True,
                 capture_output=True,
                 timeout=300,
@@ -109,6 +109,10 @@ def _library() -> ctypes.CDLL | None:
     pack.restype = None
     pack.argtypes = [ctypes.c_void_p, *[ctypes.c_int64] * 3, ctypes.c_void_p]
     pack.argtypes += [*[ctypes.c_int64] * 3, ctypes.c_int]
+    sums = lib.semipack_norm_entropy_sums_f32
+    sums.restype = None
+    sums.argtypes = [*[ctypes.c_void_p] * 3, *[ctypes.c_int64] * 2, *[ctypes.c_void_p] * 3]
+    sums.argtypes += [ctypes.c_int]
     return lib
 
 
@@ -203,3 +207,26 @@ def maxplus_pruned_f32(
     if kept < 0:
         raise MemoryError("maxplus_pruned_f32: the kernel could not allocate its work buffers")
     return out, index, kept
+
+
+def norm_entropy_sums_f32(a: Tensor, r: Tensor, x_hat: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """Per row and output j: ``S = Σ_i a_i c_ij``, ``T = Σ_i a_i c_ij r_i`` and
+    ``U = Σ_i a_i c_ij log c_ij`` with ``c_ij = |1 + x̂_i x̂_j|``, for [rows, n] float32 inputs
+    (the O(n²) part of Entropy messages through layer/batch norm; see normalization.c)."""
+    lib = _library()
+    assert lib is not None
+    a, r, x_hat = (t.to(torch.float32).contiguous() for t in (a, r, x_hat))
+    rows, n = x_hat.shape
+    s, t, u = (torch.empty((rows, n), dtype=torch.float32) for _ in range(3))
+    lib.semipack_norm_entropy_sums_f32(
+        a.data_ptr(),
+        r.data_ptr(),
+        x_hat.data_ptr(),
+        rows,
+        n,
+        s.data_ptr(),
+        t.data_ptr(),
+        u.data_ptr(),
+        _threads(rows * n * n * 8),
+    )
+    return s, t, u

@@ -136,7 +136,12 @@ def test_extend_matches_functional_grad() -> None:
         with semipack.extend(model, sr):
             F.cross_entropy(model(x), y).backward()
         for p, e in zip(model.parameters(), expected, strict=True):
-            torch.testing.assert_close(p.semiring_grad, e, rtol=0, atol=0)
+            # Same products; the fused bias sum adds exp(m - max) in another order than the
+            # generic path's logsumexp, so the log-space semirings agree to rounding.
+            tight = type(sr) is semipack.Real
+            torch.testing.assert_close(
+                p.semiring_grad, e, rtol=0 if tight else 1e-13, atol=0 if tight else 1e-15
+            )
 
 
 def test_real_semiring_grad_equals_autograd() -> None:

@@ -356,3 +356,45 @@ def test_normalization_compiled_kernel_handles_outlier_features(sr: Semiring) ->
     got = normalized_messages(sr, m, x_hat, rstd, gain, False, mode="compiled")
     want = dense(sr, m, normalization_jacobian(x_hat, rstd, gain, False))
     assert_same_state(sr, got, want)
+
+
+def boundary_rows(n: int = 12) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x_hat, rstd) with pairs exactly on |1 + x̂_i x̂_j| = 0 (x̂ = ±1), ties, exact zeros of x̂
+    (one of them negative), a massive outlier feature, and ordinary rows."""
+    gen = torch.Generator().manual_seed(23)
+    x = torch.randn(6, n, generator=gen, dtype=F64)
+    x[0] = torch.tensor([1.0, -1.0] * (n // 2), dtype=F64)  # x̂ = ±1 exactly
+    x[1, : n // 2], x[1, n // 2 :] = 2.0, -3.0  # two values, many ties
+    x[2] = torch.arange(n, dtype=F64) - (n - 1) / 2
+    x[3, :] = 0.0
+    x[3, 4], x[3, 7] = 5.0, -5.0  # x̂ exactly 0 in the other columns
+    x[4, 2] = 300.0  # one massive feature
+    x_hat, rstd = layer_norm_stats(x, eps=0.0)
+    x_hat[3, 0] = -0.0
+    assert (x_hat[0].abs() == 1.0).all() and (x_hat[3] == 0.0).sum() == n - 2
+    return x_hat, rstd
+
+
+@pytest.mark.parametrize(
+    "sr", [semipack.MaxProd(), semipack.LogSum(), semipack.Entropy()], ids=lambda s: s.name
+)
+@pytest.mark.parametrize("n", [12, 40, 768])
+def test_native_normalization_kernels_match_float64_dense_jacobian(sr: Semiring, n: int) -> None:
+    """The hand-written float32 kernels (used with or without compilation) against the float64
+    dense Jacobian, on the boundary rows and at transformer width, with a no-path row."""
+    if not knorm.native_available():
+        pytest.skip("native kernels unavailable (no AVX2 or no C compiler)")
+    x_hat, rstd = boundary_rows(n)
+    gen = torch.Generator().manual_seed(24)
+    gain = torch.randn(n, generator=gen, dtype=F64)
+    m = random_state(sr, 6, n, seed=25)
+    m[0][5, :] = NEG_INF  # a row without any path
+    want = dense(sr, m, normalization_jacobian(x_hat, rstd, gain, False))
+    f32 = torch.float32
+    args = (x_hat.to(f32), rstd.to(f32), gain.to(f32), False)
+    got = normalized_messages(sr, tuple(c.to(f32) for c in m), *args, mode="compiled")
+    assert all(g.dtype == f32 for g in got)
+    torch.testing.assert_close(got[0].double(), want[0], rtol=0, atol=5e-5)
+    if isinstance(sr, semipack.Entropy):
+        live = torch.isfinite(want[0])
+        torch.testing.assert_close(got[1].double()[live], want[1][live], rtol=1e-4, atol=1e-4)

@@ -57,9 +57,8 @@ class AttentionFunction(torch.autograd.Function):
         reg_out, m_out, sr = split_message(grad_out)
         reg_w, m_w, sr_w = split_message(grad_weights)
         sr = sr or sr_w
-        reg = ctx.inner.regular_grads([reg_out, reg_w])
         if sr is None:
-            return (*reg, None, None)
+            return (*ctx.inner.regular_grads([reg_out, reg_w]), None, None)
         q, k, v = inner_inputs(ctx)
         dtype = sr.state_dtype(q.dtype)
         q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
@@ -74,7 +73,9 @@ class AttentionFunction(torch.autograd.Function):
         m_q, m_k, m_v = attention_contract(
             sr, m_out, q, k_all, v_all, probs, spec.scale, spec.keep, m_w
         )
+        del probs  # before the regular gradients' own temporaries exist (peak memory)
         m_k, m_v = fold_heads(sr, m_k, spec.kv_groups), fold_heads(sr, m_v, spec.kv_groups)
+        reg = ctx.inner.regular_grads([reg_out, reg_w])
         return (*messages(reg, (m_q, m_k, m_v), sr, wanted_inputs(ctx)), None, None)
 
 

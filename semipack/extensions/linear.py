@@ -6,6 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..kernels.shared_shift import shared_shift_products
 from ..readout.sites import Site, stamp
 from ..transport.provenance import current_module
 from .base import (
@@ -26,6 +27,14 @@ def linear_messages(sr, m, x, weight, want_x: bool, want_w: bool, want_b: bool):
     rows = tuple(p.reshape(-1, p.shape[-1]) for p in m)
     dtype = sr.state_dtype(x.dtype)
     x2 = x.reshape(-1, x.shape[-1]).to(dtype)
+    shared = shared_shift_products(
+        sr, rows, weight.to(dtype) if want_x else None, x2 if want_w else None, want_b
+    )
+    if shared is not None:
+        m_x, m_w, m_b = shared
+        if m_x is not None:
+            m_x = tuple(p.reshape(x.shape) for p in m_x)
+        return m_x, m_w, m_b
     m_x = m_w = m_b = None
     if want_x:
         m_x = tuple(p.reshape(x.shape) for p in sr.matmul(rows, weight.to(dtype)))
@@ -44,15 +53,15 @@ class LinearFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         regular, parts, sr = split_message(grad)
-        inner = ctx.inner
-        reg = inner.regular_grads([regular])
         if parts is None:
-            return tuple(reg)
+            return tuple(ctx.inner.regular_grads([regular]))
         x, weight, bias = inner_inputs(ctx)
         need = ctx.needs_input_grad
+        # Messages first: their temporaries are gone before the regular gradients exist.
         states = linear_messages(
             sr, parts, x, weight, need[0], need[1], need[2] and bias is not None
         )
+        reg = ctx.inner.regular_grads([regular])
         return messages(reg, states, sr, (x, weight, bias))
 
 

@@ -49,7 +49,7 @@ from ..semirings import (
 )
 from ..semirings._log import finite_or_zero, shifted_exp
 from .compiled import compile_enabled, compiled
-from .native import native_available, norm_entropy_sums_f32
+from .native import native_available, norm_abs_reduce_f32, norm_entropy_sums_f32
 
 INF = float("inf")
 
@@ -90,19 +90,36 @@ def _diagonal_terms(a: Tensor, x_hat: Tensor) -> tuple[Tensor, Tensor]:
 
 
 def _max_prod_fused(m: Tensor, x_hat: Tensor) -> tuple[Tensor]:
-    n = x_hat.shape[-1]
     a, shift = shifted_exp(m, -1)
-    best = (a[:, None, :] * pair_magnitudes(x_hat)).amax(-1) / n
+    return _max_prod_from_best(a, shift, x_hat, (a[:, None, :] * pair_magnitudes(x_hat)).amax(-1))
+
+
+def _max_prod_native(m: Tensor, x_hat: Tensor) -> tuple[Tensor]:
+    a, shift = shifted_exp(m, -1)
+    return _max_prod_from_best(a, shift, x_hat, norm_abs_reduce_f32(a, x_hat, reduce_max=True))
+
+
+def _max_prod_from_best(a: Tensor, shift: Tensor, x_hat: Tensor, best: Tensor) -> tuple[Tensor]:
+    """``best`` = max_i a_i |1 + x̂_i x̂_j|; the true diagonal term is never below the one it
+    holds (outside the outlier columns), so one more maximum makes it exact."""
     _, right = _diagonal_terms(a, x_hat)
-    return (torch.maximum(best, right).log() + shift,)
+    return (torch.maximum(best / x_hat.shape[-1], right).log() + shift,)
 
 
 def _log_sum_fused(m: Tensor, x_hat: Tensor) -> tuple[Tensor]:
-    n = x_hat.shape[-1]
     a, shift = shifted_exp(m, -1)
-    total = (a[:, None, :] * pair_magnitudes(x_hat)).sum(-1) / n
+    return _log_sum_from_total(a, shift, x_hat, (a[:, None, :] * pair_magnitudes(x_hat)).sum(-1))
+
+
+def _log_sum_native(m: Tensor, x_hat: Tensor) -> tuple[Tensor]:
+    a, shift = shifted_exp(m, -1)
+    return _log_sum_from_total(a, shift, x_hat, norm_abs_reduce_f32(a, x_hat, reduce_max=False))
+
+
+def _log_sum_from_total(a: Tensor, shift: Tensor, x_hat: Tensor, total: Tensor) -> tuple[Tensor]:
+    """``total`` = Σ_i a_i |1 + x̂_i x̂_j|, the diagonal included with the off-diagonal formula."""
     wrong, right = _diagonal_terms(a, x_hat)
-    return ((total - wrong + right).clamp_min(0.0).log() + shift,)
+    return ((total / x_hat.shape[-1] - wrong + right).clamp_min(0.0).log() + shift,)
 
 
 def _log_count_fused(m: Tensor, x_hat: Tensor) -> tuple[Tensor]:
@@ -230,6 +247,15 @@ FUSED_KERNELS: dict[type[Semiring], Callable[..., State]] = {
 }
 
 
+#: Hand-written float32 kernels (:mod:`.native`), used in place of the compiled ones where the
+#: native library is available; they need no compiler warm-up.
+NATIVE_KERNELS: dict[type[Semiring], Callable[..., State]] = {
+    MaxProd: _max_prod_native,
+    LogSum: _log_sum_native,
+    Entropy: _entropy_native,
+}
+
+
 def has_fused_normalization(sr: Semiring) -> bool:
     """True when ``normalized_messages`` has a closed form or a fused kernel for ``sr``."""
     return type(sr) is Real or type(sr) in FUSED_KERNELS
@@ -261,7 +287,8 @@ def normalized_messages(
     (``gain_per_row``). ``mode``: ``"auto"`` (compiled kernel from ``COMPILE_MIN_PAIRS`` pairs
     up when compilation is on, else None), ``"compiled"`` (always the fused kernel, which falls
     back to its eager form if compiling fails) or ``"eager"`` (the kernel's dense fallback).
-    Entropy on float32 uses the hand-written kernel of :mod:`.native` where it is available.
+    On float32, MaxProd, LogSum and Entropy use the hand-written kernels of :mod:`.native`
+    (``NATIVE_KERNELS``) where they are available, with or without compilation.
     """
     if type(sr) is Real:
         return _real_closed_form(m[0], x_hat.to(m[0].dtype), rstd, gain, gain_per_row)
@@ -269,9 +296,10 @@ def normalized_messages(
     if kernel is None:
         return None
     rows, n = x_hat.shape
-    native = type(sr) is Entropy and x_hat.dtype == torch.float32 and native_available()
+    native = NATIVE_KERNELS.get(type(sr)) if x_hat.dtype == torch.float32 else None
+    native = native if native is not None and native_available() else None
     if mode == "auto":
-        if not (compile_enabled() or native) or rows * n * n < COMPILE_MIN_PAIRS:
+        if not (compile_enabled() or native is not None) or rows * n * n < COMPILE_MIN_PAIRS:
             return None
         mode = "compiled"
     if mode not in ("compiled", "eager"):
@@ -290,7 +318,7 @@ def normalized_messages(
         if mode == "eager":
             out = kernel.eager(*args)  # type: ignore[attr-defined]
         else:
-            out = _entropy_native(*args) if native else kernel(*args)
+            out = native(*args) if native is not None else kernel(*args)
         if mode == "compiled" and type(sr) in ALL_PAIRS_KERNELS:
             out = _fix_outliers(sr, m, x_hat, tuple(out))
     return sr.scale(tuple(out), row_weight[:, None])

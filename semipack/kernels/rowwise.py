@@ -39,6 +39,7 @@ from ..semirings import (
     State,
 )
 from ..semirings._log import finite_or_zero
+from .compiled import compile_enabled, compiled
 
 INF = float("inf")
 
@@ -54,13 +55,14 @@ def top_two(a: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     entry. Ties keep both: the second of two equal maxima equals the first.
     """
     first, index = a.max(-1, keepdim=True)
-    second = a.scatter(-1, index, -INF).amax(-1, keepdim=True)
+    second = torch.where(_is_top(a, index), -INF, a).amax(-1, keepdim=True)
     return first, index, second
 
 
 def _is_top(a: Tensor, index: Tensor) -> Tensor:
-    """Boolean [rows, n] mask of the entry ``index`` of each row."""
-    return torch.zeros_like(a, dtype=torch.bool).scatter(-1, index, True)
+    """Boolean [rows, n] mask of the entry ``index`` of each row (a comparison, not a scatter,
+    so that inductor fuses it into the surrounding loops)."""
+    return torch.arange(a.shape[-1], device=a.device) == index
 
 
 def exclusive_max(a: Tensor) -> Tensor:
@@ -164,17 +166,47 @@ def _diag_plus_rank_one(
     return sr.plus(sr.scale(m, diag), sr.scale(exclusive(through), in_factor))
 
 
+def _softmax_diag_plus_rank_one(sr: Semiring, m: State, probs: Tensor) -> State:
+    # J_jj = y_j (1 - y_j);  J_ij = y_i * (-y_j) for i != j.
+    exclusive = EXCLUSIVE_REDUCTIONS[type(sr)]
+    return _diag_plus_rank_one(sr, exclusive, m, probs * (1.0 - probs), probs, -probs)
+
+
+def _compiled_softmax(semiring_class: type[Semiring]) -> Callable[..., State]:
+    sr = semiring_class()
+
+    def kernel(*args: Tensor) -> State:
+        *m, probs = args
+        return _softmax_diag_plus_rank_one(sr, tuple(m), probs)
+
+    kernel.__name__ = kernel.__qualname__ = f"softmax_{semiring_class.__name__}"
+    return compiled(kernel)
+
+
+#: Softmax messages as one compiled kernel (inductor fuses the ~20 elementwise passes and row
+#: reductions of the eager form into a few loops), for the semirings whose messages are floats.
+COMPILED_SOFTMAX: dict[type[Semiring], Callable[..., State]] = {
+    cls: _compiled_softmax(cls) for cls in (MaxProd, LogSum, LogCount, Entropy)
+}
+
+#: Use the compiled softmax kernel from this many entries up (below, eager is fast enough and
+#: compiling would not pay off).
+COMPILE_MIN_ENTRIES = 1 << 18
+
+
 def softmax_messages(sr: Semiring, m: State, probs: Tensor) -> State | None:
     """Messages through softmax rows (``m``, ``probs``: [rows, n]); None without a fast path."""
     probs = probs.to(m[0].dtype) if m[0].is_floating_point() else probs
     if type(sr) is Real:
         # Σ_i m_i y_i (δ_ij - y_j) = y_j (m_j - Σ_i m_i y_i): autograd's own formula.
         return (probs * (m[0] - (m[0] * probs).sum(-1, keepdim=True)),)
-    exclusive = EXCLUSIVE_REDUCTIONS.get(type(sr))
-    if exclusive is None or probs.shape[-1] == 0:
+    if type(sr) not in EXCLUSIVE_REDUCTIONS or probs.shape[-1] == 0:
         return None
-    # J_jj = y_j (1 - y_j);  J_ij = y_i * (-y_j) for i != j.
-    return _diag_plus_rank_one(sr, exclusive, m, probs * (1.0 - probs), probs, -probs)
+    kernel = COMPILED_SOFTMAX.get(type(sr))
+    if kernel is not None and compile_enabled() and probs.numel() >= COMPILE_MIN_ENTRIES:
+        with torch.no_grad():
+            return tuple(kernel(*(c.contiguous() for c in m), probs.contiguous()))
+    return _softmax_diag_plus_rank_one(sr, m, probs)
 
 
 def log_softmax_messages(sr: Semiring, m: State, log_probs: Tensor) -> State | None:

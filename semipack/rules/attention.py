@@ -13,6 +13,7 @@ import torch
 from einops import rearrange, repeat
 from torch import Tensor
 
+from ..kernels.shared_shift import shared_shift_products
 from ..readout.sites import Site
 from ..semirings.base import Semiring, State
 from ..transport.provenance import current_site
@@ -60,19 +61,32 @@ def attention_contract(
     themselves used downstream).
     """
     weights = probs if keep is None else probs * keep
-    m_w = sr.matmul(m_out, v.transpose(-1, -2))  # ∂O[i,d]/∂W[i,j] = V[j,d]
+    # ∂O[i,d]/∂W[i,j] = V[j,d];  ∂O[i,d]/∂V[j,d] = W[i,j]
+    v_t = v.transpose(-1, -2)
+    shared = shared_shift_products(sr, m_out, v_t, weights)
+    if shared is not None:
+        m_w, m_v_t, _ = shared
+    else:
+        m_w, m_v_t = sr.matmul(m_out, v_t), sr.matmul(_t(m_out), weights)
     if m_weights is not None:
         m_w = sr.plus(m_w, m_weights)
     m_w = record_internal(sr, m_w, "attention weights")
-    m_v = _t(sr.matmul(_t(m_out), weights))  # ∂O[i,d]/∂V[j,d] = W[i,j]
+    m_v = _t(m_v_t)
     m_probs = m_w if keep is None else sr.scale(m_w, keep)  # ∂W/∂P = keep
+    del m_w, weights, shared
     rows = probs.shape[-1]
     flat = tuple(p.reshape(-1, rows) for p in m_probs)
+    del m_probs
     m_scores = softmax_contract(sr, flat, probs.reshape(-1, rows))
+    del flat
     m_scores = tuple(p.reshape(probs.shape) for p in m_scores)
     m_scores = record_internal(sr, m_scores, "attention scores")
-    m_q = sr.matmul(m_scores, k * scale)  # ∂S[i,j]/∂Q[i,d] = K[j,d] * scale
-    m_k = sr.matmul(_t(m_scores), q * scale)  # ∂S[i,j]/∂K[j,d] = Q[i,d] * scale
+    # ∂S[i,j]/∂Q[i,d] = K[j,d] * scale;  ∂S[i,j]/∂K[j,d] = Q[i,d] * scale
+    shared = shared_shift_products(sr, m_scores, k * scale, q * scale)
+    if shared is not None:
+        m_q, m_k, _ = shared
+    else:
+        m_q, m_k = sr.matmul(m_scores, k * scale), sr.matmul(_t(m_scores), q * scale)
     return m_q, m_k, m_v
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from ..kernels.shared_shift import shared_shift_products
 from ..semirings.base import State
 from ..transport.message import Message
 from .registry import OpCall, register_rule
@@ -23,9 +24,12 @@ def matmul(call: OpCall):
     if isinstance(a, Message) and isinstance(b, Message):
         raise call.error("the product of two messages has no semiring meaning")
     if isinstance(a, Message):
-        parts = sr.matmul(a.parts, b)
+        shared = shared_shift_products(sr, a.parts, right=b)
+        parts = shared[0] if shared is not None else sr.matmul(a.parts, b)
     else:  # (a @ m) = (mᵀ @ aᵀ)ᵀ
-        parts = _t(sr.matmul(_t(b.parts), a.transpose(-1, -2)))
+        shared = shared_shift_products(sr, b.parts, left=a.transpose(-1, -2))
+        parts = shared[1] if shared is not None else sr.matmul(_t(b.parts), a.transpose(-1, -2))
+        parts = _t(parts)
     return call.wrap(call.run_real(), parts)
 
 

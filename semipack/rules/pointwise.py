@@ -72,8 +72,9 @@ def _message_arg(call: OpCall) -> tuple[str, Message]:
 @register_rule(*ACTIVATION_BACKWARDS)
 def activation(call: OpCall):
     name, msg = _message_arg(call)
-    weights = edge_weights(call, name)
-    return call.wrap(call.run_real(), call.semiring.scale(msg.parts, weights))
+    parts = call.semiring.scale(msg.parts, edge_weights(call, name))
+    # The regular gradient after the message: the edge weights are freed by then (peak memory).
+    return call.wrap(call.run_real(), parts)
 
 
 @register_rule(*LOSS_BACKWARDS, *CLASS_LOSS_BACKWARDS)

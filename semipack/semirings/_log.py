@@ -8,7 +8,7 @@ from torch import Tensor
 
 def log_abs(w: Tensor, dtype: torch.dtype) -> Tensor:
     """``log|w|`` in ``dtype``, with exact zeros mapped to ``-inf`` (the semiring zero)."""
-    return w.to(dtype).abs().log()
+    return w.to(dtype).abs().log_()  # abs() is a fresh tensor: log in place
 
 
 def finite_or_zero(x: Tensor) -> Tensor:

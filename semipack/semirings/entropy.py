@@ -23,7 +23,7 @@ class Entropy(Semiring):
     one = (0.0, 0.0)
 
     def lift(self, w: Tensor) -> State:
-        log_w = w.to(self.state_dtype(w.dtype)).abs().log()
+        log_w = w.to(self.state_dtype(w.dtype)).abs().log_()
         surprisal = torch.where(torch.isfinite(log_w), -log_w, torch.zeros_like(log_w))
         return (log_w, surprisal)
 
@@ -59,7 +59,7 @@ class Entropy(Semiring):
         s = torch.matmul(e, mag)
         t = torch.matmul(e * a[1], mag) - torch.matmul(e, mag_log_mag)
         mean = torch.where(s > 0, t / s, torch.zeros_like(s))
-        return (s.log() + m, mean)
+        return (s.log_().add_(m), mean)
 
     def index_plus(self, dest: State, dim: int, index: Tensor, src: State) -> State:
         peak = finite_or_zero(index_reduce(dest[0], dim, index, src[0], "amax"))

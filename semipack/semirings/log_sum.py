@@ -29,7 +29,9 @@ class LogSum(Semiring):
         return w.abs()
 
     def lift(self, w: Tensor) -> State:
-        return (self.magnitude(w.to(self.state_dtype(w.dtype))).log(),)
+        w = w.to(self.state_dtype(w.dtype))
+        mag = self.magnitude(w)
+        return (mag.log() if mag is w else mag.log_(),)  # in place on a fresh magnitude
 
     def plus(self, a: State, b: State) -> State:
         return (torch.logaddexp(a[0], b[0]),)
@@ -47,7 +49,7 @@ class LogSum(Semiring):
         # log Σ_k exp(a_k) |w_kj|  =  m + log( exp(a - m) @ |w| ), with m the row max of a.
         e, m = shifted_exp(a[0], -1)
         s = torch.matmul(e, self.magnitude(w.to(e.dtype)))
-        return (s.log() + m,)
+        return (s.log_().add_(m),)
 
     def index_plus(self, dest: State, dim: int, index: Tensor, src: State) -> State:
         peak = index_reduce(dest[0], dim, index, src[0], "amax")

@@ -122,7 +122,9 @@ def _run_backward(tensors, grad_tensors, sr, leaves, regular_grads, retain_graph
         def capture(leaf: Tensor):
             def hook(grad):
                 msg = _check(grad, leaf)
-                captured[id(leaf)] = msg
+                # Keep only the semiring state: the regular gradient goes to ``.grad`` (possibly
+                # as a copy), and holding it here too would double the gradients' memory.
+                captured[id(leaf)] = Message(None, msg.parts, msg.semiring, msg.dtype)
                 return msg.gradient
 
             return hook

@@ -113,6 +113,10 @@ def _library() -> ctypes.CDLL | None:
     sums.restype = None
     sums.argtypes = [*[ctypes.c_void_p] * 3, *[ctypes.c_int64] * 2, *[ctypes.c_void_p] * 3]
     sums.argtypes += [ctypes.c_int]
+    reduce = lib.semipack_norm_abs_reduce_f32
+    reduce.restype = None
+    reduce.argtypes = [*[ctypes.c_void_p] * 2, *[ctypes.c_int64] * 2, ctypes.c_void_p]
+    reduce.argtypes += [ctypes.c_int, ctypes.c_int]
     return lib
 
 
@@ -230,3 +234,24 @@ def norm_entropy_sums_f32(a: Tensor, r: Tensor, x_hat: Tensor) -> tuple[Tensor, 
         _threads(rows * n * n * 8),
     )
     return s, t, u
+
+
+def norm_abs_reduce_f32(a: Tensor, x_hat: Tensor, reduce_max: bool) -> Tensor:
+    """Per row and output j: ``Σ_i a_i c_ij`` (or ``max_i`` with ``reduce_max``), with
+    ``c_ij = |1 + x̂_i x̂_j|``, for [rows, n] float32 inputs (LogSum's and MaxProd's O(n²) part
+    through layer/batch norm; see normalization.c). ``a`` must be >= 0 for the max."""
+    lib = _library()
+    assert lib is not None
+    a, x_hat = (t.to(torch.float32).contiguous() for t in (a, x_hat))
+    rows, n = x_hat.shape
+    out = torch.empty((rows, n), dtype=torch.float32)
+    lib.semipack_norm_abs_reduce_f32(
+        a.data_ptr(),
+        x_hat.data_ptr(),
+        rows,
+        n,
+        out.data_ptr(),
+        int(reduce_max),
+        _threads(rows * n * n),
+    )
+    return out

@@ -1,0 +1,120 @@
+"""Both products of a bilinear op from one exponentiation, for the sum-like log-space semirings.
+
+A linear layer's backward contracts the same output message ``m`` [..., N, O] twice: along O
+with |W| (to the input) and along N with |x| (to the weight), and sums it along N (to the bias).
+Attention does the same with (Vᵀ, weights) and (K, Q). The semirings' own ``matmul`` shifts by
+the maximum along the reduced dimension, a different shift (and one more ``exp`` over ``m``)
+for each product. When every finite entry of ``m`` lies within ``SHARED_SHIFT_SPAN`` nats of its
+global maximum ``M``, a single ``e = exp(m - M)`` serves every product: each term stays a normal
+float (``e >= exp(-SHARED_SHIFT_SPAN)``), so the sums keep full relative precision, and the
+elementwise work around the BLAS calls halves. Messages with a wider spread get None back and
+the caller uses the per-product shifts.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import Tensor
+
+from ..semirings import Entropy, LogCount, LogSum, Semiring, State
+
+#: Largest spread (nats) of finite message entries for which one shift serves every product.
+#: exp(-40) ~ 4e-18 keeps each product e |w| a normal float32 for |w| down to ~1e-20.
+SHARED_SHIFT_SPAN = 40.0
+
+Products = tuple[State | None, State | None, State | None]
+
+
+def global_shift(log_values: Tensor) -> Tensor | None:
+    """The maximum of ``log_values`` if all its finite entries lie within the span, else None."""
+    low, high = torch.aminmax(log_values)
+    if low.item() == float("-inf"):  # entries without any path do not count
+        finite = torch.isfinite(log_values)
+        if not finite.any():
+            return None
+        low = log_values[finite].amin()
+    if not torch.isfinite(high) or (high - low).item() > SHARED_SHIFT_SPAN:
+        return None
+    return high
+
+
+def _t(t: Tensor) -> Tensor:
+    return t.transpose(-1, -2)
+
+
+def _log_sum(
+    sr: LogSum, m: State, right: Tensor | None, left: Tensor | None, want_sum: bool
+) -> Products | None:
+    shift = global_shift(m[0])
+    if shift is None:
+        return None
+    e = (m[0] - shift).exp_()
+    by_right = by_left = total = None
+    if right is not None:
+        by_right = (torch.matmul(e, sr.magnitude(right)).log_().add_(shift),)
+    if left is not None:
+        by_left = (torch.matmul(_t(e), sr.magnitude(left)).log_().add_(shift),)
+    if want_sum:
+        total = (e.sum(-2).log_().add_(shift),)
+    return by_right, by_left, total
+
+
+def _entropy_product(e: Tensor, e_r: Tensor, w: Tensor, shift: Tensor) -> State:
+    """(log Z, mean surprisal) of ``e ⊗ w`` with ``e_r = e * R``: three BLAS calls."""
+    mag = w.abs()
+    mag_log_mag = torch.where(mag > 0, mag * mag.log(), 0.0)  # 0 log 0 = 0
+    s = torch.matmul(e, mag)
+    t = torch.matmul(e_r, mag).sub_(torch.matmul(e, mag_log_mag))
+    mean = torch.where(s > 0, t / s, 0.0)
+    return (s.log_().add_(shift), mean)
+
+
+def _entropy(
+    sr: Entropy, m: State, right: Tensor | None, left: Tensor | None, want_sum: bool
+) -> Products | None:
+    log_z, surprisal = m
+    shift = global_shift(log_z)
+    if shift is None:
+        return None
+    e = (log_z - shift).exp_()
+    e_r = e * surprisal
+    by_right = by_left = total = None
+    if right is not None:
+        by_right = _entropy_product(e, e_r, right, shift)
+    if left is not None:
+        by_left = _entropy_product(_t(e), _t(e_r), left, shift)
+    if want_sum:
+        s = e.sum(-2)
+        total = (s.log().add_(shift), torch.where(s > 0, e_r.sum(-2) / s, 0.0))
+    return by_right, by_left, total
+
+
+#: Shared-shift products, by exact semiring class (a subclass may change lift or plus).
+SHARED_SHIFT_KERNELS: dict[type[Semiring], Callable[..., Products | None]] = {
+    LogSum: _log_sum,
+    LogCount: _log_sum,
+    Entropy: _entropy,
+}
+
+
+def shared_shift_products(
+    sr: Semiring,
+    m: State,
+    right: Tensor | None = None,
+    left: Tensor | None = None,
+    want_sum: bool = False,
+) -> Products | None:
+    """``(m ⊗ right, mᵀ ⊗ left, ⊕ of m over dim -2)``, or None where this form does not apply.
+
+    ``m`` [..., N, O]; ``right`` [..., O, J] (contracts m's last dim); ``left`` [..., N, J]
+    (contracts m's rows, giving [..., O, J]); all in the state dtype. A None operand (or
+    ``want_sum=False``) skips that result. None when the semiring has no shared-shift form or
+    the message spans more than ``SHARED_SHIFT_SPAN`` nats.
+    """
+    kernel = SHARED_SHIFT_KERNELS.get(type(sr))
+    if kernel is None or m[0].dim() < 2:
+        return None
+    with torch.no_grad():
+        return kernel(sr, m, right, left, want_sum)

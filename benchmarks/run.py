@@ -255,18 +255,26 @@ taken there).
   messages span orders of magnitude, so in this layer it keeps 2-20% of the pairs in the better
   of the two orientations. Its speed depends on the data: where messages are flat nothing can be
   pruned and the dense kernel runs (the layer then takes about 3.5-4 plain backwards).
+- **LogSum.** Its twelve BLAS products (input and weight messages of six linear layers) are the
+  same work as the plain backward's twelve, so 2x is its floor here. The rest is elementwise:
+  one shared exponentiation per linear and attention message (`semipack/kernels/shared_shift.py`),
+  the logarithms of the results, the LayerNorm all-pairs sums (native kernel, about 15-20 ms per
+  LayerNorm), the softmax messages (one compiled kernel) and the GELU edge weights. Across runs
+  on this machine the layer measured 2.43-2.54x: at the target's edge.
 - **Entropy floor.** Each linear message is three BLAS products (the expectation semiring's
-  product rule) instead of one: with the input and weight messages that is three times the plain
-  backward's matmul work on top of the regular gradient, so about 4x is the floor for this layer.
-  The exact entropy through a LayerNorm also needs log|J_ij| for every (token, i, j) triple:
-  2 x 1024 x 768 x 768 = 1.2 G logarithms per layer, at about 2.3 G/s in the native kernel
-  (`semipack/kernels/native/normalization.c`).
+  product rule) instead of one: with the input and weight messages and the regular gradient that
+  is 48 products against the plain backward's 12. In torch.profiler they take 0.66 s here, 3.5x
+  the whole plain backward, before anything else. The exact entropy through a LayerNorm also
+  needs log|J_ij| for every (token, i, j) triple: 2 x 1024 x 768 x 768 = 1.2 G logarithms per
+  layer, about 0.47 s in the native kernel (`semipack/kernels/native/normalization.c`).
 - **Memory.** A message carries the regular gradient and the semiring state (one extra tensor
-  of the gradient's size for MaxProd and LogSum, two for Entropy). The results alone, one
-  `semiring_grad` per parameter (7.1 M parameters: 28 MB, 57 MB for Entropy), are 0.43x (0.86x)
-  of the plain backward's peak here (66 MB above the forward's starting point), and the kernels
-  keep lifted weights (log|W|) and packed copies while they run, so 1.5x is out of reach for a
-  layer this small relative to its parameters.
+  of the gradient's size for MaxProd and LogSum, two for Entropy), so every activation-sized
+  gradient has a message of the same size beside it. `benchmarks/memory_trace.py` reads the
+  resident memory at each autograd node: between nodes the MaxProd/LogSum backward holds at most
+  99 MB (1.5x the plain peak of 66 MB; the results alone, one `semiring_grad` per parameter,
+  are 28 MB), and the peak, 129 MB, is inside the GELU of the feed-forward block, where the
+  gradient and the message of the 1024 x 3072 activation meet the edge weights. 1.5x is out of
+  reach for a layer whose backward peak is mostly gradients.
 - **Convolutions** go through im2col index maps: 9 x the activation size per state component and
   two max-plus products the size of the convolution itself, against oneDNN's direct convolution
   kernels in the plain backward.

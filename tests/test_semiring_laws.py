@@ -178,3 +178,21 @@ def test_readouts_of_known_states() -> None:
     assert ls.readout(
         ls.plus(ls.lift(torch.tensor([1.0])), ls.lift(torch.tensor([-3.0])))
     ).item() == (pytest.approx(4.0))
+
+
+@pytest.mark.parametrize("sr", [*SEMIRINGS, semipack.TopPath()], ids=[*IDS, "TopPath"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize(
+    ("state_shape", "weight_shape"), [((4, 5), (4, 5)), ((1, 5), (4, 5)), ((4, 5), (1, 5))]
+)
+def test_scale_owned_is_bitwise_scale(sr, dtype, state_shape, weight_shape) -> None:
+    """Writing the result into the edge weights' memory gives exactly ``scale``'s bits; where
+    the weights cannot hold the result (broadcast), it falls back to ``scale``."""
+    w = random_weights(7, weight_shape).to(dtype)
+    a = tuple(
+        c.to(dtype) if c.dtype == torch.float64 else c for c in random_state(sr, 3, state_shape)
+    )
+    expected = sr.scale(a, w)
+    got = sr.scale_owned(a, w.clone())
+    for x, y in zip(got, expected, strict=True):
+        torch.testing.assert_close(x, y, rtol=0, atol=0, equal_nan=True)

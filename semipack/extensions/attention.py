@@ -24,9 +24,9 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from ..readout.sites import Site, stamp
-from ..rules.attention import attention_contract, attention_probs, fold_heads, repeat_heads
+from ..rules.attention import attention_messages, attention_probs, fold_heads, repeat_heads
 from ..transport.provenance import current_module
-from .base import inner_inputs, messages, record_inner, split_message, wanted_inputs
+from .base import frees_context, inner_inputs, messages, record_inner, split_message, wanted_inputs
 
 _sdpa = F.scaled_dot_product_attention
 
@@ -52,6 +52,7 @@ class AttentionFunction(torch.autograd.Function):
         return record_inner(ctx, inner_fn, [q, k, v])
 
     @staticmethod
+    @frees_context
     def backward(ctx, grad_out, grad_weights):
         spec = ctx.spec
         reg_out, m_out, sr = split_message(grad_out)
@@ -66,14 +67,12 @@ class AttentionFunction(torch.autograd.Function):
         mask = spec.mask
         if mask is not None and mask.dtype != torch.bool:
             mask = mask.to(dtype)
-        probs = attention_probs(q, k_all, mask, spec.causal, spec.scale)
-        shape = probs.shape
         if m_out is None:
-            m_out = sr.zeros((*shape[:-1], v.shape[-1]), dtype, q.device)
-        m_q, m_k, m_v = attention_contract(
-            sr, m_out, q, k_all, v_all, probs, spec.scale, spec.keep, m_w
+            m_out = sr.zeros((*q.shape[:-1], v.shape[-1]), dtype, q.device)
+        # Chunked over the batch; the messages exist before the regular gradients' temporaries.
+        m_q, m_k, m_v = attention_messages(
+            sr, m_out, q, k_all, v_all, mask, spec.causal, spec.scale, spec.keep, m_w
         )
-        del probs  # before the regular gradients' own temporaries exist (peak memory)
         m_k, m_v = fold_heads(sr, m_k, spec.kv_groups), fold_heads(sr, m_v, spec.kv_groups)
         reg = ctx.inner.regular_grads([reg_out, reg_w])
         return (*messages(reg, (m_q, m_k, m_v), sr, wanted_inputs(ctx)), None, None)

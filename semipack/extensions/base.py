@@ -12,6 +12,7 @@ Extensions must give the same semiring values as the generic per-op path; tests 
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import ExitStack, contextmanager
 from typing import Any, ClassVar
@@ -21,6 +22,7 @@ from torch import Tensor, nn
 
 from ..semirings.base import Semiring, State
 from ..transport.message import Message
+from ..transport.passes import graph_retained
 
 
 class ModuleExtension:
@@ -105,6 +107,10 @@ class InnerGraph:
     the inner ops see the same identities as a plain forward does.
     """
 
+    #: Keep the inner graph's saved tensors after ``regular_grads`` (set per pass by
+    #: ``frees_context``; kept unless the running semiring passes free the graph).
+    retain: bool = True
+
     def __init__(self, fn: Callable[..., Any], inputs: Sequence[Tensor | None]) -> None:
         aliases: dict[int, Tensor] = {}
         self.first_use: list[bool] = []
@@ -155,7 +161,7 @@ class InnerGraph:
             [e for e, _ in pairs],
             unique,
             [g for _, g in pairs],
-            retain_graph=True,
+            retain_graph=self.retain,
             allow_unused=True,
         )
         found = dict(zip((id(t) for t in unique), got, strict=True))
@@ -166,6 +172,34 @@ class InnerGraph:
                 g = torch.zeros_like(g)
             out.append(g)
         return out
+
+
+def frees_context(backward: Callable[..., Any]) -> Callable[..., Any]:
+    """Wrap an extension Function's backward so that it frees what its forward kept on ``ctx``.
+
+    The engine frees a plain node's saved tensors right after the node runs, but a custom
+    Function's context (here the inner graph with the module's activations) lives until the whole
+    graph is gone: without this, a semiring backward would hold every extended module's
+    activations to its end. After a semiring pass that does not retain the graph, the context is
+    emptied; a second pass through it then fails with the error a plain backward gives.
+    """
+
+    @functools.wraps(backward)
+    def run(ctx, *grads: Any) -> Any:
+        if getattr(ctx, "inner", None) is None:
+            raise RuntimeError(
+                "Trying to backward through the graph a second time: a semipack module "
+                "extension freed its saved state after the first semiring backward. Pass "
+                "retain_graph=True to the first backward to keep it."
+            )
+        release = not graph_retained() and any(isinstance(g, Message) for g in grads)
+        ctx.inner.retain = not release
+        result = backward(ctx, *grads)
+        if release:
+            ctx.__dict__.clear()
+        return result
+
+    return run
 
 
 def record_inner(ctx, fn: Callable[..., Any], inputs: Sequence[Tensor | None]) -> Any:

@@ -10,6 +10,7 @@ from ..rules.convolution import conv_messages
 from ..transport.provenance import current_module
 from .base import (
     ModuleExtension,
+    frees_context,
     inner_inputs,
     messages,
     record_inner,
@@ -25,6 +26,7 @@ class ConvFunction(torch.autograd.Function):
         return record_inner(ctx, module._conv_forward, [x, weight, bias])
 
     @staticmethod
+    @frees_context
     def backward(ctx, grad):
         regular, parts, sr = split_message(grad)
         inner = ctx.inner

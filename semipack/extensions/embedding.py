@@ -11,6 +11,7 @@ from ..semirings.base import scatter_into_zeros
 from ..transport.provenance import current_module
 from .base import (
     ModuleExtension,
+    frees_context,
     inner_inputs,
     messages,
     record_inner,
@@ -37,6 +38,7 @@ class EmbeddingFunction(torch.autograd.Function):
         return record_inner(ctx, lambda w: F.embedding(indices, w, padding_idx), [weight])
 
     @staticmethod
+    @frees_context
     def backward(ctx, grad):
         regular, parts, sr = split_message(grad)
         (reg,) = ctx.inner.regular_grads([regular])

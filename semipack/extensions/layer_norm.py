@@ -12,6 +12,7 @@ from ..rules import normalization as norm_rules
 from ..transport.provenance import current_module
 from .base import (
     ModuleExtension,
+    frees_context,
     inner_inputs,
     messages,
     record_inner,
@@ -55,6 +56,7 @@ class LayerNormFunction(torch.autograd.Function):
         return out
 
     @staticmethod
+    @frees_context
     def backward(ctx, grad):
         regular, parts, sr = split_message(grad)
         mean, rstd = ctx.stats

@@ -11,6 +11,7 @@ from ..readout.sites import Site, stamp
 from ..transport.provenance import current_module
 from .base import (
     ModuleExtension,
+    frees_context,
     inner_inputs,
     messages,
     record_inner,
@@ -51,6 +52,7 @@ class LinearFunction(torch.autograd.Function):
         return record_inner(ctx, F.linear, [x, weight, bias])
 
     @staticmethod
+    @frees_context
     def backward(ctx, grad):
         regular, parts, sr = split_message(grad)
         if parts is None:

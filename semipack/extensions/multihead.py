@@ -23,6 +23,7 @@ from ..semirings.base import State
 from ..transport.provenance import current_module
 from .base import (
     ModuleExtension,
+    frees_context,
     inner_inputs,
     messages,
     record_inner,
@@ -73,6 +74,7 @@ class MultiheadAttentionFunction(torch.autograd.Function):
         return record_inner(ctx, run, [query, key, value, w_in, b_in, w_out, b_out])
 
     @staticmethod
+    @frees_context
     def backward(ctx, grad_out, grad_weights):
         reg_out, m_out, sr = split_message(grad_out)
         reg_w, m_w, sr_w = split_message(grad_weights)

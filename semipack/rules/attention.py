@@ -7,6 +7,7 @@ semiring values with ``attn_implementation="sdpa"`` and ``"eager"``.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -90,6 +91,66 @@ def attention_contract(
     return m_q, m_k, m_v
 
 
+#: Largest number of attention-weight entries whose messages are built at once. The batch is
+#: split into chunks of about this size, so the temporaries of a semiring attention backward (the
+#: weights, their messages and the softmax kernel's buffers) stay small next to its outputs.
+ATTENTION_CHUNK_ELEMENTS = 1 << 19
+
+
+def _batch_slice(t, start: int, stop: int, batch: int):
+    """``t`` (a tensor, a state or None) restricted to batch entries [start, stop) when its
+    leading dimension is the batch of a 4-d attention tensor, else ``t`` itself (broadcast)."""
+    if t is None:
+        return None
+    if isinstance(t, tuple):
+        return tuple(_batch_slice(c, start, stop, batch) for c in t)
+    if t.dim() == 4 and t.shape[0] == batch and batch > 1:
+        return t[start:stop]
+    return t
+
+
+def attention_messages(
+    sr: Semiring,
+    m_out: State,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    mask: Tensor | None,
+    causal: bool,
+    scale: float,
+    keep: Tensor | None = None,
+    m_weights: State | None = None,
+) -> tuple[State, State, State]:
+    """``attention_contract`` with the attention weights recomputed from Q and K, over chunks
+    of the batch (``ATTENTION_CHUNK_ELEMENTS``). Q, K, V are [batch, heads, tokens, dim] with K
+    and V already repeated to the query heads. Each chunk is exactly the unchunked computation
+    restricted to its batch entries; path-recording semirings run in one piece (their trace
+    names the weights by their index in the whole tensor)."""
+    batch = q.shape[0]
+    per_entry = math.prod(q.shape[1:-1]) * k.shape[-2]
+    step = max(1, ATTENTION_CHUNK_ELEMENTS // max(per_entry, 1))
+    if q.dim() != 4 or step >= batch or getattr(sr, "records_paths", False):
+        probs = attention_probs(q, k, mask, causal, scale)
+        return attention_contract(sr, m_out, q, k, v, probs, scale, keep, m_weights)
+    outputs: list[State] | None = None
+    for start in range(0, batch, step):
+        stop = min(start + step, batch)
+        piece = functools.partial(_batch_slice, start=start, stop=stop, batch=batch)
+        q_c = piece(q)
+        probs = attention_probs(q_c, piece(k), piece(mask), causal, scale)
+        got = attention_contract(
+            sr, piece(m_out), q_c, piece(k), piece(v), probs, scale, piece(keep), piece(m_weights)
+        )
+        del probs
+        if outputs is None:
+            outputs = [tuple(c.new_empty((batch, *c.shape[1:])) for c in state) for state in got]
+        for whole, part in zip(outputs, got, strict=True):
+            for w, c in zip(whole, part, strict=True):
+                w[start:stop].copy_(c)
+        del got
+    return tuple(outputs)
+
+
 def record_internal(sr: Semiring, m: State, tensor: str) -> State:
     """Let path readouts see a tensor internal to the fused op (weights, scores) as the nodes of
     the reference decomposition, named by head and token."""
@@ -132,9 +193,8 @@ def _sdpa_backward(call: OpCall, grad_name: str, mask_name: str | None, n_output
     if mask is not None and mask.dtype != torch.bool:
         mask = mask.to(dtype)
     k, v = repeat_heads(k, groups), repeat_heads(v, groups)
-    probs = attention_probs(q, k, mask, bool(call["is_causal"]), scale)
     sr = call.semiring
-    m_q, m_k, m_v = attention_contract(sr, msg.parts, q, k, v, probs, scale)
+    m_q, m_k, m_v = attention_messages(sr, msg.parts, q, k, v, mask, bool(call["is_causal"]), scale)
     m_k, m_v = fold_heads(sr, m_k, groups), fold_heads(sr, m_v, groups)
     real = call.run_real()
     reals = list(real) if real is not None else [None] * n_outputs

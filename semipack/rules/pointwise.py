@@ -51,10 +51,12 @@ CLASS_LOSS_BACKWARDS = [
 
 
 def edge_weights(call: OpCall, grad_name: str) -> Tensor:
-    """The op's elementwise derivative: the op applied to a gradient of ones."""
+    """The op's elementwise derivative: the op applied to a gradient of ones (a broadcast
+    scalar, so no ones tensor is allocated). The result is a fresh tensor."""
     named = dict(call.bound)
     msg = named[grad_name]
-    named[grad_name] = torch.ones(tuple(msg.shape), dtype=msg.dtype, device=msg.device)
+    ones = torch.ones((), dtype=msg.dtype, device=msg.device).expand(tuple(msg.shape))
+    named[grad_name] = ones
     return call_by_name(call.func, named).to(call.weight_dtype)
 
 
@@ -72,8 +74,8 @@ def _message_arg(call: OpCall) -> tuple[str, Message]:
 @register_rule(*ACTIVATION_BACKWARDS)
 def activation(call: OpCall):
     name, msg = _message_arg(call)
-    parts = call.semiring.scale(msg.parts, edge_weights(call, name))
-    # The regular gradient after the message: the edge weights are freed by then (peak memory).
+    parts = call.semiring.scale_owned(msg.parts, edge_weights(call, name))
+    # The regular gradient after the message: its temporaries are gone by then (peak memory).
     return call.wrap(call.run_real(), parts)
 
 

@@ -11,6 +11,18 @@ def log_abs(w: Tensor, dtype: torch.dtype) -> Tensor:
     return w.to(dtype).abs().log_()  # abs() is a fresh tensor: log in place
 
 
+def can_overwrite(w: Tensor, state: Tensor) -> bool:
+    """Whether ``state ⊗ lift(w)`` can be written into ``w``: same dtype, and ``w`` already has
+    the broadcast shape of the result."""
+    return w.dtype == state.dtype and w.shape == torch.broadcast_shapes(w.shape, state.shape)
+
+
+def add_log_abs_(state: Tensor, w: Tensor) -> Tensor:
+    """``state + log|w|`` in the memory of ``w`` (see ``can_overwrite``); bitwise the same as
+    ``state + log_abs(w)``."""
+    return w.abs_().log_().add_(state)
+
+
 def finite_or_zero(x: Tensor) -> Tensor:
     """Replace non-finite shifts (rows with no path) by 0 so that ``x - shift`` stays defined."""
     return torch.where(torch.isfinite(x), x, torch.zeros((), dtype=x.dtype, device=x.device))

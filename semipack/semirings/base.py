@@ -121,6 +121,14 @@ class Semiring:
         """``a ⊗ lift(w)`` elementwise with broadcasting: multiply messages by edge weights."""
         return self.times(a, self.lift(w))
 
+    def scale_owned(self, a: State, w: Tensor) -> State:
+        """``scale``, free to overwrite ``w``: a fresh tensor of edge weights the caller gives up.
+
+        Elementwise rules hand over their edge weights this way so that a semiring can build the
+        new state in their memory, one message-sized temporary fewer at the rule's peak.
+        """
+        return self.scale(a, w)
+
     def matmul(self, a: State, w: Tensor) -> State:
         """``out[..., i, j] = ⊕_k a[..., i, k] ⊗ lift(w[..., k, j])`` (message on the left).
 

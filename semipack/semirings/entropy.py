@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ._log import finite_or_zero, shifted_exp
+from ._log import can_overwrite, finite_or_zero, shifted_exp
 from .base import Semiring, State, index_reduce
 
 
@@ -26,6 +26,13 @@ class Entropy(Semiring):
         log_w = w.to(self.state_dtype(w.dtype)).abs().log_()
         surprisal = torch.where(torch.isfinite(log_w), -log_w, torch.zeros_like(log_w))
         return (log_w, surprisal)
+
+    def scale_owned(self, a: State, w: Tensor) -> State:
+        if not can_overwrite(w, a[0]):
+            return self.scale(a, w)
+        log_w = w.abs_().log_()
+        surprisal = torch.where(torch.isfinite(log_w), -log_w, 0.0)
+        return (log_w.add_(a[0]), surprisal.add_(a[1]))
 
     def plus(self, a: State, b: State) -> State:
         big = torch.logaddexp(a[0], b[0])

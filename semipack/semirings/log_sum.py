@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ._log import finite_or_zero, shifted_exp
+from ._log import add_log_abs_, can_overwrite, finite_or_zero, shifted_exp
 from .base import Semiring, State, index_reduce
 
 
@@ -32,6 +32,11 @@ class LogSum(Semiring):
         w = w.to(self.state_dtype(w.dtype))
         mag = self.magnitude(w)
         return (mag.log() if mag is w else mag.log_(),)  # in place on a fresh magnitude
+
+    def scale_owned(self, a: State, w: Tensor) -> State:
+        if type(self).magnitude is not LogSum.magnitude or not can_overwrite(w, a[0]):
+            return self.scale(a, w)
+        return (add_log_abs_(a[0], w),)
 
     def plus(self, a: State, b: State) -> State:
         return (torch.logaddexp(a[0], b[0]),)

@@ -6,7 +6,7 @@ import torch
 from torch import Tensor
 
 from ..kernels.tropical import maxplus
-from ._log import log_abs
+from ._log import add_log_abs_, can_overwrite, log_abs
 from .base import Semiring, State, index_reduce
 
 
@@ -30,6 +30,11 @@ class MaxProd(Semiring):
 
     def lift(self, w: Tensor) -> State:
         return (log_abs(w, self.state_dtype(w.dtype)),)
+
+    def scale_owned(self, a: State, w: Tensor) -> State:
+        if not can_overwrite(w, a[0]):
+            return self.scale(a, w)
+        return (add_log_abs_(a[0], w),)
 
     def plus(self, a: State, b: State) -> State:
         return (torch.maximum(a[0], b[0]),)

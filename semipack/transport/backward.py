@@ -18,6 +18,7 @@ from torch import Tensor
 from ..errors import MessageLostError
 from ..semirings.base import Semiring
 from .message import Message
+from .passes import semiring_pass
 
 SEMIRING_GRAD = "semiring_grad"
 
@@ -132,19 +133,21 @@ def _run_backward(tensors, grad_tensors, sr, leaves, regular_grads, retain_graph
         try:
             for leaf in leaves:
                 handles.append(leaf.register_hook(capture(leaf)))
-            torch.autograd.backward(
-                list(tensors),
-                seed,
-                retain_graph=retain_graph,
-                inputs=list(inputs) if inputs is not None else None,
-            )
+            with semiring_pass(retain_graph):
+                torch.autograd.backward(
+                    list(tensors),
+                    seed,
+                    retain_graph=retain_graph,
+                    inputs=list(inputs) if inputs is not None else None,
+                )
         finally:
             for h in handles:
                 h.remove()
     else:
-        got = torch.autograd.grad(
-            list(tensors), leaves, seed, retain_graph=retain_graph, allow_unused=True
-        )
+        with semiring_pass(retain_graph):
+            got = torch.autograd.grad(
+                list(tensors), leaves, seed, retain_graph=retain_graph, allow_unused=True
+            )
         for leaf, msg in zip(leaves, got, strict=True):
             if msg is not None:
                 captured[id(leaf)] = _check(msg, leaf)
@@ -169,7 +172,7 @@ def grad(
     elif isinstance(grad_outputs, Tensor):
         grad_outputs = [grad_outputs]
     seed = seeds(outputs, list(grad_outputs), sr, regular=messages)
-    with path_recording(sr, outputs, None) as trace:
+    with path_recording(sr, outputs, None) as trace, semiring_pass(retain_graph):
         got = torch.autograd.grad(
             outputs, inputs, seed, retain_graph=retain_graph, allow_unused=True
         )

@@ -1,0 +1,40 @@
+"""Which semiring backward passes are running, and whether any of them keeps the graph.
+
+A plain backward frees each node's saved tensors as soon as the node has run (unless
+``retain_graph``). Module extensions keep their inner graph on the autograd context, which the
+engine does not free before the whole graph is gone; they free it themselves once the running
+passes have said they will not come back (``graph_retained()`` is False).
+
+The passes are counted in module-level state rather than a thread-local: on CUDA the engine runs
+backward functions on its device threads, not on the thread that called ``backward``. When in
+doubt (no pass known, or any pass retaining) the graph is kept: a wrong guess can only cost
+memory, never a value.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+_lock = threading.Lock()
+_running = {True: 0, False: 0}  # retain_graph -> number of semiring passes in flight
+
+
+@contextmanager
+def semiring_pass(retain_graph: bool | None) -> Iterator[None]:
+    """Mark a semiring backward pass as running for the duration of the block."""
+    retain = bool(retain_graph)
+    with _lock:
+        _running[retain] += 1
+    try:
+        yield
+    finally:
+        with _lock:
+            _running[retain] -= 1
+
+
+def graph_retained() -> bool:
+    """False only while every running semiring pass frees the graph as it goes."""
+    with _lock:
+        return _running[True] > 0 or _running[False] == 0

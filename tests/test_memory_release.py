@@ -1,0 +1,131 @@
+"""Module extensions free their saved state as a plain backward does (unless retain_graph)."""
+
+from __future__ import annotations
+
+import gc
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import semipack
+
+
+class Block(nn.Module):
+    """One of every module extension: embedding, linear, conv, layer norm, both attentions."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(10, 8)
+        self.conv = nn.Conv1d(8, 8, 3, padding=1)
+        self.norm = nn.LayerNorm(8)
+        self.mha = nn.MultiheadAttention(8, 2, batch_first=True)
+        self.proj = nn.Linear(8, 8)
+        self.head = nn.Linear(8, 3)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        h = self.embed(ids)
+        h = self.conv(h.transpose(1, 2)).transpose(1, 2).tanh()
+        h = self.norm(h)
+        h = h + self.mha(h, h, h)[0]
+        q = self.proj(h).reshape(2, 5, 2, 4).transpose(1, 2)
+        h = F.scaled_dot_product_attention(q, q, q).transpose(1, 2).reshape(2, 5, 8)
+        return self.head(h.tanh())
+
+
+def _extension_nodes(root: torch.Tensor) -> list:
+    """The autograd nodes of semipack's extension Functions reachable from ``root``."""
+    found, seen, stack = [], set(), [root.grad_fn]
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        if type(node).__name__.endswith("FunctionBackward"):
+            found.append(node)
+        stack.extend(n for n, _ in node.next_functions)
+    return found
+
+
+def _model_and_ids():
+    torch.manual_seed(0)
+    return Block().eval(), torch.randint(0, 10, (2, 5))
+
+
+@pytest.mark.parametrize("semiring", [semipack.LogSum, semipack.MaxProd, semipack.Entropy])
+def test_contexts_are_freed_after_a_backward_without_retain_graph(semiring) -> None:
+    model, ids = _model_and_ids()
+    with semipack.extend(model, semiring()):
+        loss = model(ids).sum()
+        nodes = _extension_nodes(loss)
+        names = {type(n).__name__ for n in nodes}
+        assert {
+            "EmbeddingFunctionBackward",
+            "ConvFunctionBackward",
+            "LayerNormFunctionBackward",
+            "MultiheadAttentionFunctionBackward",
+            "LinearFunctionBackward",
+            "AttentionFunctionBackward",
+        } <= names
+        assert all(vars(n) for n in nodes)
+        loss.backward()
+        assert [vars(n) for n in nodes] == [{}] * len(nodes)
+        with pytest.raises(RuntimeError, match="backward through the graph a second time"):
+            loss.backward()
+
+
+def test_retain_graph_keeps_contexts_and_repeats_the_same_values() -> None:
+    model, ids = _model_and_ids()
+    with semipack.extend(model, semipack.LogSum()):
+        loss = model(ids).sum()
+        loss.backward(retain_graph=True)
+        first = {n: p.semiring_grad.clone() for n, p in model.named_parameters()}
+        assert all(vars(n) for n in _extension_nodes(loss))
+        loss.backward()
+        for name, p in model.named_parameters():
+            torch.testing.assert_close(p.semiring_grad, first[name], rtol=0, atol=0)
+
+
+def test_functional_grad_frees_unless_retained() -> None:
+    model, ids = _model_and_ids()
+    with semipack.extend(model, semipack.MaxProd()):
+        loss = model(ids).sum()
+    params = list(model.parameters())
+    semipack.grad(loss, params, semipack.MaxProd(), retain_graph=True)
+    assert all(vars(n) for n in _extension_nodes(loss))
+    semipack.grad(loss, params, semipack.MaxProd())
+    assert all(not vars(n) for n in _extension_nodes(loss))
+
+
+def test_a_plain_backward_inside_extend_keeps_the_context() -> None:
+    """Outside a semiring pass nothing is known about retain_graph: the context stays."""
+    model, ids = _model_and_ids()
+    with semipack.extend(model, semipack.LogSum()):
+        loss = model(ids).sum()
+        torch.autograd.grad(loss, list(model.parameters()))
+        assert all(vars(n) for n in _extension_nodes(loss))
+
+
+def test_activations_are_released_like_in_a_plain_backward() -> None:
+    """The activation between two Linear layers is held by no one after the backward, exactly
+    as after a plain backward (the storage's only user left is this test's handle)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 3))
+    storages = []
+    model[1].register_forward_hook(lambda m, i, out: storages.append(out.untyped_storage()))
+    x = torch.randn(5, 4)
+
+    def users_after(backward) -> int:
+        loss = model(x).sum()
+        backward(loss)
+        gc.collect()
+        storage = storages.pop()  # held while its use count is read
+        return torch._C._storage_Use_Count(storage._cdata)
+
+    plain = users_after(lambda loss: loss.backward())
+    with semipack.extend(model, semipack.LogSum()):
+        freed = users_after(lambda loss: loss.backward())
+        kept = users_after(lambda loss: loss.backward(retain_graph=True))
+    assert plain == freed == 1
+    assert kept > 1

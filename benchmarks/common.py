@@ -66,6 +66,27 @@ def time_backward(step: Callable[[], Callable[[], object]], repeats: int = 3) ->
     return statistics.median(times)
 
 
+def time_backwards_interleaved(
+    steps: dict[object, Callable[[], Callable[[], object]]], repeats: int = 3
+) -> dict[object, float]:
+    """Median backward time of each step, the steps taking turns within every round.
+
+    On a shared or throttled machine the speed drifts over a run; timing the variants in turns
+    (plain, then each semiring, then plain again, ...) lets the drift touch all of them alike, so
+    the ratios to the plain backward hold up better than with one variant after the other.
+    """
+    for step in steps.values():
+        step()()  # warm-up: compiles kernels, fills caches
+    times: dict[object, list[float]] = {key: [] for key in steps}
+    for _ in range(repeats):
+        for key, step in steps.items():
+            backward = step()
+            start = time.perf_counter()
+            backward()
+            times[key].append(time.perf_counter() - start)
+    return {key: statistics.median(t) for key, t in times.items()}
+
+
 def memory_of(
     step: Callable[[], Callable[[], object]], reset: Callable[[], None] | None = None
 ) -> int:

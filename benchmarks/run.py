@@ -4,7 +4,8 @@
     python benchmarks/run.py --write BENCHMARKS.md
     python benchmarks/run.py --workloads linear bert_layer --repeats 5
 
-Every ratio is measured in the same run against that run's plain backward. Times come from this
+Every ratio is measured in the same run against that run's plain backward; the variants of a
+workload are timed in turns, round after round (median of the rounds). Times come from this
 process; peak memory from a child process whose allocator returns freed memory to the OS (which
 slows allocation, hence the separate process). "fused" runs with
 module extensions (the default of ``semipack.extend``), "generic" with ``extensions=False`` (every
@@ -30,7 +31,14 @@ from tqdm import tqdm
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from cases import WORKLOADS, Workload
-from common import backward_step, clear_results, machine, memory_of, time_backward
+from common import (
+    backward_step,
+    clear_results,
+    machine,
+    memory_of,
+    time_backward,
+    time_backwards_interleaved,
+)
 
 import semipack
 
@@ -95,8 +103,8 @@ def run_times(names: list[str], repeats: int) -> dict:
     for name in tqdm(names, desc="timing"):
         workload = WORKLOADS[name]()
         descriptions[name] = workload.description
-        for semiring, path in VARIANTS:
-            out[(name, semiring, path)] = time_backward(_step(workload, semiring, path), repeats)
+        steps = {(name, sr, path): _step(workload, sr, path) for sr, path in VARIANTS}
+        out.update(time_backwards_interleaved(steps, repeats))
         if name == "linear":
             out[(name, "MaxProd", "naive")] = naive_linear_seconds(workload)
     return {"seconds": out, "descriptions": descriptions}

@@ -62,12 +62,19 @@ def _log_sum(
 
 
 def _entropy_product(e: Tensor, e_r: Tensor, w: Tensor, shift: Tensor) -> State:
-    """(log Z, mean surprisal) of ``e ⊗ w`` with ``e_r = e * R``: three BLAS calls."""
+    """(log Z, mean surprisal) of ``e ⊗ w`` with ``e_r = e * R``: three BLAS calls.
+
+    Elementwise steps run in place on fresh tensors (same values as the out-of-place
+    expressions): the temporaries beside the products are one |w| and one |w| log|w|.
+    """
     mag = w.abs()
-    mag_log_mag = torch.where(mag > 0, mag * mag.log(), 0.0)  # 0 log 0 = 0
     s = torch.matmul(e, mag)
-    t = torch.matmul(e_r, mag).sub_(torch.matmul(e, mag_log_mag))
-    mean = torch.where(s > 0, t / s, 0.0)
+    t = torch.matmul(e_r, mag)
+    mag_log_mag = mag.log().mul_(mag).masked_fill_(~(mag > 0), 0.0)  # 0 log 0 = 0
+    del mag
+    t.sub_(torch.matmul(e, mag_log_mag))
+    del mag_log_mag
+    mean = t.div_(s).masked_fill_(~(s > 0), 0.0)
     return (s.log_().add_(shift), mean)
 
 

@@ -31,7 +31,7 @@ class Entropy(Semiring):
         if not can_overwrite(w, a[0]):
             return self.scale(a, w)
         log_w = w.abs_().log_()
-        surprisal = torch.where(torch.isfinite(log_w), -log_w, 0.0)
+        surprisal = log_w.neg().masked_fill_(~torch.isfinite(log_w), 0.0)
         return (log_w.add_(a[0]), surprisal.add_(a[1]))
 
     def plus(self, a: State, b: State) -> State:

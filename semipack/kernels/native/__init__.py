@@ -110,7 +110,7 @@ def _library() -> ctypes.CDLL | None:
     pack.argtypes = [ctypes.c_void_p, *[ctypes.c_int64] * 3, ctypes.c_void_p]
     pack.argtypes += [*[ctypes.c_int64] * 3, ctypes.c_int]
     sums = lib.semipack_norm_entropy_sums_f32
-    sums.restype = None
+    sums.restype = ctypes.c_int
     sums.argtypes = [*[ctypes.c_void_p] * 3, *[ctypes.c_int64] * 2, *[ctypes.c_void_p] * 3]
     sums.argtypes += [ctypes.c_int]
     reduce = lib.semipack_norm_abs_reduce_f32
@@ -222,7 +222,7 @@ def norm_entropy_sums_f32(a: Tensor, r: Tensor, x_hat: Tensor) -> tuple[Tensor, 
     a, r, x_hat = (t.to(torch.float32).contiguous() for t in (a, r, x_hat))
     rows, n = x_hat.shape
     s, t, u = (torch.empty((rows, n), dtype=torch.float32) for _ in range(3))
-    lib.semipack_norm_entropy_sums_f32(
+    status = lib.semipack_norm_entropy_sums_f32(
         a.data_ptr(),
         r.data_ptr(),
         x_hat.data_ptr(),
@@ -233,6 +233,8 @@ def norm_entropy_sums_f32(a: Tensor, r: Tensor, x_hat: Tensor) -> tuple[Tensor, 
         u.data_ptr(),
         _threads(rows * n * n * 8),
     )
+    if status != 0:
+        raise MemoryError("norm_entropy_sums_f32: the kernel could not allocate its work buffers")
     return s, t, u
 
 

@@ -16,6 +16,15 @@
 #include <float.h>
 #include <immintrin.h>
 #include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+static inline float hsum(__m256 v) {
+    __m128 x = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    x = _mm_add_ps(x, _mm_movehl_ps(x, x));
+    x = _mm_add_ss(x, _mm_movehdup_ps(x));
+    return _mm_cvtss_f32(x);
+}
 
 static inline __m256 log_ps(__m256 x) {
     const __m256i bits = _mm256_castps_si256(x);
@@ -44,52 +53,77 @@ static inline __m256 log_ps(__m256 x) {
     return _mm256_fmadd_ps(ef, _mm256_set1_ps(0.693359375f), y);
 }
 
-/* One row, outputs j in [j0, j0 + 16) (xj holds their x̂, zero-padded past n): two vectors of
-   outputs share each broadcast of a_i, r_i and x̂_i. */
-static void row_sums(const float *a, const float *r, const float *xh, int64_t n, const float *xj,
-                     float *s_out, float *t_out, float *u_out) {
+/* The sums of one row, each unordered pair {i, j} visited once: c_ij and its logarithm are
+   symmetric in i and j, so the pair's terms go to output j (weight a_i, mean r_i) and to output
+   i (weight a_j, mean r_j) from one evaluation, which halves the logarithms, the bulk of the
+   work. For each i the lanes j >= i are swept in vectors of 8: terms for j accumulate in the
+   row's outputs (kept in L1), terms for i in three vector accumulators summed at the end. The
+   diagonal pair i = j counts once. Inputs are padded to whole vectors with a = r = x̂ = 0, whose
+   terms are zero (a = 0) and whose outputs are dropped. */
+static void row_sums_symmetric(const float *a, const float *r, const float *xh, int64_t padded,
+                               int64_t n, float *s, float *t, float *u) {
     const __m256 one = _mm256_set1_ps(1.0f), tiny = _mm256_set1_ps(FLT_MIN);
     const __m256 sign = _mm256_set1_ps(-0.0f);
-    const __m256 x0 = _mm256_loadu_ps(xj), x1 = _mm256_loadu_ps(xj + 8);
-    __m256 s0 = _mm256_setzero_ps(), t0 = s0, u0 = s0, s1 = s0, t1 = s0, u1 = s0;
+    const __m256 lane = _mm256_setr_ps(0.f, 1.f, 2.f, 3.f, 4.f, 5.f, 6.f, 7.f);
+    for (int64_t j = 0; j < padded; j++) s[j] = t[j] = u[j] = 0.0f;
     for (int64_t i = 0; i < n; i++) {
         const __m256 xi = _mm256_set1_ps(xh[i]), ai = _mm256_set1_ps(a[i]);
         const __m256 ri = _mm256_set1_ps(r[i]);
-        const __m256 c0 = _mm256_andnot_ps(sign, _mm256_fmadd_ps(xi, x0, one));
-        const __m256 c1 = _mm256_andnot_ps(sign, _mm256_fmadd_ps(xi, x1, one));
-        const __m256 w0 = _mm256_mul_ps(ai, c0), w1 = _mm256_mul_ps(ai, c1);
-        s0 = _mm256_add_ps(s0, w0);
-        s1 = _mm256_add_ps(s1, w1);
-        t0 = _mm256_fmadd_ps(w0, ri, t0);
-        t1 = _mm256_fmadd_ps(w1, ri, t1);
-        u0 = _mm256_fmadd_ps(w0, log_ps(_mm256_max_ps(c0, tiny)), u0);
-        u1 = _mm256_fmadd_ps(w1, log_ps(_mm256_max_ps(c1, tiny)), u1);
+        __m256 si = _mm256_setzero_ps(), ti = si, ui = si;
+        const int64_t first = i & ~(int64_t)7;
+        for (int64_t j = first; j < padded; j += 8) {
+            const __m256 xj = _mm256_loadu_ps(xh + j), aj = _mm256_loadu_ps(a + j);
+            const __m256 rj = _mm256_loadu_ps(r + j);
+            const __m256 c = _mm256_andnot_ps(sign, _mm256_fmadd_ps(xi, xj, one));
+            const __m256 lc = log_ps(_mm256_max_ps(c, tiny));
+            __m256 to_j = _mm256_mul_ps(ai, c), to_i = _mm256_mul_ps(aj, c);
+            if (j == first) { /* lanes before i take no part; lane i only once, as output j */
+                const __m256 index = _mm256_add_ps(lane, _mm256_set1_ps((float)(j - i)));
+                to_j = _mm256_and_ps(to_j, _mm256_cmp_ps(index, _mm256_setzero_ps(), _CMP_GE_OQ));
+                to_i = _mm256_and_ps(to_i, _mm256_cmp_ps(index, _mm256_setzero_ps(), _CMP_GT_OQ));
+            }
+            _mm256_storeu_ps(s + j, _mm256_add_ps(_mm256_loadu_ps(s + j), to_j));
+            _mm256_storeu_ps(t + j, _mm256_fmadd_ps(to_j, ri, _mm256_loadu_ps(t + j)));
+            _mm256_storeu_ps(u + j, _mm256_fmadd_ps(to_j, lc, _mm256_loadu_ps(u + j)));
+            si = _mm256_add_ps(si, to_i);
+            ti = _mm256_fmadd_ps(to_i, rj, ti);
+            ui = _mm256_fmadd_ps(to_i, lc, ui);
+        }
+        s[i] += hsum(si);
+        t[i] += hsum(ti);
+        u[i] += hsum(ui);
     }
-    _mm256_storeu_ps(s_out, s0);
-    _mm256_storeu_ps(s_out + 8, s1);
-    _mm256_storeu_ps(t_out, t0);
-    _mm256_storeu_ps(t_out + 8, t1);
-    _mm256_storeu_ps(u_out, u0);
-    _mm256_storeu_ps(u_out + 8, u1);
 }
 
-void semipack_norm_entropy_sums_f32(const float *a, const float *r, const float *xh, int64_t rows,
+/* Returns 0, or -1 when a thread could not allocate its work buffers. */
+int semipack_norm_entropy_sums_f32(const float *a, const float *r, const float *xh, int64_t rows,
                                     int64_t n, float *s, float *t, float *u, int threads) {
-#pragma omp parallel for schedule(static) num_threads(threads)
-    for (int64_t row = 0; row < rows; row++) {
-        const float *ar = a + row * n, *rr = r + row * n, *xr = xh + row * n;
-        for (int64_t j = 0; j < n; j += 16) {
-            float xj[16] = {0}, so[16], to[16], uo[16];
-            const int64_t lanes = n - j < 16 ? n - j : 16;
-            for (int64_t c = 0; c < lanes; c++) xj[c] = xr[j + c];
-            row_sums(ar, rr, xr, n, xj, so, to, uo);
-            for (int64_t c = 0; c < lanes; c++) {
-                s[row * n + j + c] = so[c];
-                t[row * n + j + c] = to[c];
-                u[row * n + j + c] = uo[c];
+    const int64_t padded = (n + 7) & ~(int64_t)7;
+    int failed = 0;
+#pragma omp parallel num_threads(threads) reduction(| : failed)
+    {
+        /* per thread: padded copies of a, r, x̂ and the row's three outputs */
+        float *work = (float *)malloc(6 * (size_t)padded * sizeof(float));
+        if (work == NULL) {
+            failed = 1;
+        } else {
+            float *ap = work, *rp = ap + padded, *xp = rp + padded;
+            float *sp = xp + padded, *tp = sp + padded, *up = tp + padded;
+            for (int64_t c = n; c < padded; c++) ap[c] = rp[c] = xp[c] = 0.0f;
+#pragma omp for schedule(static)
+            for (int64_t row = 0; row < rows; row++) {
+                memcpy(ap, a + row * n, n * sizeof(float));
+                memcpy(rp, r + row * n, n * sizeof(float));
+                memcpy(xp, xh + row * n, n * sizeof(float));
+                row_sums_symmetric(ap, rp, xp, padded, n, sp, tp, up);
+                memcpy(s + row * n, sp, n * sizeof(float));
+                memcpy(t + row * n, tp, n * sizeof(float));
+                memcpy(u + row * n, up, n * sizeof(float));
             }
+            free(work);
         }
     }
+    return failed ? -1 : 0;
 }
 
 /* LogSum and MaxProd through the same rows: per output j, over every input i,

@@ -94,7 +94,7 @@ def attention_contract(
 #: Largest number of attention-weight entries whose messages are built at once. The batch is
 #: split into chunks of about this size, so the temporaries of a semiring attention backward (the
 #: weights, their messages and the softmax kernel's buffers) stay small next to its outputs.
-ATTENTION_CHUNK_ELEMENTS = 1 << 19
+ATTENTION_CHUNK_ELEMENTS = 1 << 20
 
 
 def _batch_slice(t, start: int, stop: int, batch: int):

@@ -60,38 +60,56 @@ static inline __m256 log_ps(__m256 x) {
    row's outputs (kept in L1), terms for i in three vector accumulators summed at the end. The
    diagonal pair i = j counts once. Inputs are padded to whole vectors with a = r = x̂ = 0, whose
    terms are zero (a = 0) and whose outputs are dropped. */
-static void row_sums_symmetric(const float *a, const float *r, const float *xh, int64_t padded,
-                               int64_t n, float *s, float *t, float *u) {
+struct pair_row { __m256 x, a, r; };   /* x̂_i, a_i, r_i broadcast */
+struct pair_acc { __m256 s, t, u; };   /* output i's partial sums */
+
+/* The pairs (i, j..j+7): terms for outputs j (masked by keep_j) into s, t, u; terms for output
+   i (masked by keep_i) into acc. */
+static inline void pair_block(const struct pair_row *p, const float *a, const float *r,
+                              const float *xh, float *s, float *t, float *u, int64_t j,
+                              __m256 keep_j, __m256 keep_i, struct pair_acc *acc) {
     const __m256 one = _mm256_set1_ps(1.0f), tiny = _mm256_set1_ps(FLT_MIN);
     const __m256 sign = _mm256_set1_ps(-0.0f);
+    const __m256 xj = _mm256_loadu_ps(xh + j), aj = _mm256_loadu_ps(a + j);
+    const __m256 rj = _mm256_loadu_ps(r + j);
+    const __m256 c = _mm256_andnot_ps(sign, _mm256_fmadd_ps(p->x, xj, one));
+    const __m256 lc = log_ps(_mm256_max_ps(c, tiny));
+    const __m256 to_j = _mm256_and_ps(_mm256_mul_ps(p->a, c), keep_j);
+    const __m256 to_i = _mm256_and_ps(_mm256_mul_ps(aj, c), keep_i);
+    _mm256_storeu_ps(s + j, _mm256_add_ps(_mm256_loadu_ps(s + j), to_j));
+    _mm256_storeu_ps(t + j, _mm256_fmadd_ps(to_j, p->r, _mm256_loadu_ps(t + j)));
+    _mm256_storeu_ps(u + j, _mm256_fmadd_ps(to_j, lc, _mm256_loadu_ps(u + j)));
+    acc->s = _mm256_add_ps(acc->s, to_i);
+    acc->t = _mm256_fmadd_ps(to_i, rj, acc->t);
+    acc->u = _mm256_fmadd_ps(to_i, lc, acc->u);
+}
+
+static void row_sums_symmetric(const float *a, const float *r, const float *xh, int64_t padded,
+                               int64_t n, float *s, float *t, float *u) {
     const __m256 lane = _mm256_setr_ps(0.f, 1.f, 2.f, 3.f, 4.f, 5.f, 6.f, 7.f);
+    const __m256 zero = _mm256_setzero_ps();
     for (int64_t j = 0; j < padded; j++) s[j] = t[j] = u[j] = 0.0f;
     for (int64_t i = 0; i < n; i++) {
-        const __m256 xi = _mm256_set1_ps(xh[i]), ai = _mm256_set1_ps(a[i]);
-        const __m256 ri = _mm256_set1_ps(r[i]);
-        __m256 si = _mm256_setzero_ps(), ti = si, ui = si;
+        const struct pair_row p = {_mm256_set1_ps(xh[i]), _mm256_set1_ps(a[i]),
+                                   _mm256_set1_ps(r[i])};
+        struct pair_acc acc0 = {zero, zero, zero}, acc1 = acc0, acc2 = acc0, acc3 = acc0;
         const int64_t first = i & ~(int64_t)7;
-        for (int64_t j = first; j < padded; j += 8) {
-            const __m256 xj = _mm256_loadu_ps(xh + j), aj = _mm256_loadu_ps(a + j);
-            const __m256 rj = _mm256_loadu_ps(r + j);
-            const __m256 c = _mm256_andnot_ps(sign, _mm256_fmadd_ps(xi, xj, one));
-            const __m256 lc = log_ps(_mm256_max_ps(c, tiny));
-            __m256 to_j = _mm256_mul_ps(ai, c), to_i = _mm256_mul_ps(aj, c);
-            if (j == first) { /* lanes before i take no part; lane i only once, as output j */
-                const __m256 index = _mm256_add_ps(lane, _mm256_set1_ps((float)(j - i)));
-                to_j = _mm256_and_ps(to_j, _mm256_cmp_ps(index, _mm256_setzero_ps(), _CMP_GE_OQ));
-                to_i = _mm256_and_ps(to_i, _mm256_cmp_ps(index, _mm256_setzero_ps(), _CMP_GT_OQ));
-            }
-            _mm256_storeu_ps(s + j, _mm256_add_ps(_mm256_loadu_ps(s + j), to_j));
-            _mm256_storeu_ps(t + j, _mm256_fmadd_ps(to_j, ri, _mm256_loadu_ps(t + j)));
-            _mm256_storeu_ps(u + j, _mm256_fmadd_ps(to_j, lc, _mm256_loadu_ps(u + j)));
-            si = _mm256_add_ps(si, to_i);
-            ti = _mm256_fmadd_ps(to_i, rj, ti);
-            ui = _mm256_fmadd_ps(to_i, lc, ui);
+        /* the block holding i: lanes before i take no part; lane i counts once, as output j */
+        const __m256 index = _mm256_add_ps(lane, _mm256_set1_ps((float)(first - i)));
+        pair_block(&p, a, r, xh, s, t, u, first, _mm256_cmp_ps(index, zero, _CMP_GE_OQ),
+                   _mm256_cmp_ps(index, zero, _CMP_GT_OQ), &acc0);
+        const __m256 all = _mm256_castsi256_ps(_mm256_set1_epi32(-1));
+        int64_t j = first + 8;
+        for (; j + 32 <= padded; j += 32) { /* four independent blocks: their chains overlap */
+            pair_block(&p, a, r, xh, s, t, u, j, all, all, &acc0);
+            pair_block(&p, a, r, xh, s, t, u, j + 8, all, all, &acc1);
+            pair_block(&p, a, r, xh, s, t, u, j + 16, all, all, &acc2);
+            pair_block(&p, a, r, xh, s, t, u, j + 24, all, all, &acc3);
         }
-        s[i] += hsum(si);
-        t[i] += hsum(ti);
-        u[i] += hsum(ui);
+        for (; j < padded; j += 8) pair_block(&p, a, r, xh, s, t, u, j, all, all, &acc1);
+        s[i] += hsum(_mm256_add_ps(_mm256_add_ps(acc0.s, acc1.s), _mm256_add_ps(acc2.s, acc3.s)));
+        t[i] += hsum(_mm256_add_ps(_mm256_add_ps(acc0.t, acc1.t), _mm256_add_ps(acc2.t, acc3.t)));
+        u[i] += hsum(_mm256_add_ps(_mm256_add_ps(acc0.u, acc1.u), _mm256_add_ps(acc2.u, acc3.u)));
     }
 }
 

@@ -82,3 +82,51 @@ def test_linear_messages_equal_per_product_shifts(sr: Semiring, spread: float) -
     assert_states_close(sr, m_x, sr.matmul(m, w))
     assert_states_close(sr, m_w, sr.matmul(tuple(p.t() for p in m), x))
     assert_states_close(sr, m_b, sr.sum(m, [0]))
+
+
+CONV_GEOMETRIES = {
+    "conv2d": dict(x=(2, 4, 6, 5), w=(6, 4, 3, 3), stride=[1, 1], padding=[1, 1], dilation=[1, 1]),
+    "strided_dilated": dict(
+        x=(2, 4, 9, 8), w=(6, 2, 3, 2), stride=[2, 1], padding=[2, 0], dilation=[2, 3], groups=2
+    ),
+    "conv1d": dict(x=(3, 2, 11), w=(5, 2, 4), stride=[3], padding=[2], dilation=[1]),
+    "depthwise": dict(x=(2, 3, 5, 5), w=(3, 1, 3, 3), stride=[1, 1], padding=[0, 0], groups=3),
+}
+
+
+@pytest.mark.parametrize("sr", SUM_LIKE, ids=lambda s: s.name)
+@pytest.mark.parametrize("geometry", list(CONV_GEOMETRIES))
+def test_conv_messages_through_torch_convolution_match_the_window_maps(
+    sr: Semiring, geometry: str, monkeypatch
+) -> None:
+    """Input, weight and bias messages from PyTorch's convolution backward on the shifted
+    messages equal the im2col path (window index maps and the semiring's own matmul and plus),
+    including exact zeros of inputs and weights (no edge) and output entries without a path."""
+    from semipack.kernels import shared_shift
+    from semipack.rules.convolution import conv_messages
+
+    g = dict(CONV_GEOMETRIES[geometry])
+    x, w = weights(*g.pop("x"), seed=7), weights(*g.pop("w"), seed=8)
+    g.setdefault("dilation", [1] * (x.dim() - 2))
+    groups = g.pop("groups", 1)
+    out = torch.nn.functional.conv1d if x.dim() == 3 else torch.nn.functional.conv2d
+    out_shape = out(x, w, None, g["stride"], g["padding"], g["dilation"], groups).shape
+    m = message(sr, tuple(out_shape), spread=25.0, seed=9)
+    args = (sr, m, x, w, g["stride"], g["padding"], g["dilation"], groups, (True, True, True))
+    fast = shared_shift.shared_shift_conv(*args)
+    assert fast is not None
+    monkeypatch.setattr(shared_shift, "SHARED_SHIFT_CONV", {})
+    windows = conv_messages(*args)
+    for got, want in zip(fast, windows, strict=True):
+        assert_states_close(sr, got, want)
+
+
+@pytest.mark.parametrize("sr", SUM_LIKE, ids=lambda s: s.name)
+def test_conv_with_a_wide_message_falls_back_to_the_window_maps(sr: Semiring) -> None:
+    from semipack.kernels.shared_shift import shared_shift_conv
+
+    x, w = weights(2, 3, 5, 5, seed=1), weights(4, 3, 3, 3, seed=2)
+    m = message(sr, (2, 4, 3, 3), spread=SHARED_SHIFT_SPAN + 10.0, seed=3)
+    m[0][0, 0, 0, 0], m[0][0, 0, 0, 1] = 0.0, SHARED_SHIFT_SPAN + 5.0
+    mask = (True, True, True)
+    assert shared_shift_conv(sr, m, x, w, [1, 1], [0, 0], [1, 1], 1, mask) is None

@@ -2,7 +2,9 @@
 
 A linear layer's backward contracts the same output message ``m`` [..., N, O] twice: along O
 with |W| (to the input) and along N with |x| (to the weight), and sums it along N (to the bias).
-Attention does the same with (Vᵀ, weights) and (K, Q). The semirings' own ``matmul`` shifts by
+Attention does the same with (Vᵀ, weights) and (K, Q), and a convolution with its kernel and its
+input (``shared_shift_conv``, through PyTorch's own convolution backward on the non-negative
+operands, so no im2col copy is built). The semirings' own ``matmul`` shifts by
 the maximum along the reduced dimension, a different shift (and one more ``exp`` over ``m``)
 for each product. When every finite entry of ``m`` lies within ``SHARED_SHIFT_SPAN`` nats of its
 global maximum ``M``, a single ``e = exp(m - M)`` serves every product: each term stays a normal
@@ -13,7 +15,8 @@ the caller uses the per-product shifts.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from contextlib import nullcontext
 
 import torch
 from torch import Tensor
@@ -125,3 +128,104 @@ def shared_shift_products(
         return None
     with torch.no_grad():
         return kernel(sr, m, right, left, want_sum)
+
+
+# --- convolutions --------------------------------------------------------------------------------
+
+
+class _ConvSums:
+    """Sums over a convolution's edges with non-negative operands: ``to_input(g, w)`` is
+    Σ g·w over the windows an input entry belongs to (the input gradient of ``conv(·, w)`` for
+    output gradient g), ``to_weight(g, x)`` is Σ g·x over batch and positions (the weight
+    gradient). PyTorch's convolution backward computes them as plain sums of products: direct
+    kernels on CPU and, on CUDA, the cuDNN-free native kernels (cuDNN may choose Winograd or FFT
+    algorithms, whose transforms subtract and could turn an exact zero, "no path", into noise).
+    """
+
+    def __init__(self, x: Tensor, w: Tensor, stride, padding, dilation, groups: int) -> None:
+        self.x, self.w = x, w
+        self.args = (None, stride, padding, dilation, False, [0] * (x.dim() - 2), groups)
+
+    def _run(self, g: Tensor, x: Tensor, w: Tensor, mask: list[bool]) -> tuple:
+        guard = torch.backends.cudnn.flags(enabled=False) if g.is_cuda else nullcontext()
+        with guard:
+            return torch.ops.aten.convolution_backward(g, x, w, *self.args, mask)
+
+    def to_input(self, g: Tensor, w: Tensor) -> Tensor:
+        return self._run(g, self.x, w, [True, False, False])[0]
+
+    def to_weight(self, g: Tensor, x: Tensor) -> Tensor:
+        return self._run(g, x, self.w, [False, True, False])[1]
+
+
+def _log_sum_conv(sr: LogSum, m: State, sums: _ConvSums, mask: Sequence[bool]) -> Products | None:
+    shift = global_shift(m[0])
+    if shift is None:
+        return None
+    e = (m[0] - shift).exp_()
+    to_in = to_w = bias = None
+    if mask[0]:
+        to_in = (sums.to_input(e, sr.magnitude(sums.w)).log_().add_(shift),)
+    if mask[1]:
+        to_w = (sums.to_weight(e, sr.magnitude(sums.x)).log_().add_(shift),)
+    if mask[2]:
+        bias = (e.sum([d for d in range(e.dim()) if d != 1]).log_().add_(shift),)
+    return to_in, to_w, bias
+
+
+def _entropy_conv(sr: Entropy, m: State, sums: _ConvSums, mask: Sequence[bool]) -> Products | None:
+    log_z, surprisal = m
+    shift = global_shift(log_z)
+    if shift is None:
+        return None
+    e = (log_z - shift).exp_()
+    e_r = e * surprisal
+
+    def pair(total: Tensor, weighted: Tensor) -> State:
+        mean = weighted.div_(total).masked_fill_(~(total > 0), 0.0)
+        return (total.log_().add_(shift), mean)
+
+    def through(to: Callable[[Tensor, Tensor], Tensor], edge: Tensor) -> State:
+        mag = edge.abs()
+        total, weighted = to(e, mag), to(e_r, mag)
+        mag_log_mag = mag.log().mul_(mag).masked_fill_(~(mag > 0), 0.0)  # 0 log 0 = 0
+        del mag
+        return pair(total, weighted.sub_(to(e, mag_log_mag)))
+
+    to_in = through(sums.to_input, sums.w) if mask[0] else None
+    to_w = through(sums.to_weight, sums.x) if mask[1] else None
+    bias = None
+    if mask[2]:
+        dims = [d for d in range(e.dim()) if d != 1]
+        bias = pair(e.sum(dims), e_r.sum(dims))
+    return to_in, to_w, bias
+
+
+#: Shared-shift convolution messages, by exact semiring class.
+SHARED_SHIFT_CONV: dict[type[Semiring], Callable[..., Products | None]] = {
+    LogSum: _log_sum_conv,
+    LogCount: _log_sum_conv,
+    Entropy: _entropy_conv,
+}
+
+
+def shared_shift_conv(
+    sr: Semiring,
+    m: State,
+    x: Tensor,
+    w: Tensor,
+    stride,
+    padding,
+    dilation,
+    groups: int,
+    mask: Sequence[bool],
+) -> Products | None:
+    """(input, weight, bias) messages of ``conv(x, w)`` (zero padding, not transposed) from the
+    output message ``m``, or None where this form does not apply (another semiring, or a
+    message spanning more than ``SHARED_SHIFT_SPAN`` nats). ``x`` and ``w`` in the state dtype.
+    """
+    kernel = SHARED_SHIFT_CONV.get(type(sr))
+    if kernel is None:
+        return None
+    with torch.no_grad():
+        return kernel(sr, m, _ConvSums(x, w, stride, padding, dilation, groups), mask)

@@ -13,6 +13,7 @@ import math
 import torch
 from torch import Tensor
 
+from ..kernels.shared_shift import shared_shift_conv
 from ..semirings.base import Semiring, State
 from .registry import OpCall, register_rule
 from .windows import expand_param, scatter_windows, window_index
@@ -31,7 +32,18 @@ def conv_messages(
     groups: int,
     mask: tuple[bool, bool, bool],
 ) -> tuple[State | None, State | None, State | None]:
-    """Semiring messages to (input, weight, bias) of ``conv(x, w)`` from the output message."""
+    """Semiring messages to (input, weight, bias) of ``conv(x, w)`` from the output message.
+
+    Sum-like semirings take PyTorch's convolution backward on exponentiated messages and
+    non-negative operands (``shared_shift_conv``) when the message spans few enough nats;
+    everything else goes through the window index maps and the semiring matmul.
+    """
+    dtype = sr.state_dtype(x.dtype)
+    fast = shared_shift_conv(
+        sr, m_parts, x.to(dtype), w.to(dtype), stride, padding, dilation, groups, mask
+    )
+    if fast is not None:
+        return fast
     nsp = x.dim() - 2
     batch, channels, out_channels = x.shape[0], x.shape[1], w.shape[0]
     in_size, out_size, kernel = list(x.shape[2:]), list(m_parts[0].shape[2:]), list(w.shape[2:])
@@ -47,7 +59,6 @@ def conv_messages(
     taps, positions = index.shape
     spatial = math.prod(in_size)
     c_g, o_g = channels // groups, out_channels // groups
-    dtype = sr.state_dtype(x.dtype)
     m = tuple(p.reshape(batch, out_channels, positions) for p in m_parts)
 
     grad_in = grad_w = grad_b = None

@@ -163,7 +163,10 @@ def _tropical3(a3: Tensor, bt3: Tensor, with_index: bool) -> tuple[Tensor, Tenso
         index = torch.zeros((s, n, m), dtype=torch.int64, device=a3.device)
         return values, index if with_index else None
     if _use_native(a3, bt3):
-        if s == 1 and n * k * m >= PRUNE_MIN_PAIRS and k >= PRUNE_MIN_K:
+        # Phase 1 alone keeps PRUNE_TOP of the k candidates per row: below 2 * PRUNE_TOP the
+        # pruned kernel cannot keep under PRUNE_MAX_KEPT, so the estimate is not worth its cost.
+        prunable = k >= PRUNE_MIN_K and PRUNE_MAX_KEPT * k > PRUNE_TOP
+        if s == 1 and n * k * m >= PRUNE_MIN_PAIRS and prunable:
             values, index = _maxplus_pruned(a3[0], bt3[0].t(), with_index)
             return values[None], None if index is None else index[None]
         return maxplus_f32(a3, bt3.transpose(1, 2), with_index)
@@ -194,7 +197,10 @@ def kept_fraction(a: Tensor, b: Tensor, rows: int = PRUNE_SAMPLE_ROWS) -> float:
     """Estimated share of ``k`` the pruned kernel keeps for ``a @ b`` (plus its phase-1 share),
     from a few evenly spaced rows of ``a``, computed the way the kernel computes it."""
     n, k = a.shape
-    sample = a[torch.linspace(0, n - 1, min(rows, n)).long()]
+    picked = torch.linspace(0, n - 1, min(rows, n), device=a.device).long()
+    # Rows of a transposed operand are strided: gather them along its contiguous dim instead
+    # (one pass over memory rather than a cache miss per entry).
+    sample = a[picked] if a.stride(-1) == 1 else a.t().index_select(1, picked).t()
     bound = sample + b.amax(1)
     top = bound.topk(min(PRUNE_TOP, k), 1).indices
     lower = (sample.gather(1, top)[:, :, None] + b[top]).amax(1).amin(1, keepdim=True)

@@ -8,6 +8,7 @@ matrix of edge weights between output messages and kernel entries.
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import torch
@@ -44,6 +45,95 @@ def conv_messages(
     )
     if fast is not None:
         return fast
+    if not getattr(sr, "records_paths", False):
+        return per_tap_messages(sr, m_parts, x, w, stride, padding, dilation, groups, mask)
+    return window_map_messages(sr, m_parts, x, w, stride, padding, dilation, groups, mask)
+
+
+def per_tap_messages(
+    sr: Semiring,
+    m_parts: State,
+    x: Tensor,
+    w: Tensor,
+    stride,
+    padding,
+    dilation,
+    groups: int,
+    mask: tuple[bool, bool, bool],
+) -> tuple[State | None, State | None, State | None]:
+    """``conv_messages`` one kernel tap at a time, without an im2col copy.
+
+    For a tap t, output position l reads input position ``l * stride - padding + t * dilation``:
+    over all l, a strided slice of the zero-padded input. So the tap's share of the input message
+    is one semiring matmul (output message [B·L, O] ⊗ kernel tap [O, C]) added with the
+    semiring's plus into that slice, and its weight message is one semiring matmul (output
+    message [O, B·L] ⊗ input slice [B·L, C]). Messages landing in the padding are dropped
+    (padding is no input entry); padded zeros are no edges of the weight message.
+    """
+    nsp = x.dim() - 2
+    batch, channels, out_channels = x.shape[0], x.shape[1], w.shape[0]
+    out_size, kernel = list(m_parts[0].shape[2:]), list(w.shape[2:])
+    stride, padding = expand_param(stride, nsp), expand_param(padding, nsp)
+    dilation = expand_param(dilation, nsp)
+    c_g, o_g = channels // groups, out_channels // groups
+    dtype = sr.state_dtype(x.dtype)
+    positions = math.prod(out_size)
+    pad = [p for pair in reversed(padding) for p in (pair, pair)]
+    x_pad = torch.nn.functional.pad(x.to(dtype), pad) if any(padding) else x.to(dtype)
+    # Channels last, so that a tap's slice is whole rows of channels (no transposes per tap).
+    x_last = x_pad.movedim(1, -1).contiguous() if mask[1] else None
+    m = tuple(p.reshape(batch, out_channels, positions) for p in m_parts)
+    padded = list(x_pad.shape[2:])
+
+    dest = sr.zeros((batch, *padded, channels), dtype, x.device) if mask[0] else None
+    w_msg = sr.zeros((out_channels, c_g, *kernel), dtype, x.device) if mask[1] else None
+    for g in range(groups):
+        outs, ins = slice(g * o_g, (g + 1) * o_g), slice(g * c_g, (g + 1) * c_g)
+        rows = tuple(p[:, outs].transpose(1, 2).reshape(batch * positions, o_g) for p in m)
+        rows_t = tuple(p.t().contiguous() for p in rows) if mask[1] else None
+        for tap in itertools.product(*(range(k) for k in kernel)):
+            window = tuple(
+                slice(t * d, t * d + (o - 1) * s + 1, s)
+                for t, d, o, s in zip(tap, dilation, out_size, stride, strict=True)
+            )
+            where = (slice(None), *window, ins)
+            if mask[0]:  # [B·L, O] ⊗ [O, C] -> [B, *out, C], into the tap's input slice
+                cols = sr.matmul(rows, w[(outs, slice(None), *tap)].to(dtype))
+                cols = tuple(p.reshape(batch, *out_size, c_g) for p in cols)
+                merged = sr.plus(tuple(d[where] for d in dest), cols)
+                for d, part in zip(dest, merged, strict=True):
+                    d[where] = part
+            if mask[1]:  # [O, B·L] ⊗ [B·L, C] -> [O, C]
+                taken = x_last[where].reshape(batch * positions, c_g)
+                found = sr.matmul(rows_t, taken)
+                for d, part in zip(w_msg, found, strict=True):
+                    d[(outs, slice(None), *tap)] = part
+    grad_in = grad_b = None
+    if mask[0]:
+        crop = tuple(slice(p, p + n) for p, n in zip(padding, x.shape[2:], strict=True))
+        grad_in = tuple(
+            d[(slice(None), *crop)].movedim(-1, 1).contiguous(memory_format=torch.contiguous_format)
+            for d in dest
+        )
+    if mask[2]:
+        grad_b = sr.sum(m, [0, 2])
+    return grad_in, w_msg, grad_b
+
+
+def window_map_messages(
+    sr: Semiring,
+    m_parts: State,
+    x: Tensor,
+    w: Tensor,
+    stride,
+    padding,
+    dilation,
+    groups: int,
+    mask: tuple[bool, bool, bool],
+) -> tuple[State | None, State | None, State | None]:
+    """``conv_messages`` through im2col window index maps (path-recording semirings: their
+    successor ids follow the scatter of the window maps)."""
+    dtype = sr.state_dtype(x.dtype)
     nsp = x.dim() - 2
     batch, channels, out_channels = x.shape[0], x.shape[1], w.shape[0]
     in_size, out_size, kernel = list(x.shape[2:]), list(m_parts[0].shape[2:]), list(w.shape[2:])

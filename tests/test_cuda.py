@@ -54,6 +54,42 @@ def test_transformer_layer_cuda_matches_cpu(make) -> None:
             )
 
 
+def _cnn() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(
+        nn.Conv2d(3, 8, 3, padding=1),
+        nn.ReLU(),
+        nn.Conv2d(8, 8, 3, stride=2, groups=2),
+        nn.Tanh(),
+        nn.Flatten(),
+        nn.Linear(8 * 3 * 3, 4),
+    )
+
+
+@pytest.mark.parametrize("make", SEMIRINGS, ids=[s.__name__ for s in SEMIRINGS])
+def test_convolutions_cuda_match_cpu(make) -> None:
+    """Conv messages on CUDA (torch convolution backward without cuDNN for the sum-like
+    semirings, per-tap semiring matmuls for the others) equal the CPU values."""
+    x = torch.randn(2, 3, 8, 8, generator=torch.Generator().manual_seed(2))
+    values = []
+    for device in ("cpu", "cuda"):
+        model = _cnn().to(device)
+        with semipack.extend(model, make()):
+            model(x.to(device)).pow(2).sum().backward()
+        values.append({n: p.semiring_grad for n, p in model.named_parameters()})
+    for name, cpu_value in values[0].items():
+        pairs = (
+            zip(cpu_value, values[1][name], strict=True)
+            if isinstance(cpu_value, tuple)
+            else [(cpu_value, values[1][name])]
+        )
+        for a, b in pairs:
+            if a.dtype == torch.bool:
+                assert torch.equal(b.cpu(), a), name
+            else:
+                torch.testing.assert_close(b.cpu(), a, rtol=1e-4, atol=1e-5, equal_nan=True)
+
+
 def test_compiled_maxplus_on_cuda_matches_reference() -> None:
     g = torch.Generator(device="cuda").manual_seed(0)
     a = torch.randn(3, 130, 70, device="cuda", generator=g)

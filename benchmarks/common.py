@@ -69,11 +69,13 @@ def time_backward(step: Callable[[], Callable[[], object]], repeats: int = 3) ->
 def time_backwards_interleaved(
     steps: dict[object, Callable[[], Callable[[], object]]], repeats: int = 3
 ) -> dict[object, float]:
-    """Median backward time of each step, the steps taking turns within every round.
+    """Fastest backward time of each step, the steps taking turns within every round.
 
-    On a shared or throttled machine the speed drifts over a run; timing the variants in turns
-    (plain, then each semiring, then plain again, ...) lets the drift touch all of them alike, so
-    the ratios to the plain backward hold up better than with one variant after the other.
+    On a shared machine the speed drifts and jumps over a run (on the 2-core VM of BENCHMARKS.md
+    the same plain backward took 0.18-0.29 s within an hour). Timing the variants in turns
+    (plain, then each semiring, then plain again, ...) spreads the drift over all of them, and
+    the fastest round of each is the one least disturbed: the ratio of minima is the most
+    repeatable estimate of what a semiring backward costs against a plain one.
     """
     for step in steps.values():
         step()()  # warm-up: compiles kernels, fills caches
@@ -84,7 +86,7 @@ def time_backwards_interleaved(
             start = time.perf_counter()
             backward()
             times[key].append(time.perf_counter() - start)
-    return {key: statistics.median(t) for key, t in times.items()}
+    return {key: min(t) for key, t in times.items()}
 
 
 def memory_of(
@@ -143,16 +145,24 @@ def clear_results(tensors) -> Callable[[], None]:
     return reset
 
 
+#: (cpuinfo flag, name) from the widest vector instructions down; the native kernels use AVX2.
+SIMD_LEVELS = (("avx512f", "AVX-512"), ("avx2", "AVX2"))
+
+
 def machine() -> str:
-    cpu = "unknown CPU"
+    cpu, flags = "unknown CPU", set()
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
-                if line.startswith("model name"):
+                if line.startswith("model name") and cpu == "unknown CPU":
                     cpu = line.split(":", 1)[1].strip()
-                    break
+                elif line.startswith("flags") and not flags:
+                    flags = set(line.split(":", 1)[1].split())
     except OSError:
         pass
+    simd = next((name for flag, name in SIMD_LEVELS if flag in flags), None)
+    if simd is not None:
+        cpu = f"{cpu} ({simd})"
     return (
         f"{cpu}, {os.cpu_count()} logical CPUs, torch {torch.__version__} "
         f"({torch.get_num_threads()} threads), Python {platform.python_version()}"

@@ -5,13 +5,13 @@
     python benchmarks/run.py --workloads linear bert_layer --repeats 5
 
 Every ratio is measured in the same run against that run's plain backward; the variants of a
-workload are timed in turns, round after round (median of the rounds). Times come from this
-process; peak memory from a child process whose allocator returns freed memory to the OS (which
-slows allocation, hence the separate process). "fused" runs with
-module extensions (the default of ``semipack.extend``), "generic" with ``extensions=False`` (every
-op through the per-op rules). For the Linear layer the naive baseline computes the max-plus
-products by broadcasting to [batch, out, in] and reducing; it is timed on 1/16 of the rows and
-scaled, since the full broadcast needs ~9.7 GB per product.
+workload are timed in turns, round after round, and each keeps its fastest round. Times come
+from this process; peak memory from a child process whose allocator returns freed memory to the
+OS (which slows allocation, hence the separate process). "fused" runs with module extensions
+(the default of ``semipack.extend``), "generic" with ``extensions=False`` (every op through the
+per-op rules). For the Linear layer the naive baseline computes the max-plus products by
+broadcasting to [batch, out, in] and reducing; it is timed on 1/16 of the rows and scaled, since
+the full broadcast needs ~9.7 GB per product.
 """
 
 from __future__ import annotations
@@ -234,7 +234,9 @@ def _markdown(results: str) -> str:
     return f"""# Benchmarks
 
 Semiring backward passes against a plain backward of the same model, measured in one run by
-`benchmarks/run.py` (median of repeated runs after a warm-up that also compiles kernels). Time is
+`benchmarks/run.py`: after a warm-up that also compiles kernels, the variants of a workload are
+timed in turns for several rounds and each keeps its fastest round (the machine's speed drifts
+by up to 40% within a run; the fastest round is the least disturbed one). Time is
 the backward alone (the forward runs before the timer starts, inside `semipack.extend`); the
 regular gradient is computed alongside in every semiring row. Peak memory is the peak resident
 memory during forward + backward above the memory before the forward (Linux high-water mark), so
@@ -253,8 +255,9 @@ taken there).
 ## Reading the table
 
 - **fused vs generic.** Both paths call the same kernels (the semiring's matmul, the row-wise
-  softmax/normalisation kernels), so their times are close; extensions add named sites, exact
-  regular gradients from the module's own ops, and the attention internals on top paths.
+  softmax/normalisation kernels, the convolution paths), so their times are close; extensions
+  add named sites, exact regular gradients from the module's own ops, and the attention
+  internals on top paths.
 - **MaxProd.** A BERT-base layer at 8 x 128 tokens needs 14.5 G add-max pairs for its six
   linear layers (input and weight messages). The hand-written AVX2 kernel
   (`semipack/kernels/native/maxplus.c`) runs a dense product at about 40-45 G pairs/s on this
@@ -264,28 +267,37 @@ taken there).
   of the two orientations. Its speed depends on the data: where messages are flat nothing can be
   pruned and the dense kernel runs (the layer then takes about 3.5-4 plain backwards).
 - **LogSum.** Its twelve BLAS products (input and weight messages of six linear layers) are the
-  same work as the plain backward's twelve, so 2x is its floor here. The rest is elementwise:
+  same work as the plain backward's twelve, so 2x is its floor here (the plain backward is
+  almost all matrix products: 188 ms of its ~200 ms in torch.profiler). The rest is elementwise:
   one shared exponentiation per linear and attention message (`semipack/kernels/shared_shift.py`),
-  the logarithms of the results, the LayerNorm all-pairs sums (native kernel, about 15-20 ms per
-  LayerNorm), the softmax messages (one compiled kernel) and the GELU edge weights. Across runs
-  on this machine the layer measured 2.43-2.54x: at the target's edge.
+  the logarithms of the results, the LayerNorm all-pairs sums (native kernel, about 16 ms per
+  LayerNorm), the softmax messages (one compiled kernel) and the GELU edge weights: about 0.1 s.
+  Runs on this machine measured 2.3-2.7x (median rounds) while the machine's own speed moved by
+  up to 40%: the target of 2.5x is inside that noise.
 - **Entropy floor.** Each linear message is three BLAS products (the expectation semiring's
-  product rule) instead of one: with the input and weight messages and the regular gradient that
-  is 48 products against the plain backward's 12. In torch.profiler they take 0.66 s here, 3.5x
-  the whole plain backward, before anything else. The exact entropy through a LayerNorm also
-  needs log|J_ij| for every (token, i, j) triple: 2 x 1024 x 768 x 768 = 1.2 G logarithms per
-  layer, about 0.47 s in the native kernel (`semipack/kernels/native/normalization.c`).
-- **Memory.** A message carries the regular gradient and the semiring state (one extra tensor
-  of the gradient's size for MaxProd and LogSum, two for Entropy), so every activation-sized
-  gradient has a message of the same size beside it. `benchmarks/memory_trace.py` reads the
-  resident memory at each autograd node: between nodes the MaxProd/LogSum backward holds at most
-  99 MB (1.5x the plain peak of 66 MB; the results alone, one `semiring_grad` per parameter,
-  are 28 MB), and the peak, 129 MB, is inside the GELU of the feed-forward block, where the
-  gradient and the message of the 1024 x 3072 activation meet the edge weights. 1.5x is out of
-  reach for a layer whose backward peak is mostly gradients.
-- **Convolutions** go through im2col index maps: 9 x the activation size per state component and
-  two max-plus products the size of the convolution itself, against oneDNN's direct convolution
-  kernels in the plain backward.
+  product rule; dual-number multiplication has bilinear rank 3) instead of one: with the input
+  and weight messages and the regular gradient that is 48 products against the plain backward's
+  12, four times the work of a backward that is almost all products. The exact entropy through a
+  LayerNorm also needs log|J_ij| for every (token, i, j): J is symmetric up to a per-row factor,
+  so the native kernel (`semipack/kernels/native/normalization.c`) evaluates each unordered pair
+  once, 0.6 G logarithms per layer, about 0.12 s per LayerNorm. About 5x plain is the floor; 3x
+  is out of reach for exact arithmetic on this CPU.
+- **Memory.** Module extensions free their saved state as soon as their backward has run (as a
+  plain backward frees a node's saved tensors), attention messages are built over chunks of the
+  batch, and activation rules build the new state in the memory of their edge weights.
+  `benchmarks/memory_trace.py` reads the resident memory at each autograd node: the MaxProd and
+  LogSum peak is inside the GELU of the feed-forward block. When it starts, the backward holds
+  what a plain backward holds there (54 MB) plus the incoming 1024 x 3072 state (12 MB) and the
+  results so far (9.4 MB for the second feed-forward weight, 3 MB for the residual's state); the
+  node then adds the new state and the regular gradient (12 MB each). 1.5x plain would need the
+  new state to overwrite the incoming one, but the autograd engine can hand one gradient object
+  to several consumers (the two branches of an addition), so overwriting it could silently
+  corrupt another message: semipack does not. Entropy carries two state components: about 2x.
+- **Convolutions.** LogSum, LogCount and Entropy run PyTorch's own convolution backward (oneDNN
+  direct kernels) on the exponentiated message and |x|, |W|: the same work as the plain backward
+  per product (Entropy: three products per message). The other semirings take one kernel tap at
+  a time: 9 taps x 2 max-plus products of [32 x 1024, 64] x [64, 64] here, about 2.4 G pairs,
+  plus a strided slice update per tap, against oneDNN's very fast direct convolution.
 - **CUDA**: no table yet; no GPU was available where these numbers were taken. `tests/test_cuda.py`
   holds the CUDA tests (skipped without a GPU).
 """

@@ -195,3 +195,60 @@ def test_norm_entropy_sums_match_float64_definition(rows, n):
     for g, expected in zip(got, want, strict=True):
         assert g.dtype == torch.float32
         torch.testing.assert_close(g.double(), expected, rtol=2e-6, atol=2e-6)
+
+
+def _softmax_rows(rows: int, n: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Float32 (message, probabilities) rows with the edge cases of the kernel's contract."""
+    gen = torch.Generator().manual_seed(seed)
+    scores = torch.randn(rows, n, generator=gen) * 4
+    if n > 2:
+        scores[0, 1] = float("-inf")  # masked key: p = 0 exactly
+        scores[1, :] = float("-inf")
+        scores[1, 0] = 0.0  # one-hot row: p = 1 and 0
+        scores[2, 2] = -95.0  # p subnormal or zero next to normal entries
+    probs = torch.softmax(scores, -1)
+    m = torch.randn(rows, n, generator=gen) * 30
+    m[0, 0] = float("-inf")
+    if rows > 3:
+        m[3, :] = float("-inf")  # a row without any path
+    if rows > 4 and n > 1:
+        m[4, :] = float("-inf")
+        m[4, n - 1] = 5.0  # a single path: "second" is -inf
+    return m, probs
+
+
+@pytest.mark.parametrize(("rows", "n"), [(5, 1), (6, 5), (6, 8), (7, 13), (9, 128)])
+def test_softmax_log_sum_matches_float64_definition(rows, n):
+    """softmax.c against the exclusive-reduction form of rowwise.py evaluated in float64, and
+    against log Σ_i exp(m_i) |J_ij| over the dense Jacobian."""
+    from semipack import LogSum
+    from semipack.kernels.rowwise import _softmax_diag_plus_rank_one
+
+    m, probs = _softmax_rows(rows, n, seed=rows * 10 + n)
+    got = native.softmax_log_sum_f32(m, probs)
+    m64, p64 = m.double(), probs.double()
+    (want,) = _softmax_diag_plus_rank_one(LogSum(), (m64,), p64)
+    jac = p64[:, :, None] * (torch.eye(n, dtype=torch.float64) - p64[:, None, :]).abs()
+    dense = torch.logsumexp(m64[:, :, None] + jac.log(), 1)
+    assert torch.equal(torch.isinf(got), torch.isinf(want))
+    assert torch.equal(torch.isinf(want), torch.isinf(dense))
+    live = torch.isfinite(want)
+    torch.testing.assert_close(got.double()[live], want[live], rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(want[live], dense[live], rtol=1e-9, atol=1e-9)
+
+
+def test_logsum_softmax_messages_take_the_native_kernel_unless_nan(monkeypatch):
+    from semipack import LogSum
+    from semipack.kernels import rowwise
+
+    m, probs = _softmax_rows(64, 128, seed=3)
+    (routed,) = rowwise.softmax_messages(LogSum(), (m,), probs)
+    assert torch.equal(routed, native.softmax_log_sum_f32(m, probs))
+
+    def refuse(*args):
+        raise AssertionError("NaN inputs must not reach the native kernel")
+
+    monkeypatch.setattr(rowwise, "softmax_log_sum_f32", refuse)
+    m[5, 7] = float("nan")
+    (fallback,) = rowwise.softmax_messages(LogSum(), (m,), probs)
+    assert torch.isnan(fallback[5]).any()

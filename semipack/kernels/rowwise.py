@@ -40,6 +40,7 @@ from ..semirings import (
 )
 from ..semirings._log import finite_or_zero
 from .compiled import compile_enabled, compiled
+from .native import native_available, softmax_log_sum_f32
 
 INF = float("inf")
 
@@ -202,11 +203,29 @@ def softmax_messages(sr: Semiring, m: State, probs: Tensor) -> State | None:
         return (probs * (m[0] - (m[0] * probs).sum(-1, keepdim=True)),)
     if type(sr) not in EXCLUSIVE_REDUCTIONS or probs.shape[-1] == 0:
         return None
+    if _native_softmax(sr, m, probs):
+        return (softmax_log_sum_f32(m[0], probs),)
     kernel = COMPILED_SOFTMAX.get(type(sr))
     if kernel is not None and compile_enabled() and probs.numel() >= COMPILE_MIN_ENTRIES:
         with torch.no_grad():
             return tuple(kernel(*(c.contiguous() for c in m), probs.contiguous()))
     return _softmax_diag_plus_rank_one(sr, m, probs)
+
+
+#: Use the native LogSum softmax kernel from this many entries up.
+NATIVE_MIN_ENTRIES = 1 << 12
+
+
+def _native_softmax(sr: Semiring, m: State, probs: Tensor) -> bool:
+    """LogSum on float32 CPU rows without NaN takes the hand-written kernel (native/softmax.c)."""
+    return (
+        type(sr) is LogSum
+        and m[0].dtype == probs.dtype == torch.float32
+        and m[0].device.type == "cpu"
+        and probs.numel() >= NATIVE_MIN_ENTRIES
+        and native_available()
+        and not bool(torch.isnan(m[0]).any() or torch.isnan(probs).any())
+    )
 
 
 def log_softmax_messages(sr: Semiring, m: State, log_probs: Tensor) -> State | None:

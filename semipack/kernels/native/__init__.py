@@ -27,7 +27,11 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-_SOURCES = tuple(Path(__file__).with_name(name) for name in ("maxplus.c", "normalization.c"))
+_SOURCES = tuple(
+    Path(__file__).with_name(name) for name in ("maxplus.c", "normalization.c", "softmax.c")
+)
+#: Headers the sources include (part of the build's cache key).
+_HEADERS = tuple(Path(__file__).with_name(name) for name in ("vector_math.h",))
 _FLAGS = ("-O3", "-mavx2", "-mfma", "-std=c11", "-fopenmp", "-shared", "-fPIC")
 #: Columns of a packed panel of ``b`` in maxplus.c.
 PANEL_COLS = 16
@@ -73,7 +77,7 @@ def _library() -> ctypes.CDLL | None:
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if compiler is None:
         return None
-    source = b"".join(path.read_bytes() for path in _SOURCES)
+    source = b"".join(path.read_bytes() for path in (*_SOURCES, *_HEADERS))
     digest = hashlib.sha256(source + " ".join(_FLAGS).encode()).hexdigest()[:16]
     target = _cache_dir() / f"kernels-{digest}.so"
     try:
@@ -113,6 +117,10 @@ def _library() -> ctypes.CDLL | None:
     sums.restype = ctypes.c_int
     sums.argtypes = [*[ctypes.c_void_p] * 3, *[ctypes.c_int64] * 2, *[ctypes.c_void_p] * 3]
     sums.argtypes += [ctypes.c_int]
+    softmax = lib.semipack_softmax_log_sum_f32
+    softmax.restype = ctypes.c_int
+    softmax.argtypes = [*[ctypes.c_void_p] * 2, *[ctypes.c_int64] * 2, ctypes.c_void_p]
+    softmax.argtypes += [ctypes.c_int]
     reduce = lib.semipack_norm_abs_reduce_f32
     reduce.restype = None
     reduce.argtypes = [*[ctypes.c_void_p] * 2, *[ctypes.c_int64] * 2, ctypes.c_void_p]
@@ -256,4 +264,20 @@ def norm_abs_reduce_f32(a: Tensor, x_hat: Tensor, reduce_max: bool) -> Tensor:
         int(reduce_max),
         _threads(rows * n * n),
     )
+    return out
+
+
+def softmax_log_sum_f32(m: Tensor, probs: Tensor) -> Tensor:
+    """LogSum messages through softmax rows: ``out_j = log Σ_i exp(m_i) |p_i (δ_ij - p_j)|``
+    for [rows, n] float32 inputs without NaN (see softmax.c)."""
+    lib = _library()
+    assert lib is not None
+    m, probs = (t.to(torch.float32).contiguous() for t in (m, probs))
+    rows, n = probs.shape
+    out = torch.empty((rows, n), dtype=torch.float32)
+    status = lib.semipack_softmax_log_sum_f32(
+        m.data_ptr(), probs.data_ptr(), rows, n, out.data_ptr(), _threads(rows * n * 64)
+    )
+    if status != 0:
+        raise MemoryError("softmax_log_sum_f32: the kernel could not allocate its work buffers")
     return out

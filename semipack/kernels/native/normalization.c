@@ -7,11 +7,10 @@
        c_ij = |1 + xh_i xh_j|.
 
    Why hand-written: U needs one logarithm per pair (n^2 per row, 1.2 G for a BERT-base layer).
-   Vectorised over j, each pair is a handful of FMAs and a polynomial logarithm, about 4x the
-   speed inductor reached for the same expression. The logarithm is the classic range reduction
-   x = m 2^e, m in [sqrt(1/2), sqrt(2)), with a degree-9 polynomial for log(m) (the Cephes logf
-   coefficients), accurate to about one ulp for normal floats; c_ij below FLT_MIN is clamped to
-   it, where a_i c_ij log c_ij is below 1e-36 either way. */
+   Vectorised over j, each pair is a handful of FMAs and a polynomial logarithm (log_ps of
+   vector_math.h, about one ulp), several times the speed inductor reached for the same
+   expression; c_ij below FLT_MIN is clamped to it, where a_i c_ij log c_ij is below 1e-36
+   either way. */
 
 #include <float.h>
 #include <immintrin.h>
@@ -19,47 +18,8 @@
 #include <stdlib.h>
 #include <string.h>
 
-static inline float hsum(__m256 v) {
-    __m128 x = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    x = _mm_add_ps(x, _mm_movehl_ps(x, x));
-    x = _mm_add_ss(x, _mm_movehdup_ps(x));
-    return _mm_cvtss_f32(x);
-}
+#include "vector_math.h"
 
-static inline __m256 log_ps(__m256 x) {
-    const __m256i bits = _mm256_castps_si256(x);
-    __m256i e = _mm256_sub_epi32(_mm256_srli_epi32(bits, 23), _mm256_set1_epi32(127));
-    __m256 m = _mm256_castsi256_ps(_mm256_or_si256(
-        _mm256_and_si256(bits, _mm256_set1_epi32(0x007fffff)), _mm256_set1_epi32(0x3f800000)));
-    const __m256 big = _mm256_cmp_ps(m, _mm256_set1_ps(1.41421356237f), _CMP_GT_OQ);
-    m = _mm256_blendv_ps(m, _mm256_mul_ps(m, _mm256_set1_ps(0.5f)), big);
-    e = _mm256_sub_epi32(e, _mm256_castps_si256(big)); /* big lanes are -1: e + 1 */
-    const __m256 f = _mm256_sub_ps(m, _mm256_set1_ps(1.0f));
-    __m256 p = _mm256_set1_ps(7.0376836292e-2f);
-    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(-1.1514610310e-1f));
-    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.1676998740e-1f));
-    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(-1.2420140846e-1f));
-    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.4249322787e-1f));
-    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(-1.6668057665e-1f));
-    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(2.0000714765e-1f));
-    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(-2.4999993993e-1f));
-    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(3.3333331174e-1f));
-    const __m256 f2 = _mm256_mul_ps(f, f);
-    __m256 y = _mm256_mul_ps(_mm256_mul_ps(p, f2), f);
-    const __m256 ef = _mm256_cvtepi32_ps(e);
-    y = _mm256_fmadd_ps(ef, _mm256_set1_ps(-2.12194440e-4f), y);
-    y = _mm256_fnmadd_ps(f2, _mm256_set1_ps(0.5f), y);
-    y = _mm256_add_ps(f, y);
-    return _mm256_fmadd_ps(ef, _mm256_set1_ps(0.693359375f), y);
-}
-
-/* The sums of one row, each unordered pair {i, j} visited once: c_ij and its logarithm are
-   symmetric in i and j, so the pair's terms go to output j (weight a_i, mean r_i) and to output
-   i (weight a_j, mean r_j) from one evaluation, which halves the logarithms, the bulk of the
-   work. For each i the lanes j >= i are swept in vectors of 8: terms for j accumulate in the
-   row's outputs (kept in L1), terms for i in three vector accumulators summed at the end. The
-   diagonal pair i = j counts once. Inputs are padded to whole vectors with a = r = x̂ = 0, whose
-   terms are zero (a = 0) and whose outputs are dropped. */
 struct pair_row { __m256 x, a, r; };   /* x̂_i, a_i, r_i broadcast */
 struct pair_acc { __m256 s, t, u; };   /* output i's partial sums */
 

@@ -1,0 +1,100 @@
+/* Vectorised single-precision math shared by the native kernels (AVX2 + FMA, 8 lanes).
+
+   log_ps: the classic range reduction x = m 2^e, m in [sqrt(1/2), sqrt(2)), with a degree-9
+   polynomial for log(m) (the Cephes logf coefficients), about one ulp for normal positive x.
+   log0_ps extends it to every x >= 0: log 0 = -inf, subnormals rescaled by 2^23 first.
+   exp_ps: x = n ln2 + r with |r| <= ln2 / 2 (ln2 split in two for an exact reduction) and the
+   Cephes expf polynomial; exp(x) for x < -87.3 is flushed to 0 (a subnormal result carries less
+   than one part in 2^126 of any sum it joins here), -inf gives 0; x is capped at 88.
+   log1p_ps: log(1 + x) for x >= -1 with the correction log(u) * x / (u - 1), u = 1 + x, which
+   keeps full relative precision for small x (Goldberg's trick). */
+
+#ifndef SEMIPACK_VECTOR_MATH_H
+#define SEMIPACK_VECTOR_MATH_H
+
+#include <immintrin.h>
+
+static inline float hsum(__m256 v) {
+    __m128 x = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    x = _mm_add_ps(x, _mm_movehl_ps(x, x));
+    x = _mm_add_ss(x, _mm_movehdup_ps(x));
+    return _mm_cvtss_f32(x);
+}
+
+static inline __m256 log_ps(__m256 x) {
+    const __m256i bits = _mm256_castps_si256(x);
+    __m256i e = _mm256_sub_epi32(_mm256_srli_epi32(bits, 23), _mm256_set1_epi32(127));
+    __m256 m = _mm256_castsi256_ps(_mm256_or_si256(
+        _mm256_and_si256(bits, _mm256_set1_epi32(0x007fffff)), _mm256_set1_epi32(0x3f800000)));
+    const __m256 big = _mm256_cmp_ps(m, _mm256_set1_ps(1.41421356237f), _CMP_GT_OQ);
+    m = _mm256_blendv_ps(m, _mm256_mul_ps(m, _mm256_set1_ps(0.5f)), big);
+    e = _mm256_sub_epi32(e, _mm256_castps_si256(big)); /* big lanes are -1: e + 1 */
+    const __m256 f = _mm256_sub_ps(m, _mm256_set1_ps(1.0f));
+    __m256 p = _mm256_set1_ps(7.0376836292e-2f);
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(-1.1514610310e-1f));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.1676998740e-1f));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(-1.2420140846e-1f));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.4249322787e-1f));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(-1.6668057665e-1f));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(2.0000714765e-1f));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(-2.4999993993e-1f));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(3.3333331174e-1f));
+    const __m256 f2 = _mm256_mul_ps(f, f);
+    __m256 y = _mm256_mul_ps(_mm256_mul_ps(p, f2), f);
+    const __m256 ef = _mm256_cvtepi32_ps(e);
+    y = _mm256_fmadd_ps(ef, _mm256_set1_ps(-2.12194440e-4f), y);
+    y = _mm256_fnmadd_ps(f2, _mm256_set1_ps(0.5f), y);
+    y = _mm256_add_ps(f, y);
+    return _mm256_fmadd_ps(ef, _mm256_set1_ps(0.693359375f), y);
+}
+
+/* The sums of one row, each unordered pair {i, j} visited once: c_ij and its logarithm are
+   symmetric in i and j, so the pair's terms go to output j (weight a_i, mean r_i) and to output
+   i (weight a_j, mean r_j) from one evaluation, which halves the logarithms, the bulk of the
+   work. For each i the lanes j >= i are swept in vectors of 8: terms for j accumulate in the
+   row's outputs (kept in L1), terms for i in three vector accumulators summed at the end. The
+   diagonal pair i = j counts once. Inputs are padded to whole vectors with a = r = x̂ = 0, whose
+   terms are zero (a = 0) and whose outputs are dropped. */
+
+static inline __m256 log0_ps(__m256 x) {
+    const __m256 tiny = _mm256_set1_ps(1.17549435e-38f);
+    const __m256 sub = _mm256_cmp_ps(x, tiny, _CMP_LT_OQ);
+    const __m256 scaled = _mm256_blendv_ps(x, _mm256_mul_ps(x, _mm256_set1_ps(8388608.0f)), sub);
+    __m256 y = log_ps(scaled);
+    y = _mm256_sub_ps(y, _mm256_and_ps(sub, _mm256_set1_ps(15.942385152878742f))); /* 23 ln 2 */
+    const __m256 zero = _mm256_cmp_ps(x, _mm256_setzero_ps(), _CMP_EQ_OQ);
+    return _mm256_blendv_ps(y, _mm256_set1_ps(-__builtin_inff()), zero);
+}
+
+static inline __m256 exp_ps(__m256 x) {
+    const __m256 low = _mm256_cmp_ps(x, _mm256_set1_ps(-87.33654f), _CMP_LT_OQ);
+    x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.33654f)), _mm256_set1_ps(88.0f));
+    const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+    __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+    p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+    const __m256i e = _mm256_slli_epi32(
+        _mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    const __m256 y = _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+    return _mm256_andnot_ps(low, y);
+}
+
+static inline __m256 log1p_ps(__m256 x) {
+    const __m256 one = _mm256_set1_ps(1.0f);
+    const __m256 u = _mm256_add_ps(one, x);
+    const __m256 d = _mm256_sub_ps(u, one);
+    const __m256 exact = _mm256_cmp_ps(d, _mm256_setzero_ps(), _CMP_EQ_OQ); /* u == 1 */
+    const __m256 safe = _mm256_blendv_ps(d, one, exact);
+    const __m256 y = _mm256_mul_ps(log0_ps(u), _mm256_div_ps(x, safe));
+    /* u == 0 (x = -1): log0 gives -inf and x / d = 1 */
+    return _mm256_blendv_ps(y, x, exact);
+}
+
+#endif

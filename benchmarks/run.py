@@ -272,9 +272,9 @@ taken there).
   one shared exponentiation per linear and attention message (`semipack/kernels/shared_shift.py`),
   the logarithms of the results, the LayerNorm all-pairs sums (native kernel, about 16 ms per
   LayerNorm), the softmax messages (one compiled kernel) and the GELU edge weights: about 0.1 s.
-  Three runs of this script on this machine in one session measured 2.35x and 2.70x (medians of
-  rounds) and 2.51x (fastest rounds, the table) while the plain backward itself took
-  0.18-0.23 s: the target of 2.5x is inside the machine's noise.
+  Four runs of this script on this machine in one session measured 2.35x and 2.70x (medians of
+  rounds), then 2.51x and 2.66x (fastest rounds; the last is the table), while the plain
+  backward itself took 0.17-0.23 s: the target of 2.5x is inside the machine's noise.
 - **Entropy floor.** Each linear message is three BLAS products (the expectation semiring's
   product rule; dual-number multiplication has bilinear rank 3) instead of one: with the input
   and weight messages and the regular gradient that is 48 products against the plain backward's

@@ -271,7 +271,7 @@ taken there).
   almost all matrix products: 188 ms of its ~200 ms in torch.profiler). The rest is elementwise:
   one shared exponentiation per linear and attention message (`semipack/kernels/shared_shift.py`),
   the logarithms of the results, the LayerNorm all-pairs sums (native kernel, about 16 ms per
-  LayerNorm), the softmax messages (one compiled kernel) and the GELU edge weights: about 0.1 s.
+  LayerNorm), the softmax messages (native kernel) and the GELU edge weights: about 0.1 s.
   Four runs of this script on this machine in one session measured 2.35x and 2.70x (medians of
   rounds), then 2.51x and 2.66x (fastest rounds; the last is the table), while the plain
   backward itself took 0.17-0.23 s: the target of 2.5x is inside the machine's noise.

@@ -64,21 +64,30 @@ def _log_sum(
     return by_right, by_left, total
 
 
-def _entropy_product(e: Tensor, e_r: Tensor, w: Tensor, shift: Tensor) -> State:
-    """(log Z, mean surprisal) of ``e ⊗ w`` with ``e_r = e * R``: three BLAS calls.
+def _entropy_pair(total: Tensor, weighted: Tensor, shift: Tensor) -> State:
+    """(log Z, mean surprisal) from the shifted sums Σ e w and Σ e w (R - log w), in place."""
+    mean = weighted.div_(total).masked_fill_(~(total > 0), 0.0)
+    return (total.log_().add_(shift), mean)
+
+
+def _entropy_product(
+    e: Tensor,
+    e_r: Tensor,
+    w: Tensor,
+    shift: Tensor,
+    contract: Callable[[Tensor, Tensor], Tensor] = torch.matmul,
+) -> State:
+    """(log Z, mean surprisal) of ``e ⊗ w`` with ``e_r = e * R``: three products ``contract``
+    (a matmul, or a convolution's sums) of the shifted message with |w| and |w| log|w|.
 
     Elementwise steps run in place on fresh tensors (same values as the out-of-place
     expressions): the temporaries beside the products are one |w| and one |w| log|w|.
     """
     mag = w.abs()
-    s = torch.matmul(e, mag)
-    t = torch.matmul(e_r, mag)
+    total, weighted = contract(e, mag), contract(e_r, mag)
     mag_log_mag = mag.log().mul_(mag).masked_fill_(~(mag > 0), 0.0)  # 0 log 0 = 0
     del mag
-    t.sub_(torch.matmul(e, mag_log_mag))
-    del mag_log_mag
-    mean = t.div_(s).masked_fill_(~(s > 0), 0.0)
-    return (s.log_().add_(shift), mean)
+    return _entropy_pair(total, weighted.sub_(contract(e, mag_log_mag)), shift)
 
 
 def _entropy(
@@ -96,8 +105,7 @@ def _entropy(
     if left is not None:
         by_left = _entropy_product(_t(e), _t(e_r), left, shift)
     if want_sum:
-        s = e.sum(-2)
-        total = (s.log().add_(shift), torch.where(s > 0, e_r.sum(-2) / s, 0.0))
+        total = _entropy_pair(e.sum(-2), e_r.sum(-2), shift)
     return by_right, by_left, total
 
 
@@ -180,24 +188,12 @@ def _entropy_conv(sr: Entropy, m: State, sums: _ConvSums, mask: Sequence[bool]) 
         return None
     e = (log_z - shift).exp_()
     e_r = e * surprisal
-
-    def pair(total: Tensor, weighted: Tensor) -> State:
-        mean = weighted.div_(total).masked_fill_(~(total > 0), 0.0)
-        return (total.log_().add_(shift), mean)
-
-    def through(to: Callable[[Tensor, Tensor], Tensor], edge: Tensor) -> State:
-        mag = edge.abs()
-        total, weighted = to(e, mag), to(e_r, mag)
-        mag_log_mag = mag.log().mul_(mag).masked_fill_(~(mag > 0), 0.0)  # 0 log 0 = 0
-        del mag
-        return pair(total, weighted.sub_(to(e, mag_log_mag)))
-
-    to_in = through(sums.to_input, sums.w) if mask[0] else None
-    to_w = through(sums.to_weight, sums.x) if mask[1] else None
+    to_in = _entropy_product(e, e_r, sums.w, shift, sums.to_input) if mask[0] else None
+    to_w = _entropy_product(e, e_r, sums.x, shift, sums.to_weight) if mask[1] else None
     bias = None
     if mask[2]:
         dims = [d for d in range(e.dim()) if d != 1]
-        bias = pair(e.sum(dims), e_r.sum(dims))
+        bias = _entropy_pair(e.sum(dims), e_r.sum(dims), shift)
     return to_in, to_w, bias
 
 

@@ -1,9 +1,16 @@
-"""convolution_backward in the semiring, by im2col index maps and a semiring matmul.
+"""convolution_backward in the semiring: input, weight and bias messages of a convolution.
 
-Input message: each (output channel, position) sends to the taps of its window through the
-kernel weights (a semiring matmul with the kernel), then the taps are scattered back onto the
-input with the semiring's plus where windows overlap. Weight message: the unfolded input is the
-matrix of edge weights between output messages and kernel entries.
+Three forms, same values (tests/test_convolution_messages.py):
+
+- sum-like semirings (LogSum, LogCount, Entropy): PyTorch's own convolution backward on the
+  exponentiated message and |x|, |W| (``kernels.shared_shift.shared_shift_conv``);
+- every other semiring, one kernel tap at a time (``per_tap_messages``): for a tap, the output
+  positions read a strided slice of the padded input, so the tap's messages are two semiring
+  matmuls, no im2col copy;
+- path-recording semirings (TopPath), im2col window index maps (``window_map_messages``): each
+  (output channel, position) sends to the taps of its window through the kernel (a semiring
+  matmul), then the taps are scattered back onto the input with the semiring's plus; the
+  unfolded input is the matrix of edge weights of the weight message.
 """
 
 from __future__ import annotations

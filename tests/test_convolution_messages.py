@@ -7,6 +7,7 @@ import torch
 
 import semipack
 from semipack.rules.convolution import per_tap_messages, window_map_messages
+from semipack.rules.windows import ConvGeometry
 
 SEMIRINGS = [
     semipack.Real(),
@@ -53,7 +54,8 @@ def _tensors(geometry: dict, dtype: torch.dtype, sr):
 def test_per_tap_messages_equal_the_window_maps(sr, geometry: str, dtype) -> None:
     g = GEOMETRIES[geometry]
     x, w, m, groups = _tensors(g, dtype, sr)
-    args = (sr, m, x, w, g["stride"], g["padding"], g["dilation"], groups, (True, True, True))
+    geometry = ConvGeometry.of(x.dim() - 2, g["stride"], g["padding"], g["dilation"], groups)
+    args = (sr, m, x, w, geometry, (True, True, True))
     exact = isinstance(sr, (semipack.MaxProd, semipack.SignedMaxProd, semipack.Boolean))
     tol = {} if not exact else {"rtol": 0, "atol": 0}
     if not exact and dtype == torch.float32:

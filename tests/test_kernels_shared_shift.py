@@ -9,6 +9,7 @@ import torch
 import semipack
 from semipack.extensions.linear import linear_messages
 from semipack.kernels.shared_shift import SHARED_SHIFT_SPAN, global_shift, shared_shift_products
+from semipack.rules.windows import ConvGeometry
 from semipack.semirings import Semiring
 
 F64 = torch.float64
@@ -112,7 +113,8 @@ def test_conv_messages_through_torch_convolution_match_the_window_maps(
     out = torch.nn.functional.conv1d if x.dim() == 3 else torch.nn.functional.conv2d
     out_shape = out(x, w, None, g["stride"], g["padding"], g["dilation"], groups).shape
     m = message(sr, tuple(out_shape), spread=25.0, seed=9)
-    args = (sr, m, x, w, g["stride"], g["padding"], g["dilation"], groups, (True, True, True))
+    geometry = ConvGeometry.of(x.dim() - 2, g["stride"], g["padding"], g["dilation"], groups)
+    args = (sr, m, x, w, geometry, (True, True, True))
     fast = shared_shift.shared_shift_conv(*args)
     assert fast is not None
     monkeypatch.setattr(shared_shift, "SHARED_SHIFT_CONV", {})
@@ -129,4 +131,4 @@ def test_conv_with_a_wide_message_falls_back_to_the_window_maps(sr: Semiring) ->
     m = message(sr, (2, 4, 3, 3), spread=SHARED_SHIFT_SPAN + 10.0, seed=3)
     m[0][0, 0, 0, 0], m[0][0, 0, 0, 1] = 0.0, SHARED_SHIFT_SPAN + 5.0
     mask = (True, True, True)
-    assert shared_shift_conv(sr, m, x, w, [1, 1], [0, 0], [1, 1], 1, mask) is None
+    assert shared_shift_conv(sr, m, x, w, ConvGeometry.of(2, 1, 0, 1), mask) is None

@@ -7,6 +7,7 @@ from torch import nn
 
 from ..readout.sites import Site, stamp
 from ..rules.convolution import conv_messages
+from ..rules.windows import ConvGeometry
 from ..transport.provenance import current_module
 from .base import (
     ModuleExtension,
@@ -22,7 +23,9 @@ from .base import (
 class ConvFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, module):
-        ctx.geometry = (module.stride, module.padding, module.dilation, module.groups)
+        ctx.geometry = ConvGeometry.of(
+            x.dim() - 2, module.stride, module.padding, module.dilation, module.groups
+        )
         return record_inner(ctx, module._conv_forward, [x, weight, bias])
 
     @staticmethod
@@ -34,10 +37,9 @@ class ConvFunction(torch.autograd.Function):
         if parts is None:
             return (*reg, None)
         x, weight, bias = inner_inputs(ctx)
-        stride, padding, dilation, groups = ctx.geometry
         need = ctx.needs_input_grad
         mask = (need[0], need[1], need[2] and bias is not None)
-        states = conv_messages(sr, parts, x, weight, stride, padding, dilation, groups, mask)
+        states = conv_messages(sr, parts, x, weight, ctx.geometry, mask)
         return (*messages(reg, states, sr, (x, weight, bias)), None)
 
 

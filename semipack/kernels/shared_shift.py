@@ -17,11 +17,15 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from contextlib import nullcontext
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
 
 from ..semirings import Entropy, LogCount, LogSum, Semiring, State
+
+if TYPE_CHECKING:
+    from ..rules.windows import ConvGeometry
 
 #: Largest spread (nats) of finite message entries for which one shift serves every product.
 #: exp(-40) ~ 4e-18 keeps each product e |w| a normal float32 for |w| down to ~1e-20.
@@ -150,9 +154,17 @@ class _ConvSums:
     algorithms, whose transforms subtract and could turn an exact zero, "no path", into noise).
     """
 
-    def __init__(self, x: Tensor, w: Tensor, stride, padding, dilation, groups: int) -> None:
+    def __init__(self, x: Tensor, w: Tensor, geometry: ConvGeometry) -> None:
         self.x, self.w = x, w
-        self.args = (None, stride, padding, dilation, False, [0] * (x.dim() - 2), groups)
+        self.args = (
+            None,
+            list(geometry.stride),
+            list(geometry.padding),
+            list(geometry.dilation),
+            False,
+            [0] * (x.dim() - 2),
+            geometry.groups,
+        )
 
     def _run(self, g: Tensor, x: Tensor, w: Tensor, mask: list[bool]) -> tuple:
         guard = torch.backends.cudnn.flags(enabled=False) if g.is_cuda else nullcontext()
@@ -206,15 +218,7 @@ SHARED_SHIFT_CONV: dict[type[Semiring], Callable[..., Products | None]] = {
 
 
 def shared_shift_conv(
-    sr: Semiring,
-    m: State,
-    x: Tensor,
-    w: Tensor,
-    stride,
-    padding,
-    dilation,
-    groups: int,
-    mask: Sequence[bool],
+    sr: Semiring, m: State, x: Tensor, w: Tensor, geometry: ConvGeometry, mask: Sequence[bool]
 ) -> Products | None:
     """(input, weight, bias) messages of ``conv(x, w)`` (zero padding, not transposed) from the
     output message ``m``, or None where this form does not apply (another semiring, or a
@@ -224,4 +228,4 @@ def shared_shift_conv(
     if kernel is None:
         return None
     with torch.no_grad():
-        return kernel(sr, m, _ConvSums(x, w, stride, padding, dilation, groups), mask)
+        return kernel(sr, m, _ConvSums(x, w, geometry), mask)

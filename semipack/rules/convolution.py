@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import itertools
 import math
+from collections.abc import Sequence
 
 import torch
 from torch import Tensor
@@ -24,22 +25,17 @@ from torch import Tensor
 from ..kernels.shared_shift import shared_shift_conv
 from ..semirings.base import Semiring, State
 from .registry import OpCall, register_rule
-from .windows import expand_param, scatter_windows, window_index
+from .windows import ConvGeometry, scatter_windows, window_index
 
 aten = torch.ops.aten
 
 
+Messages = tuple[State | None, State | None, State | None]
+
+
 def conv_messages(
-    sr: Semiring,
-    m_parts: State,
-    x: Tensor,
-    w: Tensor,
-    stride,
-    padding,
-    dilation,
-    groups: int,
-    mask: tuple[bool, bool, bool],
-) -> tuple[State | None, State | None, State | None]:
+    sr: Semiring, m_parts: State, x: Tensor, w: Tensor, geometry: ConvGeometry, mask: Sequence[bool]
+) -> Messages:
     """Semiring messages to (input, weight, bias) of ``conv(x, w)`` from the output message.
 
     Sum-like semirings take PyTorch's convolution backward on exponentiated messages and
@@ -47,27 +43,17 @@ def conv_messages(
     everything else goes through the window index maps and the semiring matmul.
     """
     dtype = sr.state_dtype(x.dtype)
-    fast = shared_shift_conv(
-        sr, m_parts, x.to(dtype), w.to(dtype), stride, padding, dilation, groups, mask
-    )
+    fast = shared_shift_conv(sr, m_parts, x.to(dtype), w.to(dtype), geometry, mask)
     if fast is not None:
         return fast
     if not getattr(sr, "records_paths", False):
-        return per_tap_messages(sr, m_parts, x, w, stride, padding, dilation, groups, mask)
-    return window_map_messages(sr, m_parts, x, w, stride, padding, dilation, groups, mask)
+        return per_tap_messages(sr, m_parts, x, w, geometry, mask)
+    return window_map_messages(sr, m_parts, x, w, geometry, mask)
 
 
 def per_tap_messages(
-    sr: Semiring,
-    m_parts: State,
-    x: Tensor,
-    w: Tensor,
-    stride,
-    padding,
-    dilation,
-    groups: int,
-    mask: tuple[bool, bool, bool],
-) -> tuple[State | None, State | None, State | None]:
+    sr: Semiring, m_parts: State, x: Tensor, w: Tensor, geometry: ConvGeometry, mask: Sequence[bool]
+) -> Messages:
     """``conv_messages`` one kernel tap at a time, without an im2col copy.
 
     For a tap t, output position l reads input position ``l * stride - padding + t * dilation``:
@@ -77,11 +63,10 @@ def per_tap_messages(
     message [O, B·L] ⊗ input slice [B·L, C]). Messages landing in the padding are dropped
     (padding is no input entry); padded zeros are no edges of the weight message.
     """
-    nsp = x.dim() - 2
     batch, channels, out_channels = x.shape[0], x.shape[1], w.shape[0]
     out_size, kernel = list(m_parts[0].shape[2:]), list(w.shape[2:])
-    stride, padding = expand_param(stride, nsp), expand_param(padding, nsp)
-    dilation = expand_param(dilation, nsp)
+    stride, padding, dilation = geometry.stride, geometry.padding, geometry.dilation
+    groups = geometry.groups
     c_g, o_g = channels // groups, out_channels // groups
     dtype = sr.state_dtype(x.dtype)
     positions = math.prod(out_size)
@@ -128,33 +113,20 @@ def per_tap_messages(
 
 
 def window_map_messages(
-    sr: Semiring,
-    m_parts: State,
-    x: Tensor,
-    w: Tensor,
-    stride,
-    padding,
-    dilation,
-    groups: int,
-    mask: tuple[bool, bool, bool],
-) -> tuple[State | None, State | None, State | None]:
+    sr: Semiring, m_parts: State, x: Tensor, w: Tensor, geometry: ConvGeometry, mask: Sequence[bool]
+) -> Messages:
     """``conv_messages`` through im2col window index maps (path-recording semirings: their
     successor ids follow the scatter of the window maps)."""
     dtype = sr.state_dtype(x.dtype)
-    nsp = x.dim() - 2
     batch, channels, out_channels = x.shape[0], x.shape[1], w.shape[0]
     in_size, out_size, kernel = list(x.shape[2:]), list(m_parts[0].shape[2:]), list(w.shape[2:])
+    g_ = geometry
     index = window_index(
-        in_size,
-        out_size,
-        kernel,
-        expand_param(stride, nsp),
-        expand_param(padding, nsp),
-        expand_param(dilation, nsp),
-        device=x.device,
+        in_size, out_size, kernel, g_.stride, g_.padding, g_.dilation, device=x.device
     )  # [taps, L]
     taps, positions = index.shape
     spatial = math.prod(in_size)
+    groups = geometry.groups
     c_g, o_g = channels // groups, out_channels // groups
     m = tuple(p.reshape(batch, out_channels, positions) for p in m_parts)
 
@@ -197,17 +169,10 @@ def convolution_backward(call: OpCall):
     if call["transposed"]:
         raise call.error("transposed convolution is not supported yet")
     mask = call["output_mask"]
-    grads = conv_messages(
-        call.semiring,
-        msg.parts,
-        x,
-        w,
-        call["stride"],
-        call["padding"],
-        call["dilation"],
-        call["groups"],
-        mask,
+    geometry = ConvGeometry.of(
+        x.dim() - 2, call["stride"], call["padding"], call["dilation"], call["groups"]
     )
+    grads = conv_messages(call.semiring, msg.parts, x, w, geometry, mask)
     real = call.run_real()
     reals = list(real) if real is not None else [None, None, None]
     return tuple(

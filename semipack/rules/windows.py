@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
@@ -23,6 +24,26 @@ def expand_param(
     if not value and default is not None:
         return list(default)
     return value * n if len(value) == 1 else value
+
+
+@dataclass(frozen=True)
+class ConvGeometry:
+    """Stride, padding and dilation (one entry per spatial dim) and groups of a convolution."""
+
+    stride: tuple[int, ...]
+    padding: tuple[int, ...]
+    dilation: tuple[int, ...]
+    groups: int = 1
+
+    @classmethod
+    def of(cls, spatial_dims: int, stride, padding, dilation, groups: int = 1) -> ConvGeometry:
+        """From the forms the modules and aten use (an int or one value per dim)."""
+        return cls(
+            tuple(expand_param(stride, spatial_dims)),
+            tuple(expand_param(padding, spatial_dims)),
+            tuple(expand_param(dilation, spatial_dims)),
+            groups,
+        )
 
 
 def combine_dims(positions: list[Tensor], in_size: Sequence[int]) -> Tensor:

@@ -1,12 +1,13 @@
-"""Convolution messages one tap at a time equal the im2col window-map path, for every semiring."""
+"""Convolution messages one tap at a time equal the im2col window-map reference, every semiring."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+from conv_reference import window_map_messages
 
 import semipack
-from semipack.rules.convolution import per_tap_messages, window_map_messages
+from semipack.rules.convolution import per_tap_messages
 from semipack.rules.windows import ConvGeometry
 
 SEMIRINGS = [

@@ -98,13 +98,14 @@ CONV_GEOMETRIES = {
 @pytest.mark.parametrize("sr", SUM_LIKE, ids=lambda s: s.name)
 @pytest.mark.parametrize("geometry", list(CONV_GEOMETRIES))
 def test_conv_messages_through_torch_convolution_match_the_window_maps(
-    sr: Semiring, geometry: str, monkeypatch
+    sr: Semiring, geometry: str
 ) -> None:
     """Input, weight and bias messages from PyTorch's convolution backward on the shifted
-    messages equal the im2col path (window index maps and the semiring's own matmul and plus),
-    including exact zeros of inputs and weights (no edge) and output entries without a path."""
-    from semipack.kernels import shared_shift
-    from semipack.rules.convolution import conv_messages
+    messages equal the im2col reference (window index maps and the semiring's own matmul and
+    plus), including exact zeros of inputs and weights (no edge) and entries without a path."""
+    from conv_reference import window_map_messages
+
+    from semipack.kernels.shared_shift import shared_shift_conv
 
     g = dict(CONV_GEOMETRIES[geometry])
     x, w = weights(*g.pop("x"), seed=7), weights(*g.pop("w"), seed=8)
@@ -115,11 +116,9 @@ def test_conv_messages_through_torch_convolution_match_the_window_maps(
     m = message(sr, tuple(out_shape), spread=25.0, seed=9)
     geometry = ConvGeometry.of(x.dim() - 2, g["stride"], g["padding"], g["dilation"], groups)
     args = (sr, m, x, w, geometry, (True, True, True))
-    fast = shared_shift.shared_shift_conv(*args)
+    fast = shared_shift_conv(*args)
     assert fast is not None
-    monkeypatch.setattr(shared_shift, "SHARED_SHIFT_CONV", {})
-    windows = conv_messages(*args)
-    for got, want in zip(fast, windows, strict=True):
+    for got, want in zip(fast, window_map_messages(*args), strict=True):
         assert_states_close(sr, got, want)
 
 

@@ -98,3 +98,40 @@ def test_extension_and_generic_path_agree(case) -> None:
         assert path_fast.index == path_slow.index, name
         assert path_fast.log_value == pytest.approx(path_slow.log_value, rel=1e-9, abs=1e-12)
         assert path_fast.modules() == path_slow.modules(), name
+
+
+@pytest.mark.parametrize("extensions", [True, False], ids=["extension", "generic"])
+def test_top_path_through_convolutions_matches_the_window_maps(extensions, monkeypatch) -> None:
+    """Per-tap convolution messages carry the same best values and the same successors, step
+    by step, as the im2col window maps (and the values are MaxProd's)."""
+    from conv_reference import window_map_messages
+
+    from semipack.rules import convolution
+
+    def run():
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(
+            torch.nn.Conv2d(2, 4, 3, padding=1),
+            torch.nn.Tanh(),
+            torch.nn.Conv2d(4, 3, 2, stride=2, dilation=1, groups=1),
+            torch.nn.Flatten(),
+            torch.nn.Linear(3 * 3 * 3, 2),
+        ).double()
+        x = torch.randn(2, 2, 6, 6, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+        x.requires_grad_(True)
+        tp = semipack.TopPath()
+        with semipack.extend(model, tp, extensions=extensions):
+            model(x).pow(2).sum().backward()
+        leaves = [*model.parameters(), x]
+        return [(t.semiring_grad, tp.path(t)) for t in leaves]
+
+    per_tap = run()
+    monkeypatch.setattr(convolution, "per_tap_messages", window_map_messages)
+    window_maps = run()
+    for (value_a, path_a), (value_b, path_b) in zip(per_tap, window_maps, strict=True):
+        torch.testing.assert_close(value_a, value_b, rtol=1e-12, atol=0)
+        assert path_a.index == path_b.index
+        assert [(s.op, s.index, s.module) for s in path_a.steps] == [
+            (s.op, s.index, s.module) for s in path_b.steps
+        ]
+        assert path_a.log_value == pytest.approx(path_b.log_value, rel=1e-12)

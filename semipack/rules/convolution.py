@@ -1,16 +1,14 @@
 """convolution_backward in the semiring: input, weight and bias messages of a convolution.
 
-Three forms, same values (tests/test_convolution_messages.py):
+Two forms, same values (tests/test_convolution_messages.py checks both against an im2col
+reference):
 
 - sum-like semirings (LogSum, LogCount, Entropy): PyTorch's own convolution backward on the
-  exponentiated message and |x|, |W| (``kernels.shared_shift.shared_shift_conv``);
-- every other semiring, one kernel tap at a time (``per_tap_messages``): for a tap, the output
-  positions read a strided slice of the padded input, so the tap's messages are two semiring
-  matmuls, no im2col copy;
-- path-recording semirings (TopPath), im2col window index maps (``window_map_messages``): each
-  (output channel, position) sends to the taps of its window through the kernel (a semiring
-  matmul), then the taps are scattered back onto the input with the semiring's plus; the
-  unfolded input is the matrix of edge weights of the weight message.
+  exponentiated message and |x|, |W| (``kernels.shared_shift.shared_shift_conv``), when the
+  message spans few enough nats;
+- otherwise one kernel tap at a time (``per_tap_messages``): for a tap, the output positions
+  read a strided slice of the padded input, so the tap's messages are two semiring matmuls and
+  no im2col copy is built. TopPath's successor ids travel through the same matmuls and pluses.
 """
 
 from __future__ import annotations
@@ -25,7 +23,7 @@ from torch import Tensor
 from ..kernels.shared_shift import shared_shift_conv
 from ..semirings.base import Semiring, State
 from .registry import OpCall, register_rule
-from .windows import ConvGeometry, scatter_windows, window_index
+from .windows import ConvGeometry
 
 aten = torch.ops.aten
 
@@ -46,9 +44,7 @@ def conv_messages(
     fast = shared_shift_conv(sr, m_parts, x.to(dtype), w.to(dtype), geometry, mask)
     if fast is not None:
         return fast
-    if not getattr(sr, "records_paths", False):
-        return per_tap_messages(sr, m_parts, x, w, geometry, mask)
-    return window_map_messages(sr, m_parts, x, w, geometry, mask)
+    return per_tap_messages(sr, m_parts, x, w, geometry, mask)
 
 
 def per_tap_messages(
@@ -110,57 +106,6 @@ def per_tap_messages(
     if mask[2]:
         grad_b = sr.sum(m, [0, 2])
     return grad_in, w_msg, grad_b
-
-
-def window_map_messages(
-    sr: Semiring, m_parts: State, x: Tensor, w: Tensor, geometry: ConvGeometry, mask: Sequence[bool]
-) -> Messages:
-    """``conv_messages`` through im2col window index maps (path-recording semirings: their
-    successor ids follow the scatter of the window maps)."""
-    dtype = sr.state_dtype(x.dtype)
-    batch, channels, out_channels = x.shape[0], x.shape[1], w.shape[0]
-    in_size, out_size, kernel = list(x.shape[2:]), list(m_parts[0].shape[2:]), list(w.shape[2:])
-    g_ = geometry
-    index = window_index(
-        in_size, out_size, kernel, g_.stride, g_.padding, g_.dilation, device=x.device
-    )  # [taps, L]
-    taps, positions = index.shape
-    spatial = math.prod(in_size)
-    groups = geometry.groups
-    c_g, o_g = channels // groups, out_channels // groups
-    m = tuple(p.reshape(batch, out_channels, positions) for p in m_parts)
-
-    grad_in = grad_w = grad_b = None
-    if mask[0]:
-        dest = sr.zeros((batch, channels * spatial), dtype, x.device)
-        per_channel = torch.arange(c_g, device=x.device)[:, None, None] * spatial
-        group_index = (per_channel + index).reshape(c_g * taps, positions)
-        group_index = torch.where(index.repeat(c_g, 1) >= 0, group_index, -1)
-        for g in range(groups):
-            m_g = tuple(p[:, g * o_g : (g + 1) * o_g].transpose(1, 2) for p in m)  # [B, L, Og]
-            w_g = w[g * o_g : (g + 1) * o_g].reshape(o_g, c_g * taps).to(dtype)
-            cols = sr.matmul(m_g, w_g)  # [B, L, Cg*T]
-            cols = tuple(p.transpose(1, 2) for p in cols)  # [B, Cg*T, L]
-            shift = torch.where(group_index >= 0, group_index + g * c_g * spatial, -1)
-            dest = scatter_windows(sr, dest, batch, channels * spatial, shift, cols)
-        grad_in = tuple(p.reshape(x.shape) for p in dest)
-    if mask[1]:
-        pad = x.new_zeros(batch, channels, 1)
-        x_flat = torch.cat([x.reshape(batch, channels, spatial), pad], -1)
-        unfolded = x_flat[:, :, torch.where(index >= 0, index, spatial)].to(dtype)  # [B,C,T,L]
-        pieces = []
-        for g in range(groups):
-            x_g = unfolded[:, g * c_g : (g + 1) * c_g].permute(0, 3, 1, 2)
-            x_g = x_g.reshape(batch * positions, c_g * taps)
-            m_g = tuple(
-                p[:, g * o_g : (g + 1) * o_g].permute(1, 0, 2).reshape(o_g, batch * positions)
-                for p in m
-            )
-            pieces.append(sr.matmul(m_g, x_g))
-        grad_w = tuple(torch.cat(p, 0).reshape(w.shape) for p in zip(*pieces, strict=True))
-    if mask[2]:
-        grad_b = sr.sum(m, [0, 2])
-    return grad_in, grad_w, grad_b
 
 
 @register_rule(aten.convolution_backward.default)

@@ -196,3 +196,16 @@ def test_scale_owned_is_bitwise_scale(sr, dtype, state_shape, weight_shape) -> N
     got = sr.scale_owned(a, w.clone())
     for x, y in zip(got, expected, strict=True):
         torch.testing.assert_close(x, y, rtol=0, atol=0, equal_nan=True)
+
+
+def test_scale_owned_of_a_subclass_with_its_own_lift_uses_that_lift() -> None:
+    """A fast path written for a built-in semiring must not bypass a subclass's primitives."""
+
+    class SquaredMaxProd(semipack.MaxProd):
+        def lift(self, w):
+            return super().lift(w * w)
+
+    sr = SquaredMaxProd()
+    a = sr.lift(random_weights(1, (3, 4)))
+    w = random_weights(2, (3, 4))
+    torch.testing.assert_close(sr.scale_owned(a, w.clone())[0], sr.scale(a, w)[0], rtol=0, atol=0)

@@ -129,6 +129,11 @@ class Semiring:
         """
         return self.scale(a, w)
 
+    def keeps_primitives_of(self, cls: type[Semiring], *names: str) -> bool:
+        """Whether this object's class uses ``cls``'s own ``names`` (a subclass may redefine
+        them, and then a fast path written for ``cls`` would compute something else)."""
+        return all(getattr(type(self), n) is getattr(cls, n) for n in names)
+
     def matmul(self, a: State, w: Tensor) -> State:
         """``out[..., i, j] = ⊕_k a[..., i, k] ⊗ lift(w[..., k, j])`` (message on the left).
 

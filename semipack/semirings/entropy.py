@@ -28,7 +28,8 @@ class Entropy(Semiring):
         return (log_w, surprisal)
 
     def scale_owned(self, a: State, w: Tensor) -> State:
-        if not can_overwrite(w, a[0]):
+        own = self.keeps_primitives_of(Entropy, "lift", "times", "scale")
+        if not own or not can_overwrite(w, a[0]):
             return self.scale(a, w)
         log_w = w.abs_().log_()
         surprisal = log_w.neg().masked_fill_(~torch.isfinite(log_w), 0.0)

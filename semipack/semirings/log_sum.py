@@ -34,7 +34,8 @@ class LogSum(Semiring):
         return (mag.log() if mag is w else mag.log_(),)  # in place on a fresh magnitude
 
     def scale_owned(self, a: State, w: Tensor) -> State:
-        if type(self).magnitude is not LogSum.magnitude or not can_overwrite(w, a[0]):
+        own = self.keeps_primitives_of(LogSum, "magnitude", "lift", "times", "scale")
+        if not own or not can_overwrite(w, a[0]):
             return self.scale(a, w)
         return (add_log_abs_(a[0], w),)
 

@@ -32,7 +32,8 @@ class MaxProd(Semiring):
         return (log_abs(w, self.state_dtype(w.dtype)),)
 
     def scale_owned(self, a: State, w: Tensor) -> State:
-        if not can_overwrite(w, a[0]):
+        own = self.keeps_primitives_of(MaxProd, "lift", "times", "scale")
+        if not own or not can_overwrite(w, a[0]):
             return self.scale(a, w)
         return (add_log_abs_(a[0], w),)
 

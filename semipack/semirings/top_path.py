@@ -60,9 +60,6 @@ class TopPath(MaxProd):
         value = a[0] + log_abs(w, a[0].dtype)
         return value, a[1].expand(value.shape)
 
-    def scale_owned(self, a: State, w: Tensor) -> State:
-        return self.scale(a, w)  # not MaxProd's: the successor ids need their own handling
-
     def sum(self, a: State, dims: list[int], keepdim: bool = False) -> State:
         kept = [d for d in range(a[0].dim()) if d not in dims]
         order = kept + list(dims)

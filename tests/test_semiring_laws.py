@@ -209,3 +209,23 @@ def test_scale_owned_of_a_subclass_with_its_own_lift_uses_that_lift() -> None:
     a = sr.lift(random_weights(1, (3, 4)))
     w = random_weights(2, (3, 4))
     torch.testing.assert_close(sr.scale_owned(a, w.clone())[0], sr.scale(a, w)[0], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("sr", [semipack.MaxProd(), semipack.TopPath()], ids=["MaxProd", "TopPath"])
+def test_matmul_on_lifted_weights_is_matmul(sr) -> None:
+    assert sr.has_lifted_matmul()
+    a = sr.lift(random_weights(4, (5, 6)).float())
+    w = random_weights(5, (6, 3)).float()
+    for x, y in zip(sr.matmul_lifted(a, sr.lift(w)), sr.matmul(a, w), strict=True):
+        torch.testing.assert_close(x, y, rtol=0, atol=0)
+
+
+def test_semirings_without_a_lifted_matmul_say_so() -> None:
+    class SquaredMaxProd(semipack.MaxProd):
+        def lift(self, w):
+            return super().lift(w * w)
+
+    assert not SquaredMaxProd().has_lifted_matmul()
+    assert not semipack.LogSum().has_lifted_matmul()
+    with pytest.raises(NotImplementedError, match="LogSum has no matmul on lifted weights"):
+        semipack.LogSum().matmul_lifted((torch.zeros(1, 1),), (torch.zeros(1, 1),))

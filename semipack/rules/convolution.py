@@ -70,6 +70,8 @@ def per_tap_messages(
     x_pad = torch.nn.functional.pad(x.to(dtype), pad) if any(padding) else x.to(dtype)
     # Channels last, so that a tap's slice is whole rows of channels (no transposes per tap).
     x_last = x_pad.movedim(1, -1).contiguous() if mask[1] else None
+    # Semirings that multiply by lifted weights lift the input once, not once per tap.
+    lifted = sr.lift(x_last) if x_last is not None and sr.has_lifted_matmul() else None
     m = tuple(p.reshape(batch, out_channels, positions) for p in m_parts)
     padded = list(x_pad.shape[2:])
 
@@ -92,8 +94,11 @@ def per_tap_messages(
                 for d, part in zip(dest, merged, strict=True):
                     d[where] = part
             if mask[1]:  # [O, B·L] ⊗ [B·L, C] -> [O, C]
-                taken = x_last[where].reshape(batch * positions, c_g)
-                found = sr.matmul(rows_t, taken)
+                if lifted is not None:
+                    taps = tuple(c[where].reshape(batch * positions, c_g) for c in lifted)
+                    found = sr.matmul_lifted(rows_t, taps)
+                else:
+                    found = sr.matmul(rows_t, x_last[where].reshape(batch * positions, c_g))
                 for d, part in zip(w_msg, found, strict=True):
                     d[(outs, slice(None), *tap)] = part
     grad_in = grad_b = None

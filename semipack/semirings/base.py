@@ -142,6 +142,15 @@ class Semiring:
         """
         return blocked_matmul(self, a, w)
 
+    def has_lifted_matmul(self) -> bool:
+        """Whether ``matmul_lifted`` has a form here (a caller may then lift a tensor once and
+        multiply by many slices of it, as the taps of a convolution do)."""
+        return False
+
+    def matmul_lifted(self, a: State, lifted: State) -> State:
+        """``matmul(a, w)`` given ``lifted = lift(w)`` (see ``has_lifted_matmul``)."""
+        raise NotImplementedError(f"{self.name} has no matmul on lifted weights")
+
     def index_plus(self, dest: State, dim: int, index: Tensor, src: State) -> State:
         """``dest[..., index[i], ...] ⊕= src[..., i, ...]`` along ``dim`` (out of place).
 

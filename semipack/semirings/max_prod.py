@@ -50,6 +50,12 @@ class MaxProd(Semiring):
         # A compiled max-plus kernel instead of the generic broadcast-and-reduce blocks.
         return (maxplus(a[0], self.lift(w)[0]),)
 
+    def has_lifted_matmul(self) -> bool:
+        return self.keeps_primitives_of(MaxProd, "lift", "matmul", "matmul_lifted")
+
+    def matmul_lifted(self, a: State, lifted: State) -> State:
+        return (maxplus(a[0], lifted[0]),)
+
     def readout(self, a: State) -> Tensor:
         return a[0] if self.log else a[0].exp()
 

@@ -73,7 +73,17 @@ class TopPath(MaxProd):
         return best, chosen
 
     def matmul(self, a: State, w: Tensor) -> State:
-        values, where = maxplus_argmax(a[0], log_abs(w, a[0].dtype))
+        return self._best_products(a, log_abs(w, a[0].dtype))
+
+    def has_lifted_matmul(self) -> bool:
+        return self.keeps_primitives_of(TopPath, "lift", "matmul", "matmul_lifted")
+
+    def matmul_lifted(self, a: State, lifted: State) -> State:
+        return self._best_products(a, lifted[0].to(a[0].dtype))
+
+    def _best_products(self, a: State, log_w: Tensor) -> State:
+        """Max-plus product with the successor id of the winning k (the first on ties)."""
+        values, where = maxplus_argmax(a[0], log_w)
         k = a[0].shape[-1]
         ids = a[1].expand(a[0].shape).expand(*values.shape[:-1], k)
         return values, torch.gather(ids, -1, where)

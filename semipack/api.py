@@ -2,23 +2,28 @@
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterator, Sequence
 from contextlib import ExitStack, contextmanager
 from typing import Any
 
+import torch
 from torch import Tensor, nn
 
-from .extensions import FUNCTION_EXTENSIONS, eager_attention_routed, installed
-from .semirings.base import Semiring
+from .errors import SemipackError
+from .extensions import FUNCTION_EXTENSIONS, eager_attention_routed
 from .transport import backward as _bw
-from .transport.interception import BackwardInterceptor
+from .transport.hooks import module_hooks_see_gradients
+from .transport.interception import SemiringMode
 from .transport.provenance import ModuleTracker
+
+_blocks = threading.local()
 
 
 @contextmanager
 def extend(
     model: nn.Module | None,
-    semiring: Semiring,
+    semiring: Any,
     *,
     regular_grads: bool = True,
     extensions: bool = True,
@@ -31,30 +36,60 @@ def extend(
     in which case ``.grad`` is left untouched and the regular gradient is not computed.
 
     The forward may run inside the block or before it; running it inside lets error messages
-    name the module an unsupported op came from, and lets the module extensions (fused kernels,
-    named sites) take over supported layers. ``extensions=False`` keeps every op on the generic
-    per-op rules: same values, slower. On exit (normal or by an exception) the model
-    has no hooks or attributes of semipack's left, only the ``semiring_grad`` results.
+    and paths name the module an op came from, lets the extensions (fused kernels, named sites)
+    take over supported calls, and lets ``retain_grad()`` and tensor hooks registered in the
+    block work on intermediate tensors. ``extensions=False`` keeps every op on the generic
+    per-op rules: same values, slower. The model objects are not modified; on exit nothing of
+    semipack's is left but the ``semiring_grad`` results.
+
+    Blocks do not nest (a second ``extend`` inside a first raises ``SemipackError``). A model
+    wrapped by ``torch.compile`` runs eagerly inside the block.
     """
-    if not isinstance(semiring, Semiring):
-        raise TypeError(f"expected a semipack semiring, got {semiring!r}")
+    semiring = _bw.require_semiring(semiring)
+    if model is not None and not isinstance(model, nn.Module):
+        raise TypeError(
+            f"semipack.extend expects an nn.Module (or None for functional code), "
+            f"got {type(model).__name__}"
+        )
+    active = getattr(_blocks, "semiring", None)
+    if active is not None:
+        raise SemipackError(
+            f"semipack.extend blocks cannot be nested: a block for {active!r} is already "
+            "active in this thread. Leave it first; for several semirings run one block per "
+            "semiring (keep the graph with retain_graph=True, or run the forward again)."
+        )
     watched = [p for p in model.parameters() if p.requires_grad] if model is not None else []
+    names = {id(p): _leaf_name(n) for n, p in model.named_parameters()} if model else {}
     with ExitStack() as stack:
+        _blocks.semiring = semiring
+        stack.callback(setattr, _blocks, "semiring", None)
+        if model is not None and _is_compiled(model):
+            stack.enter_context(torch.compiler.set_stance("force_eager"))
         stack.enter_context(ModuleTracker(model).active())
+        stack.enter_context(module_hooks_see_gradients(model.modules() if model else ()))
         reroute = {}
         if extensions:
-            stack.enter_context(installed(model))
             stack.enter_context(eager_attention_routed())
             reroute = FUNCTION_EXTENSIONS
-        names = {id(p): n for n, p in model.named_parameters()} if model is not None else {}
-        stack.enter_context(BackwardInterceptor(semiring, regular_grads, watched, reroute, names))
+        stack.enter_context(SemiringMode(semiring, regular_grads, watched, reroute, names))
         yield model
+
+
+def _is_compiled(model: nn.Module) -> bool:
+    """Whether ``model`` or a submodule is a ``torch.compile`` wrapper."""
+    compiled = getattr(getattr(torch, "_dynamo", None), "eval_frame", None)
+    wrapper = getattr(compiled, "OptimizedModule", None)
+    return wrapper is not None and any(isinstance(m, wrapper) for m in model.modules())
+
+
+def _leaf_name(name: str) -> str:
+    return name.removeprefix("_orig_mod.")
 
 
 def grad(
     outputs: Tensor | Sequence[Tensor],
     inputs: Tensor | Sequence[Tensor],
-    semiring: Semiring,
+    semiring: Any,
     grad_outputs: Tensor | Sequence[Tensor | None] | None = None,
     *,
     retain_graph: bool | None = None,

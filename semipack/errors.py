@@ -24,12 +24,18 @@ class UnsupportedOpError(SemipackError):
             origin = (
                 "module unknown (run the forward inside semipack.extend(model, ...) to name it)"
             )
-        why = f": {reason}" if reason else ""
-        super().__init__(
-            f"semipack has no semiring rule for {op} {where}, {origin}{why}. "
-            f"Register one with @semipack.register_rule(torch.ops.{op}) "
-            "(see 'Adding an op rule' in the README)."
-        )
+        hint = f"@semipack.register_rule(torch.ops.{op}) (see 'Adding an op rule' in the README)"
+        if reason:
+            message = (
+                f"semipack cannot compute semiring messages for {op} {where}, {origin}: "
+                f"{reason}. If the op has a semiring meaning here, register a rule with {hint}."
+            )
+        else:
+            message = (
+                f"semipack has no semiring rule for {op} {where}, {origin}. "
+                f"Register one with {hint}."
+            )
+        super().__init__(message)
 
 
 class MessageLostError(SemipackError):

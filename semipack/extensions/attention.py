@@ -26,7 +26,15 @@ from torch import Tensor
 from ..readout.sites import Site, stamp
 from ..rules.attention import attention_messages, attention_probs, fold_heads, repeat_heads
 from ..transport.provenance import current_module
-from .base import frees_context, inner_inputs, messages, record_inner, split_message, wanted_inputs
+from .base import (
+    InnerGraph,
+    extends,
+    frees_context,
+    messages,
+    split_message,
+    wanted_values,
+    wants_graph,
+)
 
 _sdpa = F.scaled_dot_product_attention
 
@@ -46,10 +54,10 @@ class AttentionFunction(torch.autograd.Function):
     """(Q, K, V) -> (O, W): O = W V with W = dropout(softmax(Q Kᵀ scale + mask))."""
 
     @staticmethod
-    def forward(ctx, q, k, v, inner_fn: Callable, spec: AttentionSpec):
+    def forward(ctx, inner: InnerGraph, q, k, v, spec: AttentionSpec):
         ctx.set_materialize_grads(False)
-        ctx.spec = spec
-        return record_inner(ctx, inner_fn, [q, k, v])
+        ctx.inner, ctx.spec = inner, spec
+        return inner.take_outputs()
 
     @staticmethod
     @frees_context
@@ -59,8 +67,9 @@ class AttentionFunction(torch.autograd.Function):
         reg_w, m_w, sr_w = split_message(grad_weights)
         sr = sr or sr_w
         if sr is None:
-            return (*ctx.inner.regular_grads([reg_out, reg_w]), None, None)
-        q, k, v = inner_inputs(ctx)
+            return (None, *ctx.inner.regular_grads([reg_out, reg_w]), None)
+        ctx.inner.check_unmodified((0, 1, 2))
+        q, k, v = ctx.inner.values()
         dtype = sr.state_dtype(q.dtype)
         q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
         k_all, v_all = repeat_heads(k, spec.kv_groups), repeat_heads(v, spec.kv_groups)
@@ -75,14 +84,22 @@ class AttentionFunction(torch.autograd.Function):
         )
         m_k, m_v = fold_heads(sr, m_k, spec.kv_groups), fold_heads(sr, m_v, spec.kv_groups)
         reg = ctx.inner.regular_grads([reg_out, reg_w])
-        return (*messages(reg, (m_q, m_k, m_v), sr, wanted_inputs(ctx)), None, None)
+        return (None, *messages(reg, (m_q, m_k, m_v), sr, wanted_values(ctx)), None)
 
 
 def fused_attention(
     q: Tensor, k: Tensor, v: Tensor, inner_fn: Callable, spec: AttentionSpec
 ) -> tuple[Tensor, Tensor | None]:
-    """Apply ``AttentionFunction`` and name its outputs' sites."""
-    out, weights = AttentionFunction.apply(q, k, v, inner_fn, spec)
+    """``inner_fn(q, k, v) -> (O, W or None)`` through ``AttentionFunction``, sites named.
+
+    When ``inner_fn`` reaches a tensor that requires grad besides Q, K and V (a learnable
+    attention bias in its mask, say), its plain outputs are returned: the generic per-op path
+    then carries that tensor's messages too.
+    """
+    inner = InnerGraph(inner_fn, [q, k, v])
+    if inner.escapes:
+        return inner.plain_outputs()
+    out, weights = AttentionFunction.apply(inner, q, k, v, spec)
     module = current_module()
     stamp(
         out,
@@ -94,6 +111,7 @@ def fused_attention(
     return out, weights
 
 
+@extends(F.scaled_dot_product_attention)
 def semiring_sdpa(
     query: Tensor,
     key: Tensor,
@@ -105,7 +123,7 @@ def semiring_sdpa(
     enable_gqa: bool = False,
 ) -> Tensor:
     """Drop-in for ``F.scaled_dot_product_attention`` used while ``extend`` is active."""
-    if not any(t.requires_grad for t in (query, key, value)) or query.dim() != 4:
+    if not wants_graph(query, key, value) or query.dim() != 4:
         return _sdpa(
             query,
             key,

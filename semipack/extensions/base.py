@@ -1,110 +1,71 @@
-"""Module extensions: a speed and naming layer over the generic per-op rules.
+"""Extensions: a speed and naming layer over the generic per-op rules.
 
-An extension replaces a module's ``forward`` (for the duration of ``semipack.extend``) by one that
-routes the computation through a ``torch.autograd.Function``. The Function's forward runs the
-module's own ops under autograd on detached aliases of its inputs (the *inner graph*: no copies,
-the same saved tensors a plain forward keeps), so the regular gradient is later taken from
-exactly the ops a plain backward would run. Its backward computes the semiring messages for the
-whole module at once with fused kernels, and tags the result with the module's site names.
+An extension takes over one torch function (``F.linear``, ``torch.conv2d``, ``F.layer_norm``,
+``F.embedding``, ``F.multi_head_attention_forward``, ``F.scaled_dot_product_attention``) while
+``semipack.extend`` is active, whichever module or user code calls it. Nothing is changed on the
+module objects, so deep copies, pickling, patched ``forward`` methods and keyword calls behave
+as without semipack.
 
-Extensions must give the same semiring values as the generic per-op path; tests prove it.
+The call runs the function's own ops under autograd on detached aliases of its inputs (the
+*inner graph*: the same ops and saved tensors as a plain forward), so the regular gradient is
+later taken from exactly the ops a plain backward would run. A ``torch.autograd.Function`` then
+stands in for the call in the outer graph: its backward computes the semiring messages of the
+whole call at once with fused kernels and tags them with site names.
+
+Extensions must give the same semiring values as the generic per-op path; tests prove it. They
+must also never lose a gradient: when the inner graph reaches a tensor that requires grad and is
+not one of the extension's inputs (a learnable attention bias captured in a closure, say), the
+call keeps its plain outputs and the generic path carries that tensor's messages.
 """
 
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import ExitStack, contextmanager
-from typing import Any, ClassVar
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
 
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 
 from ..semirings.base import Semiring, State
 from ..transport.message import Message
 from ..transport.passes import graph_retained
 
-
-class ModuleExtension:
-    """Base class: one subclass per supported module type (see ``register_extension``)."""
-
-    module_class: ClassVar[type[nn.Module]]
-
-    def applies_to(self, module: nn.Module) -> bool:
-        """Subclasses of the supported class qualify only if they keep its forward unchanged."""
-        return type(module).forward is self.module_class.forward
-
-    def forward(self, module: nn.Module, *args: Any, **kwargs: Any) -> Any:
-        raise NotImplementedError
+#: torch function -> the extension that takes its calls over inside ``semipack.extend``.
+FUNCTION_EXTENSIONS: dict[Callable[..., Any], Callable[..., Any]] = {}
 
 
-_EXTENSIONS: dict[type[nn.Module], ModuleExtension] = {}
+def extends(*functions: Callable[..., Any]) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """Decorator: route calls of ``functions`` to the decorated handler inside ``extend``.
 
-
-def register_extension(extension: ModuleExtension) -> ModuleExtension:
-    """Add an extension to the lookup table (keyed by the exact module class it supports)."""
-    _EXTENSIONS[extension.module_class] = extension
-    return extension
-
-
-def extension_for(module: nn.Module) -> ModuleExtension | None:
-    """The extension of the nearest registered class in the module's MRO, if it applies."""
-    for cls in type(module).__mro__:
-        ext = _EXTENSIONS.get(cls)
-        if ext is not None:
-            return ext if ext.applies_to(module) else None
-    return None
-
-
-def supported_modules() -> list[str]:
-    return sorted(cls.__qualname__ for cls in _EXTENSIONS)
-
-
-@contextmanager
-def installed(model: nn.Module | None) -> Iterator[list[str]]:
-    """Swap the forward of every supported submodule for its extension; restore on exit.
-
-    Yields the names of the extended modules. The swap is an instance attribute shadowing the
-    class's forward; on exit it is deleted (or the user's own instance attribute put back).
+    The handler has the function's signature and must return exactly what the function
+    returns (it may call the function itself for cases it does not cover).
     """
-    extended: list[str] = []
-    with ExitStack() as stack:
-        if model is not None:
-            for name, module in model.named_modules():
-                ext = extension_for(module)
-                if ext is None:
-                    continue
-                stack.enter_context(_swapped_forward(module, ext))
-                extended.append(name)
-        yield extended
+
+    def register(handler: Callable[..., Any]) -> Callable[..., Any]:
+        for f in functions:
+            FUNCTION_EXTENSIONS[f] = handler
+        return handler
+
+    return register
 
 
-@contextmanager
-def _swapped_forward(module: nn.Module, ext: ModuleExtension):
-    sentinel = object()
-    previous = module.__dict__.get("forward", sentinel)
-
-    def forward(*args: Any, **kwargs: Any) -> Any:
-        return ext.forward(module, *args, **kwargs)
-
-    module.forward = forward
-    try:
-        yield
-    finally:
-        if previous is sentinel:
-            del module.forward
-        else:
-            module.forward = previous
+def wants_graph(*tensors: Tensor | None) -> bool:
+    """Whether a call records an autograd graph at all (grad mode on, some input needs grad)."""
+    return torch.is_grad_enabled() and any(
+        t is not None and isinstance(t, Tensor) and t.requires_grad for t in tensors
+    )
 
 
 # --- the inner graph ---------------------------------------------------------------------------
 
 
 class InnerGraph:
-    """The module's own ops, recorded under autograd on detached aliases of its inputs.
+    """A call's own ops, recorded under autograd on detached aliases of its inputs.
 
-    An input passed several times (self-attention's query, key and value) gets one alias, so
-    the inner ops see the same identities as a plain forward does.
+    ``escapes`` is True when the recorded graph reaches a tensor that requires grad other than
+    the given inputs: an extension built on this graph would treat that tensor as a constant and
+    lose its gradient, so the caller must use the plain call (``plain_outputs``) instead.
     """
 
     #: Keep the inner graph's saved tensors after ``regular_grads`` (set per pass by
@@ -112,34 +73,75 @@ class InnerGraph:
     retain: bool = True
 
     def __init__(self, fn: Callable[..., Any], inputs: Sequence[Tensor | None]) -> None:
+        self.fn = fn
+        self.originals: list[Tensor | None] = list(inputs)
+        # Detached aliases (same storage and version counter): hooks on the real inputs must not
+        # see the inner backward's plain gradients. A repeated input gets one alias, so the inner
+        # ops see the same identities as a plain forward does.
         aliases: dict[int, Tensor] = {}
+        self.inputs: list[Tensor | None] = []
         self.first_use: list[bool] = []
-        self.leaves: list[Tensor | None] = []
         for t in inputs:
             if t is None:
-                self.leaves.append(None)
+                self.inputs.append(None)
                 self.first_use.append(False)
                 continue
             alias = aliases.get(id(t))
             self.first_use.append(alias is None)
             if alias is None:
                 alias = aliases[id(t)] = t.detach().requires_grad_(t.requires_grad)
-            self.leaves.append(alias)
-        with torch.enable_grad():
-            self.outputs = fn(*self.leaves)
+            self.inputs.append(alias)
+        self.versions = [None if t is None else t._version for t in self.inputs]
+        created: list[torch.autograd.graph.Node] = []
+        with torch.enable_grad(), torch.autograd.graph.node_creation_hook(created.append):
+            self.outputs = fn(*self.inputs)
+        self.escapes = _reaches_outside(self._output_tensors(), self.inputs, created)
 
-    def release_outputs(self) -> None:
-        """Keep only the autograd edges of the outputs, not their data: a plain backward does
-        not keep a module's outputs alive, so neither should the inner graph."""
-        outputs = self.outputs if isinstance(self.outputs, tuple) else (self.outputs,)
+    def plain_outputs(self) -> Any:
+        """The call's outputs with its ordinary autograd graph on the real inputs (for a call
+        that ``escapes``): the function is run again on them."""
+        self.outputs = None
+        return self.fn(*self.originals)
+
+    def _output_tensors(self) -> list[Tensor | None]:
+        outs = self.outputs if isinstance(self.outputs, tuple) else (self.outputs,)
+        return [o if isinstance(o, Tensor) else None for o in outs]
+
+    def take_outputs(self) -> Any:
+        """The outputs, detached, for the Function to return; from then on the inner graph
+        keeps only their autograd edges (a plain backward does not keep a call's outputs)."""
+        outs = self._output_tensors()
         self.edges = [
             None if o is None or o.grad_fn is None else torch.autograd.graph.get_gradient_edge(o)
-            for o in outputs
+            for o in outs
         ]
+        if isinstance(self.outputs, tuple):
+            detached = tuple(o.detach() if isinstance(o, Tensor) else o for o in self.outputs)
+        else:
+            detached = self.outputs.detach()
         self.outputs = None
+        return detached
+
+    def values(self) -> list[Tensor | None]:
+        """The inputs, detached, for the semiring computation."""
+        return [None if t is None else t.detach() for t in self.inputs]
+
+    def check_unmodified(self, positions: Iterable[int]) -> None:
+        """Raise PyTorch's error if an input the messages read was modified in place since
+        the forward (a plain backward checks every saved tensor the same way; without the
+        regular gradient nothing else would look). Aliases share the inputs' version counters."""
+        for i in positions:
+            t, version = self.inputs[i], self.versions[i]
+            if t is not None and t._version != version:
+                raise RuntimeError(
+                    "one of the variables needed for gradient computation has been modified "
+                    f"by an inplace operation: [{t.type()} {list(t.shape)}] is at version "
+                    f"{t._version}; expected version {version} instead. Hint: the tensor was "
+                    "changed after the forward pass of a semipack extension that reads it."
+                )
 
     def regular_grads(self, grads: Sequence[Tensor | None]) -> list[Tensor | None]:
-        """Gradients for the inner inputs from exactly the ops of a plain backward, given the
+        """Gradients for the inputs from exactly the ops of a plain backward, given the
         gradients of the outputs (in order; None for an output without one).
 
         A repeated input receives its whole gradient at its first position and zeros at the
@@ -152,11 +154,11 @@ class InnerGraph:
         ]
         unique = [
             t
-            for t, first in zip(self.leaves, self.first_use, strict=True)
+            for t, first in zip(self.inputs, self.first_use, strict=True)
             if first and t.requires_grad
         ]
         if not unique or not pairs:
-            return [None] * len(self.leaves)
+            return [None] * len(self.inputs)
         got = torch.autograd.grad(
             [e for e, _ in pairs],
             unique,
@@ -166,7 +168,7 @@ class InnerGraph:
         )
         found = dict(zip((id(t) for t in unique), got, strict=True))
         out: list[Tensor | None] = []
-        for t, first in zip(self.leaves, self.first_use, strict=True):
+        for t, first in zip(self.inputs, self.first_use, strict=True):
             g = None if t is None else found.get(id(t))
             if g is not None and not first:
                 g = torch.zeros_like(g)
@@ -174,12 +176,48 @@ class InnerGraph:
         return out
 
 
+def _reaches_outside(
+    outputs: Sequence[Tensor | None],
+    inputs: Sequence[Tensor | None],
+    created: Sequence[torch.autograd.graph.Node],
+) -> bool:
+    """Whether the graph behind ``outputs`` has an edge into anything but ``inputs``.
+
+    Nodes created while the call ran are the call's own; its boundary is the inputs' gradient
+    edges. Any other edge (a captured parameter, a tensor computed outside the call) escapes.
+    ``created`` holds the node objects alive, so their identities are stable here.
+    """
+    own = {id(n) for n in created}
+    # The edges are kept in a list: node objects must stay alive for their ids to stay stable.
+    edges = [
+        torch.autograd.graph.get_gradient_edge(t)
+        for t in inputs
+        if t is not None and t.requires_grad
+    ]
+    boundary = {(id(e.node), e.output_nr) for e in edges}
+    stack = [o.grad_fn for o in outputs if o is not None and o.grad_fn is not None]
+    visited: set[int] = set()
+    while stack:
+        node = stack.pop()
+        if id(node) in visited:
+            continue
+        visited.add(id(node))
+        for nxt, nr in node.next_functions:
+            if nxt is None or (id(nxt), nr) in boundary:
+                continue
+            # A leaf's accumulator may be created during the call: it is still outside.
+            if id(nxt) not in own or hasattr(nxt, "variable"):
+                return True
+            stack.append(nxt)
+    return False
+
+
 def frees_context(backward: Callable[..., Any]) -> Callable[..., Any]:
     """Wrap an extension Function's backward so that it frees what its forward kept on ``ctx``.
 
     The engine frees a plain node's saved tensors right after the node runs, but a custom
-    Function's context (here the inner graph with the module's activations) lives until the whole
-    graph is gone: without this, a semiring backward would hold every extended module's
+    Function's context (here the inner graph with the call's activations) lives until the whole
+    graph is gone: without this, a semiring backward would hold every extended call's
     activations to its end. After a semiring pass that does not retain the graph, the context is
     emptied; a second pass through it then fails with the error a plain backward gives.
     """
@@ -188,8 +226,8 @@ def frees_context(backward: Callable[..., Any]) -> Callable[..., Any]:
     def run(ctx, *grads: Any) -> Any:
         if getattr(ctx, "inner", None) is None:
             raise RuntimeError(
-                "Trying to backward through the graph a second time: a semipack module "
-                "extension freed its saved state after the first semiring backward. Pass "
+                "Trying to backward through the graph a second time: a semipack extension "
+                "freed its saved state after the first semiring backward. Pass "
                 "retain_graph=True to the first backward to keep it."
             )
         release = not graph_retained() and any(isinstance(g, Message) for g in grads)
@@ -202,29 +240,11 @@ def frees_context(backward: Callable[..., Any]) -> Callable[..., Any]:
     return run
 
 
-def record_inner(ctx, fn: Callable[..., Any], inputs: Sequence[Tensor | None]) -> Any:
-    """Run ``fn`` as the Function's inner graph (kept on ``ctx``) and return its outputs,
-    detached, for the Function to return; the inner graph keeps only their autograd edges."""
-    ctx.inner = InnerGraph(fn, inputs)
-    outputs = ctx.inner.outputs
-    if isinstance(outputs, tuple):
-        detached = tuple(None if o is None else o.detach() for o in outputs)
-    else:
-        detached = outputs.detach()
-    ctx.inner.release_outputs()
-    return detached
-
-
-def inner_inputs(ctx) -> list[Tensor | None]:
-    """The inner graph's inputs, detached, for the semiring computation."""
-    return [None if t is None else t.detach() for t in ctx.inner.leaves]
-
-
-def wanted_inputs(ctx) -> list[Tensor | None]:
-    """``inner_inputs``, with None for the inputs autograd wants no gradient for
-    (``needs_input_grad`` also covers the Function's trailing non-tensor arguments)."""
-    needs = ctx.needs_input_grad
-    return [t if needs[i] else None for i, t in enumerate(inner_inputs(ctx))]
+def wanted_values(ctx) -> list[Tensor | None]:
+    """The inputs' values, with None for the inputs autograd wants no gradient for
+    (``needs_input_grad`` counts the Function's arguments after the inner graph)."""
+    needs = ctx.needs_input_grad[1:]
+    return [t if needs[i] else None for i, t in enumerate(ctx.inner.values())]
 
 
 def messages(

@@ -1,23 +1,15 @@
-"""nn.Embedding: each looked-up row routes its message back to the weight row it came from."""
+"""F.embedding (hence nn.Embedding): each looked-up row routes its message back to its row."""
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from torch import nn
+from torch import Tensor
 
 from ..readout.sites import Site, stamp
 from ..semirings.base import scatter_into_zeros
 from ..transport.provenance import current_module
-from .base import (
-    ModuleExtension,
-    frees_context,
-    inner_inputs,
-    messages,
-    record_inner,
-    register_extension,
-    split_message,
-)
+from .base import InnerGraph, extends, frees_context, messages, split_message, wants_graph
 
 
 def embedding_messages(sr, m, indices, num_weights: int, padding_idx: int | None):
@@ -32,10 +24,12 @@ def embedding_messages(sr, m, indices, num_weights: int, padding_idx: int | None
 
 
 class EmbeddingFunction(torch.autograd.Function):
+    """W -> W[indices], with the call's inner graph recorded beforehand."""
+
     @staticmethod
-    def forward(ctx, weight, indices, padding_idx):
-        ctx.indices, ctx.padding_idx = indices, padding_idx
-        return record_inner(ctx, lambda w: F.embedding(indices, w, padding_idx), [weight])
+    def forward(ctx, inner: InnerGraph, weight, indices, padding_idx):
+        ctx.inner, ctx.indices, ctx.padding_idx = inner, indices, padding_idx
+        return inner.take_outputs()
 
     @staticmethod
     @frees_context
@@ -43,31 +37,35 @@ class EmbeddingFunction(torch.autograd.Function):
         regular, parts, sr = split_message(grad)
         (reg,) = ctx.inner.regular_grads([regular])
         if parts is None:
-            return reg, None, None
-        (weight,) = inner_inputs(ctx)
+            return None, reg, None, None
+        (weight,) = ctx.inner.values()
         state = embedding_messages(sr, parts, ctx.indices, weight.shape[0], ctx.padding_idx)
-        return (*messages([reg], [state], sr, [weight]), None, None)
+        return (None, *messages([reg], [state], sr, [weight]), None, None)
 
 
-class EmbeddingExtension(ModuleExtension):
-    module_class = nn.Embedding
-
-    def applies_to(self, module: nn.Module) -> bool:
+@extends(F.embedding)
+def embedding(
+    input: Tensor,
+    weight: Tensor,
+    padding_idx: int | None = None,
+    max_norm: float | None = None,
+    norm_type: float = 2.0,
+    scale_grad_by_freq: bool = False,
+    sparse: bool = False,
+) -> Tensor:
+    """``F.embedding`` inside ``extend``: each lookup routes its message to its weight row."""
+    if max_norm is not None or scale_grad_by_freq or sparse or not wants_graph(weight):
         # max_norm renormalises the weight in place and scale_grad_by_freq rescales gradients:
         # both leave the plain ops in charge (the generic path then names the problem).
-        return (
-            super().applies_to(module)
-            and module.max_norm is None
-            and not module.scale_grad_by_freq
-            and not module.sparse
+        return F.embedding(
+            input, weight, padding_idx, max_norm, norm_type, scale_grad_by_freq, sparse
         )
-
-    def forward(self, module: nn.Embedding, indices: torch.Tensor) -> torch.Tensor:
-        padding = module.padding_idx
-        out = EmbeddingFunction.apply(module.weight, indices, padding)
-        dims = ("batch", "token", "feature")[-out.dim() :]
-        stamp(out, (Site(current_module(), "output", dims),))
-        return out
-
-
-register_extension(EmbeddingExtension())
+    if padding_idx is not None and padding_idx < 0:
+        padding_idx += weight.shape[0]
+    inner = InnerGraph(lambda w: F.embedding(input, w, padding_idx), [weight])
+    if inner.escapes:
+        return inner.plain_outputs()
+    out = EmbeddingFunction.apply(inner, weight, input, padding_idx)
+    dims = ("batch", "token", "feature")[-out.dim() :]
+    stamp(out, (Site(current_module(), "output", dims),))
+    return out

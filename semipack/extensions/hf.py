@@ -12,6 +12,7 @@ model's own function unchanged, i.e. through the generic per-op path.
 from __future__ import annotations
 
 import sys
+import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -68,22 +69,39 @@ def semiring_eager_attention(
     return out.transpose(1, 2).contiguous(), weights
 
 
+_routed_blocks = 0
+_previous_eager: Any = None
+_MISSING = object()
+_lock = threading.Lock()
+
+
 @contextmanager
 def eager_attention_routed() -> Iterator[bool]:
-    """Register the semiring eager attention with transformers for the duration of the block."""
+    """Register the semiring eager attention with transformers for the duration of the block.
+
+    The registry is global, so the registration is counted: the first block to enter installs
+    it, the last to leave restores what was there (blocks in other threads may overlap).
+    """
+    global _routed_blocks, _previous_eager
     try:
         from transformers.modeling_utils import AttentionInterface
     except ImportError:  # transformers is optional
         yield False
         return
     mapping = AttentionInterface._global_mapping
-    missing = object()
-    previous = mapping.get("eager", missing)
-    mapping["eager"] = semiring_eager_attention
+    with _lock:
+        if _routed_blocks == 0:
+            _previous_eager = mapping.get("eager", _MISSING)
+            mapping["eager"] = semiring_eager_attention
+        _routed_blocks += 1
     try:
         yield True
     finally:
-        if previous is missing:
-            mapping.pop("eager", None)
-        else:
-            mapping["eager"] = previous
+        with _lock:
+            _routed_blocks -= 1
+            if _routed_blocks == 0:
+                if _previous_eager is _MISSING:
+                    mapping.pop("eager", None)
+                else:
+                    mapping["eager"] = _previous_eager
+                _previous_eager = None

@@ -1,24 +1,18 @@
-"""nn.LayerNorm: the dense per-row Jacobian handled by the fused normalisation kernel."""
+"""F.layer_norm (hence nn.LayerNorm): the dense per-row Jacobian in a fused kernel."""
 
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 import torch
-from torch import nn
+import torch.nn.functional as F
+from torch import Tensor
 
 from ..readout.sites import Site, stamp
 from ..rules import normalization as norm_rules
 from ..transport.provenance import current_module
-from .base import (
-    ModuleExtension,
-    frees_context,
-    inner_inputs,
-    messages,
-    record_inner,
-    register_extension,
-    split_message,
-)
+from .base import InnerGraph, extends, frees_context, messages, split_message, wants_graph
 
 
 def layer_norm_messages(sr, m, x, mean, rstd, weight, bias, shape, need):
@@ -45,13 +39,12 @@ def layer_norm_messages(sr, m, x, mean, rstd, weight, bias, shape, need):
 
 
 class LayerNormFunction(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, weight, bias, shape, eps):
-        def run(x_, w_, b_):
-            return torch.native_layer_norm(x_, shape, w_, b_, eps)
+    """(x, γ, β) -> layer_norm(x), with the call's inner graph recorded beforehand."""
 
-        ctx.shape = tuple(shape)
-        out, mean, rstd = record_inner(ctx, run, [x, weight, bias])
+    @staticmethod
+    def forward(ctx, inner: InnerGraph, x, weight, bias, shape):
+        ctx.inner, ctx.shape = inner, tuple(shape)
+        out, mean, rstd = inner.take_outputs()
         ctx.stats = (mean, rstd)
         return out
 
@@ -62,23 +55,34 @@ class LayerNormFunction(torch.autograd.Function):
         mean, rstd = ctx.stats
         reg = ctx.inner.regular_grads([regular])
         if parts is None:
-            return (*reg, None, None)
-        x, weight, bias = inner_inputs(ctx)
-        need = ctx.needs_input_grad
-        states = layer_norm_messages(sr, parts, x, mean, rstd, weight, bias, ctx.shape, need[:3])
-        return (*messages(reg, states, sr, (x, weight, bias)), None, None)
+            return (None, *reg, None)
+        ctx.inner.check_unmodified((0, 1))
+        x, weight, bias = ctx.inner.values()
+        need = ctx.needs_input_grad[1:4]
+        states = layer_norm_messages(sr, parts, x, mean, rstd, weight, bias, ctx.shape, need)
+        return (None, *messages(reg, states, sr, (x, weight, bias)), None)
 
 
-class LayerNormExtension(ModuleExtension):
-    module_class = nn.LayerNorm
+@extends(F.layer_norm)
+def layer_norm(
+    input: Tensor,
+    normalized_shape: Sequence[int],
+    weight: Tensor | None = None,
+    bias: Tensor | None = None,
+    eps: float = 1e-5,
+) -> Tensor:
+    """``F.layer_norm`` inside ``extend``: the fused normalisation kernel, sites by feature."""
+    if not wants_graph(input, weight, bias):
+        return F.layer_norm(input, normalized_shape, weight, bias, eps)
+    shape = (normalized_shape,) if isinstance(normalized_shape, int) else tuple(normalized_shape)
 
-    def forward(self, module: nn.LayerNorm, x: torch.Tensor) -> torch.Tensor:
-        out = LayerNormFunction.apply(
-            x, module.weight, module.bias, module.normalized_shape, module.eps
-        )
-        dims = ("batch", "token", "feature") if out.dim() == 3 else ("batch", "feature")
-        stamp(out, (Site(current_module(), "output", dims[-out.dim() :]),))
-        return out
+    def run(x: Tensor, w: Tensor | None, b: Tensor | None):
+        return torch.native_layer_norm(x, shape, w, b, eps)
 
-
-register_extension(LayerNormExtension())
+    inner = InnerGraph(run, [input, weight, bias])
+    if inner.escapes:
+        return inner.plain_outputs()[0]
+    out = LayerNormFunction.apply(inner, input, weight, bias, shape)
+    dims = ("batch", "token", "feature") if out.dim() == 3 else ("batch", "feature")
+    stamp(out, (Site(current_module(), "output", dims[-out.dim() :]),))
+    return out

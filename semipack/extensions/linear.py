@@ -1,23 +1,15 @@
-"""nn.Linear: messages to input, weight and bias in one fused backward."""
+"""F.linear (hence nn.Linear): messages to input, weight and bias in one fused backward."""
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from torch import nn
+from torch import Tensor
 
 from ..kernels.shared_shift import shared_shift_products
 from ..readout.sites import Site, stamp
 from ..transport.provenance import current_module
-from .base import (
-    ModuleExtension,
-    frees_context,
-    inner_inputs,
-    messages,
-    record_inner,
-    register_extension,
-    split_message,
-)
+from .base import InnerGraph, extends, frees_context, messages, split_message, wants_graph
 
 
 def linear_messages(sr, m, x, weight, want_x: bool, want_w: bool, want_b: bool):
@@ -47,38 +39,43 @@ def linear_messages(sr, m, x, weight, want_x: bool, want_w: bool, want_b: bool):
 
 
 class LinearFunction(torch.autograd.Function):
+    """(x, W, b) -> x Wᵀ + b, with the call's inner graph recorded beforehand."""
+
     @staticmethod
-    def forward(ctx, x, weight, bias):
-        return record_inner(ctx, F.linear, [x, weight, bias])
+    def forward(ctx, inner: InnerGraph, x, weight, bias):
+        ctx.inner = inner
+        return inner.take_outputs()
 
     @staticmethod
     @frees_context
     def backward(ctx, grad):
         regular, parts, sr = split_message(grad)
         if parts is None:
-            return tuple(ctx.inner.regular_grads([regular]))
-        x, weight, bias = inner_inputs(ctx)
-        need = ctx.needs_input_grad
+            return (None, *ctx.inner.regular_grads([regular]))
+        ctx.inner.check_unmodified((0, 1))
+        x, weight, bias = ctx.inner.values()
+        need = ctx.needs_input_grad[1:]
         # Messages first: their temporaries are gone before the regular gradients exist.
         states = linear_messages(
             sr, parts, x, weight, need[0], need[1], need[2] and bias is not None
         )
         reg = ctx.inner.regular_grads([regular])
-        return messages(reg, states, sr, (x, weight, bias))
+        return (None, *messages(reg, states, sr, (x, weight, bias)))
 
 
-class LinearExtension(ModuleExtension):
-    module_class = nn.Linear
-
-    def forward(self, module: nn.Linear, x: torch.Tensor) -> torch.Tensor:
-        out = LinearFunction.apply(x, module.weight, module.bias)
-        dims = (*(f"dim{i}" for i in range(out.dim() - 1)), "neuron")
-        if out.dim() == 3:
-            dims = ("batch", "token", "neuron")
-        elif out.dim() == 2:
-            dims = ("batch", "neuron")
-        stamp(out, (Site(current_module(), "output", dims),))
-        return out
-
-
-register_extension(LinearExtension())
+@extends(F.linear)
+def linear(input: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
+    """``F.linear`` inside ``extend``: one fused semiring backward, sites named by neuron."""
+    if not wants_graph(input, weight, bias):
+        return F.linear(input, weight, bias)
+    inner = InnerGraph(F.linear, [input, weight, bias])
+    if inner.escapes:
+        return inner.plain_outputs()
+    out = LinearFunction.apply(inner, input, weight, bias)
+    dims = (*(f"dim{i}" for i in range(out.dim() - 1)), "neuron")
+    if out.dim() == 3:
+        dims = ("batch", "token", "neuron")
+    elif out.dim() == 2:
+        dims = ("batch", "neuron")
+    stamp(out, (Site(current_module(), "output", dims),))
+    return out

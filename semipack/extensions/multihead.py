@@ -1,7 +1,8 @@
-"""nn.MultiheadAttention: projections, per-head attention and output projection in one backward.
+"""F.multi_head_attention_forward (hence nn.MultiheadAttention) in one fused backward:
+projections, per-head attention and output projection.
 
-The inner graph is the module's own ``forward`` run on aliases of its parameters, so regular
-gradients are exactly a plain backward's. The semiring messages follow the reference
+The inner graph is the function itself run on aliases of its tensors, so regular gradients are
+exactly a plain backward's. The semiring messages follow the reference
 decomposition: in-projections (linear), S = Q Kᵀ / √d + mask, P = softmax(S), O = P V, heads
 concatenated, out-projection; the returned attention weights (if used) are P, averaged over heads
 when ``average_attn_weights``.
@@ -9,31 +10,30 @@ when ``average_attn_weights``.
 
 from __future__ import annotations
 
+import inspect
 import math
+from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from einops import rearrange, repeat
-from torch import Tensor, nn
-from torch.nn.utils.stateless import _reparametrize_module
+from torch import Tensor
 
 from ..readout.sites import Site, stamp
 from ..rules.attention import attention_contract, attention_probs
 from ..semirings.base import State
 from ..transport.provenance import current_module
 from .base import (
-    ModuleExtension,
+    InnerGraph,
+    extends,
     frees_context,
-    inner_inputs,
     messages,
-    record_inner,
-    register_extension,
     split_message,
-    wanted_inputs,
+    wanted_values,
+    wants_graph,
 )
 from .linear import linear_messages
-
-PARAMS = ("in_proj_weight", "in_proj_bias", "out_proj.weight", "out_proj.bias")
 
 
 def additive_mask(
@@ -59,19 +59,26 @@ def additive_mask(
     return total
 
 
+@dataclass(frozen=True)
+class MultiheadOptions:
+    """The arguments of ``F.multi_head_attention_forward`` besides the differentiable tensors."""
+
+    num_heads: int
+    attn_mask: Tensor | None
+    key_padding_mask: Tensor | None
+    average_attn_weights: bool
+
+
 class MultiheadAttentionFunction(torch.autograd.Function):
+    """(query, key, value, W_in, b_in, W_out, b_out) -> (output, attention weights or None),
+    inputs sequence-first [tokens, batch, embed] as ``F.multi_head_attention_forward`` has
+    them."""
+
     @staticmethod
-    def forward(ctx, query, key, value, w_in, b_in, w_out, b_out, module, options):
+    def forward(ctx, inner: InnerGraph, query, key, value, w_in, b_in, w_out, b_out, options):
         ctx.set_materialize_grads(False)
-
-        def run(q, k, v, wi, bi, wo, bo):
-            params = dict(zip(PARAMS, (wi, bi, wo, bo), strict=True))
-            params = {n: t for n, t in params.items() if t is not None}
-            with _reparametrize_module(module, params):
-                return type(module).forward(module, q, k, v, **options)
-
-        ctx.module, ctx.options = module, options
-        return record_inner(ctx, run, [query, key, value, w_in, b_in, w_out, b_out])
+        ctx.inner, ctx.options = inner, options
+        return inner.take_outputs()
 
     @staticmethod
     @frees_context
@@ -81,23 +88,23 @@ class MultiheadAttentionFunction(torch.autograd.Function):
         sr = sr or sr_w
         reg = ctx.inner.regular_grads([reg_out, reg_w])
         if sr is None:
-            return (*reg, None, None)
+            return (None, *reg, None)
+        ctx.inner.check_unmodified(range(7))
         states = _semiring_messages(ctx, sr, m_out, m_w)
-        return (*messages(reg, states, sr, wanted_inputs(ctx)), None, None)
+        return (None, *messages(reg, states, sr, wanted_values(ctx)), None)
 
 
 def _semiring_messages(ctx, sr, m_out: State | None, m_weights: State | None) -> list:
-    module, options = ctx.module, ctx.options
-    query, key, value, w_in, b_in, w_out, b_out = inner_inputs(ctx)
+    options = ctx.options
+    query, key, value, w_in, b_in, w_out, b_out = ctx.inner.values()
     dtype = sr.state_dtype(query.dtype)
-    batch_first = module.batch_first
 
     def to_bf(t: Tensor) -> Tensor:  # [batch, tokens, embed]
-        return (t if batch_first else t.transpose(0, 1)).to(dtype)
+        return t.transpose(0, 1).to(dtype)
 
     xq, xk, xv = to_bf(query), to_bf(key), to_bf(value)
     b, t_q, e = xq.shape
-    h = module.num_heads
+    h = options.num_heads
     d = e // h
     w_q, w_k, w_v = w_in.to(dtype).chunk(3)
     b_q, b_k, b_v = b_in.to(dtype).chunk(3) if b_in is not None else (None, None, None)
@@ -115,7 +122,7 @@ def _semiring_messages(ctx, sr, m_out: State | None, m_weights: State | None) ->
     q = heads(project(xq, w_q, b_q))
     k = heads(project(xk, w_k, b_k))
     v = heads(project(xv, w_v, b_v))
-    mask = additive_mask(options["attn_mask"], options["key_padding_mask"], b, h, dtype)
+    mask = additive_mask(options.attn_mask, options.key_padding_mask, b, h, dtype)
     scale = 1.0 / math.sqrt(d)
     probs = attention_probs(q, k, mask, False, scale)
     concat = merged(probs @ v)
@@ -123,15 +130,15 @@ def _semiring_messages(ctx, sr, m_out: State | None, m_weights: State | None) ->
     if m_out is None:
         m_out = sr.zeros((b, t_q, e), dtype, query.device)
     else:
-        m_out = tuple(p if batch_first else p.transpose(0, 1) for p in m_out)
-    need = ctx.needs_input_grad
+        m_out = tuple(p.transpose(0, 1) for p in m_out)
+    need = ctx.needs_input_grad[1:]
     m_concat, m_wo, m_bo = linear_messages(
         sr, m_out, concat, w_out.to(dtype), True, need[5], need[6] and b_out is not None
     )
     m_heads = tuple(heads(p) for p in m_concat)
     m_p = None
     if m_weights is not None:
-        if options["average_attn_weights"]:  # mean over heads: an edge of weight 1/h per head
+        if options.average_attn_weights:  # mean over heads: an edge of weight 1/h per head
             m_p = sr.scale(
                 tuple(repeat(p, "b q k -> b h q k", h=h) for p in m_weights),
                 torch.tensor(1.0 / h, dtype=dtype),
@@ -149,7 +156,7 @@ def _semiring_messages(ctx, sr, m_out: State | None, m_weights: State | None) ->
         m_x, m_w, m_b = linear_messages(
             sr, merge(m_y), x, w, True, need[3], need[4] and b_in is not None
         )
-        per_input.append(tuple(p if batch_first else p.transpose(0, 1) for p in m_x))
+        per_input.append(tuple(p.transpose(0, 1) for p in m_x))
         weight_parts.append(m_w)
         bias_parts.append(m_b)
     m_win = tuple(torch.cat(p, 0) for p in zip(*weight_parts, strict=True)) if need[3] else None
@@ -161,60 +168,61 @@ def _semiring_messages(ctx, sr, m_out: State | None, m_weights: State | None) ->
     return [*per_input, m_win, m_bin, m_wo, m_bo]
 
 
-class MultiheadAttentionExtension(ModuleExtension):
-    module_class = nn.MultiheadAttention
-
-    def applies_to(self, module: nn.Module) -> bool:
-        return (
-            super().applies_to(module)
-            and module._qkv_same_embed_dim
-            and module.bias_k is None
-            and module.bias_v is None
-            and not module.add_zero_attn
-        )
-
-    def forward(
-        self,
-        module: nn.MultiheadAttention,
-        query: Tensor,
-        key: Tensor,
-        value: Tensor,
-        key_padding_mask: Tensor | None = None,
-        need_weights: bool = True,
-        attn_mask: Tensor | None = None,
-        average_attn_weights: bool = True,
-        is_causal: bool = False,
-    ) -> Any:
-        options = dict(
-            key_padding_mask=key_padding_mask,
-            need_weights=need_weights,
-            attn_mask=attn_mask,
-            average_attn_weights=average_attn_weights,
-            is_causal=is_causal,
-        )
-        dropout_active = module.dropout > 0.0 and module.training
-        if query.dim() != 3 or dropout_active:  # unbatched or random: the generic path
-            return type(module).forward(module, query, key, value, **options)
-        out, weights = MultiheadAttentionFunction.apply(
-            query,
-            key,
-            value,
-            module.in_proj_weight,
-            module.in_proj_bias,
-            module.out_proj.weight,
-            module.out_proj.bias,
-            module,
-            options,
-        )
-        where = current_module()
-        stamp(
-            out,
-            (
-                Site(where, "attention output", ("batch", "token", "feature")),
-                Site(where, "attention weights", ("batch", "query", "key")),
-            ),
-        )
-        return out, weights
+_MHA_SIGNATURE = inspect.signature(F.multi_head_attention_forward)
 
 
-register_extension(MultiheadAttentionExtension())
+@extends(F.multi_head_attention_forward)
+def multi_head_attention_forward(*args: Any, **kwargs: Any) -> Any:
+    """``F.multi_head_attention_forward`` (hence nn.MultiheadAttention) inside ``extend``.
+
+    Covers packed in-projections without bias_k/bias_v, zero-attention or static keys, on
+    batched inputs, without active dropout; anything else runs the plain function (generic path).
+    """
+    call = _MHA_SIGNATURE.bind(*args, **kwargs)
+    call.apply_defaults()
+    a = call.arguments
+    tensors = (a["query"], a["key"], a["value"], a["in_proj_weight"], a["in_proj_bias"])
+    covered = (
+        a["query"].dim() == 3
+        and not a["use_separate_proj_weight"]
+        and a["in_proj_weight"] is not None
+        and a["bias_k"] is None
+        and a["bias_v"] is None
+        and not a["add_zero_attn"]
+        and a["static_k"] is None
+        and a["static_v"] is None
+        and not (a["dropout_p"] > 0.0 and a["training"])
+    )
+    if not covered or not wants_graph(*tensors, a["out_proj_weight"], a["out_proj_bias"]):
+        return F.multi_head_attention_forward(*args, **kwargs)
+
+    def run(q, k, v, wi, bi, wo, bo):
+        named = dict(a)
+        named.update(
+            query=q,
+            key=k,
+            value=v,
+            in_proj_weight=wi,
+            in_proj_bias=bi,
+            out_proj_weight=wo,
+            out_proj_bias=bo,
+        )
+        return F.multi_head_attention_forward(**named)
+
+    inputs = [*tensors, a["out_proj_weight"], a["out_proj_bias"]]
+    inner = InnerGraph(run, inputs)
+    if inner.escapes:
+        return inner.plain_outputs()
+    options = MultiheadOptions(
+        a["num_heads"], a["attn_mask"], a["key_padding_mask"], a["average_attn_weights"]
+    )
+    out, weights = MultiheadAttentionFunction.apply(inner, *inputs, options)
+    where = current_module()
+    stamp(
+        out,
+        (
+            Site(where, "attention output", ("token", "batch", "feature")),
+            Site(where, "attention weights", ("batch", "query", "key")),
+        ),
+    )
+    return out, weights

@@ -35,7 +35,10 @@ Products = tuple[State | None, State | None, State | None]
 
 
 def global_shift(log_values: Tensor) -> Tensor | None:
-    """The maximum of ``log_values`` if all its finite entries lie within the span, else None."""
+    """The maximum of ``log_values`` if all its finite entries lie within the span, else None
+    (also for an empty message: the per-product path handles empty sums)."""
+    if log_values.numel() == 0:
+        return None
     low, high = torch.aminmax(log_values)
     if low.item() == float("-inf"):  # entries without any path do not count
         finite = torch.isfinite(log_values)

@@ -213,7 +213,16 @@ def top_path(trace: PathTrace, leaf: Tensor, index: tuple[int, ...] | int | None
 
 
 def _ravel(index: tuple[int, ...], shape: tuple[int, ...]) -> int:
+    """Flat position of ``index`` in a tensor of ``shape``, with PyTorch's index rules:
+    one integer per dim, negative values count from the end, out of range is an IndexError."""
+    if len(index) != len(shape):
+        raise IndexError(
+            f"an index into a leaf of shape {list(shape)} needs {len(shape)} integers, "
+            f"got {len(index)}: {list(index)}"
+        )
     flat = 0
-    for i, s in zip(index, shape, strict=True):
+    for dim, (i, s) in enumerate(zip(index, shape, strict=True)):
+        if not -s <= i < s:
+            raise IndexError(f"index {i} is out of bounds for dimension {dim} with size {s}")
         flat = flat * s + (i % s)
     return flat

@@ -6,6 +6,7 @@ from . import (  # noqa: F401  (imported for their registrations)
     contractions,
     convolution,
     embedding,
+    inspection,
     normalization,
     pointwise,
     pooling,

@@ -23,6 +23,11 @@ def matmul(call: OpCall):
     sr = call.semiring
     if isinstance(a, Message) and isinstance(b, Message):
         raise call.error("the product of two messages has no semiring meaning")
+    # Edge weights in the state's precision (a bfloat16 weight meets a float32 state).
+    if isinstance(a, Message):
+        b = b.to(call.weight_dtype)
+    else:
+        a = a.to(call.weight_dtype)
     if isinstance(a, Message):
         shared = shared_shift_products(sr, a.parts, right=b)
         parts = shared[0] if shared is not None else sr.matmul(a.parts, b)
@@ -40,9 +45,10 @@ def mv(call: OpCall):
     if isinstance(a, Message) and isinstance(v, Message):
         raise call.error("the product of two messages has no semiring meaning")
     if isinstance(v, Message):  # out[i] = ⊕_j a[i, j] ⊗ v[j]
-        parts = tuple(p[0] for p in sr.matmul(tuple(p[None] for p in v.parts), a.t()))
+        weights = a.t().to(call.weight_dtype)
+        parts = tuple(p[0] for p in sr.matmul(tuple(p[None] for p in v.parts), weights))
     else:
-        parts = tuple(p[:, 0] for p in sr.matmul(a.parts, v[:, None]))
+        parts = tuple(p[:, 0] for p in sr.matmul(a.parts, v[:, None].to(call.weight_dtype)))
     return call.wrap(call.run_real(), parts)
 
 
@@ -52,7 +58,6 @@ def dot(call: OpCall):
     if isinstance(a, Message) and isinstance(b, Message):
         raise call.error("the product of two messages has no semiring meaning")
     msg, w = (a, b) if isinstance(a, Message) else (b, a)
-    parts = tuple(
-        p[0, 0] for p in call.semiring.matmul(tuple(p[None] for p in msg.parts), w[:, None])
-    )
+    weights = w[:, None].to(call.weight_dtype)
+    parts = tuple(p[0, 0] for p in call.semiring.matmul(tuple(p[None] for p in msg.parts), weights))
     return call.wrap(call.run_real(), parts)

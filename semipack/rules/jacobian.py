@@ -22,6 +22,8 @@ JacobianBlock = Callable[[slice, slice], Tensor]
 def contract_rows(sr: Semiring, m: State, jac: JacobianBlock, n_in: int) -> State:
     """``out[r, j] = ⊕_i m[r, i] ⊗ lift(J[r, i, j])`` for messages ``m`` of shape [rows, n_out]."""
     rows, n_out = m[0].shape
+    if rows == 0 or n_in == 0:
+        return sr.zeros((rows, n_in), m[0].dtype, m[0].device)
     cols = max(1, min(n_in, BLOCK_ELEMENTS // max(1, n_out)))
     row_block = max(1, BLOCK_ELEMENTS // max(1, n_out * cols))
     out_rows = []

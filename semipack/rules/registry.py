@@ -66,6 +66,13 @@ class OpCall:
     def __init__(self, func: OpOverload, args: tuple, kwargs: dict) -> None:
         self.func, self.args, self.kwargs = func, args, kwargs
         flat, _ = tree_flatten((args, kwargs))
+        for t in flat:
+            if isinstance(t, Tensor) and t.is_complex():
+                raise unsupported(
+                    func,
+                    f"it received a complex tensor ({t.dtype}); semiring values are defined on "
+                    "real local derivatives (split complex tensors with torch.view_as_real)",
+                )
         self.messages = [m for m in flat if isinstance(m, Message)]
         first = self.messages[0]
         self.semiring: Semiring = first.semiring

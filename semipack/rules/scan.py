@@ -22,6 +22,8 @@ def prefix_plus(sr: Semiring, m: State, dim: int) -> State:
         return (torch.logcumsumexp(m[0], dim),)
     if kind is Boolean:
         return (m[0].to(torch.uint8).cummax(dim).values.bool(),)
+    if m[0].shape[dim] == 0:
+        return m
     running = tuple(p.select(dim, 0) for p in m)
     outs = [running]
     for i in range(1, m[0].shape[dim]):

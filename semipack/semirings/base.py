@@ -9,6 +9,7 @@ optionally, faster ``matmul`` / ``index_plus`` kernels.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from typing import Any, ClassVar
 
@@ -19,6 +20,24 @@ State = tuple[Tensor, ...]
 
 #: Largest number of elements a blocked fallback may broadcast at once (32 MiB of float32).
 BLOCK_ELEMENTS = 1 << 23
+
+
+#: The algebra a semiring is defined by. A subclass that redefines any of these gets the generic
+#: versions of every derived operation below that it does not redefine itself.
+PRIMITIVES: tuple[str, ...] = ("lift", "plus", "times", "sum", "zero", "one", "components")
+
+#: Operations with a generic definition in terms of the primitives, which built-in semirings
+#: override with fast kernels written for *their* algebra. Inheriting such a kernel after changing
+#: the algebra would compute the parent's semiring, so ``Semiring.__init_subclass__`` resets them.
+DERIVED_OPERATIONS: tuple[str, ...] = (
+    "scale",
+    "scale_owned",
+    "matmul",
+    "has_lifted_matmul",
+    "matmul_lifted",
+    "index_plus",
+    "is_zero",
+)
 
 
 def normalize_dims(dims: int | Sequence[int] | None, ndim: int) -> list[int]:
@@ -47,6 +66,21 @@ class Semiring:
     one: ClassVar[tuple[float | bool, ...]] = (1.0,)
     #: True when ``plus`` is an idempotent max/or (the family that needs fused kernels).
     max_like: ClassVar[bool] = False
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        """A subclass that changes the algebra (``PRIMITIVES``) falls back to the generic
+        ``DERIVED_OPERATIONS`` it does not define itself, never to its parent's fast kernels.
+
+        Every ``sum`` and ``matmul`` a class defines is also made total: reducing over an empty
+        dimension (an empty batch, a zero-width layer) gives the semiring zero, "no path", as
+        an empty sum gives 0, instead of failing inside ``amax`` or a kernel.
+        """
+        super().__init_subclass__(**kwargs)
+        if any(name in cls.__dict__ for name in PRIMITIVES):
+            for name in DERIVED_OPERATIONS:
+                if name not in cls.__dict__:
+                    setattr(cls, name, getattr(Semiring, name))
+        _make_total(cls)
 
     @property
     def name(self) -> str:
@@ -168,6 +202,52 @@ class Semiring:
         return self.plus(dest, routed)
 
 
+def _state_grad_dtype(a: State) -> torch.dtype:
+    """A gradient dtype whose state dtype is that of ``a`` (for building zeros like ``a``)."""
+    return next((c.dtype for c in a if c.is_floating_point()), torch.float32)
+
+
+def _make_total(cls: type) -> None:
+    """Wrap the ``sum`` / ``matmul`` / ``matmul_lifted`` that ``cls`` itself defines."""
+    for name, wrap in (
+        ("sum", _empty_sum_is_zero),
+        ("matmul", _empty_product_is_zero),
+        ("matmul_lifted", _empty_product_is_zero),
+    ):
+        fn = cls.__dict__.get(name)
+        if fn is not None and not getattr(fn, "_total", False):
+            total = wrap(fn)
+            total._total = True
+            setattr(cls, name, total)
+
+
+def _empty_sum_is_zero(sum_fn):
+    @functools.wraps(sum_fn)
+    def total_sum(self: Semiring, a: State, dims: list[int], keepdim: bool = False) -> State:
+        shape = a[0].shape
+        if not any(shape[d] == 0 for d in dims):
+            return sum_fn(self, a, dims, keepdim)
+        out = [1 if d in dims else s for d, s in enumerate(shape)]
+        if not keepdim:
+            out = [s for d, s in enumerate(out) if d not in dims]
+        return self.zeros(out, _state_grad_dtype(a), a[0].device)
+
+    return total_sum
+
+
+def _empty_product_is_zero(matmul_fn):
+    @functools.wraps(matmul_fn)
+    def total_matmul(self: Semiring, a: State, w: Any) -> State:
+        if a[0].shape[-1] != 0:
+            return matmul_fn(self, a, w)
+        right = w[0] if isinstance(w, tuple) else w
+        batch = torch.broadcast_shapes(a[0].shape[:-2], right.shape[:-2])
+        shape = (*batch, a[0].shape[-2], right.shape[-1])
+        return self.zeros(shape, _state_grad_dtype(a), a[0].device)
+
+    return total_matmul
+
+
 def scatter_into_zeros(
     sr: Semiring, shape: Sequence[int], dim: int, index: Tensor, src: State, grad_dtype
 ) -> State:
@@ -188,10 +268,12 @@ def scatter_into_zeros(
 
 def blocked_matmul(sr: Semiring, a: State, w: Tensor) -> State:
     """Semiring matmul by broadcast-and-reduce over bounded blocks of rows and columns."""
-    lw = sr.lift(w)
     n, k = a[0].shape[-2], a[0].shape[-1]
     m = w.shape[-1]
     batch = torch.broadcast_shapes(a[0].shape[:-2], w.shape[:-2])
+    if n == 0 or m == 0:
+        return sr.zeros((*batch, n, m), w.dtype, w.device)
+    lw = sr.lift(w)
     per_row = max(1, k * m * max(1, _numel(batch)))
     if per_row <= BLOCK_ELEMENTS:
         rows, cols = max(1, BLOCK_ELEMENTS // per_row), m
@@ -206,9 +288,6 @@ def blocked_matmul(sr: Semiring, a: State, w: Tensor) -> State:
             w_blk = tuple(c[..., None, :, c0 : c0 + cols] for c in lw)
             out_cols.append(sr.sum(sr.times(a_blk, w_blk), [_ndim(a_blk, w_blk) - 2]))
         out_rows.append(tuple(torch.cat(parts, -1) for parts in zip(*out_cols, strict=True)))
-    if n == 0:
-        shape = (*batch, 0, m)
-        return sr.zeros(shape, w.dtype, w.device)
     return tuple(torch.cat(parts, -2) for parts in zip(*out_rows, strict=True))
 
 
@@ -221,6 +300,9 @@ def _numel(shape: Sequence[int]) -> int:
 
 def _ndim(a: State, b: State) -> int:
     return max(a[0].dim(), b[0].dim())
+
+
+_make_total(Semiring)
 
 
 def index_reduce(dest: Tensor, dim: int, index: Tensor, src: Tensor, reduce: str) -> Tensor:

@@ -4,27 +4,58 @@ The root gets a seed message (the incoming gradient, lifted to the semiring); au
 drives the messages through every backward formula. Leaf messages are captured on the way into
 the leaves: the regular gradient continues into ``.grad`` exactly as in a plain backward, the
 semiring readout is stored as ``.semiring_grad``.
+
+A semiring backward either completes or changes nothing: if it fails part-way (an op without a
+rule, say), every ``.grad`` it touched is put back as it was, so a retry does not count
+gradients twice.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from contextlib import contextmanager
+import weakref
+from collections.abc import Iterable, Iterator, Sequence
+from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import Tensor
 
-from ..errors import MessageLostError
+from ..errors import MessageLostError, SemipackError
 from ..semirings.base import Semiring
 from .message import Message
 from .passes import semiring_pass
 
 SEMIRING_GRAD = "semiring_grad"
 
+#: Autograd node of ``torch.utils.checkpoint(..., use_reentrant=True)``: it re-runs the forward
+#: inside its backward and starts a nested backward through the recomputed graph.
+REENTRANT_CHECKPOINT = "CheckpointFunctionBackward"
 
-def graph_leaves(roots: Sequence[Tensor]) -> list[Tensor]:
+
+def require_semiring(semiring: Any) -> Semiring:
+    """The semiring instance, or a TypeError that says how to make one."""
+    if isinstance(semiring, Semiring):
+        return semiring
+    if isinstance(semiring, type) and issubclass(semiring, Semiring):
+        raise TypeError(
+            f"expected a semiring instance, got the class {semiring.__name__}: "
+            f"pass {semiring.__name__}() instead"
+        )
+    raise TypeError(f"expected a semipack semiring (e.g. semipack.MaxProd()), got {semiring!r}")
+
+
+@dataclass
+class GraphScan:
+    """What a backward from ``roots`` will reach: leaves, and constructs needing special care."""
+
+    leaves: list[Tensor] = field(default_factory=list)
+    reentrant_checkpoint: bool = False
+
+
+def scan_graph(roots: Sequence[Tensor]) -> GraphScan:
     """Every leaf tensor with requires_grad reachable from ``roots`` through autograd edges."""
+    scan = GraphScan()
     leaves: dict[int, Tensor] = {}
     seen: set[int] = set()
     stack = [t.grad_fn for t in roots if t.grad_fn is not None]
@@ -36,16 +67,38 @@ def graph_leaves(roots: Sequence[Tensor]) -> list[Tensor]:
         if node is None or id(node) in seen:
             continue
         seen.add(id(node))
+        if node.name() == REENTRANT_CHECKPOINT:
+            scan.reentrant_checkpoint = True
         variable = getattr(node, "variable", None)
         if variable is not None:
             leaves[id(variable)] = variable
         stack.extend(fn for fn, _ in node.next_functions if fn is not None)
-    return list(leaves.values())
+    scan.leaves = list(leaves.values())
+    return scan
+
+
+def graph_leaves(roots: Sequence[Tensor]) -> list[Tensor]:
+    """Every leaf tensor with requires_grad reachable from ``roots``."""
+    return scan_graph(roots).leaves
+
+
+def check_real_valued(tensors: Iterable[Tensor | None], where: str) -> None:
+    """Complex graphs have no semiring drawing here: refuse them instead of dropping the
+    imaginary part."""
+    for t in tensors:
+        if t is not None and t.is_complex():
+            raise SemipackError(
+                f"semipack does not support complex tensors ({where} is {t.dtype}): semiring "
+                "values are defined on real local derivatives. Split real and imaginary parts "
+                "into real tensors (torch.view_as_real) to analyse such a model."
+            )
 
 
 def seeds(
     outputs: Sequence[Tensor], grad_outputs: Sequence[Tensor | None], sr: Semiring, regular: bool
 ) -> list[Message]:
+    check_real_valued(outputs, "a backward root")
+    check_real_valued(grad_outputs, "a gradient given to backward")
     out = []
     for t, g in zip(outputs, grad_outputs, strict=True):
         if g is None:
@@ -68,7 +121,11 @@ def _check(leaf_msg: Any, leaf: Tensor) -> Message:
 
 @contextmanager
 def path_recording(sr: Semiring, roots: Sequence[Tensor], leaf_names: dict[int, str] | None):
-    """For path-recording semirings (TopPath): a fresh trace and pre-hooks for this pass."""
+    """For path-recording semirings (TopPath): a fresh trace and pre-hooks for this pass.
+
+    Nodes created while the pass runs (the recomputed forward of a reentrant checkpoint) get
+    the recording pre-hook as they are created.
+    """
     if not getattr(sr, "records_paths", False):
         yield None
         return
@@ -76,12 +133,79 @@ def path_recording(sr: Semiring, roots: Sequence[Tensor], leaf_names: dict[int, 
 
     trace = PathTrace(leaf_names)
     handles = attach(trace, roots)
+
+    def on_creation(node) -> None:
+        if not hasattr(node, "variable"):
+            handles.append(node.register_prehook(trace.node_prehook(node)))
+
     sr.trace = trace
     try:
-        yield trace
+        with torch.autograd.graph.node_creation_hook(on_creation):
+            yield trace
     finally:
         for h in handles:
             h.remove()
+
+
+class RetainedTensors:
+    """Non-leaf tensors whose ``retain_grad()`` was called inside ``extend``.
+
+    The engine stores a retained tensor's incoming gradient in ``.grad``; after a semiring pass
+    that is a Message. It is split like a leaf's: ``.grad`` gets the regular gradient (added to
+    what was there, as PyTorch does) and ``.semiring_grad`` the readout.
+    """
+
+    def __init__(self) -> None:
+        self._refs: list[weakref.ref[Tensor]] = []
+
+    def add(self, tensor: Tensor) -> None:
+        if tensor.grad_fn is not None:
+            self._refs.append(weakref.ref(tensor))
+
+    def alive(self) -> list[Tensor]:
+        self._refs = [r for r in self._refs if r() is not None]
+        return [t for t in (r() for r in self._refs) if t is not None]
+
+
+class GradLedger:
+    """``.grad`` of every tensor a pass may write, as it was before the pass.
+
+    Tensors that already hold a gradient start the pass with ``.grad = None``, so the engine's
+    accumulation writes a fresh tensor; when the pass succeeds the old gradient is added to it
+    in place (``old += new``, the very operation PyTorch's accumulation runs, so the bits are
+    the same). When the pass fails, every ``.grad`` is put back. A tensor with post-accumulate
+    hooks keeps its gradient during the pass (the hooks must see the sum): it is restored only
+    if it had none.
+    """
+
+    def __init__(self, tensors: Iterable[Tensor]) -> None:
+        self.before: list[tuple[Tensor, Tensor | None, bool]] = []
+        seen: set[int] = set()
+        for t in tensors:
+            if id(t) in seen:
+                continue
+            seen.add(id(t))
+            old = t.grad if t.is_leaf or t.retains_grad else None
+            swap = old is not None and not getattr(t, "_post_accumulate_grad_hooks", None)
+            self.before.append((t, old, swap))
+            if swap:
+                t.grad = None
+
+    def commit(self) -> None:
+        for t, old, swap in self.before:
+            if not swap:
+                continue
+            new = t.grad
+            if isinstance(new, Message):
+                continue  # split by the caller first
+            if new is not None:
+                old += new
+            t.grad = old
+
+    def roll_back(self) -> None:
+        for t, old, swap in self.before:
+            if swap or old is None:
+                t.grad = old
 
 
 def backward(
@@ -94,56 +218,81 @@ def backward(
     create_graph: bool = False,
     inputs: Sequence[Tensor] | None = None,
     leaf_names: dict[int, str] | None = None,
+    watched: Sequence[Tensor] = (),
+    retained: RetainedTensors | None = None,
 ) -> list[Tensor]:
-    """``torch.autograd.backward`` that also sets ``leaf.semiring_grad``; returns the leaves."""
+    """``torch.autograd.backward`` that also sets ``leaf.semiring_grad``; returns the leaves
+    that received a message.
+
+    ``watched`` are tensors (the model's parameters) whose messages are captured even when the
+    graph walk cannot see them beforehand (a reentrant checkpoint recomputes its graph inside
+    the backward).
+    """
     if create_graph:
         raise NotImplementedError("semipack does not support create_graph=True yet")
-    leaves = list(inputs) if inputs is not None else graph_leaves(tensors)
-    if not leaves:
-        return []
-    with path_recording(sr, tensors, leaf_names) as trace:
-        captured = _run_backward(
-            tensors, grad_tensors, sr, leaves, regular_grads, retain_graph, inputs
+    if inputs is not None and len(inputs) == 0:
+        raise RuntimeError("`inputs` argument to `backward()` cannot be empty.")
+    for i, t in enumerate(tensors):
+        if not t.requires_grad:
+            raise RuntimeError(
+                f"element {i} of tensors does not require grad and does not have a grad_fn"
+            )
+    scan = scan_graph(tensors)
+    leaves = list(inputs) if inputs is not None else scan.leaves
+    if scan.reentrant_checkpoint and not regular_grads:
+        raise SemipackError(
+            "torch.utils.checkpoint(..., use_reentrant=True) runs its own backward, which "
+            "needs regular gradients: use regular_grads=True or use_reentrant=False"
         )
+    if inputs is None and scan.reentrant_checkpoint:
+        known = {id(t) for t in leaves}
+        leaves += [p for p in watched if id(p) not in known]
+    kept = retained.alive() if retained is not None else []
+    with path_recording(sr, tensors, leaf_names) as trace:
+        ledger = GradLedger([*leaves, *kept]) if regular_grads else None
+        try:
+            captured = _run_backward(
+                tensors, grad_tensors, sr, leaves, regular_grads, retain_graph, inputs
+            )
+            readouts = _split_retained(kept, sr, trace)
+        except BaseException:
+            if ledger is not None:
+                ledger.roll_back()
+            raise
+        if ledger is not None:
+            ledger.commit()
+        for t, value in readouts:
+            setattr(t, SEMIRING_GRAD, value)
+        reached = []
         for i, leaf in enumerate(leaves):
             msg = captured.get(id(leaf))
             if msg is not None:
                 setattr(leaf, SEMIRING_GRAD, sr.readout(msg.parts))
+                reached.append(leaf)
                 if trace is not None:
                     trace.capture_leaf(leaf, msg, f"leaf {i}")
-    return leaves
+    return reached
+
+
+def _split_retained(kept: Sequence[Tensor], sr: Semiring, trace) -> list[tuple[Tensor, Any]]:
+    """Turn Messages left in retained tensors' ``.grad`` into regular gradients; return the
+    semiring readouts to store once the pass is known to have succeeded."""
+    out = []
+    for i, t in enumerate(kept):
+        msg = t.grad
+        if not isinstance(msg, Message):
+            continue
+        t.grad = msg.gradient
+        out.append((t, sr.readout(msg.parts)))
+        if trace is not None:
+            trace.capture_leaf(t, msg, f"retained tensor {i}")
+    return out
 
 
 def _run_backward(tensors, grad_tensors, sr, leaves, regular_grads, retain_graph, inputs):
     seed = seeds(tensors, grad_tensors, sr, regular_grads)
     captured: dict[int, Message] = {}
-    if regular_grads:
-        handles = []
-
-        def capture(leaf: Tensor):
-            def hook(grad):
-                msg = _check(grad, leaf)
-                # Keep only the semiring state: the regular gradient goes to ``.grad`` (possibly
-                # as a copy), and holding it here too would double the gradients' memory.
-                captured[id(leaf)] = Message(None, msg.parts, msg.semiring, msg.dtype)
-                return msg.gradient
-
-            return hook
-
-        try:
-            for leaf in leaves:
-                handles.append(leaf.register_hook(capture(leaf)))
-            with semiring_pass(retain_graph):
-                torch.autograd.backward(
-                    list(tensors),
-                    seed,
-                    retain_graph=retain_graph,
-                    inputs=list(inputs) if inputs is not None else None,
-                )
-        finally:
-            for h in handles:
-                h.remove()
-    else:
+    if not regular_grads:
         with semiring_pass(retain_graph):
             got = torch.autograd.grad(
                 list(tensors), leaves, seed, retain_graph=retain_graph, allow_unused=True
@@ -151,7 +300,52 @@ def _run_backward(tensors, grad_tensors, sr, leaves, regular_grads, retain_graph
         for leaf, msg in zip(leaves, got, strict=True):
             if msg is not None:
                 captured[id(leaf)] = _check(msg, leaf)
+        return captured
+
+    def capture(leaf: Tensor):
+        def hook(grad):
+            msg = _check(grad, leaf)
+            # Keep only the semiring state: the regular gradient goes to ``.grad`` (possibly
+            # as a copy), and holding it here too would double the gradients' memory.
+            state = Message(None, msg.parts, msg.semiring, msg.dtype)
+            earlier = captured.get(id(leaf))
+            if earlier is not None:  # a second engine run reached it (reentrant checkpoint)
+                state = Message(None, sr.plus(earlier.parts, msg.parts), sr, msg.dtype)
+            captured[id(leaf)] = state
+            return msg.gradient
+
+        return hook
+
+    with ExitStack() as stack:
+        for leaf in leaves:
+            if leaf.requires_grad:
+                stack.enter_context(_first_hook(leaf, capture(leaf)))
+        with semiring_pass(retain_graph):
+            torch.autograd.backward(
+                list(tensors),
+                seed,
+                retain_graph=retain_graph,
+                inputs=list(inputs) if inputs is not None else None,
+            )
     return captured
+
+
+@contextmanager
+def _first_hook(leaf: Tensor, hook) -> Iterator[None]:
+    """Register ``hook`` on ``leaf`` ahead of the user's own hooks: they then see the regular
+    gradient the hook returns, as in a plain backward."""
+    handle = leaf.register_hook(hook)
+    # The engine walks the hook dict in its storage order, which ``move_to_end`` does not change:
+    # re-insert the others after ours (same dict object, same keys, so their handles still work).
+    hooks = leaf._backward_hooks
+    others = [(k, v) for k, v in hooks.items() if k != handle.id]
+    for k, _ in others:
+        del hooks[k]
+    hooks.update(others)
+    try:
+        yield
+    finally:
+        handle.remove()
 
 
 def grad(
@@ -162,16 +356,16 @@ def grad(
     *,
     retain_graph: bool | None = None,
     allow_unused: bool = False,
-    messages: bool = False,
 ) -> tuple[Any, ...]:
     """Semiring analogue of ``torch.autograd.grad``: readouts for ``inputs`` (see semipack.grad)."""
+    sr = require_semiring(sr)
     outputs = [outputs] if isinstance(outputs, Tensor) else list(outputs)
     inputs = [inputs] if isinstance(inputs, Tensor) else list(inputs)
     if grad_outputs is None:
         grad_outputs = [None] * len(outputs)
     elif isinstance(grad_outputs, Tensor):
         grad_outputs = [grad_outputs]
-    seed = seeds(outputs, list(grad_outputs), sr, regular=messages)
+    seed = seeds(outputs, list(grad_outputs), sr, regular=False)
     with path_recording(sr, outputs, None) as trace, semiring_pass(retain_graph):
         got = torch.autograd.grad(
             outputs, inputs, seed, retain_graph=retain_graph, allow_unused=True
@@ -189,6 +383,5 @@ def grad(
                 )
             result.append(None)
             continue
-        msg = _check(msg, t)
-        result.append(msg if messages else sr.readout(msg.parts))
+        result.append(sr.readout(_check(msg, t).parts))
     return tuple(result)

@@ -1,8 +1,11 @@
 """Turning the user's own ``loss.backward()`` into a semiring backward inside ``extend``.
 
 ``Tensor.backward`` and ``torch.autograd.backward`` both consult torch-function modes, so a mode
-active for the duration of the block can take over exactly those two calls and pass every other
-call straight through. Nothing global is patched, and the mode ends with the block.
+active for the duration of the block can take over exactly those calls and pass every other call
+straight through. Nothing global is patched, and the mode ends with the block. The same mode
+wraps tensor hooks registered in the block (they see regular gradients, ``hooks.py``), records
+``retain_grad()`` calls (their tensors get a ``semiring_grad`` too), and routes the functions
+that have extensions to them.
 """
 
 from __future__ import annotations
@@ -15,10 +18,11 @@ from torch.overrides import TorchFunctionMode
 
 from ..semirings.base import Semiring
 from . import backward as bw
+from .hooks import TensorHook
 
 
-class BackwardInterceptor(TorchFunctionMode):
-    """Takes over backward calls; optionally reroutes functions to their extensions too."""
+class SemiringMode(TorchFunctionMode):
+    """Takes over backward calls, hook registrations and extended functions in the block."""
 
     def __init__(
         self,
@@ -34,6 +38,7 @@ class BackwardInterceptor(TorchFunctionMode):
         self.watched = list(watched)
         self.reroute = dict(reroute or {})
         self.leaf_names = leaf_names
+        self.retained = bw.RetainedTensors()
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -41,10 +46,20 @@ class BackwardInterceptor(TorchFunctionMode):
             return self._backward(*args, **kwargs)
         if func is torch.autograd.backward:
             return self._autograd_backward(*args, **kwargs)
+        if func is torch.Tensor.register_hook:
+            return self._register_hook(*args, **kwargs)
+        if func is torch.Tensor.retain_grad:
+            result = func(*args, **kwargs)
+            self.retained.add(args[0])
+            return result
         replacement = self.reroute.get(func)
         if replacement is not None:
             return replacement(*args, **kwargs)
         return func(*args, **kwargs)
+
+    @staticmethod
+    def _register_hook(tensor: Tensor, hook: Callable):
+        return torch.Tensor.register_hook(tensor, TensorHook(hook))
 
     def _backward(self, tensor, gradient=None, retain_graph=None, create_graph=False, inputs=None):
         self._run([tensor], [gradient], retain_graph, create_graph, inputs)
@@ -70,6 +85,8 @@ class BackwardInterceptor(TorchFunctionMode):
     def _run(self, tensors, grads, retain_graph, create_graph, inputs) -> None:
         if isinstance(inputs, Tensor):
             inputs = [inputs]
+        elif inputs is not None:
+            inputs = list(inputs)
         reached = bw.backward(
             tensors,
             grads,
@@ -79,9 +96,11 @@ class BackwardInterceptor(TorchFunctionMode):
             create_graph=create_graph,
             inputs=inputs,
             leaf_names=self.leaf_names,
+            watched=self.watched,
+            retained=self.retained,
         )
         # A watched parameter this backward did not reach must not keep a stale value.
-        reached_ids = {id(t) for t in reached if hasattr(t, bw.SEMIRING_GRAD)}
+        reached_ids = {id(t) for t in reached}
         for p in self.watched:
             if id(p) not in reached_ids and hasattr(p, bw.SEMIRING_GRAD):
                 delattr(p, bw.SEMIRING_GRAD)

@@ -1,60 +1,81 @@
 """Which module created an autograd node: recorded during the forward, read during backward.
 
 While ``semipack.extend`` is active, a node-creation hook stamps every new autograd node with the
-dotted path of the innermost module whose forward is running. Error messages and site names read
-the stamp of the node that is executing (``torch._C._current_autograd_node``).
+dotted path of the innermost module of the model whose forward is running. Error messages and
+site names read the stamp of the node that is executing (``torch._C._current_autograd_node``).
+
+Module calls are followed with PyTorch's *global* forward hooks, filtered by the model's own
+module objects: nothing is registered on the modules themselves, so a model copied, pickled or
+inspected inside the block looks exactly as outside it.
 """
 
 from __future__ import annotations
 
+import threading
+from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
 
 import torch
 from torch import nn
+from torch.nn.modules.module import (
+    register_module_forward_hook,
+    register_module_forward_pre_hook,
+)
 
 MODULE_KEY = "semipack.module"
 OUTSIDE_MODEL = "<outside the model>"
 
 
 class ModuleTracker:
-    """Keeps a stack of running module paths and stamps new autograd nodes with its top."""
+    """Keeps a per-thread stack of running module paths and stamps new autograd nodes with it."""
 
     def __init__(self, model: nn.Module | None) -> None:
         self.model = model
-        self.stack: list[str] = []
+        self.names: dict[int, str] = {}
+        if model is not None:
+            self.names = {id(m): _display_name(n) for n, m in model.named_modules()}
+        self._local = threading.local()
+
+    @property
+    def stack(self) -> list[str]:
+        stack = getattr(self._local, "stack", None)
+        if stack is None:
+            stack = self._local.stack = []
+        return stack
 
     def _stamp(self, node: torch.autograd.graph.Node) -> None:
-        node.metadata[MODULE_KEY] = self.stack[-1] if self.stack else OUTSIDE_MODEL
+        stack = self.stack
+        node.metadata[MODULE_KEY] = stack[-1] if stack else OUTSIDE_MODEL
 
-    @contextmanager
-    def active(self):
-        with ExitStack() as stack:
-            if self.model is not None:
-                for name, module in self.model.named_modules():
-                    stack.enter_context(self._hooks(module, name))
-            stack.enter_context(torch.autograd.graph.node_creation_hook(self._stamp))
-            _ACTIVE.append(self)
-            try:
-                yield self
-            finally:
-                _ACTIVE.remove(self)
-
-    @contextmanager
-    def _hooks(self, module: nn.Module, name: str):
-        def push(_module, _args):
+    def _push(self, module: nn.Module, _args) -> None:
+        name = self.names.get(id(module))
+        if name is not None:
             self.stack.append(name)
 
-        def pop(_module, _args, _output):
-            if self.stack and self.stack[-1] == name:
-                self.stack.pop()
+    def _pop(self, module: nn.Module, _args, _output) -> None:
+        name = self.names.get(id(module))
+        stack = self.stack
+        if name is not None and stack and stack[-1] == name:
+            stack.pop()
 
-        pre = module.register_forward_pre_hook(push)
-        post = module.register_forward_hook(pop, always_call=True)
-        try:
-            yield
-        finally:
-            pre.remove()
-            post.remove()
+    @contextmanager
+    def active(self) -> Iterator[ModuleTracker]:
+        with ExitStack() as stack:
+            if self.names:
+                stack.callback(register_module_forward_pre_hook(self._push).remove)
+                stack.callback(register_module_forward_hook(self._pop, always_call=True).remove)
+            stack.enter_context(torch.autograd.graph.node_creation_hook(self._stamp))
+            _ACTIVE.append(self)
+            stack.callback(_ACTIVE.remove, self)
+            yield self
+
+
+def _display_name(name: str) -> str:
+    """Module paths as the user wrote the model: without torch.compile's wrapper prefix."""
+    prefix = "_orig_mod"
+    if name == prefix:
+        return ""
+    return name.removeprefix(prefix + ".")
 
 
 def current_site() -> tuple[str | None, str | None]:

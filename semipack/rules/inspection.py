@@ -1,0 +1,24 @@
+"""Ops that inspect a message instead of transforming it (anomaly mode's NaN check).
+
+``torch.autograd.detect_anomaly()`` asks every backward output whether it holds NaN. A message
+holds NaN when its regular gradient or a floating state component does, so these return a
+plain boolean tensor of the message's shape.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .registry import OpCall, register_rule
+
+aten = torch.ops.aten
+
+
+@register_rule(aten.isnan.default)
+def isnan(call: OpCall) -> torch.Tensor:
+    msg = call["self"]
+    found = torch.zeros(msg.shape, dtype=torch.bool, device=msg.device)
+    for part in (msg.gradient, *msg.parts):
+        if part is not None and part.is_floating_point():
+            found |= torch.isnan(part)
+    return found

@@ -48,8 +48,18 @@ def registered_ops() -> list[str]:
     return sorted(str(op) for op in _RULES)
 
 
+#: The node that runs module backward hooks: a failing op there is the user's hook, not a formula.
+MODULE_HOOK_NODE = "BackwardHookFunctionBackward"
+
+
 def unsupported(func: OpOverload, reason: str = "") -> UnsupportedOpError:
     node, module = current_site()
+    if node == MODULE_HOOK_NODE and not reason:
+        reason = (
+            "a module backward hook received a semiring message, probably because it was "
+            "registered inside the semipack.extend block; register module backward hooks "
+            "before entering the block (they then see regular gradients)"
+        )
     return UnsupportedOpError(str(func), node, module, reason)
 
 

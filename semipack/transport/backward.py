@@ -374,12 +374,12 @@ def grad(
             if trace is not None and isinstance(msg, Message):
                 trace.capture_leaf(t, msg, f"input {i}")
     result = []
-    for t, msg in zip(inputs, got, strict=True):
+    for i, (t, msg) in enumerate(zip(inputs, got, strict=True)):
         if msg is None:
             if not allow_unused:
                 raise RuntimeError(
-                    "One of the differentiated Tensors appears to not have been used in the "
-                    "graph. Set allow_unused=True if this is the desired behavior."
+                    f"The differentiated Tensor at index {i} appears to not have been used in "
+                    "the graph. Set allow_unused=True if this is the desired behavior."
                 )
             result.append(None)
             continue

@@ -1,0 +1,745 @@
+"""What a user can do wrong, or unusually, and the exact behaviour semipack owes them.
+
+Every case asserts a value (against a plain backward, autograd or a closed form) or an error
+type and message. "Same as PyTorch" cases run PyTorch first and compare the messages.
+"""
+
+from __future__ import annotations
+
+import copy
+import io
+import math
+import re
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.utils.checkpoint import checkpoint
+
+import semipack
+
+DTYPE = torch.float64
+
+
+def mlp(seed: int = 0) -> nn.Sequential:
+    torch.manual_seed(seed)
+    return nn.Sequential(
+        nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 2)
+    ).to(DTYPE)
+
+
+def data(batch: int = 2, seed: int = 1) -> Tensor:
+    return torch.randn(batch, 3, generator=torch.Generator().manual_seed(seed), dtype=DTYPE)
+
+
+def plain_grads(model: nn.Module, loss_fn) -> list[Tensor | None]:
+    for p in model.parameters():
+        p.grad = None
+    loss_fn().backward()
+    out = [None if p.grad is None else p.grad.clone() for p in model.parameters()]
+    for p in model.parameters():
+        p.grad = None
+    return out
+
+
+def assert_grads_equal(model: nn.Module, expected: list[Tensor | None]) -> None:
+    for (name, p), want in zip(model.named_parameters(), expected, strict=True):
+        if want is None:
+            assert p.grad is None, name
+        else:
+            assert p.grad is not None and torch.equal(p.grad, want), name
+
+
+def torch_error(fn) -> str:
+    with pytest.raises(RuntimeError) as info:
+        fn()
+    return str(info.value)
+
+
+# --- backward calls PyTorch refuses ------------------------------------------------------------
+
+
+def test_backward_on_a_tensor_without_grad_raises_like_pytorch() -> None:
+    x = torch.randn(3)
+    expected = torch_error(lambda: x.sum().backward())
+    with semipack.extend(None, semipack.MaxProd()), pytest.raises(RuntimeError) as info:
+        x.sum().backward()
+    assert str(info.value) == expected
+
+
+def test_backward_with_empty_inputs_raises_like_pytorch() -> None:
+    x = torch.randn(3, requires_grad=True)
+    expected = torch_error(lambda: (x * 2).sum().backward(inputs=[]))
+    with semipack.extend(None, semipack.MaxProd()), pytest.raises(RuntimeError) as info:
+        (x * 2).sum().backward(inputs=[])
+    assert str(info.value) == expected
+    assert x.grad is None
+
+
+def test_autograd_backward_on_a_constant_raises_like_pytorch() -> None:
+    y = torch.ones(2)
+    expected = torch_error(lambda: torch.autograd.backward([y.sum()]))
+    with semipack.extend(None, semipack.LogSum()), pytest.raises(RuntimeError) as info:
+        torch.autograd.backward([y.sum()])
+    assert str(info.value) == expected
+
+
+def test_forward_under_no_grad_then_backward_raises_like_pytorch() -> None:
+    model, x = mlp(), data()
+    with torch.no_grad():
+        out = model(x).sum()
+    expected = torch_error(out.backward)
+    with semipack.extend(model, semipack.MaxProd()), pytest.raises(RuntimeError) as info:
+        out.backward()
+    assert str(info.value) == expected
+
+
+def test_non_scalar_root_without_gradient_raises_like_pytorch() -> None:
+    x = torch.randn(3, requires_grad=True)
+    expected = torch_error(lambda: (x * 2).backward())
+    with semipack.extend(None, semipack.MaxProd()), pytest.raises(RuntimeError) as info:
+        (x * 2).backward()
+    assert str(info.value) == expected
+
+
+def test_gradient_of_the_wrong_shape_raises_like_pytorch() -> None:
+    x = torch.randn(3, requires_grad=True)
+    expected = torch_error(lambda: (x * 2).backward(torch.ones(2)))
+    with semipack.extend(None, semipack.MaxProd()), pytest.raises(RuntimeError) as info:
+        (x * 2).backward(torch.ones(2))
+    assert str(info.value) == expected
+
+
+def test_second_backward_through_a_freed_graph_raises_like_pytorch() -> None:
+    model, x = mlp(), data()
+    loss = model(x).sum()
+    loss.backward()
+    expected = torch_error(loss.backward)
+    with semipack.extend(model, semipack.MaxProd()):
+        loss = model(x).sum()
+        loss.backward()
+        with pytest.raises(RuntimeError) as info:
+            loss.backward()
+    assert str(info.value).startswith(expected.split(" (or")[0][:60])
+
+
+def test_create_graph_is_refused() -> None:
+    x = torch.randn(3, requires_grad=True)
+    with semipack.extend(None, semipack.MaxProd()), pytest.raises(NotImplementedError):
+        (x * x).sum().backward(create_graph=True)
+
+
+def test_grad_of_an_unused_input_raises_like_pytorch() -> None:
+    x, unused = torch.randn(3, requires_grad=True), torch.randn(3, requires_grad=True)
+    expected = torch_error(lambda: torch.autograd.grad((x * 2).sum(), [x, unused]))
+    with pytest.raises(RuntimeError) as info:
+        semipack.grad((x * 2).sum(), [x, unused], semipack.MaxProd())
+    assert str(info.value) == expected
+    got = semipack.grad((x * 2).sum(), [x, unused], semipack.MaxProd(), allow_unused=True)
+    assert got[1] is None and torch.equal(got[0], torch.full((3,), 2.0))
+
+
+# --- wrong arguments to semipack -----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("how", ["grad", "extend"])
+def test_a_semiring_class_instead_of_an_instance_says_so(how: str) -> None:
+    x = torch.randn(3, requires_grad=True)
+    message = "expected a semiring instance, got the class MaxProd: pass MaxProd() instead"
+    with pytest.raises(TypeError, match=re.escape(message)):
+        if how == "grad":
+            semipack.grad((x * 2).sum(), x, semipack.MaxProd)
+        else:
+            with semipack.extend(mlp(), semipack.MaxProd):
+                pass
+
+
+def test_a_string_instead_of_a_semiring_says_so() -> None:
+    message = r"expected a semipack semiring \(e.g\. semipack.MaxProd"
+    with pytest.raises(TypeError, match=message), semipack.extend(mlp(), "max"):
+        pass
+
+
+@pytest.mark.parametrize("model", [lambda t: t, [nn.Linear(2, 2)], "model"])
+def test_extend_of_something_that_is_not_a_module_says_so(model) -> None:
+    message = re.escape("semipack.extend expects an nn.Module")
+    with pytest.raises(TypeError, match=message), semipack.extend(model, semipack.MaxProd()):
+        pass
+
+
+def test_nested_blocks_raise_a_clear_error_and_leave_the_outer_block_working() -> None:
+    outer, inner, x = mlp(0), mlp(1), data()
+    with semipack.extend(outer, semipack.MaxProd()):
+        nested = pytest.raises(
+            semipack.SemipackError, match="cannot be nested: a block for MaxProd"
+        )
+        with nested, semipack.extend(inner, semipack.LogSum()):
+            pass
+        outer(x).sum().backward()
+    assert outer[0].weight.semiring_grad.shape == (4, 3)
+    with semipack.extend(inner, semipack.LogSum()):  # usable again after the outer block
+        inner(x).sum().backward()
+    assert torch.isfinite(inner[0].weight.semiring_grad).all()
+
+
+# --- the model objects -------------------------------------------------------------------------
+
+
+def test_a_deep_copy_taken_inside_the_block_is_an_ordinary_independent_model() -> None:
+    model, x = mlp(), data()
+    with semipack.extend(model, semipack.MaxProd()):
+        clone = copy.deepcopy(model)
+    assert all("forward" not in vars(m) for m in clone.modules())
+    expected = plain_grads(model, lambda: model(x).sum())
+    clone(x).sum().backward()
+    assert_grads_equal(clone, expected)
+    assert not any(hasattr(p, "semiring_grad") for p in clone.parameters())
+    assert all(p.grad is None for p in model.parameters())
+
+
+def test_a_deep_copy_used_inside_the_block_gets_its_own_values() -> None:
+    model, x = mlp(), data()
+    with semipack.extend(model, semipack.LogSum()):
+        clone = copy.deepcopy(model)
+        clone(x).sum().backward()
+        model(x).sum().backward()
+    for p, q in zip(model.parameters(), clone.parameters(), strict=True):
+        torch.testing.assert_close(q.semiring_grad, p.semiring_grad, rtol=0, atol=0)
+        torch.testing.assert_close(q.grad, p.grad, rtol=0, atol=0)
+
+
+def test_torch_save_inside_the_block_saves_the_plain_model() -> None:
+    model, x = mlp(), data()
+    with semipack.extend(model, semipack.MaxProd()):
+        buffer = io.BytesIO()
+        torch.save(model, buffer)
+    buffer.seek(0)
+    loaded = torch.load(buffer, weights_only=False)
+    assert all("forward" not in vars(m) for m in loaded.modules())
+    torch.testing.assert_close(loaded(x), model(x), rtol=0, atol=0)
+
+
+def test_a_forward_patched_on_the_instance_is_used_and_extended() -> None:
+    """accelerate-style hooks replace ``module.forward`` on the instance; semipack must run it."""
+    model, x = mlp(), data()
+    original = model[2].forward
+    model[2].forward = lambda t: original(t) * 3.0
+    reference = mlp()
+    reference[2] = nn.Sequential(reference[2], _Scale(3.0))
+    with semipack.extend(model, semipack.MaxProd()):
+        model(x).sum().backward()
+    with semipack.extend(reference, semipack.MaxProd()):
+        reference(x).sum().backward()
+    for p, q in zip(model.parameters(), reference.parameters(), strict=True):
+        torch.testing.assert_close(p.semiring_grad, q.semiring_grad, rtol=1e-12, atol=0)
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-12, atol=0)
+
+
+class _Scale(nn.Module):
+    def __init__(self, factor: float) -> None:
+        super().__init__()
+        self.factor = factor
+
+    def forward(self, t: Tensor) -> Tensor:
+        return t * self.factor
+
+
+@pytest.mark.parametrize("call", ["input=", "F.linear kwargs"])
+def test_keyword_calls_are_extended(call: str) -> None:
+    lin = nn.Linear(3, 2).to(DTYPE)
+    x = data()
+    with semipack.extend(lin, semipack.MaxProd()):
+        out = lin(input=x) if call == "input=" else F.linear(input=x, weight=lin.weight)
+        assert out.grad_fn.name() == "LinearFunctionBackward"
+        out.sum().backward()
+    # MaxProd of x W^T summed: best path to W[o, i] is |x[n, i]| maximised over n
+    torch.testing.assert_close(lin.weight.semiring_grad, x.abs().amax(0).expand(2, 3))
+
+
+def test_a_compiled_model_runs_eagerly_with_the_same_values() -> None:
+    model, x = mlp(), data()
+    compiled = torch.compile(model)
+    with semipack.extend(compiled, semipack.MaxProd()):
+        compiled(x).sum().backward()
+    got = {n: (p.grad.clone(), p.semiring_grad) for n, p in model.named_parameters()}
+    fresh = mlp()
+    with semipack.extend(fresh, semipack.MaxProd()):
+        fresh(x).sum().backward()
+    for name, p in fresh.named_parameters():
+        assert torch.equal(got[name][0], p.grad), name
+        assert torch.equal(got[name][1], p.semiring_grad), name
+
+
+def test_frozen_parameters_get_no_values() -> None:
+    model, x = mlp(), data()
+    model[0].requires_grad_(False)
+    with semipack.extend(model, semipack.MaxProd()):
+        model(x).sum().backward()
+    assert not hasattr(model[0].weight, "semiring_grad") and model[0].weight.grad is None
+    assert model[2].weight.semiring_grad.shape == (4, 4)
+
+
+def test_forward_inside_the_block_and_plain_backward_after_it_is_plain() -> None:
+    model, x = mlp(), data()
+    expected = plain_grads(model, lambda: model(x).sum())
+    with semipack.extend(model, semipack.MaxProd()):
+        loss = model(x).sum()
+    loss.backward()
+    assert_grads_equal(model, expected)
+    assert not any(hasattr(p, "semiring_grad") for p in model.parameters())
+
+
+def test_extended_calls_under_no_grad_record_nothing() -> None:
+    model, x = mlp(), data()
+    with semipack.extend(model, semipack.MaxProd()), torch.no_grad():
+        out = model(x)
+    assert out.grad_fn is None
+    torch.testing.assert_close(out, model(x).detach(), rtol=0, atol=0)
+
+
+# --- hooks -------------------------------------------------------------------------------------
+
+
+def test_module_backward_hooks_registered_before_the_block_see_regular_gradients() -> None:
+    model, x = mlp(), data()
+    seen: list[tuple[str, Tensor]] = []
+    model[2].register_full_backward_hook(
+        lambda m, gi, go: seen.append(("hook", go[0].norm().clone()))
+    )
+    model[2].register_full_backward_pre_hook(
+        lambda m, go: seen.append(("pre", go[0].norm().clone()))
+    )
+    model(x).sum().backward()
+    plain = list(seen)
+    seen.clear()
+    with semipack.extend(model, semipack.LogSum()):
+        model(x).sum().backward()
+    assert [name for name, _ in seen] == [name for name, _ in plain]
+    for (_, got), (_, want) in zip(seen, plain, strict=True):
+        assert type(got) is torch.Tensor and torch.equal(got, want)
+    assert all(not isinstance(h, type) for h in model[2]._backward_hooks.values())
+
+
+def test_a_module_hook_that_replaces_grad_input_acts_like_in_plain_pytorch() -> None:
+    model, x = mlp(), data()
+    model[2].register_full_backward_hook(lambda m, gi, go: (gi[0] * 0.5,))
+    expected = plain_grads(model, lambda: model(x).sum())
+    with semipack.extend(model, semipack.MaxProd()):
+        model(x).sum().backward()
+    assert_grads_equal(model, expected)
+    # hooks change gradients, not the graph: the semiring value ignores the hook
+    clean = mlp()
+    with semipack.extend(clean, semipack.MaxProd()):
+        clean(x).sum().backward()
+    assert torch.equal(model[0].weight.semiring_grad, clean[0].weight.semiring_grad)
+
+
+def test_a_module_hook_registered_inside_the_block_raises_with_the_fix() -> None:
+    model, x = mlp(), data()
+    with semipack.extend(model, semipack.MaxProd()):
+        model[2].register_full_backward_hook(lambda m, gi, go: go[0].norm())
+        with pytest.raises(semipack.UnsupportedOpError, match="register module backward hooks"):
+            model(x).sum().backward()
+
+
+def test_hooks_are_unwrapped_after_the_block() -> None:
+    model = mlp()
+
+    def hook(m, gi, go):
+        return None
+
+    model[2].register_full_backward_hook(hook)
+    with semipack.extend(model, semipack.MaxProd()):
+        assert next(iter(model[2]._backward_hooks.values())) is not hook
+    assert next(iter(model[2]._backward_hooks.values())) is hook
+
+
+def test_tensor_hooks_registered_in_the_block_see_regular_gradients() -> None:
+    model, x = mlp(), data()
+    norms: list[Tensor] = []
+
+    def loss() -> Tensor:
+        h = model[1](model[0](x))
+        h.register_hook(lambda g: norms.append(g.norm().clone()))
+        h.register_hook(lambda g: g * 2.0)  # a hook may also change the gradient
+        return model[4](model[3](model[2](h))).sum()
+
+    expected = plain_grads(model, loss)
+    plain_norm = norms.pop()
+    with semipack.extend(model, semipack.Entropy()):
+        loss().backward()
+    assert torch.equal(norms.pop(), plain_norm)
+    assert_grads_equal(model, expected)
+
+
+def test_parameter_hooks_registered_before_the_block_see_regular_gradients() -> None:
+    """Gradient clipping by a parameter hook keeps working."""
+    model, x = mlp(), data()
+    model[0].weight.register_hook(lambda g: g.clamp(-0.01, 0.01))
+    expected = plain_grads(model, lambda: model(x).sum())
+    with semipack.extend(model, semipack.MaxProd()):
+        model(x).sum().backward()
+    assert_grads_equal(model, expected)
+    assert model[0].weight.grad.abs().max() <= 0.01
+
+
+def test_a_hook_without_regular_gradients_raises() -> None:
+    model, x = mlp(), data()
+    with semipack.extend(model, semipack.MaxProd(), regular_grads=False):
+        h = model[0](x)
+        h.register_hook(lambda g: None)
+        with pytest.raises(semipack.SemipackError, match="regular_grads=False"):
+            model[4](model[3](model[2](model[1](h)))).sum().backward()
+
+
+def test_anomaly_mode_works_and_still_finds_nan_gradients() -> None:
+    model, x = mlp(), data()
+    expected = plain_grads(model, lambda: model(x).sum())
+    with torch.autograd.detect_anomaly(), semipack.extend(model, semipack.MaxProd()):
+        model(x).sum().backward()
+    assert_grads_equal(model, expected)
+    t = torch.tensor([0.0, 1.0], requires_grad=True)
+    with (
+        torch.autograd.detect_anomaly(),
+        semipack.extend(None, semipack.MaxProd()),
+        pytest.raises(RuntimeError, match="returned nan values"),
+    ):
+        (t.sqrt() * 0).sum().backward()
+
+
+# --- retained gradients --------------------------------------------------------------------------
+
+
+def test_retain_grad_gives_the_regular_gradient_and_a_semiring_value() -> None:
+    model, x = mlp(), data()
+    with semipack.extend(model, semipack.LogSum()):
+        h = model[1](model[0](x))
+        h.retain_grad()
+        model[4](model[3](model[2](h))).sum().backward()
+    assert type(h.grad) is torch.Tensor
+    detached = h.detach().requires_grad_()
+    tail = model[4](model[3](model[2](detached))).sum()
+    (want_grad,) = torch.autograd.grad(tail, detached, retain_graph=True)
+    (want_value,) = semipack.grad(tail, detached, semipack.LogSum())
+    torch.testing.assert_close(h.grad, want_grad, rtol=0, atol=0)
+    torch.testing.assert_close(h.semiring_grad, want_value, rtol=1e-12, atol=0)
+
+
+def test_retained_gradients_accumulate_across_backwards_like_pytorch() -> None:
+    model, x = mlp(), data()
+    h = model[1](model[0](x))
+    h.retain_grad()
+    loss = model[4](model[3](model[2](h))).sum()
+    loss.backward(retain_graph=True)
+    loss.backward()
+    expected = h.grad.clone()
+    with semipack.extend(model, semipack.MaxProd()):
+        h = model[1](model[0](x))
+        h.retain_grad()
+        loss = model[4](model[3](model[2](h))).sum()
+        loss.backward(retain_graph=True)
+        first = h.semiring_grad.clone()
+        loss.backward()
+    torch.testing.assert_close(h.grad, expected, rtol=0, atol=0)
+    torch.testing.assert_close(h.semiring_grad, first, rtol=0, atol=0)
+
+
+def test_top_path_from_a_retained_tensor() -> None:
+    model, x = mlp(), data()
+    tp = semipack.TopPath()
+    with semipack.extend(model, tp):
+        h = model[1](model[0](x))
+        h.retain_grad()
+        model[4](model[3](model[2](h))).sum().backward()
+    path = tp.path(h)
+    assert path.value == pytest.approx(float(h.semiring_grad.max()), rel=1e-12)
+
+
+# --- failures change nothing -------------------------------------------------------------------
+
+
+class SquaresItsGradient(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, t):
+        return t.clone()
+
+    @staticmethod
+    def backward(ctx, g):
+        return g * g  # no semiring meaning: the semiring backward fails here
+
+
+@pytest.mark.parametrize("had_grads", [False, True])
+def test_a_failed_semiring_backward_leaves_every_grad_as_it_was(had_grads: bool) -> None:
+    model, x = mlp(), data()
+    if had_grads:
+        model(x).sum().backward()
+    before = [None if p.grad is None else p.grad.clone() for p in model.parameters()]
+
+    def forward() -> Tensor:
+        return model[4](SquaresItsGradient.apply(model[3](model[2](model[1](model[0](x))))))
+
+    failing = pytest.raises(semipack.UnsupportedOpError, match="product of two messages")
+    with semipack.extend(model, semipack.MaxProd()), failing:
+        forward().sum().backward()
+    assert_grads_equal(model, before)
+    assert not any(hasattr(p, "semiring_grad") for p in model.parameters())
+
+
+def test_accumulation_into_existing_grads_is_bitwise_pytorchs() -> None:
+    model, x = mlp(), data()
+    model(x).sum().backward()
+    model(data(seed=5)).sum().backward()
+    expected = [p.grad.clone() for p in model.parameters()]
+    for p in model.parameters():
+        p.grad = None
+    model(x).sum().backward()
+    with semipack.extend(model, semipack.LogSum()):
+        model(data(seed=5)).sum().backward()
+    assert_grads_equal(model, expected)
+
+
+# --- activation checkpointing --------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("reentrant", [True, False])
+@pytest.mark.parametrize("sr", [semipack.MaxProd, semipack.LogSum, semipack.Entropy])
+def test_activation_checkpointing_gives_the_same_values(reentrant: bool, sr) -> None:
+    x = data()
+
+    def run(model: nn.Module, checkpointed: bool) -> Tensor:
+        h = model[0](x)
+        middle = lambda t: model[3](model[2](model[1](t)))  # noqa: E731
+        h = checkpoint(middle, h, use_reentrant=reentrant) if checkpointed else middle(h)
+        return model[4](h).sum()
+
+    reference = mlp()
+    expected = plain_grads(reference, lambda: run(reference, False))
+    with semipack.extend(reference, sr()):
+        run(reference, False).backward()
+    model = mlp()
+    with semipack.extend(model, sr()):
+        run(model, True).backward()
+    assert_grads_equal(model, expected)
+    for p, q in zip(model.parameters(), reference.parameters(), strict=True):
+        assert type(p.grad) is torch.Tensor
+        torch.testing.assert_close(p.semiring_grad, q.semiring_grad, rtol=1e-12, atol=1e-12)
+
+
+def test_reentrant_checkpointing_needs_regular_gradients() -> None:
+    model, x = mlp(), data().requires_grad_()
+    with semipack.extend(model, semipack.MaxProd(), regular_grads=False):
+        loss = checkpoint(model, x, use_reentrant=True).sum()
+        with pytest.raises(semipack.SemipackError, match="use_reentrant=False"):
+            loss.backward()
+
+
+# --- in-place modification after the forward -----------------------------------------------------
+
+
+@pytest.mark.parametrize("regular_grads", [True, False])
+def test_an_input_modified_in_place_after_the_forward_is_detected(regular_grads: bool) -> None:
+    lin = nn.Linear(3, 3).to(DTYPE)
+    x = data().requires_grad_()
+    with semipack.extend(lin, semipack.MaxProd(), regular_grads=regular_grads):
+        h = x * 1
+        out = lin(h)
+        h.add_(1)
+        with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+            out.sum().backward()
+
+
+# --- semirings ------------------------------------------------------------------------------------
+
+
+class MinPlusOverLogs(semipack.MaxProd):
+    """MaxProd with min instead of max: the weakest path. Only primitives are changed."""
+
+    def plus(self, a, b):
+        return (torch.minimum(a[0], b[0]),)
+
+    def sum(self, a, dims, keepdim=False):
+        return (a[0].amin(dims, keepdim=keepdim),)
+
+
+class DoubledLift(semipack.LogSum):
+    """LogSum that counts every edge twice: log(2|w|) per edge."""
+
+    def lift(self, w):
+        return (w.to(self.state_dtype(w.dtype)).abs().mul(2).log(),)
+
+
+def test_a_subclass_that_changes_plus_never_gets_the_parents_kernels() -> None:
+    x = torch.randn(4, 5, dtype=DTYPE, requires_grad=True)
+    w = torch.randn(5, 3, dtype=DTYPE)
+    (weakest,) = semipack.grad((x @ w).sum(), x, MinPlusOverLogs(log=True))
+    torch.testing.assert_close(weakest, w.abs().log().amin(1).expand(4, 5))
+    assert MinPlusOverLogs.matmul is not semipack.MaxProd.matmul
+
+
+def test_a_subclass_that_changes_lift_never_gets_the_parents_kernels() -> None:
+    x = torch.randn(4, 5, dtype=DTYPE, requires_grad=True)
+    w = torch.randn(5, 3, dtype=DTYPE)
+    (flow,) = semipack.grad((x @ w).sum(), x, DoubledLift())
+    # two edges per path (x -> out, out -> loss with weight 1): log Σ_j 2|w_ij| * 2
+    torch.testing.assert_close(flow, (4 * w.abs()).sum(1).log().expand(4, 5))
+
+
+def test_a_subclass_that_only_renames_keeps_the_fast_kernels() -> None:
+    class Named(semipack.MaxProd):
+        pass
+
+    assert Named.matmul is semipack.MaxProd.matmul
+
+
+def test_complex_tensors_are_refused() -> None:
+    z = torch.randn(3, dtype=torch.complex64, requires_grad=True)
+    with pytest.raises(semipack.UnsupportedOpError, match="complex tensor"):
+        semipack.grad((z * z).abs().sum(), z, semipack.Real())
+    with pytest.raises(semipack.SemipackError, match="does not support complex tensors"):
+        semipack.grad((z * 2).sum(), z, semipack.MaxProd())
+
+
+# --- empty and odd shapes ------------------------------------------------------------------------
+
+
+NO_PATH = {
+    semipack.Real: lambda v: torch.equal(v, torch.zeros_like(v)),
+    semipack.MaxProd: lambda v: torch.equal(v, torch.zeros_like(v)),
+    semipack.LogSum: lambda v: bool((v == -math.inf).all()),
+    semipack.LogCount: lambda v: bool((v == -math.inf).all()),
+    semipack.Boolean: lambda v: not bool(v.any()),
+    semipack.Entropy: lambda v: bool(v.isnan().all()),
+}
+
+
+class EmptyFriendly(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(10, 8)
+        self.conv = nn.Conv1d(8, 8, 3, padding=1)
+        self.norm = nn.LayerNorm(8)
+        self.mha = nn.MultiheadAttention(8, 2, batch_first=True)
+        self.head = nn.Linear(8, 3)
+
+    def forward(self, ids: Tensor) -> Tensor:
+        h = self.norm(self.conv(self.embed(ids).transpose(1, 2)).transpose(1, 2).tanh())
+        h = h + self.mha(h, h, h)[0]
+        q = h.reshape(h.shape[0], 5, 2, 4).transpose(1, 2)
+        h = F.scaled_dot_product_attention(q, q, q).transpose(1, 2).reshape(h.shape[0], 5, 8)
+        return F.log_softmax(self.head(h).mean(1), -1)
+
+
+@pytest.mark.parametrize("extensions", [True, False])
+@pytest.mark.parametrize("sr", list(NO_PATH))
+def test_an_empty_batch_gives_no_path_everywhere(sr, extensions: bool) -> None:
+    torch.manual_seed(0)
+    model = EmptyFriendly()
+    ids = torch.randint(0, 10, (0, 5))
+    with semipack.extend(model, sr(), extensions=extensions):
+        F.nll_loss(model(ids), torch.zeros(0, dtype=torch.long), reduction="sum").backward()
+    for name, p in model.named_parameters():
+        assert NO_PATH[sr](p.semiring_grad), name
+        assert torch.equal(p.grad, torch.zeros_like(p)), name
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize(
+    "op",
+    ["linear", "matmul", "addmm", "einsum", "bmm", "mv"],
+)
+@pytest.mark.parametrize("sr", [semipack.LogSum, semipack.Entropy, semipack.LogCount])
+def test_half_precision_matmuls_without_an_extension(dtype, op: str, sr) -> None:
+    """GPT-2's Conv1D is an addmm: a half-precision weight meets a float32 state."""
+    g = torch.Generator().manual_seed(0)
+    x32 = torch.randn(2, 3, generator=g)
+    w32 = torch.randn(4, 3, generator=g)
+    fns = {
+        "linear": lambda x, w: F.linear(x, w),
+        "matmul": lambda x, w: x @ w.t(),
+        "addmm": lambda x, w: torch.addmm(torch.zeros(4, dtype=x.dtype), x, w.t()),
+        "einsum": lambda x, w: torch.einsum("bi,oi->bo", x, w),
+        "bmm": lambda x, w: torch.bmm(x[None], w.t()[None])[0],
+        "mv": lambda x, w: torch.mv(w, x[0])[None],
+    }
+    values = []
+    for d in (dtype, torch.float32):
+        x = x32.to(d).requires_grad_()
+        w = w32.to(d)
+        with semipack.extend(None, sr(), extensions=False):
+            fns[op](x, w).float().sum().backward()
+        values.append(x.semiring_grad)
+    assert values[0].dtype == torch.float32
+    # the same function of the half-precision weights as of their float32 copies
+    torch.testing.assert_close(values[0], values[1], rtol=1e-2, atol=1e-2, equal_nan=True)
+
+
+def test_scalar_parameters_and_single_token_inputs() -> None:
+    scale = nn.Parameter(torch.tensor(2.0, dtype=DTYPE))
+    lin = nn.Linear(1, 1).to(DTYPE)
+    x = torch.tensor([[3.0]], dtype=DTYPE)
+    with semipack.extend(lin, semipack.MaxProd()):
+        (lin(x) * scale).sum().backward()
+    assert scale.semiring_grad.shape == ()
+    torch.testing.assert_close(scale.semiring_grad, (lin(x)).abs().detach().reshape(()))
+
+
+def test_non_contiguous_inputs_give_the_same_values() -> None:
+    lin = nn.Linear(3, 4).to(DTYPE)
+    x = torch.randn(3, 2, dtype=DTYPE)
+    results = []
+    for inp in (x.t(), x.t().contiguous()):
+        with semipack.extend(lin, semipack.LogSum()):
+            lin(inp).tanh().sum().backward()
+        results.append(lin.weight.semiring_grad.clone())
+    torch.testing.assert_close(results[0], results[1], rtol=1e-12, atol=0)
+
+
+def test_channels_last_convolutions_give_the_same_values() -> None:
+    conv = nn.Conv2d(2, 3, 3, padding=1).to(DTYPE)
+    x = torch.randn(2, 2, 5, 5, dtype=DTYPE)
+    results = []
+    for inp in (x, x.to(memory_format=torch.channels_last)):
+        with semipack.extend(conv, semipack.MaxProd()):
+            conv(inp).tanh().sum().backward()
+        results.append(conv.weight.semiring_grad.clone())
+    # the two layouts run different convolution kernels: the forward values differ in rounding
+    torch.testing.assert_close(results[0], results[1], rtol=1e-12, atol=0)
+
+
+# --- top paths ---------------------------------------------------------------------------------
+
+
+def _top_path_run() -> tuple[semipack.TopPath, nn.Linear]:
+    lin = nn.Linear(3, 2).to(DTYPE)
+    tp = semipack.TopPath()
+    with semipack.extend(lin, tp):
+        lin(data()).sum().backward()
+    return tp, lin
+
+
+def test_top_path_rejects_an_out_of_range_index() -> None:
+    tp, lin = _top_path_run()
+    with pytest.raises(IndexError, match="index 5 is out of bounds for dimension 0 with size 2"):
+        tp.path(lin.weight, (5, 0))
+    with pytest.raises(IndexError, match="needs 2 integers, got 1"):
+        tp.path(lin.weight, 1)
+
+
+def test_top_path_accepts_negative_indices_like_pytorch() -> None:
+    tp, lin = _top_path_run()
+    assert tp.path(lin.weight, (-1, -1)).index == (1, 2)
+    assert tp.path(lin.weight, (-1, -1)).value == pytest.approx(
+        float(lin.weight.semiring_grad[-1, -1]), rel=1e-12
+    )
+
+
+def test_top_path_of_a_tensor_that_was_not_a_leaf() -> None:
+    tp, _ = _top_path_run()
+    with pytest.raises(KeyError, match="not a leaf of the last TopPath backward"):
+        tp.path(torch.zeros(2))
+
+
+def test_top_path_before_any_backward() -> None:
+    with pytest.raises(RuntimeError, match="no backward pass has been run"):
+        semipack.TopPath().path(torch.zeros(2))

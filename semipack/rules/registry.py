@@ -54,6 +54,13 @@ MODULE_HOOK_NODE = "BackwardHookFunctionBackward"
 
 def unsupported(func: OpOverload, reason: str = "") -> UnsupportedOpError:
     node, module = current_site()
+    if node is None and not reason:
+        reason = (
+            "a semiring message was used outside the backward pass. It leaked into user code "
+            "through a gradient hook or retain_grad() set up before entering semipack.extend "
+            "(set them up inside the block, where they see regular gradients), or through a "
+            ".grad read after semipack.grad"
+        )
     if node == MODULE_HOOK_NODE and not reason:
         reason = (
             "a module backward hook received a semiring message, probably because it was "

@@ -23,7 +23,7 @@ import torch
 from oracle import Readout, build_graph, dynamic_programming
 from test_oracle import SEMIPACK_SEMIRINGS, assert_readout_matches
 from torch import Tensor, nn
-from torch.nn.utils.rnn import PackedSequence
+from torch.nn.utils.rnn import PackedSequence, pack_padded_sequence
 
 import semipack
 from semipack.transport.message import Message
@@ -493,6 +493,47 @@ def test_onednn_rule_rejects_other_modes() -> None:
         )  # fmt: skip
     assert info.value.op == "aten.mkldnn_rnn_layer_backward.default"
     assert "oneDNN GRU layers are not supported (only LSTM is)" in str(info.value)
+
+
+def test_pack_padded_sequence_of_a_differentiable_tensor_raises() -> None:
+    """Its backward copies the message into a fresh plain tensor: an error, never a number."""
+    x = torch.randn(3, 2, 2, requires_grad=True)
+    packed = pack_padded_sequence(x, torch.tensor([3, 2]))
+    with pytest.raises(semipack.UnsupportedOpError) as info:
+        semipack.grad(nn.LSTM(2, 3)(packed)[0].data.sum(), x, semipack.MaxProd())
+    assert info.value.op == "aten.copy_.default"
+    assert "PackPaddedSequenceBackward0" in str(info.value)
+
+
+def pack_by_indexing(x: Tensor, lengths: Tensor) -> PackedSequence:
+    """``pack_padded_sequence(x, lengths, enforce_sorted=False)`` built by indexing x [T, B, F]
+    with the packed positions, so its backward is an indexing rule."""
+    steps, batch = x.shape[:2]
+    index = torch.arange(steps * batch).view(steps, batch)
+    where = pack_padded_sequence(index, lengths, enforce_sorted=False)
+    return PackedSequence(
+        x.flatten(0, 1)[where.data],
+        where.batch_sizes,
+        where.sorted_indices,
+        where.unsorted_indices,
+    )
+
+
+def test_packing_by_indexing_matches_oracle() -> None:
+    torch.manual_seed(0)
+    lstm = nn.LSTM(2, 3).double()
+    x = torch.randn(3, 2, 2, dtype=torch.float64, requires_grad=True)
+    lengths = torch.tensor([2, 3])
+    out, (h_n, c_n) = lstm(pack_by_indexing(x, lengths))
+    ref, (ref_h, _) = lstm(pack_padded_sequence(x, lengths, enforce_sorted=False))
+    assert torch.equal(out.data, ref.data) and torch.equal(h_n, ref_h)
+    loss = (out.data * torch.linspace(-1, 1, out.data.numel()).view_as(out.data)).sum()
+    loss = loss + c_n.sum()
+    graph = build_graph(loss)
+    for name, make in SEMIPACK_SEMIRINGS.items():
+        (expected,) = dynamic_programming(graph, [x], name)
+        (actual,) = semipack.grad(loss, x, make(), retain_graph=True)
+        assert_readout_matches(name, expected, actual, "x")
 
 
 # --------------------------------------------------------------------------------------------

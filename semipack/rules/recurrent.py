@@ -83,10 +83,6 @@ class Schedule:
             total += s
         return tuple(out)
 
-    @property
-    def batch(self) -> int:
-        return self.sizes[0]
-
     def order(self, reverse: bool) -> list[int]:
         steps = list(range(len(self.sizes)))
         return steps[::-1] if reverse else steps
@@ -411,7 +407,9 @@ def mkldnn_rnn_layer_backward(call: OpCall):
     return tuple(_wrap(call, r, s) for r, s in zip(reals, states, strict=True))
 
 
-def _stack_spec(call: OpCall, kind: CellKind, proj_size: int, dtype: torch.dtype) -> StackSpec:
+def _stack_spec(
+    call: OpCall, kind: CellKind, proj_size: int, sched: Schedule, dtype: torch.dtype
+) -> StackSpec:
     """The layer weights from the flat list the fused kernel takes: per layer and direction
     [w_ih, w_hh, (b_ih, b_hh), (w_hr)], ``weight_stride0`` tensors each."""
     flat, stride = list(call["weight"]), call["weight_stride0"]
@@ -430,7 +428,17 @@ def _stack_spec(call: OpCall, kind: CellKind, proj_size: int, dtype: torch.dtype
                 p[-1] if has_proj else None,
             )
         )
-    return StackSpec(kind, call["num_layers"], directions, Schedule(()), weights)
+    return StackSpec(kind, call["num_layers"], directions, sched, weights)
+
+
+def _time_major_rows(call: OpCall, t: Tensor) -> tuple[Tensor, Schedule]:
+    """A kernel input or output as packed rows [N, features], and its schedule: packed data
+    already is; [T, B, ...] (or [B, T, ...] with ``batch_first``) is flattened time-major."""
+    if call["batch_sizes"]:
+        return t, Schedule(tuple(int(s) for s in call["batch_sizes"]))
+    if call["batch_first"]:
+        t = t.transpose(0, 1)
+    return t.reshape(t.shape[0] * t.shape[1], -1), Schedule((t.shape[1],) * t.shape[0])
 
 
 def _fused_stack_backward(call: OpCall, proj_size: int):
@@ -443,22 +451,12 @@ def _fused_stack_backward(call: OpCall, proj_size: int):
             "enabled=False)) so that dropout runs as an ordinary op, or use eval mode"
         )
     dtype = call.weight_dtype
-    spec = _stack_spec(call, kind, proj_size, dtype)
-    x, output, batch_first = call["input"], call["output"], bool(call["batch_first"])
-    packed = len(call["batch_sizes"]) > 0
-    if packed:
-        spec.sched = Schedule(tuple(int(s) for s in call["batch_sizes"]))
-    else:
-        if batch_first:
-            x, output = x.transpose(0, 1), output.transpose(0, 1)
-        spec.sched = Schedule((x.shape[1],) * x.shape[0])
-    rows = x.reshape(-1, x.shape[-1]).to(dtype)
+    rows, sched = _time_major_rows(call, call["input"].to(dtype))
+    spec = _stack_spec(call, kind, proj_size, sched, dtype)
     h0 = call["hx"].to(dtype)
     c0 = call["cx"].to(dtype) if kind is CellKind.LSTM else None
     m_out = _state_or_zero(call, call["grad_output"], call["output"].shape)
-    if batch_first and not packed:
-        m_out = tuple(c.transpose(0, 1) for c in m_out)
-    m_out = tuple(c.reshape(rows.shape[0], -1) for c in m_out)
+    m_out = tuple(_time_major_rows(call, c)[0] for c in m_out)
     m_hn = _state_or_zero(call, call["grad_hy"], h0.shape)
     m_cn = None if c0 is None else _state_or_zero(call, call["grad_cy"], c0.shape)
     m_x, per_direction = stack_messages(
@@ -474,6 +472,8 @@ def _fused_stack_outputs(
     per_direction: list[DirectionMessages],
     has_cell: bool,
 ):
+    """The kernel's outputs (input, hx, cx, [weights]) as messages, in its own layouts; an
+    output the kernel was not asked for (``output_mask``) carries no state."""
     x = call["input"]
     if call["batch_first"] and not call["batch_sizes"]:
         m_x = tuple(c.reshape(x.shape[1], x.shape[0], -1).transpose(0, 1) for c in m_x)

@@ -778,7 +778,7 @@ def test_cuda_kernels_match_oracle(case: Case, cudnn: bool) -> None:
         for i, (exp, act) in enumerate(zip(expected[name], got[name], strict=True)):
             assert_close_readout(name, _as_pair(exp), act, f"{case.name} leaf {i}")
     for act, ref in zip(got["real"], got["autograd"], strict=True):
-        torch.testing.assert_close(act, ref, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(act, ref, rtol=1e-4, atol=1e-5)
 
 
 @pytest.mark.gpu

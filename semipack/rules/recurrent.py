@@ -33,7 +33,7 @@ The recomputed activations are about the kernel's own workspace and live only du
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -56,8 +56,10 @@ from .recurrent_cells import (
     rnn_step,
     state_cat,
     state_chunk,
+    state_or_zero,
     state_rows,
     state_t,
+    wrap_outputs,
 )
 from .registry import OpCall, register_rule
 
@@ -348,17 +350,6 @@ def _layer_forward(
 # --- the rules --------------------------------------------------------------------------------
 
 
-def _state_or_zero(call: OpCall, value, shape: Sequence[int]) -> State:
-    return call.zeros(shape) if value is None else call.state(value, shape)
-
-
-def _wrap(call: OpCall, real: Tensor | None, state: State | None) -> Tensor | None:
-    """A message output, or the regular result alone where there is no state (no such input)."""
-    if state is None:
-        return real
-    return call.wrap(real, state)
-
-
 @register_rule(aten.mkldnn_rnn_layer_backward.default)
 def mkldnn_rnn_layer_backward(call: OpCall):
     """oneDNN's LSTM: one layer and direction per call, time-major input [T, B, in]; dropout
@@ -384,7 +375,7 @@ def mkldnn_rnn_layer_backward(call: OpCall):
     reverse = bool(call["reverse"])
     rows = x.reshape(steps * batch, -1)
     _, _, _, run = run_direction(kind, w, rows, h0, c0, sched, reverse)
-    m_out = _state_or_zero(call, call["grad_output"], call["output"].shape)
+    m_out = state_or_zero(call, call["grad_output"], call["output"].shape)
     got = direction_messages(
         call.semiring,
         kind,
@@ -394,17 +385,14 @@ def mkldnn_rnn_layer_backward(call: OpCall):
         sched,
         reverse,
         tuple(c.reshape(steps * batch, -1) for c in m_out),
-        _state_or_zero(call, call["grad_hy"], h0.shape),
-        _state_or_zero(call, call["grad_cy"], c0.shape),
+        state_or_zero(call, call["grad_hy"], h0.shape),
+        state_or_zero(call, call["grad_cy"], c0.shape),
         Tracer(call.semiring),
         "reverse" if reverse else "forward",
     )
     del run
     m_x = tuple(c.reshape(x.shape) for c in got.x)
-    states = [m_x, *got.weights[:4], got.h0, got.c0]
-    real = call.run_real()
-    reals = list(real) if real is not None else [None] * len(states)
-    return tuple(_wrap(call, r, s) for r, s in zip(reals, states, strict=True))
+    return wrap_outputs(call, call.run_real(), [m_x, *got.weights[:4], got.h0, got.c0])
 
 
 def _stack_spec(
@@ -455,10 +443,10 @@ def _fused_stack_backward(call: OpCall, proj_size: int):
     spec = _stack_spec(call, kind, proj_size, sched, dtype)
     h0 = call["hx"].to(dtype)
     c0 = call["cx"].to(dtype) if kind is CellKind.LSTM else None
-    m_out = _state_or_zero(call, call["grad_output"], call["output"].shape)
+    m_out = state_or_zero(call, call["grad_output"], call["output"].shape)
     m_out = tuple(_time_major_rows(call, c)[0] for c in m_out)
-    m_hn = _state_or_zero(call, call["grad_hy"], h0.shape)
-    m_cn = None if c0 is None else _state_or_zero(call, call["grad_cy"], c0.shape)
+    m_hn = state_or_zero(call, call["grad_hy"], h0.shape)
+    m_cn = None if c0 is None else state_or_zero(call, call["grad_cy"], c0.shape)
     m_x, per_direction = stack_messages(
         call.semiring, spec, rows, h0, c0, m_out, m_hn, m_cn, Tracer(call.semiring)
     )
@@ -489,15 +477,11 @@ def _fused_stack_outputs(
     real = call.run_real()
     if real is None:
         real = (None, None, None, [None] * len(m_weights) if mask[3] else [])
-    d_input, d_hx, d_cx, d_weights = real
-    outs = [
-        _wrap(call, d_input, m_x if mask[0] else None),
-        _wrap(call, d_hx, m_hx if mask[1] else None),
-        _wrap(call, d_cx, m_cx if mask[2] else None),
-    ]
+    states = [m if wanted else None for m, wanted in zip((m_x, m_hx, m_cx), mask, strict=False)]
+    outs = wrap_outputs(call, real[:3], states)
     if not mask[3]:
-        return (*outs, list(d_weights))
-    return (*outs, [_wrap(call, r, s) for r, s in zip(d_weights, m_weights, strict=True)])
+        return (*outs, list(real[3]))
+    return (*outs, list(wrap_outputs(call, real[3], m_weights)))
 
 
 def _present(messages: DirectionMessages, w: CellWeights) -> list[State]:

@@ -198,9 +198,18 @@ def rnn_gate_messages(sr: Semiring, m_h: State, h_new: Tensor, kind: CellKind) -
 # --- the fused CUDA cells (CUDA/XPU without cuDNN, and nn.LSTMCell / nn.GRUCell there) --------
 
 
-def _message_or_zero(call: OpCall, name: str, shape: Sequence[int]) -> State:
-    value = call[name]
+def state_or_zero(call: OpCall, value: Tensor | None, shape: Sequence[int]) -> State:
+    """The state of an optional gradient argument; one that never arrived is "no path"."""
     return call.zeros(shape) if value is None else call.state(value, shape)
+
+
+def wrap_outputs(
+    call: OpCall, reals: Sequence[Tensor | None] | None, states: Sequence[State | None]
+) -> tuple[Tensor | None, ...]:
+    """Each output as a message (its regular gradient and state); where there is no state (an
+    input without a message, such as an absent bias) the regular result alone."""
+    reals = list(reals) if reals is not None else [None] * len(states)
+    return tuple(r if s is None else call.wrap(r, s) for r, s in zip(reals, states, strict=True))
 
 
 def _fused_lstm_messages(call: OpCall) -> tuple[State, State, State | None]:
@@ -213,17 +222,11 @@ def _fused_lstm_messages(call: OpCall) -> tuple[State, State, State | None]:
     cx, cy = call["cx"].to(dtype), call["cy"].to(dtype)
     i, f, g, o = call["workspace"].to(dtype).chunk(4, 1)
     step = LstmStep(i, f, g, o, cx, cy.tanh(), None)
-    m_h = _message_or_zero(call, "grad_hy", cx.shape)
-    m_c = _message_or_zero(call, "grad_cy", cx.shape)
+    m_h = state_or_zero(call, call["grad_hy"], cx.shape)
+    m_c = state_or_zero(call, call["grad_cy"], cx.shape)
     m_gates, m_cx = lstm_gate_messages(call.semiring, m_h, m_c, step)
     m_bias = call.semiring.sum(m_gates, [0]) if call["has_bias"] else None
     return m_gates, m_cx, m_bias
-
-
-def _wrap_all(call: OpCall, reals: Sequence[Tensor | None] | None, states: Sequence[State | None]):
-    """Wrap each state with its regular gradient; a None state stays None (no such output)."""
-    reals = list(reals) if reals is not None else [None] * len(states)
-    return tuple(None if s is None else call.wrap(r, s) for r, s in zip(reals, states, strict=True))
 
 
 @register_rule(aten._thnn_fused_lstm_cell_backward_impl.default)
@@ -233,7 +236,7 @@ def fused_lstm_cell_backward(call: OpCall):
     ``_thnn_fused_lstm_cell_backward`` that autograd calls duplicates them before any rule
     sees them."""
     m_gates, m_cx, m_bias = _fused_lstm_messages(call)
-    return _wrap_all(call, call.run_real(), [m_gates, m_cx, m_bias])
+    return wrap_outputs(call, call.run_real(), [m_gates, m_cx, m_bias])
 
 
 @register_rule(aten._thnn_fused_gru_cell_backward.default)
@@ -249,4 +252,4 @@ def fused_gru_cell_backward(call: OpCall):
     m_h = call.state(call["grad_hy"])
     m_in, m_hid, m_hx = gru_gate_messages(sr, m_h, GruStep(r, z, n, hh_n, hx))
     biases = [sr.sum(m_in, [0]), sr.sum(m_hid, [0])] if call["has_bias"] else [None, None]
-    return _wrap_all(call, call.run_real(), [m_in, m_hid, m_hx, *biases])
+    return wrap_outputs(call, call.run_real(), [m_in, m_hid, m_hx, *biases])

@@ -10,6 +10,8 @@ from . import (  # noqa: F401  (imported for their registrations)
     normalization,
     pointwise,
     pooling,
+    recurrent,
+    recurrent_cells,
     resampling,
     scan,
     softmax,

@@ -12,6 +12,7 @@ from torch import Tensor, nn
 
 from .errors import SemipackError
 from .extensions import FUNCTION_EXTENSIONS, eager_attention_routed
+from .rules import FORWARD_ROUTES
 from .transport import backward as _bw
 from .transport.hooks import module_hooks_see_gradients
 from .transport.interception import SemiringMode
@@ -67,10 +68,10 @@ def extend(
             stack.enter_context(torch.compiler.set_stance("force_eager"))
         stack.enter_context(ModuleTracker(model).active())
         stack.enter_context(module_hooks_see_gradients(model.modules() if model else ()))
-        reroute = {}
+        reroute = dict(FORWARD_ROUTES)
         if extensions:
             stack.enter_context(eager_attention_routed())
-            reroute = FUNCTION_EXTENSIONS
+            reroute.update(FUNCTION_EXTENSIONS)
         stack.enter_context(SemiringMode(semiring, regular_grads, watched, reroute, names))
         yield model
 

@@ -23,7 +23,7 @@ import torch
 from oracle import Readout, build_graph, dynamic_programming
 from test_oracle import SEMIPACK_SEMIRINGS, assert_readout_matches
 from torch import Tensor, nn
-from torch.nn.utils.rnn import PackedSequence, pack_padded_sequence
+from torch.nn.utils.rnn import PackedSequence, pack_padded_sequence, pad_packed_sequence
 
 import semipack
 from semipack.transport.message import Message
@@ -495,8 +495,9 @@ def test_onednn_rule_rejects_other_modes() -> None:
     assert "oneDNN GRU layers are not supported (only LSTM is)" in str(info.value)
 
 
-def test_pack_padded_sequence_of_a_differentiable_tensor_raises() -> None:
-    """Its backward copies the message into a fresh plain tensor: an error, never a number."""
+def test_pack_padded_sequence_outside_extend_raises() -> None:
+    """Its backward copies the message into a fresh plain tensor: an error, never a number
+    (inside ``semipack.extend`` the packing is recorded as indexing, see below)."""
     x = torch.randn(3, 2, 2, requires_grad=True)
     packed = pack_padded_sequence(x, torch.tensor([3, 2]))
     with pytest.raises(semipack.UnsupportedOpError) as info:
@@ -534,6 +535,34 @@ def test_packing_by_indexing_matches_oracle() -> None:
         (expected,) = dynamic_programming(graph, [x], name)
         (actual,) = semipack.grad(loss, x, make(), retain_graph=True)
         assert_readout_matches(name, expected, actual, "x")
+
+
+@pytest.mark.parametrize("batch_first", [False, True])
+def test_pack_padded_sequence_inside_extend_is_exact(batch_first: bool) -> None:
+    """Inside ``extend`` packing is recorded as a gather: the oracle's values on the same graph
+    built by hand (``pack_by_indexing``), and ``.grad`` bitwise a plain backward's."""
+    torch.manual_seed(0)
+    lstm = nn.LSTM(2, 3, batch_first=batch_first).double()
+    x = torch.randn(3, 4, 2, dtype=torch.float64, requires_grad=True)
+    lengths = torch.tensor([2, 4, 3] if batch_first else [2, 3, 1, 3])
+
+    def loss_of(packed: PackedSequence) -> Tensor:
+        out, (h_n, _) = lstm(packed)
+        padded, _ = pad_packed_sequence(out, batch_first=batch_first)
+        return (padded * torch.linspace(-1, 1, padded.numel()).view_as(padded)).sum() + h_n.sum()
+
+    steps_first = x.transpose(0, 1) if batch_first else x
+    graph = build_graph(loss_of(pack_by_indexing(steps_first, lengths)))
+    plain = torch.autograd.grad(
+        loss_of(pack_padded_sequence(x, lengths, batch_first, enforce_sorted=False)), x
+    )[0]
+    for name, make in SEMIPACK_SEMIRINGS.items():
+        (expected,) = dynamic_programming(graph, [x], name)
+        x.grad = None
+        with semipack.extend(lstm, make()):
+            loss_of(pack_padded_sequence(x, lengths, batch_first, enforce_sorted=False)).backward()
+        assert torch.equal(x.grad, plain)
+        assert_readout_matches(name, expected, x.semiring_grad, "x")
 
 
 # --------------------------------------------------------------------------------------------

@@ -8,6 +8,7 @@ from . import (  # noqa: F401  (imported for their registrations)
     embedding,
     inspection,
     normalization,
+    packing,
     pointwise,
     pooling,
     recurrent,
@@ -17,6 +18,6 @@ from . import (  # noqa: F401  (imported for their registrations)
     softmax,
     structural,
 )
-from .registry import OpCall, register_rule, registered_ops, rule_for
+from .registry import FORWARD_ROUTES, OpCall, register_rule, registered_ops, rule_for
 
-__all__ = ["OpCall", "register_rule", "registered_ops", "rule_for"]
+__all__ = ["FORWARD_ROUTES", "OpCall", "register_rule", "registered_ops", "rule_for"]

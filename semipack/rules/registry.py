@@ -39,6 +39,23 @@ def register_rule(*ops: OpOverload | OpOverloadPacket) -> Callable[[Rule], Rule]
     return decorate
 
 
+#: torch function -> replacement used inside ``semipack.extend`` (extensions on or off): functions
+#: whose backward cannot carry messages (it copies the gradient into a fresh plain tensor), which
+#: are recorded instead as ops whose backward can, with the same values.
+FORWARD_ROUTES: dict[Callable[..., Any], Callable[..., Any]] = {}
+
+
+def route_forward(*functions: Callable[..., Any]) -> Callable[[Callable], Callable]:
+    """Decorator: inside ``semipack.extend`` calls of ``functions`` run the decorated one."""
+
+    def register(replacement: Callable[..., Any]) -> Callable[..., Any]:
+        for f in functions:
+            FORWARD_ROUTES[f] = replacement
+        return replacement
+
+    return register
+
+
 def rule_for(func: OpOverload) -> Rule | None:
     return _RULES.get(func) or _RULES.get(func.overloadpacket)
 

@@ -28,21 +28,35 @@ def expand_param(
 
 @dataclass(frozen=True)
 class ConvGeometry:
-    """Stride, padding and dilation (one entry per spatial dim) and groups of a convolution."""
+    """Stride, padding and dilation (one entry per spatial dim) and groups of a convolution;
+    ``transposed`` and ``output_padding`` (one entry per spatial dim) for a transposed one."""
 
     stride: tuple[int, ...]
     padding: tuple[int, ...]
     dilation: tuple[int, ...]
     groups: int = 1
+    transposed: bool = False
+    output_padding: tuple[int, ...] = ()
 
     @classmethod
-    def of(cls, spatial_dims: int, stride, padding, dilation, groups: int = 1) -> ConvGeometry:
+    def of(
+        cls,
+        spatial_dims: int,
+        stride,
+        padding,
+        dilation,
+        groups: int = 1,
+        transposed: bool = False,
+        output_padding=0,
+    ) -> ConvGeometry:
         """From the forms the modules and aten use (an int or one value per dim)."""
         return cls(
             tuple(expand_param(stride, spatial_dims)),
             tuple(expand_param(padding, spatial_dims)),
             tuple(expand_param(dilation, spatial_dims)),
             groups,
+            transposed,
+            tuple(expand_param(output_padding, spatial_dims, default=[0] * spatial_dims)),
         )
 
 

@@ -6,6 +6,7 @@ from . import (  # noqa: F401  (imported for their registrations)
     contractions,
     convolution,
     embedding,
+    interpolation,
     normalization,
     pointwise,
     pooling,
@@ -13,6 +14,7 @@ from . import (  # noqa: F401  (imported for their registrations)
     scan,
     softmax,
     structural,
+    unfolding,
 )
 from .registry import OpCall, register_rule, registered_ops, rule_for
 

@@ -13,10 +13,10 @@ is the identity, with weights exactly 1 and 0), the op returns the rows of ``A_d
 weighs the regular gradient, whatever its scale, ``align_corners`` or antialiasing rules.
 
 The built-in semirings lift products to products, so their messages contract one dim at a time
-(``_contract_axis``: a gather, a scale and the semiring's ``index_plus`` over that dim's
-non-zero coefficients; no [out, in] matrix). A user semiring gets the literal edges, one per
-(output, input) pair with the product weight (``_contract_edges``), so its ``lift`` need not
-be multiplicative.
+(``_contract_axis``: a gather, a scale and the semiring's ``sum`` over that dim's non-zero
+coefficients; no [out, in] matrix). A user semiring gets the literal edges, one per
+(output, input) pair with the product weight (``_contract_edges``, a gather and the semiring's
+``sum``), so its ``lift`` need not be multiplicative.
 """
 
 from __future__ import annotations
@@ -42,6 +42,7 @@ from ..semirings import (
 )
 from ..semirings.base import BLOCK_ELEMENTS
 from .registry import OpCall, register_rule
+from .windows import incoming_edges
 
 aten = torch.ops.aten
 
@@ -120,22 +121,39 @@ def _along(indicator: Tensor, dim: int, spatial_dims: int) -> Tensor:
 def _contract_axis(
     sr: Semiring, m: State, dim: int, coeffs: AxisCoefficients, n_in: int, grad_dtype
 ) -> State:
-    """``out[.., i, ..] = ⊕_o m[.., o, ..] ⊗ lift(A[o, i])`` along ``dim`` of ``m``."""
-    src = tuple(p.index_select(dim, coeffs.out_index) for p in m)
-    shape = [1] * m[0].dim()
-    shape[dim] = -1
-    src = sr.scale(src, coeffs.weight.reshape(shape))
-    dest_shape = list(m[0].shape)
-    dest_shape[dim] = n_in
-    dest = sr.zeros(dest_shape, grad_dtype, m[0].device)
-    return sr.index_plus(dest, dim, coeffs.in_index, src)
+    """``out[.., i, ..] = ⊕_o m[.., o, ..] ⊗ lift(A[o, i])`` along ``dim`` of ``m``.
+
+    Each input position gathers the outputs it feeds (``incoming_edges``); unused slots gather
+    the semiring's zero (an appended entry) with weight 1, so they add nothing, successor ids
+    included. Then one ``scale`` and one ``sum`` over the slots.
+    """
+    table = incoming_edges(coeffs.in_index, n_in)  # [n_in, degree], -1 unused
+    moved = tuple(p.movedim(dim, -1) for p in m)
+    if table.shape[1] == 0:
+        shape = (*moved[0].shape[:-1], n_in)
+        return tuple(p.movedim(-1, dim) for p in sr.zeros(shape, grad_dtype, m[0].device))
+    used = table >= 0
+    n_out = moved[0].shape[-1]
+    picks = torch.where(used, coeffs.out_index[table], n_out)
+    weights = torch.where(used, coeffs.weight[table], 1.0)
+    nowhere = sr.zeros((*moved[0].shape[:-1], 1), grad_dtype, m[0].device)
+    src = tuple(
+        torch.cat([p, z], -1)[..., picks] for p, z in zip(moved, nowhere, strict=True)
+    )  # [..., n_in, degree]
+    parts = sr.sum(sr.scale(src, weights), [src[0].dim() - 1])
+    return tuple(p.movedim(-1, dim) for p in parts)
 
 
 def _contract_edges(
     sr: Semiring, m: State, axes: list[AxisCoefficients], in_sizes: list[int], grad_dtype
 ) -> State:
     """The same contraction over the literal edges: every (output, input) pair with a non-zero
-    product of coefficients, lifted once. ``m``: [lead, *out_sizes]."""
+    product of coefficients, lifted once. ``m``: [lead, *out_sizes].
+
+    Each input entry gathers its incoming edges (padded to the largest in-degree with weight 0,
+    which lifts to the semiring's zero) and plus-reduces them with ``sum``: the primitives only,
+    and memory proportional to the edges, not to outputs times inputs.
+    """
     lead, out_sizes = m[0].shape[0], list(m[0].shape[1:])
     device = m[0].device
     out_flat = torch.zeros(1, dtype=torch.long, device=device)
@@ -145,10 +163,14 @@ def _contract_edges(
         out_flat = (out_flat[:, None] * n_out + coeffs.out_index[None, :]).reshape(-1)
         in_flat = (in_flat[:, None] * n_in + coeffs.in_index[None, :]).reshape(-1)
         weight = (weight[:, None] * coeffs.weight[None, :]).reshape(-1)
-    src = tuple(p.reshape(lead, -1).index_select(1, out_flat) for p in m)
-    src = sr.scale(src, weight[None, :])
-    dest = sr.zeros((lead, math.prod(in_sizes)), grad_dtype, device)
-    parts = sr.index_plus(dest, 1, in_flat, src)
+    table = incoming_edges(in_flat, math.prod(in_sizes))  # [I, degree], -1 unused
+    if table.shape[1] == 0:
+        return sr.zeros((lead, *in_sizes), grad_dtype, device)
+    used = table >= 0
+    sources = torch.where(used, out_flat[table], 0)
+    weights = torch.where(used, weight[table], 0.0)
+    src = tuple(p.reshape(lead, -1)[:, sources] for p in m)  # [lead, I, degree]
+    parts = sr.sum(sr.scale(src, weights[None]), [2])
     return tuple(p.reshape(lead, *in_sizes) for p in parts)
 
 

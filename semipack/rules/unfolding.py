@@ -3,10 +3,11 @@
 ``im2col`` copies input entry (c, position) into column entry (c·K + tap, window) for every
 window and tap that covers it (taps in the padding copy nothing); ``col2im`` is its adjoint and
 adds the column entries back onto the positions. Every edge has weight 1. So the backward of
-``F.unfold`` (``col2im`` on the message) gathers nothing and sums, with the semiring's plus, the
-copies of each input entry; the backward of ``F.fold`` (``im2col`` on the message) hands each
-column entry the message of the one position it was added to, or the semiring's zero where the
-column entry fell in the padding (no edge). Both use the window index maps of ``windows``.
+``F.unfold`` (``col2im`` on the message) plus-reduces, with the semiring's ``sum``, the column
+entries each input entry was copied to (gathered per entry: no scatter); the backward of
+``F.fold`` (``im2col`` on the message) hands each column entry the message of the one position
+it was added to, or the semiring's zero where the column entry fell in the padding (no edge).
+Both use the window index maps of ``windows``.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import torch
 from torch import Tensor
 
 from .registry import OpCall, register_rule
-from .windows import expand_param, scatter_windows, window_index
+from .windows import expand_param, incoming_edges, window_index
 
 aten = torch.ops.aten
 
@@ -54,11 +55,21 @@ def _geometry(call: OpCall) -> tuple[list[int], list[int], list[int], list[int]]
     )
 
 
+def _gather(call: OpCall, parts: tuple[Tensor, ...], lead: int, index: Tensor):
+    """``parts`` flattened to [lead, n], gathered at ``index`` (any shape) along n: [lead,
+    *index.shape], the semiring's zero where the index is -1."""
+    nowhere = call.zeros((lead, 1))
+    n = parts[0].numel() // max(1, lead)
+    picks = torch.where(index >= 0, index, n)
+    return tuple(
+        torch.cat([p.reshape(lead, n), z], 1)[:, picks] for p, z in zip(parts, nowhere, strict=True)
+    )
+
+
 @register_rule(aten.col2im.default)
 def col2im(call: OpCall):
     """Message of ``F.unfold``'s input: [N, C·K, L] (or [C·K, L]) -> [N, C, H, W] (or
-    [C, H, W]); each input entry collects, with the semiring's plus, the column entries it was
-    copied to."""
+    [C, H, W]); each input entry plus-reduces the column entries it was copied to."""
     msg = call["self"]
     kernel, dilation, padding, stride = _geometry(call)
     in_size = list(call["output_size"])
@@ -67,9 +78,11 @@ def col2im(call: OpCall):
     channels = msg.shape[-2] // math.prod(kernel)
     sources = column_sources(channels, in_size, kernel, dilation, padding, stride, msg.device)
     spatial = channels * math.prod(in_size)
-    src = tuple(p.reshape(lead, *sources.shape) for p in msg.parts)
-    dest = call.zeros((lead, spatial))
-    parts = scatter_windows(call.semiring, dest, lead, spatial, sources, src)
+    copies = incoming_edges(sources.reshape(-1), spatial)  # [C·H·W, copies], -1 unused
+    if copies.shape[1] == 0:
+        parts = call.zeros((lead, spatial))
+    else:
+        parts = call.semiring.sum(_gather(call, msg.parts, lead, copies), [2])
     shape = (lead, channels, *in_size) if batched else (channels, *in_size)
     return call.wrap(call.run_real(), tuple(p.reshape(shape) for p in parts))
 
@@ -85,13 +98,6 @@ def im2col(call: OpCall):
     lead = msg.shape[0] if batched else 1
     channels, in_size = msg.shape[-3], list(msg.shape[-2:])
     sources = column_sources(channels, in_size, kernel, dilation, padding, stride, msg.device)
-    spatial = channels * math.prod(in_size)
-    # One extra column holding the semiring's zero: the source of every padded tap.
-    nowhere = call.zeros((lead, 1))
-    picks = torch.where(sources >= 0, sources, spatial).reshape(-1)
-    parts = tuple(
-        torch.cat([p.reshape(lead, spatial), z], 1).index_select(1, picks)
-        for p, z in zip(msg.parts, nowhere, strict=True)
-    )
+    parts = _gather(call, msg.parts, lead, sources)
     shape = (lead, *sources.shape) if batched else tuple(sources.shape)
     return call.wrap(call.run_real(), tuple(p.reshape(shape) for p in parts))

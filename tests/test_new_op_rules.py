@@ -616,3 +616,20 @@ def test_cuda_values_match_the_oracle(name: str) -> None:
             if semiring_name == "signed_max_prod":
                 got = type(actual[i])(*got)
             assert_readout_matches(semiring_name, want, got, f"cuda {name} leaf {i}")
+
+
+@pytest.mark.parametrize("align_corners", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_same_size_dims_are_the_exact_identity(align_corners: bool, dtype) -> None:
+    """What reading one dim's coefficients at a time relies on, for every interpolation op."""
+    for op, dims in zip(interpolation._BACKWARDS, (1, 2, 2, 3, 2, 2), strict=True):
+        assert interpolation.keeps_same_size_exactly(op, dims, align_corners, dtype, "cpu"), op
+
+
+def test_interpolation_refuses_coefficients_it_cannot_read_exactly(monkeypatch) -> None:
+    monkeypatch.setattr(interpolation, "keeps_same_size_exactly", lambda *args: False)
+    x = torch.randn(1, 1, 2, 3, dtype=torch.float64, requires_grad=True)
+    out = F.interpolate(x, scale_factor=2, mode="bilinear")
+    with pytest.raises(semipack.UnsupportedOpError, match="cannot be read off exactly") as info:
+        semipack.grad(out.sum(), x, semipack.MaxProd())
+    assert info.value.op == "aten.upsample_bilinear2d_backward.default"

@@ -21,6 +21,7 @@ coefficients; no [out, in] matrix). A user semiring gets the literal edges, one 
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -111,6 +112,20 @@ def axis_coefficients(
     return AxisCoefficients(*(torch.cat(parts) for parts in zip(*found, strict=True)))
 
 
+@functools.cache
+def keeps_same_size_exactly(
+    backward: OpOverload, spatial_dims: int, align_corners: bool, dtype: torch.dtype, device: str
+) -> bool:
+    """Whether ``backward`` at size ``_OTHER_SIZE`` in every dim, without scales, is exactly
+    the identity, as ``axis_coefficients`` assumes of the dims it does not read."""
+    sizes = [_OTHER_SIZE] * spatial_dims
+    n = _OTHER_SIZE**spatial_dims
+    eye = torch.eye(n, dtype=dtype, device=device)
+    grad = eye.reshape(1, n, *sizes)
+    back = backward(grad, sizes, [1, n, *sizes], align_corners, *([None] * spatial_dims))
+    return torch.equal(back.reshape(n, n), eye)
+
+
 def _along(indicator: Tensor, dim: int, spatial_dims: int) -> Tensor:
     """[count, n] -> [1, count, 1, .., n (at spatial dim ``dim``), .., 1]."""
     shape = [1, indicator.shape[0]] + [1] * spatial_dims
@@ -185,6 +200,14 @@ def interpolation_messages(call: OpCall) -> State:
     sr, device = call.semiring, msg.device
     if msg.numel() == 0 or math.prod(input_size) == 0:
         return call.zeros(input_size)
+    align_corners = bool(bound["align_corners"])
+    if not keeps_same_size_exactly(
+        call.func, spatial, align_corners, call.weight_dtype, str(device)
+    ):
+        raise call.error(
+            "its coefficients cannot be read off exactly (this PyTorch build does not keep a "
+            "same-size dimension as the exact identity)"
+        )
     axes = [
         axis_coefficients(
             call.func,
@@ -192,7 +215,7 @@ def interpolation_messages(call: OpCall) -> State:
             out_sizes[d],
             d,
             spatial,
-            bound["align_corners"],
+            align_corners,
             scales[d],
             call.weight_dtype,
             device,

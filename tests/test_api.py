@@ -255,36 +255,42 @@ def test_extend_rejects_non_semirings() -> None:
 # --- errors --------------------------------------------------------------------------------------
 
 
-class Upsampled(nn.Module):
+class Resampled(nn.Module):
     def __init__(self) -> None:
         super().__init__()
         self.proj = nn.Linear(3, 3)
-        self.head = nn.Sequential(nn.Identity(), Bilinear())
+        self.head = nn.Sequential(nn.Identity(), GridSampled())
 
     def forward(self, x):
         return self.head(self.proj(x))
 
 
-class Bilinear(nn.Module):
+def _grid_sample(x: torch.Tensor) -> torch.Tensor:
+    """[B, 3] -> [B, 1, 2, 2] through F.grid_sample, an op without a semiring rule."""
+    grid = torch.zeros(x.shape[0], 2, 2, 2, dtype=x.dtype)
+    return F.grid_sample(x[:, None, :, None], grid, align_corners=False)
+
+
+class GridSampled(nn.Module):
     def forward(self, x):
-        return F.interpolate(x[:, None, :, None], scale_factor=2, mode="bilinear")
+        return _grid_sample(x)
 
 
 def test_unsupported_op_names_op_node_module_and_fix() -> None:
-    model = Upsampled()
+    model = Resampled()
     with (
         pytest.raises(semipack.UnsupportedOpError) as info,
         semipack.extend(model, semipack.MaxProd()),
     ):
         model(torch.randn(2, 3)).sum().backward()
     err = info.value
-    assert err.op == "aten.upsample_bilinear2d_backward.default"
-    assert err.node == "UpsampleBilinear2DBackward0"
+    assert err.op == "aten.grid_sampler_2d_backward.default"
+    assert err.node == "GridSampler2DBackward0"
     assert err.module == "head.1"
     assert str(err) == (
-        "semipack has no semiring rule for aten.upsample_bilinear2d_backward.default in the "
-        "backward of UpsampleBilinear2DBackward0, created by module 'head.1'. Register one with "
-        "@semipack.register_rule(torch.ops.aten.upsample_bilinear2d_backward.default) (see "
+        "semipack has no semiring rule for aten.grid_sampler_2d_backward.default in the "
+        "backward of GridSampler2DBackward0, created by module 'head.1'. Register one with "
+        "@semipack.register_rule(torch.ops.aten.grid_sampler_2d_backward.default) (see "
         "'Adding an op rule' in the README)."
     )
     assert all(not m._forward_hooks and not m._forward_pre_hooks for m in model.modules())
@@ -293,9 +299,7 @@ def test_unsupported_op_names_op_node_module_and_fix() -> None:
 def test_unsupported_op_without_module_says_how_to_name_it() -> None:
     x = torch.randn(1, 3, requires_grad=True)
     with pytest.raises(semipack.UnsupportedOpError, match="module unknown"):
-        semipack.grad(
-            F.interpolate(x[None], scale_factor=2, mode="linear").sum(), x, semipack.MaxProd()
-        )
+        semipack.grad(_grid_sample(x).sum(), x, semipack.MaxProd())
 
 
 def test_ops_without_semiring_meaning_raise() -> None:

@@ -267,9 +267,17 @@ def _real_closed_form(
 ) -> tuple[Tensor]:
     # With u_i = m_i g_i:  Σ_i u_i rstd (δ_ij - 1/n - x̂_i x̂_j / n)
     #                    = rstd (u_j - mean_i(u) - x̂_j mean_i(u x̂)).
-    u = m * (gain[:, None] if gain_per_row else gain[None, :])
+    u = m * _entry_gains(gain, gain_per_row)
     centred = u - u.mean(-1, keepdim=True) - x_hat * (u * x_hat).mean(-1, keepdim=True)
     return (rstd[:, None] * centred,)
+
+
+def _entry_gains(gain: Tensor, gain_per_row: bool) -> Tensor:
+    """``gain`` shaped to broadcast over [rows, n]: [rows, 1] per row, [1, n] per entry, or
+    [rows, n] as given (a gain per row and entry, group_norm's channels)."""
+    if gain_per_row:
+        return gain[:, None]
+    return gain if gain.dim() == 2 else gain[None, :]
 
 
 def normalized_messages(
@@ -283,10 +291,11 @@ def normalized_messages(
 ) -> State | None:
     """Messages through normalisation rows, or None where the caller should use the dense path.
 
-    ``m``, ``x_hat``: [rows, n]; ``rstd``: [rows]; ``gain``: [n] (per entry) or [rows]
-    (``gain_per_row``). ``mode``: ``"auto"`` (compiled kernel from ``COMPILE_MIN_PAIRS`` pairs
-    up when compilation is on, else None), ``"compiled"`` (always the fused kernel, which falls
-    back to its eager form if compiling fails) or ``"eager"`` (the kernel's dense fallback).
+    ``m``, ``x_hat``: [rows, n]; ``rstd``: [rows]; ``gain``: [n] (per entry), [rows]
+    (``gain_per_row``) or [rows, n] (per row and entry). ``mode``: ``"auto"`` (compiled
+    kernel from ``COMPILE_MIN_PAIRS`` pairs up when compilation is on, else None),
+    ``"compiled"`` (always the fused kernel, which falls back to its eager form if compiling
+    fails) or ``"eager"`` (the kernel's dense fallback).
     On float32, MaxProd, LogSum and Entropy use the hand-written kernels of :mod:`.native`
     (``NATIVE_KERNELS``) where they are available, with or without compilation.
     """
@@ -307,7 +316,7 @@ def normalized_messages(
     if gain_per_row:
         row_weight = rstd * gain
     else:
-        m = sr.scale(m, gain[None, :])
+        m = sr.scale(m, _entry_gains(gain, False))
         row_weight = rstd
     if type(sr) is Boolean:
         m = (m[0].to(x_hat.dtype),)

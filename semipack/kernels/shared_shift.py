@@ -150,11 +150,12 @@ def shared_shift_products(
 
 class _ConvSums:
     """Sums over a convolution's edges with non-negative operands: ``to_input(g, w)`` is
-    Σ g·w over the windows an input entry belongs to (the input gradient of ``conv(·, w)`` for
-    output gradient g), ``to_weight(g, x)`` is Σ g·x over batch and positions (the weight
-    gradient). PyTorch's convolution backward computes them as plain sums of products: direct
-    kernels on CPU and, on CUDA, the cuDNN-free native kernels (cuDNN may choose Winograd or FFT
-    algorithms, whose transforms subtract and could turn an exact zero, "no path", into noise).
+    Σ g·w over the edges of an input entry (the input gradient of ``conv(·, w)`` for output
+    gradient g), ``to_weight(g, x)`` is Σ g·x over batch and positions (the weight gradient);
+    for a transposed convolution the same sums run through its own backward. PyTorch's
+    convolution backward computes them as plain sums of products: direct kernels on CPU and, on
+    CUDA, the cuDNN-free native kernels (cuDNN may choose Winograd or FFT algorithms, whose
+    transforms subtract and could turn an exact zero, "no path", into noise).
     """
 
     def __init__(self, x: Tensor, w: Tensor, geometry: ConvGeometry) -> None:
@@ -164,8 +165,8 @@ class _ConvSums:
             list(geometry.stride),
             list(geometry.padding),
             list(geometry.dilation),
-            False,
-            [0] * (x.dim() - 2),
+            geometry.transposed,
+            list(geometry.output_padding) or [0] * (x.dim() - 2),
             geometry.groups,
         )
 
@@ -223,9 +224,10 @@ SHARED_SHIFT_CONV: dict[type[Semiring], Callable[..., Products | None]] = {
 def shared_shift_conv(
     sr: Semiring, m: State, x: Tensor, w: Tensor, geometry: ConvGeometry, mask: Sequence[bool]
 ) -> Products | None:
-    """(input, weight, bias) messages of ``conv(x, w)`` (zero padding, not transposed) from the
-    output message ``m``, or None where this form does not apply (another semiring, or a
-    message spanning more than ``SHARED_SHIFT_SPAN`` nats). ``x`` and ``w`` in the state dtype.
+    """(input, weight, bias) messages of ``conv(x, w)`` (zero padding; transposed or not, as
+    ``geometry`` says) from the output message ``m``, or None where this form does not apply
+    (another semiring, or a message spanning more than ``SHARED_SHIFT_SPAN`` nats). ``x`` and
+    ``w`` in the state dtype.
     """
     kernel = SHARED_SHIFT_CONV.get(type(sr))
     if kernel is None:

@@ -7,6 +7,7 @@ from . import (  # noqa: F401  (imported for their registrations)
     convolution,
     embedding,
     inspection,
+    interpolation,
     normalization,
     packing,
     pointwise,
@@ -17,6 +18,7 @@ from . import (  # noqa: F401  (imported for their registrations)
     scan,
     softmax,
     structural,
+    unfolding,
 )
 from .registry import FORWARD_ROUTES, OpCall, register_rule, registered_ops, rule_for
 

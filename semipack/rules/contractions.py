@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import math
+from dataclasses import dataclass
+
 import torch
+from torch import Tensor
 
 from ..kernels.shared_shift import shared_shift_products
-from ..semirings.base import State
+from ..semirings.base import BLOCK_ELEMENTS, Semiring, State
 from ..transport.message import Message
 from .registry import OpCall, register_rule
 
@@ -61,3 +65,135 @@ def dot(call: OpCall):
     weights = w[:, None].to(call.weight_dtype)
     parts = tuple(p[0, 0] for p in call.semiring.matmul(tuple(p[None] for p in msg.parts), weights))
     return call.wrap(call.run_real(), parts)
+
+
+# --- _trilinear: torch.bilinear's three-operand product -------------------------------------------
+@dataclass(frozen=True)
+class TrilinearLayout:
+    """How the dims of one ``_trilinear`` call relate to its message operand.
+
+    ``_trilinear(i1, i2, i3, expand1, expand2, expand3, sumdim)`` unsqueezes each operand at its
+    ``expand`` dims, multiplies the three and sums over ``sumdim``. With one operand a message
+    M and the other two P, Q, every dim d is one of: ``reduced`` (M has it, the result does
+    not: the semiring's plus), ``shared`` (M and the result have it: entry to entry),
+    ``spread`` (only the result has it) or ``folded`` (neither has it: a real sum inside the
+    edge weight). The edge from M[s, k] to the result entry [s, n] has the weight
+    E[s, k, n] = Σ over folded dims of P·Q, one edge however many terms it sums.
+    """
+
+    sizes: tuple[int, ...]
+    reduced: tuple[int, ...]
+    shared: tuple[int, ...]
+    spread: tuple[int, ...]
+    folded: tuple[int, ...]
+
+    @classmethod
+    def of(cls, shapes: list[tuple[int, ...]], message: int, sumdim) -> TrilinearLayout:
+        """``shapes``: the three operands' shapes with their expand dims as 1 (same rank)."""
+        sizes = tuple(max(s[d] for s in shapes) for d in range(len(shapes[0])))
+        in_m = [shapes[message][d] == sizes[d] for d in range(len(sizes))]
+        summed = set(sumdim)
+        pick = [
+            tuple(d for d in range(len(sizes)) if in_m[d] == m and (d in summed) == s)
+            for m, s in ((True, True), (True, False), (False, False), (False, True))
+        ]
+        return cls(sizes, *pick)
+
+
+def _unsqueezed(t: Tensor, expand: list[int]) -> Tensor:
+    for d in sorted(expand):
+        t = t.unsqueeze(d)
+    return t
+
+
+def trilinear_messages(
+    sr: Semiring, m: State, p: Tensor, q: Tensor, layout: TrilinearLayout
+) -> State:
+    """The result message of ``_trilinear`` with the message ``m`` and real operands ``p``, ``q``
+    (all unsqueezed to the full rank), shaped like the op's result (the non-``sumdim`` dims).
+
+    The edge weights E [shared, reduced, spread] are built a bounded block at a time (at most
+    ``BLOCK_ELEMENTS``), so a bilinear layer's per-sample [batch, out, in] weights never exist
+    whole: blocks along a reduced dim meet in the semiring's plus, others are concatenated.
+    """
+    sizes = layout.sizes
+    live = [d for d in (*layout.shared, *layout.reduced, *layout.spread) if sizes[d] > 1]
+    varying = [d for d in live if d not in layout.shared or p.shape[d] > 1 or q.shape[d] > 1]
+    edges = math.prod(sizes[d] for d in varying)
+    if edges <= BLOCK_ELEMENTS or not live:
+        return _trilinear_block(sr, m, p, q, layout)
+    dim = max(live, key=lambda d: sizes[d])
+    step = max(1, sizes[dim] * BLOCK_ELEMENTS // edges)
+    result_dims = [d for d in range(len(sizes)) if d not in layout.reduced + layout.folded]
+    pieces: list[State] = []
+    for start in range(0, sizes[dim], step):
+        length = min(step, sizes[dim] - start)
+
+        def cut(t, start=start, length=length):
+            return t.narrow(dim, start, length) if t.shape[dim] > 1 else t
+
+        block = TrilinearLayout(
+            tuple(length if d == dim else s for d, s in enumerate(sizes)),
+            layout.reduced,
+            layout.shared,
+            layout.spread,
+            layout.folded,
+        )
+        pieces.append(trilinear_messages(sr, tuple(cut(c) for c in m), cut(p), cut(q), block))
+    if dim in layout.reduced:
+        total = pieces[0]
+        for piece in pieces[1:]:
+            total = sr.plus(total, piece)
+        return total
+    at = result_dims.index(dim)
+    return tuple(torch.cat(parts, at) for parts in zip(*pieces, strict=True))
+
+
+def _trilinear_block(
+    sr: Semiring, m: State, p: Tensor, q: Tensor, layout: TrilinearLayout
+) -> State:
+    """One block of ``trilinear_messages``: E by einsum, then one batched semiring matmul
+    [shared in E, shared elsewhere, reduced] ⊗ [shared in E, reduced, spread]."""
+    sizes, rank = layout.sizes, len(layout.sizes)
+    kept = (*layout.shared, *layout.reduced, *layout.spread)
+    weights = torch.einsum(p, list(range(rank)), q, list(range(rank)), list(kept))
+    in_e = [d for d in layout.shared if weights.shape[kept.index(d)] > 1]
+    rows = [d for d in layout.shared if d not in in_e]
+    # E: [*in_e, reduced, spread]; the shared dims of ``rows`` have size 1 in it, and a
+    # reduced dim where neither operand varies is broadcast.
+    order = (*in_e, *rows, *layout.reduced, *layout.spread)
+    weights = weights.permute([kept.index(d) for d in order])
+    batch = [sizes[d] for d in in_e]
+    k, n = math.prod(sizes[d] for d in layout.reduced), math.prod(sizes[d] for d in layout.spread)
+    full = (*batch, *[1] * len(rows), *(sizes[d] for d in (*layout.reduced, *layout.spread)))
+    weights = weights.expand(full).reshape(*batch, k, n)
+    order = (*in_e, *rows, *layout.reduced, *layout.spread, *layout.folded)
+    r = math.prod(sizes[d] for d in rows)
+    a = tuple(c.permute(order).reshape(*batch, r, k) for c in m)
+    out = sr.matmul(a, weights)  # [*in_e, rows, spread]
+    unfolded = (*batch, *(sizes[d] for d in rows), *(sizes[d] for d in layout.spread))
+    result_dims = sorted((*layout.shared, *layout.spread))
+    position = (*in_e, *rows, *layout.spread)
+    back = [position.index(d) for d in result_dims]
+    return tuple(c.reshape(unfolded).permute(back) for c in out)
+
+
+@register_rule(aten._trilinear.default)
+def trilinear(call: OpCall):
+    """``_trilinear`` with one message operand: torch.bilinear's backward applies it to the
+    output message once per input (x1, weight, x2); the bias is a separate add."""
+    operands = [call["i1"], call["i2"], call["i3"]]
+    expands = [list(call["expand1"]), list(call["expand2"]), list(call["expand3"])]
+    which = [j for j, t in enumerate(operands) if isinstance(t, Message)]
+    if len(which) != 1:
+        raise call.error("the product of two messages has no semiring meaning")
+    k = which[0]
+    dtype = call.weight_dtype
+    full = [
+        _unsqueezed(t.parts[0] if j == k else t.to(dtype), e)
+        for j, (t, e) in enumerate(zip(operands, expands, strict=True))
+    ]
+    layout = TrilinearLayout.of([tuple(t.shape) for t in full], k, call["sumdim"])
+    m = tuple(_unsqueezed(c, expands[k]) for c in operands[k].parts)
+    p, q = (full[j] for j in range(3) if j != k)
+    return call.wrap(call.run_real(), trilinear_messages(call.semiring, m, p, q, layout))

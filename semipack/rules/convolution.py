@@ -9,6 +9,10 @@ reference):
 - otherwise one kernel tap at a time (``per_tap_messages``): for a tap, the output positions
   read a strided slice of the padded input, so the tap's messages are two semiring matmuls and
   no im2col copy is built. TopPath's successor ids travel through the same matmuls and pluses.
+
+Transposed convolutions take the same two forms: PyTorch's transposed-convolution backward on
+the non-negative operands, or ``transposed_per_tap_messages``, where a tap links every input
+position to one strided slice of the output (the forward convolution's edges, reversed).
 """
 
 from __future__ import annotations
@@ -44,6 +48,8 @@ def conv_messages(
     fast = shared_shift_conv(sr, m_parts, x.to(dtype), w.to(dtype), geometry, mask)
     if fast is not None:
         return fast
+    if geometry.transposed:
+        return transposed_per_tap_messages(sr, m_parts, x, w, geometry, mask)
     return per_tap_messages(sr, m_parts, x, w, geometry, mask)
 
 
@@ -113,14 +119,103 @@ def per_tap_messages(
     return grad_in, w_msg, grad_b
 
 
+def _tap_box(
+    tap: Sequence[int], in_size: Sequence[int], out_size: Sequence[int], geometry: ConvGeometry
+) -> tuple[tuple[slice, ...], tuple[slice, ...]] | None:
+    """Where tap ``tap`` of a transposed convolution lands: (input box, output slices).
+
+    Input position i of dim d feeds output position ``i * stride - padding + t * dilation``;
+    the input positions whose target lies inside the output form a range per dim, and their
+    targets a strided slice of the output. None when the tap reaches no output entry.
+    """
+    inputs, outputs = [], []
+    for t, n_in, n_out, s, p, d in zip(
+        tap, in_size, out_size, geometry.stride, geometry.padding, geometry.dilation, strict=True
+    ):
+        offset = t * d - p  # target of input position 0
+        first = max(0, -(offset // s))  # the first i with i * s + offset >= 0
+        last = min(n_in - 1, (n_out - 1 - offset) // s)
+        if last < first:
+            return None
+        inputs.append(slice(first, last + 1))
+        start = first * s + offset
+        outputs.append(slice(start, start + (last - first) * s + 1, s))
+    return tuple(inputs), tuple(outputs)
+
+
+def transposed_per_tap_messages(
+    sr: Semiring, m_parts: State, x: Tensor, w: Tensor, geometry: ConvGeometry, mask: Sequence[bool]
+) -> Messages:
+    """Messages of a transposed convolution one kernel tap at a time, without an im2col copy.
+
+    ``x``: [B, C, *in]; ``w``: [C, O/groups, *kernel]; ``m_parts``: [B, O, *out]. Tap t links
+    input position i to output position ``i * stride - padding + t * dilation``, so over the
+    input positions whose target exists (a box, ``_tap_box``) its targets are a strided slice
+    of the output. The tap's input message is one semiring matmul (output slice [B·L, O] ⊗
+    kernel tap [O, C]) added with the semiring's plus into the box; its weight message one
+    semiring matmul (output slice [O, B·L] ⊗ input box [B·L, C]). Outputs no input reaches
+    (cropped by ``padding``) are no edges; neither are taps that reach no output.
+    """
+    batch, channels, out_channels = x.shape[0], x.shape[1], m_parts[0].shape[1]
+    in_size, out_size, kernel = list(x.shape[2:]), list(m_parts[0].shape[2:]), list(w.shape[2:])
+    groups = geometry.groups
+    c_g, o_g = channels // groups, out_channels // groups
+    dtype = sr.state_dtype(x.dtype)
+    # Channels last, so that a box or a slice is whole rows of channels.
+    m_last = tuple(p.movedim(1, -1).contiguous() for p in m_parts)
+    x_last = x.to(dtype).movedim(1, -1) if mask[1] else None
+    lifted = sr.lift(x_last) if x_last is not None and sr.has_lifted_matmul() else None
+    dest = sr.zeros((batch, *in_size, channels), dtype, x.device) if mask[0] else None
+    w_msg = sr.zeros((channels, o_g, *kernel), dtype, x.device) if mask[1] else None
+    for tap in itertools.product(*(range(k) for k in kernel)):
+        box = _tap_box(tap, in_size, out_size, geometry)
+        if box is None:
+            continue
+        inputs, outputs = box
+        rows_shape = (batch, *(b.stop - b.start for b in inputs))
+        positions = math.prod(rows_shape)
+        for g in range(groups):
+            outs, ins = slice(g * o_g, (g + 1) * o_g), slice(g * c_g, (g + 1) * c_g)
+            rows = tuple(p[(slice(None), *outputs, outs)].reshape(positions, o_g) for p in m_last)
+            where = (slice(None), *inputs, ins)
+            if mask[0]:  # [B·L, O] ⊗ [O, C] -> [B, *box, C], into the box
+                cols = sr.matmul(rows, w[(ins, slice(None), *tap)].t().to(dtype))
+                cols = tuple(p.reshape(*rows_shape, c_g) for p in cols)
+                merged = sr.plus(tuple(d[where] for d in dest), cols)
+                for d, part in zip(dest, merged, strict=True):
+                    d[where] = part
+            if mask[1]:  # [O, B·L] ⊗ [B·L, C] -> [O, C], stored as [C, O]
+                rows_t = tuple(p.t().contiguous() for p in rows)
+                if lifted is not None:
+                    found = sr.matmul_lifted(
+                        rows_t, tuple(c[where].reshape(positions, c_g) for c in lifted)
+                    )
+                else:
+                    found = sr.matmul(rows_t, x_last[where].reshape(positions, c_g))
+                for d, part in zip(w_msg, found, strict=True):
+                    d[(ins, slice(None), *tap)] = part.t()
+    grad_in = grad_b = None
+    if mask[0]:
+        grad_in = tuple(
+            d.movedim(-1, 1).contiguous(memory_format=torch.contiguous_format) for d in dest
+        )
+    if mask[2]:
+        grad_b = sr.sum(tuple(p.reshape(batch, out_channels, -1) for p in m_parts), [0, 2])
+    return grad_in, w_msg, grad_b
+
+
 @register_rule(aten.convolution_backward.default)
 def convolution_backward(call: OpCall):
     msg, x, w = call["grad_output"], call["input"], call["weight"]
-    if call["transposed"]:
-        raise call.error("transposed convolution is not supported yet")
     mask = call["output_mask"]
     geometry = ConvGeometry.of(
-        x.dim() - 2, call["stride"], call["padding"], call["dilation"], call["groups"]
+        x.dim() - 2,
+        call["stride"],
+        call["padding"],
+        call["dilation"],
+        call["groups"],
+        call["transposed"],
+        call["output_padding"],
     )
     grads = conv_messages(call.semiring, msg.parts, x, w, geometry, mask)
     real = call.run_real()

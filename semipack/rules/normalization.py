@@ -1,8 +1,10 @@
-"""layer_norm and batch_norm: normalisation couples a whole row (or channel) of entries.
+"""layer_norm, batch_norm, group_norm: normalisation couples a whole row (or channel) of entries.
 
 For y_i = g_i * x̂_i + b_i with x̂ = (x - mean) * rstd over n entries, the local derivatives are
 ∂y_i/∂x_j = g_i * rstd * (δ_ij - 1/n - x̂_i x̂_j / n): every input entry feeds every output entry
 of its row. In eval mode batch_norm uses running statistics, so it is a per-channel scaling.
+group_norm's rows are the (sample, group) pairs: C/G channels times the spatial positions, with a
+gain per channel, so its gain varies along the row and from group to group ([rows, n]).
 Real uses the closed form and, on large rows, the other built-in semirings use the fused kernels
 of ``kernels.normalization``; everything else contracts the dense Jacobian block by block.
 """
@@ -26,7 +28,8 @@ def normalized_contract(
     sr: Semiring, m: State, x_hat: Tensor, rstd: Tensor, gain: Tensor, gain_per_row: bool
 ) -> State:
     """Messages through rows of a normalisation; ``m``, ``x_hat``: [rows, n]; ``rstd``: [rows];
-    ``gain``: [n] per entry (layer_norm) or [rows] per row (batch_norm's channels)."""
+    ``gain``: [n] per entry (layer_norm), [rows] per row (``gain_per_row``: batch_norm's
+    channels) or [rows, n] per row and entry (group_norm's channels)."""
     fast = normalized_messages(sr, m, x_hat, rstd, gain, gain_per_row)
     if fast is not None:
         return fast
@@ -43,10 +46,18 @@ def normalized_contract_dense(
         xh = x_hat[rows]
         eye = identity_block(n, cols, xh.dtype, xh.device)
         centred = eye[None] - (1.0 + xh[:, :, None] * xh[:, None, cols]) / n
-        g = gain[rows, None, None] if gain_per_row else gain[None, :, None]
-        return g * rstd[rows, None, None] * centred
+        return gain_block(gain, gain_per_row, rows) * rstd[rows, None, None] * centred
 
     return contract_rows(sr, m, jac, n)
+
+
+def gain_block(gain: Tensor, gain_per_row: bool, rows: slice) -> Tensor:
+    """The output entries' gains for a block of rows, shaped to broadcast over [rows, n, cols]."""
+    if gain_per_row:
+        return gain[rows, None, None]
+    if gain.dim() == 2:
+        return gain[rows, :, None]
+    return gain[None, :, None]
 
 
 def _param_messages(sr: Semiring, m: State, x_hat: Tensor, reduce_dims: list[int]):
@@ -123,3 +134,53 @@ def batch_norm_backward(call: OpCall):
         grad_w = w if mask[1] and weight is not None else None
         grad_b = b if mask[2] else None
     return _outputs(call, call.run_real(), grad_in, grad_w, grad_b, mask)
+
+
+@register_rule(aten.native_group_norm_backward.default)
+def group_norm_backward(call: OpCall):
+    """Messages of ``group_norm``: a layer norm per (sample, group) with per-channel gains.
+
+    ``grad_out``, ``input``: [N, C, *spatial]; ``mean``, ``rstd``: [N, G]; ``weight``: [C].
+    The (sample, group) rows hold n = C/G * HxW entries; the gain of an entry is its channel's.
+    """
+    msg, x = call["grad_out"], call["input"]
+    mask, groups = call["output_mask"], call["group"]
+    batch, channels = x.shape[0], x.shape[1]
+    dtype = call.weight_dtype
+    weight = call["weight"]
+    grad_in = grad_w = grad_b = None
+    if x.numel() == 0:  # no output entries, so no edges at all
+        grad_in = call.zeros(x.shape) if mask[0] else None
+        grad_w = call.zeros((channels,)) if mask[1] and weight is not None else None
+        grad_b = call.zeros((channels,)) if mask[2] else None
+        return _outputs(call, call.run_real(), grad_in, grad_w, grad_b, mask)
+    rows, n = batch * groups, x.numel() // (batch * groups)
+    grouped = x.to(dtype).reshape(batch, groups, -1)
+    mean, rstd = call["mean"].to(dtype), call["rstd"].to(dtype)
+    x_hat = (grouped - mean[..., None]) * rstd[..., None]  # [N, G, n]
+    sr = call.semiring
+    if mask[0]:
+        m = tuple(p.reshape(rows, n) for p in msg.parts)
+        gain = _group_gains(weight, batch, groups, n, dtype, x.device)
+        out = normalized_contract(sr, m, x_hat.reshape(rows, n), rstd.reshape(rows), gain, False)
+        grad_in = tuple(p.reshape(x.shape) for p in out)
+    if mask[1] or mask[2]:
+        per_channel = (batch, channels, -1)
+        m = tuple(p.reshape(per_channel) for p in msg.parts)
+        w, b = _param_messages(sr, m, x_hat.reshape(per_channel), [0, 2])
+        grad_w = w if mask[1] and weight is not None else None
+        grad_b = b if mask[2] else None
+    return _outputs(call, call.run_real(), grad_in, grad_w, grad_b, mask)
+
+
+def _group_gains(
+    weight: Tensor | None, batch: int, groups: int, n: int, dtype: torch.dtype, device
+) -> Tensor:
+    """Each row entry's gain, [N·G, n]: its channel's weight; without affine parameters one
+    gain of 1 for every row, [n]."""
+    if weight is None:
+        return torch.ones(n, dtype=dtype, device=device)
+    per_channel = weight.to(dtype).reshape(groups, -1, 1)  # [G, C/G, 1]
+    spatial = n // per_channel.shape[1]
+    per_entry = per_channel.expand(-1, -1, spatial).reshape(1, groups, n)
+    return per_entry.expand(batch, groups, n).reshape(batch * groups, n)

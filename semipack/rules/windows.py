@@ -28,21 +28,35 @@ def expand_param(
 
 @dataclass(frozen=True)
 class ConvGeometry:
-    """Stride, padding and dilation (one entry per spatial dim) and groups of a convolution."""
+    """Stride, padding and dilation (one entry per spatial dim) and groups of a convolution;
+    ``transposed`` and ``output_padding`` (one entry per spatial dim) for a transposed one."""
 
     stride: tuple[int, ...]
     padding: tuple[int, ...]
     dilation: tuple[int, ...]
     groups: int = 1
+    transposed: bool = False
+    output_padding: tuple[int, ...] = ()
 
     @classmethod
-    def of(cls, spatial_dims: int, stride, padding, dilation, groups: int = 1) -> ConvGeometry:
+    def of(
+        cls,
+        spatial_dims: int,
+        stride,
+        padding,
+        dilation,
+        groups: int = 1,
+        transposed: bool = False,
+        output_padding=0,
+    ) -> ConvGeometry:
         """From the forms the modules and aten use (an int or one value per dim)."""
         return cls(
             tuple(expand_param(stride, spatial_dims)),
             tuple(expand_param(padding, spatial_dims)),
             tuple(expand_param(dilation, spatial_dims)),
             groups,
+            transposed,
+            tuple(expand_param(output_padding, spatial_dims, default=[0] * spatial_dims)),
         )
 
 
@@ -118,3 +132,24 @@ def scatter_windows(sr, dest_parts, lead: int, spatial: int, index: Tensor, src_
     dest = tuple(p.reshape(-1) for p in dest_parts)
     out = sr.index_plus(dest, 0, targets, src)
     return tuple(p.reshape(lead, spatial) for p in out)
+
+
+def incoming_edges(targets: Tensor, n_targets: int) -> Tensor:
+    """Edges grouped by target: [n_targets, largest in-degree] of edge numbers, -1 in unused
+    slots. ``targets``: 1-D, the target of each edge (-1: the edge goes nowhere).
+
+    A semiring plus into the targets is then a gather and a ``sum`` over the slots, with no
+    scatter: fast for every semiring, and for semirings without ``index_plus`` kernels it avoids
+    the dense routing matrix of the generic one.
+    """
+    edges = torch.nonzero(targets >= 0).reshape(-1)
+    order = torch.argsort(targets[edges], stable=True)
+    edges = edges[order]
+    landing = targets[edges]
+    degree = torch.bincount(landing, minlength=n_targets)
+    width = int(degree.max()) if degree.numel() else 0
+    starts = torch.cumsum(degree, 0) - degree
+    slot = torch.arange(edges.numel(), device=targets.device) - starts[landing]
+    table = torch.full((n_targets, width), -1, dtype=torch.long, device=targets.device)
+    table[landing, slot] = edges
+    return table

@@ -743,3 +743,15 @@ def test_top_path_of_a_tensor_that_was_not_a_leaf() -> None:
 def test_top_path_before_any_backward() -> None:
     with pytest.raises(RuntimeError, match="no backward pass has been run"):
         semipack.TopPath().path(torch.zeros(2))
+
+
+def test_top_path_of_an_entry_without_a_path_has_no_steps() -> None:
+    """Edges of weight 0 do not exist: an entry they alone connect has no path at all."""
+    x = torch.tensor([1.0, 2.0], dtype=DTYPE, requires_grad=True)
+    w = torch.tensor([[0.0, 0.0, 0.0], [1.0, 2.0, 3.0]], dtype=DTYPE)
+    tp = semipack.TopPath()
+    (value,) = semipack.grad((x[:, None].expand(2, 3) * w).sum(), x, tp)
+    assert value[0] == 0.0 and value[1] == pytest.approx(3.0, rel=1e-15)
+    empty = tp.path(x, 0)
+    assert empty.steps == [] and empty.value == 0.0
+    assert tp.path(x, 1).value == pytest.approx(3.0, rel=1e-15) and tp.path(x, 1).steps

@@ -193,6 +193,8 @@ def top_path(trace: PathTrace, leaf: Tensor, index: tuple[int, ...] | int | None
         flat = _ravel(idx, shape)
     start = tuple(int(i) for i in torch.unravel_index(torch.tensor(flat), shape)) if shape else ()
     path = Path(name, start, float(log_values.reshape(-1)[flat]))
+    if path.log_value == -math.inf:  # no path: successor ids of "no path" states mean nothing
+        return path
     node = int(successors.reshape(-1)[flat])
     guard = len(trace.records) + 1
     while node != NO_SUCCESSOR and guard > 0:

@@ -188,18 +188,31 @@ class Semiring:
     def index_plus(self, dest: State, dim: int, index: Tensor, src: State) -> State:
         """``dest[..., index[i], ...] ⊕= src[..., i, ...]`` along ``dim`` (out of place).
 
-        The default expresses the scatter as a semiring matmul with a 0/1 routing matrix, which
-        is correct for every semiring; built-in semirings override it with scatter-reduce kernels.
+        The default uses only the primitives: the sources are grouped by destination into a
+        [..., size, m] table (m = the largest number of sources one destination receives, the
+        gaps filled with the semiring zero), plus-reduced over m with ``sum`` and added to
+        ``dest``. Memory is O(size * m) per leading entry, never O(n * size). Built-in semirings
+        override it with scatter-reduce kernels.
         """
+        index = index.reshape(-1)
         n, size = index.numel(), dest[0].shape[dim]
-        route = torch.zeros(n, size, dtype=torch.float64, device=index.device)
-        route[torch.arange(n, device=index.device), index.reshape(-1)] = 1.0
+        if n == 0:
+            return dest
+        counts = torch.bincount(index, minlength=size)
+        width = int(counts.max())
+        order = torch.argsort(index, stable=True)
+        grouped = index[order]
+        rank = torch.arange(n, device=index.device) - (counts.cumsum(0) - counts)[grouped]
+        # table[d * width + r] = which source is the r-th to reach destination d (n: none)
+        table = torch.full((size * width,), n, dtype=torch.long, device=index.device)
+        table[grouped * width + rank] = order
         moved = tuple(c.movedim(dim, -1) for c in src)
-        lead = moved[0].shape[:-1]
-        flat = tuple(c.reshape(-1, n) for c in moved)
-        routed = self.matmul(flat, route.to(self.state_dtype(torch.float32)))
-        routed = tuple(c.reshape(*lead, size).movedim(-1, dim) for c in routed)
-        return self.plus(dest, routed)
+        padding = self.zeros((*moved[0].shape[:-1], 1), _state_grad_dtype(src), index.device)
+        padded = tuple(torch.cat([c, z], -1) for c, z in zip(moved, padding, strict=True))
+        lead = padded[0].shape[:-1]
+        gathered = tuple(c[..., table].reshape(*lead, size, width) for c in padded)
+        reduced = self.sum(gathered, [len(lead) + 1])
+        return self.plus(dest, tuple(c.movedim(-1, dim) for c in reduced))
 
 
 def _state_grad_dtype(a: State) -> torch.dtype:

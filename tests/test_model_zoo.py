@@ -11,8 +11,9 @@ backward of a fresh copy of the same model:
    (``Boolean``) and with the other semirings' bounds (see ``check_readout``);
 4. the generic path gives the extensions' values.
 
-Runs are cached per worker, so the checks of one semiring reuse the reference runs (Boolean,
-MaxProd, LogCount) of the others.
+Runs are cached per worker, one model at a time (the tests of a model are collected next to
+each other), so the checks of one semiring reuse the reference runs (Boolean, MaxProd, LogCount)
+of the others without holding every model's results.
 """
 
 from __future__ import annotations
@@ -75,7 +76,25 @@ class Run:
     path: tuple[str, float, float, float] | None = None
 
 
-@functools.cache
+def one_model_at_a_time(run: Callable[..., Run]) -> Callable[..., Run]:
+    """Cache runs of the most recently requested (model, dtype) only: a resnet18 run holds
+    ~90 MB of gradients and semiring values, and a worker sees dozens of runs per model."""
+    cache: dict[tuple, Run] = {}
+
+    @functools.wraps(run)
+    def cached(name: str, *args: Any) -> Run:
+        key = (name, *args)
+        model = (name, args[-1])  # the dtype is always the last argument
+        if any((k[0], k[-1]) != model for k in cache):
+            cache.clear()
+        if key not in cache:
+            cache[key] = run(name, *args)
+        return cache[key]
+
+    return cached
+
+
+@one_model_at_a_time
 def plain_run(name: str, dtype: torch.dtype) -> Run:
     """An ordinary ``loss.backward()``."""
     case = build(name, dtype)
@@ -88,7 +107,7 @@ def plain_run(name: str, dtype: torch.dtype) -> Run:
     )
 
 
-@functools.cache
+@one_model_at_a_time
 def semiring_run(name: str, semiring: str, extensions: bool, dtype: torch.dtype) -> Run:
     """``loss.backward()`` inside ``semipack.extend`` on a fresh copy of the model."""
     case = build(name, dtype)

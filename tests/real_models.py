@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-#: (model, input leaves) -> scalar loss; the input leaves are passed so the loss can use them.
+#: model -> scalar loss (inputs are captured by the closure; input leaves are listed separately).
 LossFn = Callable[[nn.Module], Tensor]
 
 VOCAB = 50

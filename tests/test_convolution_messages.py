@@ -68,3 +68,43 @@ def test_per_tap_messages_equal_the_window_maps(sr, geometry: str, dtype) -> Non
                 live = torch.isfinite(got[0])
                 a, b = a[live], b[live]
             torch.testing.assert_close(a, b, equal_nan=True, **tol)
+
+
+@pytest.mark.parametrize("geometry", ["strided_dilated_groups", "depthwise"])
+def test_grouped_top_path_successors_equal_the_window_maps(geometry: str) -> None:
+    """TopPath through grouped convolutions: the best value and the successor id it came from
+    agree with the window maps wherever a path exists (successor ids are distinct per entry)."""
+    sr = semipack.TopPath()
+    g = GEOMETRIES[geometry]
+    x, w, m, groups = _tensors(g, torch.float64, sr)
+    m = (m[0], torch.arange(m[0].numel()).reshape(m[0].shape))
+    geometry = ConvGeometry.of(x.dim() - 2, g["stride"], g["padding"], g["dilation"], groups)
+    args = (sr, m, x, w, geometry, (True, True, True))
+    for got, want in zip(per_tap_messages(*args), window_map_messages(*args), strict=True):
+        (value, successor), (want_value, want_successor) = got, want
+        assert torch.equal(value, want_value)
+        live = torch.isfinite(value)
+        assert torch.equal(
+            successor.expand(value.shape)[live], want_successor.expand(value.shape)[live]
+        )
+
+
+def test_grouped_convolution_takes_one_matmul_per_tap(monkeypatch) -> None:
+    """A depthwise convolution's messages are batched over its groups: one semiring matmul per
+    kernel tap and direction (input, weight), however many channels. (One per group and tap made
+    MobileNetV3's MaxProd backward 13 s instead of 0.2 s.)"""
+    sr = semipack.MaxProd()
+    calls = []
+    for name in ("matmul", "matmul_lifted"):  # input messages; weight messages on lifted x
+        product = getattr(sr, name)
+        monkeypatch.setattr(
+            sr, name, lambda a, b, product=product, name=name: calls.append(name) or product(a, b)
+        )
+    channels, kernel = 16, (3, 3)
+    x = torch.randn(2, channels, 6, 6)
+    w = torch.randn(channels, 1, *kernel)
+    m = sr.lift(torch.randn(2, channels, 6, 6))
+    geometry = ConvGeometry.of(2, 1, 1, 1, channels)
+    per_tap_messages(sr, m, x, w, geometry, (True, True, False))
+    taps = kernel[0] * kernel[1]
+    assert calls.count("matmul") == taps and calls.count("matmul_lifted") == taps

@@ -56,6 +56,24 @@ FUNCTIONS = {
         ),
         (1, 1, 3, 3, 3),
     ),
+    "depthwise_conv2d": (
+        lambda x: F.conv2d(
+            x,
+            torch.linspace(-1, 1, 27, dtype=torch.float64).reshape(3, 1, 3, 3),
+            padding=1,
+            groups=3,
+        ),
+        (1, 3, 3, 4),
+    ),
+    "grouped_conv2d": (
+        lambda x: F.conv2d(
+            x,
+            torch.linspace(-1, 2, 32, dtype=torch.float64).reshape(4, 2, 2, 2),
+            stride=(1, 2),
+            groups=2,
+        ),
+        (2, 4, 3, 4),
+    ),
     "instance_norm": (lambda x: F.instance_norm(x), (2, 2, 5)),
     "rms_norm": (lambda x: F.rms_norm(x, (4,)), (3, 4)),
     "max_pool1d": (lambda x: F.max_pool1d(x, 2, stride=1), (1, 2, 5)),

@@ -63,7 +63,10 @@ def per_tap_messages(
     is one semiring matmul (output message [B·L, O] ⊗ kernel tap [O, C]) added with the
     semiring's plus into that slice, and its weight message is one semiring matmul (output
     message [O, B·L] ⊗ input slice [B·L, C]). Messages landing in the padding are dropped
-    (padding is no input entry); padded zeros are no edges of the weight message.
+    (padding is no input entry); padded zeros are no edges of the weight message. Grouped
+    convolutions run every group's product of a tap as one batched matmul over a leading group
+    dim (a depthwise convolution has as many groups as channels: one Python step per group and
+    tap made MobileNet's backward thousands of tiny matmuls).
     """
     batch, channels, out_channels = x.shape[0], x.shape[1], w.shape[0]
     out_size, kernel = list(m_parts[0].shape[2:]), list(w.shape[2:])
@@ -78,35 +81,39 @@ def per_tap_messages(
     x_last = x_pad.movedim(1, -1).contiguous() if mask[1] else None
     # Semirings that multiply by lifted weights lift the input once, not once per tap.
     lifted = sr.lift(x_last) if x_last is not None and sr.has_lifted_matmul() else None
-    m = tuple(p.reshape(batch, out_channels, positions) for p in m_parts)
     padded = list(x_pad.shape[2:])
+    # [B, O, *out] -> [G, B·L, O/G]: the rows of each group's output message.
+    rows = tuple(
+        _grouped(p.reshape(batch, groups, o_g, positions).permute(1, 0, 3, 2), groups)
+        for p in m_parts
+    )
+    rows_t = tuple(p.transpose(-1, -2).contiguous() for p in rows) if mask[1] else None
+    w_groups = w.to(dtype).reshape(groups, o_g, c_g, *kernel)
 
     dest = sr.zeros((batch, *padded, channels), dtype, x.device) if mask[0] else None
     w_msg = sr.zeros((out_channels, c_g, *kernel), dtype, x.device) if mask[1] else None
-    for g in range(groups):
-        outs, ins = slice(g * o_g, (g + 1) * o_g), slice(g * c_g, (g + 1) * c_g)
-        rows = tuple(p[:, outs].transpose(1, 2).reshape(batch * positions, o_g) for p in m)
-        rows_t = tuple(p.t().contiguous() for p in rows) if mask[1] else None
-        for tap in itertools.product(*(range(k) for k in kernel)):
-            window = tuple(
-                slice(t * d, t * d + (o - 1) * s + 1, s)
-                for t, d, o, s in zip(tap, dilation, out_size, stride, strict=True)
+    for tap in itertools.product(*(range(k) for k in kernel)):
+        window = tuple(
+            slice(t * d, t * d + (o - 1) * s + 1, s)
+            for t, d, o, s in zip(tap, dilation, out_size, stride, strict=True)
+        )
+        where = (slice(None), *window, slice(None))
+        if mask[0]:  # [G, B·L, O/G] ⊗ [G, O/G, C/G] -> [B, *out, C], into the tap's input slice
+            cols = sr.matmul(
+                rows, _grouped(w_groups[(slice(None), slice(None), slice(None), *tap)], groups)
             )
-            where = (slice(None), *window, ins)
-            if mask[0]:  # [B·L, O] ⊗ [O, C] -> [B, *out, C], into the tap's input slice
-                cols = sr.matmul(rows, w[(outs, slice(None), *tap)].to(dtype))
-                cols = tuple(p.reshape(batch, *out_size, c_g) for p in cols)
-                merged = sr.plus(tuple(d[where] for d in dest), cols)
-                for d, part in zip(dest, merged, strict=True):
-                    d[where] = part
-            if mask[1]:  # [O, B·L] ⊗ [B·L, C] -> [O, C]
-                if lifted is not None:
-                    taps = tuple(c[where].reshape(batch * positions, c_g) for c in lifted)
-                    found = sr.matmul_lifted(rows_t, taps)
-                else:
-                    found = sr.matmul(rows_t, x_last[where].reshape(batch * positions, c_g))
-                for d, part in zip(w_msg, found, strict=True):
-                    d[(outs, slice(None), *tap)] = part
+            cols = tuple(_ungroup_channels(p, groups, batch, out_size) for p in cols)
+            merged = sr.plus(tuple(d[where] for d in dest), cols)
+            for d, part in zip(dest, merged, strict=True):
+                d[where] = part
+        if mask[1]:  # [G, O/G, B·L] ⊗ [G, B·L, C/G] -> [O, C/G]
+            if lifted is not None:
+                taps = tuple(_group_inputs(c[where], groups) for c in lifted)
+                found = sr.matmul_lifted(rows_t, taps)
+            else:
+                found = sr.matmul(rows_t, _group_inputs(x_last[where], groups))
+            for d, part in zip(w_msg, found, strict=True):
+                d[(slice(None), slice(None), *tap)] = part.reshape(out_channels, c_g)
     grad_in = grad_b = None
     if mask[0]:
         crop = tuple(slice(p, p + n) for p, n in zip(padding, x.shape[2:], strict=True))
@@ -115,6 +122,7 @@ def per_tap_messages(
             for d in dest
         )
     if mask[2]:
+        m = tuple(p.reshape(batch, out_channels, positions) for p in m_parts)
         grad_b = sr.sum(m, [0, 2])
     return grad_in, w_msg, grad_b
 
@@ -202,6 +210,27 @@ def transposed_per_tap_messages(
     if mask[2]:
         grad_b = sr.sum(tuple(p.reshape(batch, out_channels, -1) for p in m_parts), [0, 2])
     return grad_in, w_msg, grad_b
+
+
+def _grouped(t: Tensor, groups: int) -> Tensor:
+    """[G, B, L, k] or [G, k, m] with the group dim leading -> [G, rows, k] (or, for one group,
+    the plain 2-D [rows, k] that ungrouped convolutions have always multiplied)."""
+    t = t.reshape(groups, -1, t.shape[-1])
+    return t[0] if groups == 1 else t
+
+
+def _ungroup_channels(t: Tensor, groups: int, batch: int, out_size: Sequence[int]) -> Tensor:
+    """Per-group input messages [G, B·L, C/G] (or [B·L, C]) -> [B, *out, C], channel g·C/G + c."""
+    c_g = t.shape[-1]
+    t = t.reshape(groups, batch, *out_size, c_g).movedim(0, -2)
+    return t.reshape(batch, *out_size, groups * c_g)
+
+
+def _group_inputs(t: Tensor, groups: int) -> Tensor:
+    """An input slice [B, *out, C], channels last -> [G, B·L, C/G] (or [B·L, C])."""
+    channels = t.shape[-1]
+    t = t.reshape(-1, groups, channels // groups).transpose(0, 1)
+    return t[0] if groups == 1 else t
 
 
 @register_rule(aten.convolution_backward.default)

@@ -117,7 +117,11 @@ def semiring_run(name: str, semiring: str, extensions: bool, dtype: torch.dtype)
     leaves = case.named_leaves()
     path = None
     if isinstance(sr, semipack.TopPath):
-        leaf_name, leaf = next((n, t) for n, t in leaves.items() if hasattr(t, "semiring_grad"))
+        leaf_name, leaf = next(
+            (n, t)
+            for n, t in leaves.items()
+            if hasattr(t, "semiring_grad") and bool((t.semiring_grad > 0).any())
+        )
         best = sr.path(leaf)
         last = best.steps[-1].log_value if best.steps else math.nan
         path = (leaf_name, float(leaf.semiring_grad.max().log()), best.log_value, last)
@@ -324,32 +328,9 @@ class ExpectedFailure:
     semirings: tuple[str, ...] | None = None
 
 
-LSTM_REASON = (
-    "no semiring rule for aten.mkldnn_rnn_layer_backward (the fused float32 CPU LSTM layer)"
-)
-T5_REASON = (
-    "the attention extensions take only Q, K, V as inputs: T5's learnable position_bias "
-    "(eager kwarg, or folded into the sdpa float mask) loses its gradient and is left out of "
-    "the softmax the semiring backward rebuilds"
-)
-SDPA_DROPOUT_REASON = (
-    "with extensions, scaled_dot_product_attention(dropout_p > 0) samples its own dropout mask "
-    "(torch.rand) instead of the fused kernel's, so .grad is not the plain backward's"
-)
-
-EXPECTED_FAILURES = [
-    ExpectedFailure("lstm", ALL_TESTS, LSTM_REASON, dtypes=(torch.float32,)),
-    ExpectedFailure("t5_eager", ("extensions", "agree"), T5_REASON),
-    ExpectedFailure("t5_sdpa", ("extensions", "agree"), T5_REASON),
-    ExpectedFailure("bert_sdpa_train", ("extensions",), SDPA_DROPOUT_REASON),
-    # Two different dropout masks give different values, but the same reachability here.
-    ExpectedFailure(
-        "bert_sdpa_train",
-        ("agree",),
-        SDPA_DROPOUT_REASON,
-        semirings=tuple(sr for sr in SEMIRINGS if sr != "Boolean"),
-    ),
-]
+#: Known failures: none today. Add ``ExpectedFailure(model, tests, reason)`` entries (strict
+#: xfails) when a model exposes a problem that cannot be fixed at once.
+EXPECTED_FAILURES: list[ExpectedFailure] = []
 
 
 def _xfail_reason(name: str, semiring: str, test: str, dtype: torch.dtype) -> str | None:
@@ -420,9 +401,7 @@ def _family_cases() -> list[Any]:
     params = []
     for family in HF_FAMILIES:
         for semiring in SEMIRINGS:
-            reason = T5_REASON if family == "t5" else None
-            marks = [pytest.mark.xfail(strict=True, reason=reason)] if reason else []
-            params.append(pytest.param(family, semiring, marks=marks, id=f"{family}-{semiring}"))
+            params.append(pytest.param(family, semiring, id=f"{family}-{semiring}"))
     return params
 
 

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+from torch.nn.attention import SDPBackend
 
 from ..readout.sites import Site, stamp
 from ..rules.attention import attention_messages, attention_probs, fold_heads, repeat_heads
@@ -111,6 +112,12 @@ def fused_attention(
     return out, weights
 
 
+def _runs_math_kernel(q, k, v, mask, dropout_p: float, causal: bool, scale, gqa: bool) -> bool:
+    """Whether PyTorch would run its decomposed math kernel for this call."""
+    choice = torch._fused_sdp_choice(q, k, v, mask, dropout_p, causal, scale=scale, enable_gqa=gqa)
+    return choice == int(SDPBackend.MATH)
+
+
 @extends(F.scaled_dot_product_attention)
 def semiring_sdpa(
     query: Tensor,
@@ -123,7 +130,18 @@ def semiring_sdpa(
     enable_gqa: bool = False,
 ) -> Tensor:
     """Drop-in for ``F.scaled_dot_product_attention`` used while ``extend`` is active."""
-    if not wants_graph(query, key, value) or query.dim() != 4:
+    if (
+        not wants_graph(query, key, value)
+        or query.dim() != 4
+        or (
+            dropout_p > 0.0
+            and _runs_math_kernel(
+                query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa
+            )
+        )
+    ):
+        # Dropout in PyTorch's math kernel is an ordinary mask multiplication the generic rules
+        # replay exactly (with the very mask a plain run samples, so .grad stays bitwise).
         return _sdpa(
             query,
             key,

@@ -15,6 +15,7 @@ from torch.overrides import TorchFunctionMode
 
 from ..semirings.base import Semiring
 from . import backward as bw
+from .saved_inputs import run_recording_inputs
 
 
 class BackwardInterceptor(TorchFunctionMode):
@@ -44,7 +45,7 @@ class BackwardInterceptor(TorchFunctionMode):
         replacement = self.reroute.get(func)
         if replacement is not None:
             return replacement(*args, **kwargs)
-        return func(*args, **kwargs)
+        return run_recording_inputs(func, args, kwargs)  # exact derivatives of tanh, softmax...
 
     def _backward(self, tensor, gradient=None, retain_graph=None, create_graph=False, inputs=None):
         self._run([tensor], [gradient], retain_graph, create_graph, inputs)

@@ -106,20 +106,18 @@ def _from_recorded(node_name: str, exact: Callable[[Tensor], tuple[Tensor, Sign]
     return log_derivative
 
 
-def _recomputed(exact64: Callable[[Tensor], tuple[Tensor, Tensor]]) -> LogDerivative:
-    """For GELU, SiLU and Mish: the op's float32 derivative, small entries redone exactly."""
+def _sign_changing(spec: logd.SignChangingDerivative) -> LogDerivative:
+    """For GELU, SiLU and Mish: exact on the whole line, zero crossing and tails included."""
 
     def log_derivative(call: OpCall, signs: bool) -> tuple[Tensor, Sign] | None:
-        linear = edge_weights(call, "grad_output")
-        return logd.recompute_small(linear, call["self"], exact64, signs)
+        return logd.sign_changing_log_derivative(spec, _input(call), signs)
 
     return log_derivative
 
 
 def _gelu(call: OpCall, signs: bool) -> tuple[Tensor, Sign] | None:
-    tanh = call["approximate"] == "tanh"
-    exact64 = logd.gelu_tanh_log_derivative64 if tanh else logd.gelu_log_derivative64
-    return _recomputed(exact64)(call, signs)
+    spec = logd.GELU_TANH if call["approximate"] == "tanh" else logd.GELU
+    return _sign_changing(spec)(call, signs)
 
 
 def _softplus(call: OpCall, signs: bool) -> tuple[Tensor, Sign] | None:
@@ -141,8 +139,8 @@ EXACT_ACTIVATIONS: dict[object, LogDerivative] = {
     aten.tanh_backward.default: _from_recorded("TanhBackward0", logd.tanh_log_derivative),
     aten.sigmoid_backward.default: _from_recorded("SigmoidBackward0", logd.sigmoid_log_derivative),
     aten.gelu_backward.default: _gelu,
-    aten.silu_backward.default: _recomputed(logd.silu_log_derivative64),
-    aten.mish_backward.default: _recomputed(logd.mish_log_derivative64),
+    aten.silu_backward.default: _sign_changing(logd.SILU),
+    aten.mish_backward.default: _sign_changing(logd.MISH),
     aten.softplus_backward.default: _softplus,
     aten.elu_backward.default: _elu,
     aten.log_sigmoid_backward.default: _log_sigmoid,

@@ -6,17 +6,17 @@ tanh'(20) = 4e-17 is computed by autograd as 1 - tanh(20)^2 = 1 - 1 = 0, althoug
 (``Semiring.scale_log``), so each function here returns exactly that, from the function's input,
 with formulas that neither cancel nor underflow (derivations next to each one):
 
-* the log is accurate to a few float32 ulps of |log|w|| plus about 2e-6 absolute
-  (``tests/test_float32_exact.py`` checks dense grids out to |x| = 1e4 against float64 and
-  asymptotic references);
+* in float32 the log is within 1e-6 of the exact one (relative to it where |log| > 1):
+  ``tests/test_float32_exact.py`` checks dense grids out to |x| = 1e4, and every float next to
+  a zero crossing, against float64 and asymptotic references;
 * ``-inf`` only where the derivative is exactly 0 (x = ±inf for tanh, a zero coefficient of ELU);
 * NaN in, NaN out.
 
 ``sign`` is a Python number where it is the same for every entry, else a tensor of -1 / 0 / +1.
 Functions whose derivative changes sign (GELU, tanh-GELU, SiLU, Mish) factor it as a positive
-part with an exact log and a bracket with one root, expanded in a Taylor series around that
-root (``SignChangingDerivative``); on large tensors the whole computation is one compiled
-kernel.
+part with an exact log and a bracket with one root, which is a polynomial in the distance to
+that root near it (``SignChangingDerivative``); on large tensors the whole computation is one
+compiled kernel.
 """
 
 from __future__ import annotations
@@ -112,8 +112,8 @@ class SignChangingDerivative:
 
     ``direct(x)`` gives ``(prefix, value)`` with ``log|d| = prefix + log|value|`` and d's sign
     that of ``value``, from closed forms that neither underflow nor overflow, accurate except
-    near ``r``, where two O(1) terms of ``b`` cancel
-    (in float32 to ~1e-7 absolute: a relative error of 1e-7 / |b|, unbounded at r). Within
+    near ``r``, where two O(1) terms of ``b`` cancel (in float32 to ~1e-7 absolute: a relative
+    error of 1e-7 / |b|, unbounded at r). Within
     ``ROOT_WINDOW`` of r, ``b = delta q(delta)`` with ``delta = (x - r_hi) - r_lo`` (r split
     into two floats, so delta keeps full relative precision down to the float next to r) and
     ``q`` a polynomial, and ``log|d| = log P(x) + log|b|``: a few ulps everywhere. The root and

@@ -406,6 +406,23 @@ def test_forward_outside_extend_keeps_the_output_based_weights(fn) -> None:
     assert torch.isfinite(_log_value(fn, x, inside=True)).all()
 
 
+def test_softmax_outside_extend_uses_its_output_as_before() -> None:
+    """Without a recorded input the softmax rule works from the output probabilities p, as
+    before; the diagonal p_j (1 - p_j) is now taken as p_j times the sum of the other
+    probabilities, so where 1 - p_j rounds to 0 (row 1) the edge stays, everything else is
+    today's value: max_i log|w_i| + log|J_ij| with J from p."""
+    x = torch.tensor([[0.5, -1.0, 2.0, 0.1], [0.0, -18.0, -19.0, -20.0]], requires_grad=True)
+    w = torch.tensor([[1.0, -2.0, 0.5, 3.0], [2.0, 1.0, -1.0, 0.5]])
+    (got,) = semipack.grad((torch.softmax(x, -1) * w).sum(), x, semipack.MaxProd(log=True))
+    p = torch.softmax(x.detach(), -1).double()
+    assert p[1, 0] == 1.0 and (p[1, 1:] > 0).all()  # float32: 1 - p_0 = 0, others are fine
+    others = torch.stack([p[:, [k for k in range(4) if k != j]].sum(-1) for j in range(4)], -1)
+    eye = torch.eye(4, dtype=torch.bool)
+    jac = torch.where(eye, torch.diag_embed(p * others), -p[:, :, None] * p[:, None, :])
+    want = (w.double().abs().log()[:, :, None] + jac.abs().log()).amax(1)
+    torch.testing.assert_close(got.double(), want, rtol=1e-6, atol=1e-6)
+
+
 def test_recorded_input_is_not_used_after_an_in_place_change() -> None:
     x = torch.tensor([20.0, 0.5], requires_grad=True)
     base = x * 1
@@ -897,3 +914,33 @@ def test_nan_weights_propagate_through_max_plus_products(path: str, monkeypatch)
             assert torch.isnan(values[:, 3]).all() and not torch.isnan(values[:, :3]).any()
     finally:
         set_compile(True)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("name", list(SIGN_CHANGING))
+def test_sign_changing_log_derivatives_on_cuda(name: str) -> None:
+    """The compiled kernels on the GPU (triton) against the same references."""
+    spec, ref, root = SIGN_CHANGING[name]
+    x = _grid((root,))
+    log, sign = logd.sign_changing_log_derivative(spec, x.cuda(), True)
+    assert_log_derivative(log.cpu(), sign.cpu(), x, ref)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_saturated_tanh_and_masked_attention_on_cuda() -> None:
+    """Recorded inputs and fully masked attention rows on the GPU: the CPU's values."""
+    x = torch.tensor([20.0, -15.0, 0.5])
+    values = [_log_value(torch.tanh, x.to(device), inside=True).cpu() for device in ("cpu", "cuda")]
+    torch.testing.assert_close(values[1], values[0])
+    g = torch.Generator().manual_seed(2)
+    q, k, v = (torch.randn(2, 1, 4, 3, generator=g) for _ in range(3))
+    mask = _masks()["bool"]
+    got = []
+    for device in ("cpu", "cuda"):
+        leaves = [t.to(device).requires_grad_(True) for t in (q, k, v)]
+        out = F.scaled_dot_product_attention(*leaves, attn_mask=mask.to(device))
+        got.append([t.cpu() for t in semipack.grad(out.sum(), leaves, semipack.LogSum())])
+    for a, b in zip(*got, strict=True):
+        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5)

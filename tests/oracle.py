@@ -3,7 +3,10 @@
 The oracle rebuilds the *scalar* computation graph behind a PyTorch output: one vertex per entry
 of every tensor an autograd node produced (plus the leaf tensors), one edge per non-zero local
 partial derivative. Local Jacobians are read off by calling each autograd node's backward with
-one-hot gradients, so the oracle trusts nothing but PyTorch's own derivative formulas.
+one-hot gradients, so the oracle trusts nothing but PyTorch's own derivative formulas, with two
+exceptions (``exact_local_derivatives``) where those formulas lose their digits even in
+float64: the diagonal of softmax and log_softmax Jacobians (1 - p for p near 1) and GELU's
+derivative below x = -6 (Phi(x) as (1 + erf(x / sqrt 2)) / 2).
 
 On that graph every semiring is computed twice, in plain float64 NumPy:
 
@@ -167,6 +170,42 @@ def node_jacobians(node: object) -> list[list[np.ndarray | None]]:
     return result
 
 
+def exact_local_derivatives(node: object, matrices: list[np.ndarray | None]) -> None:
+    """Replace, in place, the entries of a node's Jacobian that PyTorch's formulas compute with
+    a cancellation by their exact values (semipack takes them exactly; the oracle must not be
+    the rounded one):
+
+    * softmax / log_softmax diagonals d y_j / d x_j = p_j (1 - p_j) and 1 - p_j, with 1 - p_j
+      the sum of the *other* probabilities of the row. PyTorch subtracts p_j from 1, which in
+      float64 loses every digit once 1 - p_j < 1e-16 (a logit gap of 37) and ~1e-16 / (1 - p_j)
+      of them before. The off-diagonal entries (-p_i p_j, -p_j) are products and stay.
+    * GELU (exact form): gelu'(x) = Phi(x) + x phi(x) with Phi(x) = erfc(-x / sqrt 2) / 2;
+      PyTorch's (1 + erf(x / sqrt 2)) / 2 is off by 1e-16 absolute, 1% of gelu'(-8.5).
+    """
+    if matrices[0] is None:
+        return
+    name = type(node).__name__
+    if name == "GeluBackward0" and node._saved_approximate == "none":  # type: ignore[attr-defined]
+        x = node._saved_self.detach().to(torch.float64).reshape(-1)  # type: ignore[attr-defined]
+        phi = torch.exp(-0.5 * x * x) / math.sqrt(2.0 * math.pi)
+        exact = 0.5 * torch.special.erfc(-x / math.sqrt(2.0)) + x * phi
+        index = np.arange(x.numel())
+        matrices[0][index, index] = exact.numpy()
+        return
+    if name not in ("SoftmaxBackward0", "LogSoftmaxBackward0"):
+        return
+    result = node._saved_result.detach().to(torch.float64)  # type: ignore[attr-defined]
+    dim = node._saved_dim  # type: ignore[attr-defined]
+    dim = (dim - (1 << 64) if dim >= 1 << 63 else dim) % max(result.dim(), 1)
+    probs = (result.exp() if name == "LogSoftmaxBackward0" else result).movedim(dim, -1)
+    n = probs.shape[-1]
+    others = (probs[..., None, :] * (1.0 - torch.eye(n, dtype=torch.float64))).sum(-1)
+    diagonal = others if name == "LogSoftmaxBackward0" else probs * others
+    flat = diagonal.movedim(-1, dim).reshape(-1).numpy()
+    index = np.arange(flat.size)
+    matrices[0][index, index] = flat
+
+
 def build_graph(output: Tensor) -> ScalarGraph:
     """The scalar DAG from the scalar ``output`` down to every leaf it depends on.
 
@@ -189,6 +228,7 @@ def build_graph(output: Tensor) -> ScalarGraph:
             leaf_slots[(i, 0)] = node.variable  # type: ignore[attr-defined]
             continue
         jacobians = node_jacobians(node)
+        exact_local_derivatives(node, jacobians[0])
         for out_index, per_input in enumerate(jacobians):
             for j, (child, input_nr) in enumerate(node.next_functions):  # type: ignore[attr-defined]
                 matrix = per_input[j]

@@ -198,38 +198,51 @@ def test_norm_entropy_sums_match_float64_definition(rows, n):
 
 
 def _softmax_rows(rows: int, n: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Float32 (message, probabilities) rows with the edge cases of the kernel's contract."""
+    """Float32 (message, log-probabilities) rows with the edge cases of the kernel's contract."""
     gen = torch.Generator().manual_seed(seed)
     scores = torch.randn(rows, n, generator=gen) * 4
     if n > 2:
         scores[0, 1] = float("-inf")  # masked key: p = 0 exactly
         scores[1, :] = float("-inf")
         scores[1, 0] = 0.0  # one-hot row: p = 1 and 0
-        scores[2, 2] = -95.0  # p subnormal or zero next to normal entries
-    probs = torch.softmax(scores, -1)
+        scores[2, 2] = -95.0  # p subnormal next to normal entries
+        scores[2, 0] = -300.0  # p = e^-300: zero in float32, an edge in log space
+        scores[3 % rows, 1] = 40.0  # p = 1 - 1e-17: 1 - p is 0 in float32, not in log space
+    log_probs = torch.log_softmax(scores, -1)
     m = torch.randn(rows, n, generator=gen) * 30
     m[0, 0] = float("-inf")
     if rows > 3:
-        m[3, :] = float("-inf")  # a row without any path
+        m[3, :] = float("-inf")  # a row without any path (one path when n > 1)
+        if n > 1:
+            m[3, 1] = 2.0
     if rows > 4 and n > 1:
         m[4, :] = float("-inf")
         m[4, n - 1] = 5.0  # a single path: "second" is -inf
-    return m, probs
+    return m, log_probs
+
+
+def _dense_softmax_log_sum(m: torch.Tensor, log_probs: torch.Tensor) -> torch.Tensor:
+    """log Σ_i exp(m_i) |J_ij| over the dense Jacobian in log form, brute force in float64:
+    log|J_ij| = lp_i + lp_j (i != j), lp_j + log Σ_{k != j} p_k (i = j)."""
+    n = log_probs.shape[-1]
+    eye = torch.eye(n, dtype=torch.bool)
+    others = torch.logsumexp(log_probs[:, None, :].masked_fill(eye, NEG_INF), -1)
+    log_jac = log_probs[:, :, None] + torch.where(eye, others[:, None, :], log_probs[:, None, :])
+    return torch.logsumexp(m[:, :, None] + log_jac, 1)
 
 
 @pytest.mark.parametrize(("rows", "n"), [(5, 1), (6, 5), (6, 8), (7, 13), (9, 128)])
 def test_softmax_log_sum_matches_float64_definition(rows, n):
     """softmax.c against the exclusive-reduction form of rowwise.py evaluated in float64, and
-    against log Σ_i exp(m_i) |J_ij| over the dense Jacobian."""
+    against log Σ_i exp(m_i) |J_ij| over the dense Jacobian (in log form)."""
     from semipack import LogSum
-    from semipack.kernels.rowwise import _softmax_diag_plus_rank_one
+    from semipack.kernels.rowwise import softmax_from_log_probs
 
-    m, probs = _softmax_rows(rows, n, seed=rows * 10 + n)
-    got = native.softmax_log_sum_f32(m, probs)
-    m64, p64 = m.double(), probs.double()
-    (want,) = _softmax_diag_plus_rank_one(LogSum(), (m64,), p64)
-    jac = p64[:, :, None] * (torch.eye(n, dtype=torch.float64) - p64[:, None, :]).abs()
-    dense = torch.logsumexp(m64[:, :, None] + jac.log(), 1)
+    m, log_probs = _softmax_rows(rows, n, seed=rows * 10 + n)
+    got = native.softmax_log_sum_f32(m, log_probs)
+    m64, lp64 = m.double(), log_probs.double()
+    (want,) = softmax_from_log_probs(LogSum(), (m64,), lp64)
+    dense = _dense_softmax_log_sum(m64, lp64)
     assert torch.equal(torch.isinf(got), torch.isinf(want))
     assert torch.equal(torch.isinf(want), torch.isinf(dense))
     live = torch.isfinite(want)
@@ -237,18 +250,29 @@ def test_softmax_log_sum_matches_float64_definition(rows, n):
     torch.testing.assert_close(want[live], dense[live], rtol=1e-9, atol=1e-9)
 
 
+def test_softmax_log_sum_keeps_underflowed_probabilities():
+    """The e^-300 probability and the 1 - 1e-17 complement (both 0 in float32) are edges."""
+    m, log_probs = _softmax_rows(6, 8, seed=1)
+    got = native.softmax_log_sum_f32(m, log_probs)
+    assert torch.softmax(torch.tensor([-300.0, 0.0]), -1)[0] == 0  # really 0 in float32
+    assert bool(torch.isfinite(got[2, 0]))  # message to the e^-300 entry
+    # row 3: one path, into entry 1 (p_1 = 1 - 1e-17): the diagonal edge p_1 (1 - p_1) exists
+    assert bool(torch.isfinite(got[3, 1]))
+
+
 def test_logsum_softmax_messages_take_the_native_kernel_unless_nan(monkeypatch):
     from semipack import LogSum
     from semipack.kernels import rowwise
 
-    m, probs = _softmax_rows(64, 128, seed=3)
-    (routed,) = rowwise.softmax_messages(LogSum(), (m,), probs)
-    assert torch.equal(routed, native.softmax_log_sum_f32(m, probs))
+    m, log_probs = _softmax_rows(64, 128, seed=3)
+    probs = log_probs.exp()
+    (routed,) = rowwise.softmax_messages(LogSum(), (m,), probs, log_probs)
+    assert torch.equal(routed, native.softmax_log_sum_f32(m, log_probs))
 
     def refuse(*args):
         raise AssertionError("NaN inputs must not reach the native kernel")
 
     monkeypatch.setattr(rowwise, "softmax_log_sum_f32", refuse)
     m[5, 7] = float("nan")
-    (fallback,) = rowwise.softmax_messages(LogSum(), (m,), probs)
+    (fallback,) = rowwise.softmax_messages(LogSum(), (m,), probs, log_probs)
     assert torch.isnan(fallback[5]).any()

@@ -21,7 +21,7 @@ from einops import rearrange, repeat
 from torch import Tensor
 
 from ..readout.sites import Site, stamp
-from ..rules.attention import attention_contract, attention_probs
+from ..rules.attention import attention_contract, attention_log_probs
 from ..semirings.base import State
 from ..transport.provenance import current_module
 from .base import (
@@ -124,7 +124,8 @@ def _semiring_messages(ctx, sr, m_out: State | None, m_weights: State | None) ->
     v = heads(project(xv, w_v, b_v))
     mask = additive_mask(options.attn_mask, options.key_padding_mask, b, h, dtype)
     scale = 1.0 / math.sqrt(d)
-    probs = attention_probs(q, k, mask, False, scale)
+    log_probs = attention_log_probs(q, k, mask, False, scale)
+    probs = log_probs.exp()
     concat = merged(probs @ v)
 
     if m_out is None:
@@ -145,7 +146,7 @@ def _semiring_messages(ctx, sr, m_out: State | None, m_weights: State | None) ->
             )
         else:
             m_p = m_weights
-    m_q, m_k, m_v = attention_contract(sr, m_heads, q, k, v, probs, scale, None, m_p)
+    m_q, m_k, m_v = attention_contract(sr, m_heads, q, k, v, probs, scale, None, m_p, log_probs)
 
     def merge(m: State) -> State:
         return tuple(merged(p) for p in m)

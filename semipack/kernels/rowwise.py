@@ -18,6 +18,13 @@ built-in semiring computes in O(n) without subtracting its own term from a total
 cancel catastrophically for max-like semirings and for a dominant term in sums): from the top
 two entries of the row. A semiring class not in ``EXCLUSIVE_REDUCTIONS`` (user-defined ones,
 whose lift need not be multiplicative) gets ``None`` and the caller uses the dense Jacobian.
+
+The weights enter in log form (``Semiring.scale_log``) from the *log*-probabilities: a
+probability of 1e-50 underflows float32 but its log does not, and 1 - p_j is never formed (it
+is 0 in float32 as soon as p_j > 1 - 6e-8): log(1 - p_j) = log Σ_{i != j} p_i, the exclusive
+log-sum-exp of the log-probabilities. Callers pass exact log-probabilities where they know them
+(log_softmax's output, attention scores, a recorded softmax input), else the log of the
+probabilities.
 """
 
 from __future__ import annotations
@@ -111,6 +118,12 @@ def exclusive_logsumexp(a: Tensor, b: Tensor | None = None) -> tuple[Tensor, Ten
     return lse, torch.where(top, mean_top, mean_other)
 
 
+def log_complement(log_probs: Tensor) -> Tensor:
+    """``log(1 - p_j) = log Σ_{i != j} p_i`` per row of log-probabilities ([rows, n]): ``-inf``
+    exactly where every other probability is 0 (the only entry of a row)."""
+    return exclusive_logsumexp(log_probs)[0]
+
+
 def _exclusive_max_prod(a: State) -> State:
     return (exclusive_max(a[0]),)
 
@@ -157,28 +170,31 @@ def _diag_plus_rank_one(
     sr: Semiring,
     exclusive: ExclusiveReduce,
     m: State,
-    diag: Tensor,
-    out_factor: Tensor | None,
-    in_factor: Tensor,
+    log_diag: Tensor,
+    log_out_factor: Tensor | None,
+    log_in_factor: Tensor,
 ) -> State:
-    """``out_j = m_j ⊗ D_j ⊕ (⊕_{i != j} m_i ⊗ A_i) ⊗ C_j`` with D = ``diag``, A = ``out_factor``
-    (None for all ones) and C = ``in_factor``."""
-    through = m if out_factor is None else sr.scale(m, out_factor)
-    return sr.plus(sr.scale(m, diag), sr.scale(exclusive(through), in_factor))
+    """``out_j = m_j ⊗ D_j ⊕ (⊕_{i != j} m_i ⊗ A_i) ⊗ C_j`` with log D = ``log_diag`` (D >= 0),
+    log A = ``log_out_factor`` (None for all ones, A >= 0) and log|C| = ``log_in_factor`` with
+    C <= 0."""
+    through = m if log_out_factor is None else sr.scale_log(m, log_out_factor)
+    return sr.plus(sr.scale_log(m, log_diag), sr.scale_log(exclusive(through), log_in_factor, -1.0))
 
 
-def _softmax_diag_plus_rank_one(sr: Semiring, m: State, probs: Tensor) -> State:
-    # J_jj = y_j (1 - y_j);  J_ij = y_i * (-y_j) for i != j.
+def softmax_from_log_probs(sr: Semiring, m: State, log_probs: Tensor) -> State:
+    """Softmax messages of a built-in semiring from the rows' log-probabilities ([rows, n]):
+    log J_jj = lp_j + log(1 - p_j);  J_ij = p_i * (-p_j) for i != j."""
     exclusive = EXCLUSIVE_REDUCTIONS[type(sr)]
-    return _diag_plus_rank_one(sr, exclusive, m, probs * (1.0 - probs), probs, -probs)
+    log_diag = log_probs + log_complement(log_probs)
+    return _diag_plus_rank_one(sr, exclusive, m, log_diag, log_probs, log_probs)
 
 
 def _compiled_softmax(semiring_class: type[Semiring]) -> Callable[..., State]:
     sr = semiring_class()
 
     def kernel(*args: Tensor) -> State:
-        *m, probs = args
-        return _softmax_diag_plus_rank_one(sr, tuple(m), probs)
+        *m, log_probs = args
+        return softmax_from_log_probs(sr, tuple(m), log_probs)
 
     kernel.__name__ = kernel.__qualname__ = f"softmax_{semiring_class.__name__}"
     return compiled(kernel)
@@ -195,36 +211,41 @@ COMPILED_SOFTMAX: dict[type[Semiring], Callable[..., State]] = {
 COMPILE_MIN_ENTRIES = 1 << 18
 
 
-def softmax_messages(sr: Semiring, m: State, probs: Tensor) -> State | None:
-    """Messages through softmax rows (``m``, ``probs``: [rows, n]); None without a fast path."""
+def softmax_messages(
+    sr: Semiring, m: State, probs: Tensor, log_probs: Tensor | None = None
+) -> State | None:
+    """Messages through softmax rows (``m``, ``probs``, ``log_probs``: [rows, n]); None without
+    a fast path. ``log_probs`` are the exact log-probabilities where the caller knows them (else
+    ``log(probs)``, which is -inf where a probability underflowed)."""
     probs = probs.to(m[0].dtype) if m[0].is_floating_point() else probs
     if type(sr) is Real:
         # Σ_i m_i y_i (δ_ij - y_j) = y_j (m_j - Σ_i m_i y_i): autograd's own formula.
         return (probs * (m[0] - (m[0] * probs).sum(-1, keepdim=True)),)
     if type(sr) not in EXCLUSIVE_REDUCTIONS or probs.shape[-1] == 0:
         return None
-    if _native_softmax(sr, m, probs):
-        return (softmax_log_sum_f32(m[0], probs),)
+    log_probs = probs.log() if log_probs is None else log_probs.to(probs.dtype)
+    if _native_softmax(sr, m, log_probs):
+        return (softmax_log_sum_f32(m[0], log_probs),)
     kernel = COMPILED_SOFTMAX.get(type(sr))
-    if kernel is not None and compile_enabled() and probs.numel() >= COMPILE_MIN_ENTRIES:
+    if kernel is not None and compile_enabled() and log_probs.numel() >= COMPILE_MIN_ENTRIES:
         with torch.no_grad():
-            return tuple(kernel(*(c.contiguous() for c in m), probs.contiguous()))
-    return _softmax_diag_plus_rank_one(sr, m, probs)
+            return tuple(kernel(*(c.contiguous() for c in m), log_probs.contiguous()))
+    return softmax_from_log_probs(sr, m, log_probs)
 
 
 #: Use the native LogSum softmax kernel from this many entries up.
 NATIVE_MIN_ENTRIES = 1 << 12
 
 
-def _native_softmax(sr: Semiring, m: State, probs: Tensor) -> bool:
+def _native_softmax(sr: Semiring, m: State, log_probs: Tensor) -> bool:
     """LogSum on float32 CPU rows without NaN takes the hand-written kernel (native/softmax.c)."""
     return (
         type(sr) is LogSum
-        and m[0].dtype == probs.dtype == torch.float32
+        and m[0].dtype == log_probs.dtype == torch.float32
         and m[0].device.type == "cpu"
-        and probs.numel() >= NATIVE_MIN_ENTRIES
+        and log_probs.numel() >= NATIVE_MIN_ENTRIES
         and native_available()
-        and not bool(torch.isnan(m[0]).any() or torch.isnan(probs).any())
+        and not bool(torch.isnan(m[0]).any() or torch.isnan(log_probs).any())
     )
 
 
@@ -233,12 +254,11 @@ def log_softmax_messages(sr: Semiring, m: State, log_probs: Tensor) -> State | N
     path."""
     if m[0].is_floating_point():
         log_probs = log_probs.to(m[0].dtype)
-    probs = log_probs.exp()
     if type(sr) is Real:
         # Σ_i m_i (δ_ij - p_j) = m_j - p_j Σ_i m_i: autograd's own formula.
-        return (m[0] - probs * m[0].sum(-1, keepdim=True),)
+        return (m[0] - log_probs.exp() * m[0].sum(-1, keepdim=True),)
     exclusive = EXCLUSIVE_REDUCTIONS.get(type(sr))
-    if exclusive is None or probs.shape[-1] == 0:
+    if exclusive is None or log_probs.shape[-1] == 0:
         return None
-    # J_jj = 1 - p_j;  J_ij = 1 * (-p_j) for i != j.
-    return _diag_plus_rank_one(sr, exclusive, m, 1.0 - probs, None, -probs)
+    # J_jj = 1 - p_j = Σ_{i != j} p_i;  J_ij = 1 * (-p_j) for i != j.
+    return _diag_plus_rank_one(sr, exclusive, m, log_complement(log_probs), None, log_probs)

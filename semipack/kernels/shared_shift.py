@@ -23,6 +23,7 @@ import torch
 from torch import Tensor
 
 from ..semirings import Entropy, LogCount, LogSum, Semiring, State
+from ..semirings.log_sum import column_scaled
 
 if TYPE_CHECKING:
     from ..rules.windows import ConvGeometry
@@ -55,7 +56,12 @@ def _t(t: Tensor) -> Tensor:
 
 
 def _log_sum(
-    sr: LogSum, m: State, right: Tensor | None, left: Tensor | None, want_sum: bool
+    sr: LogSum,
+    m: State,
+    right: Tensor | None,
+    left: Tensor | None,
+    want_sum: bool,
+    left_log: Tensor | None = None,
 ) -> Products | None:
     shift = global_shift(m[0])
     if shift is None:
@@ -66,6 +72,9 @@ def _log_sum(
         by_right = (torch.matmul(e, sr.magnitude(right)).log_().add_(shift),)
     if left is not None:
         by_left = (torch.matmul(_t(e), sr.magnitude(left)).log_().add_(shift),)
+    if left_log is not None:
+        scaled, c = column_scaled(sr.log_magnitude(left_log))
+        by_left = (torch.matmul(_t(e), scaled).log_().add_(shift).add_(c),)
     if want_sum:
         total = (e.sum(-2).log_().add_(shift),)
     return by_right, by_left, total
@@ -97,8 +106,22 @@ def _entropy_product(
     return _entropy_pair(total, weighted.sub_(contract(e, mag_log_mag)), shift)
 
 
+def _entropy_product_log(e: Tensor, e_r: Tensor, log_w: Tensor, shift: Tensor) -> State:
+    """``_entropy_product`` for non-negative weights given as logarithms [..., k, j]: each
+    column is scaled to a maximum of 1 first (``|w| = e^c w'``; e^c cancels in the mean)."""
+    scaled, c = column_scaled(log_w)
+    total, weighted = torch.matmul(e, scaled), torch.matmul(e_r, scaled)
+    scaled_log = torch.where(scaled > 0, scaled * log_w, 0.0)
+    return _entropy_pair(total, weighted.sub_(torch.matmul(e, scaled_log)), shift + c)
+
+
 def _entropy(
-    sr: Entropy, m: State, right: Tensor | None, left: Tensor | None, want_sum: bool
+    sr: Entropy,
+    m: State,
+    right: Tensor | None,
+    left: Tensor | None,
+    want_sum: bool,
+    left_log: Tensor | None = None,
 ) -> Products | None:
     log_z, surprisal = m
     shift = global_shift(log_z)
@@ -111,6 +134,8 @@ def _entropy(
         by_right = _entropy_product(e, e_r, right, shift)
     if left is not None:
         by_left = _entropy_product(_t(e), _t(e_r), left, shift)
+    if left_log is not None:
+        by_left = _entropy_product_log(_t(e), _t(e_r), left_log, shift)
     if want_sum:
         total = _entropy_pair(e.sum(-2), e_r.sum(-2), shift)
     return by_right, by_left, total
@@ -130,19 +155,22 @@ def shared_shift_products(
     right: Tensor | None = None,
     left: Tensor | None = None,
     want_sum: bool = False,
+    left_log: Tensor | None = None,
 ) -> Products | None:
     """``(m ⊗ right, mᵀ ⊗ left, ⊕ of m over dim -2)``, or None where this form does not apply.
 
     ``m`` [..., N, O]; ``right`` [..., O, J] (contracts m's last dim); ``left`` [..., N, J]
     (contracts m's rows, giving [..., O, J]); all in the state dtype. A None operand (or
-    ``want_sum=False``) skips that result. None when the semiring has no shared-shift form or
-    the message spans more than ``SHARED_SHIFT_SPAN`` nats.
+    ``want_sum=False``) skips that result. ``left_log`` replaces ``left`` by the logarithms of
+    a non-negative left operand (attention weights: a probability that underflows float32 keeps
+    its edge; each column is scaled to a maximum of 1 before the product). None when the
+    semiring has no shared-shift form or the message spans more than ``SHARED_SHIFT_SPAN`` nats.
     """
     kernel = SHARED_SHIFT_KERNELS.get(type(sr))
     if kernel is None or m[0].dim() < 2:
         return None
     with torch.no_grad():
-        return kernel(sr, m, right, left, want_sum)
+        return kernel(sr, m, right, left, want_sum, left_log)
 
 
 # --- convolutions --------------------------------------------------------------------------------

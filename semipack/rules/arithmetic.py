@@ -7,6 +7,7 @@ from torch import Tensor
 
 from ..semirings.base import normalize_dims
 from ..transport.message import Message
+from .exact_products import exact_product
 from .registry import OpCall, register_rule
 from .structural import inplace_from
 
@@ -46,10 +47,14 @@ def _scale(call: OpCall, weight) -> Message:
 
 @register_rule(aten.mul.Tensor, aten.mul.Scalar)
 def mul(call: OpCall):
-    """Multiplying a message by a plain tensor multiplies it by edge weights."""
+    """Multiplying a message by a plain tensor multiplies it by edge weights (in log form where
+    the factor is a known saturating derivative, see ``exact_products``)."""
     a, b = call["self"], call["other"]
     if isinstance(a, Message) and isinstance(b, Message):
         raise call.error("the product of two messages has no semiring meaning")
+    exact = exact_product(call)
+    if exact is not None:
+        return exact
     return _scale(call, b if isinstance(a, Message) else a)
 
 

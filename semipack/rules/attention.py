@@ -3,6 +3,12 @@
 Whatever kernel PyTorch picked (CPU flash, CUDA flash / memory-efficient / cuDNN), the graph is
 the one of ``S = Q Kᵀ * scale (+ mask); P = softmax(S); O = P V``, so a model gives the same
 semiring values with ``attn_implementation="sdpa"`` and ``"eager"``.
+
+The attention weights enter the log-space semirings as exact log-probabilities (``S - logsumexp
+S``, recomputed from Q and K): a probability of 1e-50 underflows float32 but is an edge. A query
+row whose every key is masked (PyTorch returns 0 for it, with a finite gradient) is drawn as
+``P = where(all masked, 0, softmax(S))``: its weights are structural zeros, so no path runs
+through it.
 """
 
 from __future__ import annotations
@@ -19,14 +25,15 @@ from ..readout.sites import Site
 from ..semirings.base import Semiring, State
 from ..transport.provenance import current_site
 from .registry import OpCall, register_rule
-from .softmax import softmax_contract
+from .softmax import softmax_contract, unmask_sentinels_
 
 aten = torch.ops.aten
 
 
-def attention_probs(
+def attention_scores(
     q: Tensor, k: Tensor, mask: Tensor | None, causal: bool, scale: float
 ) -> Tensor:
+    """``S = Q Kᵀ * scale`` with the masks applied (``-inf`` where a key is masked)."""
     scores = torch.matmul(q, k.transpose(-1, -2)) * scale
     if causal:
         lq, lk = scores.shape[-2:]
@@ -37,7 +44,38 @@ def attention_probs(
             scores = scores.masked_fill(~mask, float("-inf"))
         else:
             scores = scores + mask
-    return torch.softmax(scores, -1)
+    return scores
+
+
+def _sentinels_masked(scores: Tensor, mask: Tensor | None) -> Tensor:
+    """With an additive mask, its ``finfo.min`` entries mask keys (see ``masking_floor``)."""
+    if mask is None or mask.dtype == torch.bool:
+        return scores
+    return unmask_sentinels_(scores, -1)
+
+
+def attention_log_probs(
+    q: Tensor, k: Tensor, mask: Tensor | None, causal: bool, scale: float
+) -> Tensor:
+    """``log P = S - logsumexp(S)`` per query row, exact where P underflows; ``-inf`` on every
+    masked key (additive ``finfo.min`` masks included, see ``masking_floor``) and on every key
+    of a fully masked row (P = 0 there, as PyTorch's attention returns); NaN stays NaN. For the
+    semiring messages (in place, no autograd through it)."""
+    scores = _sentinels_masked(attention_scores(q, k, mask, causal, scale), mask)
+    lse = torch.logsumexp(scores, -1, keepdim=True)
+    return scores.sub_(lse.masked_fill_(lse == float("-inf"), float("inf")))
+
+
+def attention_probs(
+    q: Tensor, k: Tensor, mask: Tensor | None, causal: bool, scale: float
+) -> Tensor:
+    """The attention weights ``P = where(all masked, 0, softmax(S))``, differentiable with a
+    finite gradient (the softmax of a fully masked row runs on zeros and is not used)."""
+    scores = attention_scores(q, k, mask, causal, scale)
+    with torch.no_grad():
+        masked_rows = (scores == float("-inf")).all(-1, keepdim=True)
+    probs = torch.softmax(scores.masked_fill(masked_rows, 0.0), -1)
+    return probs.masked_fill(masked_rows, 0.0)
 
 
 def _t(parts: State) -> State:
@@ -54,31 +92,32 @@ def attention_contract(
     scale: float,
     keep: Tensor | None = None,
     m_weights: State | None = None,
+    log_probs: Tensor | None = None,
 ) -> tuple[State, State, State]:
     """Messages to (Q, K, V) from the message on O, batched over leading dims.
 
     The graph: S = Q Kᵀ * scale (+ mask), P = softmax(S), W = P * keep (dropout, optional),
     O = W V. ``m_weights`` is an extra message arriving on W (when the attention weights are
-    themselves used downstream).
+    themselves used downstream). ``log_probs`` are the exact log P where the caller has them
+    (``attention_log_probs``); else ``log(probs)``.
     """
+    if log_probs is None:
+        log_probs = probs.log()
     weights = probs if keep is None else probs * keep
     # ∂O[i,d]/∂W[i,j] = V[j,d];  ∂O[i,d]/∂V[j,d] = W[i,j]
-    v_t = v.transpose(-1, -2)
-    shared = shared_shift_products(sr, m_out, v_t, weights)
-    if shared is not None:
-        m_w, m_v_t, _ = shared
-    else:
-        m_w, m_v_t = sr.matmul(m_out, v_t), sr.matmul(_t(m_out), weights)
+    m_w, m_v_t = _value_products(sr, m_out, v.transpose(-1, -2), weights, log_probs, keep)
     if m_weights is not None:
         m_w = sr.plus(m_w, m_weights)
     m_w = record_internal(sr, m_w, "attention weights")
     m_v = _t(m_v_t)
     m_probs = m_w if keep is None else sr.scale(m_w, keep)  # ∂W/∂P = keep
-    del m_w, weights, shared
+    del m_w, weights
     rows = probs.shape[-1]
     flat = tuple(p.reshape(-1, rows) for p in m_probs)
     del m_probs
-    m_scores = softmax_contract(sr, flat, probs.reshape(-1, rows))
+    m_scores = softmax_contract(
+        sr, flat, probs.reshape(-1, rows), log_probs.reshape(-1, rows).contiguous()
+    )
     del flat
     m_scores = tuple(p.reshape(probs.shape) for p in m_scores)
     m_scores = record_internal(sr, m_scores, "attention scores")
@@ -89,6 +128,30 @@ def attention_contract(
     else:
         m_q, m_k = sr.matmul(m_scores, k * scale), sr.matmul(_t(m_scores), q * scale)
     return m_q, m_k, m_v
+
+
+def _value_products(
+    sr: Semiring,
+    m_out: State,
+    v_t: Tensor,
+    weights: Tensor,
+    log_probs: Tensor,
+    keep: Tensor | None,
+) -> tuple[State, State]:
+    """``(m_out ⊗ Vᵀ, m_outᵀ ⊗ W)``: the messages to the weights W and (transposed) to V.
+
+    Real takes W itself; the log-space semirings take log W = log P (+ log keep), so a weight
+    below float32's range is still an edge of the right size."""
+    if sr.linear_weights:
+        shared = shared_shift_products(sr, m_out, v_t, weights)
+        if shared is not None:
+            return shared[0], shared[1]
+        return sr.matmul(m_out, v_t), sr.matmul(_t(m_out), weights)
+    log_w = log_probs if keep is None else log_probs + keep.log()
+    shared = shared_shift_products(sr, m_out, v_t, left_log=log_w)
+    if shared is not None:
+        return shared[0], shared[1]
+    return sr.matmul(m_out, v_t), sr.matmul_log(_t(m_out), log_w)
 
 
 #: Largest number of attention-weight entries whose messages are built at once. The batch is
@@ -130,18 +193,29 @@ def attention_messages(
     per_entry = math.prod(q.shape[1:-1]) * k.shape[-2]
     step = max(1, ATTENTION_CHUNK_ELEMENTS // max(per_entry, 1))
     if q.dim() != 4 or step >= batch or getattr(sr, "records_paths", False):
-        probs = attention_probs(q, k, mask, causal, scale)
-        return attention_contract(sr, m_out, q, k, v, probs, scale, keep, m_weights)
+        log_probs = attention_log_probs(q, k, mask, causal, scale)
+        probs = log_probs.exp()
+        return attention_contract(sr, m_out, q, k, v, probs, scale, keep, m_weights, log_probs)
     outputs: list[State] | None = None
     for start in range(0, batch, step):
         stop = min(start + step, batch)
         piece = functools.partial(_batch_slice, start=start, stop=stop, batch=batch)
         q_c = piece(q)
-        probs = attention_probs(q_c, piece(k), piece(mask), causal, scale)
+        log_probs = attention_log_probs(q_c, piece(k), piece(mask), causal, scale)
+        probs = log_probs.exp()
         got = attention_contract(
-            sr, piece(m_out), q_c, piece(k), piece(v), probs, scale, piece(keep), piece(m_weights)
+            sr,
+            piece(m_out),
+            q_c,
+            piece(k),
+            piece(v),
+            probs,
+            scale,
+            piece(keep),
+            piece(m_weights),
+            log_probs,
         )
-        del probs
+        del probs, log_probs
         if outputs is None:
             outputs = [tuple(c.new_empty((batch, *c.shape[1:])) for c in state) for state in got]
         for whole, part in zip(outputs, got, strict=True):

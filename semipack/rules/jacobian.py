@@ -15,12 +15,18 @@ from torch import Tensor
 
 from ..semirings.base import BLOCK_ELEMENTS, Semiring, State
 
-# jac(rows, cols) -> J[rows, n_out, cols] for a slice of rows and a slice of input columns
+# jac(rows, cols) -> J[rows, n_out, cols] for a slice of rows and a slice of input columns, or,
+# in log form, (log|J|, sign J) of that block
 JacobianBlock = Callable[[slice, slice], Tensor]
+LogJacobianBlock = Callable[[slice, slice], tuple[Tensor, Tensor]]
 
 
-def contract_rows(sr: Semiring, m: State, jac: JacobianBlock, n_in: int) -> State:
-    """``out[r, j] = ⊕_i m[r, i] ⊗ lift(J[r, i, j])`` for messages ``m`` of shape [rows, n_out]."""
+def contract_rows(
+    sr: Semiring, m: State, jac: JacobianBlock | LogJacobianBlock, n_in: int, log_form: bool = False
+) -> State:
+    """``out[r, j] = ⊕_i m[r, i] ⊗ lift(J[r, i, j])`` for messages ``m`` of shape [rows, n_out].
+
+    With ``log_form`` the blocks are ``(log|J|, sign J)`` and go through ``sr.matmul_log``."""
     rows, n_out = m[0].shape
     if rows == 0 or n_in == 0:
         return sr.zeros((rows, n_in), m[0].dtype, m[0].device)
@@ -30,10 +36,11 @@ def contract_rows(sr: Semiring, m: State, jac: JacobianBlock, n_in: int) -> Stat
     for r0 in range(0, rows, row_block):
         rs = slice(r0, min(rows, r0 + row_block))
         m_blk = tuple(c[rs].unsqueeze(1) for c in m)
-        pieces = [
-            sr.matmul(m_blk, jac(rs, slice(c0, min(n_in, c0 + cols))))
-            for c0 in range(0, n_in, cols)
-        ]
+        blocks = (jac(rs, slice(c0, min(n_in, c0 + cols))) for c0 in range(0, n_in, cols))
+        if log_form:
+            pieces = [sr.matmul_log(m_blk, *block) for block in blocks]
+        else:
+            pieces = [sr.matmul(m_blk, block) for block in blocks]
         out_rows.append(tuple(torch.cat(p, -1).squeeze(1) for p in zip(*pieces, strict=True)))
     return tuple(torch.cat(p, 0) for p in zip(*out_rows, strict=True))
 

@@ -2,16 +2,29 @@
 
 Each of these backward ops is ``grad_input = grad_output * d`` for an elementwise factor ``d``
 that depends only on the saved forward tensors. Calling the op itself with a gradient of ones
-gives exactly ``d``: the local partial derivatives, i.e. the edge weights. That keeps every rule
-here one line and guarantees the same derivative autograd uses.
+gives exactly ``d``: the local partial derivatives, i.e. the edge weights, the same derivative
+autograd uses. Real always takes that ``d``.
+
+The other semirings keep log-space states, and for the saturating functions (tanh, sigmoid,
+GELU, SiLU, Mish, softplus, logsigmoid, ELU/SELU/CELU, soft margin loss, GLU) they take the exact
+``log|d|`` instead (``kernels.log_derivatives``): ``d`` itself rounds to 0 in float32 where the
+function saturates (1 - tanh(20)^2 = 0), which would cut a path that exists. tanh and sigmoid
+save only their output; their exact log-derivative needs the input recorded during a forward
+inside ``semipack.extend`` (``transport.saved_inputs``), and without it they keep ``d``.
 """
 
 from __future__ import annotations
 
+import math
+from collections.abc import Callable
+
 import torch
 from torch import Tensor
 
+from ..kernels import log_derivatives as logd
+from ..semirings.base import Sign
 from ..transport.message import Message
+from ..transport.saved_inputs import recorded_input
 from .registry import OpCall, call_by_name, register_rule
 
 aten = torch.ops.aten
@@ -74,36 +87,131 @@ def _message_arg(call: OpCall) -> tuple[str, Message]:
     return name, msg
 
 
+#: ``(log|d|, sign)`` of an op's elementwise derivative, or None where the exact form does not
+#: apply (then the rule takes ``d`` itself). The bool asks for signs (see ``uses_edge_signs``).
+LogDerivative = Callable[[OpCall, bool], "tuple[Tensor, Sign] | None"]
+
+
+def _input(call: OpCall, name: str = "self") -> Tensor:
+    return call[name].to(call.weight_dtype)
+
+
+def _from_recorded(node_name: str, exact: Callable[[Tensor], tuple[Tensor, Sign]]) -> LogDerivative:
+    """For tanh and sigmoid: the exact form needs the input recorded during the forward."""
+
+    def log_derivative(call: OpCall, signs: bool) -> tuple[Tensor, Sign] | None:
+        x = recorded_input(node_name, call["output"])
+        return None if x is None else exact(x.to(call.weight_dtype))
+
+    return log_derivative
+
+
+def _sign_changing(spec: logd.SignChangingDerivative) -> LogDerivative:
+    """For GELU, SiLU and Mish: exact on the whole line, zero crossing and tails included."""
+
+    def log_derivative(call: OpCall, signs: bool) -> tuple[Tensor, Sign] | None:
+        return logd.sign_changing_log_derivative(spec, _input(call), signs)
+
+    return log_derivative
+
+
+def _gelu(call: OpCall, signs: bool) -> tuple[Tensor, Sign] | None:
+    spec = logd.GELU_TANH if call["approximate"] == "tanh" else logd.GELU
+    return _sign_changing(spec)(call, signs)
+
+
+def _softplus(call: OpCall, signs: bool) -> tuple[Tensor, Sign] | None:
+    return logd.softplus_log_derivative(_input(call), call["beta"], call["threshold"])
+
+
+def _elu(call: OpCall, signs: bool) -> tuple[Tensor, Sign] | None:
+    if call["is_result"]:  # in-place ELU saved its output: e^x from it would cancel
+        return None
+    alpha, scale, input_scale = (float(call[n]) for n in ("alpha", "scale", "input_scale"))
+    return logd.elu_log_derivative(_input(call, "self_or_result"), alpha, scale, input_scale)
+
+
+def _log_sigmoid(call: OpCall, signs: bool) -> tuple[Tensor, Sign] | None:
+    return logd.log_sigmoid_log_derivative(_input(call))
+
+
+EXACT_ACTIVATIONS: dict[object, LogDerivative] = {
+    aten.tanh_backward.default: _from_recorded("TanhBackward0", logd.tanh_log_derivative),
+    aten.sigmoid_backward.default: _from_recorded("SigmoidBackward0", logd.sigmoid_log_derivative),
+    aten.gelu_backward.default: _gelu,
+    aten.silu_backward.default: _sign_changing(logd.SILU),
+    aten.mish_backward.default: _sign_changing(logd.MISH),
+    aten.softplus_backward.default: _softplus,
+    aten.elu_backward.default: _elu,
+    aten.log_sigmoid_backward.default: _log_sigmoid,
+}
+
+
+def exact_log_derivative(call: OpCall) -> tuple[Tensor, Sign] | None:
+    """The exact ``(log|d|, sign)`` of this call's op for a log-space semiring, else None."""
+    if call.semiring.linear_weights:
+        return None
+    exact = EXACT_ACTIVATIONS.get(call.func)
+    return None if exact is None else exact(call, call.semiring.uses_edge_signs())
+
+
 @register_rule(*ACTIVATION_BACKWARDS)
 def activation(call: OpCall):
     name, msg = _message_arg(call)
-    parts = call.semiring.scale_owned(msg.parts, edge_weights(call, name))
+    exact = exact_log_derivative(call)
+    if exact is None:
+        parts = call.semiring.scale_owned(msg.parts, edge_weights(call, name))
+    else:
+        parts = call.semiring.scale_log_owned(msg.parts, *exact)
     # The regular gradient after the message: its temporaries are gone by then (peak memory).
     return call.wrap(call.run_real(), parts)
+
+
+def _soft_margin(call: OpCall) -> tuple[Tensor, Sign]:
+    """soft margin loss log(1 + e^{-y x}) (mean: divided by N): derivative -y sigma(-y x) / N,
+    log = log|y| + logsigmoid(-y x) - log N, sign = -sign(y)."""
+    x, y = _input(call), _input(call, "target")
+    log = logd.log_sigmoid_of(-y * x).add_(y.abs().log())
+    if call["reduction"] == 1:  # mean
+        log.sub_(math.log(max(x.numel(), 1)))
+    return log, torch.sign(y).neg_()
 
 
 @register_rule(*LOSS_BACKWARDS, *CLASS_LOSS_BACKWARDS)
 def pointwise_loss(call: OpCall):
     """Each input entry feeds one loss entry: weights = op(ones); the message is broadcast."""
     name, msg = _message_arg(call)
-    weights = edge_weights(call, name)
+    sr = call.semiring
+    exact = None
+    if call.func is aten.soft_margin_loss_backward.default and not sr.linear_weights:
+        exact = _soft_margin(call)
+    weights = edge_weights(call, name) if exact is None else exact[0]
     parts = msg.parts
     if call.func in CLASS_LOSS_BACKWARDS and msg.dim() > 0:
         parts = tuple(p.unsqueeze(1) for p in parts)
     parts = tuple(p.expand(weights.shape) for p in parts)
-    return call.wrap(call.run_real(), call.semiring.scale(parts, weights))
+    parts = sr.scale(parts, weights) if exact is None else sr.scale_log(parts, *exact)
+    return call.wrap(call.run_real(), parts)
 
 
 @register_rule(aten.glu_backward.default)
 def glu_backward(call: OpCall):
     """glu(x) = a * sigmoid(b) with x = [a, b] along ``dim``: out_i has one edge from a_i
-    (weight sigmoid(b_i)) and one from b_i (weight a_i sigmoid(b_i)(1 - sigmoid(b_i)))."""
+    (weight sigmoid(b_i)) and one from b_i (weight a_i sigmoid(b_i)(1 - sigmoid(b_i)), in log
+    space log|a_i| + logsigmoid(b_i) + logsigmoid(-b_i) for the log-space semirings)."""
     msg, x, dim = call["grad_output"], call["self"], call["dim"] % call["self"].dim()
     dtype = call.weight_dtype
+    sr = call.semiring
     a, b = x.to(dtype).chunk(2, dim)
-    gate = torch.sigmoid(b)
-    to_a = call.semiring.scale(msg.parts, gate)
-    to_b = call.semiring.scale(msg.parts, a * gate * (1 - gate))
+    if sr.linear_weights:
+        gate = torch.sigmoid(b)
+        to_a = sr.scale(msg.parts, gate)
+        to_b = sr.scale(msg.parts, a * gate * (1 - gate))
+    else:
+        log_gate = logd.log_sigmoid_of(b)
+        to_a = sr.scale_log(msg.parts, log_gate)
+        log_b = logd.log_sigmoid_of(-b).add_(log_gate).add_(a.abs().log())
+        to_b = sr.scale_log(msg.parts, log_b, torch.sign(a))
     parts = tuple(torch.cat(pair, dim) for pair in zip(to_a, to_b, strict=True))
     return call.wrap(call.run_real(), parts)
 

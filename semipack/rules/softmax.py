@@ -1,7 +1,10 @@
 """softmax and log_softmax: dense per-row Jacobians with a closed form.
 
 Built-in semirings take the O(n)-per-row kernels of ``kernels.rowwise`` (diagonal plus rank-one
-structure); other semirings contract the dense Jacobian block by block.
+structure); other semirings contract the dense Jacobian block by block. Both take the Jacobian
+in log form from log-probabilities (see ``kernels.rowwise``): exact for log_softmax (its output
+is the log-probabilities) and for a softmax whose input was recorded during the forward
+(``transport.saved_inputs``); otherwise the log of the softmax output.
 """
 
 from __future__ import annotations
@@ -9,18 +12,26 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ..kernels.rowwise import log_softmax_messages, softmax_messages
+from ..kernels.rowwise import (
+    log_complement,
+    log_softmax_messages,
+    softmax_messages,
+)
 from ..semirings.base import Semiring, State
+from ..transport.saved_inputs import recorded_input
 from .jacobian import contract_rows, identity_block, rows_last, unrows
 from .registry import OpCall, register_rule
 
 aten = torch.ops.aten
 
 
-def softmax_contract(sr: Semiring, m: State, probs: Tensor) -> State:
-    """Messages through softmax rows: ∂y_i/∂x_j = y_i (δ_ij - y_j); ``m``, ``probs``: [rows, n]."""
-    fast = softmax_messages(sr, m, probs)
-    return fast if fast is not None else softmax_contract_dense(sr, m, probs)
+def softmax_contract(
+    sr: Semiring, m: State, probs: Tensor, log_probs: Tensor | None = None
+) -> State:
+    """Messages through softmax rows: ∂y_i/∂x_j = y_i (δ_ij - y_j); ``m``, ``probs`` and the
+    exact ``log_probs`` where known: [rows, n]."""
+    fast = softmax_messages(sr, m, probs, log_probs)
+    return fast if fast is not None else softmax_contract_dense(sr, m, probs, log_probs)
 
 
 def log_softmax_contract(sr: Semiring, m: State, log_probs: Tensor) -> State:
@@ -29,44 +40,121 @@ def log_softmax_contract(sr: Semiring, m: State, log_probs: Tensor) -> State:
     return fast if fast is not None else log_softmax_contract_dense(sr, m, log_probs)
 
 
-def softmax_contract_dense(sr: Semiring, m: State, probs: Tensor) -> State:
-    """``softmax_contract`` through the dense Jacobian: correct for every semiring, O(n^2)."""
+def _signed_diagonal(lp_rows: Tensor, diag: Tensor, off: Tensor, cols: slice) -> tuple:
+    """(log|J|, sign J) of a block whose diagonal is ``diag`` (>= 0) and whose off-diagonal
+    entries are ``-exp(off)``; [rows, n, cols]."""
+    n = lp_rows.shape[-1]
+    eye = identity_block(n, cols, torch.bool, lp_rows.device)[None]
+    log = torch.where(eye, diag, off)
+    return log, torch.where(eye, 1.0, -1.0).to(log.dtype).expand(log.shape)
+
+
+def softmax_contract_dense(
+    sr: Semiring, m: State, probs: Tensor, log_probs: Tensor | None = None
+) -> State:
+    """``softmax_contract`` through the dense Jacobian: correct for every semiring, O(n^2).
+    Real takes the linear Jacobian, the others its log form (through ``matmul_log``)."""
     n = probs.shape[-1]
+    if sr.linear_weights:
 
-    def jac(rows: slice, cols: slice) -> Tensor:
-        y = probs[rows]
-        eye = identity_block(n, cols, y.dtype, y.device)
-        return y[:, :, None] * (eye[None] - y[:, None, cols])
+        def jac(rows: slice, cols: slice) -> Tensor:
+            y = probs[rows]
+            eye = identity_block(n, cols, y.dtype, y.device)
+            return y[:, :, None] * (eye[None] - y[:, None, cols])
 
-    return contract_rows(sr, m, jac, n)
+        return contract_rows(sr, m, jac, n)
+    lp = probs.log() if log_probs is None else log_probs.to(probs.dtype)
+    complement = log_complement(lp)
+
+    def log_jac(rows: slice, cols: slice) -> tuple[Tensor, Tensor]:
+        # log J_ij = lp_i + (log(1 - p_j) if i == j else lp_j)
+        lp_r = lp[rows]
+        diag = lp_r[:, :, None] + complement[rows, None, cols]
+        off = lp_r[:, :, None] + lp_r[:, None, cols]
+        return _signed_diagonal(lp_r, diag, off, cols)
+
+    return contract_rows(sr, m, log_jac, n, log_form=True)
 
 
 def log_softmax_contract_dense(sr: Semiring, m: State, log_probs: Tensor) -> State:
     """``log_softmax_contract`` through the dense Jacobian: correct for every semiring."""
     n = log_probs.shape[-1]
-    probs = log_probs.exp()
+    if sr.linear_weights:
+        probs = log_probs.exp()
 
-    def jac(rows: slice, cols: slice) -> Tensor:
-        eye = identity_block(n, cols, probs.dtype, probs.device)
-        return (eye[None] - probs[rows, None, cols]).expand(probs[rows].shape[0], n, -1)
+        def jac(rows: slice, cols: slice) -> Tensor:
+            eye = identity_block(n, cols, probs.dtype, probs.device)
+            return (eye[None] - probs[rows, None, cols]).expand(probs[rows].shape[0], n, -1)
 
-    return contract_rows(sr, m, jac, n)
+        return contract_rows(sr, m, jac, n)
+    complement = log_complement(log_probs)
+
+    def log_jac(rows: slice, cols: slice) -> tuple[Tensor, Tensor]:
+        # log|J_ij| = log(1 - p_j) if i == j else lp_j
+        lp_r = log_probs[rows]
+        shape = (lp_r.shape[0], n, cols.stop - cols.start)
+        diag = complement[rows, None, cols].expand(shape)
+        off = lp_r[:, None, cols].expand(shape)
+        return _signed_diagonal(lp_r, diag, off, cols)
+
+    return contract_rows(sr, m, log_jac, n, log_form=True)
 
 
-def _rowwise(call: OpCall, contract) -> object:
+def masking_floor(dtype: torch.dtype) -> float:
+    """Softmax inputs at or below this are masking sentinels, not scores: Hugging Face models
+    mask keys by adding ``torch.finfo(dtype).min``. Their probability, e^-3.4e38 in float32, is
+    an exact 0 in every float, and a masked key must stay a structural zero (no edge) rather
+    than become an edge of log-weight -3.4e38 once probabilities are taken in log space."""
+    return torch.finfo(dtype).min / 2
+
+
+def unmask_sentinels_(x: Tensor, dim: int) -> Tensor:
+    """``x`` with the masking sentinels (see ``masking_floor``) replaced by ``-inf``, in place,
+    except in rows along ``dim`` made of sentinels only: there the forward's softmax is uniform
+    (finfo.min + s rounds to finfo.min), a real dependence that must keep its edges."""
+    sentinel = x <= masking_floor(x.dtype)
+    if bool(sentinel.any()):
+        sentinel &= ~sentinel.all(dim, keepdim=True)
+        x.masked_fill_(sentinel, float("-inf"))
+    return x
+
+
+def exact_log_softmax(x: Tensor, dim: int) -> Tensor:
+    """log_softmax along ``dim`` for the edge weights: masking sentinels are ``-inf`` (see
+    ``masking_floor``), and rows whose every input is ``-inf`` (fully masked: probabilities
+    structurally 0, not undefined) get ``-inf`` log-probabilities (no edges) instead of NaN."""
+    x = unmask_sentinels_(x.clone(), dim)
+    lse = torch.logsumexp(x, dim, keepdim=True)
+    return x.sub_(lse.masked_fill_(lse == float("-inf"), float("inf")))
+
+
+def _rowwise(
+    call: OpCall, contract, log_probs: Tensor | None = None, output: Tensor | None = None
+) -> object:
+    """Run ``contract`` on rows along ``dim`` of the op's output (or the given ``output``)."""
     msg, out, dim = call["grad_output"], call["output"], call["dim"] % call["output"].dim()
-    dtype = call.weight_dtype
+    out = out.to(call.weight_dtype) if output is None else output
     m = tuple(rows_last(p, dim) for p in msg.parts)
-    parts = contract(call.semiring, m, rows_last(out.to(dtype), dim))
+    extra = () if log_probs is None else (rows_last(log_probs, dim),)
+    parts = contract(call.semiring, m, rows_last(out, dim), *extra)
     parts = tuple(unrows(p, out.shape, dim) for p in parts)
     return call.wrap(call.run_real(), parts)
 
 
 @register_rule(aten._softmax_backward_data.default)
 def softmax_backward(call: OpCall):
-    return _rowwise(call, softmax_contract)
+    log_probs = None
+    if not call.semiring.linear_weights:
+        x = recorded_input("SoftmaxBackward0", call["output"])
+        if x is not None:
+            log_probs = exact_log_softmax(x.to(call.weight_dtype), call["dim"])
+    return _rowwise(call, softmax_contract, log_probs)
 
 
 @register_rule(aten._log_softmax_backward_data.default)
 def log_softmax_backward(call: OpCall):
-    return _rowwise(call, log_softmax_contract)
+    if call.semiring.linear_weights:
+        return _rowwise(call, log_softmax_contract)
+    # The output is the exact log-probabilities; a masking sentinel's is at or below the floor.
+    out = unmask_sentinels_(call["output"].to(call.weight_dtype, copy=True), call["dim"])
+    return _rowwise(call, log_softmax_contract, output=out)

@@ -5,6 +5,14 @@ of the best path product), two for Entropy (log-normaliser and expected surprisa
 SignedMaxProd. The op rules only ever call the methods below, so a new semiring is a subclass
 that fills in the six primitives (``zero``, ``one``, ``lift``, ``plus``, ``times``, ``sum``) and,
 optionally, faster ``matmul`` / ``index_plus`` kernels.
+
+Edge weights reach a semiring in two forms. ``lift`` / ``scale`` / ``matmul`` take the linear
+derivative ``w``. ``lift_log`` / ``scale_log`` / ``matmul_log`` take it as ``(log|w|, sign)``:
+for a saturating function (tanh, sigmoid, softmax, GELU, ...) the linear derivative rounds to 0
+in float32 long before its logarithm stops being representable (tanh'(20) ~ 4e-17, whose log
+-38.6 is an ordinary float), and every built-in state but Real's is a logarithm anyway, so the
+log form never cuts a path that exists. The defaults go through ``lift`` of the linear weight, so
+a user semiring that only defines the primitives stays correct (as precise as its ``lift``).
 """
 
 from __future__ import annotations
@@ -17,6 +25,10 @@ import torch
 from torch import Tensor
 
 State = tuple[Tensor, ...]
+
+#: Edge signs for the log-space operations: a tensor of -1 / 0 / +1 (0 only where ``log_abs`` is
+#: ``-inf``), or one number for every edge.
+Sign = Tensor | float
 
 #: Largest number of elements a blocked fallback may broadcast at once (32 MiB of float32).
 BLOCK_ELEMENTS = 1 << 23
@@ -37,6 +49,12 @@ DERIVED_OPERATIONS: tuple[str, ...] = (
     "matmul_lifted",
     "index_plus",
     "is_zero",
+    # edge weights in log form
+    "lift_log",
+    "scale_log",
+    "scale_log_owned",
+    "matmul_log",
+    "uses_edge_signs",
 )
 
 
@@ -66,6 +84,10 @@ class Semiring:
     one: ClassVar[tuple[float | bool, ...]] = (1.0,)
     #: True when ``plus`` is an idempotent max/or (the family that needs fused kernels).
     max_like: ClassVar[bool] = False
+    #: True when rules must give this semiring the op's own linear derivative (Real: its messages
+    #: are gradients and must equal autograd's, rounding included). Otherwise rules that know an
+    #: exact log-derivative use ``scale_log`` / ``matmul_log``.
+    linear_weights: ClassVar[bool] = False
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         """A subclass that changes the algebra (``PRIMITIVES``) falls back to the generic
@@ -163,6 +185,35 @@ class Semiring:
         """
         return self.scale(a, w)
 
+    # --- edge weights in log form (derived operations, see DERIVED_OPERATIONS) -------------------
+    def lift_log(self, log_abs: Tensor, sign: Sign = 1.0) -> State:
+        """``lift(w)`` for ``w = sign * exp(log_abs)``, elementwise with broadcasting.
+
+        ``log_abs`` is ``log|w|``: ``-inf`` exactly where there is no edge (a structural zero),
+        NaN for a NaN derivative. ``sign`` is -1 or +1 where there is an edge (its value where
+        ``log_abs`` is ``-inf`` does not matter; 0 by convention), or one number for all edges.
+        The default lifts the linear weight, so it underflows where ``exp(log_abs)`` does.
+        """
+        return self.lift(linear_from_log(log_abs, sign))
+
+    def scale_log(self, a: State, log_abs: Tensor, sign: Sign = 1.0) -> State:
+        """``a ⊗ lift_log(log_abs, sign)``: ``scale`` with the edge weights in log form."""
+        return self.times(a, self.lift_log(log_abs, sign))
+
+    def scale_log_owned(self, a: State, log_abs: Tensor, sign: Sign = 1.0) -> State:
+        """``scale_log``, free to overwrite ``log_abs`` (a fresh tensor the caller gives up), so
+        that the new state can be built in its memory (see ``scale_owned``)."""
+        return self.scale_log(a, log_abs, sign)
+
+    def matmul_log(self, a: State, log_abs: Tensor, sign: Sign = 1.0) -> State:
+        """``matmul(a, w)`` with ``w = sign * exp(log_abs)`` given in log form ([..., k, j])."""
+        return self.matmul(a, linear_from_log(log_abs, sign))
+
+    def uses_edge_signs(self) -> bool:
+        """Whether the log-form operations read ``sign`` (a rule may then skip computing signs
+        and pass 1.0). True unless the log-form operations are a built-in's that ignore it."""
+        return True
+
     def keeps_primitives_of(self, cls: type[Semiring], *names: str) -> bool:
         """Whether this object's class uses ``cls``'s own ``names`` (a subclass may redefine
         them, and then a fast path written for ``cls`` would compute something else)."""
@@ -259,6 +310,14 @@ def _empty_product_is_zero(matmul_fn):
         return self.zeros(shape, _state_grad_dtype(a), a[0].device)
 
     return total_matmul
+
+
+def linear_from_log(log_abs: Tensor, sign: Sign) -> Tensor:
+    """``sign * exp(log_abs)``: the linear edge weight (0 where ``log_abs`` is ``-inf``)."""
+    w = log_abs.exp()
+    if isinstance(sign, Tensor):
+        return w.mul_(sign) if w.shape == torch.broadcast_shapes(w.shape, sign.shape) else w * sign
+    return w if sign == 1 else w.mul_(sign)
 
 
 def scatter_into_zeros(

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .base import Semiring, State
+from .base import Semiring, Sign, State
 
 
 class Boolean(Semiring):
@@ -20,6 +20,29 @@ class Boolean(Semiring):
 
     def lift(self, w: Tensor) -> State:
         return (w != 0,)
+
+    def lift_log(self, log_abs: Tensor, sign: Sign = 1.0) -> State:
+        if not self._log_form_is_own():
+            return Semiring.lift_log(self, log_abs, sign)
+        return (log_abs != float("-inf"),)  # a NaN weight is an edge, as in ``lift``
+
+    def scale_log(self, a: State, log_abs: Tensor, sign: Sign = 1.0) -> State:
+        if not self._log_form_is_own():
+            return Semiring.scale_log(self, a, log_abs, sign)
+        return (a[0] & (log_abs != float("-inf")),)
+
+    def matmul_log(self, a: State, log_abs: Tensor, sign: Sign = 1.0) -> State:
+        if not self._log_form_is_own() or not self.keeps_primitives_of(Boolean, "plus", "sum"):
+            return Semiring.matmul_log(self, a, log_abs, sign)
+        return self.matmul(a, log_abs != float("-inf"))
+
+    def uses_edge_signs(self) -> bool:
+        log_ops = ("lift_log", "scale_log", "scale_log_owned", "matmul_log")
+        own = self.keeps_primitives_of(Boolean, *log_ops, "plus", "sum", "matmul")
+        return not (own and self._log_form_is_own())
+
+    def _log_form_is_own(self) -> bool:
+        return self.keeps_primitives_of(Boolean, "lift", "times")
 
     def plus(self, a: State, b: State) -> State:
         return (a[0] | b[0],)

@@ -6,7 +6,8 @@ import torch
 from torch import Tensor
 
 from ._log import can_overwrite, finite_or_zero, shifted_exp
-from .base import Semiring, State, index_reduce
+from .base import Semiring, Sign, State, index_reduce
+from .log_sum import column_scaled
 
 
 class Entropy(Semiring):
@@ -34,6 +35,46 @@ class Entropy(Semiring):
         log_w = w.abs_().log_()
         surprisal = log_w.neg().masked_fill_(~torch.isfinite(log_w), 0.0)
         return (log_w.add_(a[0]), surprisal.add_(a[1]))
+
+    def lift_log(self, log_abs: Tensor, sign: Sign = 1.0) -> State:
+        if not self._log_form_is_own():
+            return Semiring.lift_log(self, log_abs, sign)
+        log_w = log_abs.to(self.state_dtype(log_abs.dtype))
+        return (log_w, _surprisal(log_w))
+
+    def scale_log(self, a: State, log_abs: Tensor, sign: Sign = 1.0) -> State:
+        if not self._log_form_is_own():
+            return Semiring.scale_log(self, a, log_abs, sign)
+        return (a[0] + log_abs, a[1] + _surprisal(log_abs))
+
+    def scale_log_owned(self, a: State, log_abs: Tensor, sign: Sign = 1.0) -> State:
+        own = self.keeps_primitives_of(Entropy, "scale_log") and self._log_form_is_own()
+        if not own or not can_overwrite(log_abs, a[0]):
+            return self.scale_log(a, log_abs, sign)
+        surprisal = _surprisal(log_abs)
+        return (log_abs.add_(a[0]), surprisal.add_(a[1]))
+
+    def matmul_log(self, a: State, log_abs: Tensor, sign: Sign = 1.0) -> State:
+        """``matmul`` with the weights' columns scaled to a maximum of 1 (see LogSum's)."""
+        if not self._log_form_is_own() or not self.keeps_primitives_of(Entropy, "plus", "sum"):
+            return Semiring.matmul_log(self, a, log_abs, sign)
+        e, m = shifted_exp(a[0], -1)
+        log_w = log_abs.to(e.dtype)
+        scaled, c = column_scaled(log_w)
+        # |w| log|w| = e^c w' log|w|: the common factor e^c cancels in the mean surprisal.
+        scaled_log = torch.where(scaled > 0, scaled * log_w, 0.0)
+        s = torch.matmul(e, scaled)
+        t = torch.matmul(e * a[1], scaled) - torch.matmul(e, scaled_log)
+        mean = torch.where(s > 0, t / s, torch.zeros_like(s))
+        return (s.log_().add_(m).add_(c), mean)
+
+    def uses_edge_signs(self) -> bool:
+        log_ops = ("lift_log", "scale_log", "scale_log_owned", "matmul_log")
+        own = self.keeps_primitives_of(Entropy, *log_ops, "plus", "sum")
+        return not (own and self._log_form_is_own())
+
+    def _log_form_is_own(self) -> bool:
+        return self.keeps_primitives_of(Entropy, "lift", "times")
 
     def plus(self, a: State, b: State) -> State:
         big = torch.logaddexp(a[0], b[0])
@@ -77,3 +118,9 @@ class Entropy(Semiring):
         weighted = (e_dest * dest[1]).index_add(dim, index, e_src * src[1])
         mean = torch.where(total > 0, weighted / total, torch.zeros_like(total))
         return (total.log() + peak, mean)
+
+
+def _surprisal(log_w: Tensor) -> Tensor:
+    """``-log|w|`` where finite, else 0 (no edge; a NaN weight's NaN lives in ``log_w``), as
+    ``lift`` computes it."""
+    return log_w.neg().masked_fill_(~torch.isfinite(log_w), 0.0)

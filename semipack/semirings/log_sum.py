@@ -6,7 +6,7 @@ import torch
 from torch import Tensor
 
 from ._log import add_log_abs_, can_overwrite, finite_or_zero, shifted_exp
-from .base import Semiring, State, index_reduce
+from .base import Semiring, Sign, State, index_reduce
 
 
 class LogSum(Semiring):
@@ -33,11 +33,56 @@ class LogSum(Semiring):
         mag = self.magnitude(w)
         return (mag.log() if mag is w else mag.log_(),)  # in place on a fresh magnitude
 
+    def log_magnitude(self, log_abs: Tensor) -> Tensor:
+        """``log(magnitude(w))`` from ``log|w|`` (``log_abs`` itself for LogSum). A subclass
+        that redefines ``magnitude`` must redefine this too, else the log forms fall back to
+        the linear defaults."""
+        return log_abs
+
     def scale_owned(self, a: State, w: Tensor) -> State:
         own = self.keeps_primitives_of(LogSum, "magnitude", "lift", "times", "scale")
         if not own or not can_overwrite(w, a[0]):
             return self.scale(a, w)
         return (add_log_abs_(a[0], w),)
+
+    def lift_log(self, log_abs: Tensor, sign: Sign = 1.0) -> State:
+        if not self._log_form_is_own():
+            return Semiring.lift_log(self, log_abs, sign)
+        return (self.log_magnitude(log_abs.to(self.state_dtype(log_abs.dtype))),)
+
+    def scale_log(self, a: State, log_abs: Tensor, sign: Sign = 1.0) -> State:
+        if not self._log_form_is_own():
+            return Semiring.scale_log(self, a, log_abs, sign)
+        return (a[0] + self.log_magnitude(log_abs),)
+
+    def scale_log_owned(self, a: State, log_abs: Tensor, sign: Sign = 1.0) -> State:
+        own = self.keeps_primitives_of(LogSum, "scale_log") and self._log_form_is_own()
+        if not own or not can_overwrite(log_abs, a[0]):
+            return self.scale_log(a, log_abs, sign)
+        return (self.log_magnitude(log_abs).add_(a[0]),)  # log_abs itself or a fresh tensor
+
+    def matmul_log(self, a: State, log_abs: Tensor, sign: Sign = 1.0) -> State:
+        """Both operands shifted: ``a`` by its row maxima, the weights by their column maxima
+        ``c`` (``w = e^c w'`` with ``w' <= 1``), so a column of weights far below 1 (attention
+        probabilities of 1e-50) keeps full precision instead of underflowing to "no edge"."""
+        if not self._log_form_is_own() or not self.keeps_primitives_of(LogSum, "plus", "sum"):
+            return Semiring.matmul_log(self, a, log_abs, sign)
+        e, m = shifted_exp(a[0], -1)
+        scaled, c = column_scaled(self.log_magnitude(log_abs.to(e.dtype)))
+        return (torch.matmul(e, scaled).log_().add_(m).add_(c),)
+
+    def uses_edge_signs(self) -> bool:
+        log_ops = ("lift_log", "scale_log", "scale_log_owned", "matmul_log")
+        own = self.keeps_primitives_of(LogSum, *log_ops, "plus", "sum")
+        return not (own and self._log_form_is_own())
+
+    def _log_form_is_own(self) -> bool:
+        """The log forms hold while ``lift`` and ``times`` are LogSum's and the class that
+        defines ``magnitude`` also defines ``log_magnitude``."""
+        if not self.keeps_primitives_of(LogSum, "lift", "times"):
+            return False
+        owner = next(c for c in type(self).__mro__ if "magnitude" in vars(c))
+        return "log_magnitude" in vars(owner)
 
     def plus(self, a: State, b: State) -> State:
         return (torch.logaddexp(a[0], b[0]),)
@@ -70,3 +115,14 @@ class LogCount(LogSum):
 
     def magnitude(self, w: Tensor) -> Tensor:
         return (w != 0).to(w.dtype if w.dtype.is_floating_point else torch.float32)
+
+    def log_magnitude(self, log_abs: Tensor) -> Tensor:
+        # An edge counts once, whatever its weight (NaN included, as in ``magnitude``).
+        return torch.where(log_abs == float("-inf"), float("-inf"), 0.0).to(log_abs.dtype)
+
+
+def column_scaled(log_w: Tensor) -> tuple[Tensor, Tensor]:
+    """``(exp(log_w - c), c)`` with ``c`` the finite maximum of each column of ``log_w``
+    ([..., k, j] -> c [..., 1, j]): the largest weight of a column becomes 1."""
+    c = finite_or_zero(log_w.amax(-2, keepdim=True))
+    return (log_w - c).exp_(), c

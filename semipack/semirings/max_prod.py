@@ -7,7 +7,7 @@ from torch import Tensor
 
 from ..kernels.tropical import maxplus
 from ._log import add_log_abs_, can_overwrite, log_abs
-from .base import Semiring, State, index_reduce
+from .base import Semiring, Sign, State, index_reduce
 
 
 class MaxProd(Semiring):
@@ -36,6 +36,35 @@ class MaxProd(Semiring):
         if not own or not can_overwrite(w, a[0]):
             return self.scale(a, w)
         return (add_log_abs_(a[0], w),)
+
+    def lift_log(self, log_abs: Tensor, sign: Sign = 1.0) -> State:
+        if not self._log_form_is_own():
+            return Semiring.lift_log(self, log_abs, sign)
+        return (log_abs.to(self.state_dtype(log_abs.dtype)),)
+
+    def scale_log(self, a: State, log_abs: Tensor, sign: Sign = 1.0) -> State:
+        if not self._log_form_is_own():
+            return Semiring.scale_log(self, a, log_abs, sign)
+        return (a[0] + log_abs,)
+
+    def scale_log_owned(self, a: State, log_abs: Tensor, sign: Sign = 1.0) -> State:
+        own = self.keeps_primitives_of(MaxProd, "scale_log") and self._log_form_is_own()
+        if not own or not can_overwrite(log_abs, a[0]):
+            return self.scale_log(a, log_abs, sign)
+        return (log_abs.add_(a[0]),)
+
+    def matmul_log(self, a: State, log_abs: Tensor, sign: Sign = 1.0) -> State:
+        if not self._log_form_is_own() or not self.keeps_primitives_of(MaxProd, "plus", "sum"):
+            return Semiring.matmul_log(self, a, log_abs, sign)
+        return (maxplus(a[0], log_abs),)
+
+    def uses_edge_signs(self) -> bool:
+        log_ops = ("lift_log", "scale_log", "scale_log_owned", "matmul_log")
+        return not self.keeps_primitives_of(MaxProd, *log_ops, "lift", "times", "plus", "sum")
+
+    def _log_form_is_own(self) -> bool:
+        """The state is log|product| only while ``lift`` and ``times`` are MaxProd's."""
+        return self.keeps_primitives_of(MaxProd, "lift", "times")
 
     def plus(self, a: State, b: State) -> State:
         return (torch.maximum(a[0], b[0]),)

@@ -9,7 +9,7 @@ from torch import Tensor
 
 from ..kernels.tropical import maxplus
 from ._log import log_abs
-from .base import Semiring, State, index_reduce
+from .base import Semiring, Sign, State, index_reduce
 
 INF = float("inf")
 
@@ -51,14 +51,24 @@ class SignedMaxProd(Semiring):
         return f"SignedMaxProd(log={self.log})"
 
     def lift(self, w: Tensor) -> State:
-        lw = log_abs(w, self.state_dtype(w.dtype))
-        pos, neg = w > 0, w < 0
-        return (
+        return self._lift_routed(log_abs(w, self.state_dtype(w.dtype)), w > 0, w < 0)
+
+    def lift_log(self, log_abs: Tensor, sign: Sign = 1.0) -> State:
+        if not self._log_form_is_own():
+            return Semiring.lift_log(self, log_abs, sign)
+        lw = log_abs.to(self.state_dtype(log_abs.dtype))
+        return self._lift_routed(lw, *_sign_masks(lw, sign))
+
+    def _lift_routed(self, lw: Tensor, pos: Tensor, neg: Tensor) -> State:
+        """The four components of edges with log-magnitudes ``lw``, positive where ``pos`` and
+        negative where ``neg`` (neither: no edge). A NaN weight lifts to NaN everywhere."""
+        lifted = (
             torch.where(pos, lw, -INF),
             torch.where(neg, lw, -INF),
             torch.where(pos, lw, INF),
             torch.where(neg, lw, INF),
         )
+        return _with_nan(lifted, torch.isnan(lw))
 
     def plus(self, a: State, b: State) -> State:
         return (
@@ -86,29 +96,52 @@ class SignedMaxProd(Semiring):
         )
 
     def scale(self, a: State, w: Tensor) -> State:
+        return self._scale_routed(a, log_abs(w, a[0].dtype), w > 0, w < 0)
+
+    def scale_log(self, a: State, log_abs: Tensor, sign: Sign = 1.0) -> State:
+        if not self._log_form_is_own():
+            return Semiring.scale_log(self, a, log_abs, sign)
+        return self._scale_routed(a, log_abs, *_sign_masks(log_abs, sign))
+
+    def _scale_routed(self, a: State, lw: Tensor, pos: Tensor, neg: Tensor) -> State:
         # Multiplying by one signed edge routes each component instead of combining pairs.
-        lw = log_abs(w, a[0].dtype)
-        pos, neg = w > 0, w < 0
-        return (
+        scaled = (
             torch.where(pos, a[0] + lw, torch.where(neg, a[1] + lw, -INF)),
             torch.where(pos, a[1] + lw, torch.where(neg, a[0] + lw, -INF)),
             torch.where(pos, a[2] + lw, torch.where(neg, a[3] + lw, INF)),
             torch.where(pos, a[3] + lw, torch.where(neg, a[2] + lw, INF)),
         )
+        return _with_nan(scaled, torch.isnan(lw))
 
     def matmul(self, a: State, w: Tensor) -> State:
+        return self._matmul_lifted(a, self.lift(w))
+
+    def matmul_log(self, a: State, log_abs: Tensor, sign: Sign = 1.0) -> State:
+        own = self._log_form_is_own() and self.keeps_primitives_of(SignedMaxProd, "plus", "sum")
+        if not own:
+            return Semiring.matmul_log(self, a, log_abs, sign)
+        return self._matmul_lifted(a, self.lift_log(log_abs.to(a[0].dtype), sign))
+
+    def uses_edge_signs(self) -> bool:
+        return True
+
+    def _log_form_is_own(self) -> bool:
+        return self.keeps_primitives_of(SignedMaxProd, "lift", "times")
+
+    def _matmul_lifted(self, a: State, lifted: State) -> State:
         """All four components in one max-plus call, routing signs through a block matrix.
 
         With ``w`` lifted to its positive and negative parts (``-inf``/``+inf`` where an entry
         has the other sign or is zero), ``[pos_max | neg_max] @ [[P, N], [N, P]]`` gives
         ``[pos_max' | neg_max']`` and the min components are the same product of the negated
         ``[pos_min | neg_min]`` and min-parts. Both products are stacked on a leading batch dim.
-        Negation is exact, so this equals the generic blocked product bit for bit.
+        Negation is exact, so this equals the generic blocked product bit for bit; the max-plus
+        kernels propagate NaN, so a NaN weight gives NaN as in MaxProd.
         """
-        rank = max(a[0].dim(), w.dim())  # equal ranks, so the stacked dim lines up below
+        rank = max(a[0].dim(), lifted[0].dim())  # equal ranks: the stacked dim lines up below
         a = tuple(c.reshape((1,) * (rank - c.dim()) + tuple(c.shape)) for c in a)
         pos_max, neg_max, pos_min, neg_min = (
-            c.reshape((1,) * (rank - c.dim()) + tuple(c.shape)) for c in self.lift(w)
+            c.reshape((1,) * (rank - c.dim()) + tuple(c.shape)) for c in lifted
         )
         route_max = torch.cat(
             [torch.cat([pos_max, neg_max], -1), torch.cat([neg_max, pos_max], -1)], -2
@@ -119,12 +152,15 @@ class SignedMaxProd(Semiring):
         left = torch.stack([torch.cat([a[0], a[1]], -1), -torch.cat([a[2], a[3]], -1)])
         right = torch.stack([route_max, -route_min])
         out = maxplus(left, right)
-        m = w.shape[-1]
+        m = lifted[0].shape[-1]
         return (out[0, ..., :m], out[0, ..., m:], -out[1, ..., :m], -out[1, ..., m:])
 
     def readout(self, a: State) -> Extremes:
+        """NaN where any component is NaN (a NaN derivative on some path, as MaxProd reads it)."""
         pos_max, neg_max, pos_min, neg_min = a
         has_pos, has_neg = pos_max > -INF, neg_max > -INF
+        nan = torch.isnan(pos_max) | torch.isnan(neg_max) | torch.isnan(pos_min)
+        nan |= torch.isnan(neg_min)
         largest = SignedLog(
             torch.where(has_pos, 1.0, torch.where(has_neg, -1.0, 0.0)).to(pos_max.dtype),
             torch.where(has_pos, pos_max, torch.where(has_neg, neg_min, -INF)),
@@ -133,6 +169,8 @@ class SignedMaxProd(Semiring):
             torch.where(has_neg, -1.0, torch.where(has_pos, 1.0, 0.0)).to(pos_max.dtype),
             torch.where(has_neg, neg_max, torch.where(has_pos, pos_min, -INF)),
         )
+        largest = SignedLog(*_with_nan(largest, nan))
+        smallest = SignedLog(*_with_nan(smallest, nan))
         if self.log:
             return Extremes(largest, smallest)
         return Extremes(
@@ -144,3 +182,19 @@ class SignedMaxProd(Semiring):
         return tuple(
             index_reduce(d, dim, index, s, r) for d, s, r in zip(dest, src, reduce, strict=True)
         )
+
+
+def _sign_masks(log_abs: Tensor, sign: Sign) -> tuple[Tensor, Tensor]:
+    """(positive, negative) edge masks: an edge exists where ``log_abs`` is not ``-inf``."""
+    edge = log_abs != -INF
+    if isinstance(sign, Tensor):
+        return edge & (sign > 0), edge & (sign < 0)
+    none = torch.zeros_like(edge)
+    return (edge, none) if sign > 0 else (none, edge)
+
+
+def _with_nan(parts: tuple[Tensor, ...], nan: Tensor) -> tuple[Tensor, ...]:
+    """``parts`` with NaN wherever ``nan`` is set (a NaN derivative must not read as no path)."""
+    if not bool(nan.any()):
+        return parts
+    return tuple(torch.where(nan, float("nan"), p) for p in parts)

@@ -267,16 +267,17 @@ def norm_abs_reduce_f32(a: Tensor, x_hat: Tensor, reduce_max: bool) -> Tensor:
     return out
 
 
-def softmax_log_sum_f32(m: Tensor, probs: Tensor) -> Tensor:
+def softmax_log_sum_f32(m: Tensor, log_probs: Tensor) -> Tensor:
     """LogSum messages through softmax rows: ``out_j = log Σ_i exp(m_i) |p_i (δ_ij - p_j)|``
-    for [rows, n] float32 inputs without NaN (see softmax.c)."""
+    with ``p = exp(log_probs)``, for [rows, n] float32 inputs without NaN (see softmax.c).
+    The probabilities enter as logarithms, so one that underflows float32 still has its edges."""
     lib = _library()
     assert lib is not None
-    m, probs = (t.to(torch.float32).contiguous() for t in (m, probs))
-    rows, n = probs.shape
+    m, log_probs = (t.to(torch.float32).contiguous() for t in (m, log_probs))
+    rows, n = log_probs.shape
     out = torch.empty((rows, n), dtype=torch.float32)
     status = lib.semipack_softmax_log_sum_f32(
-        m.data_ptr(), probs.data_ptr(), rows, n, out.data_ptr(), _threads(rows * n * 64)
+        m.data_ptr(), log_probs.data_ptr(), rows, n, out.data_ptr(), _threads(rows * n * 64)
     )
     if status != 0:
         raise MemoryError("softmax_log_sum_f32: the kernel could not allocate its work buffers")

@@ -1,19 +1,20 @@
 /* LogSum messages through softmax rows, called through ctypes (see __init__.py).
 
-   For a row with probabilities p and incoming log-messages m, softmax's Jacobian is
-   J_ij = p_i (delta_ij - p_j), so the message to input j is
+   For a row with log-probabilities lp (p = exp(lp), exact where a probability underflows) and
+   incoming log-messages m, softmax's Jacobian is J_ij = p_i (delta_ij - p_j), so the message to
+   input j is
 
        out_j = log( e^{m_j} p_j (1 - p_j) + p_j sum_{i != j} e^{m_i} p_i )
-             = logaddexp( m_j + log p_j + log1p(-p_j),  X_j + log p_j ),
-       X_j   = log sum_{i != j} e^{u_i},  u_i = m_i + log p_i,
+             = logaddexp( m_j + lp_j + R_j,  X_j + lp_j ),
+       R_j   = log sum_{i != j} p_i          (= log(1 - p_j), never computed as 1 - p_j),
+       X_j   = log sum_{i != j} e^{u_i},  u_i = m_i + lp_i.
 
-   with the diagonal term taken as m_j + log(p_j (1 - p_j)).
-
-   X is the exclusive log-sum-exp of ../rowwise.py, taken the same cancellation-free way: with
-   k the argmax of u, `first` = u_k and `second` the largest other u, e_i = exp(u_i - second)
-   (e_k = 0) and S = sum e_i, X_k = second + log S, and for j != k,
-   X_j = first + log1p(r (S - e_j)) with r = exp(second - first). Per entry that is five
-   vectorised logarithms and exponentials (see vector_math.h). The caller guarantees no NaN in m or p (rows may be all -inf). */
+   R and X are exclusive log-sum-exps, taken the cancellation-free way of ../rowwise.py
+   (exclusive_logsumexp): with k the argmax of a row a, `first` = a_k and `second` the largest
+   other entry, e_i = exp(a_i - second) (e_k = 0) and S = sum e_i, the exclusive sum at k is
+   second + log S and, for j != k, first + log1p(r (S - e_j)) with r = exp(second - first).
+   Per entry that is six vectorised exponentials and logarithms (see vector_math.h). The caller
+   guarantees no NaN in m or lp (rows may be all -inf). */
 
 #include <math.h>
 #include <stdint.h>
@@ -35,80 +36,81 @@ static float row_max(const float *u, int64_t padded) {
     return hmax(best);
 }
 
-/* One row; m, p, lp, u, e, out are work buffers of `padded` floats. */
-static void softmax_log_sum_row(const float *m_in, const float *p_in, int64_t n, int64_t padded,
-                                float *m, float *p, float *lp, float *u, float *e, float *out) {
+/* out_j = log sum_{i != j} exp(a_i) for a row a of n entries padded with -inf to `padded`;
+   e is a work buffer of `padded` floats. a is restored before returning. */
+static void exclusive_log_sum_exp(float *a, int64_t n, int64_t padded, float *e, float *out) {
     const float neg_inf = -__builtin_inff();
-    memcpy(m, m_in, n * sizeof(float));
-    memcpy(p, p_in, n * sizeof(float));
-    for (int64_t i = n; i < padded; i++) {
-        m[i] = neg_inf; /* padding: no path, probability 0 */
-        p[i] = 0.0f;
-    }
-    for (int64_t i = 0; i < padded; i += 8) {
-        const __m256 l = log0_ps(_mm256_loadu_ps(p + i));
-        _mm256_storeu_ps(lp + i, l);
-        _mm256_storeu_ps(u + i, _mm256_add_ps(_mm256_loadu_ps(m + i), l));
-    }
-    const float first = row_max(u, padded);
+    const float first = row_max(a, padded);
     int64_t top = 0;
-    while (top < n - 1 && !(u[top] == first)) top++; /* the first argmax (or 0: all -inf) */
-    u[top] = neg_inf;
-    const float second = row_max(u, padded);
-    u[top] = first;
+    while (top < n - 1 && !(a[top] == first)) top++; /* the first argmax (or 0: all -inf) */
+    a[top] = neg_inf;
+    const float second = row_max(a, padded);
+    a[top] = first;
     const float shift = isfinite(second) ? second : 0.0f;
     const __m256 vshift = _mm256_set1_ps(shift);
-    __m256 total = _mm256_setzero_ps();
     for (int64_t i = 0; i < padded; i += 8) {
-        const __m256 ei = exp_ps(_mm256_sub_ps(_mm256_loadu_ps(u + i), vshift));
-        _mm256_storeu_ps(e + i, ei);
+        _mm256_storeu_ps(e + i, exp_ps(_mm256_sub_ps(_mm256_loadu_ps(a + i), vshift)));
     }
     e[top] = 0.0f;
+    __m256 total = _mm256_setzero_ps();
     for (int64_t i = 0; i < padded; i += 8) total = _mm256_add_ps(total, _mm256_loadu_ps(e + i));
     const float s = hsum(total);
     const float ratio = isfinite(second) ? expf(second - (isfinite(first) ? first : 0.0f)) : 0.0f;
     const __m256 vfirst = _mm256_set1_ps(first), vs = _mm256_set1_ps(s);
     const __m256 vratio = _mm256_set1_ps(ratio), zero = _mm256_setzero_ps();
-    const __m256 one = _mm256_set1_ps(1.0f), vinf = _mm256_set1_ps(neg_inf);
     for (int64_t j = 0; j < padded; j += 8) {
-        const __m256 pj = _mm256_loadu_ps(p + j), lpj = _mm256_loadu_ps(lp + j);
         const __m256 rest = _mm256_max_ps(_mm256_sub_ps(vs, _mm256_loadu_ps(e + j)), zero);
         const __m256 x = _mm256_add_ps(vfirst, log1p_ps(_mm256_mul_ps(vratio, rest)));
-        /* p (1 - p) is exact to an ulp: 1 - p is exact for p >= 1/2 (Sterbenz) */
-        const __m256 jac = _mm256_mul_ps(pj, _mm256_sub_ps(one, pj));
-        const __m256 diag = _mm256_add_ps(_mm256_loadu_ps(m + j), log0_ps(jac));
-        const __m256 off = _mm256_add_ps(x, lpj);
+        _mm256_storeu_ps(out + j, x);
+    }
+    if (top < n) out[top] = shift + logf(s); /* the sum simply leaves out the top entry */
+}
+
+/* One row; m, lp, u, e, r, x, out are work buffers of `padded` floats. */
+static void softmax_log_sum_row(const float *m_in, const float *lp_in, int64_t n, int64_t padded,
+                                float *m, float *lp, float *u, float *e, float *r, float *x,
+                                float *out) {
+    const float neg_inf = -__builtin_inff();
+    memcpy(m, m_in, n * sizeof(float));
+    memcpy(lp, lp_in, n * sizeof(float));
+    for (int64_t i = n; i < padded; i++) {
+        m[i] = neg_inf; /* padding: no path, probability 0 */
+        lp[i] = neg_inf;
+    }
+    exclusive_log_sum_exp(lp, n, padded, e, r); /* r_j = log(1 - p_j) */
+    for (int64_t i = 0; i < padded; i += 8) {
+        const __m256 ui = _mm256_add_ps(_mm256_loadu_ps(m + i), _mm256_loadu_ps(lp + i));
+        _mm256_storeu_ps(u + i, ui);
+    }
+    exclusive_log_sum_exp(u, n, padded, e, x);
+    const __m256 vinf = _mm256_set1_ps(neg_inf);
+    for (int64_t j = 0; j < padded; j += 8) {
+        const __m256 lpj = _mm256_loadu_ps(lp + j);
+        const __m256 diag = _mm256_add_ps(_mm256_loadu_ps(u + j), _mm256_loadu_ps(r + j));
+        const __m256 off = _mm256_add_ps(_mm256_loadu_ps(x + j), lpj);
         const __m256 hi = _mm256_max_ps(diag, off), lo = _mm256_min_ps(diag, off);
         const __m256 none = _mm256_cmp_ps(hi, vinf, _CMP_EQ_OQ); /* both terms -inf */
         const __m256 sum = _mm256_add_ps(hi, log1p_ps(exp_ps(_mm256_sub_ps(lo, hi))));
         _mm256_storeu_ps(out + j, _mm256_blendv_ps(sum, vinf, none));
     }
-    if (top < n) { /* X_top leaves out the top entry itself */
-        const float x_top = shift + logf(s);
-        const float jac = p[top] * (1.0f - p[top]);
-        const float diag = m[top] + (jac > 0.0f ? logf(jac) : neg_inf);
-        const float off = x_top + lp[top];
-        const float hi = diag > off ? diag : off, lo = diag > off ? off : diag;
-        out[top] = hi == neg_inf ? neg_inf : hi + log1pf(expf(lo - hi));
-    }
 }
 
 /* Returns 0, or -1 when a thread could not allocate its work buffers. */
-int semipack_softmax_log_sum_f32(const float *m, const float *p, int64_t rows, int64_t n,
+int semipack_softmax_log_sum_f32(const float *m, const float *lp, int64_t rows, int64_t n,
                                  float *out, int threads) {
     const int64_t padded = (n + 7) & ~(int64_t)7;
     int failed = 0;
 #pragma omp parallel num_threads(threads) reduction(| : failed)
     {
-        float *work = (float *)malloc(6 * (size_t)padded * sizeof(float));
+        float *work = (float *)malloc(7 * (size_t)padded * sizeof(float));
         if (work == NULL) {
             failed = 1;
         } else {
-            float *mp = work, *pp = mp + padded, *lp = pp + padded, *u = lp + padded;
-            float *e = u + padded, *o = e + padded;
+            float *mp = work, *lpp = mp + padded, *u = lpp + padded, *e = u + padded;
+            float *r = e + padded, *x = r + padded, *o = x + padded;
 #pragma omp for schedule(static)
             for (int64_t row = 0; row < rows; row++) {
-                softmax_log_sum_row(m + row * n, p + row * n, n, padded, mp, pp, lp, u, e, o);
+                softmax_log_sum_row(m + row * n, lp + row * n, n, padded, mp, lpp, u, e, r, x, o);
                 memcpy(out + row * n, o, n * sizeof(float));
             }
             free(work);

@@ -332,13 +332,13 @@ def test_signs_and_defaults() -> None:
         assert not sr.uses_edge_signs()
     for sr in (semipack.SignedMaxProd(), semipack.Real(), Doubled(), OwnLift()):
         assert sr.uses_edge_signs()
-    assert set(DERIVED_OPERATIONS) == {
+    assert {
         "lift_log",
         "scale_log",
         "scale_log_owned",
         "matmul_log",
         "uses_edge_signs",
-    }
+    } <= set(DERIVED_OPERATIONS)
     assert all(callable(getattr(Semiring, name)) for name in DERIVED_OPERATIONS)
 
     class MinProd(Semiring):  # the README's user semiring: only the primitives

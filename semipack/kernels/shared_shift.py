@@ -23,6 +23,8 @@ import torch
 from torch import Tensor
 
 from ..semirings import Entropy, LogCount, LogSum, Semiring, State
+from ..semirings._log import finite_or_zero
+from ..semirings.base import repair_underflow
 from ..semirings.log_sum import column_scaled
 
 if TYPE_CHECKING:
@@ -170,7 +172,21 @@ def shared_shift_products(
     if kernel is None or m[0].dim() < 2:
         return None
     with torch.no_grad():
-        return kernel(sr, m, right, left, want_sum, left_log)
+        found = kernel(sr, m, right, left, want_sum, left_log)
+        if found is None:
+            return None
+        by_right, by_left, total = found
+        # A product far below the shift underflows: recompute those entries in the log domain.
+        shift = global_shift(m[0])
+        if by_right is not None:
+            by_right = repair_underflow(sr, m, sr.lift(right), by_right, shift)
+        if by_left is not None:
+            lifted = sr.lift(left) if left_log is None else sr.lift_log(left_log)
+            left_shift = shift
+            if left_log is not None:  # the columns were scaled to a maximum of 1 as well
+                left_shift = shift + finite_or_zero(lifted[0].amax(-2, keepdim=True))
+            by_left = repair_underflow(sr, tuple(_t(p) for p in m), lifted, by_left, left_shift)
+        return by_right, by_left, total
 
 
 # --- convolutions --------------------------------------------------------------------------------

@@ -18,6 +18,7 @@ a user semiring that only defines the primitives stays correct (as precise as it
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Sequence
 from typing import Any, ClassVar
 
@@ -338,14 +339,29 @@ def scatter_into_zeros(
     return tuple(f.index_copy_(dim, rows, c) for f, c in zip(full, compact, strict=True))
 
 
+def precise_log_floor(dtype: torch.dtype) -> float:
+    """log of the smallest sum of products that BLAS returns to full relative precision in
+    ``dtype``: below ``tiny / eps`` the subnormal terms' absolute error is no longer negligible
+    (float32: about -71.4; float64: about -672)."""
+    info = torch.finfo(dtype)
+    return math.log(info.tiny) - math.log(info.eps)
+
+
 def blocked_matmul(sr: Semiring, a: State, w: Tensor) -> State:
     """Semiring matmul by broadcast-and-reduce over bounded blocks of rows and columns."""
-    n, k = a[0].shape[-2], a[0].shape[-1]
-    m = w.shape[-1]
+    n, m = a[0].shape[-2], w.shape[-1]
     batch = torch.broadcast_shapes(a[0].shape[:-2], w.shape[:-2])
     if n == 0 or m == 0:
         return sr.zeros((*batch, n, m), w.dtype, w.device)
-    lw = sr.lift(w)
+    return blocked_lifted_matmul(sr, a, sr.lift(w))
+
+
+def blocked_lifted_matmul(sr: Semiring, a: State, lifted: State) -> State:
+    """``out[..., i, j] = ⊕_k a[..., i, k] ⊗ lifted[..., k, j]`` for already lifted weights, by
+    broadcast-and-reduce over blocks of at most ``BLOCK_ELEMENTS`` products."""
+    n, k = a[0].shape[-2], a[0].shape[-1]
+    m = lifted[0].shape[-1]
+    batch = torch.broadcast_shapes(a[0].shape[:-2], lifted[0].shape[:-2])
     per_row = max(1, k * m * max(1, _numel(batch)))
     if per_row <= BLOCK_ELEMENTS:
         rows, cols = max(1, BLOCK_ELEMENTS // per_row), m
@@ -357,10 +373,51 @@ def blocked_matmul(sr: Semiring, a: State, w: Tensor) -> State:
         a_blk = tuple(c[..., r0 : r0 + rows, :, None] for c in a)
         out_cols = []
         for c0 in range(0, m, cols):
-            w_blk = tuple(c[..., None, :, c0 : c0 + cols] for c in lw)
+            w_blk = tuple(c[..., None, :, c0 : c0 + cols] for c in lifted)
             out_cols.append(sr.sum(sr.times(a_blk, w_blk), [_ndim(a_blk, w_blk) - 2]))
         out_rows.append(tuple(torch.cat(parts, -1) for parts in zip(*out_cols, strict=True)))
     return tuple(torch.cat(parts, -2) for parts in zip(*out_rows, strict=True))
+
+
+def repair_underflow(
+    sr: Semiring, a: State, lifted: State, out: State, shift: Tensor | float | None = None
+) -> State:
+    """Entries of a fast product ``out = a ⊗ lifted`` that underflowed in its BLAS form.
+
+    The BLAS forms of the sum-like semirings shift the message (by its row maxima, or one global
+    maximum) and exponentiate, so a sum of products far below the shift (a weight of 1e-30
+    meeting a message 40 nats down) underflows: to 0, which would read as "no path" (rounding
+    would cut a path), or to a subnormal number with few significant bits. Entries whose
+    shifted sum fell below ``precise_log_floor`` (or is zero) while their row has a path and
+    their column an edge are recomputed with the exact log-domain definition
+    (``blocked_lifted_matmul``), row by row. ``shift`` is what was subtracted in log space
+    (broadcastable to ``out``); None checks exact zeros only.
+    ``a`` [..., n, k], ``lifted`` [..., k, m], ``out`` [..., n, m].
+    """
+    floor = precise_log_floor(out[0].dtype)
+    low = sr.is_zero(out) if shift is None else (out[0] - shift) < floor
+    if not bool(low.any()):
+        return out
+    row_has_path = (~sr.is_zero(a)).any(-1, keepdim=True)
+    col_has_edge = (~sr.is_zero(lifted)).any(-2, keepdim=True)
+    suspect = low & row_has_path & col_has_edge
+    if not bool(suspect.any()):
+        return out
+    n, k, m = a[0].shape[-2], a[0].shape[-1], lifted[0].shape[-1]
+    batch = torch.broadcast_shapes(a[0].shape[:-2], lifted[0].shape[:-2])
+    size = _numel(batch)
+    flat_a = tuple(c.expand(*batch, n, k).reshape(size, n, k) for c in a)
+    flat_w = tuple(c.expand(*batch, k, m).reshape(size, k, m) for c in lifted)
+    fixed = tuple(c.expand(*batch, n, m).reshape(size, n, m).clone() for c in out)
+    flat_suspect = suspect.expand(*batch, n, m).reshape(size, n, m)
+    for b in flat_suspect.any(-1).any(-1).nonzero().flatten().tolist():
+        rows = flat_suspect[b].any(-1).nonzero().flatten()
+        exact = blocked_lifted_matmul(
+            sr, tuple(c[b, rows] for c in flat_a), tuple(c[b] for c in flat_w)
+        )
+        for f, e in zip(fixed, exact, strict=True):
+            f[b, rows] = e.to(f.dtype)
+    return tuple(f.reshape(*batch, n, m) for f in fixed)
 
 
 def _numel(shape: Sequence[int]) -> int:

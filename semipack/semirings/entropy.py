@@ -6,7 +6,7 @@ import torch
 from torch import Tensor
 
 from ._log import can_overwrite, finite_or_zero, shifted_exp
-from .base import Semiring, Sign, State, index_reduce
+from .base import Semiring, Sign, State, index_reduce, repair_underflow
 from .log_sum import column_scaled
 
 
@@ -66,7 +66,8 @@ class Entropy(Semiring):
         s = torch.matmul(e, scaled)
         t = torch.matmul(e * a[1], scaled) - torch.matmul(e, scaled_log)
         mean = torch.where(s > 0, t / s, torch.zeros_like(s))
-        return (s.log_().add_(m).add_(c), mean)
+        out = (s.log_().add_(m).add_(c), mean)
+        return repair_underflow(self, a, self.lift_log(log_w), out, shift=m + c)
 
     def uses_edge_signs(self) -> bool:
         log_ops = ("lift_log", "scale_log", "scale_log_owned", "matmul_log")
@@ -108,7 +109,7 @@ class Entropy(Semiring):
         s = torch.matmul(e, mag)
         t = torch.matmul(e * a[1], mag) - torch.matmul(e, mag_log_mag)
         mean = torch.where(s > 0, t / s, torch.zeros_like(s))
-        return (s.log_().add_(m), mean)
+        return repair_underflow(self, a, self.lift(w), (s.log_().add_(m), mean), shift=m)
 
     def index_plus(self, dest: State, dim: int, index: Tensor, src: State) -> State:
         peak = finite_or_zero(index_reduce(dest[0], dim, index, src[0], "amax"))

@@ -6,7 +6,7 @@ import torch
 from torch import Tensor
 
 from ._log import add_log_abs_, can_overwrite, finite_or_zero, shifted_exp
-from .base import Semiring, Sign, State, index_reduce
+from .base import Semiring, Sign, State, index_reduce, repair_underflow
 
 
 class LogSum(Semiring):
@@ -68,8 +68,10 @@ class LogSum(Semiring):
         if not self._log_form_is_own() or not self.keeps_primitives_of(LogSum, "plus", "sum"):
             return Semiring.matmul_log(self, a, log_abs, sign)
         e, m = shifted_exp(a[0], -1)
-        scaled, c = column_scaled(self.log_magnitude(log_abs.to(e.dtype)))
-        return (torch.matmul(e, scaled).log_().add_(m).add_(c),)
+        log_w = self.log_magnitude(log_abs.to(e.dtype))
+        scaled, c = column_scaled(log_w)
+        out = (torch.matmul(e, scaled).log_().add_(m).add_(c),)
+        return repair_underflow(self, a, (log_w,), out, shift=m + c)
 
     def uses_edge_signs(self) -> bool:
         log_ops = ("lift_log", "scale_log", "scale_log_owned", "matmul_log")
@@ -99,8 +101,9 @@ class LogSum(Semiring):
     def matmul(self, a: State, w: Tensor) -> State:
         # log Σ_k exp(a_k) |w_kj|  =  m + log( exp(a - m) @ |w| ), with m the row max of a.
         e, m = shifted_exp(a[0], -1)
-        s = torch.matmul(e, self.magnitude(w.to(e.dtype)))
-        return (s.log_().add_(m),)
+        mag = self.magnitude(w.to(e.dtype))
+        out = (torch.matmul(e, mag).log_().add_(m),)
+        return repair_underflow(self, a, (mag.log(),), out, shift=m)
 
     def index_plus(self, dest: State, dim: int, index: Tensor, src: State) -> State:
         peak = index_reduce(dest[0], dim, index, src[0], "amax")

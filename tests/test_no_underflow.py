@@ -1,0 +1,131 @@
+"""The BLAS forms of the sum-like semirings never cut a path by underflow.
+
+LogSum, LogCount and Entropy multiply ``exp(a - rowmax)`` by the weights with BLAS. A product far
+below the row's maximum underflows to 0 in float32 and would read as "no path". Such entries are
+recomputed in the log domain (``semirings.base.repair_underflow``); these tests check the values
+against hand-computed log-domain results and a float64 oracle.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from oracle import build_graph, dynamic_programming
+
+import semipack
+from semipack.kernels.shared_shift import shared_shift_products
+
+SUM_LIKE = [semipack.LogSum, semipack.LogCount, semipack.Entropy]
+
+
+def _state(sr: semipack.Semiring, log_values: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """A state with the given log-masses (Entropy: a mean surprisal of 0.5 everywhere)."""
+    if isinstance(sr, semipack.Entropy):
+        return (log_values, torch.full_like(log_values, 0.5))
+    return (log_values,)
+
+
+@pytest.mark.parametrize("semiring", SUM_LIKE)
+def test_a_path_110_nats_below_the_row_maximum_survives(semiring) -> None:
+    sr = semiring()
+    out = sr.matmul(_state(sr, torch.tensor([[0.0, -110.0]])), torch.eye(2))
+    assert out[0].tolist() == [[0.0, -110.0]]
+    if isinstance(sr, semipack.Entropy):  # one path of weight 1: the mean surprisal carries over
+        assert out[1].tolist() == [[0.5, 0.5]]
+
+
+@pytest.mark.parametrize("semiring", [semipack.LogSum, semipack.Entropy])
+def test_a_tiny_weight_meeting_a_low_message_keeps_its_path(semiring) -> None:
+    """exp(-60) * 1e-30 ~ 8.8e-57 underflows float32; its log, -129.08, does not."""
+    sr = semiring()
+    w = torch.tensor([[1.0, 0.0], [1.0, 1e-30]])
+    out = sr.matmul(_state(sr, torch.tensor([[0.0, -60.0]])), w)
+    expected = -60.0 + math.log(1e-30)
+    assert out[0][0, 0] == pytest.approx(math.log(1 + math.exp(-60)), abs=1e-6)
+    assert out[0][0, 1].item() == pytest.approx(expected, rel=1e-6)
+
+
+@pytest.mark.parametrize("semiring", SUM_LIKE)
+def test_batched_products_are_repaired_per_batch_entry(semiring) -> None:
+    sr = semiring()
+    a = torch.tensor([[[0.0, -120.0]], [[0.0, 0.0]]])  # [2, 1, 2]: only entry 0 underflows
+    out = sr.matmul(_state(sr, a), torch.eye(2).expand(2, 2, 2))
+    assert out[0][0].tolist() == [[0.0, -120.0]]
+    assert out[0][1].tolist() == [[0.0, 0.0]]
+
+
+@pytest.mark.parametrize("semiring", SUM_LIKE)
+def test_genuine_no_path_stays_no_path(semiring) -> None:
+    """A zero weight column and a row without a path are structural: still -inf."""
+    sr = semiring()
+    w = torch.tensor([[1.0, 0.0], [1.0, 0.0]])
+    out = sr.matmul(_state(sr, torch.tensor([[0.0, -110.0], [-math.inf, -math.inf]])), w)
+    assert out[0][:, 1].tolist() == [-math.inf, -math.inf]
+    assert out[0][1, 0].item() == -math.inf
+
+
+@pytest.mark.parametrize("semiring", [semipack.LogSum, semipack.Entropy])
+def test_shared_shift_products_are_repaired(semiring) -> None:
+    """One global shift for the whole message: e^-20 * 1e-35 is a float32 subnormal (about one
+    significant bit) and e^-30 * 1e-35 is 0; both come back exact."""
+    sr = semiring()
+    m = _state(sr, torch.tensor([[0.0, -30.0], [-5.0, -20.0]]))
+    right = torch.tensor([[1.0, 0.0], [1.0, 1e-35]])
+    found = shared_shift_products(sr, m, right=right, left=right)
+    assert found is not None
+    by_right, by_left, _ = found
+    tiny = math.log(1e-35)
+    assert by_right[0][0, 1].item() == pytest.approx(-30.0 + tiny, rel=1e-6)
+    assert by_right[0][1, 1].item() == pytest.approx(-20.0 + tiny, rel=1e-6)
+    # mᵀ ⊗ left: column 1 of the result gathers m[:, 1] through left[:, 1]
+    assert by_left[0][1, 1].item() == pytest.approx(-20.0 + tiny, rel=1e-6)
+
+
+def test_subnormal_sums_are_recomputed_to_full_precision() -> None:
+    sr = semipack.LogSum()
+    w = torch.tensor([[1.0, 0.0], [1.0, 1e-30]])
+    out = sr.matmul((torch.tensor([[0.0, -55.0]]),), w)  # e^-55 * 1e-30 = 1.3e-54: subnormal
+    assert out[0][0, 1].item() == pytest.approx(-55.0 + math.log(1e-30), rel=1e-6)
+
+
+class TinyRoute(torch.nn.Module):
+    """x[0]'s only route to the loss: a 1e-30 weight, then a 1e-26 factor. In the matmul's
+    backward the output message spans 60 nats, so e^-60 * 1e-30 underflows float32 there."""
+
+    def __init__(self, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.tensor([[1e-30, 0.0], [0.0, 2.0]], dtype=dtype))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = x @ self.w
+        return (out[:, 0] * 1e-26 + out[:, 1]).sum()
+
+
+@pytest.mark.parametrize("name", ["log_sum", "log_count", "boolean", "entropy", "max_prod"])
+def test_float32_model_keeps_the_float64_oracles_paths(name: str) -> None:
+    x64 = torch.tensor([[1.0, 0.5]], dtype=torch.float64, requires_grad=True)
+    model64 = TinyRoute(torch.float64)
+    loss = model64(x64)
+    (expected,) = dynamic_programming(build_graph(loss), [x64], name)
+    makers = {
+        "log_sum": semipack.LogSum,
+        "log_count": semipack.LogCount,
+        "boolean": semipack.Boolean,
+        "entropy": semipack.Entropy,
+        "max_prod": lambda: semipack.MaxProd(log=True),  # the linear readout would underflow
+    }
+    x32 = x64.detach().float().requires_grad_()
+    model32 = TinyRoute(torch.float32)
+    with semipack.extend(model32, makers[name]()):
+        model32(x32).backward()
+    got = x32.semiring_grad.double()
+    if name == "boolean":
+        assert torch.equal(x32.semiring_grad, expected)
+    elif name == "max_prod":
+        torch.testing.assert_close(got, expected.log(), rtol=1e-5, atol=1e-5)
+    else:
+        assert torch.equal(torch.isinf(got), torch.isinf(expected)), (got, expected)
+        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-4)
+    assert name == "boolean" or bool(torch.isfinite(got).all())

@@ -179,7 +179,7 @@ def shared_shift_products(
         # A product far below the shift underflows: recompute those entries in the log domain.
         shift = global_shift(m[0])
         if by_right is not None:
-            by_right = repair_underflow(sr, m, sr.lift(right), by_right, shift)
+            by_right = repair_underflow(sr, m, lambda: sr.lift(right), by_right, shift)
         if by_left is not None:
             lifted = sr.lift(left) if left_log is None else sr.lift_log(left_log)
             left_shift = shift

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, ClassVar
 
 import torch
@@ -380,7 +380,11 @@ def blocked_lifted_matmul(sr: Semiring, a: State, lifted: State) -> State:
 
 
 def repair_underflow(
-    sr: Semiring, a: State, lifted: State, out: State, shift: Tensor | float | None = None
+    sr: Semiring,
+    a: State,
+    lifted: State | Callable[[], State],
+    out: State,
+    shift: Tensor | float | None = None,
 ) -> State:
     """Entries of a fast product ``out = a ⊗ lifted`` that underflowed in its BLAS form.
 
@@ -391,13 +395,16 @@ def repair_underflow(
     shifted sum fell below ``precise_log_floor`` (or is zero) while their row has a path and
     their column an edge are recomputed with the exact log-domain definition
     (``blocked_lifted_matmul``), row by row. ``shift`` is what was subtracted in log space
-    (broadcastable to ``out``); None checks exact zeros only.
+    (broadcastable to ``out``); None checks exact zeros only. ``lifted`` may be a function
+    that lifts the weights, called only when some entry needs the check.
     ``a`` [..., n, k], ``lifted`` [..., k, m], ``out`` [..., n, m].
     """
     floor = precise_log_floor(out[0].dtype)
     low = sr.is_zero(out) if shift is None else (out[0] - shift) < floor
     if not bool(low.any()):
         return out
+    if callable(lifted):
+        lifted = lifted()
     row_has_path = (~sr.is_zero(a)).any(-1, keepdim=True)
     col_has_edge = (~sr.is_zero(lifted)).any(-2, keepdim=True)
     suspect = low & row_has_path & col_has_edge

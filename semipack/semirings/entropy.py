@@ -67,7 +67,7 @@ class Entropy(Semiring):
         t = torch.matmul(e * a[1], scaled) - torch.matmul(e, scaled_log)
         mean = torch.where(s > 0, t / s, torch.zeros_like(s))
         out = (s.log_().add_(m).add_(c), mean)
-        return repair_underflow(self, a, self.lift_log(log_w), out, shift=m + c)
+        return repair_underflow(self, a, lambda: self.lift_log(log_w), out, shift=m + c)
 
     def uses_edge_signs(self) -> bool:
         log_ops = ("lift_log", "scale_log", "scale_log_owned", "matmul_log")
@@ -109,7 +109,7 @@ class Entropy(Semiring):
         s = torch.matmul(e, mag)
         t = torch.matmul(e * a[1], mag) - torch.matmul(e, mag_log_mag)
         mean = torch.where(s > 0, t / s, torch.zeros_like(s))
-        return repair_underflow(self, a, self.lift(w), (s.log_().add_(m), mean), shift=m)
+        return repair_underflow(self, a, lambda: self.lift(w), (s.log_().add_(m), mean), shift=m)
 
     def index_plus(self, dest: State, dim: int, index: Tensor, src: State) -> State:
         peak = finite_or_zero(index_reduce(dest[0], dim, index, src[0], "amax"))

@@ -103,7 +103,7 @@ class LogSum(Semiring):
         e, m = shifted_exp(a[0], -1)
         mag = self.magnitude(w.to(e.dtype))
         out = (torch.matmul(e, mag).log_().add_(m),)
-        return repair_underflow(self, a, (mag.log(),), out, shift=m)
+        return repair_underflow(self, a, lambda: (mag.log(),), out, shift=m)
 
     def index_plus(self, dest: State, dim: int, index: Tensor, src: State) -> State:
         peak = index_reduce(dest[0], dim, index, src[0], "amax")

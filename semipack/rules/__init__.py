@@ -19,6 +19,7 @@ from . import (  # noqa: F401  (imported for their registrations)
     softmax,
     structural,
     unfolding,
+    weight_norm,
 )
 from .registry import FORWARD_ROUTES, OpCall, register_rule, registered_ops, rule_for
 

@@ -1,0 +1,56 @@
+"""Weight normalisation: the fused kernel is drawn as the decomposition PyTorch falls back to.
+
+The oracle reads the decomposed graph ``v * (g / norm_except_dim(v, 2, dim))`` (what
+``torch._weight_norm`` records for the dims without a fused kernel), and semipack must give its
+values through the fused ``_weight_norm_interface`` too.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from oracle import build_graph, dynamic_programming
+from test_oracle import SEMIPACK_SEMIRINGS, assert_readout_matches
+from torch import nn
+
+import semipack
+
+#: The dims with a fused kernel on CPU (others, and dim=-1, record the decomposition itself).
+CASES = [(0, (3, 1, 1)), (2, (1, 1, 2))]
+
+
+@pytest.mark.parametrize(("dim", "g_shape"), CASES, ids=["dim0", "last_dim"])
+@pytest.mark.parametrize("name", list(SEMIPACK_SEMIRINGS))
+def test_fused_weight_norm_matches_the_decomposition(dim: int, g_shape, name: str) -> None:
+    g0 = torch.Generator().manual_seed(0)
+    v = torch.randn(3, 4, 2, generator=g0, dtype=torch.float64, requires_grad=True)
+    g = torch.randn(g_shape, generator=g0, dtype=torch.float64).requires_grad_()
+    weights = torch.randn(3, 4, 2, generator=g0, dtype=torch.float64)
+    fused = (torch._weight_norm(v, g, dim) * weights).sum()
+    nodes = {fused.grad_fn.next_functions[0][0].next_functions[0][0].name()}
+    assert nodes == {"WeightNormInterfaceBackward0"}  # the fused kernel really ran
+    decomposed = (v * (g / torch.norm_except_dim(v, 2, dim)) * weights).sum()
+    expected = dynamic_programming(build_graph(decomposed), [v, g], name)
+    got = semipack.grad(fused, [v, g], SEMIPACK_SEMIRINGS[name]())
+    for e, a, label in zip(expected, got, ("v", "g"), strict=True):
+        assert_readout_matches(name, e, a, f"dim {dim} {label}")
+
+
+def test_weight_norm_parametrization_in_a_model_keeps_exact_grads() -> None:
+    """wav2vec2-style: a parametrized convolution, with and without extensions."""
+    torch.manual_seed(0)
+    conv = nn.utils.parametrizations.weight_norm(nn.Conv1d(2, 3, 3, padding=1), dim=2)
+    x = torch.randn(2, 2, 5)
+    conv(x).tanh().sum().backward()
+    plain = {n: p.grad.clone() for n, p in conv.named_parameters()}
+    values = {}
+    for extensions in (True, False):
+        conv.zero_grad(set_to_none=True)
+        with semipack.extend(conv, semipack.LogSum(), extensions=extensions):
+            conv(x).tanh().sum().backward()
+        for n, p in conv.named_parameters():
+            assert torch.equal(p.grad, plain[n]), n
+        values[extensions] = {n: p.semiring_grad for n, p in conv.named_parameters()}
+    for n in plain:
+        torch.testing.assert_close(values[True][n], values[False][n], rtol=1e-5, atol=1e-5)
+        assert torch.isfinite(values[True][n]).all(), n

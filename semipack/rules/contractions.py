@@ -197,3 +197,61 @@ def trilinear(call: OpCall):
     m = tuple(_unsqueezed(c, expands[k]) for c in operands[k].parts)
     p, q = (full[j] for j in range(3) if j != k)
     return call.wrap(call.run_real(), trilinear_messages(call.semiring, m, p, q, layout))
+
+
+@register_rule(aten._grouped_mm.default)
+def grouped_mm(call: OpCall):
+    """Grouped matrix products (mixture-of-experts layers), one semiring matmul per group.
+
+    ``offs`` holds the cumulative end offsets of the groups along the grouped dim: the rows of a
+    2-d ``self`` against a 3-d ``mat2`` (``out[rows_g] = self[rows_g] @ mat2[g]``), the columns of
+    a 2-d ``mat2`` against a 3-d ``self``, or the shared dim of two 2-d operands (``out[g] =
+    self[:, k_g] @ mat2[k_g]``); 3-d against 3-d is a batched product. Entries no group covers
+    get the semiring zero, as they get no gradient.
+    """
+    a, b, offs = call["self"], call["mat2"], call["offs"]
+    if isinstance(a, Message) and isinstance(b, Message):
+        raise call.error("the product of two messages has no semiring meaning")
+    if call["bias"] is not None:
+        raise call.error("a grouped matmul with a bias")
+    sr, dtype = call.semiring, call.weight_dtype
+    left = isinstance(a, Message)
+
+    def product(x, y) -> State:
+        """x @ y with x or y the message part (a state) and the other a plain tensor."""
+        if left:
+            return sr.matmul(x, y.to(dtype))
+        return _t(sr.matmul(_t(y), x.transpose(-1, -2).to(dtype)))
+
+    part_a = a.parts if left else a
+    part_b = b if left else b.parts
+
+    def rows(x, where):  # slice a state or a tensor
+        return tuple(p[where] for p in x) if isinstance(x, tuple) else x[where]
+
+    ends = [] if offs is None else [int(e) for e in offs.tolist()]
+    starts = [0, *ends[:-1]]
+    if a.dim() == 3 and b.dim() == 3:
+        parts = product(part_a, part_b)
+    elif a.dim() == 2 and b.dim() == 3:
+        out = call.zeros((a.shape[0], b.shape[-1]))
+        for g, (s, e) in enumerate(zip(starts, ends, strict=True)):
+            piece = product(rows(part_a, slice(s, e)), rows(part_b, g))
+            for o, p in zip(out, piece, strict=True):
+                o[s:e] = p
+        parts = out
+    elif a.dim() == 3 and b.dim() == 2:
+        out = call.zeros((a.shape[1], b.shape[-1]))
+        for g, (s, e) in enumerate(zip(starts, ends, strict=True)):
+            piece = product(rows(part_a, g), rows(part_b, (slice(None), slice(s, e))))
+            for o, p in zip(out, piece, strict=True):
+                o[:, s:e] = p
+        parts = out
+    else:  # 2-d x 2-d: groups along the shared dim
+        out = call.zeros((len(ends), a.shape[0], b.shape[-1]))
+        for g, (s, e) in enumerate(zip(starts, ends, strict=True)):
+            piece = product(rows(part_a, (slice(None), slice(s, e))), rows(part_b, slice(s, e)))
+            for o, p in zip(out, piece, strict=True):
+                o[g] = p
+        parts = out
+    return call.wrap(call.run_real(), parts)

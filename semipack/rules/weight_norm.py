@@ -1,7 +1,7 @@
 """Weight normalisation's fused kernel, drawn as the decomposition PyTorch falls back to.
 
 ``torch._weight_norm(v, g, dim)`` computes ``w = v * (g / norm_except_dim(v, 2, dim))``. For
-``dim`` 0, the last dim or -1 (the whole tensor) on CPU and CUDA it runs the fused
+``dim`` 0 or the last dim on CPU and CUDA it runs the fused
 ``_weight_norm_interface``; for other dims it records that very decomposition. So that the
 kernel does not change the answer, the fused op is drawn as the decomposition too (one slice
 ``s`` per index along ``dim``, ``n_s = ||v_s||``, ``c_s = g_s / n_s``):

@@ -25,7 +25,7 @@ from ..readout.sites import Site
 from ..semirings.base import Semiring, State
 from ..transport.provenance import current_site
 from .registry import OpCall, register_rule
-from .softmax import softmax_contract, unmask_sentinels_
+from .softmax import exact_log_softmax, softmax_contract
 
 aten = torch.ops.aten
 
@@ -47,23 +47,14 @@ def attention_scores(
     return scores
 
 
-def _sentinels_masked(scores: Tensor, mask: Tensor | None) -> Tensor:
-    """With an additive mask, its ``finfo.min`` entries mask keys (see ``masking_floor``)."""
-    if mask is None or mask.dtype == torch.bool:
-        return scores
-    return unmask_sentinels_(scores, -1)
-
-
 def attention_log_probs(
     q: Tensor, k: Tensor, mask: Tensor | None, causal: bool, scale: float
 ) -> Tensor:
-    """``log P = S - logsumexp(S)`` per query row, exact where P underflows; ``-inf`` on every
-    masked key (additive ``finfo.min`` masks included, see ``masking_floor``) and on every key
-    of a fully masked row (P = 0 there, as PyTorch's attention returns); NaN stays NaN. For the
-    semiring messages (in place, no autograd through it)."""
-    scores = _sentinels_masked(attention_scores(q, k, mask, causal, scale), mask)
-    lse = torch.logsumexp(scores, -1, keepdim=True)
-    return scores.sub_(lse.masked_fill_(lse == float("-inf"), float("inf")))
+    """``log P`` per query row (``exact_log_softmax`` of the scores): exact where P underflows,
+    ``-log n`` on a row of equal masked scores (uniform, as the forward's softmax gives it),
+    ``-inf`` on every key of a row where every key is masked with ``-inf`` (P = 0 there, as
+    PyTorch's attention returns). NaN stays NaN. For the semiring messages."""
+    return exact_log_softmax(attention_scores(q, k, mask, causal, scale), -1)
 
 
 def attention_probs(

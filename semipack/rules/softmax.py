@@ -17,7 +17,7 @@ from ..kernels.rowwise import (
     log_softmax_messages,
     softmax_messages,
 )
-from ..semirings.base import Semiring, State
+from ..semirings.base import Semiring, State, cut_vanishing
 from ..transport.saved_inputs import recorded_input
 from .jacobian import contract_rows, identity_block, rows_last, unrows
 from .registry import OpCall, register_rule
@@ -100,32 +100,20 @@ def log_softmax_contract_dense(sr: Semiring, m: State, log_probs: Tensor) -> Sta
     return contract_rows(sr, m, log_jac, n, log_form=True)
 
 
-def masking_floor(dtype: torch.dtype) -> float:
-    """Softmax inputs at or below this are masking sentinels, not scores: Hugging Face models
-    mask keys by adding ``torch.finfo(dtype).min``. Their probability, e^-3.4e38 in float32, is
-    an exact 0 in every float, and a masked key must stay a structural zero (no edge) rather
-    than become an edge of log-weight -3.4e38 once probabilities are taken in log space."""
-    return torch.finfo(dtype).min / 2
-
-
-def unmask_sentinels_(x: Tensor, dim: int) -> Tensor:
-    """``x`` with the masking sentinels (see ``masking_floor``) replaced by ``-inf``, in place,
-    except in rows along ``dim`` made of sentinels only: there the forward's softmax is uniform
-    (finfo.min + s rounds to finfo.min), a real dependence that must keep its edges."""
-    sentinel = x <= masking_floor(x.dtype)
-    if bool(sentinel.any()):
-        sentinel &= ~sentinel.all(dim, keepdim=True)
-        x.masked_fill_(sentinel, float("-inf"))
-    return x
-
-
 def exact_log_softmax(x: Tensor, dim: int) -> Tensor:
-    """log_softmax along ``dim`` for the edge weights: masking sentinels are ``-inf`` (see
-    ``masking_floor``), and rows whose every input is ``-inf`` (fully masked: probabilities
-    structurally 0, not undefined) get ``-inf`` log-probabilities (no edges) instead of NaN."""
-    x = unmask_sentinels_(x.clone(), dim)
-    lse = torch.logsumexp(x, dim, keepdim=True)
-    return x.sub_(lse.masked_fill_(lse == float("-inf"), float("inf")))
+    """log_softmax along ``dim`` for the edge weights, as the forward's softmax sees the row.
+
+    PyTorch's own ``log_softmax`` shifts by the row maximum first, so a row of equal scores
+    (a query whose every key carries the same huge negative mask value, which the forward's
+    softmax turns into uniform weights) gets exactly ``-log n``, never ``0``. A row whose every
+    input is ``-inf`` (fully masked: the probabilities are structurally 0, not undefined) gets
+    ``-inf`` (no edges) instead of NaN; a NaN input stays NaN. Log-weights too small for any
+    float (a mask value of -1e4 or ``finfo.min``, see ``semirings.base.NO_EDGE_LOG``) are cut
+    here to ``-inf``, so the attention kernels see a masked key exactly as a ``-inf`` mask.
+    """
+    out = torch.log_softmax(x, dim)
+    masked = (x == float("-inf")).all(dim, keepdim=True)
+    return cut_vanishing(out.masked_fill_(masked, float("-inf")), in_place=True)
 
 
 def _rowwise(
@@ -155,6 +143,5 @@ def softmax_backward(call: OpCall):
 def log_softmax_backward(call: OpCall):
     if call.semiring.linear_weights:
         return _rowwise(call, log_softmax_contract)
-    # The output is the exact log-probabilities; a masking sentinel's is at or below the floor.
-    out = unmask_sentinels_(call["output"].to(call.weight_dtype, copy=True), call["dim"])
-    return _rowwise(call, log_softmax_contract, output=out)
+    # The output is the exact log-probabilities (vanishing ones are cut by the semiring).
+    return _rowwise(call, log_softmax_contract, output=call["output"].to(call.weight_dtype))

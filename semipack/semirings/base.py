@@ -31,6 +31,14 @@ State = tuple[Tensor, ...]
 #: ``-inf``), or one number for every edge.
 Sign = Tensor | float
 
+#: log of the smallest positive float64 (a subnormal, 4.9e-324). An edge weight whose exact
+#: magnitude lies below it is an exact 0 in every floating-point type: the forward computed the
+#: function in a float type, where such a weight cannot exist, and the float64 oracle reads it as
+#: 0. Log-form weights below this are no edge. This is how additive masks (-1e4, -1e9, -1e30,
+#: ``finfo.min``) cut their keys in log space, while every weight a float64 model can represent
+#: (tanh'(20) ~ 4e-17, a probability of 1e-50) keeps its edge in float32 too.
+NO_EDGE_LOG = math.log(math.ulp(0.0))
+
 #: Largest number of elements a blocked fallback may broadcast at once (32 MiB of float32).
 BLOCK_ELEMENTS = 1 << 23
 
@@ -273,17 +281,54 @@ def _state_grad_dtype(a: State) -> torch.dtype:
 
 
 def _make_total(cls: type) -> None:
-    """Wrap the ``sum`` / ``matmul`` / ``matmul_lifted`` that ``cls`` itself defines."""
+    """Wrap the ``sum`` / ``matmul`` / ``matmul_lifted`` that ``cls`` itself defines (empty
+    reductions give the zero) and its log-form operations (``NO_EDGE_LOG`` cuts)."""
     for name, wrap in (
         ("sum", _empty_sum_is_zero),
         ("matmul", _empty_product_is_zero),
         ("matmul_lifted", _empty_product_is_zero),
+        ("lift_log", _vanishing_weights_cut(0, in_place=False)),
+        ("scale_log", _vanishing_weights_cut(1, in_place=False)),
+        ("matmul_log", _vanishing_weights_cut(1, in_place=False)),
+        ("scale_log_owned", _vanishing_weights_cut(1, in_place=True)),
     ):
         fn = cls.__dict__.get(name)
         if fn is not None and not getattr(fn, "_total", False):
             total = wrap(fn)
             total._total = True
             setattr(cls, name, total)
+
+
+def cut_vanishing(log_abs: Tensor, in_place: bool = False) -> Tensor:
+    """``log_abs`` with every entry below ``NO_EDGE_LOG`` set to ``-inf`` (no edge)."""
+    vanishing = log_abs < NO_EDGE_LOG
+    if not bool(vanishing.any()):
+        return log_abs
+    if in_place:
+        return log_abs.masked_fill_(vanishing, -math.inf)
+    return log_abs.masked_fill(vanishing, -math.inf)
+
+
+def _vanishing_weights_cut(position: int, in_place: bool):
+    """Wrap a log-form operation so that its ``log_abs`` argument (``position`` among the
+    arguments after ``self``) goes through ``cut_vanishing`` first."""
+
+    def wrap(fn):
+        @functools.wraps(fn)
+        def cut(self: Semiring, *args: Any, **kwargs: Any) -> Any:
+            if "log_abs" in kwargs:
+                kwargs["log_abs"] = cut_vanishing(kwargs["log_abs"], in_place)
+            elif len(args) > position:
+                args = (
+                    *args[:position],
+                    cut_vanishing(args[position], in_place),
+                    *args[position + 1 :],
+                )
+            return fn(self, *args, **kwargs)
+
+        return cut
+
+    return wrap
 
 
 def _empty_sum_is_zero(sum_fn):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import warnings
 from collections.abc import Iterator, Sequence
 from contextlib import ExitStack, contextmanager
 from typing import Any
@@ -43,8 +44,9 @@ def extend(
     per-op rules: same values, slower. The model objects are not modified; on exit nothing of
     semipack's is left but the ``semiring_grad`` results.
 
-    Blocks do not nest (a second ``extend`` inside a first raises ``SemipackError``). A model
-    wrapped by ``torch.compile`` runs eagerly inside the block.
+    Blocks do not nest (a second ``extend`` inside a first raises ``SemipackError``). Anything
+    compiled with ``torch.compile`` (the model, or a compiled wrapper of it) runs eagerly inside
+    the block.
     """
     semiring = _bw.require_semiring(semiring)
     if model is not None and not isinstance(model, nn.Module):
@@ -64,8 +66,14 @@ def extend(
     with ExitStack() as stack:
         _blocks.semiring = semiring
         stack.callback(setattr, _blocks, "semiring", None)
-        if model is not None and _is_compiled(model):
-            stack.enter_context(torch.compiler.set_stance("force_eager"))
+        # Any torch.compile'd callable (the model, a compiled wrapper kept beside it, a compiled
+        # loss) runs its original Python eagerly in the block, so its ops reach the semiring
+        # rules; semipack's own compiled kernels switch back to the default stance
+        # (kernels.compiled).
+        stack.enter_context(torch.compiler.set_stance("force_eager"))
+        stack.enter_context(warnings.catch_warnings())
+        # the module tracker's global hooks see the compiled wrapper's call and ignore it
+        warnings.filterwarnings("ignore", "Using `torch.compile\\(module\\)` when there are global")
         stack.enter_context(ModuleTracker(model).active())
         stack.enter_context(module_hooks_see_gradients(model.modules() if model else ()))
         reroute = dict(FORWARD_ROUTES)
@@ -74,13 +82,6 @@ def extend(
             reroute.update(FUNCTION_EXTENSIONS)
         stack.enter_context(SemiringMode(semiring, regular_grads, watched, reroute, names))
         yield model
-
-
-def _is_compiled(model: nn.Module) -> bool:
-    """Whether ``model`` or a submodule is a ``torch.compile`` wrapper."""
-    compiled = getattr(getattr(torch, "_dynamo", None), "eval_frame", None)
-    wrapper = getattr(compiled, "OptimizedModule", None)
-    return wrapper is not None and any(isinstance(m, wrapper) for m in model.modules())
 
 
 def _leaf_name(name: str) -> str:

@@ -18,22 +18,23 @@ class UnsupportedOpError(SemipackError):
     def __init__(self, op: str, node: str | None, module: str | None, reason: str = "") -> None:
         self.op, self.node, self.module = op, node, module
         where = f"in the backward of {node}" if node else "outside any autograd node"
-        if module is not None:
-            origin = f"created by module '{module}'" if module else "created by the root module"
+        if node is None:  # outside the backward no module made the call: nothing to name
+            origin = ""
+        elif module is not None:
+            origin = f", created by module '{module}'" if module else ", created by the root module"
         else:
             origin = (
-                "module unknown (run the forward inside semipack.extend(model, ...) to name it)"
+                ", module unknown (run the forward inside semipack.extend(model, ...) to name it)"
             )
         hint = f"@semipack.register_rule(torch.ops.{op}) (see 'Adding an op rule' in the README)"
         if reason:
             message = (
-                f"semipack cannot compute semiring messages for {op} {where}, {origin}: "
+                f"semipack cannot compute semiring messages for {op} {where}{origin}: "
                 f"{reason}. If the op has a semiring meaning here, register a rule with {hint}."
             )
         else:
             message = (
-                f"semipack has no semiring rule for {op} {where}, {origin}. "
-                f"Register one with {hint}."
+                f"semipack has no semiring rule for {op} {where}{origin}. Register one with {hint}."
             )
         super().__init__(message)
 

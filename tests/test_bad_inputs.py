@@ -10,6 +10,7 @@ import copy
 import io
 import math
 import re
+import warnings
 
 import pytest
 import torch
@@ -269,6 +270,39 @@ def test_a_compiled_model_runs_eagerly_with_the_same_values() -> None:
     for name, p in fresh.named_parameters():
         assert torch.equal(got[name][0], p.grad), name
         assert torch.equal(got[name][1], p.semiring_grad), name
+
+
+def test_a_compiled_wrapper_kept_beside_the_model_runs_eagerly_with_the_same_values() -> None:
+    """The usual pattern: extend the module the user owns, call the compiled wrapper."""
+    model, x = mlp(), data()
+    compiled = torch.compile(model)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with semipack.extend(model, semipack.MaxProd()):
+            compiled(x).sum().backward()
+    assert [str(w.message) for w in caught] == []  # no warning about global hooks either
+    fresh = mlp()
+    with semipack.extend(fresh, semipack.MaxProd()):
+        fresh(x).sum().backward()
+    for p, q in zip(model.parameters(), fresh.parameters(), strict=True):
+        assert torch.equal(p.grad, q.grad) and torch.equal(p.semiring_grad, q.semiring_grad)
+
+
+def test_compiled_functions_run_compiled_again_after_the_block() -> None:
+    calls = []
+
+    def backend(gm, example_inputs):
+        calls.append(len(example_inputs))
+        return gm.forward
+
+    f = torch.compile(lambda t: t.sin() * 2, backend=backend)
+    x = torch.ones(3, dtype=DTYPE, requires_grad=True)
+    with semipack.extend(None, semipack.MaxProd()):
+        f(x).sum().backward()
+    assert calls == []  # eager inside the block: the rules saw every op
+    torch.testing.assert_close(x.semiring_grad, 2 * torch.cos(x.detach()))
+    f(x)
+    assert calls == [1]
 
 
 def test_frozen_parameters_get_no_values() -> None:
@@ -718,12 +752,64 @@ def _top_path_run() -> tuple[semipack.TopPath, nn.Linear]:
     return tp, lin
 
 
+def test_division_by_a_python_zero_is_ieee_like_pytorch() -> None:
+    x = torch.tensor([1.0, -2.0], dtype=DTYPE, requires_grad=True)
+    (want,) = torch.autograd.grad((x / 0).nan_to_num(0.0, 1.0, -1.0).sum(), x)
+    with semipack.extend(None, semipack.Real()):
+        (x / 0).nan_to_num(0.0, 1.0, -1.0).sum().backward()
+    assert want.isnan().all() and x.grad.isnan().all() and x.semiring_grad.isnan().all()
+    (value,) = semipack.grad((x / 0).sum(), x, semipack.MaxProd())
+    assert value.tolist() == [math.inf, math.inf]  # the edge weight 1/0 is inf
+
+
+def test_signed_max_prod_of_an_infinite_derivative_is_infinite_not_nan() -> None:
+    """sqrt'(0) = inf: one path of weight inf, as PyTorch's gradient says; no NaN."""
+    x = torch.tensor([0.0, 4.0], dtype=DTYPE, requires_grad=True)
+    (want,) = torch.autograd.grad(x.sqrt().sum(), x)
+    (got,) = semipack.grad(x.sqrt().sum(), x, semipack.SignedMaxProd())
+    assert want.tolist() == [math.inf, 0.25]
+    assert got.largest.tolist() == [math.inf, 0.25]
+    assert got.smallest[1] == 0.25 and not got.smallest.isnan().any()
+    (neg,) = semipack.grad((-x.sqrt()).sum(), x, semipack.SignedMaxProd())
+    assert neg.smallest.tolist() == [-math.inf, -0.25]
+
+
+def test_a_message_left_by_retain_grad_before_the_block_says_what_happened() -> None:
+    model, x = mlp(), data()
+    h = model[0](x)
+    h.retain_grad()  # before the block: PyTorch's own hook stores whatever reaches h
+    with semipack.extend(model, semipack.LogCount()):
+        model[4](model[3](model[2](model[1](h)))).sum().backward()
+    with pytest.raises(semipack.UnsupportedOpError) as info:
+        h.grad.norm()
+    assert str(info.value).startswith(
+        "semipack cannot compute semiring messages for aten.linalg_vector_norm.default outside "
+        "any autograd node: a semiring message was used outside the backward pass. It leaked "
+        "into user code through a gradient hook or retain_grad() set up before entering "
+        "semipack.extend"
+    )
+
+
 def test_top_path_rejects_an_out_of_range_index() -> None:
     tp, lin = _top_path_run()
     with pytest.raises(IndexError, match="index 5 is out of bounds for dimension 0 with size 2"):
         tp.path(lin.weight, (5, 0))
     with pytest.raises(IndexError, match="needs 2 integers, got 1"):
         tp.path(lin.weight, 1)
+
+
+def test_top_path_accepts_integer_tensors_and_refuses_floats() -> None:
+    tp, lin = _top_path_run()
+    best = lin.weight.semiring_grad.argmax()
+    want = tuple(int(i) for i in divmod(int(best), 3))
+    assert tp.path(lin.weight, torch.unravel_index(best, (2, 3))).index == want
+    assert tp.path(lin.weight, torch.tensor([1, 2])).index == (1, 2)
+    with pytest.raises(TypeError, match=re.escape("got float 1.0")):
+        tp.path(lin.weight, (1.0, 2))
+    with pytest.raises(TypeError, match="got bool True"):
+        tp.path(lin.weight, (True, 0))
+    with pytest.raises(TypeError, match=r"must hold integers, got a torch\.float32 tensor"):
+        tp.path(lin.weight, torch.tensor([1.0, 0.0]))
 
 
 def test_top_path_accepts_negative_indices_like_pytorch() -> None:

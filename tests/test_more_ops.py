@@ -111,6 +111,23 @@ UNSUPPORTED = {
     "aten._embedding_bag_backward.default": lambda x: F.embedding_bag(
         torch.tensor([[0, 1]]), x.reshape(6, 3)
     ),
+    "aten._pdist_backward.default": lambda x: F.pdist(x[0, 0]),
+    "aten.linalg_lu_solve.default": lambda x: torch.linalg.solve(x[0, 0], x[0, 1, :, 0]),
+    "aten.fractional_max_pool2d_backward.default": lambda x: F.fractional_max_pool2d(
+        x, 2, output_size=1, _random_samples=torch.full((1, 2, 2), 0.5, dtype=torch.float64)
+    ),
+    "aten.xlogy.Tensor": lambda x: torch.xlogy(x, x.abs() + 1),
+    "aten.put.default": lambda x: x.take(torch.tensor([0, 2])),
+    "aten.linalg_cross.default": lambda x: torch.linalg.cross(x[0, 0], x[0, 1]),
+    "aten.rrelu_with_noise_backward.default": lambda x: F.rrelu(x, training=True),
+    "aten._ctc_loss_backward.default": lambda x: F.ctc_loss(
+        x[0, :, :1].log_softmax(-1), torch.tensor([[1, 2]]), torch.tensor([2]), torch.tensor([2])
+    ),
+    # ops inside a backward formula that would need a rule of their own here
+    "aten.abs.default": lambda x: torch.logcumsumexp(x, -1),
+    "aten.ones_like.default": lambda x: torch.zeros(3, dtype=torch.float64).scatter_reduce(
+        0, torch.tensor([0, 1, 0]), x.reshape(-1)[:3], "mean"
+    ),
 }
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import bisect
 import math
+import operator
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -189,8 +190,7 @@ def top_path(trace: PathTrace, leaf: Tensor, index: tuple[int, ...] | int | None
     if index is None:
         flat = int(log_values.reshape(-1).argmax())
     else:
-        idx = (index,) if isinstance(index, int) else tuple(index)
-        flat = _ravel(idx, shape)
+        flat = _ravel(_integer_index(index), shape)
     start = tuple(int(i) for i in torch.unravel_index(torch.tensor(flat), shape)) if shape else ()
     path = Path(name, start, float(log_values.reshape(-1)[flat]))
     if path.log_value == -math.inf:  # no path: successor ids of "no path" states mean nothing
@@ -212,6 +212,29 @@ def top_path(trace: PathTrace, leaf: Tensor, index: tuple[int, ...] | int | None
         node = int(record.successors[offset])
         guard -= 1
     return path
+
+
+def _integer_index(index: object) -> tuple[int, ...]:
+    """``index`` as a tuple of Python ints: an int, a sequence of ints or an integer tensor (as
+    ``tensor.argmax()`` or ``torch.unravel_index`` return them; numpy integers too). Anything
+    else, a float or a bool included, is a TypeError naming what was given."""
+    if isinstance(index, Tensor):
+        if index.is_floating_point() or index.is_complex() or index.dtype == torch.bool:
+            raise TypeError(f"a path index must hold integers, got a {index.dtype} tensor")
+        index = index.tolist()
+    items = index if isinstance(index, (tuple, list)) else (index,)
+    out = []
+    for i in items:
+        try:
+            if isinstance(i, bool) or (isinstance(i, Tensor) and i.dtype == torch.bool):
+                raise TypeError
+            out.append(operator.index(i))
+        except TypeError:
+            raise TypeError(
+                "a path index must be integers (an int, a tuple of ints or an integer tensor), "
+                f"got {type(i).__name__} {i!r}"
+            ) from None
+    return tuple(out)
 
 
 def _ravel(index: tuple[int, ...], shape: tuple[int, ...]) -> int:

@@ -63,8 +63,9 @@ def div(call: OpCall):
     a, b = call["self"], call["other"]
     if not isinstance(a, Message) or isinstance(b, Message):
         raise call.error("only a message divided by a plain tensor has a semiring meaning")
-    weight = 1.0 / b.to(call.weight_dtype) if isinstance(b, Tensor) else 1.0 / b
-    return _scale(call, weight)
+    # IEEE division even for a Python scalar: ``x / 0`` has the edge weight inf, as in PyTorch
+    divisor = b if isinstance(b, Tensor) else torch.tensor(b, dtype=torch.float64)
+    return _scale(call, torch.reciprocal(divisor.to(call.weight_dtype)))
 
 
 @register_rule(aten.neg.default)

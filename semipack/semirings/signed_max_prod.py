@@ -28,6 +28,18 @@ class SignedLog(NamedTuple):
     log_abs: Tensor
 
 
+def _max_log_product(x: Tensor, y: Tensor) -> Tensor:
+    """``x + y`` for the max components, where ``-inf`` is "no path" and absorbs even an
+    infinite magnitude (an edge of weight inf, such as sqrt'(0)): no path times inf is no path,
+    not the NaN of ``-inf + inf``. A NaN stays NaN."""
+    return (x + y).masked_fill_((x == -INF) | (y == -INF), -INF)
+
+
+def _min_log_product(x: Tensor, y: Tensor) -> Tensor:
+    """``x + y`` for the min components, where ``+inf`` is "no path" (see ``_max_log_product``)."""
+    return (x + y).masked_fill_((x == INF) | (y == INF), INF)
+
+
 class SignedMaxProd(Semiring):
     """Largest and smallest signed product over paths (a negative derivative swaps them).
 
@@ -81,10 +93,10 @@ class SignedMaxProd(Semiring):
     def times(self, a: State, b: State) -> State:
         # sign rules: (+)(+) and (-)(-) are positive, mixed signs are negative.
         return (
-            torch.maximum(a[0] + b[0], a[1] + b[1]),
-            torch.maximum(a[0] + b[1], a[1] + b[0]),
-            torch.minimum(a[2] + b[2], a[3] + b[3]),
-            torch.minimum(a[2] + b[3], a[3] + b[2]),
+            torch.maximum(_max_log_product(a[0], b[0]), _max_log_product(a[1], b[1])),
+            torch.maximum(_max_log_product(a[0], b[1]), _max_log_product(a[1], b[0])),
+            torch.minimum(_min_log_product(a[2], b[2]), _min_log_product(a[3], b[3])),
+            torch.minimum(_min_log_product(a[2], b[3]), _min_log_product(a[3], b[2])),
         )
 
     def sum(self, a: State, dims: list[int], keepdim: bool = False) -> State:
@@ -105,11 +117,13 @@ class SignedMaxProd(Semiring):
 
     def _scale_routed(self, a: State, lw: Tensor, pos: Tensor, neg: Tensor) -> State:
         # Multiplying by one signed edge routes each component instead of combining pairs.
+        up = [_max_log_product(a[i], lw) for i in (0, 1)]
+        down = [_min_log_product(a[i], lw) for i in (2, 3)]
         scaled = (
-            torch.where(pos, a[0] + lw, torch.where(neg, a[1] + lw, -INF)),
-            torch.where(pos, a[1] + lw, torch.where(neg, a[0] + lw, -INF)),
-            torch.where(pos, a[2] + lw, torch.where(neg, a[3] + lw, INF)),
-            torch.where(pos, a[3] + lw, torch.where(neg, a[2] + lw, INF)),
+            torch.where(pos, up[0], torch.where(neg, up[1], -INF)),
+            torch.where(pos, up[1], torch.where(neg, up[0], -INF)),
+            torch.where(pos, down[0], torch.where(neg, down[1], INF)),
+            torch.where(pos, down[1], torch.where(neg, down[0], INF)),
         )
         return _with_nan(scaled, torch.isnan(lw))
 

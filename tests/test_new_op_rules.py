@@ -1,4 +1,5 @@
-"""Rules for group norm, transposed convolutions, interpolation, F.unfold/F.fold and F.bilinear.
+"""Rules for group norm, transposed convolutions, interpolation, F.unfold/F.fold, F.bilinear,
+masked_scatter, index_copy/index_fill, channel shuffle, soft/hard shrink and the margin losses.
 
 Each op is checked, for every built-in semiring and several geometries, against the brute-force
 oracle (``tests/oracle.py``, which reads every edge weight off autograd's own backward in
@@ -54,6 +55,19 @@ def _group_norm(groups: int) -> Callable[..., Tensor]:
 
 def _interpolate(**kwargs) -> Callable[[Tensor], Tensor]:
     return lambda x: F.interpolate(x, **kwargs)
+
+
+#: A [3, 4] mask with 8 True entries (2, 2 and 4 per row), and a [1, 5] one that broadcasts.
+MASK = torch.tensor([[True, False, True, False], [False, True, True, False], [True] * 4])
+ROW_MASK = torch.tensor([[False, True, True, False, True]])
+#: Class targets for [3, 4] scores; multilabel rows end at the first -1.
+TARGETS = torch.tensor([1, 0, 3])
+MULTILABEL = torch.tensor([[3, 0, -1, 1], [0, 1, 2, 3], [2, -1, 0, 0]])
+CLASS_WEIGHTS = torch.tensor([0.5, 2.0, 1.0, 0.25], dtype=torch.float64)
+
+
+def _index_copy(dim: int, index: list[int]) -> Callable[[Tensor, Tensor], Tensor]:
+    return lambda x, src: x.index_copy(dim, torch.tensor(index), src)
 
 
 CASES: dict[str, OpCase] = {
@@ -135,6 +149,46 @@ CASES: dict[str, OpCase] = {
     "bilinear_batched_zeros": OpCase(
         F.bilinear, ((2, 2, 2), (2, 2, 3), (2, 2, 3)), zeros=(0.0, 0.3, 0.2)
     ),
+    # masked_scatter: source entries past the mask's True count reach nothing
+    "masked_scatter_spare_source": OpCase(lambda x, s: x.masked_scatter(MASK, s), ((3, 4), (10,))),
+    "masked_scatter_exact_source": OpCase(
+        lambda x, s: x.masked_scatter(MASK, s), ((3, 4), (8,)), zeros=(0.2, 0.2)
+    ),
+    "masked_scatter_broadcast_mask": OpCase(
+        lambda x, s: x.masked_scatter(ROW_MASK, s), ((2, 3, 5), (4, 5))
+    ),
+    # index_copy: self loses the copied slices, source is gathered back; index_fill likewise
+    "index_copy_dim0": OpCase(_index_copy(0, [3, 1]), ((4, 3), (2, 3))),
+    "index_copy_dim1_unsorted": OpCase(_index_copy(1, [4, 0, 2]), ((2, 5, 2), (2, 3, 2))),
+    "index_copy_scalar_source": OpCase(_index_copy(0, [2]), ((4,), ())),
+    "index_fill_scalar": OpCase(lambda x: x.index_fill(1, torch.tensor([0, 2]), 1.5), ((2, 4),)),
+    "index_fill_tensor_value": OpCase(
+        lambda x, v: x.index_fill(0, torch.tensor([1, 1, 2]), v), ((3, 2), ())
+    ),
+    # channel shuffle (ShuffleNet): a permutation of the channels
+    "channel_shuffle": OpCase(lambda x: F.channel_shuffle(x, 3), ((2, 6, 2, 1),)),
+    "channel_shuffle_module_1d": OpCase(torch.nn.ChannelShuffle(2), ((1, 4, 3),)),
+    # shrink activations: derivative 1 outside [-lambd, lambd], no edge inside
+    "softshrink": OpCase(lambda x: F.softshrink(x, 0.5), ((3, 5),), zeros=(0.2,)),
+    "hardshrink": OpCase(lambda x: F.hardshrink(x, 0.7), ((3, 5),), zeros=(0.2,)),
+    # margin losses: each score feeds its own sample's loss
+    "multi_margin_mean": OpCase(lambda x: F.multi_margin_loss(x, TARGETS), ((3, 4),)),
+    "multi_margin_p2_weighted_none": OpCase(
+        lambda x: F.multi_margin_loss(
+            x, TARGETS, p=2, margin=0.5, weight=CLASS_WEIGHTS.to(x.dtype), reduction="none"
+        ),
+        ((3, 4),),
+    ),
+    "multi_margin_unbatched": OpCase(
+        lambda x: F.multi_margin_loss(x, torch.tensor(2), reduction="sum"), ((5,),)
+    ),
+    "multilabel_margin_mean": OpCase(lambda x: F.multilabel_margin_loss(x, MULTILABEL), ((3, 4),)),
+    "multilabel_margin_none": OpCase(
+        lambda x: F.multilabel_margin_loss(x, MULTILABEL, reduction="none"), ((3, 4),)
+    ),
+    "multilabel_margin_unbatched": OpCase(
+        lambda x: F.multilabel_margin_loss(x, torch.tensor([1, -1, 0])), ((3,),)
+    ),
 }
 
 ALL_SEMIRINGS = list(SEMIPACK_SEMIRINGS)
@@ -207,6 +261,11 @@ FLOAT32_CASES = [
     "unfold_geometry",
     "fold_geometry",
     "bilinear_layer",
+    "masked_scatter_spare_source",
+    "index_copy_dim1_unsorted",
+    "channel_shuffle",
+    "softshrink",
+    "multilabel_margin_none",
 ]
 #: float32 against float64: relative error of the values, absolute of logs and entropies.
 F32_TOL = 2e-4
@@ -400,6 +459,106 @@ def test_group_norm_with_an_empty_batch() -> None:
     assert torch.equal(real[1], torch.zeros(4, dtype=torch.float64))
 
 
+def _counts(loss: Tensor, leaves: list[Tensor]) -> list[Tensor]:
+    return list(semipack.grad(loss, leaves, semipack.LogCount(log=False), retain_graph=True))
+
+
+def _assert_values(got: Tensor, want: list) -> None:
+    """Equal to float64 rounding (MaxProd works in log space: 7 reads back as 6.999...)."""
+    expected = torch.tensor(want, dtype=torch.float64)
+    torch.testing.assert_close(got, expected, rtol=1e-12, atol=0)
+
+
+def test_masked_scatter_with_no_true_entry_leaves_the_source_unreached() -> None:
+    """An all-False mask takes nothing from the source: every source entry has no path (Real 0,
+    MaxProd 0, Boolean False, LogSum -inf) and every entry of ``self`` its one path."""
+    x = torch.randn(2, 3, dtype=torch.float64, requires_grad=True)
+    src = torch.randn(4, dtype=torch.float64, requires_grad=True)
+    loss = x.masked_scatter(torch.zeros(2, 3, dtype=torch.bool), src).sum()
+    gx, gs = semipack.grad(loss, [x, src], semipack.Boolean(), retain_graph=True)
+    assert bool(gx.all()) and not bool(gs.any())
+    _, log_sum = semipack.grad(loss, [x, src], semipack.LogSum(), retain_graph=True)
+    assert torch.equal(log_sum, torch.full((4,), -math.inf, dtype=torch.float64))
+    _, best = semipack.grad(loss, [x, src], semipack.MaxProd(), retain_graph=True)
+    assert torch.equal(best, torch.zeros(4, dtype=torch.float64))
+    _, real = semipack.grad(loss, [x, src], semipack.Real())
+    assert torch.equal(real, torch.zeros(4, dtype=torch.float64))
+
+
+def test_masked_scatter_fills_true_entries_in_row_major_order() -> None:
+    """mask [[T, F], [F, T]] takes source[0] into out[0, 0] and source[1] into out[1, 1];
+    source[2] is spare. With loss = sum(out * w): source gets |w00|, |w11|, no path; x gets
+    |w01| and |w10| where the mask is False, no path where it is True."""
+    x = torch.randn(2, 2, dtype=torch.float64, requires_grad=True)
+    src = torch.randn(3, dtype=torch.float64, requires_grad=True)
+    w = torch.tensor([[2.0, -3.0], [5.0, -7.0]], dtype=torch.float64)
+    mask = torch.tensor([[True, False], [False, True]])
+    loss = (x.masked_scatter(mask, src) * w).sum()
+    gx, gs = semipack.grad(loss, [x, src], semipack.MaxProd(), retain_graph=True)
+    _assert_values(gs, [2.0, 7.0, 0.0])
+    _assert_values(gx, [[0.0, 3.0], [5.0, 0.0]])
+    cx, cs = _counts(loss, [x, src])
+    assert cs.tolist() == [1.0, 1.0, 0.0] and cx.tolist() == [[0.0, 1.0], [1.0, 0.0]]
+
+
+def test_index_copy_paths_by_hand() -> None:
+    """out = x.index_copy(0, [2, 0], s) = [s1, x1, s0]; loss = out . [1, -2, 3]: x reaches the
+    loss only through x1 (weight 2), s0 with weight 3, s1 with weight 1. (PyTorch leaves
+    repeated indices undefined, so no case repeats one.)"""
+    x = torch.randn(3, dtype=torch.float64, requires_grad=True)
+    s = torch.randn(2, dtype=torch.float64, requires_grad=True)
+    out = x.index_copy(0, torch.tensor([2, 0]), s)
+    loss = (out * torch.tensor([1.0, -2.0, 3.0], dtype=torch.float64)).sum()
+    gx, gs = semipack.grad(loss, [x, s], semipack.MaxProd(), retain_graph=True)
+    _assert_values(gx, [0.0, 2.0, 0.0])
+    _assert_values(gs, [3.0, 1.0])
+    rx, rs = semipack.grad(loss, [x, s], semipack.Boolean(), retain_graph=True)
+    assert rx.tolist() == [False, True, False] and rs.tolist() == [True, True]
+    hi, lo = semipack.grad(loss, x, semipack.SignedMaxProd())[0]
+    _assert_values(hi, [0.0, -2.0, 0.0])
+    _assert_values(lo, [0.0, -2.0, 0.0])
+
+
+def test_channel_shuffle_moves_channel_2_to_1() -> None:
+    """groups=2 over 4 channels: output channels are input channels [0, 2, 1, 3]."""
+    x = torch.randn(1, 4, 2, dtype=torch.float64, requires_grad=True)
+    (reach,) = semipack.grad(F.channel_shuffle(x, 2)[0, 1].sum(), x, semipack.Boolean())
+    want = torch.zeros(1, 4, 2, dtype=torch.bool)
+    want[0, 2] = True
+    assert torch.equal(reach, want)
+
+
+@pytest.mark.parametrize("shrink", [F.softshrink, F.hardshrink])
+def test_shrink_has_no_edge_inside_the_dead_zone(shrink) -> None:
+    """Derivative 1 where |x| > lambd and 0 on [-lambd, lambd] (both ends included)."""
+    x = torch.tensor([-1.0, -0.5, 0.2, 0.5, 0.8], dtype=torch.float64, requires_grad=True)
+    (count,) = semipack.grad(shrink(x, 0.5).sum(), x, semipack.LogCount(log=False))
+    assert count.tolist() == [1.0, 0.0, 0.0, 0.0, 1.0]
+
+
+def test_multi_margin_loss_edges_by_hand() -> None:
+    """x = [-2, 1, 0.5], target 1, margin 1, p 1: the terms for j = 0 (1 - 1 - 2 < 0) and
+    j = 2 (1 - 1 + 0.5 = 0.5) give loss = 0.5 / 3; x0 has no edge, x2 weight 1/3, x1 -1/3."""
+    x = torch.tensor([[-2.0, 1.0, 0.5]], dtype=torch.float64, requires_grad=True)
+    loss = F.multi_margin_loss(x, torch.tensor([1]))
+    (best,) = semipack.grad(loss, x, semipack.MaxProd(), retain_graph=True)
+    _assert_values(best, [[0.0, 1 / 3, 1 / 3]])
+    (count,) = _counts(loss, [x])
+    assert count.tolist() == [[0.0, 1.0, 1.0]]
+
+
+def test_multilabel_margin_loss_edges_by_hand() -> None:
+    """x = [1.5, 0, 1], labels {0}: the terms 1 - (x0 - xj) are -0.5 (j = 1, inactive) and 0.5
+    (j = 2), so x0 has weight -1/3, x2 weight 1/3 and x1 no edge."""
+    x = torch.tensor([1.5, 0.0, 1.0], dtype=torch.float64, requires_grad=True)
+    loss = F.multilabel_margin_loss(x, torch.tensor([0, -1, 2]))
+    hi, lo = semipack.grad(loss, x, semipack.SignedMaxProd(), retain_graph=True)[0]
+    _assert_values(hi, [-1 / 3, 0.0, 1 / 3])
+    _assert_values(lo, [-1 / 3, 0.0, 1 / 3])
+    (reach,) = semipack.grad(loss, x, semipack.Boolean())
+    assert reach.tolist() == [True, False, True]
+
+
 # --- the library's forms against independent references ---------------------------------------
 
 CONV_SEMIRINGS = [
@@ -588,6 +747,45 @@ def test_model_with_every_new_op_matches_oracle(semiring_name: str) -> None:
         model(x).square().sum().backward()
     for i, (leaf, want) in enumerate(zip(leaves, expected, strict=True)):
         assert_readout_matches(semiring_name, want, leaf.semiring_grad, f"decoder leaf {i}")
+
+
+class TinyVisionLanguage(torch.nn.Module):
+    """A vision-language model's merge step and the other new ops: image features scattered
+    into the token embeddings at the image tokens (id 0), as LLaVA-style models do, then
+    shrink activations, a channel shuffle, an index_copy and a multi-margin loss."""
+
+    IMAGE_TOKEN = 0
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = torch.nn.Embedding(5, 4)
+        self.vision = torch.nn.Linear(6, 4)
+        self.shuffle = torch.nn.ChannelShuffle(2)
+        self.head = torch.nn.Linear(4, 3)
+
+    def forward(self, ids: Tensor, patches: Tensor, labels: Tensor) -> Tensor:
+        h = self.embed(ids)  # [B, T, 4]
+        mask = (ids == self.IMAGE_TOKEN).unsqueeze(-1).expand_as(h)
+        h = h.masked_scatter(mask, self.vision(patches))  # patches [P, 6]
+        h = self.shuffle(F.softshrink(h, 0.1).transpose(1, 2)).transpose(1, 2)
+        h = h.index_copy(1, torch.tensor([2, 0]), F.hardshrink(h[:, 1:3], 0.2))
+        return F.multi_margin_loss(self.head(h).flatten(0, 1), labels)
+
+
+@pytest.mark.parametrize("semiring_name", ["max_prod", "entropy", "log_count", "real"])
+def test_vision_language_merge_matches_oracle(semiring_name: str) -> None:
+    torch.manual_seed(0)
+    model = TinyVisionLanguage().double()
+    ids = torch.tensor([[1, 0, 0, 3], [0, 2, 4, 0]])  # 4 image tokens, 4 patches
+    patches = torch.randn(4, 6, dtype=torch.float64, requires_grad=True)
+    labels = torch.tensor([0, 2, 1, 1, 2, 0, 0, 1])
+    leaves = [patches, *model.parameters()]
+    graph = build_graph(model(ids, patches, labels))
+    expected = dynamic_programming(graph, leaves, semiring_name)
+    with semipack.extend(model, SEMIPACK_SEMIRINGS[semiring_name]()):
+        model(ids, patches, labels).backward()
+    for i, (leaf, want) in enumerate(zip(leaves, expected, strict=True)):
+        assert_readout_matches(semiring_name, want, leaf.semiring_grad, f"vlm leaf {i}")
 
 
 GPU_CASES = [

@@ -45,6 +45,8 @@ ACTIVATION_BACKWARDS = [
     aten.log_sigmoid_backward.default,
     aten.logit_backward.default,
     aten.native_dropout_backward.default,
+    aten.softshrink_backward.default,  # derivative 1 outside [-lambd, lambd], else 0
+    aten.hardshrink_backward.default,
 ]
 
 # Losses whose grad_output is a scalar (reduction='mean'/'sum') or has the input's shape.
@@ -57,9 +59,13 @@ LOSS_BACKWARDS = [
 ]
 
 # Losses over a class dimension (dim 1): grad_output lacks that dimension when reduction='none'.
+# Each input entry feeds only its own sample's loss, so op(ones) is that one edge's weight (for
+# the margin losses the target class's weight is the sum of its terms: one partial, one edge).
 CLASS_LOSS_BACKWARDS = [
     aten.nll_loss_backward.default,
     aten.nll_loss2d_backward.default,
+    aten.multi_margin_loss_backward.default,
+    aten.multilabel_margin_loss_backward.default,
 ]
 
 

@@ -7,6 +7,8 @@ semiring's zero, never with a literal 0.
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import Tensor
 
@@ -42,6 +44,8 @@ VIEW_LIKE = [
     aten.lift_fresh.default,
     aten.pixel_shuffle.default,
     aten.pixel_unshuffle.default,
+    aten.channel_shuffle.default,  # ShuffleNet; its backward is another channel_shuffle
+    aten.native_channel_shuffle.default,
 ]
 
 
@@ -82,6 +86,35 @@ def masked_scatter(call: OpCall):
     return wrap_outputs(call, real, outs)
 
 
+def _select_padded(part: Tensor, mask: Tensor, sizes: tuple[int, ...], zero: object) -> Tensor:
+    """``part[mask]`` in row-major order, padded with ``zero`` to ``prod(sizes)`` entries and
+    shaped ``sizes``. ``mask`` broadcasts against ``part``; at most ``prod(sizes)`` are True."""
+    selected = part.masked_select(mask)
+    missing = math.prod(sizes) - selected.numel()
+    if missing > 0:
+        fill = torch.full((missing,), zero, dtype=part.dtype, device=part.device)
+        selected = torch.cat([selected, fill])
+    return selected.reshape(sizes)
+
+
+@register_rule(aten.masked_scatter_backward.default)
+def masked_scatter_backward(call: OpCall):
+    """The message to ``source`` of ``self.masked_scatter(mask, source)``.
+
+    The k-th True entry of the mask (row-major) was taken from ``source.flatten()[k]``: that
+    source entry has one edge of weight 1 from it. Source entries past the number of True
+    entries were never used, so their message is the semiring's zero ("no path"), not a
+    literal 0. ``grad_output``: the output's shape; ``mask``: broadcastable to it; result:
+    ``sizes`` (the source's shape).
+    """
+    msg, mask, sizes = call["grad_output"], call["mask"], tuple(call["sizes"])
+    parts = tuple(
+        _select_padded(p, mask, sizes, z)
+        for p, z in zip(call.state(msg), call.semiring.zero, strict=True)
+    )
+    return call.wrap(call.run_real(), parts)
+
+
 @register_rule(aten.tril.default, aten.triu.default)
 def triangle(call: OpCall):
     """Entries outside the triangle become "no path", not a literal 0."""
@@ -112,6 +145,23 @@ def masked_fill(call: OpCall):
     msg, mask = call["self"], call["mask"]
     parts = tuple(
         p.masked_fill(mask, z) for p, z in zip(msg.parts, call.semiring.zero, strict=True)
+    )
+    return call.wrap(call.run_real(), parts)
+
+
+@register_rule(aten.index_fill.int_Scalar, aten.index_fill.int_Tensor)
+def index_fill(call: OpCall):
+    """``grad.index_fill(dim, index, 0)``: the message to ``self`` of ``index_copy`` and
+    ``index_fill``. The overwritten slices have no path to ``self``: they get the semiring's
+    zero. Filling with any other value has no semiring meaning and is refused."""
+    value = call["value"]
+    if isinstance(value, Message):
+        raise call.error("a message as the fill value of index_fill")
+    if (value.item() if isinstance(value, Tensor) else value) != 0:
+        raise call.error("index_fill of a message with a non-zero value")
+    msg, dim, index = call["self"], call["dim"], call["index"]
+    parts = tuple(
+        p.index_fill(dim, index, z) for p, z in zip(msg.parts, call.semiring.zero, strict=True)
     )
     return call.wrap(call.run_real(), parts)
 
@@ -330,5 +380,7 @@ for _inplace, _rule in [
     (aten.scatter_add_.default, scatter_add),
     (aten.masked_fill_.Scalar, masked_fill),
     (aten.masked_fill_.Tensor, masked_fill),
+    (aten.index_fill_.int_Scalar, index_fill),
+    (aten.index_fill_.int_Tensor, index_fill),
 ]:
     register_rule(_inplace)(inplace_from(_rule))

@@ -22,8 +22,8 @@ from collections.abc import Callable
 import torch
 
 import semipack
-from semipack.kernels.normalization import normalized_messages
-from semipack.kernels.rowwise import log_softmax_messages, softmax_messages
+from semipack.messages.normalization import normalized_messages
+from semipack.messages.rowwise import log_softmax_messages, softmax_messages
 from semipack.rules.normalization import normalized_contract_dense
 from semipack.rules.softmax import log_softmax_contract_dense, softmax_contract_dense
 from semipack.semirings import Semiring, State

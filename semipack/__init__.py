@@ -9,7 +9,7 @@ p.grad, p.semiring_grad
 from . import rules  # noqa: F401  (registers the built-in op rules)
 from .api import extend, grad
 from .errors import MessageLostError, SemipackError, UnsupportedOpError
-from .rules.registry import OpCall, register_rule, registered_ops
+from .messages import Message, OpCall, register_rule, registered_ops, scoped_rules
 from .semirings import (
     Boolean,
     Entropy,
@@ -23,7 +23,6 @@ from .semirings import (
     SignedMaxProd,
     TopPath,
 )
-from .transport.message import Message
 
 __version__ = "0.1.0"
 
@@ -48,4 +47,5 @@ __all__ = [
     "grad",
     "register_rule",
     "registered_ops",
+    "scoped_rules",
 ]

@@ -13,11 +13,11 @@ from torch import Tensor, nn
 
 from .errors import SemipackError
 from .extensions import FUNCTION_EXTENSIONS, eager_attention_routed
+from .graph.provenance import ModuleTracker
 from .rules import FORWARD_ROUTES
 from .transport import backward as _bw
 from .transport.hooks import module_hooks_see_gradients
 from .transport.interception import SemiringMode
-from .transport.provenance import ModuleTracker
 
 _blocks = threading.local()
 

@@ -14,7 +14,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from semipack.rules.windows import ConvGeometry, scatter_windows, window_index
+from semipack.messages.windows import ConvGeometry, scatter_windows, window_index
 from semipack.semirings.base import Semiring, State
 
 

@@ -338,12 +338,12 @@ def test_user_rule_registration_is_used() -> None:
     """A user rule (replacing the built-in one) for reflection padding: each padded position sends
     its message back to the input entry it copies; copies of one entry meet in the plus."""
     aten = torch.ops.aten
-    from semipack.rules import registry
+    op = aten.reflection_pad1d_backward.default
+    built_in = semipack.messages.rule_for(op)
+    calls = []
 
-    saved = dict(registry._RULES)
-
-    @semipack.register_rule(aten.reflection_pad1d_backward.default)
     def reflection_pad_rule(call: semipack.OpCall):
+        calls.append(call.func)
         msg, x, (left, right) = call["grad_output"], call["self"], call["padding"]
         n = x.shape[-1]
         q = torch.arange(n + left + right) - left
@@ -353,7 +353,8 @@ def test_user_rule_registration_is_used() -> None:
             call.run_real(), call.semiring.index_plus(dest, x.dim() - 1, source, msg.parts)
         )
 
-    try:
+    with semipack.scoped_rules():
+        semipack.register_rule(op, replace=True)(reflection_pad_rule)
         x = torch.tensor([[1.0, 2.0, 3.0, 4.0]], dtype=torch.float64, requires_grad=True)
         padded = F.pad(x, (2, 1), mode="reflect")  # [3, 2, 1, 2, 3, 4, 3]
         (count,) = semipack.grad(padded.sum(), x, semipack.LogCount(), retain_graph=True)
@@ -365,6 +366,27 @@ def test_user_rule_registration_is_used() -> None:
         torch.testing.assert_close(
             real, torch.autograd.grad(F.pad(x, (2, 1), mode="reflect").sum(), x)[0]
         )
-    finally:
-        registry._RULES.clear()
-        registry._RULES.update(saved)
+    assert calls == [op, op]
+    assert semipack.messages.rule_for(op) is built_in  # restored when the block ended
+
+
+def test_replacing_a_built_in_rule_needs_replace_true() -> None:
+    op = torch.ops.aten.tanh_backward.default
+    built_in = semipack.messages.rule_for(op)
+    with pytest.raises(ValueError) as info:
+        semipack.register_rule(op)(lambda call: None)
+    assert str(info.value) == (
+        "aten.tanh_backward.default already has a semiring rule; pass replace=True to "
+        "semipack.register_rule to override it (or register inside semipack.scoped_rules() "
+        "to override it for one block)"
+    )
+    assert built_in is not None and semipack.messages.rule_for(op) is built_in
+
+
+def test_rules_registered_in_a_scope_leave_with_it() -> None:
+    op = torch.ops.aten.special_zeta.default
+    assert semipack.messages.rule_for(op) is None
+    with semipack.scoped_rules():
+        semipack.register_rule(op)(lambda call: None)
+        assert semipack.messages.rule_for(op) is not None
+    assert semipack.messages.rule_for(op) is None

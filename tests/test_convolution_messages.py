@@ -7,8 +7,8 @@ import torch
 from conv_reference import window_map_messages
 
 import semipack
+from semipack.messages.windows import ConvGeometry
 from semipack.rules.convolution import per_tap_messages
-from semipack.rules.windows import ConvGeometry
 
 SEMIRINGS = [
     semipack.Real(),

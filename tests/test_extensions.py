@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import semipack
-from semipack.readout.sites import SITE_KEY
+from semipack.graph.sites import SITE_KEY
 
 SEMIRINGS = [
     semipack.Real(),

@@ -236,7 +236,7 @@ def test_softmax_log_sum_matches_float64_definition(rows, n):
     """softmax.c against the exclusive-reduction form of rowwise.py evaluated in float64, and
     against log Σ_i exp(m_i) |J_ij| over the dense Jacobian (in log form)."""
     from semipack import LogSum
-    from semipack.kernels.rowwise import softmax_from_log_probs
+    from semipack.messages.rowwise import softmax_from_log_probs
 
     m, log_probs = _softmax_rows(rows, n, seed=rows * 10 + n)
     got = native.softmax_log_sum_f32(m, log_probs)
@@ -262,7 +262,7 @@ def test_softmax_log_sum_keeps_underflowed_probabilities():
 
 def test_logsum_softmax_messages_take_the_native_kernel_unless_nan(monkeypatch):
     from semipack import LogSum
-    from semipack.kernels import rowwise
+    from semipack.messages import rowwise
 
     m, log_probs = _softmax_rows(64, 128, seed=3)
     probs = log_probs.exp()

@@ -14,10 +14,11 @@ import torch
 import torch.nn.functional as F
 
 import semipack
-import semipack.kernels.normalization as knorm
+import semipack.messages.normalization as knorm
 from semipack.kernels.compiled import compile_enabled
-from semipack.kernels.normalization import normalized_messages
-from semipack.kernels.rowwise import (
+from semipack.messages.jacobian import contract_rows
+from semipack.messages.normalization import normalized_messages
+from semipack.messages.rowwise import (
     exclusive_logsumexp,
     exclusive_max,
     exclusive_min,
@@ -25,7 +26,6 @@ from semipack.kernels.rowwise import (
     log_softmax_messages,
     softmax_messages,
 )
-from semipack.rules.jacobian import contract_rows
 from semipack.rules.softmax import softmax_contract
 from semipack.semirings import Semiring, State
 

@@ -8,8 +8,8 @@ import torch
 
 import semipack
 from semipack.extensions.linear import linear_messages
-from semipack.kernels.shared_shift import SHARED_SHIFT_SPAN, global_shift, shared_shift_products
-from semipack.rules.windows import ConvGeometry
+from semipack.messages.shared_shift import SHARED_SHIFT_SPAN, global_shift, shared_shift_products
+from semipack.messages.windows import ConvGeometry
 from semipack.semirings import Semiring
 
 F64 = torch.float64
@@ -105,7 +105,7 @@ def test_conv_messages_through_torch_convolution_match_the_window_maps(
     plus), including exact zeros of inputs and weights (no edge) and entries without a path."""
     from conv_reference import window_map_messages
 
-    from semipack.kernels.shared_shift import shared_shift_conv
+    from semipack.messages.shared_shift import shared_shift_conv
 
     g = dict(CONV_GEOMETRIES[geometry])
     x, w = weights(*g.pop("x"), seed=7), weights(*g.pop("w"), seed=8)
@@ -124,7 +124,7 @@ def test_conv_messages_through_torch_convolution_match_the_window_maps(
 
 @pytest.mark.parametrize("sr", SUM_LIKE, ids=lambda s: s.name)
 def test_conv_with_a_wide_message_falls_back_to_the_window_maps(sr: Semiring) -> None:
-    from semipack.kernels.shared_shift import shared_shift_conv
+    from semipack.messages.shared_shift import shared_shift_conv
 
     x, w = weights(2, 3, 5, 5, seed=1), weights(4, 3, 3, 3, seed=2)
     m = message(sr, (2, 4, 3, 3), spread=SHARED_SHIFT_SPAN + 10.0, seed=3)

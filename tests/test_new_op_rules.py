@@ -25,10 +25,10 @@ from test_oracle import SEMIPACK_SEMIRINGS, assert_readout_matches
 from torch import Tensor
 
 import semipack
+from semipack.messages.windows import ConvGeometry
 from semipack.rules import contractions, interpolation
 from semipack.rules.convolution import conv_messages, transposed_per_tap_messages
 from semipack.rules.normalization import normalized_contract_dense
-from semipack.rules.windows import ConvGeometry
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -693,7 +693,7 @@ def test_group_norm_gains_per_row_and_entry_in_the_fused_kernels(sr, dtype) -> N
     """A [rows, n] gain (group norm's channels) through ``normalized_messages`` (the Real
     closed form; MaxProd, LogSum and Entropy: their native float32 kernels or the fused
     kernels' eager form) equals the dense contraction of the full Jacobian."""
-    from semipack.kernels.normalization import normalized_messages
+    from semipack.messages.normalization import normalized_messages
 
     gen = torch.Generator().manual_seed(4)
     rows, n = 6, 10

@@ -15,7 +15,7 @@ import torch
 from oracle import build_graph, dynamic_programming
 
 import semipack
-from semipack.kernels.shared_shift import shared_shift_products
+from semipack.messages.shared_shift import shared_shift_products
 
 SUM_LIKE = [semipack.LogSum, semipack.LogCount, semipack.Entropy]
 

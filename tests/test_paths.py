@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import threading
 
 import pytest
 import torch
@@ -67,12 +68,55 @@ def test_path_value_matches_max_prod_and_edges_multiply_up() -> None:
 
 def test_path_requires_a_backward_and_a_leaf() -> None:
     tp = semipack.TopPath()
-    with pytest.raises(RuntimeError, match="no backward pass"):
+    with pytest.raises(KeyError, match="holds no top paths"):
         tp.path(torch.zeros(1))
     x = torch.ones(2, requires_grad=True)
     semipack.grad((2 * x).sum(), x, tp)
-    with pytest.raises(KeyError, match="not a leaf"):
+    with pytest.raises(KeyError, match="was not a leaf, retained tensor or input"):
         tp.path(torch.zeros(1))
+    assert tp.path(x).value == pytest.approx(2.0, rel=1e-7)  # float32 leaf
+
+
+def test_one_top_path_instance_serves_many_passes_and_is_never_modified() -> None:
+    """Paths live on the tensors of each pass; the user's semiring keeps no state."""
+    tp = semipack.TopPath()
+    x = torch.tensor([1.0, 3.0], dtype=torch.float64, requires_grad=True)
+    y = torch.tensor([5.0, 2.0], dtype=torch.float64, requires_grad=True)
+    semipack.grad((x * torch.tensor([4.0, 1.0], dtype=torch.float64)).sum(), x, tp)
+    semipack.grad((y * 2).sum(), y, tp)
+    assert tp.trace is None and vars(tp) == {"log": False}
+    assert tp.path(x).index == (0,) and tp.path(x).value == pytest.approx(4.0, rel=1e-15)
+    assert tp.path(y).index == (0,) and tp.path(y).value == pytest.approx(2.0, rel=1e-15)
+    # a later pass with another semiring replaces the values, and the stale paths go with them
+    lin = torch.nn.Linear(2, 1).double()
+    with semipack.extend(lin, tp):
+        lin(x.detach()).sum().backward()
+    assert lin.weight.semiring_paths.name == "weight"
+    with semipack.extend(lin, semipack.MaxProd()):
+        lin(x.detach()).sum().backward()
+    with pytest.raises(KeyError, match="a later pass with another semiring"):
+        tp.path(lin.weight)
+
+
+def test_top_path_passes_in_two_threads_share_one_instance() -> None:
+    tp = semipack.TopPath()
+    results: dict[int, tuple] = {}
+
+    def run(seed: int) -> None:
+        x = torch.arange(1.0, 5.0, dtype=torch.float64).requires_grad_()
+        w = torch.zeros(4, dtype=torch.float64)
+        w[seed] = 3.0
+        for _ in range(20):
+            semipack.grad((x * w).sum() + x.sum(), x, tp)
+            results[seed] = (tp.path(x).index, round(tp.path(x).value, 12))
+
+    threads = [threading.Thread(target=run, args=(s,)) for s in (1, 2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    # the best single path to x[seed] goes through the product with 3 (the other has weight 1)
+    assert results == {1: ((1,), 3.0), 2: ((2,), 3.0)}
 
 
 @pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])

@@ -7,6 +7,8 @@ from pathlib import Path
 
 import pytest
 
+import semipack
+
 README = Path(__file__).resolve().parent.parent / "README.md"
 BLOCKS = re.findall(r"```python\n(.*?)```", README.read_text(), flags=re.S)
 
@@ -17,11 +19,5 @@ def test_readme_has_examples() -> None:
 
 @pytest.mark.parametrize("index", range(len(BLOCKS)))
 def test_readme_example_runs(index: int) -> None:
-    from semipack.rules import registry
-
-    saved = dict(registry._RULES)
-    try:
+    with semipack.scoped_rules():  # rules an example registers leave with it
         exec(compile(BLOCKS[index], f"README example {index}", "exec"), {"__name__": "readme"})
-    finally:
-        registry._RULES.clear()
-        registry._RULES.update(saved)

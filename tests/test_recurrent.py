@@ -26,7 +26,7 @@ from torch import Tensor, nn
 from torch.nn.utils.rnn import PackedSequence, pack_padded_sequence, pad_packed_sequence
 
 import semipack
-from semipack.transport.message import Message
+from semipack.messages.message import Message
 
 aten = torch.ops.aten
 

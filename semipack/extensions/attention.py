@@ -24,9 +24,9 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.nn.attention import SDPBackend
 
-from ..readout.sites import Site, stamp
+from ..graph.provenance import current_module
+from ..graph.sites import Site, stamp
 from ..rules.attention import attention_messages, attention_probs, fold_heads, repeat_heads
-from ..transport.provenance import current_module
 from .base import (
     InnerGraph,
     extends,

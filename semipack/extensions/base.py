@@ -27,8 +27,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from ..messages.message import Message
 from ..semirings.base import Semiring, State
-from ..transport.message import Message
 from ..transport.passes import graph_retained
 
 #: torch function -> the extension that takes its calls over inside ``semipack.extend``.

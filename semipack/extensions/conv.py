@@ -7,10 +7,10 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import Tensor
 
-from ..readout.sites import Site, stamp
+from ..graph.provenance import current_module
+from ..graph.sites import Site, stamp
+from ..messages.windows import ConvGeometry
 from ..rules.convolution import conv_messages
-from ..rules.windows import ConvGeometry
-from ..transport.provenance import current_module
 from .base import InnerGraph, extends, frees_context, messages, split_message, wants_graph
 
 

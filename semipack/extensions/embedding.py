@@ -6,9 +6,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ..readout.sites import Site, stamp
+from ..graph.provenance import current_module
+from ..graph.sites import Site, stamp
 from ..semirings.base import scatter_into_zeros
-from ..transport.provenance import current_module
 from .base import InnerGraph, extends, frees_context, messages, split_message, wants_graph
 
 

@@ -6,9 +6,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ..kernels.shared_shift import shared_shift_products
-from ..readout.sites import Site, stamp
-from ..transport.provenance import current_module
+from ..graph.provenance import current_module
+from ..graph.sites import Site, stamp
+from ..messages.shared_shift import shared_shift_products
 from .base import InnerGraph, extends, frees_context, messages, split_message, wants_graph
 
 

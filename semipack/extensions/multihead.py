@@ -20,10 +20,10 @@ import torch.nn.functional as F
 from einops import rearrange, repeat
 from torch import Tensor
 
-from ..readout.sites import Site, stamp
+from ..graph.provenance import current_module
+from ..graph.sites import Site, stamp
 from ..rules.attention import attention_contract, attention_log_probs
 from ..semirings.base import State
-from ..transport.provenance import current_module
 from .base import (
     InnerGraph,
     extends,

@@ -25,7 +25,7 @@ import math
 import torch
 from torch import Tensor
 
-from ..semirings.base import BLOCK_ELEMENTS
+from .blocking import BLOCK_ELEMENTS
 from .compiled import compile_enabled, compiled
 from .native import MAX_INDEX_K, PRUNE_TOP, maxplus_f32, maxplus_pruned_f32, native_available
 

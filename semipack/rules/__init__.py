@@ -1,5 +1,6 @@
 """Per-op semiring rules. Importing this package registers every built-in rule."""
 
+from ..messages import FORWARD_ROUTES, OpCall, register_rule, registered_ops, rule_for
 from . import (  # noqa: F401  (imported for their registrations)
     arithmetic,
     attention,
@@ -21,6 +22,5 @@ from . import (  # noqa: F401  (imported for their registrations)
     unfolding,
     weight_norm,
 )
-from .registry import FORWARD_ROUTES, OpCall, register_rule, registered_ops, rule_for
 
 __all__ = ["FORWARD_ROUTES", "OpCall", "register_rule", "registered_ops", "rule_for"]

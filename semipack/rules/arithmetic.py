@@ -5,10 +5,10 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from ..messages import OpCall, register_rule
+from ..messages.message import Message
 from ..semirings.base import normalize_dims
-from ..transport.message import Message
 from .exact_products import exact_product
-from .registry import OpCall, register_rule
 from .structural import inplace_from
 
 aten = torch.ops.aten

@@ -20,11 +20,11 @@ import torch
 from einops import rearrange, repeat
 from torch import Tensor
 
-from ..kernels.shared_shift import shared_shift_products
-from ..readout.sites import Site
+from ..graph.provenance import current_site
+from ..graph.sites import Site
+from ..messages import OpCall, register_rule
+from ..messages.shared_shift import shared_shift_products
 from ..semirings.base import Semiring, State
-from ..transport.provenance import current_site
-from .registry import OpCall, register_rule
 from .softmax import exact_log_softmax, softmax_contract
 
 aten = torch.ops.aten
@@ -183,7 +183,7 @@ def attention_messages(
     batch = q.shape[0]
     per_entry = math.prod(q.shape[1:-1]) * k.shape[-2]
     step = max(1, ATTENTION_CHUNK_ELEMENTS // max(per_entry, 1))
-    if q.dim() != 4 or step >= batch or getattr(sr, "records_paths", False):
+    if q.dim() != 4 or step >= batch or sr.trace is not None:
         log_probs = attention_log_probs(q, k, mask, causal, scale)
         probs = log_probs.exp()
         return attention_contract(sr, m_out, q, k, v, probs, scale, keep, m_weights, log_probs)
@@ -219,8 +219,8 @@ def attention_messages(
 def record_internal(sr: Semiring, m: State, tensor: str) -> State:
     """Let path readouts see a tensor internal to the fused op (weights, scores) as the nodes of
     the reference decomposition, named by head and token."""
-    trace = getattr(sr, "trace", None)
-    if not getattr(sr, "records_paths", False) or trace is None:
+    trace = sr.trace  # set on the semiring of a path-recording pass (Semiring.bound_to)
+    if trace is None:
         return m
     _node, module = current_site()
     dims = ("batch", "head", "query", "key")[-m[0].dim() :]

@@ -8,10 +8,11 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from ..kernels.shared_shift import shared_shift_products
-from ..semirings.base import BLOCK_ELEMENTS, Semiring, State
-from ..transport.message import Message
-from .registry import OpCall, register_rule
+from ..kernels.blocking import BLOCK_ELEMENTS
+from ..messages import OpCall, register_rule
+from ..messages.message import Message
+from ..messages.shared_shift import shared_shift_products
+from ..semirings.base import Semiring, State
 
 aten = torch.ops.aten
 

@@ -24,10 +24,10 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from ..kernels.shared_shift import shared_shift_conv
+from ..messages import OpCall, register_rule
+from ..messages.shared_shift import shared_shift_conv
+from ..messages.windows import ConvGeometry
 from ..semirings.base import Semiring, State
-from .registry import OpCall, register_rule
-from .windows import ConvGeometry
 
 aten = torch.ops.aten
 

@@ -23,11 +23,11 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from ..graph.saved_inputs import recorded_input
 from ..kernels import log_derivatives as logd
+from ..messages import OpCall
+from ..messages.message import Message
 from ..semirings.base import Sign
-from ..transport.message import Message
-from ..transport.saved_inputs import recorded_input
-from .registry import OpCall
 
 #: f(node, factor, call) -> (log|factor|, sign) or None. ``factor`` is the plain operand.
 ExactFactor = Callable[[Any, Tensor, OpCall], "tuple[Tensor, Sign] | None"]

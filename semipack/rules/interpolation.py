@@ -29,6 +29,9 @@ import torch
 from torch import Tensor
 from torch._ops import OpOverload
 
+from ..kernels.blocking import BLOCK_ELEMENTS
+from ..messages import OpCall, register_rule
+from ..messages.windows import incoming_edges
 from ..semirings import (
     Boolean,
     Entropy,
@@ -41,9 +44,6 @@ from ..semirings import (
     State,
     TopPath,
 )
-from ..semirings.base import BLOCK_ELEMENTS
-from .registry import OpCall, register_rule
-from .windows import incoming_edges
 
 aten = torch.ops.aten
 

@@ -16,10 +16,10 @@ import math
 import torch
 from torch import Tensor
 
-from ..kernels.normalization import normalized_messages
+from ..messages import OpCall, register_rule
+from ..messages.jacobian import contract_rows, identity_block
+from ..messages.normalization import normalized_messages
 from ..semirings.base import Semiring, State
-from .jacobian import contract_rows, identity_block
-from .registry import OpCall, register_rule
 
 aten = torch.ops.aten
 

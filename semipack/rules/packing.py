@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .registry import route_forward
+from ..messages import route_forward
 
 _pack = torch._C._VariableFunctions._pack_padded_sequence
 

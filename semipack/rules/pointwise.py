@@ -21,11 +21,11 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
+from ..graph.saved_inputs import recorded_input
 from ..kernels import log_derivatives as logd
+from ..messages import OpCall, call_by_name, register_rule
+from ..messages.message import Message
 from ..semirings.base import Sign
-from ..transport.message import Message
-from ..transport.saved_inputs import recorded_input
-from .registry import OpCall, call_by_name, register_rule
 
 aten = torch.ops.aten
 

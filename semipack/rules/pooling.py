@@ -6,8 +6,8 @@ import math
 
 import torch
 
-from .registry import OpCall, register_rule
-from .windows import (
+from ..messages import OpCall, register_rule
+from ..messages.windows import (
     adaptive_positions,
     combine_dims,
     expand_param,

@@ -40,9 +40,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ..readout.sites import Site
+from ..graph.provenance import current_site
+from ..graph.sites import Site
+from ..messages import OpCall, register_rule
 from ..semirings.base import Semiring, State
-from ..transport.provenance import current_site
 from .recurrent_cells import (
     CellKind,
     CellWeights,
@@ -61,7 +62,6 @@ from .recurrent_cells import (
     state_t,
     wrap_outputs,
 )
-from .registry import OpCall, register_rule
 
 aten = torch.ops.aten
 
@@ -101,7 +101,7 @@ class Tracer:
     enabled: bool = field(init=False)
 
     def __post_init__(self) -> None:
-        self.enabled = getattr(self.sr, "records_paths", False) and self.sr.trace is not None
+        self.enabled = self.sr.trace is not None  # a path-recording pass (Semiring.bound_to)
         if self.enabled:
             self.module = current_site()[1]
 

@@ -21,8 +21,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from ..messages import OpCall, register_rule
 from ..semirings.base import Semiring, State
-from .registry import OpCall, register_rule
 
 aten = torch.ops.aten
 

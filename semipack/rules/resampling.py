@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from .registry import OpCall, register_rule
+from ..messages import OpCall, register_rule
 
 aten = torch.ops.aten
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
+from ..messages import OpCall, register_rule
 from ..semirings import Boolean, LogCount, LogSum, MaxProd, Real, Semiring, State
-from .registry import OpCall, register_rule
 
 aten = torch.ops.aten
 

@@ -12,15 +12,15 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ..kernels.rowwise import (
+from ..graph.saved_inputs import recorded_input
+from ..messages import OpCall, register_rule
+from ..messages.jacobian import contract_rows, identity_block, rows_last, unrows
+from ..messages.rowwise import (
     log_complement,
     log_softmax_messages,
     softmax_messages,
 )
 from ..semirings.base import Semiring, State, cut_vanishing
-from ..transport.saved_inputs import recorded_input
-from .jacobian import contract_rows, identity_block, rows_last, unrows
-from .registry import OpCall, register_rule
 
 aten = torch.ops.aten
 

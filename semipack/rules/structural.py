@@ -12,8 +12,8 @@ import math
 import torch
 from torch import Tensor
 
-from ..transport.message import Message
-from .registry import OpCall, per_component, register_rule, wrap_outputs
+from ..messages import OpCall, per_component, register_rule, wrap_outputs
+from ..messages.message import Message
 
 aten = torch.ops.aten
 

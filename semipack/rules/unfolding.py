@@ -18,8 +18,8 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from .registry import OpCall, register_rule
-from .windows import expand_param, incoming_edges, window_index
+from ..messages import OpCall, register_rule
+from ..messages.windows import expand_param, incoming_edges, window_index
 
 aten = torch.ops.aten
 

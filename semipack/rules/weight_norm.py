@@ -20,8 +20,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from ..messages import OpCall, register_rule
 from ..semirings.base import State
-from .registry import OpCall, register_rule
 
 aten = torch.ops.aten
 

@@ -17,6 +17,7 @@ a user semiring that only defines the primitives stays correct (as precise as it
 
 from __future__ import annotations
 
+import copy
 import functools
 import math
 from collections.abc import Callable, Sequence
@@ -24,6 +25,8 @@ from typing import Any, ClassVar
 
 import torch
 from torch import Tensor
+
+from ..kernels.blocking import BLOCK_ELEMENTS
 
 State = tuple[Tensor, ...]
 
@@ -38,9 +41,6 @@ Sign = Tensor | float
 #: ``finfo.min``) cut their keys in log space, while every weight a float64 model can represent
 #: (tanh'(20) ~ 4e-17, a probability of 1e-50) keeps its edge in float32 too.
 NO_EDGE_LOG = math.log(math.ulp(0.0))
-
-#: Largest number of elements a blocked fallback may broadcast at once (32 MiB of float32).
-BLOCK_ELEMENTS = 1 << 23
 
 
 #: The algebra a semiring is defined by. A subclass that redefines any of these gets the generic
@@ -97,6 +97,19 @@ class Semiring:
     #: are gradients and must equal autograd's, rounding included). Otherwise rules that know an
     #: exact log-derivative use ``scale_log`` / ``matmul_log``.
     linear_weights: ClassVar[bool] = False
+    #: True for semirings whose backward records a path trace (TopPath): the backward driver
+    #: then runs the pass with a pass-bound copy of the semiring (``bound_to``).
+    records_paths: ClassVar[bool] = False
+    #: The path trace of the pass a pass-bound copy belongs to; ``None`` on the user's instance,
+    #: which the backward never modifies (one instance serves many passes and threads).
+    trace: Any = None
+
+    def bound_to(self, trace: Any) -> Semiring:
+        """A shallow copy carrying ``trace``: the semiring every message of one pass holds, so
+        rules and extensions reach the pass's trace through ``call.semiring``."""
+        bound = copy.copy(self)
+        bound.trace = trace
+        return bound
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         """A subclass that changes the algebra (``PRIMITIVES``) falls back to the generic

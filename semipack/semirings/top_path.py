@@ -34,10 +34,6 @@ class TopPath(MaxProd):
     one = (0.0, NO_SUCCESSOR)
     records_paths = True
 
-    def __init__(self, log: bool = False) -> None:
-        super().__init__(log)
-        self.trace = None
-
     def __repr__(self) -> str:
         return f"TopPath(log={self.log})"
 
@@ -136,9 +132,14 @@ class TopPath(MaxProd):
         return a[0] == float("-inf")
 
     def path(self, leaf: Tensor, index: tuple[int, ...] | int | None = None):
-        """The best path from ``leaf[index]`` to the root of the last backward pass."""
-        from ..readout.paths import top_path
-
-        if self.trace is None:
-            raise RuntimeError("no backward pass has been run with this TopPath semiring yet")
-        return top_path(self.trace, leaf, index)
+        """The best path from ``leaf[index]`` (default: the leaf's best entry) to the root of
+        the last TopPath backward that reached ``leaf`` (a leaf, a retained tensor or an input
+        of ``semipack.grad``). The paths live on the tensor (``leaf.semiring_paths``), next to
+        its ``semiring_grad``, so one TopPath instance serves any number of passes."""
+        paths = getattr(leaf, "semiring_paths", None)
+        if paths is None:
+            raise KeyError(
+                "this tensor holds no top paths: it was not a leaf, retained tensor or input of "
+                "a TopPath backward pass (or a later pass with another semiring replaced them)"
+            )
+        return paths.path(index)

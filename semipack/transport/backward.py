@@ -22,8 +22,9 @@ import torch
 from torch import Tensor
 
 from ..errors import MessageLostError, SemipackError
+from ..messages.message import Message
+from ..messages.paths import PathTrace, attach
 from ..semirings.base import Semiring
-from .message import Message
 from .passes import semiring_pass
 
 SEMIRING_GRAD = "semiring_grad"
@@ -120,17 +121,19 @@ def _check(leaf_msg: Any, leaf: Tensor) -> Message:
 
 
 @contextmanager
-def path_recording(sr: Semiring, roots: Sequence[Tensor], leaf_names: dict[int, str] | None):
-    """For path-recording semirings (TopPath): a fresh trace and pre-hooks for this pass.
+def path_recording(
+    sr: Semiring, roots: Sequence[Tensor], leaf_names: dict[int, str] | None
+) -> Iterator[Semiring]:
+    """The semiring this pass runs with: ``sr`` itself, or for path-recording semirings
+    (TopPath) a copy bound to a fresh trace (``Semiring.bound_to``), with the recording
+    pre-hooks attached for the pass. The user's instance is never modified.
 
     Nodes created while the pass runs (the recomputed forward of a reentrant checkpoint) get
     the recording pre-hook as they are created.
     """
-    if not getattr(sr, "records_paths", False):
-        yield None
+    if not sr.records_paths:
+        yield sr
         return
-    from ..readout.paths import PathTrace, attach
-
     trace = PathTrace(leaf_names)
     handles = attach(trace, roots)
 
@@ -138,13 +141,22 @@ def path_recording(sr: Semiring, roots: Sequence[Tensor], leaf_names: dict[int, 
         if not hasattr(node, "variable"):
             handles.append(node.register_prehook(trace.node_prehook(node)))
 
-    sr.trace = trace
     try:
         with torch.autograd.graph.node_creation_hook(on_creation):
-            yield trace
+            yield sr.bound_to(trace)
     finally:
         for h in handles:
             h.remove()
+
+
+def store_results(t: Tensor, sr: Semiring, msg: Message, fallback_name: str) -> None:
+    """``t.semiring_grad`` (the readout) and, after a path-recording pass, ``t.semiring_paths``;
+    a pass with another semiring removes paths an earlier TopPath pass left."""
+    setattr(t, SEMIRING_GRAD, sr.readout(msg.parts))
+    if sr.trace is not None:
+        t.semiring_paths = sr.trace.capture_leaf(t, msg, fallback_name)
+    elif hasattr(t, "semiring_paths"):
+        del t.semiring_paths
 
 
 class RetainedTensors:
@@ -248,44 +260,40 @@ def backward(
         known = {id(t) for t in leaves}
         leaves += [p for p in watched if id(p) not in known]
     kept = retained.alive() if retained is not None else []
-    with path_recording(sr, tensors, leaf_names) as trace:
+    with path_recording(sr, tensors, leaf_names) as sr:
         ledger = GradLedger([*leaves, *kept]) if regular_grads else None
         try:
             captured = _run_backward(
                 tensors, grad_tensors, sr, leaves, regular_grads, retain_graph, inputs
             )
-            readouts = _split_retained(kept, sr, trace)
+            retained_messages = _split_retained(kept)
         except BaseException:
             if ledger is not None:
                 ledger.roll_back()
             raise
         if ledger is not None:
             ledger.commit()
-        for t, value in readouts:
-            setattr(t, SEMIRING_GRAD, value)
+        for i, (t, msg) in enumerate(retained_messages):
+            store_results(t, sr, msg, f"retained tensor {i}")
         reached = []
         for i, leaf in enumerate(leaves):
             msg = captured.get(id(leaf))
             if msg is not None:
-                setattr(leaf, SEMIRING_GRAD, sr.readout(msg.parts))
+                store_results(leaf, sr, msg, f"leaf {i}")
                 reached.append(leaf)
-                if trace is not None:
-                    trace.capture_leaf(leaf, msg, f"leaf {i}")
     return reached
 
 
-def _split_retained(kept: Sequence[Tensor], sr: Semiring, trace) -> list[tuple[Tensor, Any]]:
+def _split_retained(kept: Sequence[Tensor]) -> list[tuple[Tensor, Message]]:
     """Turn Messages left in retained tensors' ``.grad`` into regular gradients; return the
-    semiring readouts to store once the pass is known to have succeeded."""
+    messages, whose results are stored once the pass is known to have succeeded."""
     out = []
-    for i, t in enumerate(kept):
+    for t in kept:
         msg = t.grad
         if not isinstance(msg, Message):
             continue
         t.grad = msg.gradient
-        out.append((t, sr.readout(msg.parts)))
-        if trace is not None:
-            trace.capture_leaf(t, msg, f"retained tensor {i}")
+        out.append((t, msg))
     return out
 
 
@@ -365,14 +373,14 @@ def grad(
         grad_outputs = [None] * len(outputs)
     elif isinstance(grad_outputs, Tensor):
         grad_outputs = [grad_outputs]
-    seed = seeds(outputs, list(grad_outputs), sr, regular=False)
-    with path_recording(sr, outputs, None) as trace, semiring_pass(retain_graph):
+    with path_recording(sr, outputs, None) as sr, semiring_pass(retain_graph):
+        seed = seeds(outputs, list(grad_outputs), sr, regular=False)
         got = torch.autograd.grad(
             outputs, inputs, seed, retain_graph=retain_graph, allow_unused=True
         )
         for i, (t, msg) in enumerate(zip(inputs, got, strict=True)):
-            if trace is not None and isinstance(msg, Message):
-                trace.capture_leaf(t, msg, f"input {i}")
+            if sr.trace is not None and isinstance(msg, Message):
+                t.semiring_paths = sr.trace.capture_leaf(t, msg, f"input {i}")
     result = []
     for i, (t, msg) in enumerate(zip(inputs, got, strict=True)):
         if msg is None:

@@ -24,7 +24,7 @@ import torch.nn.modules.module as module_hooks
 from torch import Tensor, nn
 
 from ..errors import SemipackError
-from .message import Message
+from ..messages.message import Message
 
 
 def _no_regular_gradient(what: str) -> SemipackError:

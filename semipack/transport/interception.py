@@ -16,10 +16,10 @@ import torch
 from torch import Tensor
 from torch.overrides import TorchFunctionMode
 
+from ..graph.saved_inputs import run_recording_inputs
 from ..semirings.base import Semiring
 from . import backward as bw
 from .hooks import TensorHook
-from .saved_inputs import run_recording_inputs
 
 
 class SemiringMode(TorchFunctionMode):

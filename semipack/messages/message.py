@@ -1,68 +1,98 @@
-"""The table from aten ops to semiring rules, and the call object rules receive.
+"""The tensor subclass that carries a semiring message through the autograd engine.
 
-A rule is a function ``rule(call: OpCall) -> output`` registered for one or more aten overloads
-(or whole overload packets). It must return what the op returns, with every output that is a
-backward message wrapped as a :class:`Message` (``call.wrap``). Ops without a rule raise
-:class:`UnsupportedOpError` naming the op, the autograd node and the module.
+autograd hands a ``Message`` to every backward formula as if it were the incoming gradient. Each
+aten op the formula applies to it lands in ``__torch_dispatch__``, which looks up the op's rule:
+the rule computes the regular gradient (``real``) with the op itself, and the semiring state
+(``parts``) with the semiring's plus and times. The engine's own accumulation (``aten.add``)
+becomes the semiring's plus the same way.
+
+``OpCall`` is the call object every rule receives; it lives here with ``Message`` because each
+needs the other (a call unwraps and wraps messages, a message dispatches to a call).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import torch
 from torch import Tensor
-from torch._ops import OpOverload, OpOverloadPacket
+from torch._ops import OpOverload
 from torch.utils._pytree import tree_flatten, tree_map
 
 from ..errors import MessageLostError, UnsupportedOpError
+from ..graph.provenance import current_site
 from ..semirings.base import Semiring, State
-from ..transport.message import Message
-from ..transport.provenance import current_site
-
-Rule = Callable[["OpCall"], Any]
-_RULES: dict[OpOverload | OpOverloadPacket, Rule] = {}
+from .rule_table import rule_for
 
 
-def register_rule(*ops: OpOverload | OpOverloadPacket) -> Callable[[Rule], Rule]:
-    """Decorator: use ``rule`` for these aten overloads (a packet covers all its overloads).
+class Message(torch.Tensor):
+    """A backward message: the regular gradient (optional) and the semiring state of a tensor.
 
-    Registering an op that already has a rule replaces it, so users can override built-ins.
+    Attributes:
+        gradient: the ordinary gradient, or ``None`` when regular gradients are switched off.
+        parts: the semiring state, one tensor per component, each of the message's shape.
+        semiring: the semiring the state belongs to.
     """
 
-    def decorate(rule: Rule) -> Rule:
-        for op in ops:
-            _RULES[op] = rule
-        return rule
+    gradient: Tensor | None
+    parts: State
+    semiring: Semiring
 
-    return decorate
+    @staticmethod
+    def __new__(
+        cls,
+        real: Tensor | None,
+        parts: State,
+        semiring: Semiring,
+        dtype: torch.dtype | None = None,
+    ) -> Message:
+        ref = real if real is not None else parts[0]
+        if dtype is None:
+            if real is None:
+                raise ValueError("a Message without a real gradient needs an explicit dtype")
+            dtype = real.dtype
+        self = torch.Tensor._make_wrapper_subclass(
+            cls,
+            ref.shape,
+            strides=ref.stride(),
+            dtype=dtype,
+            device=ref.device,
+            requires_grad=False,
+        )
+        shape = ref.shape
+        self.gradient = real
+        self.parts = tuple(p if p.shape == shape else p.expand(shape) for p in parts)
+        self.semiring = semiring
+        return self
 
+    def __init__(self, *args, **kwargs) -> None:  # attributes are set in __new__
+        super().__init__()
 
-#: torch function -> replacement used inside ``semipack.extend`` (extensions on or off): functions
-#: whose backward cannot carry messages (it copies the gradient into a fresh plain tensor), which
-#: are recorded instead as ops whose backward can, with the same values.
-FORWARD_ROUTES: dict[Callable[..., Any], Callable[..., Any]] = {}
+    __torch_function__ = torch._C._disabled_torch_function_impl
 
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        return dispatch(func, args, kwargs or {})
 
-def route_forward(*functions: Callable[..., Any]) -> Callable[[Callable], Callable]:
-    """Decorator: inside ``semipack.extend`` calls of ``functions`` run the decorated one."""
+    def __repr__(self) -> str:  # printing must not dispatch ops on the wrapper
+        return (
+            f"Message({self.semiring!r}, shape={tuple(self.shape)}, dtype={self.dtype}, "
+            f"regular_grad={'yes' if self.gradient is not None else 'no'})"
+        )
 
-    def register(replacement: Callable[..., Any]) -> Callable[..., Any]:
-        for f in functions:
-            FORWARD_ROUTES[f] = replacement
-        return replacement
+    def readout(self):
+        """The user-facing semiring value (see each semiring's ``readout``)."""
+        return self.semiring.readout(self.parts)
 
-    return register
+    @classmethod
+    def seed(cls, gradient: Tensor, semiring: Semiring, regular: bool) -> Message:
+        """The message at a backward root: the given gradient, lifted as edge weights.
 
-
-def rule_for(func: OpOverload) -> Rule | None:
-    return _RULES.get(func) or _RULES.get(func.overloadpacket)
-
-
-def registered_ops() -> list[str]:
-    """Names of every op (overload or packet) that has a rule, sorted."""
-    return sorted(str(op) for op in _RULES)
+        For the usual scalar loss the gradient is 1, which lifts to the semiring's one.
+        """
+        gradient = gradient.detach()
+        return cls(gradient if regular else None, semiring.lift(gradient), semiring, gradient.dtype)
 
 
 #: The node that runs module backward hooks: a failing op there is the user's hook, not a formula.

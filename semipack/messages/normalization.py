@@ -35,7 +35,8 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
-from ..rules.jacobian import contract_rows, identity_block
+from ..kernels.compiled import compile_enabled, compiled
+from ..kernels.native import native_available, norm_abs_reduce_f32, norm_entropy_sums_f32
 from ..semirings import (
     Boolean,
     Entropy,
@@ -48,8 +49,7 @@ from ..semirings import (
     State,
 )
 from ..semirings._log import finite_or_zero, shifted_exp
-from .compiled import compile_enabled, compiled
-from .native import native_available, norm_abs_reduce_f32, norm_entropy_sums_f32
+from .jacobian import contract_rows, identity_block
 
 INF = float("inf")
 

@@ -28,7 +28,7 @@ from ..semirings.base import repair_underflow
 from ..semirings.log_sum import column_scaled
 
 if TYPE_CHECKING:
-    from ..rules.windows import ConvGeometry
+    from .windows import ConvGeometry
 
 #: Largest spread (nats) of finite message entries for which one shift serves every product.
 #: exp(-40) ~ 4e-18 keeps each product e |w| a normal float32 for |w| down to ~1e-20.

@@ -13,7 +13,8 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
-from ..semirings.base import BLOCK_ELEMENTS, Semiring, State
+from ..kernels.blocking import BLOCK_ELEMENTS
+from ..semirings.base import Semiring, State
 
 # jac(rows, cols) -> J[rows, n_out, cols] for a slice of rows and a slice of input columns, or,
 # in log form, (log|J|, sign J) of that block

@@ -34,6 +34,8 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
+from ..kernels.compiled import compile_enabled, compiled
+from ..kernels.native import native_available, softmax_log_sum_f32
 from ..semirings import (
     Boolean,
     Entropy,
@@ -46,8 +48,6 @@ from ..semirings import (
     State,
 )
 from ..semirings._log import finite_or_zero
-from .compiled import compile_enabled, compiled
-from .native import native_available, softmax_log_sum_f32
 
 INF = float("inf")
 

@@ -18,11 +18,10 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from ..transport.message import Message
-from ..transport.provenance import MODULE_KEY
-from .sites import SITE_KEY, Site
-
-NO_SUCCESSOR = -1
+from ..graph.provenance import MODULE_KEY
+from ..graph.sites import SITE_KEY, Site
+from ..semirings.top_path import NO_SUCCESSOR
+from .message import Message
 
 
 @dataclass
@@ -90,7 +89,6 @@ class PathTrace:
         self.records: list[TensorRecord] = []
         self.bases: list[int] = []
         self.next_id = 0
-        self.leaves: dict[int, tuple[str, Tensor, Tensor, tuple[int, ...]]] = {}
         self.leaf_names = leaf_names or {}
 
     def relabel(
@@ -120,11 +118,12 @@ class PathTrace:
         self.bases.append(base)
         return torch.arange(base, base + numel, device=log_values.device).reshape(shape)
 
-    def capture_leaf(self, leaf: Tensor, message: Message, fallback_name: str) -> None:
-        name = self.leaf_names.get(id(leaf), fallback_name)
+    def capture_leaf(self, leaf: Tensor, message: Message, fallback_name: str) -> LeafPaths:
+        """The best paths from every entry of ``leaf``, given the message that reached it."""
         log_values, successors = message.parts
-        self.leaves[id(leaf)] = (
-            name,
+        return LeafPaths(
+            self,
+            self.leaf_names.get(id(leaf), fallback_name),
             log_values.detach().clone(),
             successors.expand(log_values.shape).clone(),
             tuple(leaf.shape),
@@ -147,7 +146,7 @@ class PathTrace:
             out = []
             changed = False
             for slot, g in enumerate(grad_outputs):
-                if not isinstance(g, Message) or not getattr(g.semiring, "records_paths", False):
+                if not isinstance(g, Message) or g.semiring.trace is not self:  # another pass
                     out.append(g)
                     continue
                 site = sites[slot] if slot < len(sites) else None
@@ -183,35 +182,47 @@ def _describe(record: TensorRecord, index: tuple[int, ...]) -> str:
     return f"{where}: {record.op} output {list(index)}"
 
 
-def top_path(trace: PathTrace, leaf: Tensor, index: tuple[int, ...] | int | None = None) -> Path:
-    if id(leaf) not in trace.leaves:
-        raise KeyError("this tensor was not a leaf of the last TopPath backward pass")
-    name, log_values, successors, shape = trace.leaves[id(leaf)]
-    if index is None:
-        flat = int(log_values.reshape(-1).argmax())
-    else:
-        flat = _ravel(_integer_index(index), shape)
-    start = tuple(int(i) for i in torch.unravel_index(torch.tensor(flat), shape)) if shape else ()
-    path = Path(name, start, float(log_values.reshape(-1)[flat]))
-    if path.log_value == -math.inf:  # no path: successor ids of "no path" states mean nothing
-        return path
-    node = int(successors.reshape(-1)[flat])
-    guard = len(trace.records) + 1
-    while node != NO_SUCCESSOR and guard > 0:
-        record, offset = trace.locate(node)
-        entry = tuple(int(i) for i in torch.unravel_index(torch.tensor(offset), record.shape))
-        path.steps.append(
-            PathStep(
-                _describe(record, entry),
-                record.module,
-                record.op,
-                entry,
-                float(record.log_values[offset]),
-            )
+@dataclass
+class LeafPaths:
+    """The top paths of one tensor after a TopPath pass (stored as ``tensor.semiring_paths``):
+    per entry, the best log-value and the first node of its best path in ``trace``."""
+
+    trace: PathTrace
+    name: str
+    log_values: Tensor  # leaf's shape
+    successors: Tensor  # leaf's shape, node ids in ``trace``
+    shape: tuple[int, ...]
+
+    def path(self, index: tuple[int, ...] | int | None = None) -> Path:
+        """The best path from entry ``index`` (default: the best entry) to the root."""
+        if index is None:
+            flat = int(self.log_values.reshape(-1).argmax())
+        else:
+            flat = _ravel(_integer_index(index), self.shape)
+        shape = self.shape
+        start = (
+            tuple(int(i) for i in torch.unravel_index(torch.tensor(flat), shape)) if shape else ()
         )
-        node = int(record.successors[offset])
-        guard -= 1
-    return path
+        path = Path(self.name, start, float(self.log_values.reshape(-1)[flat]))
+        if path.log_value == -math.inf:  # no path: successor ids of "no path" states mean nothing
+            return path
+        node = int(self.successors.reshape(-1)[flat])
+        guard = len(self.trace.records) + 1
+        while node != NO_SUCCESSOR and guard > 0:
+            record, offset = self.trace.locate(node)
+            entry = tuple(int(i) for i in torch.unravel_index(torch.tensor(offset), record.shape))
+            path.steps.append(
+                PathStep(
+                    _describe(record, entry),
+                    record.module,
+                    record.op,
+                    entry,
+                    float(record.log_values[offset]),
+                )
+            )
+            node = int(record.successors[offset])
+            guard -= 1
+        return path
 
 
 def _integer_index(index: object) -> tuple[int, ...]:

@@ -1,21 +1,23 @@
-"""The public entry points: ``extend`` (a context manager) and ``grad`` (functional)."""
+"""The public entry points: ``extend`` (a context manager) and ``grad`` (functional, the
+backward driver's own ``transport.backward.grad``)."""
 
 from __future__ import annotations
 
 import threading
 import warnings
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
 from typing import Any
 
 import torch
-from torch import Tensor, nn
+from torch import nn
 
 from .errors import SemipackError
 from .extensions import FUNCTION_EXTENSIONS, eager_attention_routed
 from .graph.provenance import ModuleTracker
 from .rules import FORWARD_ROUTES
 from .transport import backward as _bw
+from .transport.backward import grad
 from .transport.hooks import module_hooks_see_gradients
 from .transport.interception import SemiringMode
 
@@ -88,26 +90,4 @@ def _leaf_name(name: str) -> str:
     return name.removeprefix("_orig_mod.")
 
 
-def grad(
-    outputs: Tensor | Sequence[Tensor],
-    inputs: Tensor | Sequence[Tensor],
-    semiring: Any,
-    grad_outputs: Tensor | Sequence[Tensor | None] | None = None,
-    *,
-    retain_graph: bool | None = None,
-    allow_unused: bool = False,
-) -> tuple[Any, ...]:
-    """Semiring values of ``inputs`` with respect to ``outputs``, like ``torch.autograd.grad``.
-
-    Works on any differentiable function of tensors, no module needed. ``grad_outputs`` (default:
-    1 for scalar outputs) are lifted into the semiring as the weights of edges from a virtual
-    root. Returns one readout per input (``None`` for unused inputs with ``allow_unused=True``).
-    """
-    return _bw.grad(
-        outputs,
-        inputs,
-        semiring,
-        grad_outputs,
-        retain_graph=retain_graph,
-        allow_unused=allow_unused,
-    )
+__all__ = ["extend", "grad"]

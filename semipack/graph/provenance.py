@@ -38,6 +38,7 @@ class ModuleTracker:
 
     @property
     def stack(self) -> list[str]:
+        """The names of the modules whose forward is running in this thread, outermost first."""
         stack = getattr(self._local, "stack", None)
         if stack is None:
             stack = self._local.stack = []
@@ -60,6 +61,7 @@ class ModuleTracker:
 
     @contextmanager
     def active(self) -> Iterator[ModuleTracker]:
+        """Track the model's module calls while the block runs (global hooks, removed on exit)."""
         with ExitStack() as stack:
             if self.names:
                 stack.callback(register_module_forward_pre_hook(self._push).remove)

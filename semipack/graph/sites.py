@@ -22,6 +22,7 @@ class Site:
     dims: tuple[str, ...]
 
     def describe(self, index: tuple[int, ...]) -> str:
+        """A readable name of entry ``index`` of the site's tensor: module, tensor, named dims."""
         named = ", ".join(f"{d} {i}" for d, i in zip(self.dims, index, strict=False))
         where = self.module if self.module else "<root module>"
         return f"{where}: {self.tensor} [{named}]"

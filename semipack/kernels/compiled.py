@@ -24,6 +24,7 @@ def set_compile(enabled: bool) -> None:
 
 
 def compile_enabled() -> bool:
+    """Whether kernels run compiled (``set_compile``); eager fallbacks otherwise."""
     return _state["enabled"]
 
 

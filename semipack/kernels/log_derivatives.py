@@ -138,6 +138,7 @@ class SignChangingDerivative:
         bracket: Callable[[Tensor], Tensor],
         guess: float,
     ) -> SignChangingDerivative:
+        """The derivative of ``name`` from its direct log-form and its sign-change bracket."""
         root = _newton_root(bracket, guess)
         near_root = {
             dtype: _quotient_polynomial(bracket, root, window)

@@ -100,6 +100,8 @@ MODULE_HOOK_NODE = "BackwardHookFunctionBackward"
 
 
 def unsupported(func: OpOverload, reason: str = "") -> UnsupportedOpError:
+    """The error for ``func`` reaching a message without a usable rule, naming the autograd
+    node and module that made the call, with the likely cause when there is no node."""
     node, module = current_site()
     if node is None and not reason:
         reason = (
@@ -118,6 +120,7 @@ def unsupported(func: OpOverload, reason: str = "") -> UnsupportedOpError:
 
 
 def dispatch(func: OpOverload, args: tuple, kwargs: dict) -> Any:
+    """Run the rule registered for ``func`` on a call that involves messages."""
     rule = rule_for(func)
     if rule is None:
         raise unsupported(func)
@@ -177,6 +180,7 @@ class OpCall:
         return self.semiring.state_dtype(self.dtype)
 
     def error(self, reason: str = "") -> UnsupportedOpError:
+        """An ``UnsupportedOpError`` for this call, with ``reason`` (raise it from a rule)."""
         return unsupported(self.func, reason)
 
     # --- channels -----------------------------------------------------------------------------
@@ -214,9 +218,13 @@ class OpCall:
         raise self.error(f"argument {x!r} cannot be a semiring message")
 
     def wrap(self, real: Tensor | None, parts: State) -> Message:
+        """A message output: regular gradient ``real`` (or None) and state ``parts``, in this
+        call's semiring (which, on a path-recording pass, carries the pass's trace)."""
         return Message(real, parts, self.semiring, self.dtype if real is None else None)
 
     def zeros(self, shape: Sequence[int]) -> State:
+        """The semiring's zero ("no path") of ``shape``, in the state dtypes and on the device
+        of this call."""
         return self.semiring.zeros(shape, self.dtype, self.device)
 
 

@@ -130,6 +130,7 @@ class PathTrace:
         )
 
     def locate(self, node_id: int) -> tuple[TensorRecord, int]:
+        """The record holding node ``node_id`` and the node's flat offset in that tensor."""
         i = bisect.bisect_right(self.bases, node_id) - 1
         record = self.records[i]
         return record, node_id - record.base

@@ -74,6 +74,7 @@ def route_forward(*functions: Callable[..., Any]) -> Callable[[Callable], Callab
 
 
 def rule_for(func: OpOverload) -> Rule | None:
+    """The rule for this overload, or for its whole packet, or None."""
     return _RULES.get(func) or _RULES.get(func.overloadpacket)
 
 

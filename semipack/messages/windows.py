@@ -18,6 +18,9 @@ from torch import Tensor
 def expand_param(
     value: Sequence[int] | int, n: int, default: Sequence[int] | None = None
 ) -> list[int]:
+    """A conv/pool parameter given as an int, a one-element or an ``n``-element sequence, as a
+    list of ``n`` ints; an empty sequence means ``default`` (pooling's ``stride=[]`` is the
+    kernel size)."""
     if isinstance(value, int):
         return [value] * n
     value = list(value)
@@ -98,6 +101,8 @@ def sliding_positions(
 
 
 def window_index(in_size, out_size, kernel, stride, padding, dilation, device=None) -> Tensor:
+    """Flat input index of every (kernel tap, output position) pair of a sliding window:
+    ``[prod(kernel), prod(out_size)]`` int64, ``-1`` where the tap falls in the padding."""
     positions = sliding_positions(in_size, out_size, kernel, stride, padding, dilation, device)
     return combine_dims(positions, in_size)
 

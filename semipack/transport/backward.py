@@ -98,6 +98,8 @@ def check_real_valued(tensors: Iterable[Tensor | None], where: str) -> None:
 def seeds(
     outputs: Sequence[Tensor], grad_outputs: Sequence[Tensor | None], sr: Semiring, regular: bool
 ) -> list[Message]:
+    """The root messages: each output's gradient (1 for a scalar when none is given) lifted
+    as the weights of the edges from a virtual root."""
     check_real_valued(outputs, "a backward root")
     check_real_valued(grad_outputs, "a gradient given to backward")
     out = []
@@ -171,10 +173,12 @@ class RetainedTensors:
         self._refs: list[weakref.ref[Tensor]] = []
 
     def add(self, tensor: Tensor) -> None:
+        """Remember ``tensor`` (weakly) if it is a non-leaf whose gradient the engine retains."""
         if tensor.grad_fn is not None:
             self._refs.append(weakref.ref(tensor))
 
     def alive(self) -> list[Tensor]:
+        """The remembered tensors still alive."""
         self._refs = [r for r in self._refs if r() is not None]
         return [t for t in (r() for r in self._refs) if t is not None]
 
@@ -204,6 +208,7 @@ class GradLedger:
                 t.grad = None
 
     def commit(self) -> None:
+        """The pass succeeded: each swapped-out gradient gets the new one added in place."""
         for t, old, swap in self.before:
             if not swap:
                 continue
@@ -215,6 +220,7 @@ class GradLedger:
             t.grad = old
 
     def roll_back(self) -> None:
+        """The pass failed: every ``.grad`` goes back to what it was before it."""
         for t, old, swap in self.before:
             if swap or old is None:
                 t.grad = old
@@ -365,7 +371,15 @@ def grad(
     retain_graph: bool | None = None,
     allow_unused: bool = False,
 ) -> tuple[Any, ...]:
-    """Semiring analogue of ``torch.autograd.grad``: readouts for ``inputs`` (see semipack.grad)."""
+    """Semiring values of ``inputs`` with respect to ``outputs``, like ``torch.autograd.grad``
+    (public as ``semipack.grad``).
+
+    Works on any differentiable function of tensors, no module needed. ``grad_outputs`` (default:
+    1 for scalar outputs) are lifted into the semiring as the weights of edges from a virtual
+    root. Returns one readout per input, shaped like it (``None`` for unused inputs with
+    ``allow_unused=True``). No regular gradient is computed and nothing is stored on the inputs
+    but, after a TopPath pass, their ``semiring_paths``.
+    """
     sr = require_semiring(sr)
     outputs = [outputs] if isinstance(outputs, Tensor) else list(outputs)
     inputs = [inputs] if isinstance(inputs, Tensor) else list(inputs)

@@ -27,6 +27,9 @@ def add(call: OpCall):
 
 @register_rule(aten.sub.Tensor, aten.sub.Scalar)
 def sub(call: OpCall):
+    """``message - plain`` where the plain operand is zero (as backward formulas subtract a
+    zero correction term): the message passes unchanged. Subtracting a message (a negative
+    sum of paths) or a non-zero tensor has no semiring meaning and is refused."""
     _a, b = call["self"], call["other"]
     if isinstance(b, Message):
         raise call.error("subtracting a message has no semiring meaning")
@@ -60,6 +63,7 @@ def mul(call: OpCall):
 
 @register_rule(aten.div.Tensor, aten.div.Scalar)
 def div(call: OpCall):
+    """A message divided by a plain tensor or number: edges of weight 1/b (IEEE, so 1/0 is inf)."""
     a, b = call["self"], call["other"]
     if not isinstance(a, Message) or isinstance(b, Message):
         raise call.error("only a message divided by a plain tensor has a semiring meaning")
@@ -70,11 +74,14 @@ def div(call: OpCall):
 
 @register_rule(aten.neg.default)
 def neg(call: OpCall):
+    """Negation: every edge has weight -1."""
     return _scale(call, -1.0)
 
 
 @register_rule(aten.sum.dim_IntList, aten.sum.default)
 def sum_(call: OpCall):
+    """``sum`` of a message (a backward formula reducing a broadcast): paths that meet in the
+    summed entries combine with the semiring's plus."""
     msg = call["self"]
     dims = normalize_dims(call.bound.get("dim"), msg.dim())
     keepdim = bool(call.bound.get("keepdim") or False)

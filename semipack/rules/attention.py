@@ -269,16 +269,20 @@ def _sdpa_backward(call: OpCall, grad_name: str, mask_name: str | None, n_output
 
 @register_rule(aten._scaled_dot_product_flash_attention_for_cpu_backward.default)
 def sdpa_cpu_flash_backward(call: OpCall):
+    """CPU flash attention, drawn as its reference decomposition."""
     return _sdpa_backward(call, "grad_out", "attn_mask", 3)
 
 
 @register_rule(aten._scaled_dot_product_flash_attention_backward.default)
 def sdpa_cuda_flash_backward(call: OpCall):
+    """CUDA flash attention, drawn as its reference decomposition."""
     return _sdpa_backward(call, "grad_out", None, 3)
 
 
 @register_rule(aten._scaled_dot_product_efficient_attention_backward.default)
 def sdpa_efficient_backward(call: OpCall):
+    """Memory-efficient attention, drawn as its reference decomposition; a call that asks
+    the kernel for the gradient of a learnable bias is refused (``UnsupportedOpError``)."""
     if call["grad_input_mask"][3]:
         raise call.error("a gradient for the attention bias is not supported")
     return _sdpa_backward(call, "grad_out_", "attn_bias", 4)
@@ -286,4 +290,5 @@ def sdpa_efficient_backward(call: OpCall):
 
 @register_rule(aten._scaled_dot_product_cudnn_attention_backward.default)
 def sdpa_cudnn_backward(call: OpCall):
+    """cuDNN attention, drawn as its reference decomposition."""
     return _sdpa_backward(call, "grad_out", "attn_bias", 3)

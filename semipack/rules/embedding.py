@@ -12,6 +12,9 @@ aten = torch.ops.aten
 
 @register_rule(aten.embedding_dense_backward.default)
 def embedding_dense_backward(call: OpCall):
+    """The message to an embedding table: each looked-up row receives the messages of
+    the positions that used it, combined with the semiring's plus; ``padding_idx`` rows get no
+    path. ``scale_grad_by_freq`` is refused."""
     if call["scale_grad_by_freq"]:
         raise call.error("scale_grad_by_freq scales gradients by a statistic, not a derivative")
     msg, indices = call["grad_output"], call["indices"].reshape(-1)

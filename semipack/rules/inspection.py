@@ -16,6 +16,8 @@ aten = torch.ops.aten
 
 @register_rule(aten.isnan.default)
 def isnan(call: OpCall) -> torch.Tensor:
+    """``isnan`` of a message (anomaly mode's check): answered on the regular gradient and
+    the state, so NaN states are reported as PyTorch reports NaN gradients."""
     msg = call["self"]
     found = torch.zeros(msg.shape, dtype=torch.bool, device=msg.device)
     for part in (msg.gradient, *msg.parts):

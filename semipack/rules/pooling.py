@@ -43,6 +43,8 @@ def _max_pool(call: OpCall, nsp: int):
     aten.max_pool2d_with_indices_backward.default, aten.adaptive_max_pool2d_backward.default
 )
 def max_pool2d_backward(call: OpCall):
+    """2-d max pooling (and adaptive max pooling): one edge of weight 1 from each
+    window's selected input entry, none from the others."""
     return _max_pool(call, 2)
 
 
@@ -50,6 +52,7 @@ def max_pool2d_backward(call: OpCall):
     aten.max_pool3d_with_indices_backward.default, aten.adaptive_max_pool3d_backward.default
 )
 def max_pool3d_backward(call: OpCall):
+    """3-d max pooling: as ``max_pool2d_backward``."""
     return _max_pool(call, 3)
 
 
@@ -89,11 +92,14 @@ def _avg_pool(call: OpCall, nsp: int):
 
 @register_rule(aten.avg_pool2d_backward.default)
 def avg_pool2d_backward(call: OpCall):
+    """2-d average pooling: an edge of weight 1/divisor from every input entry in the
+    window (padding included or not, as ``count_include_pad`` says)."""
     return _avg_pool(call, 2)
 
 
 @register_rule(aten.avg_pool3d_backward.default)
 def avg_pool3d_backward(call: OpCall):
+    """3-d average pooling: as ``avg_pool2d_backward``."""
     return _avg_pool(call, 3)
 
 
@@ -115,9 +121,12 @@ def _adaptive_avg(call: OpCall, nsp: int):
 
 @register_rule(aten._adaptive_avg_pool2d_backward.default)
 def adaptive_avg_pool2d_backward(call: OpCall):
+    """2-d adaptive average pooling: an edge of weight 1/size from every input
+    entry of each (variable-size) window."""
     return _adaptive_avg(call, 2)
 
 
 @register_rule(aten._adaptive_avg_pool3d_backward.default)
 def adaptive_avg_pool3d_backward(call: OpCall):
+    """3-d adaptive average pooling: as ``adaptive_avg_pool2d_backward``."""
     return _adaptive_avg(call, 3)

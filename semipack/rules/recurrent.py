@@ -79,6 +79,7 @@ class Schedule:
 
     @property
     def offsets(self) -> tuple[int, ...]:
+        """Row offset of each time step in the packed rows."""
         out, total = [], 0
         for s in self.sizes:
             out.append(total)
@@ -86,6 +87,8 @@ class Schedule:
         return tuple(out)
 
     def order(self, reverse: bool) -> list[int]:
+        """The time steps in the order the backward visits them (last first, reversed
+        for the backward direction of a bidirectional layer)."""
         steps = list(range(len(self.sizes)))
         return steps[::-1] if reverse else steps
 
@@ -106,6 +109,7 @@ class Tracer:
             self.module = current_site()[1]
 
     def record(self, m: State, what: str) -> State:
+        """Give the entries of state ``m`` fresh path ids named ``what`` (TopPath only)."""
         if not self.enabled:
             return m
         where = self.module if self.module is not None else "<unnamed>"
@@ -492,9 +496,11 @@ def _present(messages: DirectionMessages, w: CellWeights) -> list[State]:
 
 @register_rule(aten._cudnn_rnn_backward.default)
 def cudnn_rnn_backward(call: OpCall):
+    """cuDNN RNN/LSTM/GRU layers, drawn as the native cell equations."""
     return _fused_stack_backward(call, int(call["proj_size"]))
 
 
 @register_rule(aten.miopen_rnn_backward.default)
 def miopen_rnn_backward(call: OpCall):
+    """MIOpen RNN/LSTM/GRU layers, drawn as the native cell equations."""
     return _fused_stack_backward(call, 0)

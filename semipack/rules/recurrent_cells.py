@@ -37,6 +37,7 @@ class CellKind(enum.Enum):
 
     @property
     def gates(self) -> int:
+        """Number of gates stacked in the weight matrices (LSTM 4, GRU 3, RNN 1)."""
         return {CellKind.LSTM: 4, CellKind.GRU: 3}.get(self, 1)
 
 
@@ -59,18 +60,22 @@ class CellWeights:
 
 
 def state_rows(state: State, start: int, stop: int) -> State:
+    """Rows ``start:stop`` of every component of ``state``."""
     return tuple(c[start:stop] for c in state)
 
 
 def state_cat(states: Sequence[State], dim: int) -> State:
+    """Concatenate states component by component along ``dim``."""
     return tuple(torch.cat(parts, dim) for parts in zip(*states, strict=True))
 
 
 def state_chunk(state: State, chunks: int, dim: int) -> list[State]:
+    """Split every component of ``state`` into ``chunks`` along ``dim``."""
     return [tuple(parts) for parts in zip(*(c.chunk(chunks, dim) for c in state), strict=True)]
 
 
 def state_t(state: State) -> State:
+    """Transpose the last two dims of every component."""
     return tuple(c.transpose(-1, -2) for c in state)
 
 

@@ -51,6 +51,9 @@ VIEW_LIKE = [
 
 @register_rule(*VIEW_LIKE)
 def move_entries(call: OpCall):
+    """Ops that only move, copy or drop entries (views, permutes, expand, index,
+    gather, unfold, pixel and channel shuffles): each output entry has one edge of weight 1 from
+    the input entry it comes from, so every state component goes through the same op."""
     real, outs = per_component(call, ("self",))
     return wrap_outputs(call, real, outs)
 
@@ -65,6 +68,7 @@ def reshape(call: OpCall):
 
 @register_rule(aten.cat.default, aten.stack.default)
 def concatenate(call: OpCall):
+    """cat and stack: each output entry comes from one entry of one input; per component."""
     real, outs = per_component(call, ("tensors",))
     return wrap_outputs(call, real, outs)
 
@@ -76,12 +80,16 @@ def concatenate(call: OpCall):
     aten.scatter.src,
 )
 def overwrite_entries(call: OpCall):
+    """Writing ``src`` into a slice, a selection, a diagonal or scattered positions of
+    ``self``: every output entry has one edge, from ``self`` or from ``src``; per component."""
     real, outs = per_component(call, ("self", "src"))
     return wrap_outputs(call, real, outs)
 
 
 @register_rule(aten.masked_scatter.default)
 def masked_scatter(call: OpCall):
+    """``self.masked_scatter(mask, source)``: entries under the mask come from ``source``
+    (row-major), the others from ``self``; per component."""
     real, outs = per_component(call, ("self", "source"))
     return wrap_outputs(call, real, outs)
 
@@ -132,12 +140,15 @@ def triangle(call: OpCall):
 
 @register_rule(aten.where.self)
 def where(call: OpCall):
+    """``where(cond, self, other)``: each entry comes from one of the two; per component."""
     real, outs = per_component(call, ("self", "other"))
     return wrap_outputs(call, real, outs)
 
 
 @register_rule(aten.masked_fill.Scalar, aten.masked_fill.Tensor)
 def masked_fill(call: OpCall):
+    """``grad.masked_fill(mask, 0)``, as backward formulas write it: masked entries have no
+    path (the semiring's zero). Any other fill value has no semiring meaning and is refused."""
     value = call["value"]
     value = value.item() if isinstance(value, Tensor) else value
     if value != 0:
@@ -168,6 +179,7 @@ def index_fill(call: OpCall):
 
 @register_rule(aten.constant_pad_nd.default)
 def pad(call: OpCall):
+    """Zero padding of a message: the padded entries have no path (the semiring's zero)."""
     if call["value"] != 0:
         raise call.error("padding a message with a non-zero value")
     msg = call["self"]
@@ -218,6 +230,8 @@ def as_strided(call: OpCall):
     aten.new_empty.default,
 )
 def fresh_zero(call: OpCall):
+    """A new zero-filled gradient buffer (``zeros_like`` and friends): "no path" in every
+    entry, and a zero regular gradient when regular gradients are on."""
     msg = call["self"]
     size = call.bound.get("size")
     shape = tuple(msg.shape) if size is None else tuple(size)
@@ -229,6 +243,7 @@ def fresh_zero(call: OpCall):
 
 @register_rule(aten.new_full.default, aten.full_like.default)
 def fresh_full(call: OpCall):
+    """``full_like(grad, 0)``: as ``fresh_zero``; a non-zero fill is refused."""
     if call["fill_value"] != 0:
         raise call.error("a message filled with a non-zero constant")
     return fresh_zero(call)
@@ -236,6 +251,7 @@ def fresh_full(call: OpCall):
 
 @register_rule(aten.zero_.default)
 def zero_(call: OpCall):
+    """Zeroing a message in place: every entry becomes "no path"."""
     msg = call["self"]
     for p, z in zip(msg.parts, call.semiring.zero, strict=True):
         p.fill_(z)
@@ -246,6 +262,7 @@ def zero_(call: OpCall):
 
 @register_rule(aten.fill_.Scalar, aten.fill_.Tensor)
 def fill_(call: OpCall):
+    """``fill_(0)`` on a message: as ``zero_``; a non-zero fill is refused."""
     value = call["value"]
     if (value.item() if isinstance(value, Tensor) else value) != 0:
         raise call.error("filling a message with a non-zero constant")
@@ -266,18 +283,23 @@ def _scatter_into_zeros(call: OpCall, view) -> Message:
 
 @register_rule(aten.slice_backward.default)
 def slice_backward(call: OpCall):
+    """The message to the input of a slice: the slice's entries in place, "no path"
+    elsewhere. ``grad_output``: the slice's shape; result: ``input_sizes``."""
     dim, start, end, step = call["dim"], call["start"], call["end"], call["step"]
     return _scatter_into_zeros(call, lambda t: aten.slice.Tensor(t, dim, start, end, step))
 
 
 @register_rule(aten.select_backward.default)
 def select_backward(call: OpCall):
+    """The message to the input of ``select``: as ``slice_backward`` for one index."""
     dim, index = call["dim"], call["index"]
     return _scatter_into_zeros(call, lambda t: t.select(dim, index))
 
 
 @register_rule(aten.diagonal_backward.default)
 def diagonal_backward(call: OpCall):
+    """The message to the input of ``diagonal``: the diagonal in place, "no path"
+    elsewhere."""
     offset, d1, d2 = call["offset"], call["dim1"], call["dim2"]
     return _scatter_into_zeros(call, lambda t: t.diagonal(offset, d1, d2))
 
@@ -299,6 +321,8 @@ def to_copy(call: OpCall):
 
 @register_rule(aten.copy_.default)
 def copy_(call: OpCall):
+    """``dest.copy_(src)`` into a message buffer (CopySlices): the state is copied too; copying
+    a message into a plain tensor would drop its state and is refused."""
     dest, src = call["self"], call["src"]
     if not isinstance(dest, Message):
         raise call.error("copying a semiring message into a plain tensor would drop its state")
@@ -336,6 +360,8 @@ def _functional_variant(func):
 
 @register_rule(aten.index_put.default)
 def index_put(call: OpCall):
+    """``index_put``: without ``accumulate`` each entry comes from ``self`` or ``values``;
+    with it, values sent to one position meet there with the semiring's plus."""
     msg, indices, values = call["self"], call["indices"], call["values"]
     if not call["accumulate"]:
         real, outs = per_component(call, ("self", "values"))
@@ -353,6 +379,8 @@ def index_put(call: OpCall):
 
 @register_rule(aten.index_add.default)
 def index_add(call: OpCall):
+    """``index_add`` (alpha 1): source slices meet their destination slices with the
+    semiring's plus (``index_plus``)."""
     if call["alpha"] != 1:
         raise call.error("index_add with alpha != 1")
     msg = call["self"]
@@ -364,6 +392,8 @@ def index_add(call: OpCall):
 
 @register_rule(aten.scatter_add.default)
 def scatter_add(call: OpCall):
+    """``scatter_add``: source entries meet at their target positions with the semiring's
+    plus; the source is read in the window ``index`` covers, as PyTorch reads it."""
     msg, dim, index, src = call["self"], call["dim"], call["index"], call["src"]
     shape = tuple(msg.shape)
     targets = torch.arange(msg.numel(), device=msg.device).reshape(shape).gather(dim, index)

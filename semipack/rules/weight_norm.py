@@ -42,6 +42,8 @@ def _unslice(t: Tensor, like: Tensor, dim: int) -> Tensor:
 
 @register_rule(aten._weight_norm_interface_backward.default)
 def weight_norm_backward(call: OpCall):
+    """The fused weight-norm backward, drawn as the decomposition ``w = g v / ||v||``
+    PyTorch falls back to."""
     msg, v, g, norms = call["grad_w"], call["saved_v"], call["saved_g"], call["saved_norms"]
     dim = call["dim"]
     sr, dtype = call.semiring, call.weight_dtype

@@ -16,7 +16,6 @@ with batched semiring matmuls and the O(n) softmax kernel, never building a
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -24,18 +23,9 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.nn.attention import SDPBackend
 
-from ..graph.provenance import current_module
-from ..graph.sites import Site, stamp
 from ..rules.attention import attention_messages, attention_probs, fold_heads, repeat_heads
-from .base import (
-    InnerGraph,
-    extends,
-    frees_context,
-    messages,
-    split_message,
-    wanted_values,
-    wants_graph,
-)
+from ..semirings.base import State
+from .base import BackwardCall, ExtensionFunction, Sites, extends, wants_graph
 
 _sdpa = F.scaled_dot_product_attention
 
@@ -51,65 +41,42 @@ class AttentionSpec:
     kv_groups: int = 1  # query heads per key/value head
 
 
-class AttentionFunction(torch.autograd.Function):
-    """(Q, K, V) -> (O, W): O = W V with W = dropout(softmax(Q Kᵀ scale + mask))."""
+class AttentionFunction(ExtensionFunction):
+    """(Q, K, V) -> (O, W): O = W V with W = dropout(softmax(Q Kᵀ scale + mask)); Q: [batch,
+    heads, queries, dim], K and V: [batch, heads / kv_groups, keys, dim]; options: the spec.
+
+    ``AttentionFunction.run(inner_fn, [q, k, v], spec)`` with ``inner_fn(q, k, v) -> (O, W or
+    None)``; when ``inner_fn`` reaches a tensor that requires grad besides Q, K and V (a
+    learnable attention bias in its mask, say), its plain outputs are returned: the generic
+    per-op path then carries that tensor's messages too.
+    """
+
+    reads = (0, 1, 2)
 
     @staticmethod
-    def forward(ctx, inner: InnerGraph, q, k, v, spec: AttentionSpec):
-        ctx.set_materialize_grads(False)
-        ctx.inner, ctx.spec = inner, spec
-        return inner.take_outputs()
-
-    @staticmethod
-    @frees_context
-    def backward(ctx, grad_out, grad_weights):
-        spec = ctx.spec
-        reg_out, m_out, sr = split_message(grad_out)
-        reg_w, m_w, sr_w = split_message(grad_weights)
-        sr = sr or sr_w
-        if sr is None:
-            return (None, *ctx.inner.regular_grads([reg_out, reg_w]), None)
-        ctx.inner.check_unmodified((0, 1, 2))
-        q, k, v = ctx.inner.values()
-        dtype = sr.state_dtype(q.dtype)
-        q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
+    def messages(call: BackwardCall) -> tuple[State, State, State]:
+        spec: AttentionSpec = call.options
+        sr, (m_out, m_w) = call.semiring, call.incoming
+        dtype = sr.state_dtype(call.inputs[0].dtype)
+        q, k, v = (t.to(dtype) for t in call.inputs)
         k_all, v_all = repeat_heads(k, spec.kv_groups), repeat_heads(v, spec.kv_groups)
         mask = spec.mask
         if mask is not None and mask.dtype != torch.bool:
             mask = mask.to(dtype)
         if m_out is None:
             m_out = sr.zeros((*q.shape[:-1], v.shape[-1]), dtype, q.device)
-        # Chunked over the batch; the messages exist before the regular gradients' temporaries.
+        # Chunked over the batch, never a [batch, heads, queries, keys, dim] tensor.
         m_q, m_k, m_v = attention_messages(
             sr, m_out, q, k_all, v_all, mask, spec.causal, spec.scale, spec.keep, m_w
         )
-        m_k, m_v = fold_heads(sr, m_k, spec.kv_groups), fold_heads(sr, m_v, spec.kv_groups)
-        reg = ctx.inner.regular_grads([reg_out, reg_w])
-        return (None, *messages(reg, (m_q, m_k, m_v), sr, wanted_values(ctx)), None)
+        return m_q, fold_heads(sr, m_k, spec.kv_groups), fold_heads(sr, m_v, spec.kv_groups)
 
-
-def fused_attention(
-    q: Tensor, k: Tensor, v: Tensor, inner_fn: Callable, spec: AttentionSpec
-) -> tuple[Tensor, Tensor | None]:
-    """``inner_fn(q, k, v) -> (O, W or None)`` through ``AttentionFunction``, sites named.
-
-    When ``inner_fn`` reaches a tensor that requires grad besides Q, K and V (a learnable
-    attention bias in its mask, say), its plain outputs are returned: the generic per-op path
-    then carries that tensor's messages too.
-    """
-    inner = InnerGraph(inner_fn, [q, k, v])
-    if inner.escapes:
-        return inner.plain_outputs()
-    out, weights = AttentionFunction.apply(inner, q, k, v, spec)
-    module = current_module()
-    stamp(
-        out,
-        (
-            Site(module, "attention output", ("batch", "head", "query", "dim")),
-            Site(module, "attention weights", ("batch", "head", "query", "key")),
-        ),
-    )
-    return out, weights
+    @staticmethod
+    def sites(out: tuple[Tensor, Tensor | None]) -> Sites:
+        return (
+            ("attention output", ("batch", "head", "query", "dim")),
+            ("attention weights", ("batch", "head", "query", "key")),
+        )
 
 
 def _runs_math_kernel(q, k, v, mask, dropout_p: float, causal: bool, scale, gqa: bool) -> bool:
@@ -182,5 +149,5 @@ def semiring_sdpa(
             weights = probs * keep
             return torch.matmul(weights, repeat_heads(v, groups)), None
 
-    out, _ = fused_attention(query, key, value, inner, spec)
+    out, _ = AttentionFunction.run(inner, [query, key, value], spec)
     return out

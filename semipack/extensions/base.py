@@ -8,9 +8,10 @@ as without semipack.
 
 The call runs the function's own ops under autograd on detached aliases of its inputs (the
 *inner graph*: the same ops and saved tensors as a plain forward), so the regular gradient is
-later taken from exactly the ops a plain backward would run. A ``torch.autograd.Function`` then
+later taken from exactly the ops a plain backward would run. An ``ExtensionFunction`` then
 stands in for the call in the outer graph: its backward computes the semiring messages of the
-whole call at once with fused kernels and tags them with site names.
+whole call at once with fused kernels and tags them with site names. The template owns the steps
+of that backward; an extension states only its messages, the inputs they read and its sites.
 
 Extensions must give the same semiring values as the generic per-op path; tests prove it. They
 must also never lose a gradient: when the inner graph reaches a tensor that requires grad and is
@@ -20,13 +21,16 @@ call keeps its plain outputs and the generic path carries that tensor's messages
 
 from __future__ import annotations
 
-import functools
-from collections.abc import Callable, Iterable, Sequence
-from typing import Any
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any, ClassVar
 
 import torch
 from torch import Tensor
 
+from ..graph.provenance import current_module
+from ..graph.sites import Site, stamp
 from ..messages.message import Message
 from ..semirings.base import Semiring, State
 from ..transport.passes import graph_retained
@@ -48,6 +52,25 @@ def extends(*functions: Callable[..., Any]) -> Callable[[Callable[..., Any]], Ca
         return handler
 
     return register
+
+
+@contextmanager
+def extending(handler: Callable[..., Any], *functions: Callable[..., Any]) -> Iterator[None]:
+    """Route calls of ``functions`` to ``handler`` in ``extend`` blocks entered inside this one,
+    then restore what was registered before (another extension, or none).
+
+    ``extend`` reads the registrations when it is entered, so this block must enclose it.
+    """
+    before = {f: FUNCTION_EXTENSIONS.get(f) for f in functions}
+    extends(*functions)(handler)
+    try:
+        yield
+    finally:
+        for f, previous in before.items():
+            if previous is None:
+                FUNCTION_EXTENSIONS.pop(f, None)
+            else:
+                FUNCTION_EXTENSIONS[f] = previous
 
 
 def wants_graph(*tensors: Tensor | None) -> bool:
@@ -212,52 +235,141 @@ def _reaches_outside(
     return False
 
 
-def frees_context(backward: Callable[..., Any]) -> Callable[..., Any]:
-    """Wrap an extension Function's backward so that it frees what its forward kept on ``ctx``.
+# --- the template ------------------------------------------------------------------------------
 
-    The engine frees a plain node's saved tensors right after the node runs, but a custom
-    Function's context (here the inner graph with the call's activations) lives until the whole
-    graph is gone: without this, a semiring backward would hold every extended call's
-    activations to its end. After a semiring pass that does not retain the graph, the context is
-    emptied; a second pass through it then fails with the error a plain backward gives.
+#: ``(tensor name, dim names)`` per output of an extended call, e.g. ``("output", ("batch",
+#: "neuron"))``; the template adds the module the call ran in.
+Sites = Sequence[tuple[str, tuple[str, ...]]]
+
+
+@dataclass(frozen=True)
+class BackwardCall:
+    """What a semiring backward hands an extension's ``messages``.
+
+    ``incoming`` has one semiring state per output of the Function (a tuple of tensors shaped
+    like that output, in ``semiring.state_dtype``), or None where no message reached the output.
+    ``inputs`` are the call's tensors as given to ``ExtensionFunction.run``, detached (None where
+    the call got None); ``needs[i]`` says whether input ``i`` wants a message. ``options`` is
+    ``run``'s non-tensor argument and ``kept`` what ``keep`` set aside in the forward.
     """
 
-    @functools.wraps(backward)
-    def run(ctx, *grads: Any) -> Any:
-        if getattr(ctx, "inner", None) is None:
+    semiring: Semiring
+    incoming: tuple[State | None, ...]
+    inputs: list[Tensor | None]
+    needs: tuple[bool, ...]
+    options: Any
+    kept: Any
+
+
+class ExtensionFunction(torch.autograd.Function):
+    """Template of an extension: one autograd Function per extended call, backward written once.
+
+    A subclass states only what differs between extensions:
+
+    - ``messages(call)``: one semiring state per input (shaped like the input; None for an input
+      that does not need one), from the states of the outputs (``BackwardCall``);
+    - ``sites(output)``: ``(tensor name, dim names)`` per output of the call, for path readouts;
+    - ``reads``: the positions of the inputs whose values ``messages`` reads (a plain backward
+      would fail on them after an in-place change; without the check nothing would);
+    - optionally ``keep(outputs)``, splitting the inner function's outputs into what the call
+      returns and what the messages need besides (layer norm's mean and rstd).
+
+    The forward is ``run``: it records the call's inner graph, falls back to the plain call when
+    that graph reaches a tensor outside the inputs (the generic path must carry its gradient),
+    applies the Function and names the sites. The Function's arguments are ``(inner, options,
+    *inputs)``; its node is named after the subclass (``LinearFunctionBackward``).
+
+    The backward (``backward``) owns the steps every extension shares:
+
+    1. Split each incoming gradient into regular gradient, semiring state and semiring. With no
+       Message among them this is a plain backward: the regular gradients come from exactly the
+       inner graph's ops, so ``.grad`` is bitwise a plain backward's.
+    2. Check that the inputs in ``reads`` are unmodified, then compute the messages.
+    3. Only then the regular gradients. The messages' temporaries (state-dtype copies, shifted
+       exponentials, partial products: the peak of the backward) are gone by the time the
+       regular gradients exist; the other order holds the regular gradients through that peak.
+    4. Wrap each (regular gradient, state) pair as a Message; two leading Nones for ``inner``
+       and ``options``.
+    5. After a semiring pass that does not retain the graph, empty the context. The engine
+       frees a plain node's saved tensors right after it runs, but a custom Function's context
+       (here the inner graph with the call's activations) lives until the whole graph is gone:
+       without this a semiring backward would hold every extended call's activations to its end.
+       A second pass through it then fails with the error a plain backward gives.
+    """
+
+    #: positions (in ``run``'s ``inputs``) of the inputs whose values ``messages`` reads.
+    reads: ClassVar[tuple[int, ...]] = ()
+
+    @staticmethod
+    def messages(call: BackwardCall) -> Sequence[State | None]:
+        """One semiring state per input (None where none is needed), see ``BackwardCall``."""
+        raise NotImplementedError
+
+    @staticmethod
+    def sites(output: Any) -> Sites:
+        """``(tensor name, dim names)`` for each output of the call, in order."""
+        return ()
+
+    @staticmethod
+    def keep(outputs: Any) -> tuple[Any, Any]:
+        """(what the call returns, what the messages need besides) from the inner outputs."""
+        return outputs, None
+
+    @classmethod
+    def run(
+        cls, fn: Callable[..., Any], inputs: Sequence[Tensor | None], options: Any = None
+    ) -> Any:
+        """``fn(*inputs)`` through this Function, its node stamped with the sites' names.
+
+        ``inputs`` are the call's differentiable tensors (None allowed); everything else ``fn``
+        needs is closed over, and what the messages need besides goes in ``options``. A call
+        that records no graph (grad mode off, no input requiring grad) is the plain call.
+        """
+        if not wants_graph(*inputs):
+            return cls.keep(fn(*inputs))[0]
+        inner = InnerGraph(fn, inputs)
+        if inner.escapes:
+            return cls.keep(inner.plain_outputs())[0]
+        out = cls.apply(inner, options, *inputs)
+        module = current_module()
+        stamp(out, tuple(Site(module, name, dims) for name, dims in cls.sites(out)))
+        return out
+
+    @staticmethod
+    def forward(ctx, inner: InnerGraph, options: Any, *inputs: Tensor | None) -> Any:
+        ctx.set_materialize_grads(False)
+        returned, ctx.kept = ctx._forward_cls.keep(inner.take_outputs())
+        ctx.inner, ctx.options = inner, options
+        return returned
+
+    @staticmethod
+    def backward(ctx, *grads: Tensor | None) -> tuple[Tensor | None, ...]:
+        inner: InnerGraph | None = getattr(ctx, "inner", None)
+        if inner is None:
             raise RuntimeError(
                 "Trying to backward through the graph a second time: a semipack extension "
                 "freed its saved state after the first semiring backward. Pass "
                 "retain_graph=True to the first backward to keep it."
             )
-        release = not graph_retained() and any(isinstance(g, Message) for g in grads)
-        ctx.inner.retain = not release
-        result = backward(ctx, *grads)
+        regular, incoming, semirings = zip(*map(split_message, grads), strict=True)
+        sr = next((s for s in semirings if s is not None), None)
+        release = sr is not None and not graph_retained()
+        inner.retain = not release
+        if sr is None:  # a plain backward
+            return (None, None, *inner.regular_grads(regular))
+        cls = ctx._forward_cls
+        inner.check_unmodified(cls.reads)
+        values = inner.values()
+        needs = tuple(ctx.needs_input_grad[2:])
+        states = cls.messages(BackwardCall(sr, incoming, values, needs, ctx.options, ctx.kept))
+        reg = inner.regular_grads(regular)
+        out = tuple(
+            as_message(r, s, sr, v) if s is not None and need and v is not None else None
+            for r, s, v, need in zip(reg, states, values, needs, strict=True)
+        )
         if release:
             ctx.__dict__.clear()
-        return result
-
-    return run
-
-
-def wanted_values(ctx) -> list[Tensor | None]:
-    """The inputs' values, with None for the inputs autograd wants no gradient for
-    (``needs_input_grad`` counts the Function's arguments after the inner graph)."""
-    needs = ctx.needs_input_grad[1:]
-    return [t if needs[i] else None for i, t in enumerate(ctx.inner.values())]
-
-
-def messages(
-    regular: Sequence[Tensor | None],
-    states: Sequence[State | None],
-    sr: Semiring,
-    likes: Sequence[Tensor | None],
-) -> tuple[Message | None, ...]:
-    """One backward output per input: a message where a state was computed, else None."""
-    return tuple(
-        as_message(r, s, sr, like) if s is not None and like is not None else None
-        for r, s, like in zip(regular, states, likes, strict=True)
-    )
+        return (None, None, *out)
 
 
 def split_message(grad: Tensor | None) -> tuple[Tensor | None, State | None, Semiring | None]:

@@ -7,34 +7,26 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import Tensor
 
-from ..graph.provenance import current_module
-from ..graph.sites import Site, stamp
 from ..messages.windows import ConvGeometry
 from ..rules.convolution import conv_messages
-from .base import InnerGraph, extends, frees_context, messages, split_message, wants_graph
+from ..semirings.base import State
+from .base import BackwardCall, ExtensionFunction, Sites, extends, wants_graph
 
 
-class ConvFunction(torch.autograd.Function):
-    """(x, W, b) -> conv(x, W) + b, with the call's inner graph recorded beforehand."""
+class ConvFunction(ExtensionFunction):
+    """(x, W, b) -> conv(x, W) + b; x: [batch, channels, *spatial], options: ConvGeometry."""
 
-    @staticmethod
-    def forward(ctx, inner: InnerGraph, x, weight, bias, geometry: ConvGeometry):
-        ctx.inner, ctx.geometry = inner, geometry
-        return inner.take_outputs()
+    reads = (0, 1)
 
     @staticmethod
-    @frees_context
-    def backward(ctx, grad):
-        regular, parts, sr = split_message(grad)
-        reg = ctx.inner.regular_grads([regular])
-        if parts is None:
-            return (None, *reg, None)
-        ctx.inner.check_unmodified((0, 1))
-        x, weight, bias = ctx.inner.values()
-        need = ctx.needs_input_grad[1:]
-        mask = (need[0], need[1], need[2] and bias is not None)
-        states = conv_messages(sr, parts, x, weight, ctx.geometry, mask)
-        return (None, *messages(reg, states, sr, (x, weight, bias)), None)
+    def messages(call: BackwardCall) -> tuple[State | None, ...]:
+        x, weight, _ = call.inputs
+        return conv_messages(call.semiring, call.incoming[0], x, weight, call.options, call.needs)
+
+    @staticmethod
+    def sites(out: Tensor) -> Sites:
+        names = ("position",) if out.dim() == 3 else ("row", "column")
+        return (("output", ("batch", "channel", *names)),)
 
 
 def _conv_handler(conv: Callable[..., Tensor], spatial: int) -> Callable[..., Tensor]:
@@ -57,14 +49,8 @@ def _conv_handler(conv: Callable[..., Tensor], spatial: int) -> Callable[..., Te
             return handler(
                 input.unsqueeze(0), weight, bias, stride, padding, dilation, groups
             ).squeeze(0)
-        inner = InnerGraph(plain, [input, weight, bias])
-        if inner.escapes:
-            return inner.plain_outputs()
         geometry = ConvGeometry.of(spatial, stride, padding, dilation, groups)
-        out = ConvFunction.apply(inner, input, weight, bias, geometry)
-        names = ("position",) if spatial == 1 else ("row", "column")
-        stamp(out, (Site(current_module(), "output", ("batch", "channel", *names)),))
-        return out
+        return ConvFunction.run(plain, [input, weight, bias], geometry)
 
     handler.__doc__ = f"``{conv.__name__}`` inside ``extend``: one fused semiring backward."
     return handler

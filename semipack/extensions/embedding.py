@@ -2,18 +2,20 @@
 
 from __future__ import annotations
 
-import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ..graph.provenance import current_module
-from ..graph.sites import Site, stamp
-from ..semirings.base import scatter_into_zeros
-from .base import InnerGraph, extends, frees_context, messages, split_message, wants_graph
+from ..semirings.base import Semiring, State, scatter_into_zeros
+from .base import BackwardCall, ExtensionFunction, Sites, extends, wants_graph
 
 
-def embedding_messages(sr, m, indices, num_weights: int, padding_idx: int | None):
-    """Weight state of ``weight[indices]``: an edge of weight 1 per lookup, none for padding."""
+def embedding_messages(
+    sr: Semiring, m: State, indices: Tensor, num_weights: int, padding_idx: int | None
+) -> State:
+    """Weight state of ``weight[indices]``: an edge of weight 1 per lookup, none for padding.
+
+    m's parts: [*indices.shape, dim]; the state comes shaped like the weight [num_weights, dim].
+    """
     dim = m[0].shape[-1]
     flat_ids = indices.reshape(-1)
     src = tuple(p.reshape(-1, dim) for p in m)
@@ -23,24 +25,18 @@ def embedding_messages(sr, m, indices, num_weights: int, padding_idx: int | None
     return scatter_into_zeros(sr, (num_weights, dim), 0, flat_ids, src, m[0].dtype)
 
 
-class EmbeddingFunction(torch.autograd.Function):
-    """W -> W[indices], with the call's inner graph recorded beforehand."""
+class EmbeddingFunction(ExtensionFunction):
+    """W -> W[indices]; options: (indices, padding_idx). The messages read no weight value."""
 
     @staticmethod
-    def forward(ctx, inner: InnerGraph, weight, indices, padding_idx):
-        ctx.inner, ctx.indices, ctx.padding_idx = inner, indices, padding_idx
-        return inner.take_outputs()
+    def messages(call: BackwardCall) -> tuple[State]:
+        (weight,), (indices, padding_idx) = call.inputs, call.options
+        sr, (m,) = call.semiring, call.incoming
+        return (embedding_messages(sr, m, indices, weight.shape[0], padding_idx),)
 
     @staticmethod
-    @frees_context
-    def backward(ctx, grad):
-        regular, parts, sr = split_message(grad)
-        (reg,) = ctx.inner.regular_grads([regular])
-        if parts is None:
-            return None, reg, None, None
-        (weight,) = ctx.inner.values()
-        state = embedding_messages(sr, parts, ctx.indices, weight.shape[0], ctx.padding_idx)
-        return (None, *messages([reg], [state], sr, [weight]), None, None)
+    def sites(out: Tensor) -> Sites:
+        return (("output", ("batch", "token", "feature")[-out.dim() :]),)
 
 
 @extends(F.embedding)
@@ -62,10 +58,6 @@ def embedding(
         )
     if padding_idx is not None and padding_idx < 0:
         padding_idx += weight.shape[0]
-    inner = InnerGraph(lambda w: F.embedding(input, w, padding_idx), [weight])
-    if inner.escapes:
-        return inner.plain_outputs()
-    out = EmbeddingFunction.apply(inner, weight, input, padding_idx)
-    dims = ("batch", "token", "feature")[-out.dim() :]
-    stamp(out, (Site(current_module(), "output", dims),))
-    return out
+    return EmbeddingFunction.run(
+        lambda w: F.embedding(input, w, padding_idx), [weight], (input, padding_idx)
+    )

@@ -19,7 +19,7 @@ from typing import Any
 
 from torch import Tensor, nn
 
-from .attention import AttentionSpec, fused_attention
+from .attention import AttentionFunction, AttentionSpec
 
 _UNSUPPORTED_KWARGS = ("softcap", "sliding_window", "s_aux", "sinks")
 
@@ -65,7 +65,7 @@ def semiring_eager_attention(
         out, weights = run_original(q, k, v)
         return out.transpose(1, 2), weights  # back to [batch, head, query, dim]
 
-    out, weights = fused_attention(query, key, value, inner, spec)
+    out, weights = AttentionFunction.run(inner, [query, key, value], spec)
     return out.transpose(1, 2).contiguous(), weights
 
 

@@ -9,14 +9,27 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ..graph.provenance import current_module
-from ..graph.sites import Site, stamp
 from ..rules import normalization as norm_rules
-from .base import InnerGraph, extends, frees_context, messages, split_message, wants_graph
+from ..semirings.base import Semiring, State
+from .base import BackwardCall, ExtensionFunction, Sites, extends, wants_graph
 
 
-def layer_norm_messages(sr, m, x, mean, rstd, weight, bias, shape, need):
-    """(input, weight, bias) states of layer_norm from the output state ``m``."""
+def layer_norm_messages(
+    sr: Semiring,
+    m: State,
+    x: Tensor,
+    mean: Tensor,
+    rstd: Tensor,
+    weight: Tensor | None,
+    bias: Tensor | None,
+    shape: tuple[int, ...],
+    need: Sequence[bool],
+) -> tuple[State | None, State | None, State | None]:
+    """(input, weight, bias) states of layer_norm from the output state ``m``.
+
+    x and m's parts: [..., *shape]; mean, rstd: [..., 1 per normalized dim]; weight, bias:
+    shape. The states come shaped like x, weight and bias.
+    """
     n = math.prod(shape)
     rows = x.numel() // n
     dtype = sr.state_dtype(x.dtype)
@@ -38,29 +51,28 @@ def layer_norm_messages(sr, m, x, mean, rstd, weight, bias, shape, need):
     return m_x, m_w, m_b
 
 
-class LayerNormFunction(torch.autograd.Function):
-    """(x, γ, β) -> layer_norm(x), with the call's inner graph recorded beforehand."""
+class LayerNormFunction(ExtensionFunction):
+    """(x, γ, β) -> layer_norm(x); options: the normalized shape. The inner call is
+    ``native_layer_norm``, whose mean and rstd the messages reuse."""
+
+    reads = (0, 1)
 
     @staticmethod
-    def forward(ctx, inner: InnerGraph, x, weight, bias, shape):
-        ctx.inner, ctx.shape = inner, tuple(shape)
-        out, mean, rstd = inner.take_outputs()
-        ctx.stats = (mean, rstd)
-        return out
+    def keep(outputs: tuple[Tensor, Tensor, Tensor]) -> tuple[Tensor, tuple[Tensor, Tensor]]:
+        out, mean, rstd = outputs
+        return out, (mean, rstd)
 
     @staticmethod
-    @frees_context
-    def backward(ctx, grad):
-        regular, parts, sr = split_message(grad)
-        mean, rstd = ctx.stats
-        reg = ctx.inner.regular_grads([regular])
-        if parts is None:
-            return (None, *reg, None)
-        ctx.inner.check_unmodified((0, 1))
-        x, weight, bias = ctx.inner.values()
-        need = ctx.needs_input_grad[1:4]
-        states = layer_norm_messages(sr, parts, x, mean, rstd, weight, bias, ctx.shape, need)
-        return (None, *messages(reg, states, sr, (x, weight, bias)), None)
+    def messages(call: BackwardCall) -> tuple[State | None, ...]:
+        x, weight, bias = call.inputs
+        (mean, rstd), (m,) = call.kept, call.incoming
+        sr, shape = call.semiring, call.options
+        return layer_norm_messages(sr, m, x, mean, rstd, weight, bias, shape, call.needs)
+
+    @staticmethod
+    def sites(out: Tensor) -> Sites:
+        dims = ("batch", "token", "feature") if out.dim() == 3 else ("batch", "feature")
+        return (("output", dims[-out.dim() :]),)
 
 
 @extends(F.layer_norm)
@@ -79,10 +91,4 @@ def layer_norm(
     def run(x: Tensor, w: Tensor | None, b: Tensor | None):
         return torch.native_layer_norm(x, shape, w, b, eps)
 
-    inner = InnerGraph(run, [input, weight, bias])
-    if inner.escapes:
-        return inner.plain_outputs()[0]
-    out = LayerNormFunction.apply(inner, input, weight, bias, shape)
-    dims = ("batch", "token", "feature") if out.dim() == 3 else ("batch", "feature")
-    stamp(out, (Site(current_module(), "output", dims[-out.dim() :]),))
-    return out
+    return LayerNormFunction.run(run, [input, weight, bias], shape)

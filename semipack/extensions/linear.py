@@ -2,19 +2,21 @@
 
 from __future__ import annotations
 
-import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ..graph.provenance import current_module
-from ..graph.sites import Site, stamp
 from ..messages.shared_shift import shared_shift_products
-from .base import InnerGraph, extends, frees_context, messages, split_message, wants_graph
+from ..semirings.base import Semiring, State
+from .base import BackwardCall, ExtensionFunction, Sites, extends
 
 
-def linear_messages(sr, m, x, weight, want_x: bool, want_w: bool, want_b: bool):
+def linear_messages(
+    sr: Semiring, m: State, x: Tensor, weight: Tensor, want_x: bool, want_w: bool, want_b: bool
+) -> tuple[State | None, State | None, State | None]:
     """(input, weight, bias) states of ``x @ weight.T + bias`` from the output state ``m``.
 
+    x: [..., I], weight: [O, I], each part of m: [..., O]; the states come shaped like x,
+    weight and bias [O].
     ∂out[n, o]/∂x[n, i] = W[o, i];  ∂out[n, o]/∂W[o, i] = x[n, i];  ∂out[n, o]/∂b[o] = 1.
     """
     rows = tuple(p.reshape(-1, p.shape[-1]) for p in m)
@@ -38,44 +40,25 @@ def linear_messages(sr, m, x, weight, want_x: bool, want_w: bool, want_b: bool):
     return m_x, m_w, m_b
 
 
-class LinearFunction(torch.autograd.Function):
-    """(x, W, b) -> x Wᵀ + b, with the call's inner graph recorded beforehand."""
+class LinearFunction(ExtensionFunction):
+    """(x, W, b) -> x Wᵀ + b."""
+
+    reads = (0, 1)
 
     @staticmethod
-    def forward(ctx, inner: InnerGraph, x, weight, bias):
-        ctx.inner = inner
-        return inner.take_outputs()
+    def messages(call: BackwardCall) -> tuple[State | None, ...]:
+        x, weight, _ = call.inputs
+        return linear_messages(call.semiring, call.incoming[0], x, weight, *call.needs)
 
     @staticmethod
-    @frees_context
-    def backward(ctx, grad):
-        regular, parts, sr = split_message(grad)
-        if parts is None:
-            return (None, *ctx.inner.regular_grads([regular]))
-        ctx.inner.check_unmodified((0, 1))
-        x, weight, bias = ctx.inner.values()
-        need = ctx.needs_input_grad[1:]
-        # Messages first: their temporaries are gone before the regular gradients exist.
-        states = linear_messages(
-            sr, parts, x, weight, need[0], need[1], need[2] and bias is not None
-        )
-        reg = ctx.inner.regular_grads([regular])
-        return (None, *messages(reg, states, sr, (x, weight, bias)))
+    def sites(out: Tensor) -> Sites:
+        dims = {3: ("batch", "token"), 2: ("batch",)}.get(out.dim())
+        if dims is None:
+            dims = tuple(f"dim{i}" for i in range(out.dim() - 1))
+        return (("output", (*dims, "neuron")),)
 
 
 @extends(F.linear)
 def linear(input: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
     """``F.linear`` inside ``extend``: one fused semiring backward, sites named by neuron."""
-    if not wants_graph(input, weight, bias):
-        return F.linear(input, weight, bias)
-    inner = InnerGraph(F.linear, [input, weight, bias])
-    if inner.escapes:
-        return inner.plain_outputs()
-    out = LinearFunction.apply(inner, input, weight, bias)
-    dims = (*(f"dim{i}" for i in range(out.dim() - 1)), "neuron")
-    if out.dim() == 3:
-        dims = ("batch", "token", "neuron")
-    elif out.dim() == 2:
-        dims = ("batch", "neuron")
-    stamp(out, (Site(current_module(), "output", dims),))
-    return out
+    return LinearFunction.run(F.linear, [input, weight, bias])

@@ -20,19 +20,9 @@ import torch.nn.functional as F
 from einops import rearrange, repeat
 from torch import Tensor
 
-from ..graph.provenance import current_module
-from ..graph.sites import Site, stamp
 from ..rules.attention import attention_contract, attention_log_probs
 from ..semirings.base import State
-from .base import (
-    InnerGraph,
-    extends,
-    frees_context,
-    messages,
-    split_message,
-    wanted_values,
-    wants_graph,
-)
+from .base import BackwardCall, ExtensionFunction, Sites, extends, wants_graph
 from .linear import linear_messages
 
 
@@ -69,34 +59,30 @@ class MultiheadOptions:
     average_attn_weights: bool
 
 
-class MultiheadAttentionFunction(torch.autograd.Function):
+class MultiheadAttentionFunction(ExtensionFunction):
     """(query, key, value, W_in, b_in, W_out, b_out) -> (output, attention weights or None),
     inputs sequence-first [tokens, batch, embed] as ``F.multi_head_attention_forward`` has
-    them."""
+    them; options: ``MultiheadOptions``."""
+
+    reads = tuple(range(7))
 
     @staticmethod
-    def forward(ctx, inner: InnerGraph, query, key, value, w_in, b_in, w_out, b_out, options):
-        ctx.set_materialize_grads(False)
-        ctx.inner, ctx.options = inner, options
-        return inner.take_outputs()
+    def messages(call: BackwardCall) -> list[State | None]:
+        return _semiring_messages(call)
 
     @staticmethod
-    @frees_context
-    def backward(ctx, grad_out, grad_weights):
-        reg_out, m_out, sr = split_message(grad_out)
-        reg_w, m_w, sr_w = split_message(grad_weights)
-        sr = sr or sr_w
-        reg = ctx.inner.regular_grads([reg_out, reg_w])
-        if sr is None:
-            return (None, *reg, None)
-        ctx.inner.check_unmodified(range(7))
-        states = _semiring_messages(ctx, sr, m_out, m_w)
-        return (None, *messages(reg, states, sr, wanted_values(ctx)), None)
+    def sites(out: tuple[Tensor, Tensor | None]) -> Sites:
+        return (
+            ("attention output", ("token", "batch", "feature")),
+            ("attention weights", ("batch", "query", "key")),
+        )
 
 
-def _semiring_messages(ctx, sr, m_out: State | None, m_weights: State | None) -> list:
-    options = ctx.options
-    query, key, value, w_in, b_in, w_out, b_out = ctx.inner.values()
+def _semiring_messages(call: BackwardCall) -> list[State | None]:
+    """Messages along the reference decomposition (see the module docstring)."""
+    options: MultiheadOptions = call.options
+    sr, (m_out, m_weights), need = call.semiring, call.incoming, call.needs
+    query, key, value, w_in, b_in, w_out, b_out = call.inputs
     dtype = sr.state_dtype(query.dtype)
 
     def to_bf(t: Tensor) -> Tensor:  # [batch, tokens, embed]
@@ -132,7 +118,6 @@ def _semiring_messages(ctx, sr, m_out: State | None, m_weights: State | None) ->
         m_out = sr.zeros((b, t_q, e), dtype, query.device)
     else:
         m_out = tuple(p.transpose(0, 1) for p in m_out)
-    need = ctx.needs_input_grad[1:]
     m_concat, m_wo, m_bo = linear_messages(
         sr, m_out, concat, w_out.to(dtype), True, need[5], need[6] and b_out is not None
     )
@@ -210,20 +195,8 @@ def multi_head_attention_forward(*args: Any, **kwargs: Any) -> Any:
         )
         return F.multi_head_attention_forward(**named)
 
-    inputs = [*tensors, a["out_proj_weight"], a["out_proj_bias"]]
-    inner = InnerGraph(run, inputs)
-    if inner.escapes:
-        return inner.plain_outputs()
     options = MultiheadOptions(
         a["num_heads"], a["attn_mask"], a["key_padding_mask"], a["average_attn_weights"]
     )
-    out, weights = MultiheadAttentionFunction.apply(inner, *inputs, options)
-    where = current_module()
-    stamp(
-        out,
-        (
-            Site(where, "attention output", ("token", "batch", "feature")),
-            Site(where, "attention weights", ("batch", "query", "key")),
-        ),
-    )
-    return out, weights
+    inputs = [*tensors, a["out_proj_weight"], a["out_proj_bias"]]
+    return MultiheadAttentionFunction.run(run, inputs, options)

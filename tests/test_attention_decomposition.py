@@ -55,9 +55,8 @@ CASES = {
 }
 
 
-@pytest.mark.parametrize("sr", SEMIRINGS, ids=IDS)
 @pytest.mark.parametrize("case", list(CASES))
-def test_sdpa_equals_eager_decomposition(sr, case: str) -> None:
+def test_sdpa_equals_eager_decomposition(semiring, case: str) -> None:
     g = torch.Generator().manual_seed(3)
     shape = (2, 3, 4, 5)  # batch, heads, tokens, head dim
     q, k, v = (
@@ -78,8 +77,8 @@ def test_sdpa_equals_eager_decomposition(sr, case: str) -> None:
     fused = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, scale=scale)
     eager = eager_attention(q, k, v, mask, causal, scale)
     torch.testing.assert_close(fused, eager)
-    got = semipack.grad((fused * weights).sum(), [q, k, v], sr)
-    want = semipack.grad((eager * weights).sum(), [q, k, v], sr)
+    got = semipack.grad((fused * weights).sum(), [q, k, v], semiring)
+    want = semipack.grad((eager * weights).sum(), [q, k, v], semiring)
     for a, b in zip(got, want, strict=True):
         assert_same_readout(a, b)
 
@@ -102,8 +101,7 @@ def _bert(impl: str):
     return BertModel(config).double().eval()
 
 
-@pytest.mark.parametrize("sr", SEMIRINGS, ids=IDS)
-def test_bert_sdpa_equals_eager(sr) -> None:
+def test_bert_sdpa_equals_eager(semiring) -> None:
     pytest.importorskip("transformers")
     eager, sdpa = _bert("eager"), _bert("sdpa")
     sdpa.load_state_dict(eager.state_dict())
@@ -112,7 +110,7 @@ def test_bert_sdpa_equals_eager(sr) -> None:
     values = []
     for model in (eager, sdpa):
         model.zero_grad()
-        with semipack.extend(model, sr):
+        with semipack.extend(model, semiring):
             out = model(input_ids=ids, attention_mask=mask).last_hidden_state
             out[:, 0].sum().backward()
         values.append(
@@ -147,11 +145,10 @@ def _attention_inputs(mask_kind: str):
     return q, k, v, mask, mask_kind == "causal", weights
 
 
-@pytest.mark.parametrize("sr", SEMIRINGS, ids=IDS)
 @pytest.mark.parametrize("mask_kind", MASKS)
 @pytest.mark.parametrize("extensions", [True, False], ids=["extension", "generic"])
 def test_attention_chunked_over_the_batch_equals_the_decomposition(
-    sr, mask_kind: str, extensions: bool, monkeypatch
+    semiring, mask_kind: str, extensions: bool, monkeypatch
 ) -> None:
     """One batch entry per chunk (each with its own slice of a per-batch mask) gives the values
     of the op-by-op decomposition, through the extension and through the generic rule."""
@@ -159,14 +156,16 @@ def test_attention_chunked_over_the_batch_equals_the_decomposition(
 
     monkeypatch.setattr(attention_rules, "ATTENTION_CHUNK_ELEMENTS", 1)
     q, k, v, mask, causal, weights = _attention_inputs(mask_kind)
-    want = semipack.grad((eager_attention(q, k, v, mask, causal) * weights).sum(), [q, k, v], sr)
+    want = semipack.grad(
+        (eager_attention(q, k, v, mask, causal) * weights).sum(), [q, k, v], semiring
+    )
     if extensions:
-        with semipack.extend(None, sr):
+        with semipack.extend(None, semiring):
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal)
             (out * weights).sum().backward()
         got = [t.semiring_grad for t in (q, k, v)]
     else:
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal)
-        got = semipack.grad((out * weights).sum(), [q, k, v], sr)
+        got = semipack.grad((out * weights).sum(), [q, k, v], semiring)
     for a, b in zip(got, want, strict=True):
         assert_same_readout(a, b)

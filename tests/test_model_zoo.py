@@ -26,21 +26,13 @@ from typing import Any
 
 import pytest
 import torch
+from helpers import SEMIRINGS_BY_CLASS
 from real_models import MODEL_NAMES, build
 from torch import Tensor
 
 import semipack
 
-SEMIRINGS: dict[str, Callable[[], semipack.Semiring]] = {
-    "Real": semipack.Real,
-    "MaxProd": semipack.MaxProd,
-    "TopPath": semipack.TopPath,
-    "SignedMaxProd": semipack.SignedMaxProd,
-    "LogSum": semipack.LogSum,
-    "LogCount": semipack.LogCount,
-    "Boolean": semipack.Boolean,
-    "Entropy": semipack.Entropy,
-}
+SEMIRINGS = SEMIRINGS_BY_CLASS
 
 
 @dataclass(frozen=True)

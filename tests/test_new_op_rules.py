@@ -13,15 +13,14 @@ from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Callable
-from dataclasses import dataclass
 
 import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from cases_ops import CASES, case_leaves, weighted_loss
+from helpers import SEMIRINGS, assert_readout_matches, oracle_readouts
 from oracle import ScalarGraph, build_graph, dynamic_programming
-from test_oracle import SEMIPACK_SEMIRINGS, assert_readout_matches
 from torch import Tensor
 
 import semipack
@@ -30,201 +29,25 @@ from semipack.rules import contractions, interpolation
 from semipack.rules.convolution import conv_messages, transposed_per_tap_messages
 from semipack.rules.normalization import normalized_contract_dense
 
-
-@pytest.fixture(autouse=True, scope="module")
-def _single_thread():
-    """Tiny tensors: one intra-op thread avoids OpenMP contention on a loaded machine."""
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
+pytestmark = pytest.mark.usefixtures("single_thread")
 
 
-@dataclass(frozen=True)
-class OpCase:
-    """``fn(*leaves)`` on float64 leaves of the given shapes (a share of exact zeros each)."""
-
-    fn: Callable[..., Tensor]
-    shapes: tuple[tuple[int, ...], ...]
-    zeros: tuple[float, ...] = ()
-
-
-def _group_norm(groups: int) -> Callable[..., Tensor]:
-    return lambda x, *affine: F.group_norm(x, groups, *affine)
-
-
-def _interpolate(**kwargs) -> Callable[[Tensor], Tensor]:
-    return lambda x: F.interpolate(x, **kwargs)
-
-
-#: A [3, 4] mask with 8 True entries (2, 2 and 4 per row), and a [1, 5] one that broadcasts.
-MASK = torch.tensor([[True, False, True, False], [False, True, True, False], [True] * 4])
-ROW_MASK = torch.tensor([[False, True, True, False, True]])
-#: Class targets for [3, 4] scores; multilabel rows end at the first -1.
-TARGETS = torch.tensor([1, 0, 3])
-MULTILABEL = torch.tensor([[3, 0, -1, 1], [0, 1, 2, 3], [2, -1, 0, 0]])
-CLASS_WEIGHTS = torch.tensor([0.5, 2.0, 1.0, 0.25], dtype=torch.float64)
-
-
-def _index_copy(dim: int, index: list[int]) -> Callable[[Tensor, Tensor], Tensor]:
-    return lambda x, src: x.index_copy(dim, torch.tensor(index), src)
-
-
-CASES: dict[str, OpCase] = {
-    # group norm: rows are (sample, group); gains per channel; any spatial rank
-    "group_norm_2_groups_1d": OpCase(_group_norm(2), ((2, 4, 3), (4,), (4,))),
-    "group_norm_1_group_2d": OpCase(_group_norm(1), ((2, 2, 2, 3), (2,), (2,))),
-    "group_norm_per_channel_3d_no_affine": OpCase(_group_norm(4), ((1, 4, 2, 1, 2),)),
-    "group_norm_no_spatial_zero_gain": OpCase(
-        _group_norm(2), ((3, 6), (6,), (6,)), zeros=(0.0, 0.4, 0.0)
-    ),
-    # transposed convolutions: stride, padding, output_padding, dilation, groups
-    "conv_transpose2d_bias": OpCase(
-        lambda x, w, b: F.conv_transpose2d(x, w, b), ((1, 2, 3, 3), (2, 3, 2, 2), (3,))
-    ),
-    "conv_transpose2d_strided": OpCase(
-        lambda x, w: F.conv_transpose2d(x, w, stride=2, padding=1, output_padding=1),
-        ((1, 2, 3, 2), (2, 2, 3, 2)),
-        zeros=(0.2, 0.2),
-    ),
-    "conv_transpose1d_groups_dilated": OpCase(
-        lambda x, w, b: F.conv_transpose1d(
-            x, w, b, stride=3, padding=2, output_padding=1, dilation=2, groups=2
-        ),
-        ((2, 4, 4), (4, 1, 3), (2,)),
-        zeros=(0.2, 0.0, 0.0),
-    ),
-    "conv_transpose2d_cropping_padding": OpCase(
-        lambda x, w: F.conv_transpose2d(x, w, padding=(2, 1), dilation=(1, 2)),
-        ((2, 1, 4, 3), (1, 2, 3, 2)),
-    ),
-    "conv_transpose3d": OpCase(
-        lambda x, w: F.conv_transpose3d(x, w, stride=(1, 2, 1), padding=(0, 1, 1)),
-        ((1, 1, 2, 2, 3), (1, 2, 2, 2, 2)),
-    ),
-    # interpolation: each output a fixed combination of input entries
-    "linear_scale_2": OpCase(_interpolate(scale_factor=2, mode="linear"), ((1, 2, 3),)),
-    "linear_align_corners": OpCase(
-        _interpolate(size=7, mode="linear", align_corners=True), ((1, 2, 4),)
-    ),
-    "bilinear_scale_2": OpCase(_interpolate(scale_factor=2, mode="bilinear"), ((1, 2, 3, 3),)),
-    "bilinear_down": OpCase(_interpolate(size=(2, 3), mode="bilinear"), ((1, 1, 5, 4),)),
-    "bilinear_recomputed_scale": OpCase(
-        _interpolate(scale_factor=1.7, mode="bilinear", recompute_scale_factor=True),
-        ((1, 1, 3, 2),),
-    ),
-    "bicubic_size": OpCase(_interpolate(size=(5, 4), mode="bicubic"), ((1, 2, 3, 3),)),
-    "bicubic_align_corners": OpCase(
-        _interpolate(size=(5, 7), mode="bicubic", align_corners=True), ((1, 1, 3, 4),)
-    ),
-    "trilinear": OpCase(
-        _interpolate(scale_factor=(2, 1.5, 1), mode="trilinear"), ((1, 1, 2, 2, 3),)
-    ),
-    "bilinear_antialias_down": OpCase(
-        _interpolate(size=(2, 3), mode="bilinear", antialias=True), ((1, 2, 5, 5),)
-    ),
-    "bilinear_antialias_half": OpCase(
-        _interpolate(scale_factor=0.5, mode="bilinear", antialias=True), ((1, 1, 4, 6),)
-    ),
-    "bicubic_antialias_down": OpCase(
-        _interpolate(size=(2, 2), mode="bicubic", antialias=True, align_corners=True),
-        ((1, 1, 5, 6),),
-    ),
-    "bicubic_antialias_width_1": OpCase(
-        _interpolate(size=(7, 1), mode="bicubic", antialias=True), ((1, 1, 4, 2),)
-    ),
-    # F.unfold (im2col; its backward is col2im) and F.fold (col2im; its backward is im2col)
-    "unfold": OpCase(lambda x: F.unfold(x, 2), ((1, 2, 3, 3),)),
-    "unfold_geometry": OpCase(
-        lambda x: F.unfold(x, (2, 3), dilation=(1, 2), padding=1, stride=(2, 1)), ((2, 1, 4, 5),)
-    ),
-    "unfold_unbatched": OpCase(lambda x: F.unfold(x, 2, padding=1), ((2, 3, 3),)),
-    "fold": OpCase(lambda x: F.fold(x, (3, 3), 2), ((1, 8, 4),)),
-    "fold_geometry": OpCase(
-        lambda x: F.fold(x, (4, 5), 2, dilation=(2, 1), padding=1, stride=(1, 2)), ((1, 8, 12),)
-    ),
-    # F.bilinear: aten._trilinear, once per input in the backward; the bias is an add
-    "bilinear_layer": OpCase(F.bilinear, ((3, 2), (3, 4), (5, 2, 4), (5,))),
-    "bilinear_same_input_twice": OpCase(lambda x, w: F.bilinear(x, x, w), ((2, 3), (2, 3, 3))),
-    "bilinear_batched_zeros": OpCase(
-        F.bilinear, ((2, 2, 2), (2, 2, 3), (2, 2, 3)), zeros=(0.0, 0.3, 0.2)
-    ),
-    # masked_scatter: source entries past the mask's True count reach nothing
-    "masked_scatter_spare_source": OpCase(lambda x, s: x.masked_scatter(MASK, s), ((3, 4), (10,))),
-    "masked_scatter_exact_source": OpCase(
-        lambda x, s: x.masked_scatter(MASK, s), ((3, 4), (8,)), zeros=(0.2, 0.2)
-    ),
-    "masked_scatter_broadcast_mask": OpCase(
-        lambda x, s: x.masked_scatter(ROW_MASK, s), ((2, 3, 5), (4, 5))
-    ),
-    # index_copy: self loses the copied slices, source is gathered back; index_fill likewise
-    "index_copy_dim0": OpCase(_index_copy(0, [3, 1]), ((4, 3), (2, 3))),
-    "index_copy_dim1_unsorted": OpCase(_index_copy(1, [4, 0, 2]), ((2, 5, 2), (2, 3, 2))),
-    "index_copy_scalar_source": OpCase(_index_copy(0, [2]), ((4,), ())),
-    "index_fill_scalar": OpCase(lambda x: x.index_fill(1, torch.tensor([0, 2]), 1.5), ((2, 4),)),
-    "index_fill_tensor_value": OpCase(
-        lambda x, v: x.index_fill(0, torch.tensor([1, 1, 2]), v), ((3, 2), ())
-    ),
-    # channel shuffle (ShuffleNet): a permutation of the channels
-    "channel_shuffle": OpCase(lambda x: F.channel_shuffle(x, 3), ((2, 6, 2, 1),)),
-    "channel_shuffle_module_1d": OpCase(torch.nn.ChannelShuffle(2), ((1, 4, 3),)),
-    # shrink activations: derivative 1 outside [-lambd, lambd], no edge inside
-    "softshrink": OpCase(lambda x: F.softshrink(x, 0.5), ((3, 5),), zeros=(0.2,)),
-    "hardshrink": OpCase(lambda x: F.hardshrink(x, 0.7), ((3, 5),), zeros=(0.2,)),
-    # margin losses: each score feeds its own sample's loss
-    "multi_margin_mean": OpCase(lambda x: F.multi_margin_loss(x, TARGETS), ((3, 4),)),
-    "multi_margin_p2_weighted_none": OpCase(
-        lambda x: F.multi_margin_loss(
-            x, TARGETS, p=2, margin=0.5, weight=CLASS_WEIGHTS.to(x.dtype), reduction="none"
-        ),
-        ((3, 4),),
-    ),
-    "multi_margin_unbatched": OpCase(
-        lambda x: F.multi_margin_loss(x, torch.tensor(2), reduction="sum"), ((5,),)
-    ),
-    "multilabel_margin_mean": OpCase(lambda x: F.multilabel_margin_loss(x, MULTILABEL), ((3, 4),)),
-    "multilabel_margin_none": OpCase(
-        lambda x: F.multilabel_margin_loss(x, MULTILABEL, reduction="none"), ((3, 4),)
-    ),
-    "multilabel_margin_unbatched": OpCase(
-        lambda x: F.multilabel_margin_loss(x, torch.tensor([1, -1, 0])), ((3,),)
-    ),
-}
-
-ALL_SEMIRINGS = list(SEMIPACK_SEMIRINGS)
-
-
-def _leaves(case: OpCase, dtype: torch.dtype = torch.float64) -> list[Tensor]:
-    out = []
-    for i, shape in enumerate(case.shapes):
-        gen = torch.Generator().manual_seed(10 + i)
-        t = torch.randn(shape, generator=gen, dtype=torch.float64)
-        share = case.zeros[i] if i < len(case.zeros) else 0.0
-        t = torch.where(torch.rand(shape, generator=gen) < share, 0.0, t)
-        out.append(t.to(dtype).requires_grad_(True))
-    return out
-
-
-def _loss(case: OpCase, leaves: list[Tensor]) -> Tensor:
-    out = case.fn(*leaves)
-    weights = torch.randn(out.shape, generator=torch.Generator().manual_seed(5))
-    return (out * weights.to(out.dtype)).sum()
+ALL_SEMIRINGS = list(SEMIRINGS)
 
 
 @functools.cache
 def _graph(name: str) -> tuple[Tensor, list[Tensor], ScalarGraph]:
     """The float64 loss, its leaves and the oracle's graph, built once per case and worker."""
-    leaves = _leaves(CASES[name])
-    loss = _loss(CASES[name], leaves)
+    leaves = case_leaves(CASES[name])
+    loss = weighted_loss(CASES[name], leaves)
     return loss, leaves, build_graph(loss)
 
 
-@pytest.mark.parametrize("semiring_name", ALL_SEMIRINGS)
 @pytest.mark.parametrize("name", list(CASES))
 def test_rule_matches_oracle(name: str, semiring_name: str) -> None:
     loss, leaves, graph = _graph(name)
-    expected = dynamic_programming(graph, leaves, semiring_name)
-    sr = SEMIPACK_SEMIRINGS[semiring_name]()
+    expected = oracle_readouts(graph, leaves, semiring_name)
+    sr = SEMIRINGS[semiring_name]()
     actual = semipack.grad(loss, leaves, sr, retain_graph=True)
     for i, (want, got) in enumerate(zip(expected, actual, strict=True)):
         assert_readout_matches(semiring_name, want, got, f"{name} leaf {i}")
@@ -296,10 +119,10 @@ def _assert_float32_close(semiring_name: str, expected, actual, where: str) -> N
 def test_float32_values_match_the_float64_oracle(name: str) -> None:
     _, leaves64, graph = _graph(name)
     leaves = [t.detach().float().requires_grad_(True) for t in leaves64]
-    loss = _loss(CASES[name], leaves)
+    loss = weighted_loss(CASES[name], leaves)
     for semiring_name in ALL_SEMIRINGS:
-        expected = dynamic_programming(graph, leaves64, semiring_name)
-        sr = SEMIPACK_SEMIRINGS[semiring_name]()
+        expected = oracle_readouts(graph, leaves64, semiring_name)
+        sr = SEMIRINGS[semiring_name]()
         actual = semipack.grad(loss, leaves, sr, retain_graph=True)
         for i, (want, got) in enumerate(zip(expected, actual, strict=True)):
             _assert_float32_close(semiring_name, want, got, f"{semiring_name} {name} leaf {i}")
@@ -743,7 +566,7 @@ def test_model_with_every_new_op_matches_oracle(semiring_name: str) -> None:
     x = torch.randn(2, 4, 2, 2, dtype=torch.float64, requires_grad=True)
     leaves = [x, *model.parameters()]
     expected = dynamic_programming(build_graph(model(x).square().sum()), leaves, semiring_name)
-    with semipack.extend(model, SEMIPACK_SEMIRINGS[semiring_name]()):
+    with semipack.extend(model, SEMIRINGS[semiring_name]()):
         model(x).square().sum().backward()
     for i, (leaf, want) in enumerate(zip(leaves, expected, strict=True)):
         assert_readout_matches(semiring_name, want, leaf.semiring_grad, f"decoder leaf {i}")
@@ -782,7 +605,7 @@ def test_vision_language_merge_matches_oracle(semiring_name: str) -> None:
     leaves = [patches, *model.parameters()]
     graph = build_graph(model(ids, patches, labels))
     expected = dynamic_programming(graph, leaves, semiring_name)
-    with semipack.extend(model, SEMIPACK_SEMIRINGS[semiring_name]()):
+    with semipack.extend(model, SEMIRINGS[semiring_name]()):
         model(ids, patches, labels).backward()
     for i, (leaf, want) in enumerate(zip(leaves, expected, strict=True)):
         assert_readout_matches(semiring_name, want, leaf.semiring_grad, f"vlm leaf {i}")
@@ -805,10 +628,10 @@ def test_cuda_values_match_the_oracle(name: str) -> None:
     """The same rules on CUDA tensors (float64) against the CPU oracle."""
     _, leaves64, graph = _graph(name)
     leaves = [t.detach().cuda().requires_grad_(True) for t in leaves64]
-    loss = _loss(CASES[name], leaves)
+    loss = weighted_loss(CASES[name], leaves)
     for semiring_name in ALL_SEMIRINGS:
-        expected = dynamic_programming(graph, leaves64, semiring_name)
-        actual = semipack.grad(loss, leaves, SEMIPACK_SEMIRINGS[semiring_name](), retain_graph=True)
+        expected = oracle_readouts(graph, leaves64, semiring_name)
+        actual = semipack.grad(loss, leaves, SEMIRINGS[semiring_name](), retain_graph=True)
         for i, (want, got) in enumerate(zip(expected, actual, strict=True)):
             got = tuple(c.cpu() for c in got) if isinstance(got, tuple) else got.cpu()
             if semiring_name == "signed_max_prod":

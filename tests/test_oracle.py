@@ -10,12 +10,13 @@ from __future__ import annotations
 
 import itertools
 import math
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers import ORACLE_NAME, SEMIRINGS, assert_readout_matches, mismatch, oracle_readouts
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 from oracle import (
@@ -34,109 +35,8 @@ from torch import Tensor, nn
 import semipack
 
 DTYPE = torch.float64
-#: Relative tolerance for float64 values computed along different routes.
-RTOL = 1e-7
-#: Absolute slack for log-domain quantities and entropies whose exact value may be 0.
-LOG_ATOL = 1e-9
 
-SEMIPACK_SEMIRINGS: dict[str, Callable[[], semipack.Semiring]] = {
-    "real": semipack.Real,
-    "max_prod": semipack.MaxProd,
-    "signed_max_prod": semipack.SignedMaxProd,
-    "log_sum": semipack.LogSum,
-    "log_count": semipack.LogCount,
-    "boolean": semipack.Boolean,
-    "entropy": semipack.Entropy,
-}
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _single_thread() -> Iterator[None]:
-    """Run this module on one intra-op thread, restoring the setting afterwards.
-
-    The tensors here are tiny, and on a small loaded machine OpenMP threads contending for
-    cores made single backward calls up to 1000x slower.
-    """
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
-
-
-# --------------------------------------------------------------------------------------------
-# Comparing readouts
-# --------------------------------------------------------------------------------------------
-
-
-def _mismatch(where: str, expected: Tensor, actual: Tensor, what: str) -> str:
-    return f"{where}: {what}\n  expected: {expected.tolist()}\n  actual:   {actual.tolist()}"
-
-
-def _assert_same_mask(where: str, expected: Tensor, actual: Tensor, mask: str) -> Tensor:
-    """Assert the "no path" positions agree exactly; return them."""
-    if mask == "zero":
-        exp_mask, act_mask = expected == 0, actual == 0
-    elif mask == "neginf":
-        exp_mask, act_mask = expected == -math.inf, actual == -math.inf
-    else:
-        exp_mask, act_mask = torch.isnan(expected), torch.isnan(actual)
-    assert torch.equal(exp_mask, act_mask), _mismatch(
-        where, expected, actual, f"'no path' ({mask}) positions differ"
-    )
-    return exp_mask
-
-
-def _assert_close_where(
-    where: str, expected: Tensor, actual: Tensor, skip: Tensor, atol: float
-) -> None:
-    keep = ~skip
-    assert torch.isfinite(actual[keep]).all(), _mismatch(where, expected, actual, "not finite")
-    assert torch.allclose(actual[keep], expected[keep], rtol=RTOL, atol=atol), _mismatch(
-        where, expected, actual, f"values differ beyond rtol={RTOL}, atol={atol}"
-    )
-
-
-def assert_readout_matches(
-    semiring_name: str, expected: Readout, actual: object, where: str
-) -> None:
-    """Compare one leaf's readout; "no path" markers must match exactly, values to float64."""
-    where = f"{semiring_name} {where}"
-    if semiring_name == "signed_max_prod":
-        assert isinstance(actual, tuple), f"{where}: expected an Extremes tuple, got {actual!r}"
-        assert isinstance(expected, tuple)
-        largest, smallest = actual.largest, actual.smallest  # type: ignore[attr-defined]
-        for label, exp, act in (
-            ("largest", expected[0], largest),
-            ("smallest", expected[1], smallest),
-        ):
-            assert act.shape == exp.shape, f"{where} {label}: shape {act.shape} != {exp.shape}"
-            no_path = _assert_same_mask(f"{where} {label}", exp, act.detach().double(), "zero")
-            _assert_close_where(f"{where} {label}", exp, act.detach().double(), no_path, 0.0)
-        return
-    assert isinstance(expected, Tensor) and isinstance(actual, Tensor), where
-    assert actual.shape == expected.shape, f"{where}: shape {actual.shape} != {expected.shape}"
-    if semiring_name == "boolean":
-        assert actual.dtype == torch.bool, f"{where}: dtype {actual.dtype}, expected bool"
-        assert torch.equal(actual, expected), _mismatch(where, expected, actual, "differ")
-        return
-    assert actual.is_floating_point(), f"{where}: dtype {actual.dtype}"
-    act = actual.detach().double()
-    if semiring_name == "real":
-        scale = max(1.0, expected.abs().max().item()) if expected.numel() else 1.0
-        _assert_close_where(
-            where, expected, act, torch.zeros_like(act, dtype=torch.bool), 1e-9 * scale
-        )
-    elif semiring_name == "max_prod":
-        no_path = _assert_same_mask(where, expected, act, "zero")
-        _assert_close_where(where, expected, act, no_path, 0.0)
-    elif semiring_name in ("log_sum", "log_count"):
-        no_path = _assert_same_mask(where, expected, act, "neginf")
-        _assert_close_where(where, expected, act, no_path, LOG_ATOL)
-    elif semiring_name == "entropy":
-        no_path = _assert_same_mask(where, expected, act, "nan")
-        _assert_close_where(where, expected, act, no_path, LOG_ATOL)
-    else:
-        raise AssertionError(f"unknown semiring {semiring_name}")
+pytestmark = pytest.mark.usefixtures("single_thread")
 
 
 # --------------------------------------------------------------------------------------------
@@ -689,13 +589,13 @@ def test_oracle_hand_computed(case: HandCase, semiring_name: str) -> None:
     assert_readout_matches(semiring_name, expected, _as_extremes(listed), "oracle paths")
 
 
-@pytest.mark.parametrize("semiring_name", SEMIRING_NAMES)
 @pytest.mark.parametrize("case", HAND_CASES, ids=[c.name for c in HAND_CASES])
 def test_semipack_hand_computed(case: HandCase, semiring_name: str) -> None:
-    """semipack gives the same hand-derived values."""
+    """semipack gives the same hand-derived values (TopPath: MaxProd's)."""
     x = _hand_x()
-    (actual,) = semipack.grad(case.fn(x), [x], SEMIPACK_SEMIRINGS[semiring_name]())
-    assert_readout_matches(semiring_name, _hand_expected(case, semiring_name), actual, "semipack")
+    (actual,) = semipack.grad(case.fn(x), [x], SEMIRINGS[semiring_name]())
+    expected = _hand_expected(case, ORACLE_NAME[semiring_name])
+    assert_readout_matches(semiring_name, expected, actual, "semipack")
 
 
 def _as_extremes(readout: Readout) -> object:
@@ -778,7 +678,7 @@ def test_building_the_graph_keeps_saved_tensors() -> None:
 
 
 def _semipack_readouts(case: Case, semiring_name: str) -> Sequence[object]:
-    semiring = SEMIPACK_SEMIRINGS[semiring_name]()
+    semiring = SEMIRINGS[semiring_name]()
     return semipack.grad(case.loss, case.tensors, semiring, retain_graph=True)
 
 
@@ -787,7 +687,7 @@ def check_semipack_against_oracle(spec: ModelSpec, semiring_names: Sequence[str]
     case = build_case(spec)
     graph = build_graph(case.loss)
     for semiring_name in semiring_names:
-        expected = dynamic_programming(graph, case.tensors, semiring_name)
+        expected = oracle_readouts(graph, case.tensors, semiring_name)
         actual = _semipack_readouts(case, semiring_name)
         assert len(actual) == len(expected)
         for (leaf_name, _), exp, act in zip(case.leaves, expected, actual, strict=True):
@@ -798,12 +698,13 @@ def check_semipack_against_oracle(spec: ModelSpec, semiring_names: Sequence[str]
                 case.leaves, path_counts(graph, case.tensors), actual, strict=True
             ):
                 rounded = torch.round(act.detach().double().exp()).to(torch.int64)
-                assert torch.equal(rounded, count), _mismatch(
+                assert torch.equal(rounded, count), mismatch(
                     f"log_count {leaf_name}, {spec}", count, rounded, "path counts differ"
                 )
 
 
-@pytest.mark.parametrize("semiring_name", SEMIRING_NAMES)
+# hypothesis runs many examples per test call, so the semiring is a parameter, not the fixture
+@pytest.mark.parametrize("semiring_name", list(SEMIRINGS))
 @pytest.mark.parametrize("kind", sorted(SPEC_STRATEGIES))
 @settings(max_examples=40, deadline=None)
 @given(data=st.data())
@@ -814,15 +715,15 @@ def test_semipack_matches_oracle(kind: str, semiring_name: str, data: st.DataObj
 
 
 @settings(max_examples=10, deadline=None)
-@given(spec=mlp_specs(), semiring_name=st.sampled_from(SEMIRING_NAMES))
+@given(spec=mlp_specs(), semiring_name=st.sampled_from(list(SEMIRINGS)))
 def test_extend_matches_oracle(spec: MLPSpec, semiring_name: str) -> None:
     """The ``extend`` API sets p.semiring_grad to the oracle's readout and .grad as autograd."""
     case = build_case(spec)
     graph = build_graph(case.loss)
     params = list(case.model.parameters())
-    expected = dynamic_programming(graph, params, semiring_name)
+    expected = oracle_readouts(graph, params, semiring_name)
     plain = torch.autograd.grad(case.loss, params, retain_graph=True)
-    with semipack.extend(case.model, SEMIPACK_SEMIRINGS[semiring_name]()):
+    with semipack.extend(case.model, SEMIRINGS[semiring_name]()):
         case.loss.backward()
     for (name, p), exp, grad in zip(case.model.named_parameters(), expected, plain, strict=True):
         assert_readout_matches(semiring_name, exp, p.semiring_grad, f"extend, {name}, {spec}")

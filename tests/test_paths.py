@@ -7,7 +7,7 @@ import threading
 
 import pytest
 import torch
-from test_extensions import CASES, _loss
+from cases_extensions import CASES, weighted_loss
 
 import semipack
 
@@ -129,7 +129,7 @@ def test_extension_and_generic_path_agree(case) -> None:
         inputs = case.inputs()
         tp = semipack.TopPath()
         with semipack.extend(model, tp, extensions=extensions):
-            _loss(model, inputs).backward()
+            weighted_loss(model, inputs).backward()
         leaves = [(n, p) for n, p in model.named_parameters() if hasattr(p, "semiring_grad")]
         leaves += [(f"input{i}", t) for i, t in enumerate(t for t in inputs if t.requires_grad)]
         results.append({n: (t.semiring_grad, tp.path(t)) for n, t in leaves})

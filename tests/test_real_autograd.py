@@ -10,30 +10,18 @@ Runs under ``extend`` are cached per (model, semiring), so the readout checks re
 from __future__ import annotations
 
 import functools
-import sys
-from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+from helpers import SEMIRINGS_BY_CLASS
 from torch import Tensor
+from zoo import ZOO_NAMES, build
 
 import semipack
 
-sys.path.insert(0, str(Path(__file__).parent))
-from zoo import ZOO_NAMES, build
-
-SEMIRINGS: dict[str, Callable[[], semipack.Semiring]] = {
-    "Real": semipack.Real,
-    "MaxProd": semipack.MaxProd,
-    "SignedMaxProd": semipack.SignedMaxProd,
-    "LogSum": semipack.LogSum,
-    "Entropy": semipack.Entropy,
-    "Boolean": semipack.Boolean,
-    "LogCount": semipack.LogCount,
-}
+SEMIRINGS = SEMIRINGS_BY_CLASS
 
 REQUIRED_MODELS = {
     "residual_mlp",
@@ -166,7 +154,7 @@ def _check_readout(semiring: str, leaf: str, value: Any, shape: torch.Size, grad
         torch.testing.assert_close(
             value.to(grad.dtype), grad, rtol=1e-10, atol=1e-12, msg=lambda m: f"{leaf}: {m}"
         )
-    elif semiring == "MaxProd":
+    elif semiring in ("MaxProd", "TopPath"):
         assert torch.isfinite(value).all(), f"{leaf}: non-finite {value[~torch.isfinite(value)]}"
         assert (value >= 0).all(), f"{leaf}: negative {value[value < 0]}"
     elif semiring in ("LogSum", "LogCount"):
@@ -206,6 +194,13 @@ def test_semirings_agree_with_each_other(name: str) -> None:
             rtol=1e-9,
             atol=0.0,
             msg=lambda m, where=where: f"{where}: MaxProd vs SignedMaxProd: {m}",
+        )
+        torch.testing.assert_close(
+            runs["TopPath"][leaf],
+            max_prod,
+            rtol=1e-9,
+            atol=0.0,
+            msg=lambda m, where=where: f"{where}: TopPath vs MaxProd: {m}",
         )
         reachable = runs["Boolean"][leaf]
         log_sum, log_count = runs["LogSum"][leaf], runs["LogCount"][leaf]

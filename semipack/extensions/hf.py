@@ -38,6 +38,13 @@ def semiring_eager_attention(
     dropout: float = 0.0,
     **kwargs: Any,
 ):
+    """transformers' "eager" attention interface inside ``extend``: the model's own
+    ``eager_attention_forward`` runs as the inner graph of one fused attention extension, so a
+    Hugging Face model gives the same values with eager and sdpa attention. query:
+    ``[batch, heads, tokens, head_dim]``; key, value: ``[batch, kv_heads, tokens, head_dim]``
+    (the eager function repeats them for grouped-query attention); returns what the model's
+    eager function returns (output ``[batch, tokens, heads, head_dim]`` and weights). Dropout in
+    training and unsupported keyword arguments run the original function (the generic path)."""
     original = _own_eager(module)
     if original is None:
         raise RuntimeError(

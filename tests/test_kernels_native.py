@@ -263,6 +263,7 @@ def test_softmax_log_sum_keeps_underflowed_probabilities():
 def test_logsum_softmax_messages_take_the_native_kernel_unless_nan(monkeypatch):
     from semipack import LogSum
     from semipack.messages import rowwise
+    from semipack.semirings import log_sum
 
     m, log_probs = _softmax_rows(64, 128, seed=3)
     probs = log_probs.exp()
@@ -272,7 +273,7 @@ def test_logsum_softmax_messages_take_the_native_kernel_unless_nan(monkeypatch):
     def refuse(*args):
         raise AssertionError("NaN inputs must not reach the native kernel")
 
-    monkeypatch.setattr(rowwise, "softmax_log_sum_f32", refuse)
+    monkeypatch.setattr(log_sum, "softmax_log_sum_f32", refuse)
     m[5, 7] = float("nan")
     (fallback,) = rowwise.softmax_messages(LogSum(), (m,), probs, log_probs)
     assert torch.isnan(fallback[5]).any()

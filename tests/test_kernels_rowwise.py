@@ -17,16 +17,10 @@ from helpers import semiring_names
 import semipack
 import semipack.messages.normalization as knorm
 from semipack.kernels.compiled import compile_enabled
+from semipack.kernels.exclusive import exclusive_logsumexp, exclusive_max, exclusive_min
 from semipack.messages.jacobian import contract_rows
 from semipack.messages.normalization import normalized_messages
-from semipack.messages.rowwise import (
-    exclusive_logsumexp,
-    exclusive_max,
-    exclusive_min,
-    has_fast_rowwise,
-    log_softmax_messages,
-    softmax_messages,
-)
+from semipack.messages.rowwise import has_fast_rowwise, log_softmax_messages, softmax_messages
 from semipack.rules.softmax import softmax_contract
 from semipack.semirings import Semiring, State
 
@@ -259,11 +253,21 @@ def test_real_softmax_matches_autograd() -> None:
 
 
 def test_user_semirings_fall_back_to_the_dense_path() -> None:
-    class MyMaxProd(semipack.MaxProd):
-        """A subclass may change lift or plus: it must not inherit the O(n) kernels."""
+    class WeakestPath(semipack.MaxProd):
+        """A subclass that changes plus must not inherit the O(n) kernels."""
 
-    sr = MyMaxProd()
+        def plus(self, a, b):
+            return (torch.minimum(a[0], b[0]),)
+
+        def sum(self, a, dims, keepdim=False):
+            return (a[0].amin(dims, keepdim=keepdim),)
+
+    class Renamed(semipack.MaxProd):
+        """A subclass that changes nothing keeps them."""
+
+    sr = WeakestPath()
     assert not has_fast_rowwise(sr) and has_fast_rowwise(semipack.MaxProd())
+    assert has_fast_rowwise(Renamed())
     probs = torch.softmax(softmax_logits(), -1)
     m = random_state(sr, *probs.shape, seed=5)
     assert softmax_messages(sr, m, probs) is None
@@ -357,8 +361,10 @@ def test_compiled_path_inside_a_semiring_backward(sr: Semiring, monkeypatch) -> 
     want = values()
     monkeypatch.setattr(knorm, "COMPILE_MIN_PAIRS", 0)
     calls = []
-    kernel = knorm.FUSED_KERNELS[type(sr)]
-    monkeypatch.setitem(knorm.FUSED_KERNELS, type(sr), lambda *a: calls.append(1) or kernel(*a))
+    kernel = knorm.compiled_normalization(type(sr))
+    monkeypatch.setattr(
+        knorm, "compiled_normalization", lambda cls: lambda *a: calls.append(1) or kernel(*a)
+    )
     got = values()
     assert len(calls) == 2
     for g, w in zip(got, want, strict=True):

@@ -32,33 +32,9 @@ from torch._ops import OpOverload
 from ..kernels.blocking import BLOCK_ELEMENTS
 from ..messages import OpCall, register_rule
 from ..messages.windows import incoming_edges
-from ..semirings import (
-    Boolean,
-    Entropy,
-    LogCount,
-    LogSum,
-    MaxProd,
-    Real,
-    Semiring,
-    SignedMaxProd,
-    State,
-    TopPath,
-)
+from ..semirings import Semiring, State
 
 aten = torch.ops.aten
-
-#: Semirings whose ``lift`` sends a product of weights to the ⊗-product of their lifts (exact
-#: classes: a subclass may redefine ``lift``), so a separable map contracts dim by dim.
-MULTIPLICATIVE_LIFTS: tuple[type[Semiring], ...] = (
-    Real,
-    MaxProd,
-    TopPath,
-    SignedMaxProd,
-    LogSum,
-    LogCount,
-    Boolean,
-    Entropy,
-)
 
 #: Size of every other spatial dim while one dim's coefficients are read (see the module doc).
 _OTHER_SIZE = 2
@@ -224,7 +200,7 @@ def interpolation_messages(call: OpCall) -> State:
     ]
     lead = input_size[0] * input_size[1]
     m = tuple(p.reshape(lead, *out_sizes) for p in msg.parts)
-    if type(sr) in MULTIPLICATIVE_LIFTS:
+    if sr.lift_is_multiplicative():  # a separable map contracts dim by dim
         for d in range(spatial):
             m = _contract_axis(sr, m, 1 + d, axes[d], in_sizes[d], call.dtype)
     else:

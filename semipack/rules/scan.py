@@ -5,31 +5,8 @@ from __future__ import annotations
 import torch
 
 from ..messages import OpCall, register_rule
-from ..semirings import Boolean, LogCount, LogSum, MaxProd, Real, Semiring, State
 
 aten = torch.ops.aten
-
-
-def prefix_plus(sr: Semiring, m: State, dim: int) -> State:
-    """out[i] = ⊕_{j <= i} m[j] along ``dim``: closed forms for the common semirings, a plain
-    left-to-right scan with the semiring's plus otherwise."""
-    kind = type(sr)
-    if kind is Real:
-        return (m[0].cumsum(dim),)
-    if kind is MaxProd:
-        return (m[0].cummax(dim).values,)
-    if kind in (LogSum, LogCount):
-        return (torch.logcumsumexp(m[0], dim),)
-    if kind is Boolean:
-        return (m[0].to(torch.uint8).cummax(dim).values.bool(),)
-    if m[0].shape[dim] == 0:
-        return m
-    running = tuple(p.select(dim, 0) for p in m)
-    outs = [running]
-    for i in range(1, m[0].shape[dim]):
-        running = sr.plus(running, tuple(p.select(dim, i) for p in m))
-        outs.append(running)
-    return tuple(torch.stack(c, dim) for c in zip(*outs, strict=True))
 
 
 @register_rule(aten.cumsum.default)
@@ -37,9 +14,8 @@ def cumsum(call: OpCall):
     msg = call["self"]
     if msg.dim() == 0:
         return call.wrap(call.run_real(), msg.parts)
-    return call.wrap(
-        call.run_real(), prefix_plus(call.semiring, msg.parts, call["dim"] % msg.dim())
-    )
+    # out[i] = ⊕_{j <= i} m[j]: the semiring's cumulative kernel, or a scan with its plus
+    return call.wrap(call.run_real(), call.semiring.prefix_plus(msg.parts, call["dim"] % msg.dim()))
 
 
 @register_rule(aten.unfold_backward.default)

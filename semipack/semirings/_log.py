@@ -5,6 +5,10 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from ..kernels.logspace import finite_or_zero, shifted_exp
+
+__all__ = ["add_log_abs_", "can_overwrite", "finite_or_zero", "log_abs", "shifted_exp"]
+
 
 def log_abs(w: Tensor, dtype: torch.dtype) -> Tensor:
     """``log|w|`` in ``dtype``, with exact zeros mapped to ``-inf`` (the semiring zero)."""
@@ -21,14 +25,3 @@ def add_log_abs_(state: Tensor, w: Tensor) -> Tensor:
     """``state + log|w|`` in the memory of ``w`` (see ``can_overwrite``); bitwise the same as
     ``state + log_abs(w)``."""
     return w.abs_().log_().add_(state)
-
-
-def finite_or_zero(x: Tensor) -> Tensor:
-    """Replace non-finite shifts (rows with no path) by 0 so that ``x - shift`` stays defined."""
-    return torch.where(torch.isfinite(x), x, torch.zeros((), dtype=x.dtype, device=x.device))
-
-
-def shifted_exp(a: Tensor, dim: int) -> tuple[Tensor, Tensor]:
-    """Return ``(exp(a - m), m)`` with ``m`` the finite max of ``a`` along ``dim`` (kept)."""
-    m = finite_or_zero(a.amax(dim, keepdim=True))
-    return (a - m).exp(), m

@@ -20,13 +20,15 @@ from __future__ import annotations
 import copy
 import functools
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any, ClassVar
 
 import torch
 from torch import Tensor
 
 from ..kernels.blocking import BLOCK_ELEMENTS
+from ..kernels.normalization import CentredPairsKernel
+from ..kernels.shared_shift import ConvolutionSums
 
 State = tuple[Tensor, ...]
 
@@ -47,24 +49,67 @@ NO_EDGE_LOG = math.log(math.ulp(0.0))
 #: versions of every derived operation below that it does not redefine itself.
 PRIMITIVES: tuple[str, ...] = ("lift", "plus", "times", "sum", "zero", "one", "components")
 
-#: Operations with a generic definition in terms of the primitives, which built-in semirings
-#: override with fast kernels written for *their* algebra. Inheriting such a kernel after changing
-#: the algebra would compute the parent's semiring, so ``Semiring.__init_subclass__`` resets them.
-DERIVED_OPERATIONS: tuple[str, ...] = (
-    "scale",
-    "scale_owned",
-    "matmul",
-    "has_lifted_matmul",
-    "matmul_lifted",
-    "index_plus",
-    "is_zero",
+#: Operations with a generic definition in terms of the primitives (or a generic "no fast form
+#: here" answer), which semiring classes override with fast kernels written for *their* algebra,
+#: each mapped to the other operations its fast versions rely on. Inheriting such a kernel after
+#: changing the algebra would compute the parent's semiring, so ``Semiring.__init_subclass__``
+#: gives a subclass that redefines a primitive the generic version of every operation here it
+#: does not define itself, and a subclass that redefines an operation the generic version of
+#: every operation relying on it. A subclass that changes none of them keeps every fast path,
+#: and one that overrides a fast path has its own version used.
+DERIVED_OPERATIONS: dict[str, tuple[str, ...]] = {
+    "scale": (),
+    "scale_owned": ("scale",),
+    "matmul": (),
+    "matmul_lifted": (),
+    "has_lifted_matmul": ("matmul", "matmul_lifted"),
+    "index_plus": (),
+    "is_zero": (),
     # edge weights in log form
-    "lift_log",
-    "scale_log",
-    "scale_log_owned",
-    "matmul_log",
-    "uses_edge_signs",
-)
+    "lift_log": (),
+    "scale_log": (),
+    "scale_log_owned": ("scale_log",),
+    "matmul_log": (),
+    "uses_edge_signs": ("lift_log", "scale_log", "scale_log_owned", "matmul_log", "matmul"),
+    # fast paths of the message math (semipack.messages)
+    "lift_is_multiplicative": (),
+    "prefix_plus": (),
+    "exclusive_plus": (),
+    "softmax_closed_form": ("lift_log", "scale_log", "exclusive_plus"),
+    "log_softmax_closed_form": ("lift_log", "scale_log", "exclusive_plus"),
+    "compiles_rowwise": ("lift_log", "scale_log", "exclusive_plus"),
+    "normalization_closed_form": (),
+    "normalization_kernel": (),
+    "shared_shift_products": (),
+    "shared_shift_conv": (),
+}
+
+#: ``(m ⊗ right, mᵀ ⊗ left, ⊕ of m over dim -2)`` (or a convolution's (input, weight, bias)
+#: messages) from one shared shift; None where a product was not asked for.
+Products = tuple[State | None, State | None, State | None]
+
+
+def use_generic(cls: type[Semiring], names: Iterable[str]) -> None:
+    """Give ``cls`` the generic ``Semiring`` version of each derived operation in ``names`` that
+    its own class body does not define, and then of every derived operation relying on one of
+    those (``DERIVED_OPERATIONS``), transitively."""
+    changed = set(names)
+    pending = list(changed)
+    while pending:
+        name = pending.pop()
+        if name in DERIVED_OPERATIONS and not _defines(cls, name):
+            setattr(cls, name, getattr(Semiring, name))
+        for other, assumes in DERIVED_OPERATIONS.items():
+            if other not in changed and name in assumes:
+                changed.add(other)
+                pending.append(other)
+
+
+def _defines(cls: type, name: str) -> bool:
+    """Whether the class body of ``cls`` defines ``name`` (a generic version set by
+    ``use_generic`` does not count)."""
+    own = cls.__dict__.get(name)
+    return own is not None and own is not Semiring.__dict__.get(name)
 
 
 def normalize_dims(dims: int | Sequence[int] | None, ndim: int) -> list[int]:
@@ -113,17 +158,19 @@ class Semiring:
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         """A subclass that changes the algebra (``PRIMITIVES``) falls back to the generic
-        ``DERIVED_OPERATIONS`` it does not define itself, never to its parent's fast kernels.
+        ``DERIVED_OPERATIONS`` it does not define itself, never to its parent's fast kernels;
+        one that redefines a derived operation loses the fast paths that rely on it.
 
         Every ``sum`` and ``matmul`` a class defines is also made total: reducing over an empty
         dimension (an empty batch, a zero-width layer) gives the semiring zero, "no path", as
         an empty sum gives 0, instead of failing inside ``amax`` or a kernel.
         """
         super().__init_subclass__(**kwargs)
-        if any(name in cls.__dict__ for name in PRIMITIVES):
-            for name in DERIVED_OPERATIONS:
-                if name not in cls.__dict__:
-                    setattr(cls, name, getattr(Semiring, name))
+        defined = set(cls.__dict__)
+        if defined & set(PRIMITIVES):
+            use_generic(cls, DERIVED_OPERATIONS)
+        else:
+            use_generic(cls, defined & set(DERIVED_OPERATIONS))
         _make_total(cls)
 
     @property
@@ -236,11 +283,6 @@ class Semiring:
         and pass 1.0). True unless the log-form operations are a built-in's that ignore it."""
         return True
 
-    def keeps_primitives_of(self, cls: type[Semiring], *names: str) -> bool:
-        """Whether this object's class uses ``cls``'s own ``names`` (a subclass may redefine
-        them, and then a fast path written for ``cls`` would compute something else)."""
-        return all(getattr(type(self), n) is getattr(cls, n) for n in names)
-
     def matmul(self, a: State, w: Tensor) -> State:
         """``out[..., i, j] = ⊕_k a[..., i, k] ⊗ lift(w[..., k, j])`` (message on the left).
 
@@ -286,6 +328,97 @@ class Semiring:
         gathered = tuple(c[..., table].reshape(*lead, size, width) for c in padded)
         reduced = self.sum(gathered, [len(lead) + 1])
         return self.plus(dest, tuple(c.movedim(-1, dim) for c in reduced))
+
+    # --- fast paths of the message math (derived operations, see DERIVED_OPERATIONS) ----------
+    # The generic message math of ``semipack.messages`` (softmax rows, normalisation rows,
+    # shared-shift products) asks the semiring for these; the defaults answer "no fast form"
+    # (None / False) or compute the generic version from the primitives.
+    def lift_is_multiplicative(self) -> bool:
+        """Whether ``lift(a * b) = lift(a) ⊗ lift(b)``, with exact zeros lifting to the zero.
+
+        Message math that factors edge weights (separable interpolation maps, the diagonal plus
+        rank-one Jacobians of softmax) relies on it; without it the caller contracts the full
+        Jacobian. A user ``lift`` need not be multiplicative, so the default is False.
+        """
+        return False
+
+    def prefix_plus(self, a: State, dim: int) -> State:
+        """``out[i] = ⊕_{j <= i} a[j]`` along ``dim`` (cumsum's messages).
+
+        The default is a left-to-right scan with ``plus``: one call per entry along ``dim``;
+        built-in semirings override it with a cumulative kernel (cumsum, cummax, ...).
+        """
+        if a[0].shape[dim] == 0:
+            return a
+        running = tuple(p.select(dim, 0) for p in a)
+        outs = [running]
+        for i in range(1, a[0].shape[dim]):
+            running = self.plus(running, tuple(p.select(dim, i) for p in a))
+            outs.append(running)
+        return tuple(torch.stack(c, dim) for c in zip(*outs, strict=True))
+
+    def exclusive_plus(self, a: State) -> State | None:
+        """``out_j = ⊕_{i != j} a_i`` along the last dim of a [rows, n] state in O(n) per row,
+        or None where this semiring has no such form (the caller then contracts the dense
+        Jacobian: softmax rows need it only together with ``lift_is_multiplicative``).
+
+        A fast form must not subtract an entry's own term from the row total (that cancels for
+        max-like semirings and for a dominant term in sums); see ``kernels.exclusive``.
+        """
+        return None
+
+    def softmax_closed_form(
+        self, m: State, probs: Tensor, log_probs: Tensor | None
+    ) -> State | None:
+        """Messages through softmax rows by this semiring's own formula or kernel, or None for
+        the generic diagonal-plus-rank-one form (``messages.rowwise``). ``m``, ``probs``
+        [rows, n]; ``log_probs`` the exact log-probabilities where the caller knows them."""
+        return None
+
+    def log_softmax_closed_form(self, m: State, log_probs: Tensor) -> State | None:
+        """Messages through log_softmax rows by this semiring's own formula, or None for the
+        generic form (``messages.rowwise``). ``m``, ``log_probs`` [rows, n]."""
+        return None
+
+    def compiles_rowwise(self) -> bool:
+        """Whether the generic softmax form may run as one compiled kernel for this semiring on
+        large rows (float components, and ``type(self)()`` builds an equivalent semiring)."""
+        return False
+
+    def normalization_closed_form(
+        self, m: State, x_hat: Tensor, rstd: Tensor, gain: Tensor, gain_per_row: bool
+    ) -> State | None:
+        """Messages through normalisation rows by this semiring's own formula, or None (the
+        caller tries ``normalization_kernel``, then the dense Jacobian). ``m``, ``x_hat``
+        [rows, n]; ``rstd`` [rows]; ``gain`` [n], [rows] (``gain_per_row``) or [rows, n]."""
+        return None
+
+    def normalization_kernel(self) -> CentredPairsKernel | None:
+        """This semiring's fused kernels for ``⊕_i m_ri ⊗ lift(J'_rij)`` over a normalisation
+        layer's centred Jacobian J' (``kernels.normalization``), or None: dense Jacobian."""
+        return None
+
+    def shared_shift_products(
+        self,
+        m: State,
+        right: Tensor | None = None,
+        left: Tensor | None = None,
+        want_sum: bool = False,
+        left_log: Tensor | None = None,
+    ) -> Products | None:
+        """``(m ⊗ right, mᵀ ⊗ left, ⊕ of m over dim -2)`` from one shared shift of ``m``
+        (``kernels.shared_shift``), or None where this semiring has no such form or ``m``
+        spans too many nats. Shapes and operands as ``messages.shared_shift_products``; the
+        caller repairs underflowed entries."""
+        return None
+
+    def shared_shift_conv(
+        self, m: State, sums: ConvolutionSums, mask: Sequence[bool]
+    ) -> Products | None:
+        """A convolution's (input, weight, bias) messages from the output message ``m`` with
+        one shared shift, through ``sums`` (non-negative operands), or None (see
+        ``shared_shift_products``). ``mask`` says which of the three to compute."""
+        return None
 
 
 def _state_grad_dtype(a: State) -> torch.dtype:

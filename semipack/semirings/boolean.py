@@ -5,6 +5,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from ..kernels.exclusive import exclusive_any
+from ..kernels.normalization import BOOLEAN, CentredPairsKernel
 from .base import Semiring, Sign, State
 
 
@@ -22,27 +24,16 @@ class Boolean(Semiring):
         return (w != 0,)
 
     def lift_log(self, log_abs: Tensor, sign: Sign = 1.0) -> State:
-        if not self._log_form_is_own():
-            return Semiring.lift_log(self, log_abs, sign)
         return (log_abs != float("-inf"),)  # a NaN weight is an edge, as in ``lift``
 
     def scale_log(self, a: State, log_abs: Tensor, sign: Sign = 1.0) -> State:
-        if not self._log_form_is_own():
-            return Semiring.scale_log(self, a, log_abs, sign)
         return (a[0] & (log_abs != float("-inf")),)
 
     def matmul_log(self, a: State, log_abs: Tensor, sign: Sign = 1.0) -> State:
-        if not self._log_form_is_own() or not self.keeps_primitives_of(Boolean, "plus", "sum"):
-            return Semiring.matmul_log(self, a, log_abs, sign)
         return self.matmul(a, log_abs != float("-inf"))
 
     def uses_edge_signs(self) -> bool:
-        log_ops = ("lift_log", "scale_log", "scale_log_owned", "matmul_log")
-        own = self.keeps_primitives_of(Boolean, *log_ops, "plus", "sum", "matmul")
-        return not (own and self._log_form_is_own())
-
-    def _log_form_is_own(self) -> bool:
-        return self.keeps_primitives_of(Boolean, "lift", "times")
+        return False
 
     def plus(self, a: State, b: State) -> State:
         return (a[0] | b[0],)
@@ -64,3 +55,16 @@ class Boolean(Semiring):
     def index_plus(self, dest: State, dim: int, index: Tensor, src: State) -> State:
         hits = dest[0].to(torch.float32).index_add(dim, index, src[0].to(torch.float32))
         return (hits > 0,)
+
+    # --- fast paths of the message math -------------------------------------------------------
+    def lift_is_multiplicative(self) -> bool:
+        return True
+
+    def prefix_plus(self, a: State, dim: int) -> State:
+        return (a[0].to(torch.uint8).cummax(dim).values.bool(),)
+
+    def exclusive_plus(self, a: State) -> State | None:
+        return (exclusive_any(a[0]),)
+
+    def normalization_kernel(self) -> CentredPairsKernel | None:
+        return BOOLEAN

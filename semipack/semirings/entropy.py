@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
+
 import torch
 from torch import Tensor
 
+from ..kernels.exclusive import exclusive_logsumexp
+from ..kernels.normalization import ENTROPY, CentredPairsKernel
+from ..kernels.shared_shift import ConvolutionSums, global_shift
 from ._log import can_overwrite, finite_or_zero, shifted_exp
-from .base import Semiring, Sign, State, index_reduce, repair_underflow
+from .base import Products, Semiring, Sign, State, index_reduce, repair_underflow
 from .log_sum import column_scaled
 
 
@@ -29,35 +34,27 @@ class Entropy(Semiring):
         return (log_w, surprisal)
 
     def scale_owned(self, a: State, w: Tensor) -> State:
-        own = self.keeps_primitives_of(Entropy, "lift", "times", "scale")
-        if not own or not can_overwrite(w, a[0]):
+        if not can_overwrite(w, a[0]):
             return self.scale(a, w)
         log_w = w.abs_().log_()
         surprisal = log_w.neg().masked_fill_(~torch.isfinite(log_w), 0.0)
         return (log_w.add_(a[0]), surprisal.add_(a[1]))
 
     def lift_log(self, log_abs: Tensor, sign: Sign = 1.0) -> State:
-        if not self._log_form_is_own():
-            return Semiring.lift_log(self, log_abs, sign)
         log_w = log_abs.to(self.state_dtype(log_abs.dtype))
         return (log_w, _surprisal(log_w))
 
     def scale_log(self, a: State, log_abs: Tensor, sign: Sign = 1.0) -> State:
-        if not self._log_form_is_own():
-            return Semiring.scale_log(self, a, log_abs, sign)
         return (a[0] + log_abs, a[1] + _surprisal(log_abs))
 
     def scale_log_owned(self, a: State, log_abs: Tensor, sign: Sign = 1.0) -> State:
-        own = self.keeps_primitives_of(Entropy, "scale_log") and self._log_form_is_own()
-        if not own or not can_overwrite(log_abs, a[0]):
+        if not can_overwrite(log_abs, a[0]):
             return self.scale_log(a, log_abs, sign)
         surprisal = _surprisal(log_abs)
         return (log_abs.add_(a[0]), surprisal.add_(a[1]))
 
     def matmul_log(self, a: State, log_abs: Tensor, sign: Sign = 1.0) -> State:
         """``matmul`` with the weights' columns scaled to a maximum of 1 (see LogSum's)."""
-        if not self._log_form_is_own() or not self.keeps_primitives_of(Entropy, "plus", "sum"):
-            return Semiring.matmul_log(self, a, log_abs, sign)
         e, m = shifted_exp(a[0], -1)
         log_w = log_abs.to(e.dtype)
         scaled, c = column_scaled(log_w)
@@ -70,12 +67,7 @@ class Entropy(Semiring):
         return repair_underflow(self, a, lambda: self.lift_log(log_w), out, shift=m + c)
 
     def uses_edge_signs(self) -> bool:
-        log_ops = ("lift_log", "scale_log", "scale_log_owned", "matmul_log")
-        own = self.keeps_primitives_of(Entropy, *log_ops, "plus", "sum")
-        return not (own and self._log_form_is_own())
-
-    def _log_form_is_own(self) -> bool:
-        return self.keeps_primitives_of(Entropy, "lift", "times")
+        return False
 
     def plus(self, a: State, b: State) -> State:
         big = torch.logaddexp(a[0], b[0])
@@ -120,8 +112,101 @@ class Entropy(Semiring):
         mean = torch.where(total > 0, weighted / total, torch.zeros_like(total))
         return (total.log() + peak, mean)
 
+    # --- fast paths of the message math -------------------------------------------------------
+    def lift_is_multiplicative(self) -> bool:
+        return True
+
+    def exclusive_plus(self, a: State) -> State | None:
+        # ⊕ of (L_i, R_i): L = log Σ exp(L_i), R = Σ exp(L_i) R_i / Σ exp(L_i).
+        lse, mean = exclusive_logsumexp(a[0], a[1])
+        return (lse, mean)
+
+    def compiles_rowwise(self) -> bool:
+        return True
+
+    def normalization_kernel(self) -> CentredPairsKernel | None:
+        return ENTROPY
+
+    def shared_shift_products(
+        self,
+        m: State,
+        right: Tensor | None = None,
+        left: Tensor | None = None,
+        want_sum: bool = False,
+        left_log: Tensor | None = None,
+    ) -> Products | None:
+        log_z, surprisal = m
+        shift = global_shift(log_z)
+        if shift is None:
+            return None
+        e = (log_z - shift).exp_()
+        e_r = e * surprisal
+        by_right = by_left = total = None
+        if right is not None:
+            by_right = _entropy_product(e, e_r, right, shift)
+        if left is not None:
+            by_left = _entropy_product(e.mT, e_r.mT, left, shift)
+        if left_log is not None:
+            by_left = _entropy_product_log(e.mT, e_r.mT, left_log, shift)
+        if want_sum:
+            total = _entropy_pair(e.sum(-2), e_r.sum(-2), shift)
+        return by_right, by_left, total
+
+    def shared_shift_conv(
+        self, m: State, sums: ConvolutionSums, mask: Sequence[bool]
+    ) -> Products | None:
+        log_z, surprisal = m
+        shift = global_shift(log_z)
+        if shift is None:
+            return None
+        e = (log_z - shift).exp_()
+        e_r = e * surprisal
+        to_in = _entropy_product(e, e_r, sums.w, shift, sums.to_input) if mask[0] else None
+        to_w = _entropy_product(e, e_r, sums.x, shift, sums.to_weight) if mask[1] else None
+        bias = None
+        if mask[2]:
+            dims = [d for d in range(e.dim()) if d != 1]
+            bias = _entropy_pair(e.sum(dims), e_r.sum(dims), shift)
+        return to_in, to_w, bias
+
 
 def _surprisal(log_w: Tensor) -> Tensor:
     """``-log|w|`` where finite, else 0 (no edge; a NaN weight's NaN lives in ``log_w``), as
     ``lift`` computes it."""
     return log_w.neg().masked_fill_(~torch.isfinite(log_w), 0.0)
+
+
+# --- shared-shift products (see ``kernels.shared_shift``) ----------------------------------------
+def _entropy_pair(total: Tensor, weighted: Tensor, shift: Tensor) -> State:
+    """(log Z, mean surprisal) from the shifted sums Σ e w and Σ e w (R - log w), in place."""
+    mean = weighted.div_(total).masked_fill_(~(total > 0), 0.0)
+    return (total.log_().add_(shift), mean)
+
+
+def _entropy_product(
+    e: Tensor,
+    e_r: Tensor,
+    w: Tensor,
+    shift: Tensor,
+    contract: Callable[[Tensor, Tensor], Tensor] = torch.matmul,
+) -> State:
+    """(log Z, mean surprisal) of ``e ⊗ w`` with ``e_r = e * R``: three products ``contract``
+    (a matmul, or a convolution's sums) of the shifted message with |w| and |w| log|w|.
+
+    Elementwise steps run in place on fresh tensors (same values as the out-of-place
+    expressions): the temporaries beside the products are one |w| and one |w| log|w|.
+    """
+    mag = w.abs()
+    total, weighted = contract(e, mag), contract(e_r, mag)
+    mag_log_mag = mag.log().mul_(mag).masked_fill_(~(mag > 0), 0.0)  # 0 log 0 = 0
+    del mag
+    return _entropy_pair(total, weighted.sub_(contract(e, mag_log_mag)), shift)
+
+
+def _entropy_product_log(e: Tensor, e_r: Tensor, log_w: Tensor, shift: Tensor) -> State:
+    """``_entropy_product`` for non-negative weights given as logarithms [..., k, j]: each
+    column is scaled to a maximum of 1 first (``|w| = e^c w'``; e^c cancels in the mean)."""
+    scaled, c = column_scaled(log_w)
+    total, weighted = torch.matmul(e, scaled), torch.matmul(e_r, scaled)
+    scaled_log = torch.where(scaled > 0, scaled * log_w, 0.0)
+    return _entropy_pair(total, weighted.sub_(torch.matmul(e, scaled_log)), shift + c)

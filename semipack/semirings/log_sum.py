@@ -2,11 +2,40 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from typing import Any
+
 import torch
 from torch import Tensor
 
+from ..kernels.exclusive import exclusive_logsumexp
+from ..kernels.native import native_available, softmax_log_sum_f32
+from ..kernels.normalization import LOG_COUNT, LOG_SUM, CentredPairsKernel
+from ..kernels.shared_shift import ConvolutionSums, global_shift
 from ._log import add_log_abs_, can_overwrite, finite_or_zero, shifted_exp
-from .base import Semiring, Sign, State, index_reduce, repair_underflow
+from .base import (
+    Products,
+    Semiring,
+    Sign,
+    State,
+    index_reduce,
+    repair_underflow,
+    use_generic,
+)
+
+#: Use the native LogSum softmax kernel from this many entries up.
+NATIVE_MIN_ENTRIES = 1 << 12
+
+#: Fast paths written for LogSum's magnitude |w| itself (not through ``magnitude``).
+MAGNITUDE_KERNELS = (
+    "scale_owned",
+    "lift_is_multiplicative",
+    "softmax_closed_form",
+    "normalization_kernel",
+)
+
+#: The log-form operations, which go through ``log_magnitude``.
+LOG_FORMS = ("lift_log", "scale_log", "scale_log_owned", "matmul_log", "shared_shift_products")
 
 
 class LogSum(Semiring):
@@ -17,6 +46,17 @@ class LogSum(Semiring):
 
     zero = (float("-inf"),)
     one = (0.0,)
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        """Beyond the primitives, LogSum's fast paths rely on its edge weight ``magnitude``
+        (|w|) and its log form ``log_magnitude``: a subclass that redefines ``magnitude`` loses
+        the kernels written for |w| (``MAGNITUDE_KERNELS``), and one that does so without a
+        matching ``log_magnitude`` also loses every log-form operation (``LOG_FORMS``)."""
+        super().__init_subclass__(**kwargs)
+        if "magnitude" in cls.__dict__:
+            use_generic(cls, MAGNITUDE_KERNELS)
+            if "log_magnitude" not in cls.__dict__:
+                use_generic(cls, LOG_FORMS)
 
     def __init__(self, log: bool = True) -> None:
         self.log = log
@@ -40,24 +80,18 @@ class LogSum(Semiring):
         return log_abs
 
     def scale_owned(self, a: State, w: Tensor) -> State:
-        own = self.keeps_primitives_of(LogSum, "magnitude", "lift", "times", "scale")
-        if not own or not can_overwrite(w, a[0]):
+        if not can_overwrite(w, a[0]):
             return self.scale(a, w)
         return (add_log_abs_(a[0], w),)
 
     def lift_log(self, log_abs: Tensor, sign: Sign = 1.0) -> State:
-        if not self._log_form_is_own():
-            return Semiring.lift_log(self, log_abs, sign)
         return (self.log_magnitude(log_abs.to(self.state_dtype(log_abs.dtype))),)
 
     def scale_log(self, a: State, log_abs: Tensor, sign: Sign = 1.0) -> State:
-        if not self._log_form_is_own():
-            return Semiring.scale_log(self, a, log_abs, sign)
         return (a[0] + self.log_magnitude(log_abs),)
 
     def scale_log_owned(self, a: State, log_abs: Tensor, sign: Sign = 1.0) -> State:
-        own = self.keeps_primitives_of(LogSum, "scale_log") and self._log_form_is_own()
-        if not own or not can_overwrite(log_abs, a[0]):
+        if not can_overwrite(log_abs, a[0]):
             return self.scale_log(a, log_abs, sign)
         return (self.log_magnitude(log_abs).add_(a[0]),)  # log_abs itself or a fresh tensor
 
@@ -65,8 +99,6 @@ class LogSum(Semiring):
         """Both operands shifted: ``a`` by its row maxima, the weights by their column maxima
         ``c`` (``w = e^c w'`` with ``w' <= 1``), so a column of weights far below 1 (attention
         probabilities of 1e-50) keeps full precision instead of underflowing to "no edge"."""
-        if not self._log_form_is_own() or not self.keeps_primitives_of(LogSum, "plus", "sum"):
-            return Semiring.matmul_log(self, a, log_abs, sign)
         e, m = shifted_exp(a[0], -1)
         log_w = self.log_magnitude(log_abs.to(e.dtype))
         scaled, c = column_scaled(log_w)
@@ -74,17 +106,7 @@ class LogSum(Semiring):
         return repair_underflow(self, a, (log_w,), out, shift=m + c)
 
     def uses_edge_signs(self) -> bool:
-        log_ops = ("lift_log", "scale_log", "scale_log_owned", "matmul_log")
-        own = self.keeps_primitives_of(LogSum, *log_ops, "plus", "sum")
-        return not (own and self._log_form_is_own())
-
-    def _log_form_is_own(self) -> bool:
-        """The log forms hold while ``lift`` and ``times`` are LogSum's and the class that
-        defines ``magnitude`` also defines ``log_magnitude``."""
-        if not self.keeps_primitives_of(LogSum, "lift", "times"):
-            return False
-        owner = next(c for c in type(self).__mro__ if "magnitude" in vars(c))
-        return "log_magnitude" in vars(owner)
+        return False
 
     def plus(self, a: State, b: State) -> State:
         return (torch.logaddexp(a[0], b[0]),)
@@ -112,6 +134,80 @@ class LogSum(Semiring):
         e_src = (src[0] - peak.index_select(dim, index)).exp()
         return (e_dest.index_add(dim, index, e_src).log() + peak,)
 
+    # --- fast paths of the message math -------------------------------------------------------
+    def lift_is_multiplicative(self) -> bool:
+        return True
+
+    def prefix_plus(self, a: State, dim: int) -> State:
+        return (torch.logcumsumexp(a[0], dim),)
+
+    def exclusive_plus(self, a: State) -> State | None:
+        return (exclusive_logsumexp(a[0])[0],)
+
+    def softmax_closed_form(
+        self, m: State, probs: Tensor, log_probs: Tensor | None
+    ) -> State | None:
+        """The hand-written kernel (native/softmax.c) on float32 CPU rows of at least
+        ``NATIVE_MIN_ENTRIES`` entries without NaN; None (the generic form) otherwise."""
+        if not (
+            m[0].dtype == probs.dtype == torch.float32
+            and m[0].device.type == "cpu"
+            and probs.numel() >= NATIVE_MIN_ENTRIES
+            and probs.shape[-1] > 0
+            and native_available()
+        ):
+            return None
+        log_probs = probs.log() if log_probs is None else log_probs.to(probs.dtype)
+        if bool(torch.isnan(m[0]).any() or torch.isnan(log_probs).any()):
+            return None
+        return (softmax_log_sum_f32(m[0], log_probs),)
+
+    def compiles_rowwise(self) -> bool:
+        return True
+
+    def normalization_kernel(self) -> CentredPairsKernel | None:
+        return LOG_SUM
+
+    def shared_shift_products(
+        self,
+        m: State,
+        right: Tensor | None = None,
+        left: Tensor | None = None,
+        want_sum: bool = False,
+        left_log: Tensor | None = None,
+    ) -> Products | None:
+        shift = global_shift(m[0])
+        if shift is None:
+            return None
+        e = (m[0] - shift).exp_()
+        by_right = by_left = total = None
+        if right is not None:
+            by_right = (torch.matmul(e, self.magnitude(right)).log_().add_(shift),)
+        if left is not None:
+            by_left = (torch.matmul(e.mT, self.magnitude(left)).log_().add_(shift),)
+        if left_log is not None:
+            scaled, c = column_scaled(self.log_magnitude(left_log))
+            by_left = (torch.matmul(e.mT, scaled).log_().add_(shift).add_(c),)
+        if want_sum:
+            total = (e.sum(-2).log_().add_(shift),)
+        return by_right, by_left, total
+
+    def shared_shift_conv(
+        self, m: State, sums: ConvolutionSums, mask: Sequence[bool]
+    ) -> Products | None:
+        shift = global_shift(m[0])
+        if shift is None:
+            return None
+        e = (m[0] - shift).exp_()
+        to_in = to_w = bias = None
+        if mask[0]:
+            to_in = (sums.to_input(e, self.magnitude(sums.w)).log_().add_(shift),)
+        if mask[1]:
+            to_w = (sums.to_weight(e, self.magnitude(sums.x)).log_().add_(shift),)
+        if mask[2]:
+            bias = (e.sum([d for d in range(e.dim()) if d != 1]).log_().add_(shift),)
+        return to_in, to_w, bias
+
 
 class LogCount(LogSum):
     """log of the number of paths whose every local derivative is non-zero."""
@@ -122,6 +218,12 @@ class LogCount(LogSum):
     def log_magnitude(self, log_abs: Tensor) -> Tensor:
         # An edge counts once, whatever its weight (NaN included, as in ``magnitude``).
         return torch.where(log_abs == float("-inf"), float("-inf"), 0.0).to(log_abs.dtype)
+
+    def lift_is_multiplicative(self) -> bool:
+        return True  # [ab != 0] = [a != 0] [b != 0]
+
+    def normalization_kernel(self) -> CentredPairsKernel | None:
+        return LOG_COUNT
 
 
 def column_scaled(log_w: Tensor) -> tuple[Tensor, Tensor]:

@@ -5,6 +5,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from ..kernels.exclusive import exclusive_max
+from ..kernels.normalization import MAX_PROD, CentredPairsKernel
 from ..kernels.tropical import maxplus
 from ._log import add_log_abs_, can_overwrite, log_abs
 from .base import Semiring, Sign, State, index_reduce
@@ -32,39 +34,26 @@ class MaxProd(Semiring):
         return (log_abs(w, self.state_dtype(w.dtype)),)
 
     def scale_owned(self, a: State, w: Tensor) -> State:
-        own = self.keeps_primitives_of(MaxProd, "lift", "times", "scale")
-        if not own or not can_overwrite(w, a[0]):
+        if not can_overwrite(w, a[0]):
             return self.scale(a, w)
         return (add_log_abs_(a[0], w),)
 
     def lift_log(self, log_abs: Tensor, sign: Sign = 1.0) -> State:
-        if not self._log_form_is_own():
-            return Semiring.lift_log(self, log_abs, sign)
         return (log_abs.to(self.state_dtype(log_abs.dtype)),)
 
     def scale_log(self, a: State, log_abs: Tensor, sign: Sign = 1.0) -> State:
-        if not self._log_form_is_own():
-            return Semiring.scale_log(self, a, log_abs, sign)
         return (a[0] + log_abs,)
 
     def scale_log_owned(self, a: State, log_abs: Tensor, sign: Sign = 1.0) -> State:
-        own = self.keeps_primitives_of(MaxProd, "scale_log") and self._log_form_is_own()
-        if not own or not can_overwrite(log_abs, a[0]):
+        if not can_overwrite(log_abs, a[0]):
             return self.scale_log(a, log_abs, sign)
         return (log_abs.add_(a[0]),)
 
     def matmul_log(self, a: State, log_abs: Tensor, sign: Sign = 1.0) -> State:
-        if not self._log_form_is_own() or not self.keeps_primitives_of(MaxProd, "plus", "sum"):
-            return Semiring.matmul_log(self, a, log_abs, sign)
         return (maxplus(a[0], log_abs),)
 
     def uses_edge_signs(self) -> bool:
-        log_ops = ("lift_log", "scale_log", "scale_log_owned", "matmul_log")
-        return not self.keeps_primitives_of(MaxProd, *log_ops, "lift", "times", "plus", "sum")
-
-    def _log_form_is_own(self) -> bool:
-        """The state is log|product| only while ``lift`` and ``times`` are MaxProd's."""
-        return self.keeps_primitives_of(MaxProd, "lift", "times")
+        return False
 
     def plus(self, a: State, b: State) -> State:
         return (torch.maximum(a[0], b[0]),)
@@ -80,7 +69,7 @@ class MaxProd(Semiring):
         return (maxplus(a[0], self.lift(w)[0]),)
 
     def has_lifted_matmul(self) -> bool:
-        return self.keeps_primitives_of(MaxProd, "lift", "matmul", "matmul_lifted")
+        return True
 
     def matmul_lifted(self, a: State, lifted: State) -> State:
         return (maxplus(a[0], lifted[0]),)
@@ -90,3 +79,19 @@ class MaxProd(Semiring):
 
     def index_plus(self, dest: State, dim: int, index: Tensor, src: State) -> State:
         return (index_reduce(dest[0], dim, index, src[0], "amax"),)
+
+    # --- fast paths of the message math -------------------------------------------------------
+    def lift_is_multiplicative(self) -> bool:
+        return True
+
+    def prefix_plus(self, a: State, dim: int) -> State:
+        return (a[0].cummax(dim).values,)
+
+    def exclusive_plus(self, a: State) -> State | None:
+        return (exclusive_max(a[0]),)
+
+    def compiles_rowwise(self) -> bool:
+        return True
+
+    def normalization_kernel(self) -> CentredPairsKernel | None:
+        return MAX_PROD

@@ -7,6 +7,8 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
+from ..kernels.exclusive import exclusive_max, exclusive_min
+from ..kernels.normalization import SIGNED, CentredPairsKernel
 from ..kernels.tropical import maxplus
 from ._log import log_abs
 from .base import Semiring, Sign, State, index_reduce
@@ -66,8 +68,6 @@ class SignedMaxProd(Semiring):
         return self._lift_routed(log_abs(w, self.state_dtype(w.dtype)), w > 0, w < 0)
 
     def lift_log(self, log_abs: Tensor, sign: Sign = 1.0) -> State:
-        if not self._log_form_is_own():
-            return Semiring.lift_log(self, log_abs, sign)
         lw = log_abs.to(self.state_dtype(log_abs.dtype))
         return self._lift_routed(lw, *_sign_masks(lw, sign))
 
@@ -111,8 +111,6 @@ class SignedMaxProd(Semiring):
         return self._scale_routed(a, log_abs(w, a[0].dtype), w > 0, w < 0)
 
     def scale_log(self, a: State, log_abs: Tensor, sign: Sign = 1.0) -> State:
-        if not self._log_form_is_own():
-            return Semiring.scale_log(self, a, log_abs, sign)
         return self._scale_routed(a, log_abs, *_sign_masks(log_abs, sign))
 
     def _scale_routed(self, a: State, lw: Tensor, pos: Tensor, neg: Tensor) -> State:
@@ -131,16 +129,10 @@ class SignedMaxProd(Semiring):
         return self._matmul_lifted(a, self.lift(w))
 
     def matmul_log(self, a: State, log_abs: Tensor, sign: Sign = 1.0) -> State:
-        own = self._log_form_is_own() and self.keeps_primitives_of(SignedMaxProd, "plus", "sum")
-        if not own:
-            return Semiring.matmul_log(self, a, log_abs, sign)
         return self._matmul_lifted(a, self.lift_log(log_abs.to(a[0].dtype), sign))
 
     def uses_edge_signs(self) -> bool:
         return True
-
-    def _log_form_is_own(self) -> bool:
-        return self.keeps_primitives_of(SignedMaxProd, "lift", "times")
 
     def _matmul_lifted(self, a: State, lifted: State) -> State:
         """All four components in one max-plus call, routing signs through a block matrix.
@@ -196,6 +188,22 @@ class SignedMaxProd(Semiring):
         return tuple(
             index_reduce(d, dim, index, s, r) for d, s, r in zip(dest, src, reduce, strict=True)
         )
+
+    # --- fast paths of the message math -------------------------------------------------------
+    def lift_is_multiplicative(self) -> bool:
+        return True
+
+    def exclusive_plus(self, a: State) -> State | None:
+        # Largest magnitudes are maxima, smallest magnitudes minima, separately for each sign.
+        return (
+            exclusive_max(a[0]),
+            exclusive_max(a[1]),
+            exclusive_min(a[2]),
+            exclusive_min(a[3]),
+        )
+
+    def normalization_kernel(self) -> CentredPairsKernel | None:
+        return SIGNED
 
 
 def _sign_masks(log_abs: Tensor, sign: Sign) -> tuple[Tensor, Tensor]:

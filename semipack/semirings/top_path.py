@@ -15,7 +15,7 @@ from torch import Tensor
 
 from ..kernels.tropical import maxplus_argmax
 from ._log import log_abs
-from .base import Semiring, Sign, State, index_reduce
+from .base import Sign, State, index_reduce
 from .max_prod import MaxProd
 
 NO_SUCCESSOR = -1
@@ -57,15 +57,11 @@ class TopPath(MaxProd):
         return value, a[1].expand(value.shape)
 
     def lift_log(self, log_abs: Tensor, sign: Sign = 1.0) -> State:
-        if not self._log_form_is_own():
-            return Semiring.lift_log(self, log_abs, sign)
         value = log_abs.to(self.state_dtype(log_abs.dtype))
         ids = torch.full(value.shape, NO_SUCCESSOR, dtype=torch.int64, device=value.device)
         return (value, ids)
 
     def scale_log(self, a: State, log_abs: Tensor, sign: Sign = 1.0) -> State:
-        if not self._log_form_is_own():
-            return Semiring.scale_log(self, a, log_abs, sign)
         value = a[0] + log_abs
         return value, a[1].expand(value.shape)
 
@@ -73,16 +69,10 @@ class TopPath(MaxProd):
         return self.scale_log(a, log_abs, sign)
 
     def matmul_log(self, a: State, log_abs: Tensor, sign: Sign = 1.0) -> State:
-        if not self._log_form_is_own() or not self.keeps_primitives_of(TopPath, "plus", "sum"):
-            return Semiring.matmul_log(self, a, log_abs, sign)
         return self._best_products(a, log_abs.to(a[0].dtype))
 
     def uses_edge_signs(self) -> bool:
-        log_ops = ("lift_log", "scale_log", "scale_log_owned", "matmul_log")
-        return not self.keeps_primitives_of(TopPath, *log_ops, "lift", "times", "plus", "sum")
-
-    def _log_form_is_own(self) -> bool:
-        return self.keeps_primitives_of(TopPath, "lift", "times")
+        return False
 
     def sum(self, a: State, dims: list[int], keepdim: bool = False) -> State:
         kept = [d for d in range(a[0].dim()) if d not in dims]
@@ -100,7 +90,7 @@ class TopPath(MaxProd):
         return self._best_products(a, log_abs(w, a[0].dtype))
 
     def has_lifted_matmul(self) -> bool:
-        return self.keeps_primitives_of(TopPath, "lift", "matmul", "matmul_lifted")
+        return True
 
     def matmul_lifted(self, a: State, lifted: State) -> State:
         return self._best_products(a, lifted[0].to(a[0].dtype))
@@ -130,6 +120,9 @@ class TopPath(MaxProd):
 
     def is_zero(self, a: State) -> Tensor:
         return a[0] == float("-inf")
+
+    def lift_is_multiplicative(self) -> bool:
+        return True
 
     def path(self, leaf: Tensor, index: tuple[int, ...] | int | None = None):
         """The best path from ``leaf[index]`` (default: the leaf's best entry) to the root of

@@ -1,0 +1,223 @@
+"""Fused kernels of the normalisation layers' centred Jacobian, one per semiring algebra.
+
+With x̂ = (x - mean) * rstd over the n entries of a row, layer_norm / batch_norm / group_norm
+messages need (see ``messages.normalization``)
+
+    out'_rj = ⊕_i m'_ri ⊗ lift(J'_rij),    J'_rij = δ_ij - (1 + x̂_ri x̂_rj) / n.
+
+Each kernel here computes it for one algebra on plain tensors: a broadcast over [rows, j, i]
+reduced over the contiguous last index i, which inductor fuses into its reduction loop (no
+[rows, n, n] tensor exists), or a hand-written float32 kernel (:mod:`.native`). The log-space
+algebras work in the linear domain after shifting each row by its largest message M_r:
+a_ri = exp(m'_ri - M_r) <= 1 and
+
+    max-product   out'_rj = M_r + log max_i a_ri |J'_rij|
+    log-sum       out'_rj = M_r + log Σ_i a_ri |J'_rij|
+    log-count     out'_rj = M_r + log Σ_i a_ri [J'_rij != 0]
+
+(the same shift the semirings' own BLAS matmuls use; for max-product an entry more than ~87
+nats (float32) below its row max underflows to "no path", which changes the result only if
+every entry within that range has J'_rij exactly 0). A semiring declares its kernels with
+``Semiring.normalization_kernel`` (a ``CentredPairsKernel``).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from .logspace import finite_or_zero, shifted_exp
+from .native import norm_abs_reduce_f32, norm_entropy_sums_f32
+
+INF = float("inf")
+
+#: A fused expression: the state components of m' ([rows, n] each), then x̂ [rows, n], to the
+#: components of out' ([rows, n] each).
+PairsKernel = Callable[..., tuple[Tensor, ...]]
+
+
+@dataclass(frozen=True)
+class CentredPairsKernel:
+    """One semiring's kernels for ``out'_rj = ⊕_i m'_ri ⊗ lift(J'_rij)``.
+
+    ``fused`` is the expression handed to inductor; ``native`` a hand-written float32 kernel
+    with the same values (None: none); ``all_pairs`` says that the kernel reduces over all i,
+    the diagonal included, and corrects the i = j terms afterwards (see ``_diagonal_terms``),
+    so outlier columns must be recomputed; ``as_floats`` that the (boolean) state enters as 0/1
+    floats (a bool load in the inner loop is not vectorised).
+    """
+
+    fused: PairsKernel
+    native: PairsKernel | None = None
+    all_pairs: bool = True
+    as_floats: bool = False
+
+
+def entry_gains(gain: Tensor, gain_per_row: bool) -> Tensor:
+    """``gain`` shaped to broadcast over [rows, n]: [rows, 1] per row, [1, n] per entry, or
+    [rows, n] as given (a gain per row and entry, group_norm's channels)."""
+    if gain_per_row:
+        return gain[:, None]
+    return gain if gain.dim() == 2 else gain[None, :]
+
+
+def centred_pairs(x_hat: Tensor) -> Tensor:
+    """``J'[r, j, i] = δ_ij - (1 + x̂_ri x̂_rj) / n`` as a broadcast expression (symmetric in i, j).
+
+    Inside a compiled kernel this is never materialised; the diagonal is a ``where`` on indices.
+    """
+    n = x_hat.shape[-1]
+    idx = torch.arange(n, device=x_hat.device)
+    eye = (idx[:, None] == idx[None, :]).to(x_hat.dtype)
+    return eye - (1.0 + x_hat[:, :, None] * x_hat[:, None, :]) / n
+
+
+def pair_magnitudes(x_hat: Tensor) -> Tensor:
+    """``|1 + x̂_ri x̂_rj|`` for every pair, the diagonal included (no index test in the loop:
+    a ``where`` on indices keeps inductor from vectorising the reduction, ~4x slower)."""
+    return (1.0 + x_hat[:, None, :] * x_hat[:, :, None]).abs()
+
+
+def _diagonal_terms(a: Tensor, x_hat: Tensor) -> tuple[Tensor, Tensor]:
+    """(wrong, right) i = j terms: what the off-diagonal formula puts there, |1 + x̂_j²| / n, and
+    the true |J'_jj| = |1 - (1 + x̂_j²) / n|, both times a_j.
+
+    For every column with x̂_j² <= (n - 2) / 2 the wrong term is at most the right one, so a max
+    over all i already gives the exact answer and a sum corrected by (right - wrong) loses no
+    precision; the (at most two per row) other columns are recomputed by ``_fix_outliers``.
+    """
+    n = x_hat.shape[-1]
+    off = (1.0 + x_hat * x_hat) / n
+    return a * off, a * (1.0 - off).abs()
+
+
+def max_prod_fused(m: Tensor, x_hat: Tensor) -> tuple[Tensor]:
+    a, shift = shifted_exp(m, -1)
+    return _max_prod_from_best(a, shift, x_hat, (a[:, None, :] * pair_magnitudes(x_hat)).amax(-1))
+
+
+def max_prod_native(m: Tensor, x_hat: Tensor) -> tuple[Tensor]:
+    a, shift = shifted_exp(m, -1)
+    return _max_prod_from_best(a, shift, x_hat, norm_abs_reduce_f32(a, x_hat, reduce_max=True))
+
+
+def _max_prod_from_best(a: Tensor, shift: Tensor, x_hat: Tensor, best: Tensor) -> tuple[Tensor]:
+    """``best`` = max_i a_i |1 + x̂_i x̂_j|; the true diagonal term is never below the one it
+    holds (outside the outlier columns), so one more maximum makes it exact."""
+    _, right = _diagonal_terms(a, x_hat)
+    return (torch.maximum(best / x_hat.shape[-1], right).log() + shift,)
+
+
+def log_sum_fused(m: Tensor, x_hat: Tensor) -> tuple[Tensor]:
+    a, shift = shifted_exp(m, -1)
+    return _log_sum_from_total(a, shift, x_hat, (a[:, None, :] * pair_magnitudes(x_hat)).sum(-1))
+
+
+def log_sum_native(m: Tensor, x_hat: Tensor) -> tuple[Tensor]:
+    a, shift = shifted_exp(m, -1)
+    return _log_sum_from_total(a, shift, x_hat, norm_abs_reduce_f32(a, x_hat, reduce_max=False))
+
+
+def _log_sum_from_total(a: Tensor, shift: Tensor, x_hat: Tensor, total: Tensor) -> tuple[Tensor]:
+    """``total`` = Σ_i a_i |1 + x̂_i x̂_j|, the diagonal included with the off-diagonal formula."""
+    wrong, right = _diagonal_terms(a, x_hat)
+    return ((total / x_hat.shape[-1] - wrong + right).clamp_min(0.0).log() + shift,)
+
+
+def log_count_fused(m: Tensor, x_hat: Tensor) -> tuple[Tensor]:
+    a, shift = shifted_exp(m, -1)
+    live = (a[:, None, :] * (pair_magnitudes(x_hat) != 0).to(a.dtype)).sum(-1)
+    wrong, right = _diagonal_terms(a, x_hat)
+    total = live - (wrong != 0).to(a.dtype) * a + (right != 0).to(a.dtype) * a
+    return (total.clamp_min(0.0).log() + shift,)
+
+
+def entropy_fused(log_z: Tensor, surprisal: Tensor, x_hat: Tensor) -> tuple[Tensor, Tensor]:
+    """Entropy ⊕ over i of (L_i + log|J'|, R_i - log|J'|), with w_i = a_i |J'| (shifted):
+
+    L_j = M + log S_j,  R_j = (T_j - U_j) / S_j,  where S = Σ w, T = Σ w R, U = Σ w log|J'|,
+    three sums fused in one loop over all i, then the i = j terms corrected.
+    """
+    n = x_hat.shape[-1]
+    a, shift = shifted_exp(log_z, -1)
+    r = torch.where(a > 0, surprisal, 0.0)
+    mag = pair_magnitudes(x_hat) / n
+    w = a[:, None, :] * mag
+    s = w.sum(-1)
+    t = (w * r[:, None, :]).sum(-1)
+    u = (w * torch.where(mag > 0, mag.log(), 0.0)).sum(-1)
+    return _entropy_from_sums(a, r, shift, x_hat, s, t, u)
+
+
+def entropy_native(log_z: Tensor, surprisal: Tensor, x_hat: Tensor) -> tuple[Tensor, Tensor]:
+    """``entropy_fused`` with the three sums from the hand-written kernel, which works with
+    c = |1 + x̂_i x̂_j| = n |J'|: S = S_c / n, T = T_c / n, U = (U_c - log(n) S_c) / n."""
+    n = x_hat.shape[-1]
+    a, shift = shifted_exp(log_z, -1)
+    r = torch.where(a > 0, surprisal, 0.0)
+    s_c, t_c, u_c = norm_entropy_sums_f32(a, r, x_hat)
+    u = (u_c - math.log(n) * s_c) / n
+    return _entropy_from_sums(a, r, shift, x_hat, s_c / n, t_c / n, u)
+
+
+def _entropy_from_sums(
+    a: Tensor, r: Tensor, shift: Tensor, x_hat: Tensor, s: Tensor, t: Tensor, u: Tensor
+) -> tuple[Tensor, Tensor]:
+    """Correct the i = j terms of the all-pairs sums and read out (log Z, mean surprisal)."""
+    n = x_hat.shape[-1]
+    wrong, right = _diagonal_terms(a, x_hat)
+    wrong_mag, right_mag = (1.0 + x_hat * x_hat) / n, (1.0 - (1.0 + x_hat * x_hat) / n).abs()
+    s = s - wrong + right
+    t = t + (right - wrong) * r
+    u = u - wrong * torch.where(wrong_mag > 0, wrong_mag.log(), 0.0)
+    u = u + right * torch.where(right_mag > 0, right_mag.log(), 0.0)
+    s = s.clamp_min(0.0)
+    mean = torch.where(s > 0, (t - u) / torch.where(s > 0, s, 1.0), 0.0)
+    return (s.log() + shift, mean)
+
+
+def boolean_fused(reach: Tensor, x_hat: Tensor) -> tuple[Tensor]:
+    # ``reach`` is the boolean message as 0/1 floats (converted before the kernel: a bool load
+    # in the inner loop is not vectorised). For non-outlier columns the i = j term of the
+    # off-diagonal formula is non-zero exactly when the true diagonal is, so "any" is exact.
+    return ((reach[:, None, :] * pair_magnitudes(x_hat)).amax(-1) > 0,)
+
+
+def signed_fused(
+    pos_max: Tensor, neg_max: Tensor, pos_min: Tensor, neg_min: Tensor, x_hat: Tensor
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Sign routing: J' > 0 keeps the sign of a path, J' < 0 swaps positive and negative.
+
+    Maxima shift by the row's largest max-component (a <= 1; far-below entries underflow to 0,
+    i.e. no path); minima by the row's smallest min-component (b >= 1; far-above entries
+    overflow to inf, i.e. no path), so each of the four results is one fused max or min.
+    """
+    top = finite_or_zero(torch.maximum(pos_max, neg_max).amax(-1, keepdim=True))
+    low = finite_or_zero(torch.minimum(pos_min, neg_min).amin(-1, keepdim=True))
+    a_pos, a_neg = (pos_max - top).exp(), (neg_max - top).exp()
+    b_pos, b_neg = (pos_min - low).exp(), (neg_min - low).exp()
+    jp = centred_pairs(x_hat)
+    mag, plus, minus = jp.abs(), jp > 0, jp < 0
+
+    def pick(same: Tensor, swapped: Tensor, absent: float) -> Tensor:
+        chosen = torch.where(plus, same[:, None, :], swapped[:, None, :])
+        return torch.where(plus | minus, chosen * mag, absent)
+
+    return (
+        pick(a_pos, a_neg, 0.0).amax(-1).log() + top,
+        pick(a_neg, a_pos, 0.0).amax(-1).log() + top,
+        pick(b_pos, b_neg, INF).amin(-1).log() + low,
+        pick(b_neg, b_pos, INF).amin(-1).log() + low,
+    )
+
+
+MAX_PROD = CentredPairsKernel(max_prod_fused, max_prod_native)
+LOG_SUM = CentredPairsKernel(log_sum_fused, log_sum_native)
+LOG_COUNT = CentredPairsKernel(log_count_fused)
+ENTROPY = CentredPairsKernel(entropy_fused, entropy_native)
+BOOLEAN = CentredPairsKernel(boolean_fused, as_floats=True)
+SIGNED = CentredPairsKernel(signed_fused, all_pairs=False)

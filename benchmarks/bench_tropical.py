@@ -72,7 +72,9 @@ def main_product(repeats: int) -> None:
         state = sr.lift(torch.randn(N, K))
         t = median_time(lambda sr=sr, state=state: sr.matmul(state, weights), repeats)
         note = (
-            "(does 8x the pairs: 4 components x 2 signs)" if sr.max_like and len(state) == 4 else ""
+            "(does 8x the pairs: 4 components x 2 signs)"
+            if isinstance(sr, semipack.SignedMaxProd)
+            else ""
         )
         report(f"{sr.name}().matmul (compiled)", t, pairs, note)
     mp = semipack.MaxProd()

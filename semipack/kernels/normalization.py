@@ -96,11 +96,14 @@ def _diagonal_terms(a: Tensor, x_hat: Tensor) -> tuple[Tensor, Tensor]:
 
 
 def max_prod_fused(m: Tensor, x_hat: Tensor) -> tuple[Tensor]:
+    """Max-product messages of the centred Jacobian, as one inductor-fused reduction.
+    ``m``: [rows, n] log-messages, ``x_hat``: [rows, n]; returns ([rows, n],)."""
     a, shift = shifted_exp(m, -1)
     return _max_prod_from_best(a, shift, x_hat, (a[:, None, :] * pair_magnitudes(x_hat)).amax(-1))
 
 
 def max_prod_native(m: Tensor, x_hat: Tensor) -> tuple[Tensor]:
+    """``max_prod_fused`` with the all-pairs max taken by the native float32 kernel."""
     a, shift = shifted_exp(m, -1)
     return _max_prod_from_best(a, shift, x_hat, norm_abs_reduce_f32(a, x_hat, reduce_max=True))
 
@@ -113,11 +116,14 @@ def _max_prod_from_best(a: Tensor, shift: Tensor, x_hat: Tensor, best: Tensor) -
 
 
 def log_sum_fused(m: Tensor, x_hat: Tensor) -> tuple[Tensor]:
+    """Log-sum messages of the centred Jacobian, as one inductor-fused reduction.
+    ``m``: [rows, n] log-messages, ``x_hat``: [rows, n]; returns ([rows, n],)."""
     a, shift = shifted_exp(m, -1)
     return _log_sum_from_total(a, shift, x_hat, (a[:, None, :] * pair_magnitudes(x_hat)).sum(-1))
 
 
 def log_sum_native(m: Tensor, x_hat: Tensor) -> tuple[Tensor]:
+    """``log_sum_fused`` with the all-pairs sum taken by the native float32 kernel."""
     a, shift = shifted_exp(m, -1)
     return _log_sum_from_total(a, shift, x_hat, norm_abs_reduce_f32(a, x_hat, reduce_max=False))
 
@@ -129,6 +135,8 @@ def _log_sum_from_total(a: Tensor, shift: Tensor, x_hat: Tensor, total: Tensor) 
 
 
 def log_count_fused(m: Tensor, x_hat: Tensor) -> tuple[Tensor]:
+    """Log-count messages: the shifted sum over the non-zero Jacobian entries, with the
+    diagonal term corrected to the true ``1 - (1 + x̂²)/n``. Shapes as ``log_sum_fused``."""
     a, shift = shifted_exp(m, -1)
     live = (a[:, None, :] * (pair_magnitudes(x_hat) != 0).to(a.dtype)).sum(-1)
     wrong, right = _diagonal_terms(a, x_hat)
@@ -184,6 +192,8 @@ def boolean_fused(reach: Tensor, x_hat: Tensor) -> tuple[Tensor]:
     # ``reach`` is the boolean message as 0/1 floats (converted before the kernel: a bool load
     # in the inner loop is not vectorised). For non-outlier columns the i = j term of the
     # off-diagonal formula is non-zero exactly when the true diagonal is, so "any" is exact.
+    """Reachability: an entry is reached when some reached input has a non-zero Jacobian
+    entry to it. ``reach``: [rows, n] 0/1 floats; returns ([rows, n] bool,)."""
     return ((reach[:, None, :] * pair_magnitudes(x_hat)).amax(-1) > 0,)
 
 

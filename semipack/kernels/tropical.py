@@ -79,14 +79,6 @@ def maxplus_argmax(a: Tensor, b: Tensor) -> tuple[Tensor, Tensor]:
     return values, index
 
 
-def minplus(a: Tensor, b: Tensor) -> Tensor:
-    """``out[..., i, j] = min_k a[..., i, k] + b[..., k, j]``; ``+inf`` means "no edge".
-
-    Computed as ``-maxplus(-a, -b)``, which is exact: negation commutes with rounding.
-    """
-    return -maxplus(-a, -b)
-
-
 # --- shape normalisation -----------------------------------------------------------------------
 def _tropical(a: Tensor, b: Tensor, with_index: bool) -> tuple[Tensor, Tensor | None]:
     """Check shapes, fold batch dims into a [S, N, k] x [S, M, k] problem, run it, unfold."""

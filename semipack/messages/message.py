@@ -81,10 +81,6 @@ class Message(torch.Tensor):
             f"regular_grad={'yes' if self.gradient is not None else 'no'})"
         )
 
-    def readout(self):
-        """The user-facing semiring value (see each semiring's ``readout``)."""
-        return self.semiring.readout(self.parts)
-
     @classmethod
     def seed(cls, gradient: Tensor, semiring: Semiring, regular: bool) -> Message:
         """The message at a backward root: the given gradient, lifted as edge weights.

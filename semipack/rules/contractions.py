@@ -45,6 +45,8 @@ def matmul(call: OpCall):
 
 @register_rule(aten.mv.default)
 def mv(call: OpCall):
+    """Matrix-vector product: the semiring matmul of the message with the matrix (or the
+    vector)."""
     a, v = call["self"], call["vec"]
     sr = call.semiring
     if isinstance(a, Message) and isinstance(v, Message):
@@ -59,6 +61,7 @@ def mv(call: OpCall):
 
 @register_rule(aten.dot.default)
 def dot(call: OpCall):
+    """Dot product: each entry of one vector has one edge, weighted by the other vector's entry."""
     a, b = call["self"], call["tensor"]
     if isinstance(a, Message) and isinstance(b, Message):
         raise call.error("the product of two messages has no semiring meaning")

@@ -235,6 +235,8 @@ def _group_inputs(t: Tensor, groups: int) -> Tensor:
 
 @register_rule(aten.convolution_backward.default)
 def convolution_backward(call: OpCall):
+    """Every convolution (1-3 d, transposed, grouped, strided, dilated): messages to the
+    input, the weight and the bias as the semiring's products over the kernel taps."""
     msg, x, w = call["grad_output"], call["input"], call["weight"]
     mask = call["output_mask"]
     geometry = ConvGeometry.of(

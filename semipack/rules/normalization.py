@@ -75,6 +75,8 @@ def _outputs(call: OpCall, real, grad_in, grad_w, grad_b, mask):
 
 @register_rule(aten.native_layer_norm_backward.default)
 def layer_norm_backward(call: OpCall):
+    """Layer norm: the exact Jacobian of the normalised row (all pairs in the row) times
+    the gain, plus the gain's and bias's edges."""
     msg, x = call["grad_out"], call["input"]
     mask = call["output_mask"]
     n = math.prod(call["normalized_shape"])
@@ -103,6 +105,8 @@ def layer_norm_backward(call: OpCall):
 
 @register_rule(aten.native_batch_norm_backward.default)
 def batch_norm_backward(call: OpCall):
+    """Batch norm (train: statistics over the batch couple every entry of a channel;
+    eval: a per-channel affine map) and the gain's and bias's edges."""
     msg, x = call["grad_out"], call["input"]
     mask, train = call["output_mask"], call["train"]
     dtype = call.weight_dtype

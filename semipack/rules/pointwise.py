@@ -163,6 +163,8 @@ def exact_log_derivative(call: OpCall) -> tuple[Tensor, Sign] | None:
 
 @register_rule(*ACTIVATION_BACKWARDS)
 def activation(call: OpCall):
+    """Elementwise activations' backward ops: each output entry has one edge, the exact
+    local derivative (from the recorded input in log form where it saturates)."""
     name, msg = _message_arg(call)
     exact = exact_log_derivative(call)
     if exact is None:

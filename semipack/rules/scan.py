@@ -11,6 +11,8 @@ aten = torch.ops.aten
 
 @register_rule(aten.cumsum.default)
 def cumsum(call: OpCall):
+    """``cumsum`` of a message (as the backward formulas of ``cumsum`` apply it, between two
+    flips): ``out[i] = ⊕_{j <= i} m[j]`` along ``dim`` (``Semiring.prefix_plus``)."""
     msg = call["self"]
     if msg.dim() == 0:
         return call.wrap(call.run_real(), msg.parts)

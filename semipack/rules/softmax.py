@@ -131,6 +131,8 @@ def _rowwise(
 
 @register_rule(aten._softmax_backward_data.default)
 def softmax_backward(call: OpCall):
+    """Softmax's backward: the row's Jacobian ``p_i (δ_ij - p_j)`` in its structured form
+    (never built densely for the built-in semirings), exact in log space from the recorded input."""
     log_probs = None
     if not call.semiring.linear_weights:
         x = recorded_input("SoftmaxBackward0", call["output"])
@@ -141,6 +143,7 @@ def softmax_backward(call: OpCall):
 
 @register_rule(aten._log_softmax_backward_data.default)
 def log_softmax_backward(call: OpCall):
+    """Log-softmax's backward: the Jacobian ``δ_ij - p_j`` in its structured form."""
     if call.semiring.linear_weights:
         return _rowwise(call, log_softmax_contract)
     # The output is the exact log-probabilities (vanishing ones are cut by the semiring).

@@ -136,8 +136,6 @@ class Semiring:
     components: ClassVar[tuple[str, ...]] = ("value",)
     zero: ClassVar[tuple[float | bool, ...]] = (0.0,)
     one: ClassVar[tuple[float | bool, ...]] = (1.0,)
-    #: True when ``plus`` is an idempotent max/or (the family that needs fused kernels).
-    max_like: ClassVar[bool] = False
     #: True when rules must give this semiring the op's own linear derivative (Real: its messages
     #: are gradients and must equal autograd's, rounding included). Otherwise rules that know an
     #: exact log-derivative use ``scale_log`` / ``matmul_log``.
@@ -175,6 +173,7 @@ class Semiring:
 
     @property
     def name(self) -> str:
+        """The class name, as messages and reprs show it."""
         return type(self).__name__
 
     def __repr__(self) -> str:
@@ -182,12 +181,17 @@ class Semiring:
 
     # --- the six primitives -------------------------------------------------------------------
     def lift(self, w: Tensor) -> State:
+        """Edge weights ``w`` (local partial derivatives, any shape) as states of that shape;
+        an exact 0 must lift to ``zero`` (no edge)."""
         raise NotImplementedError
 
     def plus(self, a: State, b: State) -> State:
+        """Combine two alternatives (paths that meet), entry by entry; identity ``zero``."""
         raise NotImplementedError
 
     def times(self, a: State, b: State) -> State:
+        """Extend paths by edges (or concatenate two path sets), entry by entry; identity
+        ``one``, and ``zero`` absorbs."""
         raise NotImplementedError
 
     def sum(self, a: State, dims: list[int], keepdim: bool = False) -> State:
@@ -206,6 +210,8 @@ class Semiring:
         return torch.promote_types(grad_dtype, torch.float32)
 
     def component_dtypes(self, grad_dtype: torch.dtype) -> tuple[torch.dtype, ...]:
+        """The dtype of each state component for messages of gradients of
+        ``grad_dtype`` (float32 at least, so half-precision models keep their paths)."""
         return (self.state_dtype(grad_dtype),) * len(self.components)
 
     def full(
@@ -215,6 +221,7 @@ class Semiring:
         grad_dtype: torch.dtype,
         device: torch.device | str,
     ) -> State:
+        """A state of ``shape`` holding ``values`` (one per component) in the component dtypes."""
         dtypes = self.component_dtypes(grad_dtype)
         return tuple(
             torch.full(tuple(shape), v, dtype=dt, device=device)
@@ -222,13 +229,12 @@ class Semiring:
         )
 
     def zeros(self, shape: Sequence[int], grad_dtype: torch.dtype, device) -> State:
+        """The semiring's zero ("no path") in every entry of ``shape``."""
         return self.full(self.zero, shape, grad_dtype, device)
 
     def ones(self, shape: Sequence[int], grad_dtype: torch.dtype, device) -> State:
+        """The semiring's one (the empty path) in every entry of ``shape``."""
         return self.full(self.one, shape, grad_dtype, device)
-
-    def fill_like(self, a: State, values: tuple[float | bool, ...]) -> State:
-        return tuple(torch.full_like(c, v) for c, v in zip(a, values, strict=True))
 
     def is_zero(self, a: State) -> Tensor:
         """Boolean mask of entries equal to the semiring zero (no path)."""
@@ -239,6 +245,7 @@ class Semiring:
         return out
 
     def where(self, cond: Tensor, a: State, b: State) -> State:
+        """``a`` where ``cond`` holds, ``b`` elsewhere, component by component."""
         return tuple(torch.where(cond, x, y) for x, y in zip(a, b, strict=True))
 
     # --- derived operations (override for speed) ----------------------------------------------

@@ -15,7 +15,6 @@ class Boolean(Semiring):
 
     zero = (False,)
     one = (True,)
-    max_like = True
 
     def component_dtypes(self, grad_dtype: torch.dtype) -> tuple[torch.dtype, ...]:
         return (torch.bool,)

@@ -22,7 +22,6 @@ class MaxProd(Semiring):
 
     zero = (float("-inf"),)
     one = (0.0,)
-    max_like = True
 
     def __init__(self, log: bool = False) -> None:
         self.log = log

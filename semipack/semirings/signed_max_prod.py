@@ -56,7 +56,6 @@ class SignedMaxProd(Semiring):
     components = ("pos_max", "neg_max", "pos_min", "neg_min")
     zero = (-INF, -INF, INF, INF)
     one = (0.0, -INF, 0.0, INF)
-    max_like = True
 
     def __init__(self, log: bool = False) -> None:
         self.log = log

@@ -2,9 +2,11 @@
 rule-coverage test (``test_rule_coverage.py``, which runs each case once).
 
 ``CASES``: group norm, transposed convolutions, interpolation, F.unfold/F.fold, F.bilinear,
-masked_scatter, index_copy/index_fill, channel shuffle, soft/hard shrink and the margin losses
-(``test_new_op_rules.py``). ``FUNCTIONS``: one-input functions beyond the model zoo
-(``test_more_ops.py``).
+masked_scatter, index_copy/index_fill, channel shuffle, soft/hard shrink, the margin losses,
+3-D pooling, nearest(-exact) upsampling, padding, more losses and activations, structural ops,
+and hand-written backwards (``_HandWritten``: a user's ``autograd.Function`` applying ops to the
+message that PyTorch's own formulas rarely apply to a gradient) (``test_new_op_rules.py``).
+``FUNCTIONS``: one-input functions beyond the model zoo (``test_more_ops.py``).
 """
 
 from __future__ import annotations
@@ -41,10 +43,77 @@ ROW_MASK = torch.tensor([[False, True, True, False, True]])
 TARGETS = torch.tensor([1, 0, 3])
 MULTILABEL = torch.tensor([[3, 0, -1, 1], [0, 1, 2, 3], [2, -1, 0, 0]])
 CLASS_WEIGHTS = torch.tensor([0.5, 2.0, 1.0, 0.25], dtype=torch.float64)
+#: Probability targets for [2, 3] predictions, the ends 0 and 1 included.
+BCE_TARGET = torch.tensor([[0.0, 1.0, 0.3], [1.0, 0.5, 0.0]])
 
 
 def _index_copy(dim: int, index: list[int]) -> Callable[[Tensor, Tensor], Tensor]:
     return lambda x, src: x.index_copy(dim, torch.tensor(index), src)
+
+
+def _seeded_dropout(x: Tensor) -> Tensor:
+    """``native_dropout`` (no generator argument) with the global RNG seeded and restored, so
+    every build of the case draws the same mask and no other test's random stream moves."""
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        return torch.native_dropout(x, 0.4, True)[0]
+
+
+class _HandWritten(torch.autograd.Function):
+    """``forward(x)`` with the hand-written backward ``backward(grad, x_shape)``, as a user's
+    ``autograd.Function`` would run it: the backward applies its ops to semipack's message.
+
+    Cases built on it reach the rules for ops that PyTorch's own backward formulas apply to
+    a gradient rarely or never (in-place arithmetic, fills, fresh buffers, splits, aliases).
+    Each backward is the true VJP of its forward; the oracle reads the Jacobian off the same
+    backward, so the check is the rule against the op's own values.
+    """
+
+    @staticmethod
+    def forward(ctx, x, forward, backward):
+        ctx.backward_fn, ctx.shape = backward, x.shape
+        return forward(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return ctx.backward_fn(grad, ctx.shape), None, None
+
+
+def _hand_written(forward, backward) -> Callable[[Tensor], Tensor]:
+    return lambda x: _HandWritten.apply(x, forward, backward)
+
+
+def _into_fresh(make: Callable[[Tensor, torch.Size], Tensor], start: int = 1):
+    """Backward of ``x[start:]`` (or of zeroing ``x[:start]``): a fresh buffer from ``make``
+    (a zero message), the gradient's tail copied in."""
+
+    def backward(grad: Tensor, shape: torch.Size) -> Tensor:
+        out = make(grad, shape)
+        out[start:] = grad[-(shape[0] - start) :]
+        return out
+
+    return backward
+
+
+def _zero_head(x: Tensor) -> Tensor:
+    return torch.cat([x[:1] * 0, x[1:]])
+
+
+def _swap_blocks(x: Tensor) -> Tensor:
+    """The last three columns, then the first two."""
+    return torch.cat([x[:, 2:], x[:, :2]], 1)
+
+
+def _unswap(split: Callable[[Tensor], tuple[Tensor, ...]]):
+    return lambda grad, shape: torch.cat(split(grad)[::-1], 1)
+
+
+aten = torch.ops.aten
+#: Index and mask tensors for the hand-written backwards.
+INDEX = torch.tensor([2, 0, 2])
+GATHER_INDEX = torch.tensor([[0, 2, 0], [1, 1, 1]])
+SCALES = (2.0, -0.5)
+DOT_WITH = (1.0, -2.0, 0.5)
 
 
 CASES: dict[str, OpCase] = {
@@ -165,6 +234,232 @@ CASES: dict[str, OpCase] = {
     ),
     "multilabel_margin_unbatched": OpCase(
         lambda x: F.multilabel_margin_loss(x, torch.tensor([1, -1, 0])), ((3,),)
+    ),
+    # 3-D pooling: windows over depth, height and width
+    "max_pool3d": OpCase(lambda x: F.max_pool3d(x, 2, stride=1), ((1, 1, 2, 3, 3),)),
+    "avg_pool3d_padded": OpCase(
+        lambda x: F.avg_pool3d(x, 2, stride=1, padding=1), ((1, 1, 2, 2, 2),), zeros=(0.2,)
+    ),
+    "adaptive_avg_pool3d": OpCase(
+        lambda x: F.adaptive_avg_pool3d(x, (1, 2, 1)), ((1, 1, 2, 3, 2),)
+    ),
+    "adaptive_max_pool3d": OpCase(
+        lambda x: F.adaptive_max_pool3d(x, (1, 2, 1)), ((1, 1, 2, 3, 2),)
+    ),
+    # nearest and nearest-exact upsampling: each output copies one input entry
+    "nearest_exact_1d": OpCase(_interpolate(size=5, mode="nearest-exact"), ((1, 2, 3),)),
+    "nearest_exact_2d": OpCase(_interpolate(size=(3, 5), mode="nearest-exact"), ((1, 1, 2, 3),)),
+    "nearest_exact_3d": OpCase(
+        _interpolate(size=(3, 2, 5), mode="nearest-exact"), ((1, 1, 2, 2, 3),)
+    ),
+    "nearest_3d": OpCase(_interpolate(size=(3, 2, 5), mode="nearest"), ((1, 1, 2, 2, 3),)),
+    # padding: reflected and replicated borders meet their source entries; constant is fresh
+    "reflect_pad_2d": OpCase(lambda x: F.pad(x, (1, 2, 2, 0), mode="reflect"), ((1, 1, 3, 3),)),
+    "reflect_pad_3d": OpCase(
+        lambda x: F.pad(x, (1, 0, 0, 1, 1, 1), mode="reflect"), ((1, 1, 2, 2, 3),)
+    ),
+    "replicate_pad_1d": OpCase(lambda x: F.pad(x, (2, 1), mode="replicate"), ((1, 2, 3),)),
+    "replicate_pad_3d": OpCase(
+        lambda x: F.pad(x, (1, 0, 0, 1, 1, 1), mode="replicate"), ((1, 1, 2, 2, 2),)
+    ),
+    "constant_pad": OpCase(lambda x: F.pad(x, (1, 2), value=0.5), ((2, 3),)),
+    # losses
+    "binary_cross_entropy": OpCase(
+        lambda x: F.binary_cross_entropy(torch.sigmoid(x), BCE_TARGET.to(x.dtype)), ((2, 3),)
+    ),
+    "binary_cross_entropy_weighted_sum": OpCase(
+        lambda x: F.binary_cross_entropy(
+            torch.sigmoid(x),
+            BCE_TARGET.to(x.dtype),
+            weight=torch.tensor([0.5, 2.0, 1.0], dtype=x.dtype),
+            reduction="sum",
+        ),
+        ((2, 3),),
+    ),
+    "huber_loss": OpCase(lambda x, y: F.huber_loss(x, y, delta=0.7), ((2, 3), (2, 3))),
+    "smooth_l1_loss": OpCase(
+        lambda x, y: F.smooth_l1_loss(x, y, beta=0.7, reduction="sum"), ((2, 3), (2, 3))
+    ),
+    "nll_loss_2d": OpCase(
+        lambda x: F.nll_loss(x.log_softmax(1), torch.tensor([[[0, 1], [2, 2]]])), ((1, 3, 2, 2),)
+    ),
+    "soft_margin_loss": OpCase(
+        lambda x: F.soft_margin_loss(x, torch.tensor([[1.0, -1, 1], [-1, 1, 1]], dtype=x.dtype)),
+        ((2, 3),),
+    ),
+    # activations with flat pieces or saturating tails
+    "hardtanh": OpCase(lambda x: F.hardtanh(x, -0.5, 0.8), ((3, 4),)),
+    "hardsigmoid": OpCase(lambda x: F.hardsigmoid(x * 3), ((3, 4),)),
+    "hardswish": OpCase(lambda x: F.hardswish(x * 3), ((3, 4),)),
+    "mish": OpCase(F.mish, ((3, 4),)),
+    "log_sigmoid": OpCase(F.logsigmoid, ((3, 4),), zeros=(0.2,)),
+    "logit_eps": OpCase(lambda x: torch.logit(torch.sigmoid(x) * 0.9 + 0.05, eps=0.1), ((3, 4),)),
+    "native_dropout": OpCase(_seeded_dropout, ((3, 4),)),
+    # structural ops and their backward ops
+    "diagonal": OpCase(lambda x: x.diagonal(1), ((3, 4),)),
+    "diag_embed": OpCase(torch.diag_embed, ((2, 3),)),
+    "diagonal_scatter": OpCase(lambda x, s: torch.diagonal_scatter(x, s, 1), ((3, 4), (3,))),
+    "select_scatter": OpCase(lambda x, s: torch.select_scatter(x, s, 1, 0), ((2, 3), (2,))),
+    "slice_scatter": OpCase(lambda x, s: torch.slice_scatter(x, s, 1, 0, 2), ((2, 3), (2, 2))),
+    "roll": OpCase(lambda x: x.roll(1, 1), ((2, 3),)),
+    "triu": OpCase(lambda x: x.triu(1), ((3, 3),)),
+    "pixel_unshuffle": OpCase(lambda x: F.pixel_unshuffle(x, 2), ((1, 1, 2, 4),)),
+    "scatter_add": OpCase(lambda x, s: x.scatter_add(1, GATHER_INDEX, s), ((2, 3), (2, 3))),
+    "index_put_accumulate": OpCase(
+        lambda x, v: x.index_put((torch.tensor([0, 0]),), v, accumulate=True), ((3, 2), (2, 2))
+    ),
+    "index_select": OpCase(lambda x: x.index_select(0, INDEX), ((3, 2),)),
+    "mv": OpCase(torch.mv, ((2, 3), (3,))),
+    # hand-written backwards (a user's autograd.Function) applying ops to the message
+    "hw_add_scalar": OpCase(
+        _hand_written(lambda x: x + 0.5, lambda g, s: aten.add.Scalar(g, 0)), ((2, 3),)
+    ),
+    "hw_sub_scalar": OpCase(
+        _hand_written(lambda x: x - 0.5, lambda g, s: aten.sub.Scalar(g, 0)), ((2, 3),)
+    ),
+    "hw_sub_zero_tensor": OpCase(
+        _hand_written(lambda x: x - 0.5, lambda g, s: g - torch.zeros(s, dtype=g.dtype)), ((2, 3),)
+    ),
+    "hw_add_": OpCase(
+        _hand_written(lambda x: x + x.flip(0), lambda g, s: g.clone().add_(g.flip(0))), ((2, 3),)
+    ),
+    "hw_mul_tensor_": OpCase(
+        _hand_written(
+            lambda x: x * torch.tensor(SCALES, dtype=x.dtype),
+            lambda g, s: g.clone().mul_(torch.tensor(SCALES, dtype=g.dtype)),
+        ),
+        ((3, 2),),
+    ),
+    "hw_mul_scalar_": OpCase(
+        _hand_written(lambda x: x * 2.5, lambda g, s: aten.mul_.Scalar(g.clone(), 2.5)), ((3, 2),)
+    ),
+    "hw_div_tensor_": OpCase(
+        _hand_written(
+            lambda x: x / torch.tensor(SCALES, dtype=x.dtype),
+            lambda g, s: g.clone().div_(torch.tensor(SCALES, dtype=g.dtype)),
+        ),
+        ((3, 2),),
+    ),
+    "hw_div_scalar_": OpCase(
+        _hand_written(lambda x: x / 4.0, lambda g, s: aten.div_.Scalar(g.clone(), 4.0)), ((3, 2),)
+    ),
+    "hw_neg_": OpCase(_hand_written(lambda x: -x, lambda g, s: g.clone().neg_()), ((3, 2),)),
+    "hw_alias": OpCase(_hand_written(lambda x: x * 1, lambda g, s: aten.alias(g)), ((3, 2),)),
+    "hw_lift_fresh": OpCase(
+        _hand_written(lambda x: x * 1, lambda g, s: aten.lift_fresh(g)), ((3, 2),)
+    ),
+    # a copying cast (a cast to float32 keeps float32 states, which round: test_float32_exact)
+    "hw_to_copy": OpCase(
+        _hand_written(lambda x: x * 1, lambda g, s: g.to(torch.float64, copy=True)), ((3, 2),)
+    ),
+    "hw_detach": OpCase(_hand_written(lambda x: x * 1, lambda g, s: g.detach()), ((3, 2),)),
+    "hw_isnan_check": OpCase(
+        _hand_written(lambda x: x * 2, lambda g, s: torch.where(torch.isnan(g), 0.0, g) * 2),
+        ((3, 2),),
+    ),
+    "hw_reshape_alias": OpCase(
+        _hand_written(lambda x: x.reshape(6), lambda g, s: aten._reshape_alias(g, [3, 2], [2, 1])),
+        ((3, 2),),
+    ),
+    "hw_unfold": OpCase(
+        _hand_written(lambda x: x.reshape(6), lambda g, s: g.unfold(0, 2, 2)), ((3, 2),)
+    ),
+    "hw_dot": OpCase(
+        _hand_written(
+            lambda x: x * torch.tensor(DOT_WITH, dtype=x.dtype),
+            lambda g, s: torch.dot(g, torch.tensor(DOT_WITH, dtype=g.dtype)),
+        ),
+        ((),),
+    ),
+    "hw_new_empty_zero_": OpCase(
+        _hand_written(lambda x: x[1:], _into_fresh(lambda g, s: g.new_empty(s).zero_())), ((4,),)
+    ),
+    "hw_new_empty_fill_tensor": OpCase(
+        _hand_written(
+            lambda x: x[1:], _into_fresh(lambda g, s: g.new_empty(s).fill_(torch.tensor(0.0)))
+        ),
+        ((4,),),
+    ),
+    "hw_new_full": OpCase(
+        _hand_written(lambda x: x[1:], _into_fresh(lambda g, s: g.new_full(s, 0.0))), ((4,),)
+    ),
+    "hw_empty_like_fill_": OpCase(
+        _hand_written(_zero_head, _into_fresh(lambda g, s: torch.empty_like(g).fill_(0))), ((4,),)
+    ),
+    "hw_full_like": OpCase(
+        _hand_written(_zero_head, _into_fresh(lambda g, s: torch.full_like(g, 0.0))), ((4,),)
+    ),
+    "hw_index_add": OpCase(
+        _hand_written(
+            lambda x: x.index_select(0, INDEX), lambda g, s: g.new_zeros(s).index_add(0, INDEX, g)
+        ),
+        ((3, 2),),
+    ),
+    "hw_scatter_add_": OpCase(
+        _hand_written(
+            lambda x: x.gather(1, GATHER_INDEX),
+            lambda g, s: g.new_zeros(s).scatter_add_(1, GATHER_INDEX, g),
+        ),
+        ((2, 3),),
+    ),
+    "hw_index_fill_tensor": OpCase(
+        _hand_written(
+            lambda x: x.index_fill(0, INDEX, 0.0),
+            lambda g, s: g.index_fill(0, INDEX, torch.tensor(0.0)),
+        ),
+        ((3, 2),),
+    ),
+    "hw_index_fill_scalar_": OpCase(
+        _hand_written(
+            lambda x: x.index_fill(0, INDEX, 0.0), lambda g, s: g.clone().index_fill_(0, INDEX, 0.0)
+        ),
+        ((3, 2),),
+    ),
+    "hw_index_fill_tensor_": OpCase(
+        _hand_written(
+            lambda x: x.index_fill(0, INDEX, 0.0),
+            lambda g, s: g.clone().index_fill_(0, INDEX, torch.tensor(0.0)),
+        ),
+        ((3, 2),),
+    ),
+    "hw_index_put_": OpCase(
+        _hand_written(
+            lambda x: x.index_fill(0, INDEX, 0.0),
+            lambda g, s: g.clone().index_put_((INDEX,), torch.zeros(2, dtype=g.dtype)),
+        ),
+        ((3, 2),),
+    ),
+    "hw_masked_fill_tensor": OpCase(
+        _hand_written(
+            lambda x: x.masked_fill(MASK, 0.0), lambda g, s: g.masked_fill(MASK, torch.tensor(0.0))
+        ),
+        ((3, 4),),
+    ),
+    "hw_masked_fill_tensor_": OpCase(
+        _hand_written(
+            lambda x: x.masked_fill(MASK, 0.0),
+            lambda g, s: g.clone().masked_fill_(MASK, torch.tensor(0.0)),
+        ),
+        ((3, 4),),
+    ),
+    "hw_repeat": OpCase(
+        _hand_written(lambda x: x.reshape(2, 3).sum(0), lambda g, s: g.repeat(2)), ((6,),)
+    ),
+    "hw_split": OpCase(_hand_written(_swap_blocks, _unswap(lambda g: g.split(3, 1))), ((2, 5),)),
+    "hw_split_with_sizes": OpCase(
+        _hand_written(_swap_blocks, _unswap(lambda g: g.split([3, 2], 1))), ((2, 5),)
+    ),
+    "hw_unsafe_split": OpCase(
+        _hand_written(_swap_blocks, _unswap(lambda g: g.unsafe_split(3, 1))), ((2, 5),)
+    ),
+    "hw_unbind": OpCase(
+        _hand_written(lambda x: x.flip(0), lambda g, s: torch.stack(g.unbind(0)[::-1])), ((3, 2),)
+    ),
+    "hw_native_channel_shuffle": OpCase(
+        _hand_written(
+            lambda x: F.channel_shuffle(x, 2), lambda g, s: torch.native_channel_shuffle(g, 3)
+        ),
+        ((1, 6, 2),),
     ),
 }
 

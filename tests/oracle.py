@@ -3,7 +3,8 @@
 The oracle rebuilds the *scalar* computation graph behind a PyTorch output: one vertex per entry
 of every tensor an autograd node produced (plus the leaf tensors), one edge per non-zero local
 partial derivative. Local Jacobians are read off by calling each autograd node's backward with
-one-hot gradients, so the oracle trusts nothing but PyTorch's own derivative formulas, with two
+one-hot gradients (a Python ``autograd.Function``'s own backward included), so the oracle trusts
+nothing but PyTorch's own derivative formulas, with two
 exceptions (``exact_local_derivatives``) where those formulas lose their digits even in
 float64: the diagonal of softmax and log_softmax Jacobians (1 - p for p near 1) and GELU's
 derivative below x = -6 (Phi(x) as (1 + erf(x / sqrt 2)) / 2).
@@ -142,6 +143,8 @@ def node_jacobians(node: object) -> list[list[np.ndarray | None]]:
         None if child is None else tuple(child._input_metadata[input_nr].shape)
         for child, input_nr in edges
     ]
+    # a C++ node is called; a Python ``autograd.Function``'s node runs its backward via apply
+    backward = node if callable(node) else node.apply  # type: ignore[attr-defined]
     result: list[list[np.ndarray | None]] = []
     for out_index, out_shape in enumerate(shapes):
         n_out = math.prod(out_shape)
@@ -156,7 +159,7 @@ def node_jacobians(node: object) -> list[list[np.ndarray | None]]:
             ]
             grads[out_index].view(-1)[k] = 1
             with torch.no_grad():
-                returned = node(*grads)  # type: ignore[operator]
+                returned = backward(*grads)
             if isinstance(returned, Tensor) or returned is None:
                 returned = (returned,)
             for j, in_shape in enumerate(in_shapes):

@@ -10,29 +10,11 @@ import math
 
 import pytest
 import torch
+from cases_kernels import GROUPED_MM, grouped_mm_loss
 from helpers import SEMIRINGS, oracle_readouts
 from oracle import build_graph
 
 import semipack
-
-
-def _operands(shape_a, shape_b, seed: int = 0):
-    g = torch.Generator().manual_seed(seed)
-    a = torch.randn(*shape_a, generator=g).requires_grad_()
-    b = torch.randn(*shape_b, generator=g).requires_grad_()
-    return a, b
-
-
-CASES = {
-    # rows of a split by offs, one expert matrix each (the MoE forward)
-    "2d_x_3d": ((8, 4), (3, 4, 8), [2, 6, 8]),
-    # columns of b split by offs, one left matrix each
-    "3d_x_2d": ((2, 4, 4), (4, 8), [4, 8]),
-    # the shared dim split by offs: one product per group
-    "2d_x_2d": ((4, 8), (8, 4), [4, 8]),
-    # batched, no offs
-    "3d_x_3d": ((2, 4, 4), (2, 4, 8), None),
-}
 
 
 def _close(name: str, expected, actual) -> bool:
@@ -46,15 +28,10 @@ def _close(name: str, expected, actual) -> bool:
     return torch.allclose(expected.double(), actual.double(), rtol=1e-5, atol=1e-5, equal_nan=True)
 
 
-@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("case", list(GROUPED_MM))
 def test_grouped_mm_matches_the_oracle(case: str, semiring_name: str) -> None:
     name = semiring_name
-    shape_a, shape_b, ends = CASES[case]
-    a, b = _operands(shape_a, shape_b)
-    offs = None if ends is None else torch.tensor(ends, dtype=torch.int32)
-    out = torch._grouped_mm(a, b, offs)
-    weights = torch.randn(out.shape, generator=torch.Generator().manual_seed(5))
-    loss = (out * weights).sum()
+    loss, (a, b) = grouped_mm_loss(case)
     expected = oracle_readouts(build_graph(loss), [a, b], name)
     got = semipack.grad(loss, [a, b], SEMIRINGS[name](), retain_graph=True)
     for e, g, label in zip(expected, got, ("a", "b"), strict=True):

@@ -9,27 +9,20 @@ from __future__ import annotations
 
 import pytest
 import torch
+from cases_kernels import WEIGHT_NORM, weight_norm_losses
 from helpers import SEMIRINGS, assert_readout_matches, oracle_readouts
 from oracle import build_graph
 from torch import nn
 
 import semipack
 
-#: The dims with a fused kernel on CPU (others, and dim=-1, record the decomposition itself).
-CASES = [(0, (3, 1, 1)), (2, (1, 1, 2))]
 
-
-@pytest.mark.parametrize(("dim", "g_shape"), CASES, ids=["dim0", "last_dim"])
+@pytest.mark.parametrize(("dim", "g_shape"), WEIGHT_NORM, ids=["dim0", "last_dim"])
 def test_fused_weight_norm_matches_the_decomposition(dim: int, g_shape, semiring_name: str) -> None:
     name = semiring_name
-    g0 = torch.Generator().manual_seed(0)
-    v = torch.randn(3, 4, 2, generator=g0, dtype=torch.float64, requires_grad=True)
-    g = torch.randn(g_shape, generator=g0, dtype=torch.float64).requires_grad_()
-    weights = torch.randn(3, 4, 2, generator=g0, dtype=torch.float64)
-    fused = (torch._weight_norm(v, g, dim) * weights).sum()
+    fused, decomposed, (v, g) = weight_norm_losses(dim, g_shape)
     nodes = {fused.grad_fn.next_functions[0][0].next_functions[0][0].name()}
     assert nodes == {"WeightNormInterfaceBackward0"}  # the fused kernel really ran
-    decomposed = (v * (g / torch.norm_except_dim(v, 2, dim)) * weights).sum()
     expected = oracle_readouts(build_graph(decomposed), [v, g], name)
     got = semipack.grad(fused, [v, g], SEMIRINGS[name]())
     for e, a, label in zip(expected, got, ("v", "g"), strict=True):

@@ -554,5 +554,9 @@ FUNCTIONS = {
         (2, 3),
     ),
     "reductions": (lambda x: torch.stack([x.prod(1), x.amax(1), x.logsumexp(1), x.std(1)]), (3, 4)),
+    # negative dims reach the exact-product path with autograd's unsigned saved dims (3-d, 5-d)
+    "logsumexp_negative_dim_3d": (lambda x: x.logsumexp(-1), (2, 3, 2)),
+    "logsumexp_two_negative_dims_3d": (lambda x: x.logsumexp((-1, -3)), (2, 3, 2)),
+    "logsumexp_negative_dim_5d": (lambda x: x.logsumexp(-2), (1, 2, 1, 3, 2)),
     "clamp_where": (lambda x: x.clamp(-0.5, 0.5) + torch.where(x > 0, x, 0.0), (2, 4)),
 }

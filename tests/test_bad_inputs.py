@@ -790,6 +790,48 @@ def test_a_message_left_by_retain_grad_before_the_block_says_what_happened() -> 
     )
 
 
+class _ClampedGradient(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x * 2
+
+    @staticmethod
+    def backward(ctx, g):
+        return g.clamp(-1, 1) * 2
+
+
+class _NumpyGradient(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x * 2
+
+    @staticmethod
+    def backward(ctx, g):
+        return torch.from_numpy(g.numpy() * 2)
+
+
+def test_a_custom_function_nonlinear_in_its_gradient_is_named_with_the_reason() -> None:
+    x = torch.ones(3, dtype=DTYPE, requires_grad=True)
+    with pytest.raises(semipack.UnsupportedOpError) as info:
+        semipack.grad(_ClampedGradient.apply(x).sum(), x, semipack.MaxProd())
+    assert info.value.op == "aten.clamp.default" and info.value.node == "_ClampedGradientBackward"
+    assert (
+        "_ClampedGradientBackward is the backward of a custom torch.autograd.Function, which "
+        "semipack runs on the semiring message; its ops on the incoming gradient must be linear "
+        "in it"
+    ) in str(info.value)
+
+
+def test_a_custom_function_through_numpy_says_why_it_cannot_run() -> None:
+    x = torch.ones(3, dtype=DTYPE, requires_grad=True)
+    with pytest.raises(semipack.SemipackError) as info:
+        semipack.grad(_NumpyGradient.apply(x).sum(), x, semipack.MaxProd())
+    assert str(info.value).startswith(
+        "a semiring message cannot be converted to numpy in the backward of "
+        "_NumpyGradientBackward: it carries a semiring state, not a gradient."
+    )
+
+
 def test_top_path_rejects_an_out_of_range_index() -> None:
     tp, lin = _top_path_run()
     with pytest.raises(IndexError, match="index 5 is out of bounds for dimension 0 with size 2"):

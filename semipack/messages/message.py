@@ -20,7 +20,7 @@ from torch import Tensor
 from torch._ops import OpOverload
 from torch.utils._pytree import tree_flatten, tree_map
 
-from ..errors import MessageLostError, UnsupportedOpError
+from ..errors import MessageLostError, SemipackError, UnsupportedOpError
 from ..graph.provenance import current_site
 from ..semirings.base import Semiring, State
 from .rule_table import rule_for
@@ -75,6 +75,17 @@ class Message(torch.Tensor):
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
         return dispatch(func, args, kwargs or {})
 
+    def numpy(self, *args: Any, **kwargs: Any) -> Any:
+        """A message has no numpy form: its semiring state is not a gradient."""
+        node, _module = current_site()
+        where = f" in the backward of {node}" if node else ""
+        raise SemipackError(
+            f"a semiring message cannot be converted to numpy{where}: it carries a semiring "
+            "state, not a gradient. A custom autograd.Function whose backward goes through "
+            "numpy cannot run inside semipack.extend; write its backward with torch ops that "
+            "are linear in the incoming gradient"
+        )
+
     def __repr__(self) -> str:  # printing must not dispatch ops on the wrapper
         return (
             f"Message({self.semiring!r}, shape={tuple(self.shape)}, dtype={self.dtype}, "
@@ -112,7 +123,20 @@ def unsupported(func: OpOverload, reason: str = "") -> UnsupportedOpError:
             "registered inside the semipack.extend block; register module backward hooks "
             "before entering the block (they then see regular gradients)"
         )
+    if node is not None and not reason and _is_custom_function(node):
+        reason = (
+            f"{node} is the backward of a custom torch.autograd.Function, which semipack runs on "
+            "the semiring message; its ops on the incoming gradient must be linear in it "
+            "(scaling by plain tensors, indexing, sums, products with plain matrices). An op "
+            "like clamp, sign or abs of the gradient has no semiring meaning"
+        )
     return UnsupportedOpError(str(func), node, module, reason)
+
+
+def _is_custom_function(node: str) -> bool:
+    """Built-in autograd nodes are named ``<Op>Backward<N>``; a custom Function's node is its
+    class name plus ``Backward``."""
+    return node.endswith("Backward") and node != MODULE_HOOK_NODE
 
 
 def dispatch(func: OpOverload, args: tuple, kwargs: dict) -> Any:

@@ -84,11 +84,17 @@ def _erf(negate: bool) -> ExactFactor:
     return factor_of
 
 
+def _signed(dim: int) -> int:
+    """A saved ``int[]`` dim as autograd exposes it: unsigned 64-bit (``-1`` reads back as
+    2^64 - 1), so negative dims must be converted before taking them modulo the rank."""
+    return dim - (1 << 64) if dim >= 1 << 63 else dim
+
+
 def _logsumexp(node: Any, factor: Tensor, call: OpCall) -> tuple[Tensor, Sign] | None:
     """LogsumexpBackward0: ``grad * exp(x - result)`` (result unsqueezed unless keepdim)."""
     x, result = node._saved_self, node._saved_result
     if not node._saved_keepdim and x.dim() != 0:
-        for d in sorted(dim % x.dim() for dim in node._saved_dim):
+        for d in sorted(_signed(dim) % x.dim() for dim in node._saved_dim):
             result = result.unsqueeze(d)
     log = x - result
     if not _matches(factor, log.exp()):

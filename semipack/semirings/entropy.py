@@ -141,13 +141,14 @@ class Entropy(Semiring):
             return None
         e = (log_z - shift).exp_()
         e_r = e * surprisal
+        e_t, e_r_t = e.transpose(-1, -2), e_r.transpose(-1, -2)
         by_right = by_left = total = None
         if right is not None:
             by_right = _entropy_product(e, e_r, right, shift)
         if left is not None:
-            by_left = _entropy_product(e.mT, e_r.mT, left, shift)
+            by_left = _entropy_product(e_t, e_r_t, left, shift)
         if left_log is not None:
-            by_left = _entropy_product_log(e.mT, e_r.mT, left_log, shift)
+            by_left = _entropy_product_log(e_t, e_r_t, left_log, shift)
         if want_sum:
             total = _entropy_pair(e.sum(-2), e_r.sum(-2), shift)
         return by_right, by_left, total

@@ -184,10 +184,10 @@ class LogSum(Semiring):
         if right is not None:
             by_right = (torch.matmul(e, self.magnitude(right)).log_().add_(shift),)
         if left is not None:
-            by_left = (torch.matmul(e.mT, self.magnitude(left)).log_().add_(shift),)
+            by_left = (torch.matmul(e.transpose(-1, -2), self.magnitude(left)).log_().add_(shift),)
         if left_log is not None:
             scaled, c = column_scaled(self.log_magnitude(left_log))
-            by_left = (torch.matmul(e.mT, scaled).log_().add_(shift).add_(c),)
+            by_left = (torch.matmul(e.transpose(-1, -2), scaled).log_().add_(shift).add_(c),)
         if want_sum:
             total = (e.sum(-2).log_().add_(shift),)
         return by_right, by_left, total

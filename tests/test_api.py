@@ -350,7 +350,7 @@ def test_user_rule_registration_is_used() -> None:
         source = torch.where(q < 0, -q, torch.where(q >= n, 2 * (n - 1) - q, q))
         dest = call.zeros(x.shape)
         return call.wrap(
-            call.run_real(), call.semiring.index_plus(dest, x.dim() - 1, source, msg.parts)
+            call.run_regular(), call.semiring.index_plus(dest, x.dim() - 1, source, msg.parts)
         )
 
     with semipack.scoped_rules():
@@ -362,9 +362,9 @@ def test_user_rule_registration_is_used() -> None:
         torch.testing.assert_close(
             count, torch.tensor([[1.0, 2.0, 3.0, 1.0]], dtype=torch.float64).log()
         )
-        (real,) = semipack.grad(padded.sum(), x, semipack.Real())
+        (regular,) = semipack.grad(padded.sum(), x, semipack.Real())
         torch.testing.assert_close(
-            real, torch.autograd.grad(F.pad(x, (2, 1), mode="reflect").sum(), x)[0]
+            regular, torch.autograd.grad(F.pad(x, (2, 1), mode="reflect").sum(), x)[0]
         )
     assert calls == [op, op]
     assert semipack.messages.rule_for(op) is built_in  # restored when the block ended

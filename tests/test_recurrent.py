@@ -623,7 +623,7 @@ def test_cudnn_rule_matches_oracle(case: Case) -> None:
         got.update(zip(params, dw, strict=True))
         assert sorted(got) == list(range(len(leaves)))
         for i, msg in got.items():
-            assert msg.gradient is None
+            assert msg.regular_grad is None
             assert_readout_matches(
                 name, expected[name][i], msg.semiring.readout(msg.parts), f"{case.name} {i}"
             )

@@ -362,10 +362,10 @@ class ExtensionFunction(torch.autograd.Function):
         values = inner.values()
         needs = tuple(ctx.needs_input_grad[2:])
         states = cls.messages(BackwardCall(sr, incoming, values, needs, ctx.options, ctx.kept))
-        reg = inner.regular_grads(regular)
+        regular = inner.regular_grads(regular)
         out = tuple(
             as_message(r, s, sr, v) if s is not None and need and v is not None else None
-            for r, s, v, need in zip(reg, states, values, needs, strict=True)
+            for r, s, v, need in zip(regular, states, values, needs, strict=True)
         )
         if release:
             ctx.__dict__.clear()
@@ -375,7 +375,7 @@ class ExtensionFunction(torch.autograd.Function):
 def split_message(grad: Tensor | None) -> tuple[Tensor | None, State | None, Semiring | None]:
     """(regular gradient, semiring state, semiring) of an incoming gradient or message."""
     if isinstance(grad, Message):
-        return grad.gradient, grad.parts, grad.semiring
+        return grad.regular_grad, grad.parts, grad.semiring
     return grad, None, None
 
 

@@ -2,7 +2,7 @@
 
 autograd hands a ``Message`` to every backward formula as if it were the incoming gradient. Each
 aten op the formula applies to it lands in ``__torch_dispatch__``, which looks up the op's rule:
-the rule computes the regular gradient (``real``) with the op itself, and the semiring state
+the rule computes the regular gradient (``regular_grad``) with the op itself, and the semiring state
 (``parts``) with the semiring's plus and times. The engine's own accumulation (``aten.add``)
 becomes the semiring's plus the same way.
 
@@ -30,28 +30,28 @@ class Message(torch.Tensor):
     """A backward message: the regular gradient (optional) and the semiring state of a tensor.
 
     Attributes:
-        gradient: the ordinary gradient, or ``None`` when regular gradients are switched off.
+        regular_grad: the regular gradient, or ``None`` when regular gradients are switched off.
         parts: the semiring state, one tensor per component, each of the message's shape.
         semiring: the semiring the state belongs to.
     """
 
-    gradient: Tensor | None
+    regular_grad: Tensor | None
     parts: State
     semiring: Semiring
 
     @staticmethod
     def __new__(
         cls,
-        real: Tensor | None,
+        regular: Tensor | None,
         parts: State,
         semiring: Semiring,
         dtype: torch.dtype | None = None,
     ) -> Message:
-        ref = real if real is not None else parts[0]
+        ref = regular if regular is not None else parts[0]
         if dtype is None:
-            if real is None:
-                raise ValueError("a Message without a real gradient needs an explicit dtype")
-            dtype = real.dtype
+            if regular is None:
+                raise ValueError("a Message without a regular gradient needs an explicit dtype")
+            dtype = regular.dtype
         self = torch.Tensor._make_wrapper_subclass(
             cls,
             ref.shape,
@@ -61,7 +61,7 @@ class Message(torch.Tensor):
             requires_grad=False,
         )
         shape = ref.shape
-        self.gradient = real
+        self.regular_grad = regular
         self.parts = tuple(p if p.shape == shape else p.expand(shape) for p in parts)
         self.semiring = semiring
         return self
@@ -89,7 +89,7 @@ class Message(torch.Tensor):
     def __repr__(self) -> str:  # printing must not dispatch ops on the wrapper
         return (
             f"Message({self.semiring!r}, shape={tuple(self.shape)}, dtype={self.dtype}, "
-            f"regular_grad={'yes' if self.gradient is not None else 'no'})"
+            f"regular_grad={'yes' if self.regular_grad is not None else 'no'})"
         )
 
     @classmethod
@@ -165,7 +165,7 @@ class OpCall:
         self.semiring: Semiring = first.semiring
         self.dtype: torch.dtype = first.dtype
         self.device = first.device
-        self.regular = all(m.gradient is not None for m in self.messages)
+        self.has_regular_grad = all(m.regular_grad is not None for m in self.messages)
         for m in self.messages[1:]:
             if type(m.semiring) is not type(self.semiring):
                 raise self.error(f"messages of {first.semiring} and {m.semiring} met")
@@ -204,17 +204,17 @@ class OpCall:
         return unsupported(self.func, reason)
 
     # --- channels -----------------------------------------------------------------------------
-    def run_real(self, *args, **kwargs) -> Any:
+    def run_regular(self, *args, **kwargs) -> Any:
         """The op's ordinary result on the regular gradients (None when they are off).
 
         With no arguments, re-runs the call as given; otherwise runs ``func(*args, **kwargs)``
         with any Message replaced by its regular gradient.
         """
-        if not self.regular:
+        if not self.has_regular_grad:
             return None
         if not args and not kwargs:
             args, kwargs = self.args, self.kwargs
-        return self.func(*tree_map(_real_of, args), **tree_map(_real_of, kwargs))
+        return self.func(*tree_map(_regular_of, args), **tree_map(_regular_of, kwargs))
 
     def state(self, x: Any, shape: Sequence[int] | None = None) -> State:
         """The semiring state of an argument in a message slot.
@@ -237,10 +237,10 @@ class OpCall:
             return self.semiring.zeros(() if shape is None else shape, self.dtype, self.device)
         raise self.error(f"argument {x!r} cannot be a semiring message")
 
-    def wrap(self, real: Tensor | None, parts: State) -> Message:
-        """A message output: regular gradient ``real`` (or None) and state ``parts``, in this
+    def wrap(self, regular: Tensor | None, parts: State) -> Message:
+        """A message output: regular gradient ``regular`` (or None) and state ``parts``, in this
         call's semiring (which, on a path-recording pass, carries the pass's trace)."""
-        return Message(real, parts, self.semiring, self.dtype if real is None else None)
+        return Message(regular, parts, self.semiring, self.dtype if regular is None else None)
 
     def zeros(self, shape: Sequence[int]) -> State:
         """The semiring's zero ("no path") of ``shape``, in the state dtypes and on the device
@@ -248,9 +248,9 @@ class OpCall:
         return self.semiring.zeros(shape, self.dtype, self.device)
 
 
-def _real_of(x: Any) -> Any:
+def _regular_of(x: Any) -> Any:
     if isinstance(x, Message):
-        return x.gradient
+        return x.regular_grad
     return x
 
 
@@ -264,7 +264,7 @@ def per_component(call: OpCall, slots: Iterable[str]) -> tuple[Any, list[Any]]:
     slots = tuple(slots)
     sr = call.semiring
     bound = call.bound
-    real = call.run_real()
+    regular = call.run_regular()
     states: dict[str, Any] = {}
     for name in slots:
         value = bound[name]
@@ -278,7 +278,7 @@ def per_component(call: OpCall, slots: Iterable[str]) -> tuple[Any, list[Any]]:
         for name, st in states.items():
             kwargs[name] = [s[i] for s in st] if isinstance(st, list) else st[i]
         outs.append(call_by_name(call.func, kwargs))
-    return real, outs
+    return regular, outs
 
 
 def call_by_name(func: OpOverload, named: dict[str, Any]) -> Any:
@@ -292,10 +292,10 @@ def call_by_name(func: OpOverload, named: dict[str, Any]) -> Any:
     return func(*args, **kwargs)
 
 
-def wrap_outputs(call: OpCall, real: Any, outs: list[Any]) -> Any:
+def wrap_outputs(call: OpCall, regular: Any, outs: list[Any]) -> Any:
     """Zip per-component results (tensor or sequence of tensors) into Message outputs."""
     first = outs[0]
     if isinstance(first, (list, tuple)):
-        reals = real if real is not None else [None] * len(first)
+        reals = regular if regular is not None else [None] * len(first)
         return type(first)(call.wrap(r, tuple(o[j] for o in outs)) for j, r in enumerate(reals))
-    return call.wrap(real, tuple(outs))
+    return call.wrap(regular, tuple(outs))

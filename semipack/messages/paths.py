@@ -152,7 +152,7 @@ class PathTrace:
                     continue
                 site = sites[slot] if slot < len(sites) else None
                 ids = self.relabel(g.parts[0], g.parts[1], op, module, site)
-                out.append(Message(g.gradient, (g.parts[0], ids), g.semiring, g.dtype))
+                out.append(Message(g.regular_grad, (g.parts[0], ids), g.semiring, g.dtype))
                 changed = True
             return tuple(out) if changed else None
 

@@ -22,7 +22,7 @@ def add(call: OpCall):
         raise call.error("add with alpha != 1 on a message")
     shape = torch.broadcast_shapes(*(x.shape for x in (a, b) if isinstance(x, Tensor)))
     parts = call.semiring.plus(call.state(a, shape), call.state(b, shape))
-    return call.wrap(call.run_real(), parts)
+    return call.wrap(call.run_regular(), parts)
 
 
 @register_rule(aten.sub.Tensor, aten.sub.Scalar)
@@ -34,7 +34,7 @@ def sub(call: OpCall):
     if isinstance(b, Message):
         raise call.error("subtracting a message has no semiring meaning")
     call.state(b)  # checks that the plain operand is zero
-    return call.wrap(call.run_real(), call["self"].parts)
+    return call.wrap(call.run_regular(), call["self"].parts)
 
 
 def _scale(call: OpCall, weight) -> Message:
@@ -45,7 +45,7 @@ def _scale(call: OpCall, weight) -> Message:
         weight = weight.to(dtype)
     else:
         weight = torch.tensor(weight, dtype=dtype, device=msg.device)
-    return call.wrap(call.run_real(), call.semiring.scale(msg.parts, weight))
+    return call.wrap(call.run_regular(), call.semiring.scale(msg.parts, weight))
 
 
 @register_rule(aten.mul.Tensor, aten.mul.Scalar)
@@ -86,7 +86,7 @@ def sum_(call: OpCall):
     dims = normalize_dims(call.bound.get("dim"), msg.dim())
     keepdim = bool(call.bound.get("keepdim") or False)
     parts = msg.parts if msg.dim() == 0 else call.semiring.sum(msg.parts, dims, keepdim)
-    return call.wrap(call.run_real(), parts)
+    return call.wrap(call.run_regular(), parts)
 
 
 for _inplace, _rule in [

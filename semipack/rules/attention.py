@@ -261,8 +261,8 @@ def _sdpa_backward(call: OpCall, grad_name: str, mask_name: str | None, n_output
     sr = call.semiring
     m_q, m_k, m_v = attention_messages(sr, msg.parts, q, k, v, mask, bool(call["is_causal"]), scale)
     m_k, m_v = fold_heads(sr, m_k, groups), fold_heads(sr, m_v, groups)
-    real = call.run_real()
-    reals = list(real) if real is not None else [None] * n_outputs
+    regular = call.run_regular()
+    reals = list(regular) if regular is not None else [None] * n_outputs
     outs = [call.wrap(r, parts) for r, parts in zip(reals[:3], (m_q, m_k, m_v), strict=True)]
     return tuple(outs + reals[3:])
 

@@ -40,7 +40,7 @@ def matmul(call: OpCall):
         shared = shared_shift_products(sr, b.parts, left=a.transpose(-1, -2))
         parts = shared[1] if shared is not None else sr.matmul(_t(b.parts), a.transpose(-1, -2))
         parts = _t(parts)
-    return call.wrap(call.run_real(), parts)
+    return call.wrap(call.run_regular(), parts)
 
 
 @register_rule(aten.mv.default)
@@ -56,7 +56,7 @@ def mv(call: OpCall):
         parts = tuple(p[0] for p in sr.matmul(tuple(p[None] for p in v.parts), weights))
     else:
         parts = tuple(p[:, 0] for p in sr.matmul(a.parts, v[:, None].to(call.weight_dtype)))
-    return call.wrap(call.run_real(), parts)
+    return call.wrap(call.run_regular(), parts)
 
 
 @register_rule(aten.dot.default)
@@ -68,7 +68,7 @@ def dot(call: OpCall):
     msg, w = (a, b) if isinstance(a, Message) else (b, a)
     weights = w[:, None].to(call.weight_dtype)
     parts = tuple(p[0, 0] for p in call.semiring.matmul(tuple(p[None] for p in msg.parts), weights))
-    return call.wrap(call.run_real(), parts)
+    return call.wrap(call.run_regular(), parts)
 
 
 # --- _trilinear: torch.bilinear's three-operand product -------------------------------------------
@@ -200,7 +200,7 @@ def trilinear(call: OpCall):
     layout = TrilinearLayout.of([tuple(t.shape) for t in full], k, call["sumdim"])
     m = tuple(_unsqueezed(c, expands[k]) for c in operands[k].parts)
     p, q = (full[j] for j in range(3) if j != k)
-    return call.wrap(call.run_real(), trilinear_messages(call.semiring, m, p, q, layout))
+    return call.wrap(call.run_regular(), trilinear_messages(call.semiring, m, p, q, layout))
 
 
 @register_rule(aten._grouped_mm.default)
@@ -258,4 +258,4 @@ def grouped_mm(call: OpCall):
             for o, p in zip(out, piece, strict=True):
                 o[g] = p
         parts = out
-    return call.wrap(call.run_real(), parts)
+    return call.wrap(call.run_regular(), parts)

@@ -249,8 +249,8 @@ def convolution_backward(call: OpCall):
         call["output_padding"],
     )
     grads = conv_messages(call.semiring, msg.parts, x, w, geometry, mask)
-    real = call.run_real()
-    reals = list(real) if real is not None else [None, None, None]
+    regular = call.run_regular()
+    reals = list(regular) if regular is not None else [None, None, None]
     return tuple(
         call.wrap(r, parts) if want and parts is not None else r
         for want, parts, r in zip(mask, grads, reals, strict=True)

@@ -26,4 +26,4 @@ def embedding_dense_backward(call: OpCall):
         indices, src = indices[keep], tuple(p[keep] for p in src)
     shape = (call["num_weights"], dim)
     state = scatter_into_zeros(call.semiring, shape, 0, indices, src, call.dtype)
-    return call.wrap(call.run_real(), state)
+    return call.wrap(call.run_regular(), state)

@@ -52,7 +52,7 @@ def exact_product(call: OpCall) -> Message | None:
     if exact is None:
         return None
     log_abs, sign = exact
-    return call.wrap(call.run_real(), call.semiring.scale_log(msg.parts, log_abs, sign))
+    return call.wrap(call.run_regular(), call.semiring.scale_log(msg.parts, log_abs, sign))
 
 
 def _matches(factor: Tensor, expected: Tensor) -> bool:

@@ -20,7 +20,7 @@ def isnan(call: OpCall) -> torch.Tensor:
     the state, so NaN states are reported as PyTorch reports NaN gradients."""
     msg = call["self"]
     found = torch.zeros(msg.shape, dtype=torch.bool, device=msg.device)
-    for part in (msg.gradient, *msg.parts):
+    for part in (msg.regular_grad, *msg.parts):
         if part is not None and part.is_floating_point():
             found |= torch.isnan(part)
     return found

@@ -222,4 +222,4 @@ _BACKWARDS = [
 def interpolation_backward(call: OpCall):
     """Every interpolation mode (nearest, linear, bilinear, bicubic, trilinear,
     antialiased): edges with the coefficients PyTorch's own backward applies."""
-    return call.wrap(call.run_real(), interpolation_messages(call))
+    return call.wrap(call.run_regular(), interpolation_messages(call))

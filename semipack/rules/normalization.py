@@ -65,8 +65,8 @@ def _param_messages(sr: Semiring, m: State, x_hat: Tensor, reduce_dims: list[int
     return sr.sum(sr.scale(m, x_hat), reduce_dims), sr.sum(m, reduce_dims)
 
 
-def _outputs(call: OpCall, real, grad_in, grad_w, grad_b, mask):
-    reals = list(real) if real is not None else [None, None, None]
+def _outputs(call: OpCall, regular, grad_in, grad_w, grad_b, mask):
+    reals = list(regular) if regular is not None else [None, None, None]
     outs = []
     for want, parts, r in zip(mask, (grad_in, grad_w, grad_b), reals, strict=True):
         outs.append(call.wrap(r, parts) if want and parts is not None else r)
@@ -100,7 +100,7 @@ def layer_norm_backward(call: OpCall):
         grad_b = (
             tuple(p.reshape(shape) for p in b) if mask[2] and call["bias"] is not None else None
         )
-    return _outputs(call, call.run_real(), grad_in, grad_w, grad_b, mask)
+    return _outputs(call, call.run_regular(), grad_in, grad_w, grad_b, mask)
 
 
 @register_rule(aten.native_batch_norm_backward.default)
@@ -137,7 +137,7 @@ def batch_norm_backward(call: OpCall):
         w, b = _param_messages(sr, m, x_hat, [1])
         grad_w = w if mask[1] and weight is not None else None
         grad_b = b if mask[2] else None
-    return _outputs(call, call.run_real(), grad_in, grad_w, grad_b, mask)
+    return _outputs(call, call.run_regular(), grad_in, grad_w, grad_b, mask)
 
 
 @register_rule(aten.native_group_norm_backward.default)
@@ -157,7 +157,7 @@ def group_norm_backward(call: OpCall):
         grad_in = call.zeros(x.shape) if mask[0] else None
         grad_w = call.zeros((channels,)) if mask[1] and weight is not None else None
         grad_b = call.zeros((channels,)) if mask[2] else None
-        return _outputs(call, call.run_real(), grad_in, grad_w, grad_b, mask)
+        return _outputs(call, call.run_regular(), grad_in, grad_w, grad_b, mask)
     rows, n = batch * groups, x.numel() // (batch * groups)
     grouped = x.to(dtype).reshape(batch, groups, -1)
     mean, rstd = call["mean"].to(dtype), call["rstd"].to(dtype)
@@ -174,7 +174,7 @@ def group_norm_backward(call: OpCall):
         w, b = _param_messages(sr, m, x_hat.reshape(per_channel), [0, 2])
         grad_w = w if mask[1] and weight is not None else None
         grad_b = b if mask[2] else None
-    return _outputs(call, call.run_real(), grad_in, grad_w, grad_b, mask)
+    return _outputs(call, call.run_regular(), grad_in, grad_w, grad_b, mask)
 
 
 def _group_gains(

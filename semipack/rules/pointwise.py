@@ -172,7 +172,7 @@ def activation(call: OpCall):
     else:
         parts = call.semiring.scale_log_owned(msg.parts, *exact)
     # The regular gradient after the message: its temporaries are gone by then (peak memory).
-    return call.wrap(call.run_real(), parts)
+    return call.wrap(call.run_regular(), parts)
 
 
 def _soft_margin(call: OpCall) -> tuple[Tensor, Sign]:
@@ -199,7 +199,7 @@ def pointwise_loss(call: OpCall):
         parts = tuple(p.unsqueeze(1) for p in parts)
     parts = tuple(p.expand(weights.shape) for p in parts)
     parts = sr.scale(parts, weights) if exact is None else sr.scale_log(parts, *exact)
-    return call.wrap(call.run_real(), parts)
+    return call.wrap(call.run_regular(), parts)
 
 
 @register_rule(aten.glu_backward.default)
@@ -221,7 +221,7 @@ def glu_backward(call: OpCall):
         log_b = logd.log_sigmoid_of(-b).add_(log_gate).add_(a.abs().log())
         to_b = sr.scale_log(msg.parts, log_b, torch.sign(a))
     parts = tuple(torch.cat(pair, dim) for pair in zip(to_a, to_b, strict=True))
-    return call.wrap(call.run_real(), parts)
+    return call.wrap(call.run_regular(), parts)
 
 
 @register_rule(aten._prelu_kernel_backward.default)
@@ -240,6 +240,6 @@ def prelu_backward(call: OpCall):
     dims = [d for d in range(x.dim()) if not (w.numel() > 1 and d == 1)]
     to_w = sr.sum(to_w, dims) if dims else to_w
     to_w = tuple(p.reshape(weight.shape) for p in to_w)
-    real = call.run_real()
-    reals = real if real is not None else (None, None)
+    regular = call.run_regular()
+    reals = regular if regular is not None else (None, None)
     return call.wrap(reals[0], to_x), call.wrap(reals[1], to_w)

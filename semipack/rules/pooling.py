@@ -36,7 +36,7 @@ def _max_pool(call: OpCall, nsp: int):
     src = tuple(p.reshape(-1) for p in m)
     flat = tuple(p.reshape(-1) for p in dest)
     parts = tuple(p.reshape(x.shape) for p in call.semiring.index_plus(flat, 0, targets, src))
-    return call.wrap(call.run_real(), parts)
+    return call.wrap(call.run_regular(), parts)
 
 
 @register_rule(
@@ -87,7 +87,7 @@ def _avg_pool(call: OpCall, nsp: int):
     src = call.semiring.scale(tuple(p[:, None, :] for p in m), weights.to(x.device)[None, None, :])
     src = tuple(p.expand(lead, index.shape[0], outs) for p in src)
     parts = scatter_windows(call.semiring, dest, lead, spatial, index, src)
-    return call.wrap(call.run_real(), tuple(p.reshape(x.shape) for p in parts))
+    return call.wrap(call.run_regular(), tuple(p.reshape(x.shape) for p in parts))
 
 
 @register_rule(aten.avg_pool2d_backward.default)
@@ -116,7 +116,7 @@ def _adaptive_avg(call: OpCall, nsp: int):
     src = call.semiring.scale(tuple(p[:, None, :] for p in m), weights[None, None, :])
     src = tuple(p.expand(lead, index.shape[0], outs) for p in src)
     parts = scatter_windows(call.semiring, dest, lead, spatial, index, src)
-    return call.wrap(call.run_real(), tuple(p.reshape(x.shape) for p in parts))
+    return call.wrap(call.run_regular(), tuple(p.reshape(x.shape) for p in parts))
 
 
 @register_rule(aten._adaptive_avg_pool2d_backward.default)

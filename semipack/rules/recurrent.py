@@ -396,7 +396,7 @@ def mkldnn_rnn_layer_backward(call: OpCall):
     )
     del run
     m_x = tuple(c.reshape(x.shape) for c in got.x)
-    return wrap_outputs(call, call.run_real(), [m_x, *got.weights[:4], got.h0, got.c0])
+    return wrap_outputs(call, call.run_regular(), [m_x, *got.weights[:4], got.h0, got.c0])
 
 
 def _stack_spec(
@@ -478,14 +478,14 @@ def _fused_stack_outputs(
         m for d, w in zip(per_direction, spec.weights, strict=True) for m in _present(d, w)
     ]
     mask = list(call["output_mask"])
-    real = call.run_real()
-    if real is None:
-        real = (None, None, None, [None] * len(m_weights) if mask[3] else [])
+    regular = call.run_regular()
+    if regular is None:
+        regular = (None, None, None, [None] * len(m_weights) if mask[3] else [])
     states = [m if wanted else None for m, wanted in zip((m_x, m_hx, m_cx), mask, strict=False)]
-    outs = wrap_outputs(call, real[:3], states)
+    outs = wrap_outputs(call, regular[:3], states)
     if not mask[3]:
-        return (*outs, list(real[3]))
-    return (*outs, list(wrap_outputs(call, real[3], m_weights)))
+        return (*outs, list(regular[3]))
+    return (*outs, list(wrap_outputs(call, regular[3], m_weights)))
 
 
 def _present(messages: DirectionMessages, w: CellWeights) -> list[State]:

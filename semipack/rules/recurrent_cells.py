@@ -241,7 +241,7 @@ def fused_lstm_cell_backward(call: OpCall):
     ``_thnn_fused_lstm_cell_backward`` that autograd calls duplicates them before any rule
     sees them."""
     m_gates, m_cx, m_bias = _fused_lstm_messages(call)
-    return wrap_outputs(call, call.run_real(), [m_gates, m_cx, m_bias])
+    return wrap_outputs(call, call.run_regular(), [m_gates, m_cx, m_bias])
 
 
 @register_rule(aten._thnn_fused_gru_cell_backward.default)
@@ -257,4 +257,4 @@ def fused_gru_cell_backward(call: OpCall):
     m_h = call.state(call["grad_hy"])
     m_in, m_hid, m_hx = gru_gate_messages(sr, m_h, GruStep(r, z, n, hh_n, hx))
     biases = [sr.sum(m_in, [0]), sr.sum(m_hid, [0])] if call["has_bias"] else [None, None]
-    return wrap_outputs(call, call.run_real(), [m_in, m_hid, m_hx, *biases])
+    return wrap_outputs(call, call.run_regular(), [m_in, m_hid, m_hx, *biases])

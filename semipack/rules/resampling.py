@@ -19,7 +19,7 @@ def _scatter_from_sources(call: OpCall, sources: torch.Tensor, input_shape):
     dest = tuple(p.reshape(-1) for p in call.zeros(tuple(input_shape)))
     src = tuple(p.reshape(-1) for p in msg.parts)
     parts = call.semiring.index_plus(dest, 0, sources.reshape(-1).long(), src)
-    return call.wrap(call.run_real(), tuple(p.reshape(tuple(input_shape)) for p in parts))
+    return call.wrap(call.run_regular(), tuple(p.reshape(tuple(input_shape)) for p in parts))
 
 
 def _index_image(shape, device) -> torch.Tensor:

@@ -15,9 +15,11 @@ def cumsum(call: OpCall):
     flips): ``out[i] = ⊕_{j <= i} m[j]`` along ``dim`` (``Semiring.prefix_plus``)."""
     msg = call["self"]
     if msg.dim() == 0:
-        return call.wrap(call.run_real(), msg.parts)
+        return call.wrap(call.run_regular(), msg.parts)
     # out[i] = ⊕_{j <= i} m[j]: the semiring's cumulative kernel, or a scan with its plus
-    return call.wrap(call.run_real(), call.semiring.prefix_plus(msg.parts, call["dim"] % msg.dim()))
+    return call.wrap(
+        call.run_regular(), call.semiring.prefix_plus(msg.parts, call["dim"] % msg.dim())
+    )
 
 
 @register_rule(aten.unfold_backward.default)
@@ -32,4 +34,4 @@ def unfold_backward(call: OpCall):
         + torch.arange(size, device=msg.device)[None, :]
     ).reshape(-1)
     dest = call.zeros(sizes)
-    return call.wrap(call.run_real(), call.semiring.index_plus(dest, dim, index, src))
+    return call.wrap(call.run_regular(), call.semiring.index_plus(dest, dim, index, src))

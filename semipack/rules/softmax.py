@@ -126,7 +126,7 @@ def _rowwise(
     extra = () if log_probs is None else (rows_last(log_probs, dim),)
     parts = contract(call.semiring, m, rows_last(out, dim), *extra)
     parts = tuple(unrows(p, out.shape, dim) for p in parts)
-    return call.wrap(call.run_real(), parts)
+    return call.wrap(call.run_regular(), parts)
 
 
 @register_rule(aten._softmax_backward_data.default)

@@ -54,8 +54,8 @@ def move_entries(call: OpCall):
     """Ops that only move, copy or drop entries (views, permutes, expand, index,
     gather, unfold, pixel and channel shuffles): each output entry has one edge of weight 1 from
     the input entry it comes from, so every state component goes through the same op."""
-    real, outs = per_component(call, ("self",))
-    return wrap_outputs(call, real, outs)
+    regular, outs = per_component(call, ("self",))
+    return wrap_outputs(call, regular, outs)
 
 
 @register_rule(aten.view.default, aten._unsafe_view.default, aten._reshape_alias.default)
@@ -63,14 +63,14 @@ def reshape(call: OpCall):
     """State components need not share the regular gradient's strides, so they reshape
     (copying only when a view is impossible) where the gradient views."""
     msg, size = call["self"], call["size"]
-    return call.wrap(call.run_real(), tuple(p.reshape(size) for p in msg.parts))
+    return call.wrap(call.run_regular(), tuple(p.reshape(size) for p in msg.parts))
 
 
 @register_rule(aten.cat.default, aten.stack.default)
 def concatenate(call: OpCall):
     """cat and stack: each output entry comes from one entry of one input; per component."""
-    real, outs = per_component(call, ("tensors",))
-    return wrap_outputs(call, real, outs)
+    regular, outs = per_component(call, ("tensors",))
+    return wrap_outputs(call, regular, outs)
 
 
 @register_rule(
@@ -82,16 +82,16 @@ def concatenate(call: OpCall):
 def overwrite_entries(call: OpCall):
     """Writing ``src`` into a slice, a selection, a diagonal or scattered positions of
     ``self``: every output entry has one edge, from ``self`` or from ``src``; per component."""
-    real, outs = per_component(call, ("self", "src"))
-    return wrap_outputs(call, real, outs)
+    regular, outs = per_component(call, ("self", "src"))
+    return wrap_outputs(call, regular, outs)
 
 
 @register_rule(aten.masked_scatter.default)
 def masked_scatter(call: OpCall):
     """``self.masked_scatter(mask, source)``: entries under the mask come from ``source``
     (row-major), the others from ``self``; per component."""
-    real, outs = per_component(call, ("self", "source"))
-    return wrap_outputs(call, real, outs)
+    regular, outs = per_component(call, ("self", "source"))
+    return wrap_outputs(call, regular, outs)
 
 
 def _select_padded(part: Tensor, mask: Tensor, sizes: tuple[int, ...], zero: object) -> Tensor:
@@ -120,7 +120,7 @@ def masked_scatter_backward(call: OpCall):
         _select_padded(p, mask, sizes, z)
         for p, z in zip(call.state(msg), call.semiring.zero, strict=True)
     )
-    return call.wrap(call.run_real(), parts)
+    return call.wrap(call.run_regular(), parts)
 
 
 @register_rule(aten.tril.default, aten.triu.default)
@@ -135,14 +135,14 @@ def triangle(call: OpCall):
         else keep.triu(call["diagonal"])
     )
     zeros = call.zeros(msg.shape)
-    return call.wrap(call.run_real(), call.semiring.where(keep, msg.parts, zeros))
+    return call.wrap(call.run_regular(), call.semiring.where(keep, msg.parts, zeros))
 
 
 @register_rule(aten.where.self)
 def where(call: OpCall):
     """``where(cond, self, other)``: each entry comes from one of the two; per component."""
-    real, outs = per_component(call, ("self", "other"))
-    return wrap_outputs(call, real, outs)
+    regular, outs = per_component(call, ("self", "other"))
+    return wrap_outputs(call, regular, outs)
 
 
 @register_rule(aten.masked_fill.Scalar, aten.masked_fill.Tensor)
@@ -157,7 +157,7 @@ def masked_fill(call: OpCall):
     parts = tuple(
         p.masked_fill(mask, z) for p, z in zip(msg.parts, call.semiring.zero, strict=True)
     )
-    return call.wrap(call.run_real(), parts)
+    return call.wrap(call.run_regular(), parts)
 
 
 @register_rule(aten.index_fill.int_Scalar, aten.index_fill.int_Tensor)
@@ -174,7 +174,7 @@ def index_fill(call: OpCall):
     parts = tuple(
         p.index_fill(dim, index, z) for p, z in zip(msg.parts, call.semiring.zero, strict=True)
     )
-    return call.wrap(call.run_real(), parts)
+    return call.wrap(call.run_regular(), parts)
 
 
 @register_rule(aten.constant_pad_nd.default)
@@ -187,7 +187,7 @@ def pad(call: OpCall):
         aten.constant_pad_nd.default(p, call["pad"], z)
         for p, z in zip(msg.parts, call.semiring.zero, strict=True)
     )
-    return call.wrap(call.run_real(), parts)
+    return call.wrap(call.run_regular(), parts)
 
 
 # --- fresh gradients: zero-filled, i.e. "no path" ------------------------------------------------
@@ -202,10 +202,10 @@ def fresh_zero_strided(call: OpCall):
         torch.empty_strided(size, stride, dtype=dt, device=msg.device).fill_(z)
         for dt, z in zip(dtypes, call.semiring.zero, strict=True)
     )
-    real = None
-    if call.regular:
-        real = torch.empty_strided(size, stride, dtype=msg.dtype, device=msg.device).zero_()
-    return call.wrap(real, parts)
+    regular = None
+    if call.has_regular_grad:
+        regular = torch.empty_strided(size, stride, dtype=msg.dtype, device=msg.device).zero_()
+    return call.wrap(regular, parts)
 
 
 @register_rule(aten.as_strided.default)
@@ -213,14 +213,14 @@ def as_strided(call: OpCall):
     """A raw strided view is only meaningful when every component shares the message's layout
     (as for the buffers autograd's CopySlices allocates); anything else is refused."""
     msg = call["self"]
-    ref = msg.gradient if msg.gradient is not None else msg.parts[0]
+    ref = msg.regular_grad if msg.regular_grad is not None else msg.parts[0]
     for p in msg.parts:
         if p.stride() != ref.stride() or p.storage_offset() != ref.storage_offset():
             raise call.error(
                 "as_strided on a message whose state layout differs from its gradient's"
             )
-    real, outs = per_component(call, ("self",))
-    return wrap_outputs(call, real, outs)
+    regular, outs = per_component(call, ("self",))
+    return wrap_outputs(call, regular, outs)
 
 
 @register_rule(
@@ -235,10 +235,10 @@ def fresh_zero(call: OpCall):
     msg = call["self"]
     size = call.bound.get("size")
     shape = tuple(msg.shape) if size is None else tuple(size)
-    real = None
-    if call.regular:
-        real = torch.zeros(shape, dtype=call.bound.get("dtype") or msg.dtype, device=msg.device)
-    return call.wrap(real, call.zeros(shape))
+    regular = None
+    if call.has_regular_grad:
+        regular = torch.zeros(shape, dtype=call.bound.get("dtype") or msg.dtype, device=msg.device)
+    return call.wrap(regular, call.zeros(shape))
 
 
 @register_rule(aten.new_full.default, aten.full_like.default)
@@ -255,8 +255,8 @@ def zero_(call: OpCall):
     msg = call["self"]
     for p, z in zip(msg.parts, call.semiring.zero, strict=True):
         p.fill_(z)
-    if msg.gradient is not None:
-        msg.gradient.zero_()
+    if msg.regular_grad is not None:
+        msg.regular_grad.zero_()
     return msg
 
 
@@ -278,7 +278,7 @@ def _scatter_into_zeros(call: OpCall, view) -> Message:
         out = torch.full(sizes, z, dtype=p.dtype, device=p.device)
         view(out).copy_(p)
         parts.append(out)
-    return call.wrap(call.run_real(), tuple(parts))
+    return call.wrap(call.run_regular(), tuple(parts))
 
 
 @register_rule(aten.slice_backward.default)
@@ -308,12 +308,12 @@ def diagonal_backward(call: OpCall):
 def to_copy(call: OpCall):
     """dtype/device casts: the regular gradient is cast; the state keeps its own dtype."""
     msg = call["self"]
-    real = call.run_real()
+    regular = call.run_regular()
     dtype = call.bound.get("dtype") or msg.dtype
     device = call.bound.get("device") or msg.device
     dtypes = call.semiring.component_dtypes(dtype)
     parts = tuple(p.to(device=device, dtype=dt) for p, dt in zip(msg.parts, dtypes, strict=True))
-    return Message(real, parts, call.semiring, dtype)
+    return Message(regular, parts, call.semiring, dtype)
 
 
 # --- in-place ops ------------------------------------------------------------------------------
@@ -329,8 +329,8 @@ def copy_(call: OpCall):
     state = call.state(src, dest.shape)
     for d, s in zip(dest.parts, state, strict=True):
         d.copy_(s)
-    if dest.gradient is not None:
-        dest.gradient.copy_(src.gradient if isinstance(src, Message) else src)
+    if dest.regular_grad is not None:
+        dest.regular_grad.copy_(src.regular_grad if isinstance(src, Message) else src)
     return dest
 
 
@@ -345,8 +345,8 @@ def inplace_from(outofplace):
         result = outofplace(OpCall(functional, call.args, call.kwargs))
         for d, r in zip(dest.parts, result.parts, strict=True):
             d.copy_(r)
-        if dest.gradient is not None:
-            dest.gradient.copy_(result.gradient)
+        if dest.regular_grad is not None:
+            dest.regular_grad.copy_(result.regular_grad)
         return dest
 
     return rule
@@ -364,8 +364,8 @@ def index_put(call: OpCall):
     with it, values sent to one position meet there with the semiring's plus."""
     msg, indices, values = call["self"], call["indices"], call["values"]
     if not call["accumulate"]:
-        real, outs = per_component(call, ("self", "values"))
-        return wrap_outputs(call, real, outs)
+        regular, outs = per_component(call, ("self", "values"))
+        return wrap_outputs(call, regular, outs)
     # accumulate=True: duplicated indices meet, so they combine with the semiring's plus.
     shape = tuple(msg.shape)
     # in an aten index list None means "all of this dim", not a new axis
@@ -374,7 +374,7 @@ def index_put(call: OpCall):
     dest = tuple(p.reshape(-1) for p in call.state(msg, shape))
     src = tuple(p.expand(flat_ids.shape).reshape(-1) for p in call.state(values, flat_ids.shape))
     out = call.semiring.index_plus(dest, 0, flat_ids.reshape(-1), src)
-    return call.wrap(call.run_real(), tuple(p.reshape(shape) for p in out))
+    return call.wrap(call.run_regular(), tuple(p.reshape(shape) for p in out))
 
 
 @register_rule(aten.index_add.default)
@@ -387,7 +387,7 @@ def index_add(call: OpCall):
     dest = call.state(msg, msg.shape)
     src = call.state(call["source"])
     out = call.semiring.index_plus(dest, call["dim"] % msg.dim(), call["index"], src)
-    return call.wrap(call.run_real(), out)
+    return call.wrap(call.run_regular(), out)
 
 
 @register_rule(aten.scatter_add.default)
@@ -401,7 +401,7 @@ def scatter_add(call: OpCall):
     src_parts = tuple(p[window].reshape(-1) for p in call.state(src))
     dest = tuple(p.reshape(-1) for p in call.state(msg, shape))
     out = call.semiring.index_plus(dest, 0, targets.reshape(-1), src_parts)
-    return call.wrap(call.run_real(), tuple(p.reshape(shape) for p in out))
+    return call.wrap(call.run_regular(), tuple(p.reshape(shape) for p in out))
 
 
 for _inplace, _rule in [

@@ -84,7 +84,7 @@ def col2im(call: OpCall):
     else:
         parts = call.semiring.sum(_gather(call, msg.parts, lead, copies), [2])
     shape = (lead, channels, *in_size) if batched else (channels, *in_size)
-    return call.wrap(call.run_real(), tuple(p.reshape(shape) for p in parts))
+    return call.wrap(call.run_regular(), tuple(p.reshape(shape) for p in parts))
 
 
 @register_rule(aten.im2col.default)
@@ -100,4 +100,4 @@ def im2col(call: OpCall):
     sources = column_sources(channels, in_size, kernel, dilation, padding, stride, msg.device)
     parts = _gather(call, msg.parts, lead, sources)
     shape = (lead, *sources.shape) if batched else tuple(sources.shape)
-    return call.wrap(call.run_real(), tuple(p.reshape(shape) for p in parts))
+    return call.wrap(call.run_regular(), tuple(p.reshape(shape) for p in parts))

@@ -59,8 +59,8 @@ def weight_norm_backward(call: OpCall):
     to_n = sr.scale(into_c, -gain / (n * n))
     through_norm = sr.scale(tuple(p.expand_as(v2) for p in to_n), v2 / n)
     to_v = sr.plus(direct, through_norm)
-    real = call.run_real()
-    reals = real if real is not None else (None, None)
+    regular = call.run_regular()
+    reals = regular if regular is not None else (None, None)
     return (
         call.wrap(reals[0], tuple(_unslice(p, v, dim) for p in to_v)),
         call.wrap(reals[1], tuple(p.reshape(g.shape) for p in to_g)),

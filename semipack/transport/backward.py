@@ -298,7 +298,7 @@ def _split_retained(kept: Sequence[Tensor]) -> list[tuple[Tensor, Message]]:
         msg = t.grad
         if not isinstance(msg, Message):
             continue
-        t.grad = msg.gradient
+        t.grad = msg.regular_grad
         out.append((t, msg))
     return out
 
@@ -326,7 +326,7 @@ def _run_backward(tensors, grad_tensors, sr, leaves, regular_grads, retain_graph
             if earlier is not None:  # a second engine run reached it (reentrant checkpoint)
                 state = Message(None, sr.plus(earlier.parts, msg.parts), sr, msg.dtype)
             captured[id(leaf)] = state
-            return msg.gradient
+            return msg.regular_grad
 
         return hook
 

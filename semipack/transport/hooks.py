@@ -36,9 +36,9 @@ def _no_regular_gradient(what: str) -> SemipackError:
 
 def _regular(grad: Any, what: str) -> Any:
     if isinstance(grad, Message):
-        if grad.gradient is None:
+        if grad.regular_grad is None:
             raise _no_regular_gradient(what)
-        return grad.gradient
+        return grad.regular_grad
     return grad
 
 

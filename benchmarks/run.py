@@ -269,7 +269,7 @@ taken there).
 - **LogSum.** Its twelve BLAS products (input and weight messages of six linear layers) are the
   same work as the plain backward's twelve, so 2x is its floor here (the plain backward is
   almost all matrix products: 188 ms of its ~200 ms in torch.profiler). The rest is elementwise:
-  one shared exponentiation per linear and attention message (`semipack/kernels/shared_shift.py`),
+  one shared exponentiation per linear and attention message (`semipack/messages/shared_shift.py`),
   the logarithms of the results, the LayerNorm all-pairs sums (native kernel, about 16 ms per
   LayerNorm), the softmax messages (native kernel) and the GELU edge weights: about 0.1 s.
   Five runs of this script on this machine in one session measured 2.35x and 2.70x (medians of

@@ -38,7 +38,6 @@ __all__ = [
     "centred_block",
     "centred_pairs",
     "compiled_normalization",
-    "has_fused_normalization",
     "normalized_messages",
     "pair_magnitudes",
 ]
@@ -78,12 +77,6 @@ def compiled_normalization(semiring_class: type[Semiring]) -> Callable[..., Stat
 
     eager.__name__ = eager.__qualname__ = f"dense_{semiring_class.__name__}"
     return compiled(eager, spec.fused)
-
-
-def has_fused_normalization(sr: Semiring) -> bool:
-    """True when ``normalized_messages`` has a closed form or a fused kernel for ``sr``."""
-    closed = type(sr).normalization_closed_form is not Semiring.normalization_closed_form
-    return closed or sr.normalization_kernel() is not None
 
 
 # --- dispatch ------------------------------------------------------------------------------------

@@ -45,8 +45,7 @@ def compiled(eager: Callable[..., Any], fused: Callable[..., Any] | None = None)
         if holder["fn"] is None:
             holder["fn"] = torch.compile(source, dynamic=True)
         try:
-            with torch.compiler.set_stance("default"):  # semipack.extend forces eager for users
-                return holder["fn"](*args)
+            return holder["fn"](*args)
         except Exception as exc:  # compilation or codegen failure: keep working, eagerly
             holder["broken"] = True
             warnings.warn(

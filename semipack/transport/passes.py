@@ -17,18 +17,27 @@ import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 
+import torch
+
 _lock = threading.Lock()
 _running = {True: 0, False: 0}  # retain_graph -> number of semiring passes in flight
 
 
 @contextmanager
 def semiring_pass(retain_graph: bool | None) -> Iterator[None]:
-    """Mark a semiring backward pass as running for the duration of the block."""
+    """Mark a semiring backward pass as running for the duration of the block.
+
+    The pass runs in torch.compile's default stance: ``semipack.extend`` forces user code
+    compiled with ``torch.compile`` to run eagerly (so its ops reach the rules), but semipack's
+    own kernels (``kernels.compiled``) stay compiled. One switch per pass: ``set_stance`` costs
+    about a millisecond, far too much per kernel call.
+    """
     retain = bool(retain_graph)
     with _lock:
         _running[retain] += 1
     try:
-        yield
+        with torch.compiler.set_stance("default"):
+            yield
     finally:
         with _lock:
             _running[retain] -= 1

@@ -130,7 +130,10 @@ def shared_shift_conv(
     """(input, weight, bias) messages of ``conv(x, w)`` (zero padding; transposed or not, as
     ``geometry`` says) from the output message ``m``, or None where this form does not apply
     (a semiring without ``shared_shift_conv``, or a message spanning more than
-    ``SHARED_SHIFT_SPAN`` nats). ``x`` and ``w`` in the state dtype.
+    ``SHARED_SHIFT_SPAN`` nats). ``x`` and ``w`` in the state dtype. Shapes as PyTorch's
+    convolution: x ``[N, C_in, *spatial]``, w ``[C_out, C_in / groups, *kernel]`` (transposed:
+    ``[C_in, C_out / groups, *kernel]``), each part of m ``[N, C_out, *out_spatial]``; the
+    messages come shaped like x, w and the bias ``[C_out]``, None where ``mask`` is False.
     """
     if type(sr).shared_shift_conv is Semiring.shared_shift_conv:
         return None

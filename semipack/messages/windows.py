@@ -91,7 +91,9 @@ def sliding_positions(
     dilation: Sequence[int],
     device=None,
 ) -> list[Tensor]:
-    """Per-dim input coordinate of tap k for output o: o * stride - padding + k * dilation."""
+    """Per spatial dim d, the input coordinate of tap k for output o,
+    ``o * stride - padding + k * dilation``, as a ``[kernel[d], out_size[d]]`` int64 tensor
+    (out of range where the tap falls in the padding)."""
     out = []
     for o, k, s, p, d in zip(out_size, kernel, stride, padding, dilation, strict=True):
         taps = torch.arange(k, device=device)[:, None] * d

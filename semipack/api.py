@@ -15,7 +15,7 @@ from torch import nn
 from .errors import SemipackError
 from .extensions import FUNCTION_EXTENSIONS, eager_attention_routed
 from .graph.provenance import ModuleTracker
-from .rules import FORWARD_ROUTES
+from .rules import FORWARD_ROUTES, drawing_routes
 from .transport import backward as _bw
 from .transport.backward import grad
 from .transport.hooks import module_hooks_see_gradients
@@ -31,6 +31,7 @@ def extend(
     *,
     regular_grads: bool = True,
     extensions: bool = True,
+    drawing: str = "atomic",
 ) -> Iterator[nn.Module | None]:
     """Run every ``backward()`` inside the block as a semiring backward.
 
@@ -46,11 +47,17 @@ def extend(
     per-op rules: same values, slower. The model objects are not modified; on exit nothing of
     semipack's is left but the ``semiring_grad`` results.
 
+    ``drawing`` chooses how composites are drawn (``rules.drawings``): ``"atomic"`` (softmax and
+    log_softmax are one op each) or ``"decomposed"`` (softmax as ``exp(s - logsumexp(s))``,
+    log_softmax as ``s - logsumexp(s)``, cross-entropy and attention built on them, as the
+    paper's framework drew them). Only semirings other than Real see the difference.
+
     Blocks do not nest (a second ``extend`` inside a first raises ``SemipackError``). Anything
     compiled with ``torch.compile`` (the model, or a compiled wrapper of it) runs eagerly inside
     the block.
     """
     semiring = _bw.require_semiring(semiring)
+    drawn = drawing_routes(drawing)
     if model is not None and not isinstance(model, nn.Module):
         raise TypeError(
             f"semipack.extend expects an nn.Module (or None for functional code), "
@@ -80,8 +87,10 @@ def extend(
         stack.enter_context(module_hooks_see_gradients(model.modules() if model else ()))
         reroute = dict(FORWARD_ROUTES)
         if extensions:
-            stack.enter_context(eager_attention_routed())
+            if not drawn:  # attention extensions compute the atomic drawing's messages
+                stack.enter_context(eager_attention_routed())
             reroute.update(FUNCTION_EXTENSIONS)
+        reroute.update(drawn)
         stack.enter_context(SemiringMode(semiring, regular_grads, watched, reroute, names))
         yield model
 

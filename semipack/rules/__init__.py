@@ -6,6 +6,7 @@ from . import (  # noqa: F401  (imported for their registrations)
     attention,
     contractions,
     convolution,
+    drawings,
     embedding,
     inspection,
     interpolation,
@@ -22,5 +23,14 @@ from . import (  # noqa: F401  (imported for their registrations)
     unfolding,
     weight_norm,
 )
+from .drawings import DRAWINGS, drawing_routes
 
-__all__ = ["FORWARD_ROUTES", "OpCall", "register_rule", "registered_ops", "rule_for"]
+__all__ = [
+    "DRAWINGS",
+    "FORWARD_ROUTES",
+    "OpCall",
+    "drawing_routes",
+    "register_rule",
+    "registered_ops",
+    "rule_for",
+]

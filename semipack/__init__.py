@@ -9,6 +9,7 @@ p.grad, p.semiring_grad
 from . import rules  # noqa: F401  (registers the built-in op rules)
 from .api import extend, grad
 from .errors import MessageLostError, SemipackError, UnsupportedOpError
+from .explain import Branches, branches
 from .messages import Message, OpCall, register_rule, registered_ops, scoped_rules
 from .semirings import (
     Boolean,
@@ -28,6 +29,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "Boolean",
+    "Branches",
     "Entropy",
     "Extremes",
     "LogCount",
@@ -43,6 +45,7 @@ __all__ = [
     "SignedMaxProd",
     "TopPath",
     "UnsupportedOpError",
+    "branches",
     "extend",
     "grad",
     "register_rule",

@@ -24,8 +24,8 @@ from torch import Tensor
 from ..errors import MessageLostError, SemipackError
 from ..messages.message import Message
 from ..messages.paths import PathTrace, attach
-from ..semirings.base import Semiring
-from .passes import semiring_pass
+from ..semirings.base import Semiring, State
+from .passes import carry_pass, in_carry_pass, semiring_pass
 
 SEMIRING_GRAD = "semiring_grad"
 
@@ -318,6 +318,8 @@ def _run_backward(tensors, grad_tensors, sr, leaves, regular_grads, retain_graph
 
     def capture(leaf: Tensor):
         def hook(grad):
+            if in_carry_pass():  # a branch carried down by an explain readout, not this pass
+                return None
             msg = _check(grad, leaf)
             # Keep only the semiring state: the regular gradient goes to ``.grad`` (possibly
             # as a copy), and holding it here too would double the gradients' memory.
@@ -407,3 +409,27 @@ def grad(
             continue
         result.append(sr.readout(_check(msg, t).parts))
     return tuple(result)
+
+
+def carry_down(
+    tensor: Tensor, states: Sequence[State], semiring: Semiring, inputs: Sequence[Tensor]
+) -> list[list[Any]]:
+    """For each state in ``states`` (each shaped like ``tensor``): the readouts at ``inputs`` of
+    a semiring pass from ``tensor`` seeded with that state, as if only those paths existed above
+    ``tensor``. Runs while the graph below ``tensor`` is alive (from a hook of a running pass, or
+    on a retained graph) and keeps it (``retain_graph=True``); no regular gradient is computed.
+    Returns, per state, one readout per input (None where no path reaches it)."""
+    out = []
+    with semiring_pass(retain_graph=True), carry_pass():
+        for state in states:
+            seed = Message(None, state, semiring, tensor.dtype)
+            got = torch.autograd.grad(
+                [tensor], list(inputs), [seed], retain_graph=True, allow_unused=True
+            )
+            out.append(
+                [
+                    None if m is None else semiring.readout(_check(m, t).parts)
+                    for m, t in zip(got, inputs, strict=True)
+                ]
+            )
+    return out

@@ -25,6 +25,7 @@ from torch import Tensor, nn
 
 from ..errors import SemipackError
 from ..messages.message import Message
+from .passes import in_carry_pass
 
 
 def _no_regular_gradient(what: str) -> SemipackError:
@@ -63,6 +64,8 @@ class TensorHook:
         self.hook = hook
 
     def __call__(self, grad: Tensor) -> Tensor | None:
+        if in_carry_pass():  # not the user's backward: the hook already saw this gradient
+            return None
         result = self.hook(_regular(grad, "a tensor hook"))
         return _rewrap(grad, result)
 
@@ -78,6 +81,8 @@ class ModuleBackwardHook:
         self.hook = hook
 
     def __call__(self, module: nn.Module, *grads: Any) -> Any:
+        if in_carry_pass():
+            return None
         plain = [_plain_tuple(g) for g in grads]
         result = self.hook(module, *plain)
         if result is None:

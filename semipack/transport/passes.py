@@ -47,3 +47,25 @@ def graph_retained() -> bool:
     """False only while every running semiring pass frees the graph as it goes."""
     with _lock:
         return _running[True] > 0 or _running[False] == 0
+
+
+_carry_depth = [0]
+
+
+@contextmanager
+def carry_pass() -> Iterator[None]:
+    """Mark the extra passes that carry one part of a message down the graph while the main
+    pass is suspended (``backward.carry_down``): they are not the user's backward, so the main
+    pass's leaf captures and the user's gradient hooks ignore them."""
+    with _lock:
+        _carry_depth[0] += 1
+    try:
+        yield
+    finally:
+        with _lock:
+            _carry_depth[0] -= 1
+
+
+def in_carry_pass() -> bool:
+    """True while a ``carry_pass`` runs."""
+    return _carry_depth[0] > 0

@@ -1,0 +1,220 @@
+"""Branch readouts: the semiring value split by which *use* of a tensor a path leaves through.
+
+A tensor ``h`` (an attention block's input, say) is used by several consumers: the query, key
+and value projections, the residual add. Every path from the root to ``h`` ends with an edge of
+exactly one of those uses, so the semiring value at ``h`` is the plus, over consumers, of the
+values of the paths through each. ``branches`` keeps them apart: while its block is active,
+every op that receives ``h`` receives a fresh alias of it instead (``h.view_as(h)``, the same
+values, a node of its own), named after the module that made the call; the message each alias
+gets in the backward is that consumer's branch. Messages below ``h`` are carried down
+separately too (``inputs=``): when every branch has arrived at ``h``, one extra pass per branch
+runs from ``h`` down to the inputs, seeded with that branch's state, before the main pass goes
+on.
+
+Shapes: each branch value is shaped like ``h``; each value at an input is shaped like the input.
+Everything is vectorised over examples and positions (one pass per branch, not per token).
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from torch.overrides import TorchFunctionMode
+
+from ..errors import SemipackError
+from ..graph.provenance import current_module
+from ..messages.message import Message
+from ..transport.backward import carry_down
+
+
+@dataclass
+class Branches:
+    """The branches of one split tensor after a backward.
+
+    Attributes:
+        names: the consumers of the split tensor, in the order of their first use; a name is the
+            dotted path of the module whose forward made the call (``"<outside the model>"``
+            outside it), with the argument name when a single call uses the tensor more than
+            once (``"...:query"``) and ``#2``, ``#3`` for further calls by the same module.
+        at_inputs: branch name -> one readout per requested input (shaped like it; None where
+            that branch reaches no entry of it), filled during the backward.
+        split: the split tensor.
+    """
+
+    names: list[str] = field(default_factory=list)
+    at_inputs: dict[str, list[Any]] = field(default_factory=dict)
+    split: Tensor | None = None
+    messages: dict[str, Message] = field(default_factory=dict, repr=False)
+
+    @property
+    def values(self) -> dict[str, Any]:
+        """Branch name -> semiring readout at the split tensor (shaped like it), for the
+        branches a path reached in the last backward."""
+        return {name: m.semiring.readout(m.parts) for name, m in self.messages.items()}
+
+
+class _SplitMode(TorchFunctionMode):
+    """Gives each use of the split tensor its own alias, named after its consumer."""
+
+    def __init__(self, result: Branches, on_alias: Callable[[str, Tensor], None]) -> None:
+        super().__init__()
+        self.result = result
+        self.on_alias = on_alias
+        self.target: Tensor | None = None
+        self.counts: dict[str, int] = {}
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        target = self.target
+        if target is None or _not_a_use(func) or not torch.is_grad_enabled():
+            return func(*args, **kwargs)
+        uses = [i for i, a in enumerate(args) if a is target]
+        named = [k for k, v in kwargs.items() if v is target]
+        if not uses and not named:
+            return func(*args, **kwargs)
+        module = current_module()
+        labels = _argument_labels(func, uses, named) if len(uses) + len(named) > 1 else None
+        args, kwargs = list(args), dict(kwargs)
+        for n, i in enumerate(uses):
+            args[i] = self._alias(module, labels[n] if labels else None)
+        for n, k in enumerate(named):
+            kwargs[k] = self._alias(module, labels[len(uses) + n] if labels else None)
+        return func(*args, **kwargs)
+
+    def _alias(self, module: str, label: str | None) -> Tensor:
+        name = module if label is None else f"{module}:{label}"
+        seen = self.counts.get(name, 0) + 1
+        self.counts[name] = seen
+        if seen > 1:
+            name = f"{name}#{seen}"
+        alias = self.target.view_as(self.target)
+        self.result.names.append(name)
+        self.on_alias(name, alias)
+        return alias
+
+
+#: Calls that read a tensor's metadata or attributes (``h.shape``, ``h.grad_fn``, ``h.dim()``):
+#: they are not uses in the graph and must see the tensor itself.
+_NOT_USES = {"__get__", "__set__", "size", "dim", "numel", "stride", "is_contiguous", "data_ptr"}
+
+
+def _not_a_use(func: Callable[..., Any]) -> bool:
+    """In-place ops (which would write through an alias) and metadata reads keep the tensor."""
+    name = getattr(func, "__name__", "")
+    return name in _NOT_USES or (name.endswith("_") and not name.endswith("__"))
+
+
+def _argument_labels(func: Callable[..., Any], uses: list[int], named: list[str]) -> list[str]:
+    """Parameter names of the positions and keywords where one call uses the split tensor."""
+    try:
+        params = list(inspect.signature(func).parameters)
+    except (TypeError, ValueError):
+        params = []
+    labels = [params[i] if i < len(params) else f"arg{i}" for i in uses]
+    return labels + named
+
+
+@contextmanager
+def branches(at: nn.Module | Tensor, inputs: Sequence[Tensor] = ()) -> Iterator[Branches]:
+    """Split the semiring value at a tensor by the use a path leaves it through.
+
+    Use inside ``semipack.extend`` around the forward (the backward may come after the
+    ``branches`` block, inside ``extend``)::
+
+        with semipack.extend(model, semipack.MaxProd()):
+            with semipack.branches(model.encoder.layer[0].attention, inputs=[emb]) as split:
+                loss = model(x).logits[0, y]
+            loss.backward()
+        split.values        # {"encoder.layer.0.attention.self.query": [...], ...}
+        split.at_inputs     # the same branches carried down to ``emb``
+
+    ``at`` is a module (the split tensor is the first tensor its first call receives, such as
+    an attention block's hidden states) or a tensor that requires grad (split from now on).
+    ``inputs`` are tensors below the split tensor (leaves, or intermediate tensors such as the
+    embeddings' output) at which each branch is also read out on its own.
+    """
+    result = Branches()
+    mode = _SplitMode(result, lambda name, alias: _read_branch(alias, name, result))
+    handles = []
+
+    def take(tensor: Tensor) -> None:
+        if mode.target is not None:
+            return
+        if not isinstance(tensor, Tensor) or not tensor.requires_grad:
+            raise SemipackError("semipack.branches splits a tensor that requires grad")
+        mode.target = result.split = tensor
+        if inputs:
+            if tensor.grad_fn is None:
+                raise SemipackError(
+                    "semipack.branches(inputs=...) carries branches down from the split tensor, "
+                    "which is a leaf here: nothing lies below it"
+                )
+            handles.append(tensor.grad_fn.register_prehook(_carrier(result, list(inputs))))
+
+    if isinstance(at, nn.Module):
+
+        def pre_hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
+            first = next((a for a in (*args, *kwargs.values()) if isinstance(a, Tensor)), None)
+            if first is not None:
+                take(first)
+
+        handles.append(at.register_forward_pre_hook(pre_hook, with_kwargs=True))
+    elif isinstance(at, Tensor):
+        take(at)
+    else:
+        raise TypeError(f"semipack.branches splits at a module or a tensor, got {type(at)}")
+    try:
+        with mode:
+            yield result
+    finally:
+        if isinstance(at, nn.Module):
+            handles[0].remove()
+        mode.target = None
+    if result.split is None:
+        raise SemipackError(
+            f"semipack.branches: {type(at).__name__} was not called inside the block"
+        )
+
+
+def _read_branch(alias: Tensor, name: str, result: Branches) -> None:
+    """Keep the message the alias's node receives: that consumer's branch."""
+
+    def hook(grad_outputs):
+        msg = grad_outputs[0]
+        if isinstance(msg, Message):
+            result.messages[name] = msg
+        return None
+
+    alias.grad_fn.register_prehook(hook)
+
+
+def _carrier(result: Branches, inputs: list[Tensor]):
+    """A pre-hook for the split tensor's node, which the engine runs after every consumer: one
+    pass per branch from the split tensor down to ``inputs``."""
+
+    carrying = []
+
+    def hook(grad_outputs):
+        if not result.messages or carrying:  # the branch passes start at this node too
+            return None
+        carrying.append(True)
+        try:
+            names = list(result.messages)
+            first = result.messages[names[0]]
+            states = [result.messages[n].parts for n in names]
+            carried = carry_down(result.split, states, first.semiring, inputs)
+            result.at_inputs = dict(zip(names, carried, strict=True))
+        finally:
+            carrying.clear()
+        return None
+
+    return hook
+
+
+__all__ = ["Branches", "branches"]

@@ -1,0 +1,149 @@
+"""Branch readouts (``semipack.branches``) against brute-force enumeration of the paths that
+leave the split tensor through each use.
+
+The oracle of a branch is the same model with its uses *untied*: each consumer of the split
+tensor ``h`` reads its own copy (same values, a separate leaf), so the oracle's value at copy b
+enumerates exactly the paths through use b. Carried down to the input, the oracle of branch b is
+the model in which only use b reads ``h(x)`` and the other uses read a constant copy.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers import assert_readout_matches, oracle_readouts
+from oracle import build_graph
+from torch import Tensor, nn
+
+import semipack
+
+F64 = torch.float64
+pytestmark = pytest.mark.usefixtures("single_thread")
+USES = ("block.q", "block.k", "block.v", "block")
+
+
+class Block(nn.Module):
+    """One attention-like block: query, key and value projections of h and a residual add."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.q, self.k, self.v = (nn.Linear(3, 3) for _ in range(3))
+
+    def forward(self, h: Tensor, copies: dict[str, Tensor] | None = None) -> Tensor:
+        use = (lambda name: copies[name]) if copies else (lambda name: h)
+        scores = self.q(use("block.q")) @ self.k(use("block.k")).transpose(-1, -2)
+        return torch.softmax(scores, -1) @ self.v(use("block.v")) + use("block")
+
+
+class Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb, self.block = nn.Linear(2, 3), Block()
+
+    def forward(self, x: Tensor, copies: dict[str, Tensor] | None = None) -> Tensor:
+        return self.block(torch.tanh(self.emb(x)), copies)
+
+
+def _net() -> Net:
+    torch.manual_seed(0)
+    net = Net().double()
+    with torch.no_grad():
+        net.emb.weight[0, 1] = 0.0  # an exact zero: a cut edge below the split
+    for p in net.parameters():
+        p.requires_grad_(False)
+    return net
+
+
+def _loss(out: Tensor) -> Tensor:
+    return (
+        out * torch.randn(out.shape, generator=torch.Generator().manual_seed(1), dtype=F64)
+    ).sum()
+
+
+def _x() -> Tensor:
+    return torch.randn(4, 2, generator=torch.Generator().manual_seed(2), dtype=F64).requires_grad_()
+
+
+@pytest.mark.parametrize("extensions", [True, False], ids=["extensions", "generic"])
+def test_branch_values_equal_the_untied_oracle(
+    semiring_name: str, semiring, extensions: bool
+) -> None:
+    net, x = _net(), _x()
+    with semipack.extend(net, semiring, extensions=extensions):
+        with semipack.branches(net.block, inputs=[x]) as split:
+            out = net(x)
+        _loss(out).backward()
+    assert split.names == list(USES)
+    # the split tensor's branches: one copy of h per use
+    h = torch.tanh(net.emb(x)).detach()
+    copies = {name: h.clone().requires_grad_() for name in USES}
+    want = oracle_readouts(build_graph(_loss(net(x, copies))), list(copies.values()), semiring_name)
+    for name, expected in zip(USES, want, strict=True):
+        assert_readout_matches(semiring_name, expected, split.values[name], f"at h, {name}")
+    # carried down to x: only use b reads h(x)
+    for name in USES:
+        x_b = x.detach().clone().requires_grad_()
+        h_b = torch.tanh(net.emb(x_b))
+        tied = {other: (h_b if other == name else h) for other in USES}
+        (expected,) = oracle_readouts(build_graph(_loss(net(x_b, tied))), [x_b], semiring_name)
+        (got,) = split.at_inputs[name]
+        assert_readout_matches(semiring_name, expected, got, f"at x, {name}")
+
+
+def test_the_branches_combine_to_the_whole_value() -> None:
+    """MaxProd: the value at x is the max over branches; LogSum: their log-sum-exp."""
+    for sr, combine in [
+        (semipack.MaxProd(), lambda t: t.amax(0)),
+        (semipack.LogSum(), lambda t: t.logsumexp(0)),
+    ]:
+        net, x = _net(), _x()
+        with semipack.extend(net, sr), semipack.branches(net.block, inputs=[x]) as split:
+            _loss(net(x)).backward()
+        per_branch = torch.stack([split.at_inputs[name][0] for name in USES])
+        torch.testing.assert_close(combine(per_branch), x.semiring_grad)
+        x_plain = x.detach().clone().requires_grad_()
+        (plain,) = torch.autograd.grad(_loss(net(x_plain)), x_plain)
+        torch.testing.assert_close(x.grad, plain, rtol=1e-15, atol=1e-15)  # .grad untouched
+
+
+def test_mistakes_say_what_to_do() -> None:
+    net, x = _net(), _x()
+    not_called = pytest.raises(semipack.SemipackError, match="Block was not called inside")
+    with not_called, semipack.extend(net, semipack.MaxProd()), semipack.branches(net.block):
+        pass
+    constant = pytest.raises(semipack.SemipackError, match="splits a tensor that requires grad")
+    with constant, semipack.extend(net, semipack.MaxProd()), semipack.branches(torch.zeros(2)):
+        pass
+    with pytest.raises(TypeError, match="splits at a module or a tensor"), semipack.branches("b"):
+        pass
+    leaf = torch.ones(4, 3, dtype=F64, requires_grad=True)
+    below_leaf = pytest.raises(semipack.SemipackError, match="which is a leaf here")
+    split = semipack.branches(leaf, inputs=[x])
+    with below_leaf, semipack.extend(net, semipack.MaxProd()), split:
+        pass
+
+
+def test_a_bert_layer_splits_into_query_key_value_and_the_residual() -> None:
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.BertConfig(
+        vocab_size=20, hidden_size=8, num_hidden_layers=1, num_attention_heads=2,
+        intermediate_size=16, max_position_embeddings=8, hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0,
+    )  # fmt: skip
+    ids = torch.tensor([[3, 5, 7, 2]])
+    layer = "encoder.layer.0.attention"
+    want = [f"{layer}.self.query", f"{layer}.self.key", f"{layer}.self.value", f"{layer}.output"]
+    values = {}
+    for attention in ("eager", "sdpa"):
+        torch.manual_seed(0)
+        model = transformers.BertModel._from_config(cfg, attn_implementation=attention).double()
+        with semipack.extend(model, semipack.MaxProd()):
+            with semipack.branches(model.encoder.layer[0].attention) as split:
+                out = model(input_ids=ids).last_hidden_state
+            out.pow(2).sum().backward()
+        assert split.names == want
+        values[attention] = split.values
+        whole = torch.stack(list(split.values.values())).amax(0)
+        assert whole.shape == (1, 4, 8) and (whole > 0).all()
+    for name in want:
+        torch.testing.assert_close(values["eager"][name], values["sdpa"][name])

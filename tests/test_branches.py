@@ -147,3 +147,22 @@ def test_a_bert_layer_splits_into_query_key_value_and_the_residual() -> None:
         assert whole.shape == (1, 4, 8) and (whole > 0).all()
     for name in want:
         torch.testing.assert_close(values["eager"][name], values["sdpa"][name])
+
+
+def test_per_token_aggregation_is_the_union_of_the_tokens_paths(
+    semiring_name: str, semiring
+) -> None:
+    """``aggregate(-1)``: each (row, branch) over all its units. Oracle: the untied model whose
+    copy of h for use b is ``c + z_b[..., None]`` with a leaf ``z_b`` per row, so every path to
+    ``z_b[r]`` passes through exactly one unit ``h[r, u]`` and extends it by an edge of weight 1:
+    the paths to ``z_b[r]`` are the union of the paths to the row's units."""
+    net, x = _net(), _x()
+    with semipack.extend(net, semiring), semipack.branches(net.block) as split:
+        _loss(net(x)).backward()
+    got = split.aggregate(-1)
+    h = torch.tanh(net.emb(x)).detach()
+    rows = {name: torch.zeros(h.shape[0], dtype=F64, requires_grad=True) for name in USES}
+    copies = {name: h + rows[name][:, None] for name in USES}
+    want = oracle_readouts(build_graph(_loss(net(x, copies))), list(rows.values()), semiring_name)
+    for name, expected in zip(USES, want, strict=True):
+        assert_readout_matches(semiring_name, expected, got[name], f"rows of {name}")

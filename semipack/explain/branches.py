@@ -30,6 +30,7 @@ from torch.overrides import TorchFunctionMode
 from ..errors import SemipackError
 from ..graph.provenance import current_module
 from ..messages.message import Message
+from ..semirings.base import State
 from ..transport.backward import carry_down
 
 
@@ -42,21 +43,49 @@ class Branches:
             dotted path of the module whose forward made the call (``"<outside the model>"``
             outside it), with the argument name when a single call uses the tensor more than
             once (``"...:query"``) and ``#2``, ``#3`` for further calls by the same module.
-        at_inputs: branch name -> one readout per requested input (shaped like it; None where
-            that branch reaches no entry of it), filled during the backward.
         split: the split tensor.
     """
 
     names: list[str] = field(default_factory=list)
-    at_inputs: dict[str, list[Any]] = field(default_factory=dict)
     split: Tensor | None = None
     messages: dict[str, Message] = field(default_factory=dict, repr=False)
+    input_states: dict[str, list[State | None]] = field(default_factory=dict, repr=False)
 
     @property
     def values(self) -> dict[str, Any]:
         """Branch name -> semiring readout at the split tensor (shaped like it), for the
         branches a path reached in the last backward."""
         return {name: m.semiring.readout(m.parts) for name, m in self.messages.items()}
+
+    @property
+    def at_inputs(self) -> dict[str, list[Any]]:
+        """Branch name -> one readout per requested input (shaped like it; None where that
+        branch reaches no entry of it)."""
+        return {
+            name: [None if st is None else self._semiring().readout(st) for st in states]
+            for name, states in self.input_states.items()
+        }
+
+    def aggregate(self, dims: int | Sequence[int], at: int | None = None) -> dict[str, Any]:
+        """Branch name -> readout of the semiring *sum* over ``dims`` (the union of the paths
+        of those entries, e.g. every hidden unit of a token: MaxProd gives the max, LogSum the
+        log of the total, Entropy the entropy of the union, not an average of entropies), at
+        the split tensor (``at=None``) or at input number ``at``. Shapes: the tensor's without
+        ``dims``. Vectorised over everything else (examples, positions)."""
+        sr = self._semiring()
+        dims = [dims] if isinstance(dims, int) else list(dims)
+        out = {}
+        for name in self.messages:
+            state = self.messages[name].parts if at is None else self.input_states[name][at]
+            if state is None:
+                out[name] = None
+                continue
+            rank = state[0].dim()
+            out[name] = sr.readout(sr.sum(state, sorted(d % rank for d in dims)))
+        return out
+
+    def _semiring(self):
+        return next(iter(self.messages.values())).semiring
 
 
 class _SplitMode(TorchFunctionMode):
@@ -209,7 +238,7 @@ def _carrier(result: Branches, inputs: list[Tensor]):
             first = result.messages[names[0]]
             states = [result.messages[n].parts for n in names]
             carried = carry_down(result.split, states, first.semiring, inputs)
-            result.at_inputs = dict(zip(names, carried, strict=True))
+            result.input_states = dict(zip(names, carried, strict=True))
         finally:
             carrying.clear()
         return None

@@ -413,12 +413,12 @@ def grad(
 
 def carry_down(
     tensor: Tensor, states: Sequence[State], semiring: Semiring, inputs: Sequence[Tensor]
-) -> list[list[Any]]:
-    """For each state in ``states`` (each shaped like ``tensor``): the readouts at ``inputs`` of
+) -> list[list[State | None]]:
+    """For each state in ``states`` (each shaped like ``tensor``): the states at ``inputs`` of
     a semiring pass from ``tensor`` seeded with that state, as if only those paths existed above
     ``tensor``. Runs while the graph below ``tensor`` is alive (from a hook of a running pass, or
     on a retained graph) and keeps it (``retain_graph=True``); no regular gradient is computed.
-    Returns, per state, one readout per input (None where no path reaches it)."""
+    Returns, per state, one state per input, shaped like it (None where no path reaches it)."""
     out = []
     with semiring_pass(retain_graph=True), carry_pass():
         for state in states:
@@ -428,7 +428,7 @@ def carry_down(
             )
             out.append(
                 [
-                    None if m is None else semiring.readout(_check(m, t).parts)
+                    None if m is None else _check(m, t).parts
                     for m, t in zip(got, inputs, strict=True)
                 ]
             )

@@ -69,8 +69,9 @@ def test_branch_values_equal_the_untied_oracle(
     semiring_name: str, semiring, extensions: bool
 ) -> None:
     net, x = _net(), _x()
+    carried = semiring_name != "top_path"  # TopPath branches are read at the split only
     with semipack.extend(net, semiring, extensions=extensions):
-        with semipack.branches(net.block, inputs=[x]) as split:
+        with semipack.branches(net.block, inputs=[x] if carried else []) as split:
             out = net(x)
         _loss(out).backward()
     assert split.names == list(USES)
@@ -81,7 +82,7 @@ def test_branch_values_equal_the_untied_oracle(
     for name, expected in zip(USES, want, strict=True):
         assert_readout_matches(semiring_name, expected, split.values[name], f"at h, {name}")
     # carried down to x: only use b reads h(x)
-    for name in USES:
+    for name in USES if carried else ():
         x_b = x.detach().clone().requires_grad_()
         h_b = torch.tanh(net.emb(x_b))
         tied = {other: (h_b if other == name else h) for other in USES}
@@ -116,6 +117,12 @@ def test_mistakes_say_what_to_do() -> None:
         pass
     with pytest.raises(TypeError, match="splits at a module or a tensor"), semipack.branches("b"):
         pass
+    top = pytest.raises(semipack.SemipackError, match="cannot carry TopPath branches down")
+    with top, semipack.extend(net, semipack.TopPath()):
+        with semipack.branches(net.block, inputs=[x]):
+            out = net(x)
+        _loss(out).backward()
+    assert x.grad is None  # the failed pass left nothing behind
     leaf = torch.ones(4, 3, dtype=F64, requires_grad=True)
     below_leaf = pytest.raises(semipack.SemipackError, match="which is a leaf here")
     split = semipack.branches(leaf, inputs=[x])

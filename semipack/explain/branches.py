@@ -236,6 +236,12 @@ def _carrier(result: Branches, inputs: list[Tensor]):
         try:
             names = list(result.messages)
             first = result.messages[names[0]]
+            if first.semiring.records_paths:
+                raise SemipackError(
+                    "semipack.branches(inputs=...) cannot carry TopPath branches down (their "
+                    "paths would be recorded twice); read TopPath at the split tensor, or use "
+                    "MaxProd for the values at the inputs"
+                )
             states = [result.messages[n].parts for n in names]
             carried = carry_down(result.split, states, first.semiring, inputs)
             result.input_states = dict(zip(names, carried, strict=True))

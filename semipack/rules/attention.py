@@ -225,8 +225,7 @@ def record_internal(sr: Semiring, m: State, tensor: str) -> State:
     _node, module = current_site()
     dims = ("batch", "head", "query", "key")[-m[0].dim() :]
     site = Site(module if module is not None else "<unnamed>", tensor, dims)
-    ids = trace.relabel(m[0], m[1], tensor, module, site)
-    return (m[0], ids)
+    return trace.relabel_state(sr, m, tensor, module, site)
 
 
 def repeat_heads(t: Tensor, groups: int) -> Tensor:

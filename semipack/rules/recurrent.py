@@ -109,13 +109,13 @@ class Tracer:
             self.module = current_site()[1]
 
     def record(self, m: State, what: str) -> State:
-        """Give the entries of state ``m`` fresh path ids named ``what`` (TopPath only)."""
+        """Give the entries of state ``m`` fresh path ids named ``what`` (path-recording
+        semirings only)."""
         if not self.enabled:
             return m
         where = self.module if self.module is not None else "<unnamed>"
         site = Site(where, what, ("batch", "unit"))
-        ids = self.sr.trace.relabel(m[0], m[1], what, self.module, site)
-        return (m[0], ids)
+        return self.sr.trace.relabel_state(self.sr, m, what, self.module, site)
 
 
 # --- one direction of one layer ---------------------------------------------------------------

@@ -3,6 +3,7 @@
 from .base import Semiring, State
 from .boolean import Boolean
 from .entropy import Entropy
+from .k_best import KBest
 from .log_sum import LogCount, LogSum
 from .max_prod import MaxProd
 from .real import Real
@@ -13,6 +14,7 @@ __all__ = [
     "Boolean",
     "Entropy",
     "Extremes",
+    "KBest",
     "LogCount",
     "LogSum",
     "MaxProd",

@@ -147,6 +147,16 @@ class Semiring:
     #: which the backward never modifies (one instance serves many passes and threads).
     trace: Any = None
 
+    def path_slots(self, a: State) -> tuple[Tensor, Tensor]:
+        """Path-recording semirings: the log-values and successor ids of the ``ranks`` paths
+        each entry of ``a`` keeps, as two [ranks, *shape] tensors (TopPath: 1, KBest: k)."""
+        raise NotImplementedError(f"{self.name} records no paths")
+
+    def with_successors(self, a: State, ids: Tensor) -> State:
+        """Path-recording semirings: ``a`` with its successor ids replaced by ``ids``
+        ([ranks, *shape], as ``path_slots`` gives them)."""
+        raise NotImplementedError(f"{self.name} records no paths")
+
     def bound_to(self, trace: Any) -> Semiring:
         """A shallow copy carrying ``trace``: the semiring every message of one pass holds, so
         rules and extensions reach the pass's trace through ``call.semiring``."""

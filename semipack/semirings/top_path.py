@@ -124,6 +124,12 @@ class TopPath(MaxProd):
     def lift_is_multiplicative(self) -> bool:
         return True
 
+    def path_slots(self, a: State) -> tuple[Tensor, Tensor]:
+        return a[0][None], a[1].expand(a[0].shape)[None]
+
+    def with_successors(self, a: State, ids: Tensor) -> State:
+        return a[0], ids[0]
+
     def path(self, leaf: Tensor, index: tuple[int, ...] | int | None = None):
         """The best path from ``leaf[index]`` (default: the leaf's best entry) to the root of
         the last TopPath backward that reached ``leaf`` (a leaf, a retained tensor or an input

@@ -173,3 +173,38 @@ def test_per_token_aggregation_is_the_union_of_the_tokens_paths(
     want = oracle_readouts(build_graph(_loss(net(x, copies))), list(rows.values()), semiring_name)
     for name, expected in zip(USES, want, strict=True):
         assert_readout_matches(semiring_name, expected, got[name], f"rows of {name}")
+
+
+def test_llama_and_transformer_encoder_layers_split_by_use() -> None:
+    """A Llama layer's attention input is used by the q/k/v projections; nn.MultiheadAttention
+    receives it once per argument (query, key, value); the encoder layer adds it back."""
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.LlamaConfig(
+        vocab_size=20, hidden_size=8, num_hidden_layers=1, num_attention_heads=2,
+        num_key_value_heads=1, intermediate_size=16, max_position_embeddings=8,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    llama = transformers.LlamaModel._from_config(cfg, attn_implementation="sdpa").double()
+    with semipack.extend(llama, semipack.LogSum()):
+        with semipack.branches(llama.layers[0].self_attn) as split:
+            out = llama(input_ids=torch.tensor([[1, 4, 6]])).last_hidden_state
+        out.sum().backward()
+    assert split.names == [f"layers.0.self_attn.{p}_proj" for p in "qkv"]
+    # causal attention: the first query sees one key, so its softmax is constant and no path
+    # leaves token 0 through the query projection; every other entry has paths
+    query = split.values["layers.0.self_attn.q_proj"]
+    assert query[:, 0].isneginf().all() and query[:, 1:].isfinite().all()
+    assert all(v.isfinite().all() for k, v in split.values.items() if not k.endswith("q_proj"))
+
+    torch.manual_seed(0)
+    layer = nn.TransformerEncoderLayer(4, 2, dim_feedforward=8, dropout=0.0).double()
+    x = torch.randn(3, 1, 4, dtype=F64, requires_grad=True)
+    for extensions in (True, False):
+        with semipack.extend(layer, semipack.MaxProd(), extensions=extensions):
+            with semipack.branches(x, inputs=[]) as split:
+                out = layer(x)
+            out.sum().backward()
+        uses = ["self_attn:query", "self_attn:key", "self_attn:value", "<root module>"]
+        assert split.names == uses
+        whole = torch.stack(list(split.values.values())).amax(0)
+        torch.testing.assert_close(whole, x.semiring_grad)  # MaxProd: max over the uses

@@ -40,8 +40,8 @@ class Branches:
 
     Attributes:
         names: the consumers of the split tensor, in the order of their first use; a name is the
-            dotted path of the module whose forward made the call (``"<outside the model>"``
-            outside it), with the argument name when a single call uses the tensor more than
+            dotted path of the module whose forward made the call (``"<root module>"`` for the
+            extended model's own forward, ``"<outside the model>"`` outside it), with the argument name when a single call uses the tensor more than
             once (``"...:query"``) and ``#2``, ``#3`` for further calls by the same module.
         split: the split tensor.
     """
@@ -117,6 +117,7 @@ class _SplitMode(TorchFunctionMode):
         return func(*args, **kwargs)
 
     def _alias(self, module: str, label: str | None) -> Tensor:
+        module = module or "<root module>"  # the extended model's own forward
         name = module if label is None else f"{module}:{label}"
         seen = self.counts.get(name, 0) + 1
         self.counts[name] = seen

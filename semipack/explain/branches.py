@@ -41,8 +41,9 @@ class Branches:
     Attributes:
         names: the consumers of the split tensor, in the order of their first use; a name is the
             dotted path of the module whose forward made the call (``"<root module>"`` for the
-            extended model's own forward, ``"<outside the model>"`` outside it), with the argument name when a single call uses the tensor more than
-            once (``"...:query"``) and ``#2``, ``#3`` for further calls by the same module.
+            extended model's own forward, ``"<outside the model>"`` outside it), with the
+            argument name when a single call uses the tensor more than once (``"...:query"``)
+            and ``#2``, ``#3`` for further calls by the same module.
         split: the split tensor.
     """
 

@@ -22,6 +22,7 @@ from pathlib import Path
 
 import torch
 from torch import Tensor, nn
+from tqdm import tqdm
 
 from .api import extend
 from .errors import SemipackError
@@ -97,7 +98,7 @@ def run(
     tokens = tokenizer.convert_ids_to_tokens(encoded["input_ids"][0])
     blocks = _attention_blocks(model)
     results: dict[str, list[dict[str, Tensor]]] = {}
-    for name in semiring_names:
+    for name in tqdm(semiring_names, desc="semiring passes", disable=not sys.stderr.isatty()):
         with extend(model, SEMIRINGS[name](), drawing=drawing), ExitStack() as stack:
             splits: list[Branches] = [stack.enter_context(branches(b)) for b in blocks]
             output = model(**encoded).last_hidden_state

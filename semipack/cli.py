@@ -88,7 +88,8 @@ def run(
     model: nn.Module, tokenizer, text: str, semiring_names: Sequence[str], target: str,
     drawing: str = "atomic",
 ) -> tuple[list[str], dict[str, list[dict[str, Tensor]]]]:  # fmt: skip
-    """Per semiring, per layer: branch -> per-token aggregate ``[tokens]``."""
+    """Per semiring, per layer: branch -> per-token aggregate ``[tokens]``; the key ``"all"``
+    holds every branch together (all the paths to the layer's input)."""
     if not text.strip():
         raise SemipackError("the text to explain is empty")
     unknown = [s for s in semiring_names if s not in SEMIRINGS]
@@ -106,6 +107,7 @@ def run(
             _target(output, encoded["attention_mask"], target).backward()
         results[name] = [
             {_short(k): v[0].detach() for k, v in split.aggregate(-1).items() if v is not None}
+            | {"all": split.total(-1)[0].detach()}
             for split in splits
         ]
     return tokens, results
@@ -120,7 +122,7 @@ def report(tokens: list[str], results: dict[str, list[dict[str, Tensor]]], out: 
         for t, token in enumerate(tokens):
             best = []
             for layer in layers:
-                names = list(layer)
+                names = [n for n in layer if n != "all"]
                 values = torch.stack([layer[n][t] for n in names])
                 best.append(names[int(values.argmax())])
             print(f"{token:>12} " + " ".join(f"{b:<10}" for b in best))
@@ -130,6 +132,8 @@ def report(tokens: list[str], results: dict[str, list[dict[str, Tensor]]], out: 
         what = "log total flow" if name == "LogSum" else "path entropy (nats)"
         print(f"\n{what} per branch and token (union of its units), layer 0 ({name}):")
         for branch, values in results[name][0].items():
+            if branch == "all":
+                continue
             print(f"  {branch:<9} " + " ".join(f"{v:8.3f}" for v in values.tolist()))
     if out is None:
         return
@@ -142,9 +146,15 @@ def report(tokens: list[str], results: dict[str, list[dict[str, Tensor]]], out: 
                 for branch, values in layer.items():
                     for t, v in enumerate(values.tolist()):
                         writer.writerow([sr, i, branch, t, tokens[t], v])
+    written = ["branches.csv"]
     if "MaxProd" in results:
         _plot_shares(tokens, results["MaxProd"], out / "branch_flow.png")
-    print(f"\nwrote {out / 'branches.csv'}" + (", branch_flow.png" if "MaxProd" in results else ""))
+        written.append("branch_flow.png")
+    for name in ("Entropy", "LogSum"):
+        if name in results:
+            _plot_heatmap(tokens, results[name], name, out / f"{name.lower()}_heatmap.png")
+            written.append(f"{name.lower()}_heatmap.png")
+    print(f"\nwrote {', '.join(str(out / w) for w in written)}")
 
 
 def _plot_shares(tokens: list[str], layers: list[dict[str, Tensor]], path: Path) -> None:
@@ -156,7 +166,7 @@ def _plot_shares(tokens: list[str], layers: list[dict[str, Tensor]], path: Path)
 
     shares = {b: [] for b in BRANCH_NAMES}
     for layer in layers:
-        names = list(layer)
+        names = [n for n in layer if n != "all"]
         best = torch.stack([layer[n] for n in names]).argmax(0)
         for b in BRANCH_NAMES:
             hit = names.index(b) if b in names else -1
@@ -170,6 +180,28 @@ def _plot_shares(tokens: list[str], layers: list[dict[str, Tensor]], path: Path)
     ax.set_ylabel(f"share of {len(tokens)} tokens")
     ax.set_title("branch of each token's best path (MaxProd)")
     ax.legend(loc="upper right", fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def _plot_heatmap(
+    tokens: list[str], layers: list[dict[str, Tensor]], semiring: str, path: Path
+) -> None:
+    """Tokens x layers: every path to the layer's input at that token (all its units)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    grid = torch.stack([layer["all"] for layer in layers], 1).float().numpy()
+    fig, ax = plt.subplots(figsize=(1.2 + 0.6 * len(layers), 0.8 + 0.3 * len(tokens)))
+    image = ax.imshow(grid, aspect="auto", cmap="viridis")
+    ax.set_xticks(range(len(layers)), [f"L{i}" for i in range(len(layers))])
+    ax.set_yticks(range(len(tokens)), tokens)
+    what = "path entropy (nats)" if semiring == "Entropy" else "log total flow"
+    ax.set_title(f"{what} at each layer's input")
+    fig.colorbar(image, ax=ax)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)

@@ -43,11 +43,18 @@ def test_explain_writes_tables_csv_and_picture(tiny_model_dir: Path, tmp_path: P
     assert code == 0
     printed = capsys.readouterr().out
     assert "best path per token and layer leaves the attention block's input by" in printed
-    assert (tmp_path / "branch_flow.png").stat().st_size > 1000
+    for picture in ("branch_flow.png", "entropy_heatmap.png", "logsum_heatmap.png"):
+        assert (tmp_path / picture).stat().st_size > 1000
     rows = _rows(tmp_path)
     tokens = 8  # [CLS] the keys are on the table [SEP]
-    assert len(rows) == 3 * 2 * 4 * tokens  # semirings x layers x branches x tokens
-    assert {r["branch"] for r in rows} == {"query", "key", "value", "residual"}
+    assert len(rows) == 3 * 2 * 5 * tokens  # semirings x layers x (4 branches + all) x tokens
+    assert {r["branch"] for r in rows} == {"query", "key", "value", "residual", "all"}
+    # LogSum: the union of the branches is their log-sum-exp, token by token
+    flow = {(r["branch"], r["token_index"]): float(r["value"]) for r in rows
+            if r["semiring"] == "LogSum" and r["layer"] == "1"}  # fmt: skip
+    for t in range(tokens):
+        parts = torch.tensor([flow[b, str(t)] for b in ("query", "key", "value", "residual")])
+        assert flow["all", str(t)] == pytest.approx(float(parts.logsumexp(0)), rel=1e-5)
 
 
 def test_the_best_branch_per_token_is_the_best_path_to_the_token(
@@ -60,7 +67,7 @@ def test_the_best_branch_per_token_is_the_best_path_to_the_token(
                  "--semirings", "MaxProd", "--out", str(tmp_path)]) == 0  # fmt: skip
     per_token: dict[int, float] = {}
     for r in _rows(tmp_path):
-        if r["layer"] == "0":
+        if r["layer"] == "0" and r["branch"] != "all":
             t = int(r["token_index"])
             per_token[t] = max(per_token.get(t, 0.0), float(r["value"]))
     model = transformers.AutoModel.from_pretrained(str(tiny_model_dir), attn_implementation="eager")

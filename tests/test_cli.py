@@ -96,7 +96,8 @@ def test_the_best_branch_per_token_is_the_best_path_to_the_token(
         (["--model", "/no/such/dir"], "'/no/such/dir' is not a Hugging Face model directory"),
         (["--text", "   "], "the text to explain is empty"),
         (["--semirings", "Tropical"], "unknown semiring 'Tropical': choose from MaxProd, Log"),
-        (["--target", "cls"], "unknown --target 'cls': use 'norm' or 'token:N'"),
+        (["--target", "cls"], "unknown --target 'cls': use 'norm', 'token:N' or 'mask'"),
+        (["--target", "mask", "--text", "the keys"], "--target mask needs a [MASK] token"),
     ],
 )
 def test_mistakes_exit_with_a_clear_message(tiny_model_dir, capsys, args, message) -> None:
@@ -135,3 +136,33 @@ def test_head_flow_is_the_flow_into_each_heads_output(tiny_model_dir: Path, tmp_
         head = int(r["branch"].split()[1])
         expected = float(want[int(r["token_index"]), head])
         assert float(r["value"]) == pytest.approx(expected, rel=1e-5)
+
+
+def test_a_masked_token_prediction_is_explained(tiny_model_dir: Path, tmp_path: Path) -> None:
+    """``--target mask``: the masked-LM head's top logit at [MASK]; the best path per token at
+    layer 0's input agrees with ``semipack.grad`` of the same logit."""
+    mlm_dir = tmp_path / "mlm"
+    torch.manual_seed(1)
+    cfg = transformers.AutoConfig.from_pretrained(str(tiny_model_dir))
+    transformers.BertForMaskedLM(cfg).save_pretrained(str(mlm_dir))
+    transformers.AutoTokenizer.from_pretrained(str(tiny_model_dir)).save_pretrained(str(mlm_dir))
+    out = tmp_path / "out"
+    assert main(["explain", "--model", str(mlm_dir), "--text", "the [MASK] are", "--target",
+                 "mask", "--semirings", "MaxProd", "--out", str(out)]) == 0  # fmt: skip
+    per_token: dict[int, float] = {}
+    for r in _rows(out):
+        if r["layer"] == "0" and r["branch"] in ("query", "key", "value", "residual"):
+            t = int(r["token_index"])
+            per_token[t] = max(per_token.get(t, 0.0), float(r["value"]))
+    model = transformers.AutoModelForMaskedLM.from_pretrained(
+        str(mlm_dir), attn_implementation="eager"
+    )
+    ids = transformers.AutoTokenizer.from_pretrained(str(mlm_dir))(
+        "the [MASK] are", return_tensors="pt"
+    )["input_ids"]
+    emb = model.bert.embeddings(input_ids=ids).detach().requires_grad_()
+    hidden = model.bert.encoder(emb).last_hidden_state
+    logit = model.cls(hidden)[0, 2].max()  # [CLS] the [MASK] are [SEP]: the mask is token 2
+    (best,) = semipack.grad(logit, emb, semipack.MaxProd())
+    got = torch.tensor([per_token[t] for t in range(len(per_token))], dtype=best.dtype)
+    torch.testing.assert_close(got, best[0].amax(-1), rtol=1e-5, atol=0)

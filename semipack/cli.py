@@ -158,6 +158,13 @@ def report(tokens: list[str], results: dict[str, list[dict[str, Tensor]]], out: 
             if branch in ("all", "heads"):
                 continue
             print(f"  {branch:<9} " + " ".join(f"{v:8.3f}" for v in values.tolist()))
+    if "MaxProd" in results:
+        print("\nshare of tokens whose best path runs through each attention head (MaxProd):")
+        for i, layer in enumerate(results["MaxProd"]):
+            best = layer["heads"].argmax(-1)  # per token, at the heads' outputs
+            heads = layer["heads"].shape[-1]
+            shares = [float((best == h).float().mean()) for h in range(heads)]
+            print(f"  L{i}  " + "  ".join(f"head {h}: {v:5.1%}" for h, v in enumerate(shares)))
     if "LogSum" in results:
         print("\nshare of the total flow through each attention head, per layer (LogSum):")
         for i, layer in enumerate(results["LogSum"]):

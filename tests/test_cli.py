@@ -43,6 +43,15 @@ def test_explain_writes_tables_csv_and_picture(tiny_model_dir: Path, tmp_path: P
     assert code == 0
     printed = capsys.readouterr().out
     assert "best path per token and layer leaves the attention block's input by" in printed
+    # top-path shares per head: from the MaxProd head rows of the CSV, token by token
+    heads = {}
+    for r in _rows(tmp_path):
+        if r["semiring"] == "MaxProd" and r["layer"] == "0" and r["branch"].startswith("head"):
+            heads.setdefault(int(r["token_index"]), []).append(float(r["value"]))
+    best = torch.tensor([max(range(2), key=values.__getitem__) for values in heads.values()])
+    shares = [float((best == h).float().mean()) for h in range(2)]
+    section = printed.split("share of tokens whose best path runs through each attention head")[1]
+    assert section.splitlines()[1] == f"  L0  head 0: {shares[0]:5.1%}  head 1: {shares[1]:5.1%}"
     for picture in ("branch_flow.png", "entropy_heatmap.png", "logsum_heatmap.png"):
         assert (tmp_path / picture).stat().st_size > 1000
     rows = _rows(tmp_path)

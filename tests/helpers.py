@@ -139,3 +139,40 @@ def assert_readout_matches(
         _assert_close_where(where, expected, act, no_path, LOG_ATOL)
     else:
         raise AssertionError(f"unknown semiring {semiring_name}")
+
+
+class MinProd(semipack.Semiring):
+    """The weakest path (the README's user semiring): min over paths of the product of
+    |derivatives|, in log space, built from the primitives only."""
+
+    zero = (math.inf,)
+    one = (0.0,)
+
+    def lift(self, w: Tensor) -> tuple[Tensor, ...]:
+        lw = w.to(self.state_dtype(w.dtype)).abs().log()
+        return (torch.where(w == 0, math.inf, lw),)
+
+    def plus(self, a, b):
+        return (torch.minimum(a[0], b[0]),)
+
+    def times(self, a, b):
+        return (a[0] + b[0],)
+
+    def sum(self, a, dims, keepdim=False):
+        return (a[0].amin(dims, keepdim=keepdim),)
+
+    def readout(self, a):
+        return a[0].exp()
+
+
+def tiny_bert_config(**overrides):
+    """A BERT of one layer, hidden size 8, two heads and no dropout (tests build it in
+    seconds, with random weights)."""
+    import transformers
+
+    settings = dict(
+        vocab_size=20, hidden_size=8, num_hidden_layers=1, num_attention_heads=2,
+        intermediate_size=16, max_position_embeddings=8, hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0,
+    )  # fmt: skip
+    return transformers.BertConfig(**(settings | overrides))

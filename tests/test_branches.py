@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import assert_readout_matches, oracle_readouts
+from helpers import assert_readout_matches, oracle_readouts, tiny_bert_config
 from oracle import build_graph
 from torch import Tensor, nn
 
@@ -132,11 +132,7 @@ def test_mistakes_say_what_to_do() -> None:
 
 def test_a_bert_layer_splits_into_query_key_value_and_the_residual() -> None:
     transformers = pytest.importorskip("transformers")
-    cfg = transformers.BertConfig(
-        vocab_size=20, hidden_size=8, num_hidden_layers=1, num_attention_heads=2,
-        intermediate_size=16, max_position_embeddings=8, hidden_dropout_prob=0.0,
-        attention_probs_dropout_prob=0.0,
-    )  # fmt: skip
+    cfg = tiny_bert_config()
     ids = torch.tensor([[3, 5, 7, 2]])
     layer = "encoder.layer.0.attention"
     want = [f"{layer}.self.query", f"{layer}.self.key", f"{layer}.self.value", f"{layer}.output"]

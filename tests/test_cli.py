@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import tiny_bert_config
 
 import semipack
 from semipack.cli import main
@@ -21,9 +22,9 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     folder = tmp_path_factory.mktemp("tiny_bert")
     (folder / "vocab.txt").write_text("\n".join(WORDS) + "\n")
     transformers.BertTokenizer(str(folder / "vocab.txt")).save_pretrained(str(folder))
-    cfg = transformers.BertConfig(
-        vocab_size=len(WORDS), hidden_size=8, num_hidden_layers=2, num_attention_heads=2,
-        intermediate_size=16, max_position_embeddings=16,
+    cfg = tiny_bert_config(
+        vocab_size=len(WORDS), num_hidden_layers=2, max_position_embeddings=16,
+        hidden_dropout_prob=0.1, attention_probs_dropout_prob=0.1,
     )  # fmt: skip
     torch.manual_seed(0)
     transformers.BertModel(cfg).save_pretrained(str(folder))

@@ -15,7 +15,7 @@ from collections.abc import Callable
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import assert_readout_matches, oracle_readouts
+from helpers import assert_readout_matches, oracle_readouts, tiny_bert_config
 from oracle import build_graph
 from torch import Tensor, nn
 
@@ -145,11 +145,7 @@ def test_a_hugging_face_model_is_drawn_decomposed_with_eager_and_sdpa() -> None:
     """With the decomposed drawing, a BERT layer's attention is drawn through logsumexp by both
     attention implementations (eager calls softmax, sdpa calls the fused function)."""
     transformers = pytest.importorskip("transformers")
-    cfg = transformers.BertConfig(
-        vocab_size=20, hidden_size=8, num_hidden_layers=1, num_attention_heads=2,
-        intermediate_size=16, max_position_embeddings=8, hidden_dropout_prob=0.0,
-        attention_probs_dropout_prob=0.0,
-    )  # fmt: skip
+    cfg = tiny_bert_config()
     ids = torch.tensor([[3, 5, 7, 2]])
     values = {}
     for attention in ("eager", "sdpa"):

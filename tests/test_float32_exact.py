@@ -22,7 +22,7 @@ from collections.abc import Callable
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import SEMIRINGS, assert_readout_matches, oracle_readouts, semiring_names
+from helpers import SEMIRINGS, MinProd, assert_readout_matches, oracle_readouts, semiring_names
 from oracle import build_graph, dynamic_programming
 from torch import Tensor, nn
 
@@ -333,21 +333,6 @@ def test_signs_and_defaults() -> None:
         "uses_edge_signs",
     } <= set(DERIVED_OPERATIONS)
     assert all(callable(getattr(Semiring, name)) for name in DERIVED_OPERATIONS)
-
-    class MinProd(Semiring):  # the README's user semiring: only the primitives
-        zero, one = (INF,), (0.0,)
-
-        def lift(self, w):
-            return (torch.where(w == 0, INF, w.abs().log()),)
-
-        def plus(self, a, b):
-            return (torch.minimum(a[0], b[0]),)
-
-        def times(self, a, b):
-            return (a[0] + b[0],)
-
-        def sum(self, a, dims, keepdim=False):
-            return (a[0].amin(dims, keepdim=keepdim),)
 
     sr = MinProd()
     a = (torch.tensor([1.0, 2.0, 3.0]),)

@@ -19,7 +19,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from cases_ops import CASES, case_leaves, weighted_loss
-from helpers import SEMIRINGS, assert_readout_matches, oracle_readouts
+from helpers import SEMIRINGS, MinProd, assert_readout_matches, oracle_readouts
 from oracle import ScalarGraph, build_graph, dynamic_programming
 from torch import Tensor
 
@@ -129,29 +129,6 @@ def test_float32_values_match_the_float64_oracle(name: str) -> None:
 
 
 # --- user semirings: only the primitives -------------------------------------------------------
-
-
-class MinProd(semipack.Semiring):
-    """The weakest path: min over paths of the product of |derivatives| (log space)."""
-
-    zero = (float("inf"),)
-    one = (0.0,)
-
-    def lift(self, w: Tensor) -> tuple[Tensor, ...]:
-        lw = w.to(self.state_dtype(w.dtype)).abs().log()
-        return (torch.where(w == 0, float("inf"), lw),)
-
-    def plus(self, a, b):
-        return (torch.minimum(a[0], b[0]),)
-
-    def times(self, a, b):
-        return (a[0] + b[0],)
-
-    def sum(self, a, dims, keepdim=False):
-        return (a[0].amin(dims, keepdim=keepdim),)
-
-    def readout(self, a):
-        return a[0].exp()
 
 
 #: Edges at or below this |weight| do not count for ``StrongReach``.

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import pytest
 import torch
-from helpers import ORACLE_NAME, SEMIRINGS, assert_readout_matches, oracle_readouts
+from helpers import ORACLE_NAME, SEMIRINGS, MinProd, assert_readout_matches, oracle_readouts
 from oracle import Readout, build_graph, dynamic_programming
 from torch import Tensor, nn
 from torch.nn.utils.rnn import PackedSequence, pack_padded_sequence, pad_packed_sequence
@@ -442,29 +442,6 @@ def test_top_path_through_onednn_names_the_recurrent_states() -> None:
     steps = [step.description for step in fused_path.steps]
     assert any("hidden state, step" in s or "cell state, step" in s for s in steps), steps
     assert "MkldnnRnnLayer" in str(fused_path)
-
-
-class MinProd(semipack.Semiring):
-    """The weakest path (README's example of a user semiring): min of |path products|."""
-
-    zero = (float("inf"),)
-    one = (0.0,)
-
-    def lift(self, w: Tensor):
-        lw = w.to(self.state_dtype(w.dtype)).abs().log()
-        return (torch.where(w == 0, float("inf"), lw),)
-
-    def plus(self, a, b):
-        return (torch.minimum(a[0], b[0]),)
-
-    def times(self, a, b):
-        return (a[0] + b[0],)
-
-    def sum(self, a, dims, keepdim=False):
-        return (a[0].amin(dims, keepdim=keepdim),)
-
-    def readout(self, a):
-        return a[0].exp()
 
 
 def test_user_semiring_through_onednn() -> None:

@@ -31,6 +31,7 @@ from torch import Tensor
 
 from ..errors import SemipackError
 from ..graph.saved_inputs import run_recording_inputs
+from .attention import attention_scores
 
 #: The drawings ``semipack.extend`` accepts.
 DRAWINGS = ("atomic", "decomposed")
@@ -124,16 +125,7 @@ def decomposed_attention(
         key = key.repeat_interleave(groups, -3)
         value = value.repeat_interleave(groups, -3)
     factor = 1 / math.sqrt(query.shape[-1]) if scale is None else scale
-    scores = query @ key.transpose(-2, -1) * factor
-    length, source = query.shape[-2], key.shape[-2]
-    if is_causal:
-        keep = torch.ones(length, source, dtype=torch.bool, device=query.device).tril()
-        scores = scores.masked_fill(~keep, float("-inf"))
-    if attn_mask is not None:
-        if attn_mask.dtype == torch.bool:
-            scores = scores.masked_fill(~attn_mask, float("-inf"))
-        else:
-            scores = scores + attn_mask
+    scores = attention_scores(query, key, attn_mask, is_causal, factor)
     return decomposed_softmax(scores, -1) @ value
 
 

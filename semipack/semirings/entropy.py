@@ -15,6 +15,17 @@ from .base import Products, Semiring, Sign, State, index_reduce, repair_underflo
 from .log_sum import column_scaled
 
 
+def _shared_shift(m: State) -> tuple[Tensor, Tensor, Tensor] | None:
+    """``(e, e·r, shift)`` with ``e = exp(log Z - shift)`` for the state ``(log Z, r)`` of a
+    message, or None where its finite entries span too many nats for one shift."""
+    log_z, surprisal = m
+    shift = global_shift(log_z)
+    if shift is None:
+        return None
+    e = (log_z - shift).exp_()
+    return e, e * surprisal, shift
+
+
 class Entropy(Semiring):
     """Shannon entropy (nats) of p(path) ∝ product of |local derivatives| along the path.
 
@@ -135,12 +146,10 @@ class Entropy(Semiring):
         want_sum: bool = False,
         left_log: Tensor | None = None,
     ) -> Products | None:
-        log_z, surprisal = m
-        shift = global_shift(log_z)
-        if shift is None:
+        shifted = _shared_shift(m)
+        if shifted is None:
             return None
-        e = (log_z - shift).exp_()
-        e_r = e * surprisal
+        e, e_r, shift = shifted
         e_t, e_r_t = e.transpose(-1, -2), e_r.transpose(-1, -2)
         by_right = by_left = total = None
         if right is not None:
@@ -156,12 +165,10 @@ class Entropy(Semiring):
     def shared_shift_conv(
         self, m: State, sums: ConvolutionSums, mask: Sequence[bool]
     ) -> Products | None:
-        log_z, surprisal = m
-        shift = global_shift(log_z)
-        if shift is None:
+        shifted = _shared_shift(m)
+        if shifted is None:
             return None
-        e = (log_z - shift).exp_()
-        e_r = e * surprisal
+        e, e_r, shift = shifted
         to_in = _entropy_product(e, e_r, sums.w, shift, sums.to_input) if mask[0] else None
         to_w = _entropy_product(e, e_r, sums.x, shift, sums.to_weight) if mask[1] else None
         bias = None

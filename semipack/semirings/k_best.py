@@ -25,7 +25,7 @@ from torch import Tensor
 from ..kernels.blocking import BLOCK_ELEMENTS
 from ._log import log_abs
 from .base import Semiring, Sign, State
-from .top_path import NO_SUCCESSOR
+from .top_path import NO_SUCCESSOR, stored_paths
 
 
 class KBest(Semiring):
@@ -188,10 +188,4 @@ class KBest(Semiring):
         the last KBest backward that reached ``leaf``, best first (fewer where fewer paths
         exist). Each is a ``Path`` like ``TopPath.path`` returns; ``paths[r].value`` is
         ``leaf.semiring_grad[index][r]``."""
-        paths = getattr(leaf, "semiring_paths", None)
-        if paths is None:
-            raise KeyError(
-                "this tensor holds no paths: it was not a leaf, retained tensor or input of "
-                "a KBest backward pass (or a later pass with another semiring replaced them)"
-            )
-        return paths.paths(index)
+        return stored_paths(leaf, "paths", "KBest").paths(index)

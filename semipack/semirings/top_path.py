@@ -21,6 +21,18 @@ from .max_prod import MaxProd
 NO_SUCCESSOR = -1
 
 
+def stored_paths(leaf: Tensor, what: str, semiring: str):
+    """The paths a recording pass stored on ``leaf`` (``leaf.semiring_paths``); a KeyError that
+    says why when there are none."""
+    paths = getattr(leaf, "semiring_paths", None)
+    if paths is None:
+        raise KeyError(
+            f"this tensor holds no {what}: it was not a leaf, retained tensor or input of a "
+            f"{semiring} backward pass (or a later pass with another semiring replaced them)"
+        )
+    return paths
+
+
 class TopPath(MaxProd):
     """The single best path and its value (ties go to the first candidate).
 
@@ -135,10 +147,4 @@ class TopPath(MaxProd):
         the last TopPath backward that reached ``leaf`` (a leaf, a retained tensor or an input
         of ``semipack.grad``). The paths live on the tensor (``leaf.semiring_paths``), next to
         its ``semiring_grad``, so one TopPath instance serves any number of passes."""
-        paths = getattr(leaf, "semiring_paths", None)
-        if paths is None:
-            raise KeyError(
-                "this tensor holds no top paths: it was not a leaf, retained tensor or input of "
-                "a TopPath backward pass (or a later pass with another semiring replaced them)"
-            )
-        return paths.path(index)
+        return stored_paths(leaf, "top paths", "TopPath").path(index)

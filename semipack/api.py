@@ -77,8 +77,8 @@ def extend(
         stack.callback(setattr, _blocks, "semiring", None)
         # Any torch.compile'd callable (the model, a compiled wrapper kept beside it, a compiled
         # loss) runs its original Python eagerly in the block, so its ops reach the semiring
-        # rules; semipack's own compiled kernels switch back to the default stance
-        # (kernels.compiled).
+        # rules; each semiring pass switches back to the default stance for semipack's own
+        # compiled kernels (transport.passes.semiring_pass).
         stack.enter_context(torch.compiler.set_stance("force_eager"))
         stack.enter_context(warnings.catch_warnings())
         # the module tracker's global hooks see the compiled wrapper's call and ignore it

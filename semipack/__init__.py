@@ -9,7 +9,7 @@ p.grad, p.semiring_grad
 from . import rules  # noqa: F401  (registers the built-in op rules)
 from .api import extend, grad
 from .errors import MessageLostError, SemipackError, UnsupportedOpError
-from .explain import Branches, branches
+from .explain import Branches, LayerFlow, branches, explain_layers
 from .messages import Message, OpCall, register_rule, registered_ops, scoped_rules
 from .semirings import (
     Boolean,
@@ -34,6 +34,7 @@ __all__ = [
     "Entropy",
     "Extremes",
     "KBest",
+    "LayerFlow",
     "LogCount",
     "LogSum",
     "MaxProd",
@@ -48,6 +49,7 @@ __all__ = [
     "TopPath",
     "UnsupportedOpError",
     "branches",
+    "explain_layers",
     "extend",
     "grad",
     "register_rule",

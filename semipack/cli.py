@@ -14,23 +14,28 @@ the model's own use), or one token's output norm (``--target token:3``).
 from __future__ import annotations
 
 import argparse
-import csv
 import sys
 from collections.abc import Sequence
-from contextlib import ExitStack
+from dataclasses import dataclass
 from pathlib import Path
 
-import torch
 from torch import Tensor, nn
 from tqdm import tqdm
 
 from .api import extend
 from .errors import SemipackError
-from .explain import Branches, branches
-from .semirings import Entropy, LogSum, MaxProd, Semiring
+from .explain import (
+    LayerFlow,
+    LayerRoute,
+    attention_layers,
+    explain_layers,
+    layer_routes,
+    plot_routes,
+    write_csv,
+)
+from .semirings import Entropy, KBest, LogSum, MaxProd, Semiring, TopPath
 
 SEMIRINGS: dict[str, type[Semiring]] = {"MaxProd": MaxProd, "LogSum": LogSum, "Entropy": Entropy}
-BRANCH_NAMES = ("query", "key", "value", "residual")
 
 
 def default_model_path() -> str:
@@ -59,31 +64,6 @@ def load(model_dir: str, masked_lm: bool = False) -> tuple[nn.Module, object]:
     return model.eval(), tokenizer
 
 
-def _attention_blocks(model: nn.Module) -> list[nn.Module]:
-    layers = getattr(getattr(model, "encoder", None), "layer", None)
-    if layers is None:
-        raise SemipackError(
-            f"only BERT-family encoders can be explained (model.encoder.layer[i].attention); "
-            f"{type(model).__name__} has no such layers"
-        )
-    return [layer.attention for layer in layers]
-
-
-def _short(name: str) -> str:
-    """query / key / value for the projections, residual for the attention block's own add."""
-    for branch in BRANCH_NAMES[:3]:
-        if name.endswith(f".{branch}"):
-            return branch
-    return "residual"
-
-
-def _per_head(context: Branches, block: nn.Module) -> Tensor:
-    """``[tokens, heads]``: the value of all paths through each head's output at each token."""
-    heads = block.self.num_attention_heads
-    batch, tokens, hidden = context.split.shape
-    return context.total(-1, view=(batch, tokens, heads, hidden // heads))[0].detach()
-
-
 def _target(output: Tensor, mask: Tensor, target: str, masked: Tensor | None = None) -> Tensor:
     """The scalar to explain: the sentence embedding's norm, one token's output norm, or (for a
     masked-language model, ``output`` = logits) the top prediction's logit at the mask."""
@@ -98,13 +78,23 @@ def _target(output: Tensor, mask: Tensor, target: str, masked: Tensor | None = N
     raise SemipackError(f"unknown --target {target!r}: use 'norm', 'token:N' or 'mask'")
 
 
+@dataclass
+class Explanation:
+    """What ``semipack explain`` computed: per semiring its ``LayerFlow``, and the best
+    paths read layer by layer."""
+
+    tokens: list[str]
+    flows: dict[str, LayerFlow]
+    routes: list[LayerRoute]
+
+
 def run(
     model: nn.Module, tokenizer, text: str, semiring_names: Sequence[str], target: str,
-    drawing: str = "atomic",
-) -> tuple[list[str], dict[str, list[dict[str, Tensor]]]]:  # fmt: skip
-    """Per semiring, per layer: branch -> per-token aggregate ``[tokens]``; the key ``"all"``
-    holds every branch together (all the paths to the layer's input) and ``"heads"`` the
-    per-token value of each attention head's output ``[tokens, heads]`` (all of its units)."""
+    drawing: str = "atomic", kbest: int = 1,
+) -> Explanation:  # fmt: skip
+    """One ``explain_layers`` pass per semiring, and one pass for paths read layer by layer:
+    TopPath's best path from each token (``kbest`` = 1) or KBest's ``kbest`` best paths from
+    any token (slow on a whole model: about 20 s for k = 2 on MiniLM's sentence)."""
     if not text.strip():
         raise SemipackError("the text to explain is empty")
     unknown = [s for s in semiring_names if s not in SEMIRINGS]
@@ -117,135 +107,86 @@ def run(
         masked = encoded["input_ids"] == tokenizer.mask_token_id
         if not bool(masked.any()):
             raise SemipackError(f"--target mask needs a {tokenizer.mask_token} token in the text")
-    blocks = _attention_blocks(getattr(model, "base_model", model))
-    results: dict[str, list[dict[str, Tensor]]] = {}
-    for name in tqdm(semiring_names, desc="semiring passes", disable=not sys.stderr.isatty()):
-        with extend(model, SEMIRINGS[name](), drawing=drawing), ExitStack() as stack:
-            splits: list[Branches] = [stack.enter_context(branches(b)) for b in blocks]
-            # the attention output projection's input: the heads' outputs, [b, t, heads * d]
-            contexts = [stack.enter_context(branches(b.output)) for b in blocks]
-            result = model(**encoded)
-            output = result.logits if target == "mask" else result.last_hidden_state
-            stack.close()
-            _target(output, encoded["attention_mask"], target, masked).backward()
-        results[name] = [
-            {_short(k): v[0].detach() for k, v in split.aggregate(-1).items() if v is not None}
-            | {"all": split.total(-1)[0].detach(), "heads": _per_head(context, block)}
-            for split, context, block in zip(splits, contexts, blocks, strict=True)
-        ]
-    return tokens, results
+    _check_target(target, len(tokens))
+    layers = attention_layers(model)
+
+    def forward(**inputs) -> Tensor:
+        result = model(**inputs)
+        output = result.logits if target == "mask" else result.last_hidden_state
+        return _target(output, encoded["attention_mask"], target, masked)
+
+    passes = [*semiring_names, "paths"]
+    flows: dict[str, LayerFlow] = {}
+    routes: list[LayerRoute] = []
+    for name in tqdm(passes, desc="semiring passes", disable=not sys.stderr.isatty()):
+        if name != "paths":
+            flows[name] = explain_layers(
+                model, SEMIRINGS[name](), lambda: forward(**encoded), layers, drawing, tokens
+            )
+            continue
+        words = model.get_input_embeddings()(encoded["input_ids"]).detach().requires_grad_()
+        others = {k: v for k, v in encoded.items() if k != "input_ids"}
+        finder = KBest(kbest) if kbest > 1 else TopPath()
+        with extend(model, finder, regular_grads=False, drawing=drawing):
+            forward(inputs_embeds=words, **others).backward()
+        if kbest > 1:
+            found = finder.paths(words)
+        else:  # the best path from each token (its best hidden unit)
+            units = words.semiring_grad[0].argmax(-1).tolist()
+            found = [finder.path(words, (0, t, u)) for t, u in enumerate(units)]
+        routes = layer_routes(found, layers)
+    return Explanation(tokens, flows, routes)
 
 
-def report(tokens: list[str], results: dict[str, list[dict[str, Tensor]]], out: Path | None):
-    """Print the tables; write CSV and the picture into ``out``."""
-    if "MaxProd" in results:
-        layers = results["MaxProd"]
+def _check_target(target: str, length: int) -> None:
+    if target.startswith("token:"):
+        position = target.split(":", 1)[1]
+        if not position.lstrip("-").isdigit() or not -length <= int(position) < length:
+            raise SemipackError(
+                f"--target {target!r}: the text has {length} tokens (positions 0 to {length - 1})"
+            )
+
+
+def report(result: Explanation, out: Path | None) -> None:
+    """Print the tables; write CSV and the pictures into ``out``."""
+    flows, tokens = result.flows, result.tokens
+    if "MaxProd" in flows:
         print("best path per token and layer leaves the attention block's input by (MaxProd):")
-        print(f"{'token':>12} " + " ".join(f"L{i:<9}" for i in range(len(layers))))
-        for t, token in enumerate(tokens):
-            best = []
-            for layer in layers:
-                names = [n for n in layer if n not in ("all", "heads")]
-                values = torch.stack([layer[n][t] for n in names])
-                best.append(names[int(values.argmax())])
-            print(f"{token:>12} " + " ".join(f"{b:<10}" for b in best))
+        print(flows["MaxProd"].token_table())
     for name in ("LogSum", "Entropy"):
-        if name not in results:
+        if name not in flows:
             continue
         what = "log total flow" if name == "LogSum" else "path entropy (nats)"
         print(f"\n{what} per branch and token (union of its units), layer 0 ({name}):")
-        for branch, values in results[name][0].items():
-            if branch in ("all", "heads"):
-                continue
-            print(f"  {branch:<9} " + " ".join(f"{v:8.3f}" for v in values.tolist()))
-    if "MaxProd" in results:
-        print("\nshare of tokens whose best path runs through each attention head (MaxProd):")
-        for i, layer in enumerate(results["MaxProd"]):
-            best = layer["heads"].argmax(-1)  # per token, at the heads' outputs
-            heads = layer["heads"].shape[-1]
-            shares = [float((best == h).float().mean()) for h in range(heads)]
-            print(f"  L{i}  " + "  ".join(f"head {h}: {v:5.1%}" for h, v in enumerate(shares)))
-    if "LogSum" in results:
-        print("\nshare of the total flow through each attention head, per layer (LogSum):")
-        for i, layer in enumerate(results["LogSum"]):
-            flow = layer["heads"].logsumexp(0)  # every token: [heads]
-            shares = (flow - flow.logsumexp(0)).exp().tolist()
-            print(f"  L{i}  " + "  ".join(f"head {h}: {v:5.1%}" for h, v in enumerate(shares)))
+        for branch, values in flows[name].branches[0].items():
+            print(f"  {branch:<9} " + " ".join(f"{v:8.3f}" for v in values[0].tolist()))
+    for flow in flows.values():
+        print("\n" + flow.table())
+    if result.routes:
+        print("\nbest paths from the input embeddings, layer by layer:")
+        for route in result.routes:
+            print(f"  {route.describe(tokens)}")
     if out is None:
         return
     out.mkdir(parents=True, exist_ok=True)
-    with open(out / "branches.csv", "w", newline="") as f:
-        writer = csv.writer(f)
-        writer.writerow(["semiring", "layer", "branch", "token_index", "token", "value"])
-        for sr, layers in results.items():
-            for i, layer in enumerate(layers):
-                for branch, values in layer.items():
-                    if branch == "heads":
-                        for t, row in enumerate(values.tolist()):
-                            for h, v in enumerate(row):
-                                writer.writerow([sr, i, f"head {h}", t, tokens[t], v])
-                        continue
-                    for t, v in enumerate(values.tolist()):
-                        writer.writerow([sr, i, branch, t, tokens[t], v])
+    write_csv(list(flows.values()), out / "branches.csv")
     written = ["branches.csv"]
-    if "MaxProd" in results:
-        _plot_shares(tokens, results["MaxProd"], out / "branch_flow.png")
+    if "MaxProd" in flows:
+        flows["MaxProd"].plot_branch_shares(out / "branch_flow.png")
         written.append("branch_flow.png")
     for name in ("Entropy", "LogSum"):
-        if name in results:
-            _plot_heatmap(tokens, results[name], name, out / f"{name.lower()}_heatmap.png")
+        if name in flows:
+            flows[name].plot_heatmap(out / f"{name.lower()}_heatmap.png")
             written.append(f"{name.lower()}_heatmap.png")
+    if result.routes:
+        layers = len(next(iter(flows.values())).layers) if flows else _route_layers(result)
+        plot_routes(result.routes, tokens, layers, out / "paths.png")
+        written.append("paths.png")
     print(f"\nwrote {', '.join(str(out / w) for w in written)}")
 
 
-def _plot_shares(tokens: list[str], layers: list[dict[str, Tensor]], path: Path) -> None:
-    """Stacked bars: per layer, the share of tokens whose best path leaves by each branch."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    shares = {b: [] for b in BRANCH_NAMES}
-    for layer in layers:
-        names = [n for n in layer if n not in ("all", "heads")]
-        best = torch.stack([layer[n] for n in names]).argmax(0)
-        for b in BRANCH_NAMES:
-            hit = names.index(b) if b in names else -1
-            shares[b].append(float((best == hit).float().mean()) if hit >= 0 else 0.0)
-    fig, ax = plt.subplots(figsize=(6, 3.2))
-    bottom = [0.0] * len(layers)
-    for b in BRANCH_NAMES:
-        ax.bar(range(len(layers)), shares[b], bottom=bottom, label=b)
-        bottom = [x + y for x, y in zip(bottom, shares[b], strict=True)]
-    ax.set_xlabel("layer")
-    ax.set_ylabel(f"share of {len(tokens)} tokens")
-    ax.set_title("branch of each token's best path (MaxProd)")
-    ax.legend(loc="upper right", fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-
-
-def _plot_heatmap(
-    tokens: list[str], layers: list[dict[str, Tensor]], semiring: str, path: Path
-) -> None:
-    """Tokens x layers: every path to the layer's input at that token (all its units)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    grid = torch.stack([layer["all"] for layer in layers], 1).float().numpy()
-    fig, ax = plt.subplots(figsize=(1.2 + 0.6 * len(layers), 0.8 + 0.3 * len(tokens)))
-    image = ax.imshow(grid, aspect="auto", cmap="viridis")
-    ax.set_xticks(range(len(layers)), [f"L{i}" for i in range(len(layers))])
-    ax.set_yticks(range(len(tokens)), tokens)
-    what = "path entropy (nats)" if semiring == "Entropy" else "log total flow"
-    ax.set_title(f"{what} at each layer's input")
-    fig.colorbar(image, ax=ax)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+def _route_layers(result: Explanation) -> int:
+    return 1 + max((h.layer for r in result.routes for h in r.hops), default=0)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -260,14 +201,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     explain.add_argument("--semirings", nargs="+", default=list(SEMIRINGS))
     explain.add_argument("--drawing", default="atomic", choices=["atomic", "decomposed"])
+    explain.add_argument(
+        "--kbest", type=int, default=1,
+        help="paths.png: 1 draws each token's best path (TopPath), K > 1 the K best (KBest)",
+    )  # fmt: skip
     explain.add_argument("--out", default=None, help="folder for branches.csv and the picture")
     args = parser.parse_args(argv)
     try:
         model, tokenizer = load(args.model or default_model_path(), args.target == "mask")
-        tokens, results = run(
-            model, tokenizer, args.text, args.semirings, args.target, args.drawing
+        result = run(
+            model, tokenizer, args.text, args.semirings, args.target, args.drawing, args.kbest
         )
-        report(tokens, results, Path(args.out) if args.out else None)
+        report(result, Path(args.out) if args.out else None)
     except SemipackError as error:
         print(f"semipack explain: {error}", file=sys.stderr)
         return 2

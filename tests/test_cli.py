@@ -51,9 +51,10 @@ def test_explain_writes_tables_csv_and_picture(tiny_model_dir: Path, tmp_path: P
             heads.setdefault(int(r["token_index"]), []).append(float(r["value"]))
     best = torch.tensor([max(range(2), key=values.__getitem__) for values in heads.values()])
     shares = [float((best == h).float().mean()) for h in range(2)]
-    section = printed.split("share of tokens whose best path runs through each attention head")[1]
-    assert section.splitlines()[1] == f"  L0  head 0: {shares[0]:5.1%}  head 1: {shares[1]:5.1%}"
-    for picture in ("branch_flow.png", "entropy_heatmap.png", "logsum_heatmap.png"):
+    section = printed.split("MaxProd: share of tokens whose best path leaves by each branch")[1]
+    row = next(line for line in section.splitlines() if line.startswith("L0"))
+    assert row.split()[-2:] == [f"{shares[0]:.1%}", f"{shares[1]:.1%}"]
+    for picture in ("branch_flow.png", "entropy_heatmap.png", "logsum_heatmap.png", "paths.png"):
         assert (tmp_path / picture).stat().st_size > 1000
     rows = _rows(tmp_path)
     tokens = 8  # [CLS] the keys are on the table [SEP]

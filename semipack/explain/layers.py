@@ -1,0 +1,463 @@
+"""Layer-by-layer readouts of a transformer: branch flow, head flow and top paths per layer.
+
+``explain_layers`` runs one semiring backward with a branch split (``semipack.branches``) at
+every attention layer's input and at the input of its output projection (the heads' outputs
+side by side), and keeps, per layer and token, the value of the paths through each branch
+(query, key, value, residual) and through each head, each token's hidden units taken together
+(the semiring sum over them: the union of their paths). The result, ``LayerFlow``, prints
+per-layer tables and draws the branch shares and a tokens x layers heatmap.
+
+``layer_routes`` follows single paths (``TopPath`` or ``KBest``) across the layers: at which
+token each path enters and leaves every layer, by which branch and through which head.
+``plot_routes`` draws them.
+
+Shapes: ``[layers, batch, tokens]`` for the totals, ``[layers, batch, tokens, heads]`` for the
+heads, ``[batch, tokens]`` for each layer's branch values.
+"""
+
+from __future__ import annotations
+
+import csv
+import math
+from collections.abc import Callable, Sequence
+from contextlib import ExitStack
+from dataclasses import dataclass, field
+from pathlib import Path as FilePath
+
+import torch
+from torch import Tensor, nn
+
+from ..api import extend
+from ..errors import SemipackError
+from ..messages.paths import Path
+from ..semirings.base import Semiring
+from .branches import Branches, branches
+
+#: The end of a consumer's module name (relative to the attention block) -> its branch name.
+BRANCH_ALIASES = {
+    "self.query": "query", "self.key": "key", "self.value": "value", "output": "residual",
+    "q_proj": "query", "k_proj": "key", "v_proj": "value",
+    "q": "query", "k": "key", "v": "value",
+}  # fmt: skip
+BRANCH_ORDER = ("query", "key", "value", "residual")
+
+
+@dataclass
+class AttentionLayer:
+    """Where one attention layer is split.
+
+    Attributes:
+        name: the attention block's module name (``encoder.layer.3.attention``).
+        block: the module whose first tensor input is split by branch (its users: the
+            query, key and value projections and, for BERT-family blocks, the residual add).
+        heads_input: the module whose first tensor input holds the heads' outputs side by
+            side, ``[batch, tokens, heads * head_dim]`` (the attention output projection).
+        num_heads: the number of heads packed in ``heads_input``'s input.
+        head_dim: the width of one head (of the query, key and value projections' outputs).
+    """
+
+    name: str
+    block: nn.Module
+    heads_input: nn.Module
+    num_heads: int
+    head_dim: int
+
+
+def attention_layers(model: nn.Module) -> list[AttentionLayer]:
+    """The attention layers of a Hugging Face BERT-family encoder (``encoder.layer[i]
+    .attention``, split with its residual add) or Llama-family decoder (``layers[i].self_attn``,
+    split at the projections' common input, after the layer's norm: query, key and value only).
+    Other models: build the ``AttentionLayer`` list by hand."""
+    found = []
+    for name, module in model.named_modules():
+        self_part = getattr(module, "self", None)
+        output = getattr(module, "output", None)
+        heads = getattr(self_part, "num_attention_heads", None)
+        if heads is not None and isinstance(getattr(output, "dense", None), nn.Linear):
+            width = self_part.attention_head_size
+            found.append(AttentionLayer(name, module, output, heads, width))
+            continue
+        o_proj = getattr(module, "o_proj", None)
+        if isinstance(o_proj, nn.Linear) and hasattr(module, "q_proj"):
+            cfg = getattr(module, "config", None)
+            heads = getattr(cfg, "num_attention_heads", None) or getattr(module, "num_heads", 0)
+            width = getattr(module, "head_dim", None) or o_proj.in_features // heads
+            found.append(AttentionLayer(name, module, o_proj, int(heads), int(width)))
+    if not found:
+        raise SemipackError(
+            f"no attention layers found in {type(model).__name__}: semipack knows BERT-family "
+            "(encoder.layer[i].attention) and Llama-family (layers[i].self_attn) blocks; pass "
+            "layers=[AttentionLayer(...), ...] for others"
+        )
+    return found
+
+
+def branch_name(consumer: str, layer: str) -> str:
+    """Short name of a consumer of an attention layer's input: query, key, value or residual
+    for the known projections, else its module name relative to the layer."""
+    relative = consumer[len(layer) + 1 :] if consumer.startswith(layer + ".") else consumer
+    return BRANCH_ALIASES.get(relative, relative)
+
+
+@dataclass
+class LayerFlow:
+    """One semiring's readouts at every attention layer's input, per token.
+
+    Attributes:
+        semiring: the semiring's class name (``MaxProd``, ``LogSum``, ``Entropy``, ...).
+        layers: the attention layers' module names.
+        branches: per layer, branch name -> ``[batch, tokens]``: the paths that leave the
+            layer's input by that branch (every hidden unit of the token together).
+        total: ``[layers, batch, tokens]``: every path to the layer's input at that token.
+        heads: ``[layers, batch, tokens, heads]``: every path through each head's output at that
+            token (the attention output projection's input).
+        tokens: the tokens' labels (for tables and pictures), or None.
+    """
+
+    semiring: str
+    layers: list[str]
+    branches: list[dict[str, Tensor]]
+    total: Tensor
+    heads: Tensor
+    tokens: list[str] | None = None
+
+    def _labels(self) -> list[str]:
+        return self.tokens or [str(t) for t in range(self.total.shape[-1])]
+
+    def _needs(self, kinds: tuple[str, ...], what: str) -> None:
+        if self.semiring not in kinds:
+            raise SemipackError(f"{what} needs {' or '.join(kinds)}, not {self.semiring}")
+
+    def best_branch(self, example: int = 0) -> list[list[str]]:
+        """``[tokens][layers]``: the branch of each token's best path (MaxProd, TopPath)."""
+        self._needs(("MaxProd", "TopPath"), "best_branch")
+        columns = []
+        for layer in self.branches:
+            names = list(layer)
+            best = torch.stack([layer[n][example] for n in names]).argmax(0)
+            columns.append([names[int(i)] for i in best])
+        return [list(row) for row in zip(*columns, strict=True)]
+
+    def branch_shares(self, example: int = 0) -> list[dict[str, float]]:
+        """Per layer, branch -> share: of the tokens whose best path leaves by it (MaxProd,
+        TopPath), or of the total flow over all tokens (LogSum)."""
+        self._needs(("MaxProd", "TopPath", "LogSum"), "branch_shares")
+        shares = []
+        for layer in self.branches:
+            names = list(layer)
+            values = torch.stack([layer[n][example] for n in names])  # [branches, tokens]
+            shares.append(dict(zip(names, _shares(self.semiring, values, 0), strict=True)))
+        return shares
+
+    def head_shares(self, example: int = 0) -> list[list[float]]:
+        """Per layer, per head: the share of tokens whose best path runs through that head's
+        output (MaxProd, TopPath), or of the total flow through all heads (LogSum)."""
+        self._needs(("MaxProd", "TopPath", "LogSum"), "head_shares")
+        return [_shares(self.semiring, h[example].T, 0) for h in self.heads]
+
+    def table(self, example: int = 0) -> str:
+        """Per-layer summary: the branch shares and head shares (MaxProd, LogSum), or the mean
+        over tokens of each branch's value (other semirings)."""
+        names = [b for b in BRANCH_ORDER if any(b in layer for layer in self.branches)]
+        names += sorted({n for layer in self.branches for n in layer} - set(names))
+        shares = self.semiring in ("MaxProd", "TopPath", "LogSum")
+        best = "share of tokens whose best path leaves by each branch / runs through each head"
+        what = {"MaxProd": best, "TopPath": best, "LogSum": "share of the flow per branch / head"}
+        what = what.get(self.semiring, f"mean over tokens of each branch's {self.semiring} value")
+        heads = self.heads.shape[-1]
+        header = f"{'layer':<6}" + "".join(f"{n:>10}" for n in names)
+        if shares:
+            header += "  " + "".join(f"{'head ' + str(h):>8}" for h in range(heads))
+        lines = [f"{self.semiring}: {what}", header]
+        per_branch = self.branch_shares(example) if shares else None
+        per_head = self.head_shares(example) if shares else None
+        for i, layer in enumerate(self.branches):
+            if per_branch is not None:
+                cells = [per_branch[i].get(n, 0.0) for n in names]
+                row = "".join(f"{v:>10.1%}" for v in cells)
+                row += "  " + "".join(f"{v:>8.1%}" for v in per_head[i])
+            else:
+                cells = [float(layer[n][example].mean()) if n in layer else math.nan for n in names]
+                row = "".join(f"{v:>10.3f}" for v in cells)
+            lines.append(f"L{i:<5}" + row)
+        return "\n".join(lines)
+
+    def token_table(self, example: int = 0) -> str:
+        """Per token and layer: the branch of its best path (MaxProd, TopPath) or the value of
+        every path to it (other semirings)."""
+        labels = self._labels()
+        header = f"{'token':>12} " + " ".join(f"L{i:<9}" for i in range(len(self.layers)))
+        lines = [header]
+        if self.semiring in ("MaxProd", "TopPath"):
+            for token, row in zip(labels, self.best_branch(example), strict=True):
+                lines.append(f"{token:>12} " + " ".join(f"{b:<10}" for b in row))
+        else:
+            grid = self.total[:, example].T.tolist()  # [tokens, layers]
+            for token, row in zip(labels, grid, strict=True):
+                lines.append(f"{token:>12} " + " ".join(f"{v:<10.3f}" for v in row))
+        return "\n".join(lines)
+
+    def rows(self, example: int = 0) -> list[tuple[str, int, str, int, str, float]]:
+        """(semiring, layer, branch, token index, token, value) for every branch, ``all`` (every
+        path) and ``head h``: the CSV's rows."""
+        labels = self._labels()
+        out = []
+        for i, layer in enumerate(self.branches):
+            columns = {n: v[example] for n, v in layer.items()} | {"all": self.total[i, example]}
+            for h in range(self.heads.shape[-1]):
+                columns[f"head {h}"] = self.heads[i, example, :, h]
+            for name, values in columns.items():
+                for t, v in enumerate(values.tolist()):
+                    out.append((self.semiring, i, name, t, labels[t], v))
+        return out
+
+    def plot_branch_shares(self, path: str | FilePath | None = None, ax=None, example: int = 0):
+        """Stacked bars per layer: ``branch_shares`` (MaxProd: of tokens, LogSum: of flow).
+        Saves to ``path`` when given; returns the matplotlib axes."""
+        plt = _pyplot()
+        shares = self.branch_shares(example)
+        names = [b for b in BRANCH_ORDER if any(b in s for s in shares)]
+        names += sorted({n for s in shares for n in s} - set(names))
+        fig, ax = _figure(plt, ax, (6, 3.2))
+        bottom = [0.0] * len(shares)
+        for name in names:
+            heights = [s.get(name, 0.0) for s in shares]
+            ax.bar(range(len(shares)), heights, bottom=bottom, label=name)
+            bottom = [b + h for b, h in zip(bottom, heights, strict=True)]
+        ax.set_xticks(range(len(shares)), [f"L{i}" for i in range(len(shares))])
+        of = "tokens" if self.semiring != "LogSum" else "total flow"
+        ax.set_ylabel(f"share of {of}")
+        kind = "best path" if self.semiring != "LogSum" else "flow"
+        ax.set_title(f"branch of each token's {kind} at each layer's input ({self.semiring})")
+        ax.legend(loc="upper right", fontsize=8)
+        return _save(plt, fig, path, ax)
+
+    def plot_heatmap(self, path: str | FilePath | None = None, ax=None, example: int = 0):
+        """Tokens x layers: every path to the layer's input at that token (``total``)."""
+        plt = _pyplot()
+        labels = self._labels()
+        grid = self.total[:, example].T.float().numpy()  # [tokens, layers]
+        size = (1.6 + 0.6 * len(self.layers), 0.9 + 0.3 * len(labels))
+        fig, ax = _figure(plt, ax, size)
+        image = ax.imshow(grid, aspect="auto", cmap="viridis")
+        ax.set_xticks(range(len(self.layers)), [f"L{i}" for i in range(len(self.layers))])
+        ax.set_yticks(range(len(labels)), labels)
+        what = {"Entropy": "path entropy (nats)", "LogSum": "log total flow"}
+        ax.set_title(f"{what.get(self.semiring, self.semiring)} at each layer's input")
+        ax.figure.colorbar(image, ax=ax)
+        return _save(plt, fig, path, ax)
+
+
+def _shares(semiring: str, values: Tensor, dim: int) -> list[float]:
+    """``values`` [choices, tokens]: MaxProd's share of tokens per argmax choice, or LogSum's
+    share of the flow summed over tokens (log values)."""
+    if semiring == "LogSum":
+        flow = values.logsumexp(1)
+        return (flow - flow.logsumexp(0)).exp().tolist()
+    best = values.argmax(dim)
+    return [float((best == c).float().mean()) for c in range(values.shape[0])]
+
+
+def explain_layers(
+    model: nn.Module,
+    semiring: Semiring,
+    target: Callable[[], Tensor],
+    layers: Sequence[AttentionLayer] | None = None,
+    drawing: str = "atomic",
+    tokens: list[str] | None = None,
+) -> LayerFlow:
+    """One semiring backward of ``target()`` (a call that runs the model and returns the
+    scalar to explain), split at every attention layer: see ``LayerFlow``. The regular
+    gradient is not computed (the model's ``.grad`` is left alone)."""
+    layers = list(layers) if layers is not None else attention_layers(model)
+    with extend(model, semiring, regular_grads=False, drawing=drawing), ExitStack() as stack:
+        splits: list[Branches] = [stack.enter_context(branches(a.block)) for a in layers]
+        contexts = [stack.enter_context(branches(a.heads_input)) for a in layers]
+        scalar = target()
+        stack.close()
+        if not isinstance(scalar, Tensor) or scalar.numel() != 1:
+            raise SemipackError("explain_layers: target() must return a scalar tensor")
+        scalar.backward()
+    per_layer, totals, heads = [], [], []
+    for spec, split, context in zip(layers, splits, contexts, strict=True):
+        values = {}
+        for name, value in split.aggregate(-1).items():
+            if value is not None:
+                values[branch_name(name, spec.name)] = value.detach()
+        per_layer.append(values)
+        totals.append(split.total(-1).detach())
+        batch, length, _ = context.split.shape
+        view = (batch, length, spec.num_heads, spec.head_dim)
+        heads.append(context.total(-1, view=view).detach())
+    return LayerFlow(
+        type(semiring).__name__,
+        [a.name for a in layers],
+        per_layer,
+        torch.stack(totals),
+        torch.stack(heads),
+        tokens,
+    )
+
+
+@dataclass
+class LayerHop:
+    """A path's passage through one attention layer."""
+
+    layer: int
+    token_in: int  # the token at the layer's input where the path enters
+    token_out: int  # the token at the layer's output where it leaves
+    branch: str  # query, key, value or residual (no projection on the path)
+    head: int | None  # the head of the projection it takes, None for the residual
+
+
+@dataclass
+class LayerRoute:
+    """A single path (``TopPath.path`` or one of ``KBest.paths``) read layer by layer."""
+
+    value: float
+    hops: list[LayerHop] = field(default_factory=list)
+    rank: int = 0
+
+    def describe(self, tokens: Sequence[str] | None = None) -> str:
+        """One line: the value, then each hop (runs of residual hops merged), tokens named."""
+
+        def name(t: int) -> str:
+            return tokens[t] if tokens is not None else f"token {t}"
+
+        parts, start = [], 0
+        hops = self.hops
+        while start < len(hops):
+            hop = hops[start]
+            if hop.branch == "residual":
+                end = start
+                while end + 1 < len(hops) and hops[end + 1].branch == "residual":
+                    end += 1
+                where = f"L{hop.layer}" + (f"-L{hops[end].layer}" if end > start else "")
+                parts.append(f"{where} residual")
+                start = end + 1
+                continue
+            parts.append(
+                f"L{hop.layer} {hop.branch} head {hop.head}: {name(hop.token_in)} -> "
+                f"{name(hop.token_out)}"
+            )
+            start += 1
+        first = name(hops[0].token_in) if hops else "?"
+        return f"{self.value:.4g}  from {first}: " + ", ".join(parts)
+
+    def __str__(self) -> str:
+        return self.describe()
+
+
+def layer_routes(paths: Sequence[Path], layers: Sequence[AttentionLayer]) -> list[LayerRoute]:
+    """Each path's hops through the attention layers, from its steps' module names and
+    entries (``[batch, tokens, ...]`` tensors inside each layer); the head of a query, key or
+    value entry is its unit // ``head_dim`` (with grouped-query attention, a key or value
+    entry names its shared key/value head). A layer the path does not pass is left out."""
+    routes = []
+    for path in paths:
+        hops = []
+        for i, spec in enumerate(layers):
+            owner = spec.name.rsplit(".", 1)[0] if "." in spec.name else spec.name
+            inside = [s for s in path.steps if s.module and s.module.startswith(owner + ".")]
+            inside = [s for s in inside if len(s.index) >= 2]
+            if not inside:
+                continue
+            projection = next(
+                (s for s in inside if branch_name(s.module, spec.name) in BRANCH_ORDER[:3]), None
+            )
+            if projection is None:
+                branch, head = "residual", None
+                token_in = inside[0].index[1]
+            else:
+                branch = branch_name(projection.module, spec.name)
+                head = projection.index[-1] // spec.head_dim
+                token_in = projection.index[1]
+            hops.append(LayerHop(i, int(token_in), int(inside[-1].index[1]), branch, head))
+        routes.append(LayerRoute(path.value, hops, path.rank))
+    return routes
+
+
+BRANCH_COLOURS = {"query": "tab:blue", "key": "tab:orange", "value": "tab:green"}
+
+
+def plot_routes(
+    routes: Sequence[LayerRoute],
+    tokens: Sequence[str],
+    layers: int,
+    path: str | FilePath | None = None,
+    ax=None,
+):
+    """Tokens (rows) x layer boundaries (columns): each route drawn as a line from the token
+    where it enters a layer to the token where it leaves, coloured by branch (grey: residual)
+    and labelled with the head; the best route solid and widest."""
+    plt = _pyplot()
+    fig, ax = _figure(plt, ax, (1.8 + 1.1 * layers, 0.9 + 0.32 * len(tokens)))
+    routes = sorted(routes, key=lambda route: -route.value)
+    for r, route in reversed(list(enumerate(routes))):  # the best drawn last, on top
+        width, alpha = 1.0 + 2.0 / (1 + r), max(0.35, 1.0 / (1 + 0.3 * r))
+        for hop in route.hops:
+            colour = BRANCH_COLOURS.get(hop.branch, "grey")
+            ax.plot([hop.layer, hop.layer + 1], [hop.token_in, hop.token_out], color=colour,
+                    linewidth=width, alpha=alpha, solid_capstyle="round")  # fmt: skip
+            if hop.head is not None:
+                middle = (hop.layer + 0.5, (hop.token_in + hop.token_out) / 2)
+                ax.annotate(f"{hop.branch[0]}{hop.head}", middle, fontsize=7, ha="center")
+    ax.set_xticks(range(layers + 1), [f"L{i}" for i in range(layers)] + ["out"])
+    ax.set_yticks(range(len(tokens)), list(tokens))
+    ax.set_ylim(len(tokens) - 0.5, -0.5)
+    ax.set_xlim(-0.2, layers + 0.2)
+    ax.grid(axis="x", alpha=0.3)
+    handles = [
+        plt.Line2D([], [], color=c, label=b)
+        for b, c in [*BRANCH_COLOURS.items(), ("residual", "grey")]
+    ]
+    ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8)
+    ax.set_title("paths across the layers, best widest (label: branch letter, head)")
+    return _save(plt, fig, path, ax)
+
+
+def _pyplot():
+    """pyplot, imported on first use (matplotlib is an optional dependency); on a machine
+    without a display matplotlib picks its file-only backend itself."""
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def _figure(plt, ax, size: tuple[float, float]):
+    if ax is not None:
+        return ax.figure, ax
+    fig, ax = plt.subplots(figsize=size)
+    return fig, ax
+
+
+def _save(plt, fig, path: str | FilePath | None, ax):
+    if path is not None:
+        fig.tight_layout()
+        fig.savefig(path, dpi=120)
+        plt.close(fig)
+    return ax
+
+
+def write_csv(flows: Sequence[LayerFlow], path: str | FilePath, example: int = 0) -> None:
+    """Every flow's ``rows`` in one CSV file (semiring, layer, branch, token_index, token,
+    value)."""
+    with open(path, "w", newline="") as f:
+        writer = csv.writer(f)
+        writer.writerow(["semiring", "layer", "branch", "token_index", "token", "value"])
+        for flow in flows:
+            writer.writerows(flow.rows(example))
+
+
+__all__ = [
+    "AttentionLayer",
+    "LayerFlow",
+    "LayerHop",
+    "LayerRoute",
+    "attention_layers",
+    "branch_name",
+    "explain_layers",
+    "layer_routes",
+    "plot_routes",
+    "write_csv",
+]

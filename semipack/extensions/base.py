@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, ClassVar
 
 import torch
@@ -33,6 +33,7 @@ from ..graph.provenance import current_module
 from ..graph.sites import Site, stamp
 from ..messages.message import Message
 from ..semirings.base import Semiring, State
+from ..semirings.product import Product
 from ..transport.passes import graph_retained
 
 #: torch function -> the extension that takes its calls over inside ``semipack.extend``.
@@ -361,7 +362,9 @@ class ExtensionFunction(torch.autograd.Function):
         inner.check_unmodified(cls.reads)
         values = inner.values()
         needs = tuple(ctx.needs_input_grad[2:])
-        states = cls.messages(BackwardCall(sr, incoming, values, needs, ctx.options, ctx.kept))
+        states = _messages_per_factor(
+            cls, BackwardCall(sr, incoming, values, needs, ctx.options, ctx.kept)
+        )
         regular = inner.regular_grads(regular)
         out = tuple(
             as_message(r, s, sr, v) if s is not None and need and v is not None else None
@@ -370,6 +373,22 @@ class ExtensionFunction(torch.autograd.Function):
         if release:
             ctx.__dict__.clear()
         return (None, None, *out)
+
+
+def _messages_per_factor(cls: type[ExtensionFunction], call: BackwardCall) -> list[State | None]:
+    """``cls.messages(call)``; for a ``Product``, once per factor on its slices of the incoming
+    states, joined again (each factor keeps its own fused kernels)."""
+    product = call.semiring
+    if not isinstance(product, Product):
+        return list(cls.messages(call))
+    per_factor = []
+    for i, factor in enumerate(product.semirings):
+        incoming = tuple(None if st is None else product.split(st)[i] for st in call.incoming)
+        per_factor.append(cls.messages(replace(call, semiring=factor, incoming=incoming)))
+    return [
+        None if states[0] is None else product.join(list(states))
+        for states in zip(*per_factor, strict=True)
+    ]
 
 
 def split_message(grad: Tensor | None) -> tuple[Tensor | None, State | None, Semiring | None]:

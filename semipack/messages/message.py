@@ -18,11 +18,12 @@ from typing import Any
 import torch
 from torch import Tensor
 from torch._ops import OpOverload
-from torch.utils._pytree import tree_flatten, tree_map
+from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from ..errors import MessageLostError, SemipackError, UnsupportedOpError
 from ..graph.provenance import current_site
 from ..semirings.base import Semiring, State
+from ..semirings.product import Product
 from .rule_table import rule_for
 
 
@@ -140,11 +141,44 @@ def _is_custom_function(node: str) -> bool:
 
 
 def dispatch(func: OpOverload, args: tuple, kwargs: dict) -> Any:
-    """Run the rule registered for ``func`` on a call that involves messages."""
+    """Run the rule registered for ``func`` on a call that involves messages (for a
+    ``Product`` message: once per factor, see ``dispatch_product``)."""
     rule = rule_for(func)
     if rule is None:
         raise unsupported(func)
+    first = next(m for m in tree_flatten((args, kwargs))[0] if isinstance(m, Message))
+    if isinstance(first.semiring, Product):
+        return dispatch_product(rule, func, args, kwargs, first.semiring)
     return rule(OpCall(func, args, kwargs))
+
+
+def dispatch_product(rule, func: OpOverload, args: tuple, kwargs: dict, product: Product) -> Any:
+    """Run ``rule`` once per factor of ``product``: each message replaced by its factor's slice
+    of the state (the same tensors: an in-place rule writes into the product's state) under the
+    factor's semiring, the regular gradient only in the first factor's call. The outputs'
+    slices are joined again; the regular result is the first call's."""
+    results = []
+    for i, factor in enumerate(product.semirings):
+
+        def narrow(x: Any, i: int = i, factor: Semiring = factor) -> Any:
+            if not isinstance(x, Message):
+                return x
+            regular = x.regular_grad if i == 0 else None
+            return Message(regular, product.split(x.parts)[i], factor, x.dtype)
+
+        call_args, call_kwargs = tree_map(narrow, args), tree_map(narrow, kwargs)
+        results.append(rule(OpCall(func, call_args, call_kwargs)))
+    if func._schema.is_mutable and isinstance(args[0], Message):
+        return args[0]  # written in place, factor by factor, through the shared tensors
+    flat, spec = tree_flatten(results[0])
+    others = [tree_flatten(r)[0] for r in results[1:]]
+    joined = []
+    for j, out in enumerate(flat):
+        if isinstance(out, Message):
+            states = [out.parts] + [o[j].parts for o in others]
+            out = Message(out.regular_grad, product.join(states), product, out.dtype)
+        joined.append(out)
+    return tree_unflatten(joined, spec)
 
 
 class OpCall:

@@ -6,6 +6,7 @@ from .entropy import Entropy
 from .k_best import KBest
 from .log_sum import LogCount, LogSum
 from .max_prod import MaxProd
+from .product import Product
 from .real import Real
 from .signed_max_prod import Extremes, SignedLog, SignedMaxProd
 from .top_path import TopPath
@@ -18,6 +19,7 @@ __all__ = [
     "LogCount",
     "LogSum",
     "MaxProd",
+    "Product",
     "Real",
     "Semiring",
     "SignedLog",

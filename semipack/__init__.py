@@ -11,6 +11,7 @@ from .api import extend, grad
 from .errors import MessageLostError, SemipackError, UnsupportedOpError
 from .explain import Branches, LayerFlow, branches, explain_layers
 from .messages import Message, OpCall, register_rule, registered_ops, scoped_rules
+from .monitor import Monitor
 from .semirings import (
     Boolean,
     Entropy,
@@ -41,6 +42,7 @@ __all__ = [
     "MaxProd",
     "Message",
     "MessageLostError",
+    "Monitor",
     "OpCall",
     "Product",
     "Real",

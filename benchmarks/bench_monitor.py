@@ -1,0 +1,95 @@
+"""What ``semipack.Monitor`` adds to the wall time of training the example CNN.
+
+Variants, each training the CNN of ``examples/monitor_training.py`` for ``--steps`` steps from
+the same start: no monitor; the monitor at ``every=10``; at ``every=1``; and every step's
+backward run directly as the Monitor's semiring backward (``semipack.extend`` with the same
+``Product``, nothing recorded): the semiring backward's own cost, which ``every=1`` should not
+exceed by much. The variants take turns within every round; the line gives the median of the
+rounds and the ratios to no monitor.
+
+Run: ``python benchmarks/bench_monitor.py --steps 100 --rounds 5``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from torch import nn
+
+import semipack
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _example():
+    spec = importlib.util.spec_from_file_location(
+        "monitor_training", ROOT / "examples" / "monitor_training.py"
+    )
+    module = importlib.util.module_from_spec(spec)
+    sys.modules.setdefault("monitor_training", module)
+    spec.loader.exec_module(module)
+    return module
+
+
+def run(variant: str, steps: int, folder: str) -> float:
+    """Seconds to train ``steps`` steps in ``variant``."""
+    example = _example()
+    torch.manual_seed(0)
+    model = example.small_cnn()
+    generator = torch.Generator().manual_seed(0)
+    batches = [example.quadrant_images(32, generator) for _ in range(steps)]
+    optimizer = torch.optim.Adam(model.parameters(), lr=3e-3)
+    lossfunc = nn.CrossEntropyLoss()
+    monitor = None
+    if variant.startswith("every="):
+        every = int(variant.split("=")[1])
+        monitor = semipack.Monitor(model, every=every, log_dir=f"{folder}/{variant}")
+    product = semipack.Monitor(model, every=1).semiring
+    start = time.perf_counter()
+    for step, (x, y) in enumerate(batches):
+        optimizer.zero_grad()
+        if monitor is not None:
+            with monitor.step(step):
+                lossfunc(model(x), y).backward()
+        elif variant == "semiring backward":
+            with semipack.extend(model, product):
+                lossfunc(model(x), y).backward()
+        else:
+            lossfunc(model(x), y).backward()
+        optimizer.step()
+    if monitor is not None:
+        monitor.close()
+    return time.perf_counter() - start
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--steps", type=int, default=100)
+    parser.add_argument("--rounds", type=int, default=5)
+    args = parser.parse_args()
+    variants = ["plain", "every=10", "every=1", "semiring backward"]
+    times: dict[str, list[float]] = {v: [] for v in variants}
+    with tempfile.TemporaryDirectory() as folder:
+        for v in variants:
+            run(v, 5, folder)  # warm-up
+        for _ in range(args.rounds):
+            for v in variants:
+                times[v].append(run(v, args.steps, folder))
+    median = {v: statistics.median(t) for v, t in times.items()}
+    for v in variants:
+        print(f"{v:>18}: {median[v]:.3f} s ({median[v] / median['plain']:.2f}x no monitor)")
+    print(
+        f"every=1 over the semiring backward alone: "
+        f"{median['every=1'] / median['semiring backward']:.2f}"
+    )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,248 @@
+"""A training monitor: semiring summaries of every layer, recorded on sampled steps.
+
+``Monitor`` plugs into an ordinary training loop as a context per step. On a sampled step
+(every ``every``-th) the step's own ``loss.backward()`` runs as one semiring backward of a
+``Product`` of the monitored semirings: the optimizer sees the exact regular gradient (the
+pass computes it bitwise as a plain backward does), and the semiring values of every parameter
+come out of the same pass. Other steps run untouched.
+
+Per layer (each module that owns parameters, read at its ``weight`` or its first parameter;
+the unit dim is the parameter's first dim: a Linear's output neurons, a convolution's output
+channels) a sampled step records:
+
+- ``entropy_mean``, ``entropy_max``: mean and max over the entries of the path entropy (nats);
+- ``log_best_path``: log of the largest single-path product reaching the layer (MaxProd);
+- ``log_flow``: log of the total flow, every path to every entry together (LogSum);
+- ``dead_units``: fraction of units no path reaches (no entry of the unit has one);
+- ``top_path_changed``: 1 where the entry with the best path differs from the last sampled
+  step's, else 0 (its mean over steps is how often the top path moves);
+- ``flow_share`` for each module given in ``splits`` (recorded as the layer ``"<split> ->
+  <use>"``): the share of the total flow that leaves that module's input by each use, named
+  after the module making the call (a block's own forward, where the residual add is, against
+  its attention branch, say).
+
+The records go to ``monitor.csv`` and TensorBoard (``torch.utils.tensorboard``) in
+``log_dir``; ``plot`` draws one PNG per quantity over steps, one line per layer.
+"""
+
+from __future__ import annotations
+
+import csv
+import math
+from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from .api import extend
+from .errors import SemipackError
+from .explain.branches import Branches, branches
+from .semirings import Entropy, LogSum, MaxProd, Product
+
+QUANTITIES = (
+    "entropy_mean", "entropy_max", "log_best_path", "log_flow", "dead_units", "top_path_changed",
+    "flow_share",
+)  # fmt: skip
+
+
+@dataclass(frozen=True)
+class Record:
+    """One value: a quantity of one layer at one step."""
+
+    step: int
+    layer: str
+    quantity: str
+    value: float
+
+
+class Monitor:
+    """Semiring summaries of ``model``'s layers on every ``every``-th step.
+
+    Use::
+
+        monitor = semipack.Monitor(model, every=10, log_dir="runs/semiring")
+        for step, (x, y) in enumerate(loader):
+            optimizer.zero_grad()
+            with monitor.step(step):
+                loss = lossfunc(model(x), y)
+                loss.backward()        # a semiring backward on sampled steps
+            optimizer.step()           # always the exact gradient
+        monitor.close()
+        monitor.plot("runs/semiring")
+
+    ``splits`` names modules whose input is split by use (``semipack.branches``) to record
+    the share of the flow through each use; the forward must then run inside ``step``.
+    ``entropy=False`` leaves out the Entropy factor, the most expensive of the three.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        every: int = 10,
+        log_dir: str | Path | None = None,
+        splits: dict[str, nn.Module] | None = None,
+        entropy: bool = True,
+        tensorboard: bool = True,
+    ) -> None:
+        if isinstance(every, bool) or not isinstance(every, int) or every < 1:
+            raise ValueError(f"Monitor(every=...) needs a positive integer, got {every!r}")
+        self.model, self.every = model, every
+        self.splits = dict(splits or {})
+        factors = [MaxProd(log=True), LogSum()] + ([Entropy()] if entropy else [])
+        self.semiring = Product(*factors)
+        self.layers = _layers(model)
+        self.records: list[Record] = []
+        self._best: dict[str, int] = {}
+        self._count = 0
+        self.log_dir = Path(log_dir) if log_dir is not None else None
+        self._csv = self._writer = None
+        if self.log_dir is not None:
+            self.log_dir.mkdir(parents=True, exist_ok=True)
+            self._csv_file = open(self.log_dir / "monitor.csv", "w", newline="")  # noqa: SIM115
+            self._csv = csv.writer(self._csv_file)
+            self._csv.writerow(["step", "layer", "quantity", "value"])
+            if tensorboard:
+                self._writer = _summary_writer(self.log_dir)
+
+    def sampled(self, step: int) -> bool:
+        """Whether ``step`` runs a semiring backward."""
+        return step % self.every == 0
+
+    @contextmanager
+    def step(self, step: int | None = None) -> Iterator[bool]:
+        """The context of one training step (forward and ``backward()`` inside); yields whether
+        the step is sampled. ``step`` defaults to a counter of the calls."""
+        step = self._count if step is None else step
+        self._count += 1
+        if not self.sampled(step):
+            yield False
+            return
+        with ExitStack() as stack:
+            stack.enter_context(extend(self.model, self.semiring))
+            splits = {
+                name: stack.enter_context(branches(module)) for name, module in self.splits.items()
+            }
+            yield True
+        self._record(step, splits)
+
+    def _record(self, step: int, splits: dict[str, Branches]) -> None:
+        rows: list[Record] = []
+        for name, param in self.layers.items():
+            values = getattr(param, "semiring_grad", None)
+            if values is None:
+                continue
+            rows += [Record(step, name, q, v) for q, v in self._summaries(name, values).items()]
+        for name, split in splits.items():
+            for use, share in _flow_shares(split).items():
+                rows.append(Record(step, f"{name} -> {use}", "flow_share", share))
+        self.records += rows
+        if self._csv is not None:
+            self._csv.writerows([(r.step, r.layer, r.quantity, r.value) for r in rows])
+            self._csv_file.flush()
+        if self._writer is not None:
+            for r in rows:
+                self._writer.add_scalar(f"{r.quantity}/{r.layer}", r.value, r.step)
+
+    def _summaries(self, name: str, values: tuple[Tensor, ...]) -> dict[str, float]:
+        log_best, log_flow = values[0].detach(), values[1].detach()
+        out: dict[str, float] = {}
+        if len(values) > 2:
+            entropy = values[2].detach()
+            reached = entropy[~entropy.isnan()]
+            out["entropy_mean"] = float(reached.mean()) if reached.numel() else math.nan
+            out["entropy_max"] = float(reached.max()) if reached.numel() else math.nan
+        out["log_best_path"] = float(log_best.max())
+        out["log_flow"] = float(log_flow.logsumexp(tuple(range(log_flow.dim()))))
+        units = log_best.reshape(log_best.shape[0], -1) if log_best.dim() else log_best[None, None]
+        out["dead_units"] = float(units.isneginf().all(1).double().mean())
+        best = int(log_best.reshape(-1).argmax())
+        if name in self._best:
+            out["top_path_changed"] = float(best != self._best[name])
+        self._best[name] = best
+        return out
+
+    def series(self, quantity: str) -> dict[str, tuple[list[int], list[float]]]:
+        """Layer -> (steps, values) of ``quantity`` over the recorded steps."""
+        out: dict[str, tuple[list[int], list[float]]] = {}
+        for r in self.records:
+            if r.quantity == quantity:
+                steps, values = out.setdefault(r.layer, ([], []))
+                steps.append(r.step)
+                values.append(r.value)
+        return out
+
+    def plot(self, out: str | Path | None = None) -> list[Path]:
+        """One PNG per recorded quantity (``<quantity>.png``) in ``out``
+        (default ``log_dir``): the quantity over steps, one line per layer."""
+        import matplotlib.pyplot as plt
+
+        folder = Path(out) if out is not None else self.log_dir
+        if folder is None:
+            raise SemipackError("Monitor.plot needs a folder: pass out=..., or log_dir")
+        folder.mkdir(parents=True, exist_ok=True)
+        written = []
+        for quantity in dict.fromkeys(r.quantity for r in self.records):
+            fig, ax = plt.subplots(figsize=(6, 3.4))
+            for layer, (steps, values) in self.series(quantity).items():
+                ax.plot(steps, values, label=layer, marker="." if len(steps) < 30 else None)
+            ax.set_xlabel("step")
+            ax.set_title(quantity)
+            ax.legend(fontsize=7, loc="best")
+            fig.tight_layout()
+            path = folder / f"{quantity}.png"
+            fig.savefig(path, dpi=110)
+            plt.close(fig)
+            written.append(path)
+        return written
+
+    def close(self) -> None:
+        """Flush and close the CSV file and the TensorBoard writer."""
+        if self._csv is not None:
+            self._csv_file.close()
+            self._csv = None
+        if self._writer is not None:
+            self._writer.close()
+            self._writer = None
+
+
+def _layers(model: nn.Module) -> dict[str, nn.Parameter]:
+    """Module name -> the parameter summarised for it (``weight``, else its first own one)."""
+    out = {}
+    for name, module in model.named_modules():
+        own = dict(module.named_parameters(recurse=False))
+        if not own:
+            continue
+        param = own.get("weight", next(iter(own.values())))
+        if param.requires_grad:
+            out[name or "<root module>"] = param
+    if not out:
+        raise SemipackError(f"Monitor: {type(model).__name__} has no trainable parameters")
+    return out
+
+
+def _flow_shares(split: Branches) -> dict[str, float]:
+    """Each use's share of the LogSum flow at the split tensor (the Product's second factor)."""
+    logs = {use: float(v[1].logsumexp(tuple(range(v[1].dim())))) for use, v in split.values.items()}
+    if not logs:
+        return {}
+    whole = torch.tensor(list(logs.values()), dtype=torch.float64).logsumexp(0)
+    return {use: math.exp(v - float(whole)) for use, v in logs.items()}
+
+
+def _summary_writer(log_dir: Path) -> Any:
+    """TensorBoard's writer (tensorboard is an optional dependency)."""
+    try:
+        from torch.utils.tensorboard import SummaryWriter
+    except ImportError as error:
+        raise SemipackError(
+            "Monitor(tensorboard=True) needs the tensorboard package: pip install tensorboard, "
+            "or pass tensorboard=False (the CSV and plots need nothing extra)"
+        ) from error
+    return SummaryWriter(str(log_dir))
+
+
+__all__ = ["QUANTITIES", "Monitor", "Record"]

@@ -1,0 +1,140 @@
+"""``semipack.Monitor``: training with it is bitwise training without it, and every recorded
+summary equals the same summary computed from separate single-semiring passes."""
+
+from __future__ import annotations
+
+import csv
+import math
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+import semipack
+
+F64 = torch.float64
+
+
+class Residual(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner = nn.Sequential(nn.Linear(6, 6), nn.Tanh())
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return h + self.inner(h)
+
+
+def _model() -> nn.Sequential:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 6), nn.ReLU(), Residual(), nn.Linear(6, 3)).double()
+    with torch.no_grad():  # unit 2 of the first layer is off for every input: a dead unit
+        model[0].weight[2] = 0.0
+        model[0].bias[2] = -1.0
+    return model
+
+
+def _batches(n: int):
+    g = torch.Generator().manual_seed(1)
+    return [(torch.randn(5, 4, generator=g, dtype=F64), torch.randint(0, 3, (5,), generator=g))
+            for _ in range(n)]  # fmt: skip
+
+
+def _train(model, batches, monitor=None):
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for step, (x, y) in enumerate(batches):
+        opt.zero_grad()
+        if monitor is None:
+            nn.functional.cross_entropy(model(x), y).backward()
+        else:
+            with monitor.step(step):
+                nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+
+
+def test_training_with_the_monitor_is_training_without_it(tmp_path: Path) -> None:
+    batches = _batches(6)
+    plain, watched = _model(), _model()
+    _train(plain, batches)
+    monitor = semipack.Monitor(watched, every=2, log_dir=tmp_path)
+    _train(watched, batches, monitor)
+    monitor.close()
+    for a, b in zip(plain.parameters(), watched.parameters(), strict=True):
+        assert torch.equal(a, b)
+    assert sorted({r.step for r in monitor.records}) == [0, 2, 4]
+
+
+def _independent(model, x, y, semiring):
+    for p in model.parameters():
+        p.grad = None
+    with semipack.extend(model, semiring, regular_grads=False):
+        nn.functional.cross_entropy(model(x), y).backward()
+    return {name: m.weight.semiring_grad for name, m in (("0", model[0]), ("3", model[3]))}
+
+
+def test_each_summary_equals_separate_passes(tmp_path: Path) -> None:
+    model = _model()
+    splits = {"residual block": model[2]}
+    monitor = semipack.Monitor(model, every=1, log_dir=tmp_path, splits=splits)
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    best_before: dict[str, int] = {}
+    for step, (x, y) in enumerate(_batches(3)):
+        snapshot = {k: v.clone() for k, v in model.state_dict().items()}
+        opt.zero_grad()
+        with monitor.step(step):
+            nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+        twin = _model()
+        twin.load_state_dict(snapshot)
+        best = _independent(twin, x, y, semipack.MaxProd(log=True))
+        flow = _independent(twin, x, y, semipack.LogSum())
+        entropy = _independent(twin, x, y, semipack.Entropy())
+        got = {(r.layer, r.quantity): r.value for r in monitor.records if r.step == step}
+        for layer in ("0", "3"):
+            assert got[layer, "log_best_path"] == float(best[layer].max())
+            assert got[layer, "log_flow"] == pytest.approx(float(flow[layer].exp().sum().log()))
+            reached = entropy[layer][~entropy[layer].isnan()]
+            assert got[layer, "entropy_mean"] == pytest.approx(float(reached.mean()))
+            assert got[layer, "entropy_max"] == pytest.approx(float(reached.max()))
+            dead = sum(bool(row.isneginf().all()) for row in best[layer]) / best[layer].shape[0]
+            assert got[layer, "dead_units"] == dead
+            top = int(best[layer].flatten().argmax())
+            if layer in best_before:
+                assert got[layer, "top_path_changed"] == float(top != best_before[layer])
+            else:
+                assert (layer, "top_path_changed") not in got
+            best_before[layer] = top
+        assert best["0"][2].isneginf().all()  # the unit switched off above has no path
+        assert got["0", "dead_units"] >= 1 / 6
+        # the residual block's input: flow through the add against flow through the branch
+        with semipack.extend(twin, semipack.LogSum(), regular_grads=False):
+            with semipack.branches(twin[2]) as split:
+                out = twin(x)
+            nn.functional.cross_entropy(out, y).backward()
+        logs = {use: v.logsumexp((0, 1)) for use, v in split.values.items()}
+        whole = torch.stack(list(logs.values())).logsumexp(0)
+        for use, value in logs.items():
+            share = got[f"residual block -> {use}", "flow_share"]
+            assert share == pytest.approx(math.exp(float(value - whole)))
+    monitor.close()
+    with open(tmp_path / "monitor.csv") as f:
+        rows = list(csv.DictReader(f))
+    assert len(rows) == len(monitor.records)
+    assert [float(r["value"]) for r in rows] == pytest.approx(
+        [r.value for r in monitor.records], nan_ok=True
+    )
+    assert list(tmp_path.glob("events.out.tfevents.*"))
+    pictures = monitor.plot()
+    names = {p.name for p in pictures}
+    assert {"log_flow.png", "dead_units.png", "entropy_mean.png"} <= names
+    assert all(p.stat().st_size > 1000 for p in pictures)
+
+
+def test_mistakes_are_named() -> None:
+    with pytest.raises(ValueError, match=r"Monitor\(every=...\) needs a positive integer, got 0"):
+        semipack.Monitor(_model(), every=0)
+    with pytest.raises(semipack.SemipackError, match="Monitor: ReLU has no trainable parameters"):
+        semipack.Monitor(nn.ReLU())
+    monitor = semipack.Monitor(_model(), every=1)
+    with pytest.raises(semipack.SemipackError, match=r"Monitor\.plot needs a folder"):
+        monitor.plot()

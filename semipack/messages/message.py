@@ -146,10 +146,23 @@ def dispatch(func: OpOverload, args: tuple, kwargs: dict) -> Any:
     rule = rule_for(func)
     if rule is None:
         raise unsupported(func)
-    first = next(m for m in tree_flatten((args, kwargs))[0] if isinstance(m, Message))
-    if isinstance(first.semiring, Product):
+    first = _first_message(args, kwargs)
+    if first is not None and isinstance(first.semiring, Product):
         return dispatch_product(rule, func, args, kwargs, first.semiring)
     return rule(OpCall(func, args, kwargs))
+
+
+def _first_message(args: tuple, kwargs: dict) -> Message | None:
+    """The first message among the arguments and the lists among them (aten calls nest no
+    deeper), without flattening the whole call: this runs on every op of every pass."""
+    for a in (*args, *kwargs.values()):
+        if isinstance(a, Message):
+            return a
+        if isinstance(a, (list, tuple)):
+            for b in a:
+                if isinstance(b, Message):
+                    return b
+    return None
 
 
 def dispatch_product(rule, func: OpOverload, args: tuple, kwargs: dict, product: Product) -> Any:

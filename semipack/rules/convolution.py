@@ -92,12 +92,21 @@ def per_tap_messages(
 
     dest = sr.zeros((batch, *padded, channels), dtype, x.device) if mask[0] else None
     w_msg = sr.zeros((out_channels, c_g, *kernel), dtype, x.device) if mask[1] else None
+    depthwise = c_g == 1 and groups > 1
+    if depthwise:  # [B, *out, G, O/G]: each output channel's message, channels last
+        m_last = tuple(
+            p.reshape(batch, groups, o_g, *out_size).movedim((1, 2), (-2, -1)) for p in m_parts
+        )
     for tap in itertools.product(*(range(k) for k in kernel)):
         window = tuple(
             slice(t * d, t * d + (o - 1) * s + 1, s)
             for t, d, o, s in zip(tap, dilation, out_size, stride, strict=True)
         )
         where = (slice(None), *window, slice(None))
+        if depthwise:
+            w_tap = w_groups[(slice(None), slice(None), 0, *tap)]  # [G, O/G]
+            _depthwise_tap(sr, m_last, w_tap, x_last, lifted, dest, w_msg, where, tap, mask)
+            continue
         if mask[0]:  # [G, B·L, O/G] ⊗ [G, O/G, C/G] -> [B, *out, C], into the tap's input slice
             cols = sr.matmul(
                 rows, _grouped(w_groups[(slice(None), slice(None), slice(None), *tap)], groups)
@@ -125,6 +134,39 @@ def per_tap_messages(
         m = tuple(p.reshape(batch, out_channels, positions) for p in m_parts)
         grad_b = sr.sum(m, [0, 2])
     return grad_in, w_msg, grad_b
+
+
+def _depthwise_tap(
+    sr: Semiring,
+    m_last: State,
+    w_tap: Tensor,
+    x_last: Tensor | None,
+    lifted: State | None,
+    dest: State | None,
+    w_msg: State | None,
+    where: tuple[slice, ...],
+    tap: tuple[int, ...],
+    mask: Sequence[bool],
+) -> None:
+    """One tap of a convolution whose output channels each read one input channel (depthwise,
+    with any channel multiplier O/G): no sum over input channels, so both messages are
+    elementwise products and a plus over the multiplier (input) or over batch and positions
+    (weight), with no matmul of inner size 1. ``m_last`` [B, *out, G, O/G]; ``w_tap`` [G, O/G];
+    ``x_last`` [B, *padded, C] (C = G), ``lifted`` its lift where the semiring has one."""
+    spatial = m_last[0].dim() - 3
+    if mask[0]:  # [B, *out, G]: ⊕ over the multiplier of m ⊗ w, into the tap's input slice
+        cols = sr.sum(sr.scale(m_last, w_tap), [m_last[0].dim() - 1])
+        merged = sr.plus(tuple(d[where] for d in dest), cols)
+        for d, part in zip(dest, merged, strict=True):
+            d[where] = part
+    if mask[1]:  # [G, O/G]: ⊕ over batch and positions of m ⊗ x
+        if lifted is not None:
+            inputs = tuple(c[where][..., None] for c in lifted)
+        else:
+            inputs = sr.lift(x_last[where][..., None])
+        found = sr.sum(sr.times(m_last, inputs), list(range(spatial + 1)))
+        for d, part in zip(w_msg, found, strict=True):
+            d[(slice(None), 0, *tap)] = part.reshape(-1)
 
 
 def _tap_box(

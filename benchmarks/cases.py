@@ -144,10 +144,49 @@ def minilm_one_sentence(tokens: int = 20) -> Workload:
     )
 
 
+def _torchvision(name: str, train: bool, batch: int, size: int) -> Workload:
+    import torchvision
+
+    torch.manual_seed(0)
+    model = getattr(torchvision.models, name)(weights=None)
+    model.train(train)
+    x = _fixed((batch, 3, size, size), 1)
+    target = torch.arange(batch) % 1000
+    mode = "train" if train else "eval"
+    return Workload(
+        f"{name}_{mode}",
+        f"torchvision {name} (random weights), {mode} mode, {batch} x 3 x {size} x {size}",
+        model,
+        lambda: nn.functional.cross_entropy(model(x), target),
+    )
+
+
+def gpt2_tiny() -> Workload:
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    config = GPT2Config(
+        vocab_size=1000, n_positions=64, n_embd=128, n_layer=4, n_head=4,
+        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel._from_config(config, attn_implementation="eager").eval()
+    ids = torch.arange(32)[None] % 1000
+    return Workload(
+        "gpt2_tiny",
+        "GPT-2 (4 layers, width 128, 4 heads, vocab 1000, random weights), 32 tokens, LM loss",
+        model,
+        lambda: model(input_ids=ids, labels=ids).loss,
+    )
+
+
 WORKLOADS: dict[str, Callable[[], Workload]] = {
     "linear": linear,
     "conv2d": conv2d,
     "bert_layer": bert_layer,
     "minilm_8": lambda: minilm(8),
     "minilm_1x20": minilm_one_sentence,
+    "resnet18_eval": lambda: _torchvision("resnet18", False, 2, 224),
+    "resnet18_train": lambda: _torchvision("resnet18", True, 8, 64),
+    "mobilenet_v3_small_eval": lambda: _torchvision("mobilenet_v3_small", False, 2, 224),
+    "gpt2_tiny": gpt2_tiny,
 }

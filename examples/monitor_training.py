@@ -120,9 +120,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     accuracy = train(model, repeat_sequences, monitor, 2 * args.steps, 2e-3, desc="transformer")
     monitor.close()
     pictures = monitor.plot()
-    print(
-        f"transformer: test accuracy {accuracy:.1%}; plots: {len(pictures)} in {out / 'transformer'}"
-    )
+    folder = out / "transformer"
+    print(f"transformer: test accuracy {accuracy:.1%}; plots: {len(pictures)} in {folder}")
 
 
 if __name__ == "__main__":

@@ -369,12 +369,79 @@ def test_a_module_hook_that_replaces_grad_input_acts_like_in_plain_pytorch() -> 
     assert torch.equal(model[0].weight.semiring_grad, clean[0].weight.semiring_grad)
 
 
-def test_a_module_hook_registered_inside_the_block_raises_with_the_fix() -> None:
+def test_a_module_hook_registered_inside_the_block_sees_regular_gradients() -> None:
+    """Full hooks and pre-hooks run on the module's hook nodes, which every pass unwraps."""
     model, x = mlp(), data()
+    seen: list[tuple[str, Tensor]] = []
+    handles = [
+        model[2].register_full_backward_hook(lambda m, gi, go: seen.append(("hook", gi[0]))),
+        model[2].register_full_backward_pre_hook(lambda m, go: seen.append(("pre", go[0]))),
+    ]
+    model(x).sum().backward()
+    plain = list(seen)
+    seen.clear()
+    for h in handles:
+        h.remove()
     with semipack.extend(model, semipack.MaxProd()):
-        model[2].register_full_backward_hook(lambda m, gi, go: go[0].norm())
-        with pytest.raises(semipack.UnsupportedOpError, match="register module backward hooks"):
-            model(x).sum().backward()
+        model[2].register_full_backward_hook(lambda m, gi, go: seen.append(("hook", gi[0])))
+        model[2].register_full_backward_pre_hook(lambda m, go: seen.append(("pre", go[0])))
+        model(x).sum().backward()
+    assert [name for name, _ in seen] == ["pre", "hook"] == [name for name, _ in plain]
+    for (_, got), (_, want) in zip(seen, plain, strict=True):
+        assert type(got) is torch.Tensor and torch.equal(got, want)
+
+
+def test_hooks_of_modules_outside_the_model_see_regular_gradients() -> None:
+    """A loss module's full hooks, a global full hook and a hook node at the backward root: each
+    sees the plain backward's gradients, and a replacement acts as in PyTorch."""
+    model, x = mlp(), data()
+    target = torch.tensor([0, 1])
+    loss = nn.CrossEntropyLoss()
+    seen: list[tuple[str, Tensor]] = []
+
+    def on_loss(m: nn.Module, gi: tuple, go: tuple) -> tuple[Tensor, Tensor | None]:
+        seen.append(("loss", go[0]))
+        return (gi[0] * 3.0, gi[1])  # the targets' slot stays as it is
+
+    def on_any(m: nn.Module, gi: tuple, go: tuple) -> None:
+        seen.append((type(m).__name__, go[0]))
+
+    handles = [
+        loss.register_full_backward_hook(on_loss),
+        nn.modules.module.register_module_full_backward_hook(on_any),
+    ]
+    try:
+        expected = plain_grads(model, lambda: loss(model(x), target))
+        plain = list(seen)
+        seen.clear()
+        with semipack.extend(model, semipack.LogSum()):
+            loss(model(x), target).backward()
+    finally:
+        for h in handles:
+            h.remove()
+    assert_grads_equal(model, expected)
+    assert [name for name, _ in seen] == [name for name, _ in plain]
+    assert "loss" in [name for name, _ in seen] and "Linear" in [name for name, _ in seen]
+    for (_, got), (_, want) in zip(seen, plain, strict=True):
+        assert type(got) is torch.Tensor and torch.equal(got, want)
+    clean = mlp()  # hooks change gradients, not the graph
+    with semipack.extend(clean, semipack.LogSum()):
+        F.cross_entropy(clean(x), target).backward()
+    for p, q in zip(model.parameters(), clean.parameters(), strict=True):
+        assert torch.equal(p.semiring_grad, q.semiring_grad)
+
+
+def test_module_hooks_without_regular_gradients_raise_before_the_pass() -> None:
+    model, x = mlp(), data()
+    calls: list[nn.Module] = []
+    model[2].register_full_backward_hook(lambda m, gi, go: calls.append(m))
+    with (
+        semipack.extend(model, semipack.MaxProd(), regular_grads=False),
+        pytest.raises(semipack.SemipackError, match=r"in the forward of .*'2'"),
+    ):
+        model(x).sum().backward()
+    assert calls == []
+    assert all(p.grad is None and not hasattr(p, "semiring_grad") for p in model.parameters())
 
 
 def test_hooks_are_unwrapped_after_the_block() -> None:

@@ -29,7 +29,7 @@ from torch.overrides import TorchFunctionMode
 
 from ..errors import SemipackError
 from ..graph.provenance import current_module
-from ..messages.message import Message
+from ..messages.message import MODULE_HOOK_NODE, Message
 from ..semirings.base import State
 from ..transport.backward import carry_down
 
@@ -114,34 +114,48 @@ class _SplitMode(TorchFunctionMode):
         self.result = result
         self.on_alias = on_alias
         self.target: Tensor | None = None
+        #: the split tensor and its copies behind module-hook nodes (``_behind_module_hook``)
+        self.forms: list[Tensor] = []
         self.counts: dict[str, int] = {}
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        target = self.target
-        if target is None or _not_a_use(func) or not torch.is_grad_enabled():
+        if self.target is None or _not_a_use(func) or not torch.is_grad_enabled():
             return func(*args, **kwargs)
-        uses = [i for i, a in enumerate(args) if a is target]
-        named = [k for k, v in kwargs.items() if v is target]
+        uses = [i for i, a in enumerate(args) if self._is_split(a)]
+        named = [k for k, v in kwargs.items() if self._is_split(v)]
         if not uses and not named:
             return func(*args, **kwargs)
         module = current_module()
         labels = _argument_labels(func, uses, named) if len(uses) + len(named) > 1 else None
         args, kwargs = list(args), dict(kwargs)
         for n, i in enumerate(uses):
-            args[i] = self._alias(module, labels[n] if labels else None)
+            args[i] = self._alias(args[i], module, labels[n] if labels else None)
         for n, k in enumerate(named):
-            kwargs[k] = self._alias(module, labels[len(uses) + n] if labels else None)
+            kwargs[k] = self._alias(kwargs[k], module, labels[len(uses) + n] if labels else None)
         return func(*args, **kwargs)
 
-    def _alias(self, module: str, label: str | None) -> Tensor:
+    def _is_split(self, a: Any) -> bool:
+        """Whether ``a`` is the split tensor, or it as a module with backward hooks (BackPACK's,
+        say) receives it: PyTorch hands such a module's forward a copy made by an identity
+        node, invisible to this mode, so the uses inside the forward are the copy's."""
+        if not isinstance(a, Tensor):
+            return False
+        if any(a is f for f in self.forms):
+            return True
+        if any(_behind_module_hook(a, f) for f in self.forms):
+            self.forms.append(a)
+            return True
+        return False
+
+    def _alias(self, of: Tensor, module: str, label: str | None) -> Tensor:
         module = module or "<root module>"  # the extended model's own forward
         name = module if label is None else f"{module}:{label}"
         seen = self.counts.get(name, 0) + 1
         self.counts[name] = seen
         if seen > 1:
             name = f"{name}#{seen}"
-        alias = self.target.view_as(self.target)
+        alias = of.view_as(of)
         self.result.names.append(name)
         self.on_alias(name, alias)
         return alias
@@ -150,6 +164,19 @@ class _SplitMode(TorchFunctionMode):
 #: Calls that read a tensor's metadata or attributes (``h.shape``, ``h.grad_fn``, ``h.dim()``):
 #: they are not uses in the graph and must see the tensor itself.
 _NOT_USES = {"__get__", "__set__", "size", "dim", "numel", "stride", "is_contiguous", "data_ptr"}
+
+
+def _behind_module_hook(a: Tensor, t: Tensor) -> bool:
+    """Whether ``a`` is ``t`` passed through the identity node PyTorch puts in front of (or
+    behind) a module with full backward hooks or backward pre-hooks: output ``i`` of that node
+    is its input ``i``, whose edge leads to ``t``'s node (its AccumulateGrad for a leaf)."""
+    node = a.grad_fn
+    if node is None or node.name() != MODULE_HOOK_NODE:
+        return False
+    fn, nr = node.next_functions[a.output_nr]
+    if t.grad_fn is None:
+        return getattr(fn, "variable", None) is t
+    return fn is t.grad_fn and nr == t.output_nr
 
 
 def _not_a_use(func: Callable[..., Any]) -> bool:
@@ -197,6 +224,7 @@ def branches(at: nn.Module | Tensor, inputs: Sequence[Tensor] = ()) -> Iterator[
         if not isinstance(tensor, Tensor) or not tensor.requires_grad:
             raise SemipackError("semipack.branches splits a tensor that requires grad")
         mode.target = result.split = tensor
+        mode.forms = [tensor]
         if inputs:
             if tensor.grad_fn is None:
                 raise SemipackError(
@@ -224,6 +252,7 @@ def branches(at: nn.Module | Tensor, inputs: Sequence[Tensor] = ()) -> Iterator[
         if isinstance(at, nn.Module):
             handles[0].remove()
         mode.target = None
+        mode.forms = []
     if result.split is None:
         raise SemipackError(
             f"semipack.branches: {type(at).__name__} was not called inside the block"

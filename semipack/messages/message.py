@@ -103,7 +103,9 @@ class Message(torch.Tensor):
         return cls(gradient if regular else None, semiring.lift(gradient), semiring, gradient.dtype)
 
 
-#: The node that runs module backward hooks: a failing op there is the user's hook, not a formula.
+#: The identity node PyTorch puts around the inputs and outputs of a module with full backward
+#: hooks or backward pre-hooks; the hooks run as its post hooks (``transport.hooks``). A failing
+#: op there is the user's hook, not a formula.
 MODULE_HOOK_NODE = "BackwardHookFunctionBackward"
 
 
@@ -120,9 +122,9 @@ def unsupported(func: OpOverload, reason: str = "") -> UnsupportedOpError:
         )
     if node == MODULE_HOOK_NODE and not reason:
         reason = (
-            "a module backward hook received a semiring message, probably because it was "
-            "registered inside the semipack.extend block; register module backward hooks "
-            "before entering the block (they then see regular gradients)"
+            "a module backward hook received a semiring message: semipack's passes show module "
+            "hooks the regular gradient, so this pass was started some other way (a "
+            "torch.autograd call seeded with a Message)"
         )
     if node is not None and not reason and _is_custom_function(node):
         reason = (

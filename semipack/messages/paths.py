@@ -18,12 +18,13 @@ from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
+from torch.autograd.graph import Node
 
 from ..graph.provenance import MODULE_KEY
 from ..graph.sites import SITE_KEY, Site
 from ..semirings.base import Semiring, State
 from ..semirings.top_path import NO_SUCCESSOR
-from .message import Message
+from .message import MODULE_HOOK_NODE, Message
 
 
 @dataclass
@@ -192,6 +193,13 @@ class PathTrace:
         return hook
 
 
+def records_steps(node: Node) -> bool:
+    """Whether a path step is recorded at ``node``: not at AccumulateGrad (leaves are captured
+    separately), nor at the identity nodes PyTorch puts around modules with backward hooks
+    (BackPACK's, say), so that hooks do not change a path."""
+    return not hasattr(node, "variable") and node.name() != MODULE_HOOK_NODE
+
+
 def attach(trace: PathTrace, roots: Sequence[Tensor]) -> list:
     """Register the recording pre-hook on every non-leaf node reachable from ``roots``."""
     handles, seen = [], set()
@@ -201,7 +209,7 @@ def attach(trace: PathTrace, roots: Sequence[Tensor]) -> list:
         if node is None or node in seen:
             continue
         seen.add(node)
-        if not hasattr(node, "variable"):  # AccumulateGrad: leaves are captured separately
+        if records_steps(node):
             handles.append(node.register_prehook(trace.node_prehook(node)))
         stack.extend(fn for fn, _ in node.next_functions)
     return handles

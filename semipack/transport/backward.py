@@ -22,9 +22,10 @@ import torch
 from torch import Tensor
 
 from ..errors import MessageLostError, SemipackError
-from ..messages.message import Message
-from ..messages.paths import PathTrace, attach
+from ..messages.message import MODULE_HOOK_NODE, Message
+from ..messages.paths import PathTrace, attach, records_steps
 from ..semirings.base import Semiring, State
+from .hooks import ModuleHookNodes, hooks_need_regular_gradients
 from .passes import carry_pass, in_carry_pass, semiring_pass
 
 SEMIRING_GRAD = "semiring_grad"
@@ -48,10 +49,12 @@ def require_semiring(semiring: Any) -> Semiring:
 
 @dataclass
 class GraphScan:
-    """What a backward from ``roots`` will reach: leaves, and constructs needing special care."""
+    """What a backward from ``roots`` will reach: leaves, and constructs needing special care
+    (reentrant checkpoints, the nodes that run module backward hooks)."""
 
     leaves: list[Tensor] = field(default_factory=list)
     reentrant_checkpoint: bool = False
+    module_hook_nodes: list[torch.autograd.graph.Node] = field(default_factory=list)
 
 
 def scan_graph(roots: Sequence[Tensor]) -> GraphScan:
@@ -68,8 +71,11 @@ def scan_graph(roots: Sequence[Tensor]) -> GraphScan:
         if node is None or id(node) in seen:
             continue
         seen.add(id(node))
-        if node.name() == REENTRANT_CHECKPOINT:
+        name = node.name()
+        if name == REENTRANT_CHECKPOINT:
             scan.reentrant_checkpoint = True
+        elif name == MODULE_HOOK_NODE:
+            scan.module_hook_nodes.append(node)
         variable = getattr(node, "variable", None)
         if variable is not None:
             leaves[id(variable)] = variable
@@ -140,7 +146,7 @@ def path_recording(
     handles = attach(trace, roots)
 
     def on_creation(node) -> None:
-        if not hasattr(node, "variable"):
+        if records_steps(node):
             handles.append(node.register_prehook(trace.node_prehook(node)))
 
     try:
@@ -262,6 +268,10 @@ def backward(
             "torch.utils.checkpoint(..., use_reentrant=True) runs its own backward, which "
             "needs regular gradients: use regular_grads=True or use_reentrant=False"
         )
+    if scan.module_hook_nodes and not regular_grads:  # before any hook has run
+        raise hooks_need_regular_gradients(
+            scan.module_hook_nodes, "semipack.extend(..., regular_grads=False)"
+        )
     if inputs is None and scan.reentrant_checkpoint:
         known = {id(t) for t in leaves}
         leaves += [p for p in watched if id(p) not in known]
@@ -270,7 +280,7 @@ def backward(
         ledger = GradLedger([*leaves, *kept]) if regular_grads else None
         try:
             captured = _run_backward(
-                tensors, grad_tensors, sr, leaves, regular_grads, retain_graph, inputs
+                tensors, grad_tensors, sr, leaves, regular_grads, retain_graph, inputs, scan
             )
             retained_messages = _split_retained(kept)
         except BaseException:
@@ -303,7 +313,7 @@ def _split_retained(kept: Sequence[Tensor]) -> list[tuple[Tensor, Message]]:
     return out
 
 
-def _run_backward(tensors, grad_tensors, sr, leaves, regular_grads, retain_graph, inputs):
+def _run_backward(tensors, grad_tensors, sr, leaves, regular_grads, retain_graph, inputs, scan):
     seed = seeds(tensors, grad_tensors, sr, regular_grads)
     captured: dict[int, Message] = {}
     if not regular_grads:
@@ -336,6 +346,13 @@ def _run_backward(tensors, grad_tensors, sr, leaves, regular_grads, retain_graph
         for leaf in leaves:
             if leaf.requires_grad:
                 stack.enter_context(_first_hook(leaf, capture(leaf)))
+        # Module backward hooks (BackPACK's among them) see regular gradients: on the nodes
+        # there now, and on those a reentrant checkpoint creates while the pass runs.
+        hook_nodes = ModuleHookNodes()
+        stack.callback(hook_nodes.remove)
+        for node in scan.module_hook_nodes:
+            hook_nodes.watch(node)
+        stack.enter_context(torch.autograd.graph.node_creation_hook(hook_nodes.watch))
         with semiring_pass(retain_graph):
             torch.autograd.backward(
                 list(tensors),
@@ -380,7 +397,9 @@ def grad(
     1 for scalar outputs) are lifted into the semiring as the weights of edges from a virtual
     root. Returns one readout per input, shaped like it (``None`` for unused inputs with
     ``allow_unused=True``). No regular gradient is computed and nothing is stored on the inputs
-    but, after a TopPath pass, their ``semiring_paths``.
+    but, after a TopPath pass, their ``semiring_paths``. A graph through modules with full
+    backward hooks or backward pre-hooks (BackPACK-extended modules, say) raises
+    ``SemipackError`` before anything runs: those hooks would get no gradient to see.
     """
     sr = require_semiring(sr)
     outputs = [outputs] if isinstance(outputs, Tensor) else list(outputs)
@@ -389,6 +408,9 @@ def grad(
         grad_outputs = [None] * len(outputs)
     elif isinstance(grad_outputs, Tensor):
         grad_outputs = [grad_outputs]
+    hook_nodes = scan_graph(outputs).module_hook_nodes
+    if hook_nodes:  # the hooks would be handed semiring messages (BackPACK would store them)
+        raise hooks_need_regular_gradients(hook_nodes, "semipack.grad")
     with path_recording(sr, outputs, None) as sr, semiring_pass(retain_graph):
         seed = seeds(outputs, list(grad_outputs), sr, regular=False)
         got = torch.autograd.grad(

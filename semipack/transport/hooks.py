@@ -1,30 +1,45 @@
 """User hooks inside a semiring backward: they see the regular gradient, never a Message.
 
-Hooks (gradient-norm logging, clipping, module backward hooks) are written for gradients. Inside
-``semipack.extend`` the engine hands them ``Message`` objects, so semipack wraps them: a wrapped
-hook is called with the regular gradient and whatever it returns replaces the regular gradient
-only. Hooks change gradients, not the graph: the semiring state passes through unchanged.
+Hooks (gradient-norm logging, clipping, module backward hooks, BackPACK's extensions) are written
+for gradients. Inside ``semipack.extend`` the engine hands them ``Message`` objects, so semipack
+shows them the regular gradient, and whatever they return replaces the regular gradient only.
+Hooks change gradients, not the graph: the semiring state passes through unchanged.
 
+- Full module backward hooks and backward pre-hooks (``register_full_backward_hook``,
+  ``register_full_backward_pre_hook``, their global forms) of *any* module, wherever and whenever
+  they were registered: PyTorch runs them as post hooks of the identity autograd node it puts
+  around the module's inputs and outputs (``MODULE_HOOK_NODE``). For each pass, such nodes get a
+  pre-hook that hands the node (hence the user hooks) the regular gradients and keeps the
+  messages aside, and a post hook, behind the user hooks, that puts the (possibly replaced)
+  regular gradients back into those messages (``ModuleHookNodes``). This is what lets BackPACK
+  run in the same backward: its hooks, on the model's modules and on the loss module, see the
+  gradients of a plain backward.
 - Tensor hooks registered inside the block are wrapped at registration
   (``SemiringMode`` intercepts ``Tensor.register_hook``).
-- Module backward hooks (``register_full_backward_hook``, ``register_full_backward_pre_hook``,
-  the legacy ``register_backward_hook`` and the global module hooks) registered before the block
-  are wrapped for its duration (``module_hooks_see_gradients``).
+- Module backward hooks of the model registered before the block (the legacy
+  ``register_backward_hook`` too, which runs on the module's last op node, and the global module
+  hooks) are wrapped for its duration (``module_hooks_see_gradients``); the wrapper also keeps
+  them out of the extra passes of branch readouts (``passes.carry_pass``), where any other
+  module hook is handed messages that raise when used (``SealedMessage``).
 
-Without regular gradients (``regular_grads=False``) there is nothing to show a hook: it raises.
+Without regular gradients (``regular_grads=False``, ``semipack.grad``) there is nothing to show
+a hook: a graph through module-hook nodes raises before the pass, a wrapped hook when called.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator, MutableMapping
+from collections.abc import Callable, Iterable, Iterator, MutableMapping, Sequence
 from contextlib import ExitStack, contextmanager
 from typing import Any
 
 import torch.nn.modules.module as module_hooks
 from torch import Tensor, nn
+from torch.autograd.graph import Node
+from torch.utils.hooks import RemovableHandle
 
 from ..errors import SemipackError
-from ..messages.message import Message
+from ..graph.provenance import MODULE_KEY
+from ..messages.message import MODULE_HOOK_NODE, Message, unsupported
 from .passes import in_carry_pass
 
 
@@ -129,3 +144,112 @@ def _wrapped_entries(table: MutableMapping[int, Any]) -> Iterator[None]:
         for key, wrapper in wrapped.items():
             if table.get(key) is wrapper:  # still registered, not replaced meanwhile
                 table[key] = wrapper.hook
+
+
+class ModuleHookNodes:
+    """The module-hook nodes of one semiring pass show their hooks regular gradients.
+
+    A module with full backward hooks or backward pre-hooks gets, at each forward call, an
+    identity autograd node (``BackwardHookFunctionBackward``) on its output tensors and one on
+    its input tensors; the user hooks run as that node's post hooks, with the gradients that
+    entered the node (the outputs' gradients) and that leave it (the inputs'). ``watch(node)``
+    gives such a node a pre-hook that keeps the entering messages aside and lets the regular
+    gradients through the node, its post hooks and the user hooks; a post hook, registered when
+    the node first runs and so behind the hooks PyTorch registered in the forward, wraps the
+    gradients leaving the node (the user hooks' replacements, if any) with the kept states.
+    Input ``i`` of the node is its output ``i`` (the node is the identity), so message ``i``'s
+    state goes with gradient ``i``.
+
+    The extra passes of branch readouts (``passes.carry_pass``) have no regular gradient: the
+    model's own hooks skip them (``ModuleBackwardHook``), and any other hook is handed sealed
+    messages (``SealedMessage``), so that one reading or computing with its gradient raises
+    instead of storing a message (BackPACK would); the post hook unseals what leaves the node.
+    ``remove()`` takes every hook of the pass off the graph.
+    """
+
+    def __init__(self) -> None:
+        self.handles: list[RemovableHandle] = []
+
+    def watch(self, node: Node) -> None:
+        """Show the hooks of ``node`` regular gradients if it is a module-hook node."""
+        if node.name() == MODULE_HOOK_NODE:
+            self.handles.append(node.register_prehook(self._unwrapping(node)))
+
+    def remove(self) -> None:
+        """Take every pre-hook and post hook of the pass off the graph."""
+        for handle in self.handles:
+            handle.remove()
+        self.handles.clear()
+
+    def _unwrapping(self, node: Node) -> Callable[[Sequence[Any]], tuple[Any, ...] | None]:
+        kept: list[Sequence[Any] | None] = [None]  # the entering messages, pre -> post hook
+        rewrapping: list[RemovableHandle] = []
+
+        def unwrap(grad_outputs: Sequence[Any]) -> tuple[Any, ...] | None:
+            if not rewrapping:
+                rewrapping.append(node.register_hook(rewrap))
+                self.handles.append(rewrapping[0])
+            if in_carry_pass():
+                kept[0] = None
+                return tuple(SealedMessage.of(g) for g in grad_outputs)
+            kept[0] = tuple(grad_outputs)
+            return tuple(_regular(g, "a module backward hook") for g in grad_outputs)
+
+        def rewrap(grad_inputs: Sequence[Any], _grad_outputs: Sequence[Any]) -> Any:
+            messages, kept[0] = kept[0], None
+            if messages is None:  # a carry pass: unseal
+                return tuple(SealedMessage.unsealed(g) for g in grad_inputs)
+            return tuple(_rewrap(m, g) for m, g in zip(messages, grad_inputs, strict=True))
+
+        return unwrap
+
+
+class SealedMessage(Message):
+    """A message as module hooks see it in a pass without regular gradients (the extra passes
+    of branch readouts): the same state, but any op on it raises, naming the cause. Hooks that
+    leave their gradients alone (or skip the pass) let it through unchanged."""
+
+    @classmethod
+    def of(cls, grad: Any) -> Any:
+        """``grad`` sealed (anything but a message as it is)."""
+        if not isinstance(grad, Message) or isinstance(grad, SealedMessage):
+            return grad
+        return cls(grad.regular_grad, grad.parts, grad.semiring, grad.dtype)
+
+    @staticmethod
+    def unsealed(grad: Any) -> Any:
+        """``grad`` as an ordinary message again (anything else as it is)."""
+        if not isinstance(grad, SealedMessage):
+            return grad
+        return Message(grad.regular_grad, grad.parts, grad.semiring, grad.dtype)
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        raise unsupported(
+            func,
+            "a module backward hook received a semiring message in an extra pass of a branch "
+            "readout (semipack.branches(..., inputs=...)), which computes no regular gradient. "
+            "Hooks of the model's modules registered before entering semipack.extend skip "
+            "those passes; remove other hooks (registered inside the block, or of modules "
+            "outside the model) below the split tensor, or read the branches without inputs=",
+        )
+
+
+def hooks_need_regular_gradients(nodes: Iterable[Node], computed_by: str) -> SemipackError:
+    """The error for module-hook nodes in a pass without regular gradients (``computed_by``
+    names that pass), naming the modules whose forward created them where the block's module
+    tracker stamped them. Raised before the pass, so no hook has run and nothing is changed."""
+    names: list[str] = []
+    for node in nodes:
+        name = node.metadata.get(MODULE_KEY)
+        shown = "<root module>" if name == "" else name
+        if shown is not None and repr(shown) not in names:
+            names.append(repr(shown))
+    where = f" (their hook nodes were made in the forward of {', '.join(names)})" if names else ""
+    return SemipackError(
+        f"modules with full backward hooks or backward pre-hooks are in this graph{where}; "
+        "such hooks (BackPACK's extensions among them) receive the regular gradient, which "
+        f"{computed_by} does not compute: run loss.backward() inside "
+        "semipack.extend(model, semiring) with regular_grads=True (the default), or remove "
+        "the hooks for this pass"
+    )

@@ -14,9 +14,9 @@ needs the O(n^2) pairs. A semiring declares how: ``Semiring.normalization_closed
 the whole message in closed form) or ``Semiring.normalization_kernel``, its fused kernels of
 out' (``kernels.normalization``: a broadcast over [rows, j, i] reduced over i, which inductor
 fuses so that no [rows, n, n] tensor exists, and optionally a hand-written float32 kernel).
-Below ``COMPILE_MIN_PAIRS`` pairs, with compilation switched off, or for semirings without
-either, ``normalized_messages`` returns None and the caller contracts the dense Jacobian
-(``contract_rows``), which is also each kernel's eager fallback.
+Without a native kernel below ``COMPILE_MIN_PAIRS`` pairs or with compilation switched off,
+or for semirings without either, ``normalized_messages`` returns None and the caller
+contracts the dense Jacobian (``contract_rows``), which is also each kernel's eager fallback.
 """
 
 from __future__ import annotations
@@ -92,8 +92,9 @@ def normalized_messages(
     """Messages through normalisation rows, or None where the caller should use the dense path.
 
     ``m``, ``x_hat``: [rows, n]; ``rstd``: [rows]; ``gain``: [n] (per entry), [rows]
-    (``gain_per_row``) or [rows, n] (per row and entry). ``mode``: ``"auto"`` (compiled
-    kernel from ``COMPILE_MIN_PAIRS`` pairs up when compilation is on, else None),
+    (``gain_per_row``) or [rows, n] (per row and entry). ``mode``: ``"auto"`` (the native
+    kernel at any size where there is one, else the compiled kernel from
+    ``COMPILE_MIN_PAIRS`` pairs up when compilation is on, else None),
     ``"compiled"`` (always the fused kernel, which falls back to its eager form if compiling
     fails) or ``"eager"`` (the kernel's dense fallback).
     On float32, semirings whose kernel has a hand-written form (MaxProd, LogSum, Entropy) use
@@ -109,7 +110,10 @@ def normalized_messages(
     native = spec.native if x_hat.dtype == torch.float32 else None
     native = native if native is not None and native_available() else None
     if mode == "auto":
-        if not (compile_enabled() or native is not None) or rows * n * n < COMPILE_MIN_PAIRS:
+        # the hand-written kernel costs nothing to start, so it serves rows of any size; the
+        # compiled one pays off from COMPILE_MIN_PAIRS pairs up
+        compiled_pays = compile_enabled() and rows * n * n >= COMPILE_MIN_PAIRS
+        if native is None and not compiled_pays:
             return None
         mode = "compiled"
     if mode not in ("compiled", "eager"):

@@ -6,7 +6,7 @@ with semipack.extend(model, semipack.MaxProd()):
 p.grad, p.semiring_grad
 """
 
-from . import rules  # noqa: F401  (registers the built-in op rules)
+from . import distributed, rules  # noqa: F401  (rules registers the built-in op rules)
 from .api import extend, grad
 from .errors import MessageLostError, SemipackError, UnsupportedOpError
 from .explain import Branches, LayerFlow, branches, explain_layers
@@ -53,6 +53,7 @@ __all__ = [
     "TopPath",
     "UnsupportedOpError",
     "branches",
+    "distributed",
     "explain_layers",
     "extend",
     "grad",

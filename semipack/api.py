@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.nn.parallel import DistributedDataParallel
 
 from .errors import SemipackError
 from .extensions import FUNCTION_EXTENSIONS, eager_attention_routed
@@ -32,6 +33,7 @@ def extend(
     regular_grads: bool = True,
     extensions: bool = True,
     drawing: str = "atomic",
+    keep_state: bool = False,
 ) -> Iterator[nn.Module | None]:
     """Run every ``backward()`` inside the block as a semiring backward.
 
@@ -45,12 +47,24 @@ def extend(
     take over supported calls, and lets ``retain_grad()`` and tensor hooks registered in the
     block work on intermediate tensors. ``extensions=False`` keeps every op on the generic
     per-op rules: same values, slower. The model objects are not modified; on exit nothing of
-    semipack's is left but the ``semiring_grad`` results.
+    semipack's is left but the results (``semiring_grad``, ``semiring_state``, paths).
 
     ``drawing`` chooses how composites are drawn (``rules.drawings``): ``"atomic"`` (softmax and
     log_softmax are one op each) or ``"decomposed"`` (softmax as ``exp(s - logsumexp(s))``,
     log_softmax as ``s - logsumexp(s)``, cross-entropy and attention built on them, as the
     paper's framework drew them). Only semirings other than Real see the difference.
+
+    ``keep_state=True`` also keeps each leaf's final semiring state as ``.semiring_state`` (a
+    tuple of tensors shaped like the leaf, one per ``semiring.components``), which
+    ``semipack.distributed.all_reduce`` combines across processes: readouts alone cannot always
+    be combined (Entropy's entropy has lost the path mass). It is off by default because it
+    holds the state beside the readout, up to one more leaf-sized tensor per component.
+
+    A ``DistributedDataParallel`` wrapper (``model`` itself or one of its modules) works
+    unchanged: its parameters' gradients accumulate in place, where its reducer reads and
+    averages them, so ``.grad`` is what plain DDP gives, ``no_sync`` accumulation and bucket
+    views included. Pass the wrapper, not the model inside it, which semipack cannot tell apart
+    from an undistributed one.
 
     Blocks do not nest (a second ``extend`` inside a first raises ``SemipackError``). Anything
     compiled with ``torch.compile`` (the model, or a compiled wrapper of it) runs eagerly inside
@@ -72,6 +86,7 @@ def extend(
         )
     watched = [p for p in model.parameters() if p.requires_grad] if model is not None else []
     names = {id(p): _leaf_name(n) for n, p in model.named_parameters()} if model else {}
+    data_parallel = _data_parallel_parameters(model)
     with ExitStack() as stack:
         _blocks.semiring = semiring
         stack.callback(setattr, _blocks, "semiring", None)
@@ -91,12 +106,30 @@ def extend(
                 stack.enter_context(eager_attention_routed())
             reroute.update(FUNCTION_EXTENSIONS)
         reroute.update(drawn)
-        stack.enter_context(SemiringMode(semiring, regular_grads, watched, reroute, names))
+        stack.enter_context(
+            SemiringMode(
+                semiring, regular_grads, watched, reroute, names, keep_state, data_parallel
+            )
+        )
         yield model
 
 
 def _leaf_name(name: str) -> str:
     return name.removeprefix("_orig_mod.")
+
+
+def _data_parallel_parameters(model: nn.Module | None) -> list[torch.Tensor]:
+    """The parameters of every ``DistributedDataParallel`` module in ``model``: the engine must
+    accumulate their gradients in place (``transport.backward.GradLedger``)."""
+    if model is None:
+        return []
+    return [
+        p
+        for m in model.modules()
+        if isinstance(m, DistributedDataParallel)
+        for p in m.parameters()
+        if p.requires_grad
+    ]
 
 
 __all__ = ["extend", "grad"]

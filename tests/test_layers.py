@@ -4,9 +4,8 @@ Layers, bottom to top (README "Layout"): errors; kernels (numeric, semiring-agno
 semirings (the algebra); graph (forward-time annotations: module names, sites, recorded
 inputs); messages (the Message type, the rule table and the message math shared by rules and
 extensions); rules (per-op rules); transport (the backward driver and interception);
-extensions (module and function extensions); api; integrations built on it (explain, the
-training monitor); the
-package root. Imports inside functions
+extensions (module and function extensions); api; integrations built on it (distributed,
+explain, the training monitor); the package root. Imports inside functions
 are refused too: they are how cycles hide.
 """
 
@@ -28,6 +27,7 @@ LAYERS = [
     "transport",
     "extensions",
     "api",
+    "distributed",
     "explain",
     "monitor",
     "cli",

@@ -20,6 +20,7 @@ import torch
 from torch import Tensor
 from torch.autograd.graph import Node
 
+from ..errors import SemipackError
 from ..graph.provenance import MODULE_KEY
 from ..graph.sites import SITE_KEY, Site
 from ..semirings.base import Semiring, State
@@ -228,13 +229,21 @@ def _describe(record: TensorRecord, index: tuple[int, ...]) -> str:
 class LeafPaths:
     """The paths of one tensor after a TopPath or KBest pass (stored as
     ``tensor.semiring_paths``): per entry and rank (one rank for TopPath, k for KBest), the
-    log-value and the first node of that path in ``trace``."""
+    log-value and the first node of that path in ``trace``.
+
+    After ``semipack.distributed.all_reduce`` the values are those of the whole group's batch
+    and ``owners`` says which process (its rank in the group) recorded each slot's path: a
+    trace holds the graph of one process's batch, so only the owner can walk it, and asking
+    another process for that path raises, naming the owner.
+    """
 
     trace: PathTrace
     name: str
     log_values: Tensor  # [ranks, *leaf's shape]
     successors: Tensor  # [ranks, *leaf's shape], node ids in ``trace``
     shape: tuple[int, ...]
+    owners: Tensor | None = None  # [ranks, *leaf's shape], process ranks; None: all local
+    process: int = 0  # this process's rank in the group ``owners`` refers to
 
     def path(self, index: tuple[int, ...] | int | None = None, rank: int = 0) -> Path:
         """The ``rank``-th best path (0: the best) from entry ``index`` (default: the entry
@@ -264,6 +273,16 @@ class LeafPaths:
         path = Path(self.name, start, float(values[flat]), rank=rank)
         if path.log_value == -math.inf:  # no path: successor ids of "no path" states mean nothing
             return path
+        if self.owners is not None:
+            owner = int(self.owners[rank].reshape(-1)[flat])
+            if owner != self.process:
+                which = "best path" if rank == 0 else f"path of rank {rank}"
+                raise SemipackError(
+                    f"the {which} from {self.name}{list(start)} (value {path.value:.6g}) was "
+                    f"recorded by process {owner}, not by this one (process {self.process}): "
+                    "after semipack.distributed.all_reduce each path stays on the process whose "
+                    f"batch holds it. Read it on process {owner}."
+                )
         node = int(self.successors[rank].reshape(-1)[flat])
         guard = len(self.trace.records) + 1
         while node != NO_SUCCESSOR and guard > 0:

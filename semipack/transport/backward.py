@@ -29,6 +29,10 @@ from .hooks import ModuleHookNodes, hooks_need_regular_gradients
 from .passes import carry_pass, in_carry_pass, semiring_pass
 
 SEMIRING_GRAD = "semiring_grad"
+#: Where ``extend(..., keep_state=True)`` keeps a tensor's final semiring state (a tuple of
+#: same-shaped component tensors), for consumers that must combine states rather than readouts
+#: (``semipack.distributed``).
+SEMIRING_STATE = "semiring_state"
 
 #: Autograd node of ``torch.utils.checkpoint(..., use_reentrant=True)``: it re-runs the forward
 #: inside its backward and starts a nested backward through the recomputed graph.
@@ -157,10 +161,17 @@ def path_recording(
             h.remove()
 
 
-def store_results(t: Tensor, sr: Semiring, msg: Message, fallback_name: str) -> None:
-    """``t.semiring_grad`` (the readout) and, after a path-recording pass, ``t.semiring_paths``;
-    a pass with another semiring removes paths an earlier TopPath pass left."""
+def store_results(
+    t: Tensor, sr: Semiring, msg: Message, fallback_name: str, keep_state: bool = False
+) -> None:
+    """``t.semiring_grad`` (the readout), with ``keep_state`` ``t.semiring_state`` (the state
+    itself) and, after a path-recording pass, ``t.semiring_paths``; a pass without them removes
+    what an earlier pass left, so the three always describe the same pass."""
     setattr(t, SEMIRING_GRAD, sr.readout(msg.parts))
+    if keep_state:
+        setattr(t, SEMIRING_STATE, tuple(msg.parts))
+    elif hasattr(t, SEMIRING_STATE):
+        delattr(t, SEMIRING_STATE)
     if sr.trace is not None:
         t.semiring_paths = sr.trace.capture_leaf(t, msg, fallback_name)
     elif hasattr(t, "semiring_paths"):
@@ -197,18 +208,26 @@ class GradLedger:
     in place (``old += new``, the very operation PyTorch's accumulation runs, so the bits are
     the same). When the pass fails, every ``.grad`` is put back. A tensor with post-accumulate
     hooks keeps its gradient during the pass (the hooks must see the sum): it is restored only
-    if it had none.
+    if it had none. So does every tensor in ``in_place``: the parameters of a
+    ``DistributedDataParallel`` model, whose reducer reads the accumulated ``.grad`` (local
+    gradients accumulated under ``no_sync`` are averaged with the new ones) and may hold it as
+    a view of its own bucket, which the swap would overwrite.
     """
 
-    def __init__(self, tensors: Iterable[Tensor]) -> None:
+    def __init__(self, tensors: Iterable[Tensor], in_place: Iterable[Tensor] = ()) -> None:
         self.before: list[tuple[Tensor, Tensor | None, bool]] = []
         seen: set[int] = set()
+        kept = {id(t) for t in in_place}
         for t in tensors:
             if id(t) in seen:
                 continue
             seen.add(id(t))
             old = t.grad if t.is_leaf or t.retains_grad else None
-            swap = old is not None and not getattr(t, "_post_accumulate_grad_hooks", None)
+            swap = (
+                old is not None
+                and id(t) not in kept
+                and not getattr(t, "_post_accumulate_grad_hooks", None)
+            )
             self.before.append((t, old, swap))
             if swap:
                 t.grad = None
@@ -244,13 +263,17 @@ def backward(
     leaf_names: dict[int, str] | None = None,
     watched: Sequence[Tensor] = (),
     retained: RetainedTensors | None = None,
+    keep_state: bool = False,
+    accumulate_in_place: Sequence[Tensor] = (),
 ) -> list[Tensor]:
     """``torch.autograd.backward`` that also sets ``leaf.semiring_grad``; returns the leaves
     that received a message.
 
     ``watched`` are tensors (the model's parameters) whose messages are captured even when the
     graph walk cannot see them beforehand (a reentrant checkpoint recomputes its graph inside
-    the backward).
+    the backward). ``keep_state`` also stores each state as ``semiring_state``;
+    ``accumulate_in_place`` are tensors whose ``.grad`` the engine accumulates into directly
+    (``GradLedger``).
     """
     if create_graph:
         raise NotImplementedError("semipack does not support create_graph=True yet")
@@ -277,7 +300,7 @@ def backward(
         leaves += [p for p in watched if id(p) not in known]
     kept = retained.alive() if retained is not None else []
     with path_recording(sr, tensors, leaf_names) as sr:
-        ledger = GradLedger([*leaves, *kept]) if regular_grads else None
+        ledger = GradLedger([*leaves, *kept], accumulate_in_place) if regular_grads else None
         try:
             captured = _run_backward(
                 tensors, grad_tensors, sr, leaves, regular_grads, retain_graph, inputs, scan
@@ -290,12 +313,12 @@ def backward(
         if ledger is not None:
             ledger.commit()
         for i, (t, msg) in enumerate(retained_messages):
-            store_results(t, sr, msg, f"retained tensor {i}")
+            store_results(t, sr, msg, f"retained tensor {i}", keep_state)
         reached = []
         for i, leaf in enumerate(leaves):
             msg = captured.get(id(leaf))
             if msg is not None:
-                store_results(leaf, sr, msg, f"leaf {i}")
+                store_results(leaf, sr, msg, f"leaf {i}", keep_state)
                 reached.append(leaf)
     return reached
 

@@ -32,10 +32,14 @@ class SemiringMode(TorchFunctionMode):
         watched: Iterable[Tensor] = (),
         reroute: Mapping[Callable, Callable] | None = None,
         leaf_names: dict[int, str] | None = None,
+        keep_state: bool = False,
+        accumulate_in_place: Iterable[Tensor] = (),
     ) -> None:
         super().__init__()
         self.sr = sr
         self.regular_grads = regular_grads
+        self.keep_state = keep_state
+        self.accumulate_in_place = list(accumulate_in_place)
         self.watched = list(watched)
         self.reroute = dict(reroute or {})
         self.leaf_names = leaf_names
@@ -99,9 +103,13 @@ class SemiringMode(TorchFunctionMode):
             leaf_names=self.leaf_names,
             watched=self.watched,
             retained=self.retained,
+            keep_state=self.keep_state,
+            accumulate_in_place=self.accumulate_in_place,
         )
         # A watched parameter this backward did not reach must not keep a stale value.
         reached_ids = {id(t) for t in reached}
         for p in self.watched:
-            if id(p) not in reached_ids and hasattr(p, bw.SEMIRING_GRAD):
-                delattr(p, bw.SEMIRING_GRAD)
+            if id(p) not in reached_ids:
+                for name in (bw.SEMIRING_GRAD, bw.SEMIRING_STATE):
+                    if hasattr(p, name):
+                        delattr(p, name)

@@ -1,0 +1,368 @@
+"""Data-parallel runs: ``semipack.distributed.all_reduce`` over two gloo processes on the CPU.
+
+Two processes each run the backward on half of a batch; after ``all_reduce`` every process must
+hold what one process computes on the whole batch (the loss sums over examples, so the whole
+batch's paths are the union of the halves' paths). Under ``DistributedDataParallel`` the regular
+gradient must stay exactly plain DDP's averaged gradient.
+
+The two processes are started once (``two_process_report``) and run every check, each recording
+"ok" or its traceback, so one start-up (about two seconds of imports) serves them all; a check
+that fails still lets the processes reach the same collectives, and a group timeout turns a hang
+into a failure.
+"""
+
+from __future__ import annotations
+
+import copy
+import datetime
+import gc
+import json
+import math
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from helpers import MinProd
+from torch import Tensor, nn
+
+import semipack
+from semipack import distributed as sd
+from semipack.transport.backward import SEMIRING_STATE
+
+pytestmark = pytest.mark.skipif(
+    not (dist.is_available() and dist.is_gloo_available()),
+    reason="torch.distributed with the gloo backend is not available",
+)
+
+WORLD = 2
+BATCH = 8  # the whole batch; each process takes BATCH // WORLD consecutive examples
+
+#: The semirings checked across processes, by the name a report uses.
+SEMIRINGS: dict[str, Callable[[], semipack.Semiring]] = {
+    "MaxProd": semipack.MaxProd,
+    "MaxProd(log)": lambda: semipack.MaxProd(log=True),
+    "LogSum": semipack.LogSum,
+    "LogCount": semipack.LogCount,
+    "Entropy": semipack.Entropy,
+    "TopPath": semipack.TopPath,
+    "KBest": lambda: semipack.KBest(3),
+    "Boolean": semipack.Boolean,
+    "SignedMaxProd": semipack.SignedMaxProd,
+    "Real": semipack.Real,
+    "MinProd (user, gather and fold)": MinProd,
+}
+
+
+def _data() -> tuple[nn.Module, Tensor, Tensor]:
+    """The same model and batch in every process (float64: values compared to 1e-12)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(5, 7), nn.Tanh(), nn.Linear(7, 4)).double()
+    x = torch.randn(BATCH, 5, dtype=torch.float64)
+    y = torch.randint(0, 4, (BATCH,))
+    return model, x, y
+
+
+def _half(t: Tensor, rank: int) -> Tensor:
+    n = BATCH // WORLD
+    return t[rank * n : (rank + 1) * n]
+
+
+def _loss(model: nn.Module, x: Tensor, y: Tensor) -> Tensor:
+    return F.cross_entropy(model(x), y, reduction="sum")
+
+
+def _reference(make: Callable[[], semipack.Semiring]) -> nn.Module:
+    """One process on the whole batch: the model after its semiring backward."""
+    model, x, y = _data()
+    with semipack.extend(model, make()):
+        _loss(model, x, y).backward()
+    return model
+
+
+def _assert_same_values(expected: Tensor, actual: Tensor, where: str) -> None:
+    if expected.dtype == torch.bool:
+        assert torch.equal(expected, actual), where
+        return
+    torch.testing.assert_close(actual, expected, rtol=1e-12, atol=1e-300, msg=where)
+
+
+def _readouts(p: Tensor) -> list[Tensor]:
+    """A readout as a list of tensors (SignedMaxProd's is a named tuple)."""
+    value = p.semiring_grad
+    return list(value) if isinstance(value, tuple) else [value]
+
+
+def _check_paths(ref: nn.Module, got: nn.Module, rank: int) -> None:
+    """For each parameter, path rank and process: that process's best recorded path is read
+    on it, matching the whole batch's path from the same entry (value, modules and the value
+    after each step); every other process raises, naming it. Sites name entries of each
+    process's own batch, so their descriptions are not compared."""
+    for (name, p), q in zip(got.named_parameters(), ref.parameters(), strict=True):
+        paths = p.semiring_paths
+        for r in range(paths.log_values.shape[0]):
+            values = paths.log_values[r].reshape(-1)
+            for owner in range(WORLD):
+                mine = (paths.owners[r].reshape(-1) == owner) & (values > -math.inf)
+                if not bool(mine.any()):
+                    continue
+                flat = int(torch.where(mine, values, -math.inf).argmax())
+                index = tuple(int(i) for i in torch.unravel_index(torch.tensor(flat), p.shape))
+                if owner != rank:
+                    with pytest.raises(semipack.SemipackError, match=f"by process {owner},"):
+                        paths.path(index, rank=r)
+                    continue
+                path, expected = paths.path(index, rank=r), q.semiring_paths.path(index, rank=r)
+                where = f"{name}{list(index)} rank {r}"
+                assert path.log_value == pytest.approx(expected.log_value, rel=1e-12), where
+                assert [s.module for s in path.steps] == [s.module for s in expected.steps], where
+                assert [s.log_value for s in path.steps] == pytest.approx(
+                    [s.log_value for s in expected.steps], rel=1e-12, abs=1e-12
+                ), where
+
+
+def check_semiring(name: str, rank: int, bucket_mb: float = sd.BUCKET_MB) -> None:
+    """Each process's half, reduced, equals one process on the whole batch."""
+    make = SEMIRINGS[name]
+    ref = _reference(make)
+    model, x, y = _data()
+    sr = make()
+    with semipack.extend(model, sr, keep_state=True):
+        _loss(model, _half(x, rank), _half(y, rank)).backward()
+    reduced = sd.all_reduce(model, sr, bucket_mb=bucket_mb)
+    assert [id(t) for t in reduced] == [id(p) for p in model.parameters()]
+    for (pname, p), q in zip(model.named_parameters(), ref.parameters(), strict=True):
+        for a, b in zip(_readouts(q), _readouts(p), strict=True):
+            _assert_same_values(a, b, f"{name} {pname}")
+        assert len(getattr(p, SEMIRING_STATE)) == len(sr.components)
+    if sr.records_paths:
+        _check_paths(ref, model, rank)
+
+
+def check_unreached_on_one_process(rank: int) -> None:
+    """A parameter only one process's examples reach counts as "no path" on the other: each
+    head below serves one half of the batch."""
+
+    def build() -> nn.ModuleDict:
+        torch.manual_seed(1)
+        return nn.ModuleDict(
+            {"body": nn.Linear(5, 6), "a": nn.Linear(6, 3), "b": nn.Linear(6, 3)}
+        ).double()
+
+    def loss(m: nn.ModuleDict, x: Tensor, first_half: bool) -> Tensor:
+        h = torch.tanh(m["body"](x))
+        return (m["a"] if first_half else m["b"])(h).pow(2).sum()
+
+    _, x, _ = _data()
+    ref = build()
+    with semipack.extend(ref, semipack.Entropy()):
+        (loss(ref, _half(x, 0), True) + loss(ref, _half(x, 1), False)).backward()
+    model = build()
+    with semipack.extend(model, semipack.Entropy(), keep_state=True):
+        loss(model, _half(x, rank), rank == 0).backward()
+    unused = "b" if rank == 0 else "a"
+    assert not hasattr(model[unused].weight, "semiring_grad")
+    sd.all_reduce(model, semipack.Entropy())
+    for (pname, p), q in zip(model.named_parameters(), ref.parameters(), strict=True):
+        _assert_same_values(q.semiring_grad, p.semiring_grad, pname)
+
+
+def check_ddp(name: str, rank: int, **ddp_options) -> None:
+    """Under DistributedDataParallel: ``.grad`` is plain DDP's averaged gradient, bitwise, and
+    the reduced semiring values are the whole batch's. A second step without zeroing the
+    gradients, part of it under ``no_sync``, must accumulate as plain DDP does."""
+    make = SEMIRINGS[name]
+    ref = _reference(make)
+    model, x, y = _data()
+    xs, ys = _half(x, rank), _half(y, rank)
+    plain = nn.parallel.DistributedDataParallel(copy.deepcopy(model), **ddp_options)
+    wrapped = nn.parallel.DistributedDataParallel(copy.deepcopy(model), **ddp_options)
+    sr = make()
+    _loss(plain, xs, ys).backward()
+    with semipack.extend(wrapped, sr, keep_state=True):
+        _loss(wrapped, xs, ys).backward()
+    for a, b in zip(plain.parameters(), wrapped.parameters(), strict=True):
+        assert torch.equal(a.grad, b.grad), "DDP's averaged gradient changed"
+    sd.all_reduce(wrapped, sr)
+    for (pname, p), q in zip(wrapped.named_parameters(), ref.parameters(), strict=True):
+        for a, b in zip(_readouts(q), _readouts(p), strict=True):
+            _assert_same_values(a, b, f"DDP {name} {pname}")
+    with plain.no_sync():
+        _loss(plain, xs, ys).backward()
+    _loss(plain, 2 * xs, ys).backward()
+    with semipack.extend(wrapped, sr, keep_state=True):
+        with wrapped.no_sync():
+            _loss(wrapped, xs, ys).backward()
+        _loss(wrapped, 2 * xs, ys).backward()
+    for a, b in zip(plain.parameters(), wrapped.parameters(), strict=True):
+        assert torch.equal(a.grad, b.grad), "accumulated DDP gradient changed"
+
+
+def check_errors(rank: int) -> None:
+    """Misuse raises the same error on every process instead of hanging a collective."""
+    model, x, y = _data()
+    with semipack.extend(model, semipack.MaxProd()):  # no keep_state
+        _loss(model, _half(x, rank), _half(y, rank)).backward()
+    with pytest.raises(semipack.SemipackError, match="keep_state=True"):
+        sd.all_reduce(model, semipack.MaxProd())
+    with semipack.extend(model, semipack.MaxProd(), keep_state=True):
+        _loss(model, _half(x, rank), _half(y, rank)).backward()
+    with pytest.raises(semipack.SemipackError, match="components"):
+        sd.all_reduce(model, semipack.Entropy())
+    params = list(model.parameters())
+    with pytest.raises(semipack.SemipackError, match=r"tensor counts per process: \[4, 3\]"):
+        sd.all_reduce(params if rank == 0 else params[:3], semipack.MaxProd())
+    sd.all_reduce(model, semipack.MaxProd())
+    assert isinstance(model[0].weight.semiring_state, sd.ReducedState)
+    with pytest.raises(semipack.SemipackError, match="already holds the reduced state"):
+        sd.all_reduce(model, semipack.MaxProd())
+
+
+def checks() -> dict[str, Callable[[int], None]]:
+    """Every check the processes run, by name."""
+    out: dict[str, Callable[[int], None]] = {
+        f"reduce {name}": (lambda rank, name=name: check_semiring(name, rank)) for name in SEMIRINGS
+    }
+    for name in ("Entropy", "TopPath", "KBest"):  # 100-byte buckets: one per parameter
+        out[f"reduce {name}, small buckets"] = lambda rank, name=name: check_semiring(
+            name, rank, bucket_mb=1e-4
+        )
+    out["parameter unreached on one process"] = check_unreached_on_one_process
+    out["DDP MaxProd"] = lambda rank: check_ddp("MaxProd", rank)
+    out["DDP Entropy, bucket views, unused-parameter search"] = lambda rank: check_ddp(
+        "Entropy", rank, gradient_as_bucket_view=True, find_unused_parameters=True
+    )
+    out["DDP TopPath, static graph"] = lambda rank: check_ddp("TopPath", rank, static_graph=True)
+    out["errors"] = check_errors
+    return out
+
+
+def _worker(rank: int, init_file: str, out_dir: str) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo",
+        init_method=f"file://{init_file}",
+        rank=rank,
+        world_size=WORLD,
+        timeout=datetime.timedelta(seconds=60),
+    )
+    report = {}
+    try:
+        for name, check in checks().items():
+            try:
+                check(rank)
+                report[name] = "ok"
+            except Exception:
+                report[name] = traceback.format_exc()
+    finally:
+        Path(out_dir, f"rank{rank}.json").write_text(json.dumps(report))
+        gc.collect()  # the checks' DDP reducers go before their process group does
+        dist.barrier()
+        dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def two_process_report(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[str]]:
+    """Run every check in two gloo processes; per check, each process's "ok" or traceback."""
+    out = tmp_path_factory.mktemp("distributed")
+    torch.multiprocessing.spawn(
+        _worker, args=(str(out / "init"), str(out)), nprocs=WORLD, join=True
+    )
+    reports = [json.loads((out / f"rank{r}.json").read_text()) for r in range(WORLD)]
+    return {name: [rep.get(name, "not run") for rep in reports] for name in checks()}
+
+
+def test_two_processes_match_one_process_on_the_whole_batch(
+    two_process_report: dict[str, list[str]],
+) -> None:
+    failed = {
+        f"{name} (process {r})": result
+        for name, results in two_process_report.items()
+        for r, result in enumerate(results)
+        if result != "ok"
+    }
+    assert not failed, "\n\n".join(f"{k}:\n{v}" for k, v in failed.items())
+
+
+# --- one process ---------------------------------------------------------------------------------
+def test_keep_state_stores_the_state_beside_the_readout() -> None:
+    model, x, y = _data()
+    sr = semipack.Entropy()
+    with semipack.extend(model, sr, keep_state=True):
+        _loss(model, x, y).backward()
+    for p in model.parameters():
+        state = p.semiring_state
+        assert len(state) == 2 and all(c.shape == p.shape for c in state)
+        torch.testing.assert_close(sr.readout(state), p.semiring_grad, rtol=0, atol=0)
+    with semipack.extend(model, sr):  # without keep_state a pass leaves no stale state
+        _loss(model, x, y).backward()
+    assert not any(hasattr(p, "semiring_state") for p in model.parameters())
+
+
+def test_state_follows_semiring_grad_when_a_pass_fails_or_misses_a_parameter() -> None:
+    model, x, y = _data()
+    with semipack.extend(model, semipack.MaxProd(), keep_state=True):
+        _loss(model, x, y).backward()
+    before = [(p.semiring_grad, p.semiring_state) for p in model.parameters()]
+
+    def fail(*_):
+        raise RuntimeError("boom")
+
+    with semipack.extend(model, semipack.MaxProd(), keep_state=True):
+        out = model(x)
+        out.register_hook(fail)
+        with pytest.raises(RuntimeError, match="boom"):
+            F.cross_entropy(out, y, reduction="sum").backward()
+    for p, (grad, state) in zip(model.parameters(), before, strict=True):
+        assert p.semiring_grad is grad and p.semiring_state is state
+    with semipack.extend(model, semipack.MaxProd(), keep_state=True):
+        model[2](torch.randn(2, 7, dtype=torch.float64)).sum().backward()
+    assert not hasattr(model[0].weight, "semiring_state")
+    assert not hasattr(model[0].weight, "semiring_grad")
+    assert hasattr(model[2].weight, "semiring_state")
+
+
+def test_all_reduce_needs_an_initialised_process_group() -> None:
+    if dist.is_initialized():
+        pytest.skip("a process group is already initialised in this process")
+    model, _, _ = _data()
+    with pytest.raises(semipack.SemipackError, match="init_process_group"):
+        sd.all_reduce(model, semipack.MaxProd())
+
+
+class _MaxProdAddingPaths(semipack.MaxProd):
+    """A subclass that changes the plus: the parent's MAX collective would be wrong for it."""
+
+    def plus(self, a, b):
+        return (torch.logaddexp(a[0], b[0]),)
+
+
+def test_each_semiring_gets_the_collective_of_its_plus() -> None:
+    expected = {
+        semipack.MaxProd(): sd._max,
+        semipack.TopPath(): sd._argmax,
+        semipack.LogSum(): sd._log_sum_exp,
+        semipack.LogCount(): sd._log_sum_exp,
+        semipack.Entropy(): sd._expectation,
+        semipack.Boolean(): sd._any,
+        semipack.SignedMaxProd(): sd._extremes,
+        semipack.Real(): sd._sum,
+        semipack.KBest(2): sd._gather_and_fold,
+        MinProd(): sd._gather_and_fold,
+        _MaxProdAddingPaths(): sd._gather_and_fold,
+    }
+    for sr, reducer in expected.items():
+        assert sd._reducer_for(sr) is reducer, sr
+
+
+def test_buckets_split_by_size_and_keep_dtypes_apart() -> None:
+    def state(n: int, dtype: torch.dtype = torch.float32) -> tuple[Tensor, ...]:
+        return (torch.zeros(n, dtype=dtype), torch.zeros(n, dtype=torch.int64))
+
+    states = [state(10), state(10), state(30), state(5, torch.float64), state(10)]
+    # 12 bytes per entry: 120, 120, 360, 60, 120 bytes against a limit of 250
+    assert sd._buckets(states, 250) == [[0, 1], [2], [4], [3]]
+    assert sd._buckets(states, 10**6) == [[0, 1, 2, 4], [3]]

@@ -42,7 +42,17 @@ from torch import Tensor, nn
 from .errors import SemipackError
 from .kernels.logspace import finite_or_zero
 from .messages.paths import LeafPaths, PathTrace
-from .semirings import Boolean, Entropy, LogSum, MaxProd, Real, Semiring, SignedMaxProd, TopPath
+from .semirings import (
+    Boolean,
+    Entropy,
+    LogSum,
+    MaxProd,
+    Product,
+    Real,
+    Semiring,
+    SignedMaxProd,
+    TopPath,
+)
 from .semirings.base import State
 from .semirings.top_path import NO_SUCCESSOR
 from .transport.backward import SEMIRING_GRAD, SEMIRING_STATE, require_semiring
@@ -394,6 +404,16 @@ def _gather_and_fold(sr: Semiring, flat: State, g: _Group) -> _Reduced:
     return _Reduced(sr.with_successors(result, local), owners)
 
 
+def _per_factor(sr: Semiring, flat: State, g: _Group) -> _Reduced:
+    """A ``Product``: each factor's slice of the bucket with that factor's own collective form
+    (its components are the factor's, side by side)."""
+    reduced = [
+        _reducer_for(factor)(factor, part, g).state
+        for factor, part in zip(sr.semirings, sr.split(flat), strict=True)
+    ]
+    return _Reduced(sr.join(reduced))
+
+
 #: The collective form of each built-in semiring's plus. A subclass keeps its parent's form only
 #: while it keeps the parent's ``plus`` and components (``_reducer_for``).
 _REDUCERS: dict[type[Semiring], Reducer] = {
@@ -411,6 +431,8 @@ def _reducer_for(sr: Semiring) -> Reducer:
     """The collective form of ``sr``'s plus: that of the nearest registered class it derives
     from, if it has that class's ``plus`` and components; else gather-and-fold."""
     cls = type(sr)
+    if cls is Product:
+        return _per_factor
     for base in cls.__mro__:
         reducer = _REDUCERS.get(base)
         if reducer is None:

@@ -36,9 +36,12 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import Tensor, nn
+from torch.nn.parallel import DistributedDataParallel
 
 from .api import extend
+from .distributed import all_reduce
 from .errors import SemipackError
 from .explain.branches import Branches, branches
 from .semirings import Entropy, LogSum, MaxProd, Product
@@ -76,6 +79,12 @@ class Monitor:
 
     ``splits`` names modules whose input is split by use (``semipack.branches``) to record
     the share of the flow through each use; the forward must then run inside ``step``.
+    Under data parallelism (``distributed``, by default on when ``model`` is or holds a
+    ``DistributedDataParallel`` of several processes) every sampled step combines the
+    processes' values with ``semipack.distributed.all_reduce`` before summarising, so every process records the
+    whole batch's summaries (pass the ``DistributedDataParallel`` wrapper as ``model``, and
+    sum the loss over examples for the values to be the whole batch's); ``splits`` stay
+    per process.
     ``entropy=False`` leaves out the Entropy factor, the most expensive of the three.
     """
 
@@ -87,6 +96,7 @@ class Monitor:
         splits: dict[str, nn.Module] | None = None,
         entropy: bool = True,
         tensorboard: bool = True,
+        distributed: bool | None = None,
     ) -> None:
         if isinstance(every, bool) or not isinstance(every, int) or every < 1:
             raise ValueError(f"Monitor(every=...) needs a positive integer, got {every!r}")
@@ -94,6 +104,7 @@ class Monitor:
         self.splits = dict(splits or {})
         factors = [MaxProd(log=True), LogSum()] + ([Entropy()] if entropy else [])
         self.semiring = Product(*factors)
+        self.distributed = distributed
         self.layers = _layers(model)
         self.records: list[Record] = []
         self._best: dict[str, int] = {}
@@ -121,13 +132,26 @@ class Monitor:
         if not self.sampled(step):
             yield False
             return
+        combine = self._combines_processes()
         with ExitStack() as stack:
-            stack.enter_context(extend(self.model, self.semiring))
+            stack.enter_context(extend(self.model, self.semiring, keep_state=combine))
             splits = {
                 name: stack.enter_context(branches(module)) for name, module in self.splits.items()
             }
             yield True
+        if combine:  # every process: the whole batch's values (each layer's plus over them)
+            all_reduce(list(self.layers.values()), self.semiring)
         self._record(step, splits)
+
+    def _combines_processes(self) -> bool:
+        """Whether sampled steps combine every process's values (``distributed``; by default
+        when the model is, or holds, a ``DistributedDataParallel`` of several processes: a
+        model each process runs on its own data is left alone)."""
+        if self.distributed is not None:
+            return self.distributed
+        if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
+            return False
+        return any(isinstance(m, DistributedDataParallel) for m in self.model.modules())
 
     def _record(self, step: int, splits: dict[str, Branches]) -> None:
         rows: list[Record] = []

@@ -54,6 +54,9 @@ SEMIRINGS: dict[str, Callable[[], semipack.Semiring]] = {
     "SignedMaxProd": semipack.SignedMaxProd,
     "Real": semipack.Real,
     "MinProd (user, gather and fold)": MinProd,
+    "Product(MaxProd, Entropy, LogSum)": lambda: semipack.Product(
+        semipack.MaxProd(), semipack.Entropy(), semipack.LogSum()
+    ),
 }
 
 
@@ -221,6 +224,31 @@ def check_errors(rank: int) -> None:
         sd.all_reduce(model, semipack.MaxProd())
 
 
+def check_monitor(rank: int) -> None:
+    """The monitor under DDP records, on every process, what one process records for the
+    whole batch (its summaries read the reduced values), and trains exactly as plain DDP."""
+    model, x, y = _data()
+    alone = semipack.Monitor(copy.deepcopy(model), every=1, tensorboard=False)
+    assert not alone._combines_processes()  # no DDP inside: each process's own values
+    with alone.step(0):
+        _loss(alone.model, x, y).backward()
+    wrapped = nn.parallel.DistributedDataParallel(copy.deepcopy(model))
+    plain = nn.parallel.DistributedDataParallel(copy.deepcopy(model))
+    monitor = semipack.Monitor(wrapped, every=1, tensorboard=False)
+    with monitor.step(0):
+        _loss(wrapped, _half(x, rank), _half(y, rank)).backward()
+    assert monitor._combines_processes()
+    assert isinstance(wrapped.module[0].weight.semiring_state, sd.ReducedState)
+    _loss(plain, _half(x, rank), _half(y, rank)).backward()
+    for a, b in zip(plain.parameters(), wrapped.parameters(), strict=True):
+        assert torch.equal(a.grad, b.grad), "DDP's averaged gradient changed"
+    want = {(r.layer, r.quantity): r.value for r in alone.records}
+    got = {(r.layer.removeprefix("module."), r.quantity): r.value for r in monitor.records}
+    assert got.keys() == want.keys()
+    for key, value in want.items():
+        assert got[key] == pytest.approx(value, rel=1e-9, nan_ok=True), key
+
+
 def checks() -> dict[str, Callable[[int], None]]:
     """Every check the processes run, by name."""
     out: dict[str, Callable[[int], None]] = {
@@ -236,6 +264,7 @@ def checks() -> dict[str, Callable[[int], None]]:
         "Entropy", rank, gradient_as_bucket_view=True, find_unused_parameters=True
     )
     out["DDP TopPath, static graph"] = lambda rank: check_ddp("TopPath", rank, static_graph=True)
+    out["monitor under DDP"] = check_monitor
     out["errors"] = check_errors
     return out
 
@@ -351,6 +380,7 @@ def test_each_semiring_gets_the_collective_of_its_plus() -> None:
         semipack.SignedMaxProd(): sd._extremes,
         semipack.Real(): sd._sum,
         semipack.KBest(2): sd._gather_and_fold,
+        semipack.Product(semipack.MaxProd(), semipack.Entropy()): sd._per_factor,
         MinProd(): sd._gather_and_fold,
         _MaxProdAddingPaths(): sd._gather_and_fold,
     }

@@ -81,10 +81,10 @@ class Monitor:
     the share of the flow through each use; the forward must then run inside ``step``.
     Under data parallelism (``distributed``, by default on when ``model`` is or holds a
     ``DistributedDataParallel`` of several processes) every sampled step combines the
-    processes' values with ``semipack.distributed.all_reduce`` before summarising, so every process records the
-    whole batch's summaries (pass the ``DistributedDataParallel`` wrapper as ``model``, and
-    sum the loss over examples for the values to be the whole batch's); ``splits`` stay
-    per process.
+    processes' values with ``semipack.distributed.all_reduce`` before summarising, so every
+    process records the whole batch's summaries (pass the ``DistributedDataParallel``
+    wrapper as ``model``, and sum the loss over examples for the values to be the whole
+    batch's); ``splits`` stay per process.
     ``entropy=False`` leaves out the Entropy factor, the most expensive of the three.
     """
 

@@ -9,7 +9,7 @@ p.grad, p.semiring_grad
 from . import rules  # noqa: F401  (registers the built-in op rules)
 from .api import extend, grad
 from .errors import MessageLostError, SemipackError, UnsupportedOpError
-from .explain import Branches, branches
+from .explain import Branches, TokenTypeTable, branches
 from .messages import Message, OpCall, register_rule, registered_ops, scoped_rules
 from .semirings import (
     Boolean,
@@ -45,6 +45,7 @@ __all__ = [
     "Semiring",
     "SignedLog",
     "SignedMaxProd",
+    "TokenTypeTable",
     "TopPath",
     "UnsupportedOpError",
     "branches",

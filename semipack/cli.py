@@ -26,7 +26,7 @@ from tqdm import tqdm
 
 from .api import extend
 from .errors import SemipackError
-from .explain import Branches, branches
+from .explain import Branches, attention_branch, branches
 from .semirings import Entropy, LogSum, MaxProd, Semiring
 
 SEMIRINGS: dict[str, type[Semiring]] = {"MaxProd": MaxProd, "LogSum": LogSum, "Entropy": Entropy}
@@ -67,14 +67,6 @@ def _attention_blocks(model: nn.Module) -> list[nn.Module]:
             f"{type(model).__name__} has no such layers"
         )
     return [layer.attention for layer in layers]
-
-
-def _short(name: str) -> str:
-    """query / key / value for the projections, residual for the attention block's own add."""
-    for branch in BRANCH_NAMES[:3]:
-        if name.endswith(f".{branch}"):
-            return branch
-    return "residual"
 
 
 def _per_head(context: Branches, block: nn.Module) -> Tensor:
@@ -129,7 +121,11 @@ def run(
             stack.close()
             _target(output, encoded["attention_mask"], target, masked).backward()
         results[name] = [
-            {_short(k): v[0].detach() for k, v in split.aggregate(-1).items() if v is not None}
+            {
+                attention_branch(k): v[0].detach()
+                for k, v in split.aggregate(-1).items()
+                if v is not None
+            }
             | {"all": split.total(-1)[0].detach(), "heads": _per_head(context, block)}
             for split, context, block in zip(splits, contexts, blocks, strict=True)
         ]

@@ -129,8 +129,8 @@ class TokenTypeTable:
         if not split.messages:
             raise ValueError("the split has no branch values: run the backward first")
         rename = short or (lambda name: name)
-        sr = next(iter(split.messages.values())).semiring
         first = next(iter(split.messages.values()))
+        sr = first.semiring
         joined: dict[str, Any] = {}
         for name in split.names:
             key = rename(name)

@@ -9,7 +9,7 @@ p.grad, p.semiring_grad
 from . import distributed, rules  # noqa: F401  (rules registers the built-in op rules)
 from .api import extend, grad
 from .errors import MessageLostError, SemipackError, UnsupportedOpError
-from .explain import Branches, LayerFlow, branches, explain_layers
+from .explain import Branches, LayerFlow, TokenTypeTable, branches, explain_layers
 from .messages import Message, OpCall, register_rule, registered_ops, scoped_rules
 from .monitor import Monitor
 from .semirings import (
@@ -50,6 +50,7 @@ __all__ = [
     "Semiring",
     "SignedLog",
     "SignedMaxProd",
+    "TokenTypeTable",
     "TopPath",
     "UnsupportedOpError",
     "branches",

@@ -1,5 +1,5 @@
 """Explaining a model with semiring values: readouts built on the backward (branch splits,
-layer-by-layer flow, paths across layers)."""
+their values pooled by token type, layer-by-layer flow, paths across layers)."""
 
 from .branches import Branches, branches
 from .layers import (
@@ -13,6 +13,7 @@ from .layers import (
     plot_routes,
     write_csv,
 )
+from .token_types import TokenTypeTable, attention_branch
 
 __all__ = [
     "AttentionLayer",
@@ -20,6 +21,8 @@ __all__ = [
     "LayerFlow",
     "LayerHop",
     "LayerRoute",
+    "TokenTypeTable",
+    "attention_branch",
     "attention_layers",
     "branches",
     "explain_layers",

@@ -32,13 +32,8 @@ from ..errors import SemipackError
 from ..messages.paths import Path
 from ..semirings.base import Semiring
 from .branches import Branches, branches
+from .token_types import attention_branch
 
-#: The end of a consumer's module name (relative to the attention block) -> its branch name.
-BRANCH_ALIASES = {
-    "self.query": "query", "self.key": "key", "self.value": "value", "output": "residual",
-    "q_proj": "query", "k_proj": "key", "v_proj": "value",
-    "q": "query", "k": "key", "v": "value",
-}  # fmt: skip
 BRANCH_ORDER = ("query", "key", "value", "residual")
 
 
@@ -93,10 +88,14 @@ def attention_layers(model: nn.Module) -> list[AttentionLayer]:
 
 
 def branch_name(consumer: str, layer: str) -> str:
-    """Short name of a consumer of an attention layer's input: query, key, value or residual
-    for the known projections, else its module name relative to the layer."""
+    """Short name of a consumer of an attention layer's input: query, key or value for the
+    projections (``attention_branch``), residual for BERT's attention output (where the
+    residual add is), else its module name relative to the layer."""
+    short = attention_branch(consumer)
+    if short != "residual":
+        return short
     relative = consumer[len(layer) + 1 :] if consumer.startswith(layer + ".") else consumer
-    return BRANCH_ALIASES.get(relative, relative)
+    return "residual" if relative == "output" else relative
 
 
 @dataclass

@@ -1,0 +1,196 @@
+"""``TokenTypeTable``: branch values pooled by token type, checked against numbers worked out by
+hand and, on a tiny BERT, against per-token loops over ``split.values`` (a different route from
+the table's: readouts of the unsummed branches, then a max or log-sum-exp by hand, one token at a
+time)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from helpers import tiny_bert_config
+from torch import Tensor, nn
+
+import semipack
+from semipack.explain import TokenTypeTable, attention_branch
+
+F64 = torch.float64
+pytestmark = pytest.mark.usefixtures("single_thread")
+NAMES = ("first", "repeated", "other")
+
+
+def test_a_small_table_worked_out_by_hand() -> None:
+    values = {
+        "a": torch.tensor([[1.0, 3.0], [2.0, 0.0]]),
+        "b": torch.tensor([[2.0, 1.0], [2.0, 5.0]]),
+    }
+    types = torch.tensor([[0, 1], [1, -1]])  # the last token is left out
+    table = TokenTypeTable.from_values(values, types, NAMES)
+    assert table.type_names == NAMES and table.branch_names == ("a", "b")
+    assert table.counts.tolist() == [1, 2, 0]
+    # type 0: the token (a=1, b=2); type 1: (3, 1) and the tie (2, 2), split half and half
+    torch.testing.assert_close(table.mean[:2], torch.tensor([[1.0, 2.0], [2.5, 1.5]], dtype=F64))
+    torch.testing.assert_close(table.share[:2], torch.tensor([[0.0, 1.0], [0.75, 0.25]], dtype=F64))
+    assert table.mean[2].isnan().all() and table.share[2].isnan().all()  # a type with no token
+
+
+def test_pooling_tables_is_the_table_of_all_their_tokens() -> None:
+    gen = torch.Generator().manual_seed(0)
+    values = {b: torch.rand(7, 5, generator=gen) for b in ("q", "k", "v")}
+    types = torch.randint(0, 3, (7, 5), generator=gen)
+    types[:3] = torch.where(types[:3] == 2, 0, types[:3])  # the first part has no type 2
+    whole = TokenTypeTable.from_values(values, types, NAMES)
+    parts = [
+        TokenTypeTable.from_values({b: v[rows] for b, v in values.items()}, types[rows], NAMES)
+        for rows in (slice(0, 3), slice(3, 7))
+    ]
+    pooled = TokenTypeTable.pool(parts)
+    assert parts[0].counts[2] == 0 and pooled.counts.tolist() == whole.counts.tolist()
+    torch.testing.assert_close(pooled.mean, whole.mean)
+    torch.testing.assert_close(pooled.share, whole.share)
+
+
+def _bert_split(semiring: semipack.Semiring) -> tuple[semipack.Branches, Tensor]:
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    model = transformers.BertModel._from_config(tiny_bert_config(), attn_implementation="eager")
+    model = model.double().eval()
+    ids = torch.tensor([[3, 5, 3, 2, 7], [4, 1, 6, 4, 9], [8, 2, 5, 6, 1]])
+    with semipack.extend(model, semiring):
+        with semipack.branches(model.encoder.layer[0].attention) as split:
+            out = model(input_ids=ids).last_hidden_state
+        out[:, 0].sum().backward()
+    return split, ids
+
+
+def _types(ids: Tensor) -> Tensor:
+    types = torch.where(ids == ids[:, :1], 1, 2)
+    types[:, 0] = 0
+    return types
+
+
+def test_a_bert_table_equals_per_token_loops_over_the_branch_values() -> None:
+    split, ids = _bert_split(semipack.MaxProd())
+    types = _types(ids)
+    table = TokenTypeTable.from_branches(split, types, NAMES, short=attention_branch)
+    assert table.branch_names == ("query", "key", "value", "residual")
+    short = {attention_branch(name): name for name in split.names}
+    for t, type_name in enumerate(NAMES):
+        tokens = [(e, i) for e in range(ids.shape[0]) for i in range(ids.shape[1])]
+        tokens = [(e, i) for e, i in tokens if types[e, i] == t]
+        best = {branch: [] for branch in table.branch_names}
+        for e, i in tokens:
+            per_branch = {b: float(split.values[short[b]][e, i].max()) for b in best}
+            top = max(per_branch.values())
+            winners = [b for b, v in per_branch.items() if v == top]
+            for b in best:
+                best[b].append((per_branch[b], 1 / len(winners) if b in winners else 0.0))
+        assert int(table.counts[t]) == len(tokens), type_name
+        for j, b in enumerate(table.branch_names):
+            mean = sum(v for v, _ in best[b]) / len(tokens)
+            share = sum(s for _, s in best[b]) / len(tokens)
+            assert math.isclose(float(table.mean[t, j]), mean, rel_tol=1e-12), (type_name, b)
+            assert math.isclose(float(table.share[t, j]), share, rel_tol=1e-12), (type_name, b)
+    # the root reads position 0 only; a later token's query and residual feed only its own
+    # position, so they carry no path
+    assert (table.mean[1:, [0, 3]] == 0).all()
+
+
+def test_branches_that_share_a_short_name_are_joined_by_the_semirings_plus() -> None:
+    """LogSum: the union of the query, key and value paths over a token's units is the
+    log-sum-exp over branches and units of the per-unit values."""
+    split, ids = _bert_split(semipack.LogSum())
+
+    def joined(name: str) -> str:
+        return "residual" if attention_branch(name) == "residual" else "attention"
+
+    table = TokenTypeTable.from_branches(split, _types(ids), NAMES, short=joined)
+    assert table.branch_names == ("attention", "residual")
+    projections = [v for k, v in split.values.items() if not k.endswith("output")]
+    union = torch.stack(projections).logsumexp(0).logsumexp(-1)  # [examples, tokens]
+    residual = split.values["encoder.layer.0.attention.output"].logsumexp(-1)
+    by_hand = TokenTypeTable.from_values(
+        {"attention": union, "residual": residual}, _types(ids), NAMES
+    )
+    torch.testing.assert_close(table.mean, by_hand.mean, equal_nan=True)
+    torch.testing.assert_close(table.share, by_hand.share, equal_nan=True)
+
+
+class _TwoUses(nn.Module):
+    """Two consumers of h, of which the loss below reads only the first."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(3, 3), nn.Linear(3, 3)
+
+    def forward(self, h: Tensor) -> tuple[Tensor, Tensor]:
+        return self.a(h), self.b(h)
+
+
+def test_a_branch_no_path_reached_holds_no_path() -> None:
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(2, 3), _TwoUses()).double()
+    x = torch.randn(2, 4, 2, dtype=F64)
+    with semipack.extend(net, semipack.MaxProd()):
+        with semipack.branches(net[1]) as split:
+            used, _ = net(x)
+        used.sum().backward()
+    assert split.names == ["1.a", "1.b"] and list(split.messages) == ["1.a"]
+    table = TokenTypeTable.from_branches(split, torch.zeros(2, 4, dtype=torch.long), ["all"])
+    assert table.mean[0, 1] == 0 and table.mean[0, 0] > 0
+    assert table.share[0].tolist() == [1.0, 0.0]
+
+
+def test_mistakes_are_named() -> None:
+    good = {"a": torch.ones(2, 3)}
+    types = torch.zeros(2, 3, dtype=torch.long)
+    with pytest.raises(ValueError, match=r"branch 'a' has values of shape \(3, 2\)"):
+        TokenTypeTable.from_values({"a": torch.ones(3, 2)}, types, NAMES)
+    with pytest.raises(TypeError, match="integer labels"):
+        TokenTypeTable.from_values(good, types.float(), NAMES)
+    with pytest.raises(ValueError, match="label 3 has no name"):
+        TokenTypeTable.from_values(good, types + 3, NAMES)
+    with pytest.raises(ValueError, match="at least one branch"):
+        TokenTypeTable.from_values({}, types, NAMES)
+    with pytest.raises(ValueError, match="run the backward first"):
+        TokenTypeTable.from_branches(semipack.Branches(), types, NAMES)
+    with pytest.raises(ValueError, match="different token types or branches"):
+        TokenTypeTable.pool(
+            [
+                TokenTypeTable.from_values(good, types, NAMES),
+                TokenTypeTable.from_values({"b": torch.ones(2, 3)}, types, NAMES),
+            ]
+        )
+    with pytest.raises(ValueError, match="at least one table"):
+        TokenTypeTable.pool([])
+    # KBest reads k values per token: not one number per token
+    split, ids = _bert_split(semipack.KBest(2))
+    with pytest.raises(ValueError, match=r"has values of shape \(3, 5, 2\)"):
+        TokenTypeTable.from_branches(split, _types(ids), NAMES)
+    split, ids = _bert_split(semipack.SignedMaxProd())
+    with pytest.raises(ValueError, match="not one number per token"):
+        TokenTypeTable.from_branches(split, _types(ids), NAMES)
+
+
+def test_text_markdown_and_bar_chart(tmp_path) -> None:
+    pytest.importorskip("matplotlib")
+    values = {"query": torch.tensor([[0.2, 0.0]]), "key": torch.tensor([[0.1, 0.3]])}
+    table = TokenTypeTable.from_values(values, torch.tensor([[0, 1]]), NAMES[:2])
+    text = str(table)
+    assert "query" in text and "repeated" in text and "100.0%" in text
+    reference = {"first": {"query": 0.17}, "repeated": {"key": 0.27}}
+    markdown = table.to_markdown(reference)
+    assert markdown.splitlines()[0] == "| token type | tokens | query | key |"
+    assert "| first | 1 | 0.200 (100%), paper 0.17 | 0.100 (0%) |" in markdown
+    path = tmp_path / "bars.png"
+    fig = table.bar_chart(path, reference=reference, title="t")
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and path.stat().st_size > 1000
+    drawn = [(b.get_x() + b.get_width() / 2, b.get_height()) for b in fig.axes[0].patches]
+    assert [round(h, 6) for _, h in drawn] == [0.2, 0.0, 0.1, 0.3]  # query bars, then key
+    marks = [line.get_ydata()[0] for line in fig.axes[0].lines]
+    assert sorted(marks) == [0.17, 0.27]
+    from matplotlib.figure import Figure
+
+    ax = Figure().subplots()
+    assert table.bar_chart(ax=ax) is ax.figure and len(ax.patches) == 4

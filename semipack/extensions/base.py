@@ -33,6 +33,7 @@ from ..graph.provenance import current_module
 from ..graph.sites import Site, stamp
 from ..messages.message import Message
 from ..semirings.base import Semiring, State
+from ..semirings.lift_cache import detached_parameter
 from ..semirings.product import Product
 from ..transport.passes import graph_retained
 
@@ -148,7 +149,7 @@ class InnerGraph:
 
     def values(self) -> list[Tensor | None]:
         """The inputs, detached, for the semiring computation."""
-        return [None if t is None else t.detach() for t in self.inputs]
+        return [None if t is None else detached_parameter(t) for t in self.originals]
 
     def check_unmodified(self, positions: Iterable[int]) -> None:
         """Raise PyTorch's error if an input the messages read was modified in place since
@@ -398,6 +399,22 @@ def split_message(grad: Tensor | None) -> tuple[Tensor | None, State | None, Sem
     return grad, None, None
 
 
+class ZeroOutsideRows(tuple):
+    """A state (tuple of component tensors) whose rows along dim 0 outside ``rows`` (sorted
+    indices) are all the semiring zero: ``messages`` returns one to let the readout skip them
+    (``Message.rows_reached``)."""
+
+    rows: Tensor
+
+    def __new__(cls, parts: State, rows: Tensor) -> ZeroOutsideRows:
+        state = super().__new__(cls, parts)
+        state.rows = rows
+        return state
+
+
 def as_message(regular: Tensor | None, parts: State | None, sr: Semiring, like: Tensor) -> Message:
     """Wrap a computed state (and regular gradient) for the engine, shaped like ``like``."""
-    return Message(regular, parts, sr, like.dtype)
+    message = Message(regular, parts, sr, like.dtype)
+    if isinstance(parts, ZeroOutsideRows):
+        message.rows_reached = parts.rows
+    return message

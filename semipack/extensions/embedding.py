@@ -2,11 +2,19 @@
 
 from __future__ import annotations
 
+import torch
 import torch.nn.functional as F
 from torch import Tensor
 
 from ..semirings.base import Semiring, State, scatter_into_zeros
-from .base import BackwardCall, ExtensionFunction, Sites, extends, wants_graph
+from .base import (
+    BackwardCall,
+    ExtensionFunction,
+    Sites,
+    ZeroOutsideRows,
+    extends,
+    wants_graph,
+)
 
 
 def embedding_messages(
@@ -22,7 +30,8 @@ def embedding_messages(
     if padding_idx is not None and padding_idx >= 0:
         keep = flat_ids != padding_idx
         flat_ids, src = flat_ids[keep], tuple(p[keep] for p in src)
-    return scatter_into_zeros(sr, (num_weights, dim), 0, flat_ids, src, m[0].dtype)
+    state = scatter_into_zeros(sr, (num_weights, dim), 0, flat_ids, src, m[0].dtype)
+    return ZeroOutsideRows(state, torch.unique(flat_ids))
 
 
 class EmbeddingFunction(ExtensionFunction):

@@ -39,6 +39,11 @@ class Message(torch.Tensor):
     regular_grad: Tensor | None
     parts: State
     semiring: Semiring
+    #: Sorted indices along dim 0 outside which every entry is the semiring zero, or None
+    #: (anywhere). The embedding extension sets it for its table: the readout then skips the
+    #: rows no lookup reached (tens of thousands for a vocabulary, one sentence reaches ~20).
+    #: Only an extension's output carries it; an in-place op on the message drops it.
+    rows_reached: Tensor | None = None
 
     @staticmethod
     def __new__(
@@ -149,6 +154,8 @@ def dispatch(func: OpOverload, args: tuple, kwargs: dict) -> Any:
     if rule is None:
         raise unsupported(func)
     first = _first_message(args, kwargs)
+    if func._schema.is_mutable and isinstance(first, Message):
+        first.rows_reached = None  # written in place: the hint no longer holds
     if first is not None and isinstance(first.semiring, Product):
         return dispatch_product(rule, func, args, kwargs, first.semiring)
     return rule(OpCall(func, args, kwargs))

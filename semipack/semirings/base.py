@@ -29,6 +29,7 @@ from torch import Tensor
 from ..kernels.blocking import BLOCK_ELEMENTS
 from ..kernels.normalization import CentredPairsKernel
 from ..kernels.shared_shift import ConvolutionSums
+from .lift_cache import cached_lift
 
 State = tuple[Tensor, ...]
 
@@ -146,6 +147,9 @@ class Semiring:
     #: The path trace of the pass a pass-bound copy belongs to; ``None`` on the user's instance,
     #: which the backward never modifies (one instance serves many passes and threads).
     trace: Any = None
+    #: Whether ``lift`` of a parameter is kept across passes (``lift_cache``); False where
+    #: lifting costs nothing (Real's lift is the weight itself).
+    caches_lifted_parameters: ClassVar[bool] = True
 
     def path_slots(self, a: State) -> tuple[Tensor, Tensor]:
         """Path-recording semirings: the log-values and successor ids of the ``ranks`` paths
@@ -180,6 +184,9 @@ class Semiring:
         else:
             use_generic(cls, defined & set(DERIVED_OPERATIONS))
         _make_total(cls)
+        lift = cls.__dict__.get("lift")
+        if lift is not None and cls.caches_lifted_parameters and not hasattr(lift, "_cached"):
+            cls.lift = cached_lift(lift)
 
     @property
     def name(self) -> str:
@@ -211,6 +218,19 @@ class Semiring:
     def readout(self, a: State) -> Any:
         """What users see: a tensor (or named tuple of tensors) of the state's shape."""
         return a[0]
+
+    def readout_rows(self, a: State, rows: Tensor) -> Any:
+        """``readout(a)`` when every row of ``a`` (along dim 0) outside ``rows`` is the zero:
+        those rows get the readout of the zero without evaluating it entry by entry (the
+        exponential of a 30k x 384 embedding table costs more than a small model's backward).
+        """
+        shape = a[0].shape
+        zero_row = self.readout(self.zeros((1, *shape[1:]), _state_grad_dtype(a), a[0].device))
+        if not isinstance(zero_row, Tensor):  # a named tuple (Product, paths): read it all
+            return self.readout(a)
+        out = zero_row.expand(shape[0], *zero_row.shape[1:]).clone()  # KBest adds a k axis
+        out[rows] = self.readout(tuple(p[rows] for p in a))
+        return out
 
     # --- dtypes and constants -----------------------------------------------------------------
     def state_dtype(self, grad_dtype: torch.dtype) -> torch.dtype:

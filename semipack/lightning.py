@@ -1,0 +1,82 @@
+"""``MonitorCallback``: ``semipack.Monitor`` inside a PyTorch Lightning ``Trainer``.
+
+Lightning owns the training loop, so the monitor's per-step context is opened when a training
+batch starts (before its forward) and closed once its backward is done: at
+``on_before_optimizer_step`` (the optimizer then steps on the exact gradient, as in the plain
+loop), or at the batch's end for a batch that does not step (gradient accumulation). One
+monitor step is one training batch; the monitor's records use Lightning's ``global_step``.
+
+Needs ``pytorch_lightning`` (or the ``lightning`` package); ``import semipack`` does not import
+this module.
+"""
+
+from __future__ import annotations
+
+from contextlib import AbstractContextManager
+from pathlib import Path
+from typing import Any
+
+try:  # the standalone package first, then the unified one
+    from pytorch_lightning import Callback, LightningModule, Trainer
+except ImportError:  # pragma: no cover - depends on what is installed
+    from lightning.pytorch import Callback, LightningModule, Trainer
+
+from .monitor import Monitor
+
+__all__ = ["MonitorCallback"]
+
+
+class MonitorCallback(Callback):
+    """Record ``semipack.Monitor`` summaries of the LightningModule every ``every`` batches.
+
+    ``log_dir`` defaults to ``<trainer.log_dir or default_root_dir>/semipack``; the other
+    arguments are ``Monitor``'s. After fitting, ``callback.monitor`` holds the records
+    (``monitor.plot()`` draws them). Use::
+
+        trainer = pl.Trainer(callbacks=[semipack.lightning.MonitorCallback(every=10)])
+        trainer.fit(module, loader)
+    """
+
+    def __init__(self, every: int = 10, log_dir: str | Path | None = None, **monitor: Any) -> None:
+        super().__init__()
+        self.every, self.log_dir, self.options = every, log_dir, monitor
+        self.monitor: Monitor | None = None
+        self._open: AbstractContextManager[bool] | None = None
+
+    def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        if self.monitor is None:
+            log_dir = self.log_dir
+            if log_dir is None:
+                log_dir = Path(trainer.log_dir or trainer.default_root_dir) / "semipack"
+            self.monitor = Monitor(pl_module, every=self.every, log_dir=log_dir, **self.options)
+
+    def on_train_batch_start(
+        self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int
+    ) -> None:
+        assert self.monitor is not None, "setup() runs before the first batch"
+        self._open = self.monitor.step(trainer.global_step)
+        self._open.__enter__()
+
+    def on_before_optimizer_step(self, trainer: Trainer, pl_module: LightningModule, optimizer):
+        self._close()
+
+    def on_train_batch_end(
+        self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx
+    ) -> None:
+        self._close()
+
+    def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception) -> None:
+        if self._open is not None:  # leave the model un-extended, without recording
+            self._open.__exit__(type(exception), exception, exception.__traceback__)
+            self._open = None
+
+    def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        self._close()
+        if self.monitor is not None:
+            self.monitor.close()
+
+    def _close(self) -> None:
+        """Leave the open step (recording a sampled one); nothing when none is open."""
+        if self._open is not None:
+            context, self._open = self._open, None
+            context.__exit__(None, None, None)

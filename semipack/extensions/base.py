@@ -33,7 +33,6 @@ from ..graph.provenance import current_module
 from ..graph.sites import Site, stamp
 from ..messages.message import Message
 from ..semirings.base import Semiring, State
-from ..semirings.lift_cache import detached_parameter
 from ..semirings.product import Product
 from ..transport.passes import graph_retained
 
@@ -149,7 +148,7 @@ class InnerGraph:
 
     def values(self) -> list[Tensor | None]:
         """The inputs, detached, for the semiring computation."""
-        return [None if t is None else detached_parameter(t) for t in self.originals]
+        return [None if t is None else t.detach() for t in self.inputs]
 
     def check_unmodified(self, positions: Iterable[int]) -> None:
         """Raise PyTorch's error if an input the messages read was modified in place since

@@ -29,7 +29,6 @@ from torch import Tensor
 from ..kernels.blocking import BLOCK_ELEMENTS
 from ..kernels.normalization import CentredPairsKernel
 from ..kernels.shared_shift import ConvolutionSums
-from .lift_cache import cached_lift
 
 State = tuple[Tensor, ...]
 
@@ -147,9 +146,6 @@ class Semiring:
     #: The path trace of the pass a pass-bound copy belongs to; ``None`` on the user's instance,
     #: which the backward never modifies (one instance serves many passes and threads).
     trace: Any = None
-    #: Whether ``lift`` of a parameter is kept across passes (``lift_cache``); False where
-    #: lifting costs nothing (Real's lift is the weight itself).
-    caches_lifted_parameters: ClassVar[bool] = True
 
     def path_slots(self, a: State) -> tuple[Tensor, Tensor]:
         """Path-recording semirings: the log-values and successor ids of the ``ranks`` paths
@@ -184,9 +180,6 @@ class Semiring:
         else:
             use_generic(cls, defined & set(DERIVED_OPERATIONS))
         _make_total(cls)
-        lift = cls.__dict__.get("lift")
-        if lift is not None and cls.caches_lifted_parameters and not hasattr(lift, "_cached"):
-            cls.lift = cached_lift(lift)
 
     @property
     def name(self) -> str:

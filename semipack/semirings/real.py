@@ -16,7 +16,6 @@ class Real(Semiring):
     one = (1.0,)
     #: Rules give Real the op's own linear derivatives, so its values equal autograd's.
     linear_weights = True
-    caches_lifted_parameters = False
 
     def lift(self, w: Tensor) -> State:
         return (w.to(self.state_dtype(w.dtype)),)

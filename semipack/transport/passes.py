@@ -19,8 +19,6 @@ from contextlib import contextmanager
 
 import torch
 
-from ..semirings.lift_cache import clear_lift_cache
-
 _lock = threading.Lock()
 _running = {True: 0, False: 0}  # retain_graph -> number of semiring passes in flight
 
@@ -40,11 +38,6 @@ def semiring_pass(retain_graph: bool | None) -> Iterator[None]:
     try:
         with torch.compiler.set_stance("default"):
             yield
-    except BaseException:
-        # An op that wrote into a cached lifted weight fails loudly, but only after writing:
-        # the next pass must not read that entry.
-        clear_lift_cache()
-        raise
     finally:
         with _lock:
             _running[retain] -= 1

@@ -1,0 +1,75 @@
+"""The embedding extension marks the rows of its table that no lookup reached
+(``Message.rows_reached``) and the readout skips them: the values must equal the oracle's,
+with every unreached row read as "no path", also where the hint is lost (a tied weight's two
+messages meet) or the readout is not a tensor per entry (KBest's k axis)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers import SEMIRINGS, assert_readout_matches, oracle_readouts
+from oracle import build_graph
+from torch import nn
+
+import semipack
+
+
+class _Lookup(nn.Module):
+    def __init__(self, tied: bool) -> None:
+        super().__init__()
+        torch.manual_seed(1)
+        self.table = nn.Embedding(40, 3, padding_idx=0).double()
+        self.out = nn.Linear(3, 40, bias=False).double()
+        if tied:
+            self.out.weight = self.table.weight
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.out(self.table(ids).tanh()).sum()
+
+
+@pytest.mark.parametrize("tied", [False, True], ids=["separate", "tied"])
+@pytest.mark.parametrize("semiring_name", ["max_prod", "log_sum", "entropy", "boolean", "real"])
+def test_embedding_rows_no_lookup_reached_read_as_no_path(semiring_name: str, tied: bool) -> None:
+    model = _Lookup(tied)
+    ids = torch.tensor([[3, 7, 0, 3]])  # 0 is padding: reached by no edge
+    expected = oracle_readouts(build_graph(model(ids)), [model.table.weight], semiring_name)[0]
+    model.zero_grad(set_to_none=True)
+    with semipack.extend(model, SEMIRINGS[semiring_name]()):
+        model(ids).backward()
+    assert_readout_matches(semiring_name, expected, model.table.weight.semiring_grad, "table")
+
+
+def test_the_readout_skips_unreached_rows_only_where_the_hint_holds() -> None:
+    model = _Lookup(tied=False)
+    ids = torch.tensor([[5, 9]])
+    calls = []
+    original = semipack.MaxProd.readout_rows
+
+    def spy(self, a, rows):
+        calls.append(rows.tolist())
+        return original(self, a, rows)
+
+    semipack.MaxProd.readout_rows = spy
+    try:
+        with semipack.extend(model, semipack.MaxProd(log=True)):
+            model(ids).backward()
+    finally:
+        semipack.MaxProd.readout_rows = original
+    assert calls == [[5, 9]]
+    grad = model.table.weight.semiring_grad
+    reached = torch.isfinite(grad).all(1)
+    assert reached.nonzero().flatten().tolist() == [5, 9]
+    assert torch.equal(grad[~reached], torch.full((38, 3), float("-inf")))
+
+
+def test_k_best_reads_unreached_rows_as_k_missing_paths() -> None:
+    model = _Lookup(tied=False)
+    ids = torch.tensor([[2, 2, 11]])
+    with semipack.extend(model, semipack.KBest(2)):
+        model(ids).backward()
+    grad = model.table.weight.semiring_grad  # [40, 3, 2]
+    with semipack.extend(model, semipack.KBest(2), extensions=False):
+        model(ids).backward()
+    assert torch.equal(grad, model.table.weight.semiring_grad)  # the generic path: no hint
+    assert grad.shape == (40, 3, 2) and bool((grad[[2, 11]] > 0).all())
+    assert int(grad.count_nonzero()) == 12

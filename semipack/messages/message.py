@@ -12,13 +12,13 @@ needs the other (a call unwraps and wraps messages, a message dispatches to a ca
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import torch
 from torch import Tensor
 from torch._ops import OpOverload
-from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
+from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from ..errors import MessageLostError, SemipackError, UnsupportedOpError
 from ..graph.provenance import current_site
@@ -188,10 +188,14 @@ def dispatch_product(rule, func: OpOverload, args: tuple, kwargs: dict, product:
             regular = x.regular_grad if i == 0 else None
             return Message(regular, product.split(x.parts)[i], factor, x.dtype)
 
-        call_args, call_kwargs = tree_map(narrow, args), tree_map(narrow, kwargs)
+        call_args, call_kwargs = map_arguments(narrow, args, kwargs)
         results.append(rule(OpCall(func, call_args, call_kwargs)))
     if func._schema.is_mutable and isinstance(args[0], Message):
         return args[0]  # written in place, factor by factor, through the shared tensors
+    if isinstance(results[0], Message):  # the common case, without pytree's bookkeeping
+        first = results[0]
+        states = [first.parts] + [r.parts for r in results[1:]]
+        return Message(first.regular_grad, product.join(states), product, first.dtype)
     flat, spec = tree_flatten(results[0])
     others = [tree_flatten(r)[0] for r in results[1:]]
     joined = []
@@ -208,7 +212,7 @@ class OpCall:
 
     def __init__(self, func: OpOverload, args: tuple, kwargs: dict) -> None:
         self.func, self.args, self.kwargs = func, args, kwargs
-        flat, _ = tree_flatten((args, kwargs))
+        flat = flat_arguments(args, kwargs)
         for t in flat:
             if isinstance(t, Tensor) and t.is_complex():
                 raise unsupported(
@@ -270,7 +274,8 @@ class OpCall:
             return None
         if not args and not kwargs:
             args, kwargs = self.args, self.kwargs
-        return self.func(*tree_map(_regular_of, args), **tree_map(_regular_of, kwargs))
+        args, kwargs = map_arguments(_regular_of, args, kwargs)
+        return self.func(*args, **kwargs)
 
     def state(self, x: Any, shape: Sequence[int] | None = None) -> State:
         """The semiring state of an argument in a message slot.
@@ -302,6 +307,30 @@ class OpCall:
         """The semiring's zero ("no path") of ``shape``, in the state dtypes and on the device
         of this call."""
         return self.semiring.zeros(shape, self.dtype, self.device)
+
+
+def flat_arguments(args: tuple, kwargs: dict) -> list[Any]:
+    """Every argument of an aten call, lists and tuples opened (aten arguments nest one level:
+    ``Tensor[]``, ``int[]``). The hot path of every op of every pass: no pytree machinery."""
+    flat: list[Any] = []
+    for a in (*args, *kwargs.values()):
+        if isinstance(a, (list, tuple)):
+            flat.extend(a)
+        else:
+            flat.append(a)
+    return flat
+
+
+def map_arguments(fn: Callable[[Any], Any], args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """``(args, kwargs)`` with ``fn`` applied to every argument and every element of a list or
+    tuple argument (one level, as ``flat_arguments``); each container keeps its type."""
+
+    def one(a: Any) -> Any:
+        if isinstance(a, (list, tuple)):
+            return type(a)(fn(e) for e in a)
+        return fn(a)
+
+    return tuple(one(a) for a in args), {k: one(v) for k, v in kwargs.items()}
 
 
 def _regular_of(x: Any) -> Any:

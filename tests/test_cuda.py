@@ -107,3 +107,77 @@ def test_sdpa_cuda_kernel_is_drawn_as_decomposition() -> None:
         want = semipack.grad(eager.sum(), [q, k, v], make(), retain_graph=True)
         for a, b in zip(got, want, strict=True):
             torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+
+
+def _assert_same_values(cpu_value, gpu_value, name: str) -> None:
+    if isinstance(cpu_value, tuple):
+        for a, b in zip(cpu_value, gpu_value, strict=True):
+            _assert_same_values(a, b, name)
+    elif cpu_value.dtype == torch.bool:
+        assert torch.equal(gpu_value.cpu(), cpu_value), name
+    else:
+        torch.testing.assert_close(gpu_value.cpu(), cpu_value, rtol=1e-4, atol=1e-5, equal_nan=True)
+
+
+def _tiny_bert():
+    import transformers
+    from helpers import tiny_bert_config
+
+    torch.manual_seed(0)
+    config = tiny_bert_config(vocab_size=300)
+    return transformers.BertModel._from_config(config, attn_implementation="eager").eval()
+
+
+@pytest.mark.parametrize("make", [semipack.MaxProd, semipack.LogSum, semipack.Entropy])
+def test_bert_with_its_embedding_table_cuda_matches_cpu(make) -> None:
+    """Rows of the word table no token reached are read as "no path" on either device."""
+    ids = torch.tensor([[5, 17, 250, 17]])
+    values = []
+    for device in ("cpu", "cuda"):
+        model = _tiny_bert().to(device)
+        with semipack.extend(model, make()):
+            model(input_ids=ids.to(device)).last_hidden_state.pow(2).sum().backward()
+        values.append(
+            {n: p.semiring_grad for n, p in model.named_parameters() if hasattr(p, "semiring_grad")}
+        )
+    assert values[0].keys() == values[1].keys()
+    for name, cpu_value in values[0].items():
+        _assert_same_values(cpu_value, values[1][name], name)
+    table = values[1]["embeddings.word_embeddings.weight"]
+    reached = sorted(set(ids.flatten().tolist()))
+    assert torch.isfinite(table[reached]).all() and not table[reached].isnan().any()
+
+
+def test_product_and_monitor_cuda_match_cpu(tmp_path) -> None:
+    x = torch.randn(4, 3, 7, 7, generator=torch.Generator().manual_seed(2))
+    y = torch.tensor([0, 1, 2, 3])
+    records = []
+    for device in ("cpu", "cuda"):
+        model = _cnn().to(device)
+        monitor = semipack.Monitor(model, every=1, tensorboard=False)
+        with monitor.step(0):
+            F.cross_entropy(model(x.to(device)), y.to(device)).backward()
+        records.append({(r.layer, r.quantity): r.value for r in monitor.records})
+    assert records[0].keys() == records[1].keys()
+    for key, value in records[0].items():
+        assert records[1][key] == pytest.approx(value, rel=1e-4, abs=1e-5, nan_ok=True), key
+
+
+def test_explain_layers_cuda_matches_cpu() -> None:
+    ids = torch.tensor([[1, 7, 3, 9, 2]])
+    flows = []
+    for device in ("cpu", "cuda"):
+        model = _tiny_bert().to(device)
+        flows.append(
+            semipack.explain_layers(
+                model,
+                semipack.MaxProd(log=True),
+                lambda m=model, d=device: m(input_ids=ids.to(d)).last_hidden_state[0, 0].sum(),
+            )
+        )
+    cpu, gpu = flows
+    assert len(cpu.branches) == len(gpu.branches)
+    for layer_cpu, layer_gpu in zip(cpu.branches, gpu.branches, strict=True):
+        assert layer_cpu.keys() == layer_gpu.keys()
+        for name, value in layer_cpu.items():
+            _assert_same_values(value, layer_gpu[name], name)

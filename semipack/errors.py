@@ -1,6 +1,21 @@
-"""Errors semipack raises instead of returning a silently wrong number."""
+"""Errors semipack raises instead of returning a silently wrong number, and the one check
+that must pass before anything else: the PyTorch version."""
 
 from __future__ import annotations
+
+import torch
+
+#: The oldest PyTorch semipack runs on: the backward driver, the extensions and the module
+#: names all watch autograd nodes as they are created (``torch.autograd.graph.
+#: node_creation_hook``, new in 2.14; 2.13 does not have it).
+MINIMUM_TORCH = "2.14"
+
+if not hasattr(torch.autograd.graph, "node_creation_hook"):
+    raise ImportError(
+        f"semipack needs torch>={MINIMUM_TORCH} (it uses torch.autograd.graph."
+        f"node_creation_hook); this is torch {torch.__version__}. Install a newer torch, "
+        f"for example: pip install 'torch>={MINIMUM_TORCH}'"
+    )
 
 
 class SemipackError(RuntimeError):

@@ -980,3 +980,17 @@ def test_a_user_semiring_through_pooling_needs_no_dense_routing_matrix() -> None
     (mine,) = semipack.grad(loss, x, PrimitivesOnlyMaxProd(), retain_graph=True)
     (builtin,) = semipack.grad(loss, x, semipack.MaxProd(log=True))
     torch.testing.assert_close(mine, builtin, rtol=1e-6, atol=1e-6)
+
+
+def test_an_older_torch_is_refused_at_import_with_the_version_named() -> None:
+    """torch 2.13 and older lack ``node_creation_hook``: ``import semipack`` must say so, not
+    fail later inside a backward."""
+    import subprocess
+    import sys
+
+    code = (
+        "import torch; del torch.autograd.graph.node_creation_hook\n"
+        "try:\n    import semipack\nexcept ImportError as e:\n    print(e)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert "semipack needs torch>=2.14" in out.stdout and torch.__version__ in out.stdout

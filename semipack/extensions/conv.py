@@ -10,9 +10,10 @@ from torch import Tensor
 from ..messages.windows import ConvGeometry
 from ..rules.convolution import conv_messages
 from ..semirings.base import State
-from .base import BackwardCall, ExtensionFunction, Sites, extends, wants_graph
+from .base import BackwardCall, ExtensionFunction, Sites, extends, per_sample_rule, wants_graph
 
 
+@per_sample_rule
 class ConvFunction(ExtensionFunction):
     """(x, W, b) -> conv(x, W) + b; x: [batch, channels, *spatial], options: ConvGeometry."""
 

@@ -6,7 +6,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from ..semirings.base import Semiring, State, scatter_into_zeros
-from .base import BackwardCall, ExtensionFunction, Sites, extends, wants_graph
+from .base import BackwardCall, ExtensionFunction, Sites, extends, per_sample_rule, wants_graph
 
 
 def embedding_messages(
@@ -25,8 +25,16 @@ def embedding_messages(
     return scatter_into_zeros(sr, (num_weights, dim), 0, flat_ids, src, m[0].dtype)
 
 
+@per_sample_rule
 class EmbeddingFunction(ExtensionFunction):
     """W -> W[indices]; options: (indices, padding_idx). The messages read no weight value."""
+
+    batched_inputs = ()  # the batch is in the indices (options)
+
+    @staticmethod
+    def example_options(options: tuple[Tensor, int | None], i: int) -> tuple[Tensor, int | None]:
+        indices, padding_idx = options
+        return indices.narrow(0, i, 1), padding_idx
 
     @staticmethod
     def messages(call: BackwardCall) -> tuple[State]:

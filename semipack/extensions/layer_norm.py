@@ -11,7 +11,7 @@ from torch import Tensor
 
 from ..rules import normalization as norm_rules
 from ..semirings.base import Semiring, State
-from .base import BackwardCall, ExtensionFunction, Sites, extends, wants_graph
+from .base import BackwardCall, ExtensionFunction, Sites, extends, per_sample_rule, wants_graph
 
 
 def layer_norm_messages(
@@ -51,6 +51,7 @@ def layer_norm_messages(
     return m_x, m_w, m_b
 
 
+@per_sample_rule
 class LayerNormFunction(ExtensionFunction):
     """(x, γ, β) -> layer_norm(x); options: the normalized shape. The inner call is
     ``native_layer_norm``, whose mean and rstd the messages reuse."""
@@ -61,6 +62,11 @@ class LayerNormFunction(ExtensionFunction):
     def keep(outputs: tuple[Tensor, Tensor, Tensor]) -> tuple[Tensor, tuple[Tensor, Tensor]]:
         out, mean, rstd = outputs
         return out, (mean, rstd)
+
+    @staticmethod
+    def example_kept(kept: tuple[Tensor, Tensor], i: int) -> tuple[Tensor, Tensor]:
+        mean, rstd = kept
+        return mean.narrow(0, i, 1), rstd.narrow(0, i, 1)
 
     @staticmethod
     def messages(call: BackwardCall) -> tuple[State | None, ...]:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import inspect
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -22,7 +22,7 @@ from torch import Tensor
 
 from ..rules.attention import attention_contract, attention_log_probs
 from ..semirings.base import State
-from .base import BackwardCall, ExtensionFunction, Sites, extends, wants_graph
+from .base import BackwardCall, ExtensionFunction, Sites, extends, per_sample_rule, wants_graph
 from .linear import linear_messages
 
 
@@ -59,12 +59,26 @@ class MultiheadOptions:
     average_attn_weights: bool
 
 
+@per_sample_rule
 class MultiheadAttentionFunction(ExtensionFunction):
     """(query, key, value, W_in, b_in, W_out, b_out) -> (output, attention weights or None),
     inputs sequence-first [tokens, batch, embed] as ``F.multi_head_attention_forward`` has
     them; options: ``MultiheadOptions``."""
 
     reads = tuple(range(7))
+    batched_inputs = (0, 1, 2)
+    input_batch_dim = 1  # sequence-first
+    output_batch_dims = (1, 0)
+
+    @staticmethod
+    def example_options(options: MultiheadOptions, i: int) -> MultiheadOptions:
+        mask, padding = options.attn_mask, options.key_padding_mask
+        if mask is not None and mask.dim() == 3:  # [batch * heads, queries, keys]
+            h = options.num_heads
+            mask = mask[i * h : (i + 1) * h]
+        if padding is not None:
+            padding = padding.narrow(0, i, 1)
+        return replace(options, attn_mask=mask, key_padding_mask=padding)
 
     @staticmethod
     def messages(call: BackwardCall) -> list[State | None]:

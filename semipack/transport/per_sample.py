@@ -68,16 +68,16 @@ def check_graph(roots: Sequence[Tensor], params: dict[int, str]) -> None:
             if nxt is None:
                 continue
             variable = getattr(nxt, "variable", None)
-            if variable is not None and id(variable) in params:
-                if not has_per_sample_rule(node.name()):
-                    where = f", created by {module}" if module else ""
-                    raise PerSampleError(
-                        f"per-sample values: parameter '{params[id(variable)]}' is used by "
-                        f"{node.name()}{where}, which has no per-sample rule. Supported: "
-                        "parameters used directly by F.linear, conv1d/conv2d, F.layer_norm, "
-                        "F.embedding and nn.MultiheadAttention (the module extensions, with "
-                        "extensions=True); see 'Per-sample values' in the README"
-                    )
+            known = variable is not None and id(variable) in params
+            if known and not has_per_sample_rule(node.name()):
+                where = f", created by {module}" if module else ""
+                raise PerSampleError(
+                    f"per-sample values: parameter '{params[id(variable)]}' is used by "
+                    f"{node.name()}{where}, which has no per-sample rule. Supported: "
+                    "parameters used directly by F.linear, conv1d/conv2d, F.layer_norm, "
+                    "F.embedding and nn.MultiheadAttention (the module extensions, with "
+                    "extensions=True); see 'Per-sample values' in the README"
+                )
             stack.append(nxt)
 
 
@@ -112,14 +112,19 @@ class PerSampleRows:
                 raise PerSampleError(
                     f"per-sample values: no rows reached parameter '{self.names[id(p)]}'"
                 )
-        sizes = {self.rows[id(p)][0].shape[0] for p in params if id(p) in self.rows}
-        if len(sizes) > 1:
-            per = {self.names[id(p)]: self.rows[id(p)][0].shape[0] for p in params}
+        sizes = [self.rows[id(p)][0].shape[0] for p in params]
+        if len(set(sizes)) > 1:
+            batch = max(set(sizes), key=sizes.count)
+            odd = ", ".join(
+                f"'{self.names[id(p)]}' ({n})"
+                for p, n in zip(params, sizes, strict=True)
+                if n != batch
+            )
             raise PerSampleError(
-                f"per-sample values: the parameters' calls saw different batch sizes {per}. A "
-                "parameter was used on a tensor whose dim 0 is not the batch (a [1, T] position "
-                "id broadcast over the batch: pass ids of shape [N, T]; a sequence-first "
-                "layout: put the batch first)"
+                f"per-sample values: most parameters saw a batch of {batch} examples, but {odd} "
+                "did not: they were used on a tensor whose dim 0 is not the batch. A lookup "
+                "broadcast over the batch (Hugging Face position embeddings: pass position_ids "
+                "of shape [N, T]) or a sequence-first layout (put the batch first)"
             )
 
     def store(self, params: Sequence[Tensor], keep_state: bool) -> None:

@@ -53,6 +53,19 @@ class AttentionModel(nn.Module):
         return self.out(a + h)
 
 
+class Affine(nn.Module):
+    """A hand-written gain and bias (generic row rules for mul, add and sub)."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.gain = nn.Parameter(torch.randn(width))
+        self.bias = nn.Parameter(torch.randn(width))
+        self.shift = nn.Parameter(torch.randn(1, width))
+
+    def forward(self, x):
+        return (self.gain * x + self.bias) - self.shift
+
+
 def _batch_mlp():
     model = nn.Sequential(nn.Linear(4, 6), nn.GELU(), nn.LayerNorm(6), nn.Linear(6, 3))
     return model, (torch.randn(5, 4),)
@@ -91,6 +104,19 @@ def _encoder_layer():
     return nn.Sequential(layer, nn.Linear(4, 2)), (torch.randn(2, 3, 4),)
 
 
+def _affine():
+    model = nn.Sequential(nn.Linear(3, 4), Affine(4), nn.Tanh(), nn.Linear(4, 2))
+    return model, (torch.randn(3, 5, 3),)
+
+
+def _batch_norm_eval():
+    model = nn.Sequential(
+        nn.Conv2d(2, 3, 2), nn.BatchNorm2d(3), nn.Tanh(), nn.Flatten(), nn.Linear(27, 2)
+    )
+    model.train()(torch.randn(6, 2, 4, 4))  # running statistics (the model is then in eval)
+    return model, (torch.randn(3, 2, 4, 4),)
+
+
 MODELS = {
     "mlp": _batch_mlp,
     "sequence_mlp": _sequence_mlp,
@@ -99,6 +125,8 @@ MODELS = {
     "embedding_layernorm": _tokens,
     "multihead_attention": _attention,
     "encoder_layer": _encoder_layer,
+    "hand_written_affine": _affine,
+    "batch_norm_eval": _batch_norm_eval,
 }
 
 
@@ -318,23 +346,6 @@ def test_batch_norm_in_train_mode_refused():
     )
 
 
-def test_batch_norm_in_eval_mode_without_affine_runs():
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4, affine=False), nn.Linear(4, 2))
-    model = model.double()
-    model.train()(torch.randn(8, 3, dtype=torch.float64))  # running statistics
-    model.eval()
-    x = torch.randn(3, 3, dtype=torch.float64)
-    rows = {
-        n: p.semiring_grad_batch for n, p in _per_sample(model, (x,), semipack.LogSum()).items()
-    }
-    for i in range(3):
-        with semipack.extend(model, semipack.LogSum(), extensions=False):
-            _loss(model(x[i : i + 1])).backward()
-        for n, p in model.named_parameters():
-            torch.testing.assert_close(rows[n][i], p.semiring_grad)
-
-
 class Centred(nn.Module):
     def forward(self, x):
         return x - x.mean(0, keepdim=True)
@@ -350,22 +361,38 @@ def test_reduction_over_the_batch_refused():
     )
 
 
-class Scale(nn.Module):
+class MatrixProduct(nn.Module):
     def __init__(self) -> None:
         super().__init__()
-        self.gain = nn.Parameter(torch.ones(4))
+        self.w = nn.Parameter(torch.ones(4, 4))
 
     def forward(self, x):
-        return x * self.gain
+        return x @ self.w
 
 
 def test_op_without_per_sample_rule_refused():
-    model = nn.Sequential(nn.Linear(3, 4), Scale(), nn.Linear(4, 2))
+    model = nn.Sequential(nn.Linear(3, 4), MatrixProduct(), nn.Linear(4, 2))
     _refused(
         model,
         (torch.randn(5, 3),),
-        r"parameter '1.gain' is used by MulBackward0, created by module '1', which has no "
+        r"parameter '1.w' is used by MmBackward0, created by module '1', which has no "
         r"per-sample rule",
+    )
+
+
+def test_parameter_spanning_the_batch_refused():
+    class PerRow(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.table = nn.Parameter(torch.ones(5, 4))
+
+        def forward(self, x):
+            return x + self.table
+
+    _refused(
+        nn.Sequential(nn.Linear(3, 4), PerRow()),
+        (torch.randn(5, 3),),
+        r"a parameter of shape \(5, 4\) spans the batch dim of an output of shape \(5, 4\)",
     )
 
 

@@ -481,7 +481,7 @@ def _messages_per_factor(
 def per_sample_rule(cls: type[ExtensionFunction]) -> type[ExtensionFunction]:
     """Class decorator: register the extension's node (``<Name>Backward``) in the per-sample
     table (``rules.per_sample``): it reports rows for the parameters it is given."""
-    register_per_sample(f"{cls.__name__}Backward", f"{cls.__name__}.per_sample")
+    register_per_sample(f"{cls.__name__}Backward")
     return cls
 
 

@@ -27,7 +27,7 @@ from ..messages.paths import PathTrace, attach, records_steps
 from ..semirings.base import Semiring, State
 from .hooks import ModuleHookNodes, hooks_need_regular_gradients
 from .passes import carry_pass, in_carry_pass, semiring_pass
-from .per_sample import PerSampleRows, check_graph, check_semiring, collecting
+from .per_sample import PerSampleRows, check_graph, check_semiring, collecting, hook_rules
 
 SEMIRING_GRAD = "semiring_grad"
 #: Where ``extend(..., keep_state=True)`` keeps a tensor's final semiring state (a tuple of
@@ -312,7 +312,7 @@ def backward(
                 "per-sample values cannot see inside a reentrant checkpoint (its graph is built "
                 "during the backward): use torch.utils.checkpoint(..., use_reentrant=False)"
             )
-        check_graph(tensors, per_sample)
+        generic_uses = check_graph(tensors, per_sample)
         rows = PerSampleRows(sr, per_sample)
     kept = retained.alive() if retained is not None else []
     with path_recording(sr, tensors, leaf_names) as sr:
@@ -321,6 +321,8 @@ def backward(
             with ExitStack() as collect:
                 if rows is not None:
                     collect.enter_context(collecting(rows))
+                    for handle in hook_rules(generic_uses, rows):
+                        collect.callback(handle.remove)
                 captured = _run_backward(
                     tensors, grad_tensors, sr, leaves, regular_grads, retain_graph, inputs, scan
                 )

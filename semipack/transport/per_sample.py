@@ -12,15 +12,20 @@ from __future__ import annotations
 import threading
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
+from typing import Any
 
+import torch
+import torch.utils.hooks
 from torch import Tensor
 
 from ..errors import PerSampleError
 from ..graph.provenance import MODULE_KEY, OUTSIDE_MODEL
-from ..rules.per_sample import has_per_sample_rule, mixing_reason
+from ..messages.message import Message
+from ..rules.per_sample import has_per_sample_rule, mixing_reason, row_rule
 from ..semirings.base import Semiring, State
 from ..semirings.k_best import KBest
 from ..semirings.product import Product
+from .passes import in_carry_pass
 
 SEMIRING_GRAD_BATCH = "semiring_grad_batch"
 #: With ``keep_state=True``: the rows' states themselves (``[N, *p.shape]`` per component).
@@ -46,9 +51,11 @@ def _module_of(node) -> str | None:
     return "the root module" if module == "" else f"module '{module}'"
 
 
-def check_graph(roots: Sequence[Tensor], params: dict[int, str]) -> None:
+def check_graph(roots: Sequence[Tensor], params: dict[int, str]) -> list[tuple[Any, int, Tensor]]:
     """Raise ``PerSampleError`` before the pass if a node without a per-sample rule feeds a
-    parameter in ``params`` (id -> name), or a node inside the model mixes examples."""
+    parameter in ``params`` (id -> name), or a node inside the model mixes examples. Returns
+    ``(node, input_nr, parameter)`` for the uses a generic row rule handles (``hook_rules``)."""
+    generic: list[tuple[Any, int, Tensor]] = []
     seen: set[int] = set()
     stack = [t.grad_fn for t in roots if t.grad_fn is not None]
     while stack:
@@ -64,11 +71,13 @@ def check_graph(roots: Sequence[Tensor], params: dict[int, str]) -> None:
                     f"per-sample values need examples that do not mix, but {node.name()} "
                     f"(created by {module}) mixes them: {reason}"
                 )
-        for nxt, _ in node.next_functions:
+        for input_nr, (nxt, _) in enumerate(node.next_functions):
             if nxt is None:
                 continue
             variable = getattr(nxt, "variable", None)
             known = variable is not None and id(variable) in params
+            if known and row_rule(node.name()) is not None:
+                generic.append((node, input_nr, variable))
             if known and not has_per_sample_rule(node.name()):
                 where = f", created by {module}" if module else ""
                 raise PerSampleError(
@@ -79,6 +88,31 @@ def check_graph(roots: Sequence[Tensor], params: dict[int, str]) -> None:
                     "extensions=True); see 'Per-sample values' in the README"
                 )
             stack.append(nxt)
+    return generic
+
+
+def hook_rules(
+    uses: Sequence[tuple[Any, int, Tensor]], rows: PerSampleRows
+) -> list[torch.utils.hooks.RemovableHandle]:
+    """Pre-hooks that run the generic row rules on the state arriving at each node of ``uses``
+    (from ``check_graph``) and report the rows to ``rows``; remove them after the pass."""
+    by_node: dict[int, tuple[Any, list[tuple[int, Tensor]]]] = {}
+    for node, input_nr, param in uses:
+        by_node.setdefault(id(node), (node, []))[1].append((input_nr, param))
+    handles = []
+    for node, params in by_node.values():
+        rule = row_rule(node.name())
+
+        def prehook(grad_outputs, node=node, params=params, rule=rule):
+            msg = grad_outputs[0]
+            if in_carry_pass() or not isinstance(msg, Message):
+                return None
+            for input_nr, param in params:
+                rows.add(param, rule(msg.semiring, node, msg.parts, input_nr))
+            return None
+
+        handles.append(node.register_prehook(prehook))
+    return handles
 
 
 class PerSampleRows:
@@ -185,4 +219,5 @@ __all__ = [
     "check_semiring",
     "clear",
     "collecting",
+    "hook_rules",
 ]

@@ -351,10 +351,7 @@ class ExtensionFunction(torch.autograd.Function):
                 if state[0].dim() <= dim:
                     break
                 return state[0].shape[dim]
-        raise PerSampleError(
-            f"per-sample values: {cls.__name__[: -len('Function')] or cls.__name__} got an "
-            "unbatched call; the batch must be dim 0 of its input"
-        )
+        raise unbatched(cls, "")
 
     @classmethod
     def example(cls, call: BackwardCall, i: int) -> BackwardCall:
@@ -476,6 +473,15 @@ def _messages_per_factor(
         None if states[0] is None else product.join(list(states))
         for states in zip(*per_factor, strict=True)
     ]
+
+
+def unbatched(cls: type[ExtensionFunction], shape: Any) -> PerSampleError:
+    """The error for a call without a batch dim under ``per_sample=True``."""
+    what = f" on an input of shape {tuple(shape)}" if shape else ""
+    return PerSampleError(
+        f"per-sample values: {cls.__name__.removesuffix('Function')} was called{what} without "
+        "a batch dim; the batch must be dim 0 of its input"
+    )
 
 
 def per_sample_rule(cls: type[ExtensionFunction]) -> type[ExtensionFunction]:

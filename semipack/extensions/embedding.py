@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from ..errors import PerSampleError
 from ..semirings.base import Semiring, State, scatter_into_zeros
 from .base import BackwardCall, ExtensionFunction, Sites, extends, per_sample_rule, wants_graph
 
@@ -16,11 +18,20 @@ def embedding_messages(
 
     m's parts: [*indices.shape, dim]; the state comes shaped like the weight [num_weights, dim].
     """
+    pad = None if padding_idx is None or padding_idx < 0 else padding_idx
+    return embedding_messages_with_padding(sr, m, indices, num_weights, pad)
+
+
+def embedding_messages_with_padding(
+    sr: Semiring, m: State, indices: Tensor, num_weights: int, padding: Tensor | int | None
+) -> State:
+    """``embedding_messages`` with the padding row given per lookup (broadcast to
+    ``indices``) or as one index, or None."""
     dim = m[0].shape[-1]
     flat_ids = indices.reshape(-1)
     src = tuple(p.reshape(-1, dim) for p in m)
-    if padding_idx is not None and padding_idx >= 0:
-        keep = flat_ids != padding_idx
+    if padding is not None:
+        keep = (indices != padding).reshape(-1)
         flat_ids, src = flat_ids[keep], tuple(p[keep] for p in src)
     return scatter_into_zeros(sr, (num_weights, dim), 0, flat_ids, src, m[0].dtype)
 
@@ -31,10 +42,23 @@ class EmbeddingFunction(ExtensionFunction):
 
     batched_inputs = ()  # the batch is in the indices (options)
 
-    @staticmethod
-    def example_options(options: tuple[Tensor, int | None], i: int) -> tuple[Tensor, int | None]:
-        indices, padding_idx = options
-        return indices.narrow(0, i, 1), padding_idx
+    @classmethod
+    def per_sample(cls, call: BackwardCall) -> list[State | None]:
+        """Rows ``[N, num_weights, dim]``: example n's lookups go to rows ``n * num_weights +
+        id`` of one scatter."""
+        (weight,), (indices, padding_idx) = call.inputs, call.options
+        (m,) = call.incoming
+        if indices.dim() < 2 or m is None:
+            raise PerSampleError(
+                "per-sample values: an embedding lookup with ids of shape "
+                f"{tuple(indices.shape)} has no batch dim (the batch must be dim 0 of the ids)"
+            )
+        n, rows = indices.shape[0], weight.shape[0]
+        offsets = torch.arange(n, device=indices.device).reshape(n, *[1] * (indices.dim() - 1))
+        flat = indices + offsets * rows
+        pad = None if padding_idx is None or padding_idx < 0 else offsets * rows + padding_idx
+        m_rows = embedding_messages_with_padding(call.semiring, m, flat, n * rows, pad)
+        return [tuple(p.reshape(n, *weight.shape) for p in m_rows)]
 
     @staticmethod
     def messages(call: BackwardCall) -> tuple[State]:

@@ -7,7 +7,7 @@ from torch import Tensor
 
 from ..messages.shared_shift import shared_shift_products
 from ..semirings.base import Semiring, State
-from .base import BackwardCall, ExtensionFunction, Sites, extends, per_sample_rule
+from .base import BackwardCall, ExtensionFunction, Sites, extends, per_sample_rule, unbatched
 
 
 def linear_messages(
@@ -74,7 +74,7 @@ class LinearFunction(ExtensionFunction):
     def per_sample(cls, call: BackwardCall) -> list[State | None]:
         x = call.inputs[0]
         if x.dim() < 2 or call.incoming[0] is None:
-            return super().per_sample(call)  # raises for unbatched calls
+            raise unbatched(cls, x.shape)
         m_w, m_b = linear_per_sample(call.semiring, call.incoming[0], x, *call.needs[1:])
         return [None, m_w, m_b]
 

@@ -179,10 +179,15 @@ def test_readout_sums(model_name):
         (semipack.MaxProd(), lambda r: r.amax(0)),
         (semipack.LogSum(), lambda r: r.logsumexp(0)),
     ):
+        rows = {}
         for name, p in _per_sample(model, inputs, sr).items():
             assert torch.equal(p.grad, plain[name]), name
+            rows[name] = p.semiring_grad_batch
             assert p.semiring_grad_batch.shape == (inputs[0].shape[0], *p.shape)
             torch.testing.assert_close(total(p.semiring_grad_batch), p.semiring_grad)
+        for name, p in _per_sample(model, inputs, sr, regular_grads=False).items():
+            assert p.grad is None  # the same rows without the regular gradient
+            torch.testing.assert_close(p.semiring_grad_batch, rows[name], rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("model_name", list(MODELS))
@@ -358,6 +363,21 @@ def test_reduction_over_the_batch_refused():
         (torch.randn(5, 3),),
         r"MeanBackward1 \(created by module '1'\) mixes them: it reduces over dim 0 \(the "
         r"batch\) of a tensor of shape \(5, 4\)",
+    )
+
+
+class Gram(nn.Module):
+    def forward(self, x):
+        return (x @ x.T) @ x
+
+
+def test_gram_matrix_over_the_batch_refused():
+    model = nn.Sequential(nn.Linear(3, 4), Gram(), nn.Linear(4, 2))
+    _refused(
+        model,
+        (torch.randn(5, 3),),
+        r"MmBackward0 \(created by module '1'\) mixes them: it multiplies a batch by its own "
+        r"transpose \(x @ x.T\)",
     )
 
 

@@ -167,16 +167,31 @@ def _signed(d: int) -> int:
     return d - 2**64 if d >= 2**63 else d
 
 
+_TRANSPOSES = {"TBackward0", "TransposeBackward0", "PermuteBackward0"}
+
+
+def _own_transpose(node) -> bool:
+    """Whether a 2-D matrix product's second factor is its first one transposed."""
+    (a, _), (b, _) = node.next_functions
+    if a is None or b is None or b.name() not in _TRANSPOSES:
+        return False
+    return any(src is a for src, _ in b.next_functions)
+
+
 def mixing_reason(node) -> str | None:
     """Why ``node`` (an autograd node inside the model) mixes the examples of the batch, or
     None. Batch norm in train mode normalises over the batch; a reduction over dim 0 of a
-    tensor with more than one row combines examples before the loss."""
+    tensor with more than one row combines examples before the loss; so does ``x @ x.T`` on a
+    [batch, features] matrix. Other mixing (a matrix product with another example's
+    features, an exchange written by indexing) is not recognised."""
     name = node.name()
     if "BatchNorm" in name and getattr(node, "_saved_training", False):
         saved = getattr(node, "_saved_input", None)
         if saved is None or saved.dim() == 0 or saved.shape[0] > 1:
             return "batch norm in train mode normalises over the batch (use eval mode)"
         return None
+    if name == "MmBackward0" and _own_transpose(node):
+        return "it multiplies a batch by its own transpose (x @ x.T), pairing the examples"
     match = _NODE_NAME.match(name)
     if match is None or match.group("op") not in _REDUCTIONS:
         return None

@@ -53,7 +53,10 @@ def linear_per_sample(
     m_w = m_b = None
     if want_w:
         x3 = x.reshape(n, -1, i).to(sr.state_dtype(x.dtype))
-        m_w = sr.matmul(tuple(p.transpose(1, 2) for p in rows), x3)
+        if x3.shape[1] == 1:  # one token: an outer product, elementwise
+            m_w = sr.times(tuple(p.transpose(1, 2) for p in rows), sr.lift(x3))
+        else:
+            m_w = sr.matmul(tuple(p.transpose(1, 2) for p in rows), x3)
     if want_b:
         m_b = sr.sum(rows, [1])
     return m_w, m_b

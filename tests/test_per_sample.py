@@ -351,6 +351,17 @@ def test_batch_norm_in_train_mode_refused():
     )
 
 
+def test_batch_norm_that_hides_its_mode_is_mixing():
+    """cuDNN's batch norm node does not record train or eval mode: refused, never guessed."""
+    from semipack.rules.per_sample import mixing_reason
+
+    class CudnnNode:
+        def name(self):
+            return "CudnnBatchNormBackward0"
+
+    assert "does not record whether it ran in train mode" in mixing_reason(CudnnNode())
+
+
 class Centred(nn.Module):
     def forward(self, x):
         return x - x.mean(0, keepdim=True)

@@ -185,7 +185,13 @@ def mixing_reason(node) -> str | None:
     [batch, features] matrix. Other mixing (a matrix product with another example's
     features, an exchange written by indexing) is not recognised."""
     name = node.name()
-    if "BatchNorm" in name and getattr(node, "_saved_training", False):
+    if "BatchNorm" in name and not hasattr(node, "_saved_training"):
+        return (
+            "this batch norm backward (cuDNN or MIOpen) does not record whether it ran in train "
+            "mode, where it normalises over the batch (for eval mode, run the forward under "
+            "torch.backends.cudnn.flags(enabled=False))"
+        )
+    if "BatchNorm" in name and node._saved_training:
         saved = getattr(node, "_saved_input", None)
         if saved is None or saved.dim() == 0 or saved.shape[0] > 1:
             return "batch norm in train mode normalises over the batch (use eval mode)"

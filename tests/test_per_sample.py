@@ -251,6 +251,34 @@ def test_entropy_rows_combine_with_logsum_masses():
         torch.testing.assert_close(mixed, total[name])
 
 
+def test_template_default_runs_messages_per_example():
+    """An extension without a per_sample of its own gets ExtensionFunction's: its messages
+    once per example. A Linear routed to such an extension gives the fused rows."""
+    from semipack.extensions.base import ExtensionFunction, extending, per_sample_rule
+    from semipack.extensions.linear import LinearFunction
+
+    calls = []
+
+    @per_sample_rule
+    class LoopLinear(LinearFunction):
+        @classmethod
+        def per_sample(cls, call):
+            calls.append(cls.batch_size(call))
+            return ExtensionFunction.per_sample.__func__(cls, call)
+
+    def handler(input, weight, bias=None):
+        return LoopLinear.run(F.linear, [input, weight, bias])
+
+    model, inputs = _build("sequence_mlp")
+    for sr in (semipack.MaxProd(), semipack.Entropy()):
+        fused = {n: p.semiring_grad_batch for n, p in _per_sample(model, inputs, sr).items()}
+        with extending(handler, F.linear):
+            looped = _per_sample(model, inputs, sr)
+        for name, p in looped.items():
+            torch.testing.assert_close(p.semiring_grad_batch, fused[name], equal_nan=True)
+    assert calls == [4, 4, 4, 4]  # two layers, two semirings, batch of 4
+
+
 def test_bert():
     """A tiny Hugging Face BERT (eager attention, padding mask) with position ids given per
     example: rows sum to semiring_grad and equal each example alone."""

@@ -8,7 +8,9 @@ Workloads (CPU, float32, one step = forward + backward, timed whole):
   of 32 vectors, cross-entropy;
 * ``transformer``: Embedding (vocab 1000, width 64), two ``nn.TransformerEncoderLayer`` (4
   heads, feed-forward 128, batch first, eval mode), Linear 64->10 on the first token, on a batch
-  of 8 sequences of 32 tokens, cross-entropy.
+  of 8 sequences of 32 tokens, cross-entropy;
+* ``cnn``: the CNN of ``bench_backpack.py`` (two 3x3 convolutions, pools, Linear 2048->10) on a
+  batch of 32 RGB images of 32 x 32, cross-entropy.
 
 Variants: ``plain`` (a plain backward), ``batch`` (``semipack.extend(model, sr)``) and
 ``per_sample`` (``semipack.extend(model, sr, per_sample=True)``). They take turns within every
@@ -60,7 +62,15 @@ def transformer() -> tuple[nn.Module, tuple[torch.Tensor, ...], torch.Tensor]:
     return Transformer().eval(), (torch.randint(0, 1000, (8, 32)),), torch.randint(0, 10, (8,))
 
 
-WORKLOADS = {"mlp": mlp, "transformer": transformer}
+def cnn() -> tuple[nn.Module, tuple[torch.Tensor, ...], torch.Tensor]:
+    model = nn.Sequential(
+        nn.Conv2d(3, 16, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2), nn.Conv2d(16, 32, 3, padding=1),
+        nn.ReLU(), nn.AvgPool2d(2), nn.Flatten(), nn.Linear(32 * 8 * 8, 10),
+    )  # fmt: skip
+    return model, (torch.randn(32, 3, 32, 32),), torch.randint(0, 10, (32,))
+
+
+WORKLOADS = {"mlp": mlp, "transformer": transformer, "cnn": cnn}
 
 
 def step(model, inputs, target, sr=None, per_sample=False) -> Callable[[], None]:

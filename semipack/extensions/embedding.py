@@ -18,22 +18,29 @@ def embedding_messages(
 
     m's parts: [*indices.shape, dim]; the state comes shaped like the weight [num_weights, dim].
     """
-    pad = None if padding_idx is None or padding_idx < 0 else padding_idx
-    return embedding_messages_with_padding(sr, m, indices, num_weights, pad)
-
-
-def embedding_messages_with_padding(
-    sr: Semiring, m: State, indices: Tensor, num_weights: int, padding: Tensor | int | None
-) -> State:
-    """``embedding_messages`` with the padding row given per lookup (broadcast to
-    ``indices``) or as one index, or None."""
     dim = m[0].shape[-1]
     flat_ids = indices.reshape(-1)
     src = tuple(p.reshape(-1, dim) for p in m)
-    if padding is not None:
-        keep = (indices != padding).reshape(-1)
+    if padding_idx is not None and padding_idx >= 0:
+        keep = flat_ids != padding_idx
         flat_ids, src = flat_ids[keep], tuple(p[keep] for p in src)
     return scatter_into_zeros(sr, (num_weights, dim), 0, flat_ids, src, m[0].dtype)
+
+
+def embedding_per_sample(
+    sr: Semiring, m: State, indices: Tensor, num_weights: int, padding_idx: int | None
+) -> State:
+    """Per-sample weight state ``[N, num_weights, dim]`` of ``weight[indices]`` (indices
+    ``[N, ...]``): example n's lookups go to rows ``n * num_weights + id`` of one scatter."""
+    n, dim = indices.shape[0], m[0].shape[-1]
+    offsets = torch.arange(n, device=indices.device).reshape(n, *[1] * (indices.dim() - 1))
+    flat_ids = (indices + offsets * num_weights).reshape(-1)
+    src = tuple(p.reshape(-1, dim) for p in m)
+    if padding_idx is not None and padding_idx >= 0:
+        keep = (indices != padding_idx).reshape(-1)
+        flat_ids, src = flat_ids[keep], tuple(p[keep] for p in src)
+    rows = scatter_into_zeros(sr, (n * num_weights, dim), 0, flat_ids, src, m[0].dtype)
+    return tuple(p.reshape(n, num_weights, dim) for p in rows)
 
 
 @per_sample_rule
@@ -41,6 +48,12 @@ class EmbeddingFunction(ExtensionFunction):
     """W -> W[indices]; options: (indices, padding_idx). The messages read no weight value."""
 
     batched_inputs = ()  # the batch is in the indices (options)
+
+    @staticmethod
+    def messages(call: BackwardCall) -> tuple[State]:
+        (weight,), (indices, padding_idx) = call.inputs, call.options
+        sr, (m,) = call.semiring, call.incoming
+        return (embedding_messages(sr, m, indices, weight.shape[0], padding_idx),)
 
     @classmethod
     def per_sample(cls, call: BackwardCall) -> list[State | None]:
@@ -53,18 +66,7 @@ class EmbeddingFunction(ExtensionFunction):
                 "per-sample values: an embedding lookup with ids of shape "
                 f"{tuple(indices.shape)} has no batch dim (the batch must be dim 0 of the ids)"
             )
-        n, rows = indices.shape[0], weight.shape[0]
-        offsets = torch.arange(n, device=indices.device).reshape(n, *[1] * (indices.dim() - 1))
-        flat = indices + offsets * rows
-        pad = None if padding_idx is None or padding_idx < 0 else offsets * rows + padding_idx
-        m_rows = embedding_messages_with_padding(call.semiring, m, flat, n * rows, pad)
-        return [tuple(p.reshape(n, *weight.shape) for p in m_rows)]
-
-    @staticmethod
-    def messages(call: BackwardCall) -> tuple[State]:
-        (weight,), (indices, padding_idx) = call.inputs, call.options
-        sr, (m,) = call.semiring, call.incoming
-        return (embedding_messages(sr, m, indices, weight.shape[0], padding_idx),)
+        return [embedding_per_sample(call.semiring, m, indices, weight.shape[0], padding_idx)]
 
     @staticmethod
     def sites(out: Tensor) -> Sites:

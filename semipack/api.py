@@ -74,8 +74,10 @@ def extend(
     values"). The semiring sum over the rows is ``semiring_grad``; with ``keep_state`` the rows'
     states are kept as ``.semiring_state_batch``. Parameters must be used by the module
     extensions (Linear, Conv1d/2d, LayerNorm, Embedding, MultiheadAttention with
-    ``batch_first=True``), and the model must not mix examples (batch norm in train mode, a
-    reduction over the batch): anything else raises ``PerSampleError`` before the pass.
+    ``batch_first=True``) or by a generic row rule (``x * p``, ``x + p``, ``x - p``, batch norm
+    in eval mode; ``rules.per_sample``), and the model must not mix examples (batch norm in
+    train mode, a reduction over the batch, ``x @ x.T``): anything else raises
+    ``PerSampleError`` before the pass.
 
     Blocks do not nest (a second ``extend`` inside a first raises ``SemipackError``). Anything
     compiled with ``torch.compile`` (the model, or a compiled wrapper of it) runs eagerly inside

@@ -311,6 +311,24 @@ def test_bert():
                 torch.testing.assert_close(rows[name][i], p.semiring_grad, equal_nan=True)
 
 
+def test_bert_sdpa_rows_equal_eager_rows():
+    transformers = pytest.importorskip("transformers")
+    ids = torch.tensor([[1, 5, 7, 2], [1, 9, 2, 0]])
+    rows = {}
+    for impl in ("eager", "sdpa"):
+        torch.manual_seed(0)
+        model = transformers.BertModel._from_config(tiny_bert_config(), attn_implementation=impl)
+        model = model.double().eval()
+        with semipack.extend(model, semipack.LogSum(), per_sample=True):
+            out = model(
+                ids, attention_mask=(ids != 0).long(), position_ids=torch.arange(4).expand(2, 4)
+            )
+            out.pooler_output.sum().backward()
+        rows[impl] = {n: p.semiring_grad_batch for n, p in model.named_parameters()}
+    for name, row in rows["eager"].items():
+        torch.testing.assert_close(rows["sdpa"][name], row)
+
+
 def test_bert_position_ids_broadcast_refused():
     transformers = pytest.importorskip("transformers")
     model = transformers.BertModel._from_config(tiny_bert_config(), attn_implementation="eager")

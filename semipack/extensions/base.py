@@ -433,8 +433,8 @@ class ExtensionFunction(torch.autograd.Function):
         )
         rows = active_rows()
         if rows is not None and not in_carry_pass():
-            # the node has one edge per tensor argument: None inputs have none
-            edges = iter(ctx.next_functions)
+            # the node has one edge per tensor argument (options too, if one): None has none
+            edges = iter(ctx.next_functions[isinstance(ctx.options, Tensor) :])
             params = [None if v is None else rows.wants(next(edges)[0]) for v in values]
             if any(p is not None for p in params):
                 wanted = tuple(

@@ -8,7 +8,7 @@ p.grad, p.semiring_grad
 
 from . import distributed, rules  # noqa: F401  (rules registers the built-in op rules)
 from .api import extend, grad
-from .errors import MessageLostError, SemipackError, UnsupportedOpError
+from .errors import MessageLostError, PerSampleError, SemipackError, UnsupportedOpError
 from .explain import Branches, LayerFlow, TokenTypeTable, branches, explain_layers
 from .messages import Message, OpCall, register_rule, registered_ops, scoped_rules
 from .monitor import Monitor
@@ -44,6 +44,7 @@ __all__ = [
     "MessageLostError",
     "Monitor",
     "OpCall",
+    "PerSampleError",
     "Product",
     "Real",
     "SemipackError",

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from .errors import SemipackError
+from .errors import PerSampleError, SemipackError
 from .extensions import FUNCTION_EXTENSIONS, eager_attention_routed
 from .graph.provenance import ModuleTracker
 from .rules import FORWARD_ROUTES, drawing_routes
@@ -21,6 +21,7 @@ from .transport import backward as _bw
 from .transport.backward import grad
 from .transport.hooks import module_hooks_see_gradients
 from .transport.interception import SemiringMode
+from .transport.per_sample import check_semiring
 
 _blocks = threading.local()
 
@@ -34,6 +35,7 @@ def extend(
     extensions: bool = True,
     drawing: str = "atomic",
     keep_state: bool = False,
+    per_sample: bool = False,
 ) -> Iterator[nn.Module | None]:
     """Run every ``backward()`` inside the block as a semiring backward.
 
@@ -66,6 +68,17 @@ def extend(
     views included. Pass the wrapper, not the model inside it, which semipack cannot tell apart
     from an undistributed one.
 
+    ``per_sample=True`` also gives each parameter of ``model`` that a backward reaches
+    ``.semiring_grad_batch``, shaped ``[N, *p.shape]``: row n is the semiring sum over the paths
+    through example n's entries, the batch being dim 0 of the model input (README "Per-sample
+    values"). The semiring sum over the rows is ``semiring_grad``; with ``keep_state`` the rows'
+    states are kept as ``.semiring_state_batch``. Parameters must be used by the module
+    extensions (Linear, Conv1d/2d, LayerNorm, Embedding, MultiheadAttention with
+    ``batch_first=True``) or by a generic row rule (``x * p``, ``x + p``, ``x - p``, batch norm
+    in eval mode; ``rules.per_sample``), and the model must not mix examples (batch norm in
+    train mode, a reduction over the batch, ``x @ x.T``): anything else raises
+    ``PerSampleError`` before the pass.
+
     Blocks do not nest (a second ``extend`` inside a first raises ``SemipackError``). Anything
     compiled with ``torch.compile`` (the model, or a compiled wrapper of it) runs eagerly inside
     the block.
@@ -84,6 +97,8 @@ def extend(
             "active in this thread. Leave it first; for several semirings run one block per "
             "semiring (keep the graph with retain_graph=True, or run the forward again)."
         )
+    if per_sample:
+        _check_per_sample(model, semiring, extensions)
     watched = [p for p in model.parameters() if p.requires_grad] if model is not None else []
     names = {id(p): _leaf_name(n) for n, p in model.named_parameters()} if model else {}
     data_parallel = _data_parallel_parameters(model)
@@ -108,10 +123,35 @@ def extend(
         reroute.update(drawn)
         stack.enter_context(
             SemiringMode(
-                semiring, regular_grads, watched, reroute, names, keep_state, data_parallel
+                semiring,
+                regular_grads,
+                watched,
+                reroute,
+                names,
+                keep_state,
+                data_parallel,
+                per_sample,
             )
         )
         yield model
+
+
+def _check_per_sample(model: nn.Module | None, semiring: Any, extensions: bool) -> None:
+    """Refuse per-sample requests that cannot be answered, before anything runs."""
+    if model is None:
+        raise PerSampleError("per_sample=True needs the model: its parameters get the rows")
+    if not extensions:
+        raise PerSampleError(
+            "per_sample=True needs extensions=True: the module extensions compute the rows"
+        )
+    check_semiring(semiring)
+    for name, m in model.named_modules():
+        if isinstance(m, nn.MultiheadAttention) and not m.batch_first:
+            raise PerSampleError(
+                f"per-sample values: nn.MultiheadAttention '{_leaf_name(name)}' has "
+                "batch_first=False, so the batch is not dim 0 of the model input; build it "
+                "with batch_first=True"
+            )
 
 
 def _leaf_name(name: str) -> str:

@@ -56,3 +56,10 @@ class UnsupportedOpError(SemipackError):
 
 class MessageLostError(SemipackError):
     """A plain gradient reached a place where a semiring message was required."""
+
+
+class PerSampleError(SemipackError):
+    """Per-sample semiring values (``extend(..., per_sample=True)``) cannot be computed for this
+    model or semiring: an op without a per-sample rule touches a parameter, the model mixes
+    examples (batch norm in train mode, a reduction over the batch), or the semiring records
+    paths. Raised before the pass writes anything."""

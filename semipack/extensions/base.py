@@ -29,12 +29,15 @@ from typing import Any, ClassVar
 import torch
 from torch import Tensor
 
+from ..errors import PerSampleError
 from ..graph.provenance import current_module
 from ..graph.sites import Site, stamp
 from ..messages.message import Message
+from ..rules.per_sample import register_per_sample
 from ..semirings.base import Semiring, State
 from ..semirings.product import Product
-from ..transport.passes import graph_retained
+from ..transport.passes import graph_retained, in_carry_pass
+from ..transport.per_sample import active_rows
 
 #: torch function -> the extension that takes its calls over inside ``semipack.extend``.
 FUNCTION_EXTENSIONS: dict[Callable[..., Any], Callable[..., Any]] = {}
@@ -301,6 +304,12 @@ class ExtensionFunction(torch.autograd.Function):
     #: positions (in ``run``'s ``inputs``) of the inputs whose values ``messages`` reads.
     reads: ClassVar[tuple[int, ...]] = ()
 
+    #: Per-sample values (``per_sample``): the positions of the inputs that carry the batch,
+    #: the dim it is on in them, and the batch dim of each output (None: no batch).
+    batched_inputs: ClassVar[tuple[int, ...]] = (0,)
+    input_batch_dim: ClassVar[int] = 0
+    output_batch_dims: ClassVar[tuple[int | None, ...]] = (0,)
+
     @staticmethod
     def messages(call: BackwardCall) -> Sequence[State | None]:
         """One semiring state per input (None where none is needed), see ``BackwardCall``."""
@@ -315,6 +324,63 @@ class ExtensionFunction(torch.autograd.Function):
     def keep(outputs: Any) -> tuple[Any, Any]:
         """(what the call returns, what the messages need besides) from the inner outputs."""
         return outputs, None
+
+    @classmethod
+    def per_sample(cls, call: BackwardCall) -> list[State | None]:
+        """Per-sample states ``[N, *input.shape]`` of the inputs ``call.needs`` asks for (the
+        parameters): row n is ``messages`` of example n alone. The default runs ``messages``
+        once per example (``example``); an extension may fuse it (``LinearFunction``)."""
+        n = cls.batch_size(call)
+        outs = [cls.messages(cls.example(call, i)) for i in range(n)]
+        result: list[State | None] = []
+        for j, (need, x) in enumerate(zip(call.needs, call.inputs, strict=True)):
+            per = [o[j] for o in outs]
+            if not need or x is None or all(p is None for p in per):
+                result.append(None)
+                continue
+            sr = call.semiring
+            per = [p if p is not None else sr.zeros(x.shape, x.dtype, x.device) for p in per]
+            result.append(tuple(torch.stack(parts) for parts in zip(*per, strict=True)))
+        return result
+
+    @classmethod
+    def batch_size(cls, call: BackwardCall) -> int:
+        """The batch size: from the first output's incoming state that has a batch dim."""
+        for state, dim in zip(call.incoming, cls.output_batch_dims, strict=False):
+            if state is not None and dim is not None:
+                if state[0].dim() <= dim:
+                    break
+                return state[0].shape[dim]
+        raise unbatched(cls, "")
+
+    @classmethod
+    def example(cls, call: BackwardCall, i: int) -> BackwardCall:
+        """``call`` restricted to example ``i`` (its batch dims kept, of size 1)."""
+        inputs = [
+            x.narrow(cls.input_batch_dim, i, 1) if j in cls.batched_inputs and x is not None else x
+            for j, x in enumerate(call.inputs)
+        ]
+        incoming = tuple(
+            None if st is None or dim is None else tuple(p.narrow(dim, i, 1) for p in st)
+            for st, dim in zip(call.incoming, cls.output_batch_dims, strict=False)
+        )
+        return replace(
+            call,
+            inputs=inputs,
+            incoming=incoming,
+            options=cls.example_options(call.options, i),
+            kept=cls.example_kept(call.kept, i),
+        )
+
+    @staticmethod
+    def example_options(options: Any, i: int) -> Any:
+        """``options`` for example ``i`` alone (default: the same)."""
+        return options
+
+    @staticmethod
+    def example_kept(kept: Any, i: int) -> Any:
+        """What ``keep`` set aside, for example ``i`` alone (default: the same)."""
+        return kept
 
     @classmethod
     def run(
@@ -365,6 +431,20 @@ class ExtensionFunction(torch.autograd.Function):
         states = _messages_per_factor(
             cls, BackwardCall(sr, incoming, values, needs, ctx.options, ctx.kept)
         )
+        rows = active_rows()
+        if rows is not None and not in_carry_pass():
+            # the node has one edge per tensor argument (options too, if one): None has none
+            edges = iter(ctx.next_functions[isinstance(ctx.options, Tensor) :])
+            params = [None if v is None else rows.wants(next(edges)[0]) for v in values]
+            if any(p is not None for p in params):
+                wanted = tuple(
+                    p is not None and need for p, need in zip(params, needs, strict=True)
+                )
+                call = BackwardCall(sr, incoming, values, wanted, ctx.options, ctx.kept)
+                per = _messages_per_factor(cls, call, per_sample=True)
+                for p, state in zip(params, per, strict=True):
+                    if p is not None and state is not None:
+                        rows.add(p, state)
         regular = inner.regular_grads(regular)
         out = tuple(
             as_message(r, s, sr, v) if s is not None and need and v is not None else None
@@ -375,20 +455,40 @@ class ExtensionFunction(torch.autograd.Function):
         return (None, None, *out)
 
 
-def _messages_per_factor(cls: type[ExtensionFunction], call: BackwardCall) -> list[State | None]:
-    """``cls.messages(call)``; for a ``Product``, once per factor on its slices of the incoming
-    states, joined again (each factor keeps its own fused kernels)."""
+def _messages_per_factor(
+    cls: type[ExtensionFunction], call: BackwardCall, per_sample: bool = False
+) -> list[State | None]:
+    """``cls.messages(call)`` (``cls.per_sample(call)`` with ``per_sample``); for a
+    ``Product``, once per factor on its slices of the incoming states, joined again (each
+    factor keeps its own fused kernels)."""
+    compute = cls.per_sample if per_sample else cls.messages
     product = call.semiring
     if not isinstance(product, Product):
-        return list(cls.messages(call))
+        return list(compute(call))
     per_factor = []
     for i, factor in enumerate(product.semirings):
         incoming = tuple(None if st is None else product.split(st)[i] for st in call.incoming)
-        per_factor.append(cls.messages(replace(call, semiring=factor, incoming=incoming)))
+        per_factor.append(list(compute(replace(call, semiring=factor, incoming=incoming))))
     return [
         None if states[0] is None else product.join(list(states))
         for states in zip(*per_factor, strict=True)
     ]
+
+
+def unbatched(cls: type[ExtensionFunction], shape: Any) -> PerSampleError:
+    """The error for a call without a batch dim under ``per_sample=True``."""
+    what = f" on an input of shape {tuple(shape)}" if shape else ""
+    return PerSampleError(
+        f"per-sample values: {cls.__name__.removesuffix('Function')} was called{what} without "
+        "a batch dim; the batch must be dim 0 of its input"
+    )
+
+
+def per_sample_rule(cls: type[ExtensionFunction]) -> type[ExtensionFunction]:
+    """Class decorator: register the extension's node (``<Name>Backward``) in the per-sample
+    table (``rules.per_sample``): it reports rows for the parameters it is given."""
+    register_per_sample(f"{cls.__name__}Backward")
+    return cls
 
 
 def split_message(grad: Tensor | None) -> tuple[Tensor | None, State | None, Semiring | None]:

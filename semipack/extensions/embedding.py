@@ -6,6 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from ..errors import PerSampleError
 from ..semirings.base import Semiring, State, scatter_into_zeros
 from .base import (
     BackwardCall,
@@ -13,6 +14,7 @@ from .base import (
     Sites,
     ZeroOutsideRows,
     extends,
+    per_sample_rule,
     wants_graph,
 )
 
@@ -20,7 +22,8 @@ from .base import (
 def embedding_messages(
     sr: Semiring, m: State, indices: Tensor, num_weights: int, padding_idx: int | None
 ) -> State:
-    """Weight state of ``weight[indices]``: an edge of weight 1 per lookup, none for padding.
+    """Weight state of ``weight[indices]``: an edge of weight 1 per lookup, none for padding;
+    the rows no lookup reached are marked (``ZeroOutsideRows``) so the readout skips them.
 
     m's parts: [*indices.shape, dim]; the state comes shaped like the weight [num_weights, dim].
     """
@@ -34,14 +37,46 @@ def embedding_messages(
     return ZeroOutsideRows(state, torch.unique(flat_ids))
 
 
+def embedding_per_sample(
+    sr: Semiring, m: State, indices: Tensor, num_weights: int, padding_idx: int | None
+) -> State:
+    """Per-sample weight state ``[N, num_weights, dim]`` of ``weight[indices]`` (indices
+    ``[N, ...]``): example n's lookups go to rows ``n * num_weights + id`` of one scatter."""
+    n, dim = indices.shape[0], m[0].shape[-1]
+    offsets = torch.arange(n, device=indices.device).reshape(n, *[1] * (indices.dim() - 1))
+    flat_ids = (indices + offsets * num_weights).reshape(-1)
+    src = tuple(p.reshape(-1, dim) for p in m)
+    if padding_idx is not None and padding_idx >= 0:
+        keep = (indices != padding_idx).reshape(-1)
+        flat_ids, src = flat_ids[keep], tuple(p[keep] for p in src)
+    rows = scatter_into_zeros(sr, (n * num_weights, dim), 0, flat_ids, src, m[0].dtype)
+    return tuple(p.reshape(n, num_weights, dim) for p in rows)
+
+
+@per_sample_rule
 class EmbeddingFunction(ExtensionFunction):
     """W -> W[indices]; options: (indices, padding_idx). The messages read no weight value."""
+
+    batched_inputs = ()  # the batch is in the indices (options)
 
     @staticmethod
     def messages(call: BackwardCall) -> tuple[State]:
         (weight,), (indices, padding_idx) = call.inputs, call.options
         sr, (m,) = call.semiring, call.incoming
         return (embedding_messages(sr, m, indices, weight.shape[0], padding_idx),)
+
+    @classmethod
+    def per_sample(cls, call: BackwardCall) -> list[State | None]:
+        """Rows ``[N, num_weights, dim]``: example n's lookups go to rows ``n * num_weights +
+        id`` of one scatter."""
+        (weight,), (indices, padding_idx) = call.inputs, call.options
+        (m,) = call.incoming
+        if indices.dim() < 2 or m is None:
+            raise PerSampleError(
+                "per-sample values: an embedding lookup with ids of shape "
+                f"{tuple(indices.shape)} has no batch dim (the batch must be dim 0 of the ids)"
+            )
+        return [embedding_per_sample(call.semiring, m, indices, weight.shape[0], padding_idx)]
 
     @staticmethod
     def sites(out: Tensor) -> Sites:

@@ -11,7 +11,15 @@ from torch import Tensor
 
 from ..rules import normalization as norm_rules
 from ..semirings.base import Semiring, State
-from .base import BackwardCall, ExtensionFunction, Sites, extends, wants_graph
+from .base import (
+    BackwardCall,
+    ExtensionFunction,
+    Sites,
+    extends,
+    per_sample_rule,
+    unbatched,
+    wants_graph,
+)
 
 
 def layer_norm_messages(
@@ -51,6 +59,7 @@ def layer_norm_messages(
     return m_x, m_w, m_b
 
 
+@per_sample_rule
 class LayerNormFunction(ExtensionFunction):
     """(x, γ, β) -> layer_norm(x); options: the normalized shape. The inner call is
     ``native_layer_norm``, whose mean and rstd the messages reuse."""
@@ -61,6 +70,25 @@ class LayerNormFunction(ExtensionFunction):
     def keep(outputs: tuple[Tensor, Tensor, Tensor]) -> tuple[Tensor, tuple[Tensor, Tensor]]:
         out, mean, rstd = outputs
         return out, (mean, rstd)
+
+    @classmethod
+    def per_sample(cls, call: BackwardCall) -> list[State | None]:
+        """Rows ``[N, *shape]`` of γ and β: the normalised rows contracted per example."""
+        x, weight, bias = call.inputs
+        (mean, rstd), (m,), shape = call.kept, call.incoming, call.options
+        sr, need = call.semiring, call.needs
+        if x.dim() <= len(shape) or m is None:
+            raise unbatched(cls, x.shape)
+        n, width = x.shape[0], math.prod(shape)
+        dtype = sr.state_dtype(x.dtype)
+        x_hat = ((x - mean) * rstd).to(dtype).reshape(n, -1, width)
+        m_rows = tuple(p.reshape(n, -1, width) for p in m)
+        m_w = m_b = None
+        if need[1] and weight is not None:
+            m_w = tuple(p.reshape(n, *shape) for p in sr.sum(sr.scale(m_rows, x_hat), [1]))
+        if need[2] and bias is not None:
+            m_b = tuple(p.reshape(n, *shape) for p in sr.sum(m_rows, [1]))
+        return [None, m_w, m_b]
 
     @staticmethod
     def messages(call: BackwardCall) -> tuple[State | None, ...]:

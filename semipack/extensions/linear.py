@@ -7,7 +7,7 @@ from torch import Tensor
 
 from ..messages.shared_shift import shared_shift_products
 from ..semirings.base import Semiring, State
-from .base import BackwardCall, ExtensionFunction, Sites, extends
+from .base import BackwardCall, ExtensionFunction, Sites, extends, per_sample_rule, unbatched
 
 
 def linear_messages(
@@ -40,6 +40,29 @@ def linear_messages(
     return m_x, m_w, m_b
 
 
+def linear_per_sample(
+    sr: Semiring, m: State, x: Tensor, want_w: bool, want_b: bool
+) -> tuple[State | None, State | None]:
+    """Per-sample (weight, bias) states of ``x @ weight.T + bias``: ``[N, O, I]`` and ``[N, O]``.
+
+    x: [N, ..., I], each part of m: [N, ..., O]; the token axes are contracted inside one
+    batched semiring product per example block, so nothing larger than the output is built.
+    """
+    n, i = x.shape[0], x.shape[-1]
+    rows = tuple(p.reshape(n, -1, p.shape[-1]) for p in m)
+    m_w = m_b = None
+    if want_w:
+        x3 = x.reshape(n, -1, i).to(sr.state_dtype(x.dtype))
+        if x3.shape[1] == 1:  # one token: an outer product, elementwise
+            m_w = sr.times(tuple(p.transpose(1, 2) for p in rows), sr.lift(x3))
+        else:
+            m_w = sr.matmul(tuple(p.transpose(1, 2) for p in rows), x3)
+    if want_b:
+        m_b = sr.sum(rows, [1])
+    return m_w, m_b
+
+
+@per_sample_rule
 class LinearFunction(ExtensionFunction):
     """(x, W, b) -> x Wᵀ + b."""
 
@@ -49,6 +72,14 @@ class LinearFunction(ExtensionFunction):
     def messages(call: BackwardCall) -> tuple[State | None, ...]:
         x, weight, _ = call.inputs
         return linear_messages(call.semiring, call.incoming[0], x, weight, *call.needs)
+
+    @classmethod
+    def per_sample(cls, call: BackwardCall) -> list[State | None]:
+        x = call.inputs[0]
+        if x.dim() < 2 or call.incoming[0] is None:
+            raise unbatched(cls, x.shape)
+        m_w, m_b = linear_per_sample(call.semiring, call.incoming[0], x, *call.needs[1:])
+        return [None, m_w, m_b]
 
     @staticmethod
     def sites(out: Tensor) -> Sites:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import inspect
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -22,8 +22,8 @@ from torch import Tensor
 
 from ..rules.attention import attention_contract, attention_log_probs
 from ..semirings.base import State
-from .base import BackwardCall, ExtensionFunction, Sites, extends, wants_graph
-from .linear import linear_messages
+from .base import BackwardCall, ExtensionFunction, Sites, extends, per_sample_rule, wants_graph
+from .linear import linear_messages, linear_per_sample
 
 
 def additive_mask(
@@ -59,16 +59,36 @@ class MultiheadOptions:
     average_attn_weights: bool
 
 
+@per_sample_rule
 class MultiheadAttentionFunction(ExtensionFunction):
     """(query, key, value, W_in, b_in, W_out, b_out) -> (output, attention weights or None),
     inputs sequence-first [tokens, batch, embed] as ``F.multi_head_attention_forward`` has
     them; options: ``MultiheadOptions``."""
 
     reads = tuple(range(7))
+    batched_inputs = (0, 1, 2)
+    input_batch_dim = 1  # sequence-first
+    output_batch_dims = (1, 0)
+
+    @staticmethod
+    def example_options(options: MultiheadOptions, i: int) -> MultiheadOptions:
+        mask, padding = options.attn_mask, options.key_padding_mask
+        if mask is not None and mask.dim() == 3:  # [batch * heads, queries, keys]
+            h = options.num_heads
+            mask = mask[i * h : (i + 1) * h]
+        if padding is not None:
+            padding = padding.narrow(0, i, 1)
+        return replace(options, attn_mask=mask, key_padding_mask=padding)
 
     @staticmethod
     def messages(call: BackwardCall) -> list[State | None]:
         return _semiring_messages(call)
+
+    @classmethod
+    def per_sample(cls, call: BackwardCall) -> list[State | None]:
+        """Rows of the projections' weights and biases: the same messages, with each
+        projection's weight contracted per example (``linear_per_sample``)."""
+        return _semiring_messages(call, per_sample=True)
 
     @staticmethod
     def sites(out: tuple[Tensor, Tensor | None]) -> Sites:
@@ -78,8 +98,10 @@ class MultiheadAttentionFunction(ExtensionFunction):
         )
 
 
-def _semiring_messages(call: BackwardCall) -> list[State | None]:
-    """Messages along the reference decomposition (see the module docstring)."""
+def _semiring_messages(call: BackwardCall, per_sample: bool = False) -> list[State | None]:
+    """Messages along the reference decomposition (see the module docstring); with
+    ``per_sample`` the parameters' states keep the batch axis ([batch, *shape]) and the inputs
+    get none."""
     options: MultiheadOptions = call.options
     sr, (m_out, m_weights), need = call.semiring, call.incoming, call.needs
     query, key, value, w_in, b_in, w_out, b_out = call.inputs
@@ -118,9 +140,14 @@ def _semiring_messages(call: BackwardCall) -> list[State | None]:
         m_out = sr.zeros((b, t_q, e), dtype, query.device)
     else:
         m_out = tuple(p.transpose(0, 1) for p in m_out)
-    m_concat, m_wo, m_bo = linear_messages(
-        sr, m_out, concat, w_out.to(dtype), True, need[5], need[6] and b_out is not None
-    )
+    want_wo, want_bo = need[5], need[6] and b_out is not None
+    if per_sample:
+        m_concat, _, _ = linear_messages(sr, m_out, concat, w_out.to(dtype), True, False, False)
+        m_wo, m_bo = linear_per_sample(sr, m_out, concat, want_wo, want_bo)
+    else:
+        m_concat, m_wo, m_bo = linear_messages(
+            sr, m_out, concat, w_out.to(dtype), True, want_wo, want_bo
+        )
     m_heads = tuple(heads(p) for p in m_concat)
     m_p = None
     if m_weights is not None:
@@ -138,19 +165,20 @@ def _semiring_messages(call: BackwardCall) -> list[State | None]:
 
     per_input = []
     weight_parts, bias_parts = [], []
+    want_w, want_b = need[3], need[4] and b_in is not None
     for m_y, x, w in ((m_q, xq, w_q), (m_k, xk, w_k), (m_v, xv, w_v)):
-        m_x, m_w, m_b = linear_messages(
-            sr, merge(m_y), x, w, True, need[3], need[4] and b_in is not None
-        )
-        per_input.append(tuple(p.transpose(0, 1) for p in m_x))
+        if per_sample:
+            m_x = None
+            m_w, m_b = linear_per_sample(sr, merge(m_y), x, want_w, want_b)
+        else:
+            m_x, m_w, m_b = linear_messages(sr, merge(m_y), x, w, True, want_w, want_b)
+            m_x = tuple(p.transpose(0, 1) for p in m_x)
+        per_input.append(m_x)
         weight_parts.append(m_w)
         bias_parts.append(m_b)
-    m_win = tuple(torch.cat(p, 0) for p in zip(*weight_parts, strict=True)) if need[3] else None
-    m_bin = (
-        tuple(torch.cat(p, 0) for p in zip(*bias_parts, strict=True))
-        if need[4] and b_in is not None
-        else None
-    )
+    dim = 1 if per_sample else 0  # the rows stack the three projections after the batch
+    m_win = tuple(torch.cat(p, dim) for p in zip(*weight_parts, strict=True)) if want_w else None
+    m_bin = tuple(torch.cat(p, dim) for p in zip(*bias_parts, strict=True)) if want_b else None
     return [*per_input, m_win, m_bin, m_wo, m_bo]
 
 

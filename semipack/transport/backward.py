@@ -21,12 +21,13 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ..errors import MessageLostError, SemipackError
+from ..errors import MessageLostError, PerSampleError, SemipackError
 from ..messages.message import MODULE_HOOK_NODE, Message
 from ..messages.paths import PathTrace, attach, records_steps
 from ..semirings.base import Semiring, State
 from .hooks import ModuleHookNodes, hooks_need_regular_gradients
 from .passes import carry_pass, in_carry_pass, semiring_pass
+from .per_sample import PerSampleRows, check_graph, check_semiring, collecting, hook_rules
 
 SEMIRING_GRAD = "semiring_grad"
 #: Where ``extend(..., keep_state=True)`` keeps a tensor's final semiring state (a tuple of
@@ -269,9 +270,14 @@ def backward(
     retained: RetainedTensors | None = None,
     keep_state: bool = False,
     accumulate_in_place: Sequence[Tensor] = (),
+    per_sample: dict[int, str] | None = None,
 ) -> list[Tensor]:
     """``torch.autograd.backward`` that also sets ``leaf.semiring_grad``; returns the leaves
     that received a message.
+
+    ``per_sample`` (tensor id -> name, the model's parameters) also sets
+    ``semiring_grad_batch`` on each of them the pass reaches (``transport.per_sample``); the
+    graph is checked for ops without per-sample rules and for mixing before anything runs.
 
     ``watched`` are tensors (the model's parameters) whose messages are captured even when the
     graph walk cannot see them beforehand (a reentrant checkpoint recomputes its graph inside
@@ -302,13 +308,31 @@ def backward(
     if inputs is None and scan.reentrant_checkpoint:
         known = {id(t) for t in leaves}
         leaves += [p for p in watched if id(p) not in known]
+    rows = None
+    if per_sample is not None:
+        check_semiring(sr)
+        if scan.reentrant_checkpoint:
+            raise PerSampleError(
+                "per-sample values cannot see inside a reentrant checkpoint (its graph is built "
+                "during the backward): use torch.utils.checkpoint(..., use_reentrant=False)"
+            )
+        generic_uses = check_graph(tensors, per_sample)
+        rows = PerSampleRows(sr, per_sample)
     kept = retained.alive() if retained is not None else []
     with path_recording(sr, tensors, leaf_names) as sr:
         ledger = GradLedger([*leaves, *kept], accumulate_in_place) if regular_grads else None
         try:
-            captured = _run_backward(
-                tensors, grad_tensors, sr, leaves, regular_grads, retain_graph, inputs, scan
-            )
+            with ExitStack() as collect:
+                if rows is not None:
+                    collect.enter_context(collecting(rows))
+                    for handle in hook_rules(generic_uses, rows):
+                        collect.callback(handle.remove)
+                captured = _run_backward(
+                    tensors, grad_tensors, sr, leaves, regular_grads, retain_graph, inputs, scan
+                )
+            if rows is not None:
+                batched = [t for t in leaves if id(t) in captured and id(t) in per_sample]
+                rows.check(batched)
             retained_messages = _split_retained(kept)
         except BaseException:
             if ledger is not None:
@@ -324,6 +348,8 @@ def backward(
             if msg is not None:
                 store_results(leaf, sr, msg, f"leaf {i}", keep_state)
                 reached.append(leaf)
+        if rows is not None:
+            rows.store(batched, keep_state)
     return reached
 
 

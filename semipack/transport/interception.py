@@ -19,6 +19,7 @@ from torch.overrides import TorchFunctionMode
 from ..graph.saved_inputs import run_recording_inputs
 from ..semirings.base import Semiring
 from . import backward as bw
+from . import per_sample
 from .hooks import TensorHook
 
 
@@ -34,8 +35,10 @@ class SemiringMode(TorchFunctionMode):
         leaf_names: dict[int, str] | None = None,
         keep_state: bool = False,
         accumulate_in_place: Iterable[Tensor] = (),
+        per_sample: bool = False,
     ) -> None:
         super().__init__()
+        self.per_sample = per_sample
         self.sr = sr
         self.regular_grads = regular_grads
         self.keep_state = keep_state
@@ -105,6 +108,11 @@ class SemiringMode(TorchFunctionMode):
             retained=self.retained,
             keep_state=self.keep_state,
             accumulate_in_place=self.accumulate_in_place,
+            per_sample=(
+                {id(p): (self.leaf_names or {}).get(id(p), "?") for p in self.watched}
+                if self.per_sample
+                else None
+            ),
         )
         # A watched parameter this backward did not reach must not keep a stale value.
         reached_ids = {id(t) for t in reached}
@@ -113,3 +121,5 @@ class SemiringMode(TorchFunctionMode):
                 for name in (bw.SEMIRING_GRAD, bw.SEMIRING_STATE):
                     if hasattr(p, name):
                         delattr(p, name)
+            if id(p) not in reached_ids or not self.per_sample:
+                per_sample.clear(p)

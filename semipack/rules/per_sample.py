@@ -1,0 +1,222 @@
+"""Per-sample parameter messages (``extend(..., per_sample=True)``): which autograd nodes may
+touch a parameter, and which nodes mix the examples of a batch.
+
+A parameter's message is a semiring contraction over the batch: for a linear weight,
+``W[o, i] = ⊕_{n, t} m[n, t, o] ⊗ x[n, t, i]``. Per-sample values keep the batch axis instead
+(``rows[n, o, i] = ⊕_t ...``). Only a node that knows its batch axis can do that, so each such
+node is registered here by its autograd node name; the per-sample pass refuses (before it runs)
+a graph in which any other node feeds a parameter of the model, and a graph with a node that
+mixes examples (``mixing_reason``): there a row would no longer be "what example n alone gives".
+
+Two kinds of entries:
+
+- the module extensions (``extensions/``) compute their rows themselves in their backward
+  (``ExtensionFunction.per_sample``) and register with ``register_per_sample(name)``;
+- a few generic autograd nodes get a *row rule* here (``register_per_sample(name, rule)``): the
+  pass calls ``rule(semiring, node, state, input_nr)`` from a pre-hook on the node with the
+  state of the node's output, and the rule returns the ``[N, *param.shape]`` rows of the
+  parameter at ``input_nr``. Built in: a parameter broadcast into ``x * p``, ``x + p``,
+  ``x - p`` (a hand-written bias, gain or layer scale) and batch norm's affine parameters in
+  eval mode.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Sequence
+
+import torch
+from torch import Tensor
+
+from ..errors import PerSampleError
+from ..semirings.base import Semiring, State
+
+#: rows of the parameter at ``input_nr`` of ``node`` from the state at the node's output.
+RowRule = Callable[[Semiring, object, State, int], State]
+
+#: autograd node name -> its row rule, or None for nodes that report their own rows.
+PER_SAMPLE_NODES: dict[str, RowRule | None] = {}
+
+
+def register_per_sample(node_name: str, rule: RowRule | None = None) -> None:
+    """Declare that the autograd node ``node_name`` has per-sample rows for the parameters it
+    feeds: computed by ``rule`` (see the module docstring) or, without one, reported by the
+    node's own backward (``ExtensionFunction.per_sample``)."""
+    PER_SAMPLE_NODES[node_name] = rule
+
+
+def has_per_sample_rule(node_name: str) -> bool:
+    """Whether ``node_name`` computes per-sample rows for the parameters it feeds."""
+    return node_name in PER_SAMPLE_NODES
+
+
+def row_rule(node_name: str) -> RowRule | None:
+    """The generic row rule of ``node_name`` (None for self-reporting nodes)."""
+    return PER_SAMPLE_NODES.get(node_name)
+
+
+# --- generic row rules -------------------------------------------------------------------------
+
+
+def _broadcast_rows(sr: Semiring, state: State, param_shape: Sequence[int]) -> State:
+    """Rows ``[N, *param_shape]`` of a parameter broadcast into a batched output: the state
+    (shaped like the output, batch on dim 0) semiring-summed over every other broadcast dim."""
+    out = state[0].shape
+    shape = list(param_shape)
+    if len(shape) == len(out):
+        if shape[0] != 1 and out[0] != 1:
+            raise PerSampleError(
+                f"per-sample values: a parameter of shape {tuple(shape)} spans the batch dim of "
+                f"an output of shape {tuple(out)}"
+            )
+        shape = shape[1:]
+    if len(shape) >= len(out):
+        raise PerSampleError(
+            f"per-sample values: a parameter of shape {tuple(param_shape)} is not broadcast "
+            f"over a batched output of shape {tuple(out)}"
+        )
+    target = [1] * (len(out) - 1 - len(shape)) + shape
+    dims = [d + 1 for d, size in enumerate(target) if size == 1 and out[d + 1] != 1]
+    rows = sr.sum(state, dims, keepdim=True) if dims else state
+    return tuple(p.reshape(out[0], *param_shape) for p in rows)
+
+
+def _param_shape(node, input_nr: int) -> torch.Size:
+    return node.next_functions[input_nr][0].variable.shape
+
+
+def _mul_rows(sr: Semiring, node, state: State, input_nr: int) -> State:
+    """``x * p``: the edge from p[j] to out[n, ...] weighs the other factor there."""
+    other = node._saved_other if input_nr == 0 else node._saved_self
+    weighted = sr.scale(state, other.expand(state[0].shape).to(state[0].dtype))
+    return _broadcast_rows(sr, weighted, _param_shape(node, input_nr))
+
+
+def _add_rows(sign: float) -> RowRule:
+    def rows(sr: Semiring, node, state: State, input_nr: int) -> State:
+        """``x + alpha * p`` (``x - alpha * p``): each edge from p weighs ±alpha, 1 from x."""
+        out = _broadcast_rows(sr, state, _param_shape(node, input_nr))
+        weight = 1.0 if input_nr == 0 else sign * float(node._saved_alpha)
+        if weight == 1.0:
+            return out
+        return sr.scale(out, torch.tensor(weight, dtype=out[0].dtype))
+
+    return rows
+
+
+def _batch_norm_eval_rows(sr: Semiring, node, state: State, input_nr: int) -> State:
+    """Batch norm in eval mode: ``out = x̂ γ + β`` with x̂ from the running statistics, so the
+    edge from γ[c] to out[n, c, ...] weighs x̂[n, c, ...] and the one from β[c] weighs 1."""
+    if getattr(node, "_saved_training", True):
+        raise PerSampleError(
+            "per-sample values: batch norm in train mode normalises over the batch (use eval mode)"
+        )
+    dtype = state[0].dtype
+    if input_nr == 1:
+        x: Tensor = node._saved_input
+        shape = [1, -1] + [1] * (x.dim() - 2)
+        mean = node._saved_running_mean.reshape(shape)
+        var = node._saved_running_var.reshape(shape)
+        x_hat = ((x - mean) * torch.rsqrt(var + node._saved_eps)).to(dtype)
+        state = sr.scale(state, x_hat)
+    n, c = state[0].shape[:2]
+    dims = list(range(2, state[0].dim()))
+    rows = sr.sum(state, dims) if dims else state
+    return tuple(p.reshape(n, c) for p in rows)
+
+
+register_per_sample("MulBackward0", _mul_rows)
+register_per_sample("AddBackward0", _add_rows(1.0))
+register_per_sample("SubBackward0", _add_rows(-1.0))
+register_per_sample("NativeBatchNormBackward0", _batch_norm_eval_rows)
+
+
+#: Reductions whose saved ``dim`` says which axes they reduce (``SumBackward1``, ...).
+_REDUCTIONS = {
+    "Sum",
+    "Mean",
+    "Nansum",
+    "Nanmean",
+    "Amax",
+    "Amin",
+    "Max",
+    "Min",
+    "Std",
+    "Var",
+    "StdMean",
+    "VarMean",
+    "Logsumexp",
+    "Prod",
+    "Norm",
+    "LinalgVectorNorm",
+    "Cumsum",
+    "Cumprod",
+    "Cummax",
+    "Cummin",
+    "Logcumsumexp",
+    "Softmax",
+    "LogSoftmax",
+    "Median",
+    "Nanmedian",
+}
+_NODE_NAME = re.compile(r"^(?P<op>[A-Za-z]+?)Backward\d*$")
+
+
+def _signed(d: int) -> int:
+    """A dim as autograd saves it (negative dims wrap around as unsigned 64-bit integers)."""
+    return d - 2**64 if d >= 2**63 else d
+
+
+_TRANSPOSES = {"TBackward0", "TransposeBackward0", "PermuteBackward0"}
+
+
+def _own_transpose(node) -> bool:
+    """Whether a 2-D matrix product's second factor is its first one transposed."""
+    (a, _), (b, _) = node.next_functions
+    if a is None or b is None or b.name() not in _TRANSPOSES:
+        return False
+    return any(src is a for src, _ in b.next_functions)
+
+
+def mixing_reason(node) -> str | None:
+    """Why ``node`` (an autograd node inside the model) mixes the examples of the batch, or
+    None. Batch norm in train mode normalises over the batch; a reduction over dim 0 of a
+    tensor with more than one row combines examples before the loss; so does ``x @ x.T`` on a
+    [batch, features] matrix. Other mixing (a matrix product with another example's
+    features, an exchange written by indexing) is not recognised."""
+    name = node.name()
+    if "BatchNorm" in name and not hasattr(node, "_saved_training"):
+        return (
+            "this batch norm backward (cuDNN or MIOpen) does not record whether it ran in train "
+            "mode, where it normalises over the batch (for eval mode, run the forward under "
+            "torch.backends.cudnn.flags(enabled=False))"
+        )
+    if "BatchNorm" in name and node._saved_training:
+        saved = getattr(node, "_saved_input", None)
+        if saved is None or saved.dim() == 0 or saved.shape[0] > 1:
+            return "batch norm in train mode normalises over the batch (use eval mode)"
+        return None
+    if name == "MmBackward0" and _own_transpose(node):
+        return "it multiplies a batch by its own transpose (x @ x.T), pairing the examples"
+    match = _NODE_NAME.match(name)
+    if match is None or match.group("op") not in _REDUCTIONS:
+        return None
+    dims = getattr(node, "_saved_dim", None)
+    sizes = getattr(node, "_saved_self_sym_sizes", None)
+    if dims is None or sizes is None or len(sizes) < 2 or sizes[0] <= 1:
+        return None
+    dims = [dims] if isinstance(dims, int) else list(dims)
+    ndim = len(sizes)
+    if any(_signed(d) % ndim == 0 for d in dims):
+        return f"it reduces over dim 0 (the batch) of a tensor of shape {tuple(sizes)}"
+    return None
+
+
+__all__ = [
+    "PER_SAMPLE_NODES",
+    "RowRule",
+    "has_per_sample_rule",
+    "mixing_reason",
+    "register_per_sample",
+    "row_rule",
+]

@@ -1,0 +1,223 @@
+"""Per-sample semiring values (``extend(..., per_sample=True)``): the graph check before the
+pass, the rows the nodes report during it, and ``p.semiring_grad_batch`` after it.
+
+Row ``n`` of a parameter is the semiring sum over the paths that pass through example ``n``'s
+entries (the batch is dim 0 of the model input). Nodes registered in ``rules.per_sample`` (the
+module extensions) compute their parameters' rows in their backward and ``add`` them here; the
+semiring sum over the rows is the parameter's ``semiring_grad``.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+import torch.utils.hooks
+from torch import Tensor
+
+from ..errors import PerSampleError
+from ..graph.provenance import MODULE_KEY, OUTSIDE_MODEL
+from ..messages.message import Message
+from ..rules.per_sample import has_per_sample_rule, mixing_reason, row_rule
+from ..semirings.base import Semiring, State
+from ..semirings.k_best import KBest
+from ..semirings.product import Product
+from .passes import in_carry_pass
+
+SEMIRING_GRAD_BATCH = "semiring_grad_batch"
+#: With ``keep_state=True``: the rows' states themselves (``[N, *p.shape]`` per component).
+SEMIRING_STATE_BATCH = "semiring_state_batch"
+
+
+def check_semiring(sr: Semiring) -> None:
+    """Refuse semirings whose per-sample rows have no meaning here (path records)."""
+    factors = sr.semirings if isinstance(sr, Product) else (sr,)
+    for s in factors:
+        if s.records_paths or isinstance(s, KBest):
+            raise PerSampleError(
+                f"per-sample values are not supported for {s.name}: its paths are recorded "
+                "once per pass, not per example. Run MaxProd per sample for the best path "
+                "values, or TopPath on one example at a time for the paths"
+            )
+
+
+def _module_of(node) -> str | None:
+    module = node.metadata.get(MODULE_KEY)
+    if module is None or module == OUTSIDE_MODEL:
+        return None
+    return "the root module" if module == "" else f"module '{module}'"
+
+
+def check_graph(roots: Sequence[Tensor], params: dict[int, str]) -> list[tuple[Any, int, Tensor]]:
+    """Raise ``PerSampleError`` before the pass if a node without a per-sample rule feeds a
+    parameter in ``params`` (id -> name), or a node inside the model mixes examples. Returns
+    ``(node, input_nr, parameter)`` for the uses a generic row rule handles (``hook_rules``)."""
+    generic: list[tuple[Any, int, Tensor]] = []
+    seen: set[int] = set()
+    stack = [t.grad_fn for t in roots if t.grad_fn is not None]
+    while stack:
+        node = stack.pop()
+        if node is None or id(node) in seen:
+            continue
+        seen.add(id(node))
+        module = _module_of(node)
+        if module is not None:  # created inside the model's forward (the loss is outside)
+            reason = mixing_reason(node)
+            if reason is not None:
+                raise PerSampleError(
+                    f"per-sample values need examples that do not mix, but {node.name()} "
+                    f"(created by {module}) mixes them: {reason}"
+                )
+        for input_nr, (nxt, _) in enumerate(node.next_functions):
+            if nxt is None:
+                continue
+            variable = getattr(nxt, "variable", None)
+            known = variable is not None and id(variable) in params
+            if known and row_rule(node.name()) is not None:
+                generic.append((node, input_nr, variable))
+            if known and not has_per_sample_rule(node.name()):
+                where = f", created by {module}" if module else ""
+                raise PerSampleError(
+                    f"per-sample values: parameter '{params[id(variable)]}' is used by "
+                    f"{node.name()}{where}, which has no per-sample rule. Supported: "
+                    "parameters used directly by F.linear, conv1d/conv2d, F.layer_norm, "
+                    "F.embedding and nn.MultiheadAttention (the module extensions, with "
+                    "extensions=True); see 'Per-sample values' in the README"
+                )
+            stack.append(nxt)
+    return generic
+
+
+def hook_rules(
+    uses: Sequence[tuple[Any, int, Tensor]], rows: PerSampleRows
+) -> list[torch.utils.hooks.RemovableHandle]:
+    """Pre-hooks that run the generic row rules on the state arriving at each node of ``uses``
+    (from ``check_graph``) and report the rows to ``rows``; remove them after the pass."""
+    by_node: dict[int, tuple[Any, list[tuple[int, Tensor]]]] = {}
+    for node, input_nr, param in uses:
+        by_node.setdefault(id(node), (node, []))[1].append((input_nr, param))
+    handles = []
+    for node, params in by_node.values():
+        rule = row_rule(node.name())
+
+        def prehook(grad_outputs, node=node, params=params, rule=rule):
+            msg = grad_outputs[0]
+            if in_carry_pass() or not isinstance(msg, Message):
+                return None
+            for input_nr, param in params:
+                rows.add(param, rule(msg.semiring, node, msg.parts, input_nr))
+            return None
+
+        handles.append(node.register_prehook(prehook))
+    return handles
+
+
+class PerSampleRows:
+    """The rows reported during one pass: parameter id -> ``[N, *p.shape]`` state."""
+
+    def __init__(self, sr: Semiring, params: dict[int, str]) -> None:
+        self.sr = sr
+        self.names = params
+        self.rows: dict[int, State] = {}
+        self._lock = threading.Lock()
+
+    def wants(self, node) -> Tensor | None:
+        """The parameter behind ``node`` (an input edge's node), if it is one we collect."""
+        variable = getattr(node, "variable", None) if node is not None else None
+        if variable is not None and id(variable) in self.names:
+            return variable
+        return None
+
+    def add(self, param: Tensor, rows: State) -> None:
+        """Semiring-add ``rows`` (``[N, *param.shape]``) to what ``param`` has."""
+        with self._lock:
+            before = self.rows.get(id(param))
+            if before is not None and before[0].shape[0] != rows[0].shape[0]:
+                raise _disagree(self.names[id(param)], before[0].shape[0], rows[0].shape[0])
+            self.rows[id(param)] = rows if before is None else self.sr.plus(before, rows)
+
+    def check(self, params: Sequence[Tensor]) -> None:
+        """Raise unless every parameter in ``params`` has rows, all of one batch size."""
+        for p in params:
+            if id(p) not in self.rows:
+                raise PerSampleError(
+                    f"per-sample values: no rows reached parameter '{self.names[id(p)]}'"
+                )
+        sizes = [self.rows[id(p)][0].shape[0] for p in params]
+        if len(set(sizes)) > 1:
+            batch = max(set(sizes), key=sizes.count)
+            odd = ", ".join(
+                f"'{self.names[id(p)]}' ({n})"
+                for p, n in zip(params, sizes, strict=True)
+                if n != batch
+            )
+            raise PerSampleError(
+                f"per-sample values: most parameters saw a batch of {batch} examples, but {odd} "
+                "did not: they were used on a tensor whose dim 0 is not the batch. A lookup "
+                "broadcast over the batch (Hugging Face position embeddings: pass position_ids "
+                "of shape [N, T]) or a sequence-first layout (put the batch first)"
+            )
+
+    def store(self, params: Sequence[Tensor], keep_state: bool) -> None:
+        """``semiring_grad_batch`` (and with ``keep_state`` ``semiring_state_batch``) on each
+        parameter in ``params`` (``check`` first)."""
+        for p in params:
+            rows = self.rows[id(p)]
+            setattr(p, SEMIRING_GRAD_BATCH, self.sr.readout(rows))
+            if keep_state:
+                setattr(p, SEMIRING_STATE_BATCH, tuple(rows))
+            elif hasattr(p, SEMIRING_STATE_BATCH):
+                delattr(p, SEMIRING_STATE_BATCH)
+
+
+def _disagree(name: str, a: int, b: int) -> PerSampleError:
+    return PerSampleError(
+        f"per-sample values: parameter '{name}' is used on batches of {a} and {b} examples; "
+        "every use must see the model's batch on dim 0"
+    )
+
+
+def clear(t: Tensor) -> None:
+    """Remove per-sample results an earlier pass left on ``t``."""
+    for name in (SEMIRING_GRAD_BATCH, SEMIRING_STATE_BATCH):
+        if hasattr(t, name):
+            delattr(t, name)
+
+
+_lock = threading.Lock()
+_active: list[PerSampleRows] = []
+
+
+@contextmanager
+def collecting(rows: PerSampleRows) -> Iterator[PerSampleRows]:
+    """Make ``rows`` the collector the nodes report to while the pass runs. Module-level, not
+    thread-local: on CUDA the engine runs backward functions on its own threads."""
+    with _lock:
+        _active.append(rows)
+    try:
+        yield rows
+    finally:
+        with _lock:
+            _active.remove(rows)
+
+
+def active_rows() -> PerSampleRows | None:
+    """The collector of the running per-sample pass, if any (None in a carry pass too)."""
+    with _lock:
+        return _active[-1] if _active else None
+
+
+__all__ = [
+    "SEMIRING_GRAD_BATCH",
+    "SEMIRING_STATE_BATCH",
+    "PerSampleRows",
+    "active_rows",
+    "check_graph",
+    "check_semiring",
+    "clear",
+    "collecting",
+    "hook_rules",
+]

@@ -1,0 +1,513 @@
+"""Per-sample semiring values: ``extend(..., per_sample=True)`` and ``p.semiring_grad_batch``.
+
+Oracles, all independent of the per-sample code:
+
+- the semiring sum over the rows (from ``semiring_state_batch``, and for Real, MaxProd and
+  LogSum by the readouts' own sum, max and logsumexp) equals the batch's ``semiring_grad``;
+- each row equals a plain semipack pass over that example alone, on the generic per-op rules
+  (``extensions=False``), with a loss whose reduction weights match the batch's;
+- Real's rows equal per-example gradients from ``torch.autograd``.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from helpers import SEMIRINGS, assert_readout_matches, semiring_names, tiny_bert_config
+from torch import nn
+
+import semipack
+from semipack import PerSampleError
+
+#: TopPath records one path per pass: per-sample values refuse it (test_path_semirings_refused).
+NAMES = semiring_names("top_path")
+
+
+class TokenModel(nn.Module):
+    """Embedding (with padding) -> LayerNorm -> Linear on [N, T] ids, then a head on [N, T, d]."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(7, 4, padding_idx=0)
+        self.norm = nn.LayerNorm(4)
+        self.proj = nn.Linear(4, 5)
+        self.head = nn.Linear(5, 2)
+
+    def forward(self, ids):
+        return self.head(torch.tanh(self.proj(self.norm(self.emb(ids)))))
+
+
+class AttentionModel(nn.Module):
+    """nn.MultiheadAttention (batch first, key padding mask) between two Linear layers."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(3, 4)
+        self.attn = nn.MultiheadAttention(4, 2, batch_first=True)
+        self.out = nn.Linear(4, 2)
+
+    def forward(self, x, padding=None):
+        h = self.inp(x)
+        a, _ = self.attn(h, h, h, key_padding_mask=padding)
+        return self.out(a + h)
+
+
+class Affine(nn.Module):
+    """A hand-written gain and bias (generic row rules for mul, add and sub)."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.gain = nn.Parameter(torch.randn(width))
+        self.bias = nn.Parameter(torch.randn(width))
+        self.shift = nn.Parameter(torch.randn(1, width))
+
+    def forward(self, x):
+        return (self.gain * x + self.bias) - self.shift
+
+
+def _batch_mlp():
+    model = nn.Sequential(nn.Linear(4, 6), nn.GELU(), nn.LayerNorm(6), nn.Linear(6, 3))
+    return model, (torch.randn(5, 4),)
+
+
+def _sequence_mlp():
+    model = nn.Sequential(nn.Linear(3, 5), nn.Tanh(), nn.Linear(5, 2))
+    return model, (torch.randn(4, 3, 3),)
+
+
+def _conv2d():
+    model = nn.Sequential(
+        nn.Conv2d(2, 4, 3, padding=1, groups=2), nn.ReLU(), nn.Conv2d(4, 2, 2), nn.Flatten(),
+        nn.Linear(2 * 3 * 3, 3),
+    )  # fmt: skip
+    return model, (torch.randn(3, 2, 4, 4),)
+
+
+def _conv1d():
+    model = nn.Sequential(nn.Conv1d(2, 3, 3, stride=2), nn.Tanh(), nn.Flatten(), nn.Linear(9, 2))
+    return model, (torch.randn(3, 2, 7),)
+
+
+def _tokens():
+    ids = torch.tensor([[1, 2, 0, 3], [4, 4, 5, 0], [6, 1, 2, 3]])
+    return TokenModel(), (ids,)
+
+
+def _attention():
+    padding = torch.tensor([[False, False, True], [False, False, False], [False, True, True]])
+    return AttentionModel(), (torch.randn(3, 3, 3), padding)
+
+
+def _encoder_layer():
+    layer = nn.TransformerEncoderLayer(4, 2, dim_feedforward=6, dropout=0.0, batch_first=True)
+    return nn.Sequential(layer, nn.Linear(4, 2)), (torch.randn(2, 3, 4),)
+
+
+def _affine():
+    model = nn.Sequential(nn.Linear(3, 4), Affine(4), nn.Tanh(), nn.Linear(4, 2))
+    return model, (torch.randn(3, 5, 3),)
+
+
+def _batch_norm_eval():
+    model = nn.Sequential(
+        nn.Conv2d(2, 3, 2), nn.BatchNorm2d(3), nn.Tanh(), nn.Flatten(), nn.Linear(27, 2)
+    )
+    model.train()(torch.randn(6, 2, 4, 4))  # running statistics (the model is then in eval)
+    return model, (torch.randn(3, 2, 4, 4),)
+
+
+MODELS = {
+    "mlp": _batch_mlp,
+    "sequence_mlp": _sequence_mlp,
+    "conv2d_groups": _conv2d,
+    "conv1d": _conv1d,
+    "embedding_layernorm": _tokens,
+    "multihead_attention": _attention,
+    "encoder_layer": _encoder_layer,
+    "hand_written_affine": _affine,
+    "batch_norm_eval": _batch_norm_eval,
+}
+
+
+def _build(name: str):
+    torch.manual_seed(0)
+    model, inputs = MODELS[name]()
+    return model.double().eval(), tuple(x.double() if x.is_floating_point() else x for x in inputs)
+
+
+def _loss(out):
+    """A per-example sum (reduction weight 1 per entry, alone or in the batch)."""
+    return (out.tanh() * torch.linspace(0.5, 1.5, out.shape[-1], dtype=out.dtype)).sum()
+
+
+def _example(inputs, i):
+    return tuple(x[i : i + 1] for x in inputs)
+
+
+def _per_sample(model, inputs, sr, **kwargs):
+    for p in model.parameters():
+        p.grad = None
+    with semipack.extend(model, sr, per_sample=True, **kwargs):
+        _loss(model(*inputs)).backward()
+    return dict(model.named_parameters())
+
+
+@pytest.mark.parametrize("model_name", list(MODELS))
+@pytest.mark.parametrize("semiring_name", NAMES)
+def test_rows_sum_to_semiring_grad(model_name, semiring_name):
+    model, inputs = _build(model_name)
+    sr = SEMIRINGS[semiring_name]()
+    params = _per_sample(model, inputs, sr, keep_state=True)
+    n = inputs[0].shape[0]
+    for name, p in params.items():
+        rows = p.semiring_state_batch
+        assert all(part.shape == (n, *p.shape) for part in rows), name
+        total = sr.readout(sr.sum(rows, [0]))
+        assert_readout_matches(semiring_name, p.semiring_grad, total, f"{model_name} {name}")
+
+
+@pytest.mark.parametrize("model_name", ["mlp", "sequence_mlp", "multihead_attention"])
+def test_readout_sums(model_name):
+    """The sum over rows in the readouts' own terms: Real adds, MaxProd maxes, LogSum
+    log-sum-exps; and p.grad stays the plain gradient."""
+    model, inputs = _build(model_name)
+    _loss(model(*inputs)).backward()
+    plain = {n: p.grad.clone() for n, p in model.named_parameters()}
+    for sr, total in (
+        (semipack.Real(), lambda r: r.sum(0)),
+        (semipack.MaxProd(), lambda r: r.amax(0)),
+        (semipack.LogSum(), lambda r: r.logsumexp(0)),
+    ):
+        rows = {}
+        for name, p in _per_sample(model, inputs, sr).items():
+            assert torch.equal(p.grad, plain[name]), name
+            rows[name] = p.semiring_grad_batch
+            assert p.semiring_grad_batch.shape == (inputs[0].shape[0], *p.shape)
+            torch.testing.assert_close(total(p.semiring_grad_batch), p.semiring_grad)
+        for name, p in _per_sample(model, inputs, sr, regular_grads=False).items():
+            assert p.grad is None  # the same rows without the regular gradient
+            torch.testing.assert_close(p.semiring_grad_batch, rows[name], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("model_name", list(MODELS))
+@pytest.mark.parametrize("semiring_name", NAMES)
+def test_rows_equal_single_examples(model_name, semiring_name):
+    model, inputs = _build(model_name)
+    sr = SEMIRINGS[semiring_name]()
+    rows = {n: p.semiring_grad_batch for n, p in _per_sample(model, inputs, sr).items()}
+    for i in range(inputs[0].shape[0]):
+        with semipack.extend(model, sr, extensions=False):
+            _loss(model(*_example(inputs, i))).backward()
+        for name, p in model.named_parameters():
+            row = rows[name]
+            row = type(row)(*(r[i] for r in row)) if isinstance(row, tuple) else row[i]
+            assert_readout_matches(semiring_name, p.semiring_grad, row, f"{name} example {i}")
+
+
+@pytest.mark.parametrize("model_name", list(MODELS))
+def test_real_rows_are_per_example_gradients(model_name):
+    model, inputs = _build(model_name)
+    rows = {
+        n: p.semiring_grad_batch for n, p in _per_sample(model, inputs, semipack.Real()).items()
+    }
+    params = list(model.parameters())
+    for i in range(inputs[0].shape[0]):
+        grads = torch.autograd.grad(_loss(model(*_example(inputs, i))), params)
+        for (name, _), g in zip(model.named_parameters(), grads, strict=True):
+            torch.testing.assert_close(rows[name][i], g, rtol=1e-10, atol=1e-12)
+
+
+def test_mean_reduction_weights_are_in_the_rows():
+    """With a mean loss each row carries the 1/N edge: it equals example n alone with its
+    loss divided by N (Real: BackPACK's grad_batch convention)."""
+    model, (x,) = _build("mlp")
+    y = torch.tensor([0, 2, 1, 1, 0])
+    for sr in (semipack.Real(), semipack.MaxProd(), semipack.LogSum()):
+        with semipack.extend(model, sr, per_sample=True):
+            F.cross_entropy(model(x), y).backward()
+        rows = {n: p.semiring_grad_batch for n, p in model.named_parameters()}
+        for i in range(len(x)):
+            with semipack.extend(model, sr, extensions=False):
+                (F.cross_entropy(model(x[i : i + 1]), y[i : i + 1]) / len(x)).backward()
+            for name, p in model.named_parameters():
+                torch.testing.assert_close(rows[name][i], p.semiring_grad, rtol=1e-10, atol=1e-12)
+
+
+def test_entropy_rows_combine_with_logsum_masses():
+    """The path distribution of the batch is the mixture of the examples' distributions with
+    weights w_n = Z_n / Z (LogSum's rows): H = Σ_n w_n (H_n - log w_n)."""
+    model, inputs = _build("sequence_mlp")
+    entropy = {
+        n: p.semiring_grad_batch for n, p in _per_sample(model, inputs, semipack.Entropy()).items()
+    }
+    total = {n: p.semiring_grad.clone() for n, p in model.named_parameters()}
+    mass = {
+        n: p.semiring_grad_batch for n, p in _per_sample(model, inputs, semipack.LogSum()).items()
+    }
+    for name in total:
+        log_w = mass[name] - mass[name].logsumexp(0, keepdim=True)
+        mixed = (log_w.exp() * (entropy[name] - log_w)).sum(0)
+        torch.testing.assert_close(mixed, total[name])
+
+
+def test_template_default_runs_messages_per_example():
+    """An extension without a per_sample of its own gets ExtensionFunction's: its messages
+    once per example. A Linear routed to such an extension gives the fused rows."""
+    from semipack.extensions.base import ExtensionFunction, extending, per_sample_rule
+    from semipack.extensions.linear import LinearFunction
+
+    calls = []
+
+    @per_sample_rule
+    class LoopLinear(LinearFunction):
+        @classmethod
+        def per_sample(cls, call):
+            calls.append(cls.batch_size(call))
+            return ExtensionFunction.per_sample.__func__(cls, call)
+
+    def handler(input, weight, bias=None):
+        return LoopLinear.run(F.linear, [input, weight, bias])
+
+    model, inputs = _build("sequence_mlp")
+    for sr in (semipack.MaxProd(), semipack.Entropy()):
+        fused = {n: p.semiring_grad_batch for n, p in _per_sample(model, inputs, sr).items()}
+        with extending(handler, F.linear):
+            looped = _per_sample(model, inputs, sr)
+        for name, p in looped.items():
+            torch.testing.assert_close(p.semiring_grad_batch, fused[name], equal_nan=True)
+    assert calls == [4, 4, 4, 4]  # two layers, two semirings, batch of 4
+
+
+def test_bert():
+    """A tiny Hugging Face BERT (eager attention, padding mask) with position ids given per
+    example: rows sum to semiring_grad and equal each example alone."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    model = transformers.BertModel._from_config(tiny_bert_config(), attn_implementation="eager")
+    model = model.double().eval()
+    ids = torch.tensor([[1, 5, 7, 2], [1, 9, 2, 0], [1, 3, 3, 2]])
+    mask = (ids != 0).long()
+    pos = torch.arange(4).expand(3, 4)
+
+    def run(sl, sr, **kwargs):
+        with semipack.extend(model, sr, **kwargs):
+            out = model(ids[sl], attention_mask=mask[sl], position_ids=pos[sl])
+            out.last_hidden_state.pow(2).sum().backward()
+
+    for sr in (semipack.MaxProd(), semipack.LogSum(), semipack.Entropy(), semipack.Real()):
+        run(slice(None), sr, per_sample=True, keep_state=True)
+        # the pooler is not on the way to last_hidden_state
+        named = {n: p for n, p in model.named_parameters() if not n.startswith("pooler.")}
+        assert not any(hasattr(p, "semiring_grad_batch") for p in model.pooler.parameters())
+        rows = {n: p.semiring_grad_batch for n, p in named.items()}
+        assert rows["embeddings.word_embeddings.weight"].shape == (3, 20, 8)
+        for p in named.values():
+            total = sr.readout(sr.sum(p.semiring_state_batch, [0]))
+            torch.testing.assert_close(total, p.semiring_grad, equal_nan=True)
+        for i in range(3):
+            run(slice(i, i + 1), sr, extensions=False)
+            for name, p in named.items():
+                torch.testing.assert_close(rows[name][i], p.semiring_grad, equal_nan=True)
+
+
+def test_bert_sdpa_rows_equal_eager_rows():
+    transformers = pytest.importorskip("transformers")
+    ids = torch.tensor([[1, 5, 7, 2], [1, 9, 2, 0]])
+    rows = {}
+    for impl in ("eager", "sdpa"):
+        torch.manual_seed(0)
+        model = transformers.BertModel._from_config(tiny_bert_config(), attn_implementation=impl)
+        model = model.double().eval()
+        with semipack.extend(model, semipack.LogSum(), per_sample=True):
+            out = model(
+                ids, attention_mask=(ids != 0).long(), position_ids=torch.arange(4).expand(2, 4)
+            )
+            out.pooler_output.sum().backward()
+        rows[impl] = {n: p.semiring_grad_batch for n, p in model.named_parameters()}
+    for name, row in rows["eager"].items():
+        torch.testing.assert_close(rows["sdpa"][name], row)
+
+
+def test_bert_position_ids_broadcast_refused():
+    transformers = pytest.importorskip("transformers")
+    model = transformers.BertModel._from_config(tiny_bert_config(), attn_implementation="eager")
+    ids = torch.tensor([[1, 5, 7, 2], [1, 9, 2, 0]])
+    with semipack.extend(model.eval(), semipack.MaxProd(), per_sample=True):
+        loss = model(ids).last_hidden_state.sum()
+        with pytest.raises(PerSampleError, match=r"'embeddings.position_embeddings.weight' \(1\)"):
+            loss.backward()
+    assert all(p.grad is None for p in model.parameters())  # nothing written
+
+
+def test_product_rows_per_factor():
+    model, inputs = _build("sequence_mlp")
+    factors = (semipack.MaxProd(), semipack.Entropy(), semipack.LogSum())
+    product = _per_sample(model, inputs, semipack.Product(*factors))
+    rows = {n: p.semiring_grad_batch for n, p in product.items()}
+    for k, sr in enumerate(factors):
+        for name, p in _per_sample(model, inputs, sr).items():
+            torch.testing.assert_close(rows[name][k], p.semiring_grad_batch, equal_nan=True)
+
+
+def test_later_pass_without_per_sample_removes_rows():
+    model, inputs = _build("mlp")
+    _per_sample(model, inputs, semipack.MaxProd())
+    with semipack.extend(model, semipack.MaxProd()):
+        _loss(model(*inputs)).backward()
+    assert not any(hasattr(p, "semiring_grad_batch") for p in model.parameters())
+
+
+def test_shared_layer_used_twice():
+    """A layer applied twice: its rows add both uses, example by example."""
+    torch.manual_seed(0)
+    lin = nn.Linear(3, 3).double()
+    model = nn.Sequential(lin, nn.Tanh(), lin)
+    x = torch.randn(4, 3, dtype=torch.float64)
+    for sr, name in ((semipack.MaxProd(), "max_prod"), (semipack.Entropy(), "entropy")):
+        rows = {n: p.semiring_grad_batch for n, p in _per_sample(model, (x,), sr).items()}
+        for i in range(4):
+            with semipack.extend(model, sr, extensions=False):
+                _loss(model(x[i : i + 1])).backward()
+            for n, p in model.named_parameters():
+                assert_readout_matches(name, p.semiring_grad, rows[n][i], f"{n} {i}")
+
+
+# --- refusals ----------------------------------------------------------------------------------
+
+
+def _refused(model, inputs, match, sr=None, **kwargs):
+    for p in model.parameters():
+        p.grad = None
+    with semipack.extend(model, sr or semipack.MaxProd(), per_sample=True, **kwargs):
+        loss = _loss(model(*inputs))
+        with pytest.raises(PerSampleError, match=match):
+            loss.backward()
+    assert all(p.grad is None for p in model.parameters())
+    assert not any(hasattr(p, "semiring_grad_batch") for p in model.parameters())
+
+
+def test_batch_norm_in_train_mode_refused():
+    model = nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4, affine=False), nn.Linear(4, 2))
+    _refused(
+        model.train(),
+        (torch.randn(5, 3),),
+        r"NativeBatchNormBackward0 \(created by module '1'\) mixes them: batch norm in train "
+        r"mode normalises over the batch \(use eval mode\)",
+    )
+
+
+def test_batch_norm_that_hides_its_mode_is_mixing():
+    """cuDNN's batch norm node does not record train or eval mode: refused, never guessed."""
+    from semipack.rules.per_sample import mixing_reason
+
+    class CudnnNode:
+        def name(self):
+            return "CudnnBatchNormBackward0"
+
+    assert "does not record whether it ran in train mode" in mixing_reason(CudnnNode())
+
+
+class Centred(nn.Module):
+    def forward(self, x):
+        return x - x.mean(0, keepdim=True)
+
+
+def test_reduction_over_the_batch_refused():
+    model = nn.Sequential(nn.Linear(3, 4), Centred(), nn.Linear(4, 2))
+    _refused(
+        model,
+        (torch.randn(5, 3),),
+        r"MeanBackward1 \(created by module '1'\) mixes them: it reduces over dim 0 \(the "
+        r"batch\) of a tensor of shape \(5, 4\)",
+    )
+
+
+class Gram(nn.Module):
+    def forward(self, x):
+        return (x @ x.T) @ x
+
+
+def test_gram_matrix_over_the_batch_refused():
+    model = nn.Sequential(nn.Linear(3, 4), Gram(), nn.Linear(4, 2))
+    _refused(
+        model,
+        (torch.randn(5, 3),),
+        r"MmBackward0 \(created by module '1'\) mixes them: it multiplies a batch by its own "
+        r"transpose \(x @ x.T\)",
+    )
+
+
+class MatrixProduct(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.ones(4, 4))
+
+    def forward(self, x):
+        return x @ self.w
+
+
+def test_op_without_per_sample_rule_refused():
+    model = nn.Sequential(nn.Linear(3, 4), MatrixProduct(), nn.Linear(4, 2))
+    _refused(
+        model,
+        (torch.randn(5, 3),),
+        r"parameter '1.w' is used by MmBackward0, created by module '1', which has no "
+        r"per-sample rule",
+    )
+
+
+def test_parameter_spanning_the_batch_refused():
+    class PerRow(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.table = nn.Parameter(torch.ones(5, 4))
+
+        def forward(self, x):
+            return x + self.table
+
+    _refused(
+        nn.Sequential(nn.Linear(3, 4), PerRow()),
+        (torch.randn(5, 3),),
+        r"a parameter of shape \(5, 4\) spans the batch dim of an output of shape \(5, 4\)",
+    )
+
+
+def test_weight_through_an_op_refused():
+    """A weight reaching F.linear through another op (here a transpose) is not used directly."""
+
+    class Tied(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.w = nn.Parameter(torch.randn(3, 4))
+
+        def forward(self, x):
+            return F.linear(F.linear(x, self.w.t()), self.w)
+
+    _refused(Tied(), (torch.randn(2, 3),), r"parameter 'w' is used by TBackward0")
+
+
+def _refused_at_entry(model, sr, match, **kwargs):
+    with (
+        pytest.raises(PerSampleError, match=match),
+        semipack.extend(model, sr, per_sample=True, **kwargs),
+    ):
+        pass
+
+
+def test_path_semirings_refused():
+    model = nn.Linear(2, 2)
+    _refused_at_entry(model, semipack.TopPath(), "not supported for TopPath: its paths")
+    _refused_at_entry(model, semipack.KBest(2), "not supported for KBest")
+
+
+def test_sequence_first_attention_refused():
+    model = nn.Sequential(nn.MultiheadAttention(4, 2))
+    _refused_at_entry(model, semipack.MaxProd(), "'0' has batch_first=False")
+
+
+def test_needs_model_and_extensions():
+    _refused_at_entry(None, semipack.MaxProd(), "needs the model")
+    _refused_at_entry(
+        nn.Linear(2, 2), semipack.MaxProd(), "needs extensions=True", extensions=False
+    )

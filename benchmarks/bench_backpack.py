@@ -25,7 +25,6 @@ import argparse
 import copy
 import statistics
 import sys
-import time
 import warnings
 from collections.abc import Callable
 from contextlib import AbstractContextManager, ExitStack
@@ -39,7 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import backpack
 from backpack import extensions as bpe
-from common import machine
+from common import interleaved, machine
 
 import semipack
 
@@ -73,20 +72,6 @@ def step(
             loss(model(x), y).backward()
 
     return run
-
-
-def interleaved(variants: dict[str, Callable[[], None]], repeats: int) -> dict[str, list[float]]:
-    """Wall times of each variant in each of ``repeats`` rounds, the variants taking turns
-    within every round, after one warm-up round (native kernels build, caches fill)."""
-    for run in variants.values():
-        run()
-    times: dict[str, list[float]] = {name: [] for name in variants}
-    for _ in range(repeats):
-        for name, run in variants.items():
-            start = time.perf_counter()
-            run()
-            times[name].append(time.perf_counter() - start)
-    return times
 
 
 def bench(semiring: str, batch: int, repeats: int) -> dict[str, list[float]]:

@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
-import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -33,7 +32,7 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import machine
+from common import interleaved, machine
 
 import semipack
 
@@ -95,15 +94,7 @@ def bench(workload: str, semiring: str, repeats: int) -> dict[str, list[float]]:
         "batch": step(model, inputs, target, make()),
         "per_sample": step(model, inputs, target, make(), per_sample=True),
     }
-    for run in variants.values():
-        run()
-    times: dict[str, list[float]] = {name: [] for name in variants}
-    for _ in range(repeats):
-        for name, run in variants.items():
-            start = time.perf_counter()
-            run()
-            times[name].append(time.perf_counter() - start)
-    return times
+    return interleaved(variants, repeats)
 
 
 def main() -> None:

@@ -89,6 +89,21 @@ def time_backwards_interleaved(
     return {key: min(t) for key, t in times.items()}
 
 
+def interleaved(variants: dict[str, Callable[[], object]], repeats: int) -> dict[str, list[float]]:
+    """Wall times of each variant (a whole step each) in each of ``repeats`` rounds, the
+    variants taking turns within every round, after one warm-up round (native kernels build,
+    caches fill): drift on a shared machine hits every variant alike."""
+    for run in variants.values():
+        run()
+    times: dict[str, list[float]] = {name: [] for name in variants}
+    for _ in range(repeats):
+        for name, run in variants.items():
+            start = time.perf_counter()
+            run()
+            times[name].append(time.perf_counter() - start)
+    return times
+
+
 def memory_of(
     step: Callable[[], Callable[[], object]], reset: Callable[[], None] | None = None
 ) -> int:

@@ -101,8 +101,7 @@ class Entropy(Semiring):
         return a[0] == float("-inf")
 
     def readout(self, a: State) -> Tensor:
-        h = a[0] + a[1]
-        return torch.where(torch.isfinite(a[0]), h, torch.full_like(h, float("nan")))
+        return (a[0] + a[1]).masked_fill_(~torch.isfinite(a[0]), float("nan"))  # a fresh sum
 
     def matmul(self, a: State, w: Tensor) -> State:
         # Σ_k e_k|w_kj| (R_k - log|w_kj|) = (e∘R) @ |w| - e @ (|w| log|w|): three BLAS calls.

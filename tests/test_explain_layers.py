@@ -3,6 +3,7 @@ plain semiring runs (no split), against TopPath's own values, and on hand-made p
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import pytest
@@ -189,3 +190,123 @@ def test_llama_layers_and_unknown_models() -> None:
         attention_layers(torch.nn.Sequential(torch.nn.Linear(2, 2)))
     with pytest.raises(semipack.SemipackError, match="target\\(\\) must return a scalar"):
         semipack.explain_layers(llama, semipack.MaxProd(), lambda: llama(input_ids=IDS)[0])
+
+
+def _hand_flow(semiring: str, branches: dict[str, list[float]], **options) -> semipack.LayerFlow:
+    """One layer, one example: the branch values given, the total their max, two heads that
+    copy the first two branches."""
+    values = {n: torch.tensor([v], dtype=torch.float64) for n, v in branches.items()}
+    stacked = torch.stack([v[0] for v in values.values()])
+    heads = stacked[:2].T[None, None]  # [layers, batch, tokens, heads]
+    total = stacked.amax(0)[None, None]
+    return semipack.LayerFlow(semiring, ["l0"], [values], total, heads, **options)
+
+
+def test_unreached_tokens_and_ties_in_shares_and_best_branches() -> None:
+    """Token 3 has no path (all zero): it counts in no share and reads ``-``; token 1 ties
+    between query and key: half a token each."""
+    flow = _hand_flow(
+        "MaxProd",
+        {
+            "query": [0.5, 0.3, 0.1, 0.0],
+            "key": [0.2, 0.3, 0.0, 0.0],
+            "residual": [0.1, 0.2, 0.4, 0.0],
+        },
+    )
+    assert flow.best_branch() == [["query"], ["query/key"], ["residual"], ["-"]]
+    assert flow.branch_shares() == [{"query": 0.5, "key": 1 / 6, "residual": 1 / 3}]
+    assert flow.head_shares() == [[5 / 6, 1 / 6]]  # heads: query, key; token 2 head 0's
+    table = flow.table().splitlines()
+    assert table[2].split() == ["L0", "50.0%", "16.7%", "33.3%", "83.3%", "16.7%"]
+    lines = flow.token_table().splitlines()
+    assert [line.split()[1] for line in lines[1:]] == ["query", "query/key", "residual", "-"]
+
+
+def test_no_token_reached_gives_no_share() -> None:
+    flow = _hand_flow("MaxProd", {"query": [0.0, 0.0], "key": [0.0, 0.0]})
+    shares = flow.branch_shares()[0]
+    assert all(math.isnan(v) for v in shares.values())
+    assert flow.table().splitlines()[2].split() == ["L0", "-", "-", "-", "-"]
+
+
+def test_logsum_linear_and_log_shares_agree_and_skip_unreached() -> None:
+    logs = {"query": [0.0, math.log(3.0), -math.inf], "residual": [math.log(4.0), 0.0, -math.inf]}
+    linear = {n: [math.exp(v) for v in vs] for n, vs in logs.items()}
+    want = {"query": 4 / 9, "residual": 5 / 9}
+    assert _hand_flow("LogSum", logs).branch_shares()[0] == pytest.approx(want, rel=1e-12)
+    flow = _hand_flow("LogSum", linear, no_path=0.0, log=False)
+    assert flow.branch_shares()[0] == pytest.approx(want, rel=1e-12)
+
+
+def test_entropy_table_means_only_reached_tokens() -> None:
+    nan = math.nan
+    flow = _hand_flow("Entropy", {"query": [1.0, 2.0, nan], "key": [nan, 4.0, nan]})
+    assert flow.table().splitlines()[2].split() == ["L0", "1.500", "4.000"]
+    assert flow.token_table().splitlines()[3].split() == ["2", "-"]
+
+
+def _masked_target(model, mask):
+    return lambda: model(input_ids=IDS, attention_mask=mask).last_hidden_state[0, 0].sum()
+
+
+@pytest.mark.parametrize("semiring", [semipack.MaxProd(), semipack.LogSum(log=False)])
+def test_padding_token_is_reached_by_no_path(semiring) -> None:
+    """With the last token masked out of attention and the target at token 0, no path
+    reaches the last token: its total is the no-path readout (0), and the shares are those of
+    the other four tokens, counted independently from the branch values."""
+    model = _bert()
+    mask = torch.tensor([[1, 1, 1, 1, 0]])
+    flow = semipack.explain_layers(model, semiring, _masked_target(model, mask))
+    assert (flow.total[:, 0, 4] == 0).all() and (flow.total[:, 0, :4] > 0).all()
+    if isinstance(semiring, semipack.MaxProd):
+        assert flow.best_branch()[-1] == ["-", "-"]
+        for i, layer in enumerate(flow.branches):
+            names = list(layer)
+            winners = torch.stack([layer[n][0, :4] for n in names]).argmax(0).tolist()
+            want = {n: sum(w == k for w in winners) / 4 for k, n in enumerate(names)}
+            assert flow.branch_shares()[i] == pytest.approx(want)
+    else:  # the linear flow of each branch over the flow of all
+        log_flow = semipack.explain_layers(model, semipack.LogSum(), _masked_target(model, mask))
+        for got, want in zip(flow.branch_shares(), log_flow.branch_shares(), strict=True):
+            assert got == pytest.approx(want, rel=1e-9)
+        assert flow.table().startswith("LogSum: share of the flow")
+
+
+def test_product_gives_one_flow_per_factor_equal_to_its_own_pass() -> None:
+    model = _bert()
+    factors = (semipack.MaxProd(), semipack.LogSum(), semipack.Entropy())
+    flows = semipack.explain_layers(model, semipack.Product(*factors), _target(model))
+    assert [f.semiring for f in flows] == ["MaxProd", "LogSum", "Entropy"]
+    same = {"rtol": 1e-10, "atol": 0, "equal_nan": True}
+    for flow, factor in zip(flows, factors, strict=True):
+        alone = semipack.explain_layers(model, type(factor)(), _target(model))
+        torch.testing.assert_close(flow.total, alone.total, **same)
+        torch.testing.assert_close(flow.heads, alone.heads, **same)
+        for got, want in zip(flow.branches, alone.branches, strict=True):
+            assert got.keys() == want.keys()
+            for name in got:
+                torch.testing.assert_close(got[name], want[name], **same)
+        assert flow.log == alone.log
+        assert str(flow.no_path) == str(alone.no_path)  # nan, -inf or 0.0
+
+
+@pytest.mark.parametrize(
+    ("semiring", "message"),
+    [
+        (semipack.KBest(2), "KBest reads out several"),
+        (semipack.SignedMaxProd(), "SignedMaxProd reads out several"),
+        (semipack.Product(semipack.MaxProd(), semipack.SignedMaxProd()), "SignedMaxProd reads"),
+        (semipack.MaxProd, "takes a semiring instance: pass MaxProd()"),
+    ],
+)
+def test_semirings_without_one_value_per_token_are_refused(semiring, message) -> None:
+    model = _bert()
+    with pytest.raises(semipack.SemipackError, match=message):
+        semipack.explain_layers(model, semiring, _target(model))
+
+
+def test_a_target_that_is_not_callable_is_refused() -> None:
+    model = _bert()
+    scalar = _target(model)()
+    with pytest.raises(semipack.SemipackError, match=r"target must be a callable .* got Tensor"):
+        semipack.explain_layers(model, semipack.MaxProd(), scalar)

@@ -30,7 +30,7 @@ from torch import Tensor, nn
 from ..api import extend
 from ..errors import SemipackError
 from ..messages.paths import Path
-from ..semirings.base import Semiring
+from ..semirings import KBest, Product, Semiring, SignedMaxProd
 from .branches import Branches, branches
 from .token_types import attention_branch
 
@@ -111,6 +111,11 @@ class LayerFlow:
         heads: ``[layers, batch, tokens, heads]``: every path through each head's output at that
             token (the attention output projection's input).
         tokens: the tokens' labels (for tables and pictures), or None.
+        no_path: the readout of "no path" (the semiring zero: 0, ``-inf`` for logs, NaN for
+            Entropy); by default the one of ``semiring``'s defaults. A token holding it is not
+            reached: shares, best branches and means leave it out.
+        log: whether the values are logarithms (LogSum's and LogCount's default; ``False``
+            after ``LogSum(log=False)``); by default from ``semiring``.
     """
 
     semiring: str
@@ -119,40 +124,82 @@ class LayerFlow:
     total: Tensor
     heads: Tensor
     tokens: list[str] | None = None
+    no_path: float | None = None
+    log: bool | None = None
+
+    def __post_init__(self) -> None:
+        if self.no_path is None:
+            self.no_path = DEFAULT_NO_PATH.get(self.semiring, 0.0)
+        if self.log is None:
+            self.log = self.semiring in ("LogSum", "LogCount")
+
+    def reached(self, values: Tensor) -> Tensor:
+        """Where ``values`` (any shape) hold at least one path, i.e. not ``no_path``. A value
+        that underflows to the no-path readout (MaxProd's linear 0) reads as unreached: use
+        ``MaxProd(log=True)`` where products are that small."""
+        if math.isnan(self.no_path):
+            return ~values.isnan()
+        return values != self.no_path
 
     def _labels(self) -> list[str]:
         return self.tokens or [str(t) for t in range(self.total.shape[-1])]
+
+    def _stacked(self, layer: dict[str, Tensor], example: int) -> tuple[list[str], Tensor]:
+        """The branch names and their values ``[branches, tokens]`` for one example."""
+        names = list(layer)
+        return names, torch.stack([layer[n][example] for n in names])
 
     def _needs(self, kinds: tuple[str, ...], what: str) -> None:
         if self.semiring not in kinds:
             raise SemipackError(f"{what} needs {' or '.join(kinds)}, not {self.semiring}")
 
     def best_branch(self, example: int = 0) -> list[list[str]]:
-        """``[tokens][layers]``: the branch of each token's best path (MaxProd, TopPath)."""
+        """``[tokens][layers]``: the branch of each token's best path (MaxProd, TopPath);
+        tied branches joined by ``/`` (``key/value``), ``-`` where no path reaches the token."""
         self._needs(("MaxProd", "TopPath"), "best_branch")
         columns = []
         for layer in self.branches:
-            names = list(layer)
-            best = torch.stack([layer[n][example] for n in names]).argmax(0)
-            columns.append([names[int(i)] for i in best])
+            names, values = self._stacked(layer, example)
+            best = _winners(values, self.reached(values))  # [branches, tokens]
+            columns.append(
+                ["/".join(n for n, w in zip(names, col, strict=True) if w) or "-"
+                 for col in best.T.tolist()]
+            )  # fmt: skip
         return [list(row) for row in zip(*columns, strict=True)]
 
     def branch_shares(self, example: int = 0) -> list[dict[str, float]]:
-        """Per layer, branch -> share: of the tokens whose best path leaves by it (MaxProd,
-        TopPath), or of the total flow over all tokens (LogSum)."""
+        """Per layer, branch -> share: of the reached tokens whose best path leaves by it
+        (MaxProd, TopPath; a tie splits the token equally between the tied branches), or of
+        the total flow over all tokens (LogSum). NaN where no path reaches the layer."""
         self._needs(("MaxProd", "TopPath", "LogSum"), "branch_shares")
         shares = []
         for layer in self.branches:
-            names = list(layer)
-            values = torch.stack([layer[n][example] for n in names])  # [branches, tokens]
-            shares.append(dict(zip(names, _shares(self.semiring, values, 0), strict=True)))
+            names, values = self._stacked(layer, example)
+            shares.append(dict(zip(names, self._shares(values), strict=True)))
         return shares
 
     def head_shares(self, example: int = 0) -> list[list[float]]:
-        """Per layer, per head: the share of tokens whose best path runs through that head's
-        output (MaxProd, TopPath), or of the total flow through all heads (LogSum)."""
+        """Per layer, per head: the share of reached tokens whose best path runs through that
+        head's output (MaxProd, TopPath; ties split), or of the total flow through all heads
+        (LogSum). NaN where no path reaches the layer."""
         self._needs(("MaxProd", "TopPath", "LogSum"), "head_shares")
-        return [_shares(self.semiring, h[example].T, 0) for h in self.heads]
+        return [self._shares(h[example].T) for h in self.heads]
+
+    def _shares(self, values: Tensor) -> list[float]:
+        """``values`` [choices, tokens]: each choice's share of the reached tokens' best paths,
+        ties split (MaxProd), or of the flow summed over tokens (LogSum, log or linear)."""
+        reached = self.reached(values)
+        values = values.double()
+        if self.semiring == "LogSum":
+            if self.log:
+                flow = values.masked_fill(~reached, -math.inf).logsumexp(1)
+                return (flow - flow.logsumexp(0)).exp().tolist()
+            flow = values.masked_fill(~reached, 0.0).sum(1)
+            return (flow / flow.sum()).tolist()
+        best = _winners(values, reached).double()  # [choices, tokens]
+        credit = best / best.sum(0).clamp(min=1)  # a tie splits the token
+        tokens = reached.any(0).sum()  # tokens that some choice reaches
+        return (credit.sum(1) / tokens).tolist()
 
     def table(self, example: int = 0) -> str:
         """Per-layer summary: the branch shares and head shares (MaxProd, LogSum), or the mean
@@ -173,13 +220,18 @@ class LayerFlow:
         for i, layer in enumerate(self.branches):
             if per_branch is not None:
                 cells = [per_branch[i].get(n, 0.0) for n in names]
-                row = "".join(f"{v:>10.1%}" for v in cells)
-                row += "  " + "".join(f"{v:>8.1%}" for v in per_head[i])
+                row = "".join(f"{_cell(v, '.1%'):>10}" for v in cells)
+                row += "  " + "".join(f"{_cell(v, '.1%'):>8}" for v in per_head[i])
             else:
-                cells = [float(layer[n][example].mean()) if n in layer else math.nan for n in names]
-                row = "".join(f"{v:>10.3f}" for v in cells)
+                cells = [self._mean(layer[n][example]) if n in layer else math.nan for n in names]
+                row = "".join(f"{_cell(v, '.3f'):>10}" for v in cells)
             lines.append(f"L{i:<5}" + row)
         return "\n".join(lines)
+
+    def _mean(self, values: Tensor) -> float:
+        """The mean over the reached tokens (NaN where none is reached)."""
+        kept = values[self.reached(values)]
+        return float(kept.double().mean()) if kept.numel() else math.nan
 
     def token_table(self, example: int = 0) -> str:
         """Per token and layer: the branch of its best path (MaxProd, TopPath) or the value of
@@ -191,10 +243,15 @@ class LayerFlow:
             for token, row in zip(labels, self.best_branch(example), strict=True):
                 lines.append(f"{token:>12} " + " ".join(f"{b:<10}" for b in row))
         else:
-            grid = self.total[:, example].T.tolist()  # [tokens, layers]
+            grid = self._masked_total(example).tolist()  # [tokens, layers]
             for token, row in zip(labels, grid, strict=True):
-                lines.append(f"{token:>12} " + " ".join(f"{v:<10.3f}" for v in row))
+                lines.append(f"{token:>12} " + " ".join(f"{_cell(v, '.3f'):<10}" for v in row))
         return "\n".join(lines)
+
+    def _masked_total(self, example: int) -> Tensor:
+        """``[tokens, layers]`` float64 totals, NaN where no path reaches the token."""
+        grid = self.total[:, example].T
+        return grid.double().masked_fill(~self.reached(grid), math.nan)
 
     def rows(self, example: int = 0) -> list[tuple[str, int, str, int, str, float]]:
         """(semiring, layer, branch, token index, token, value) for every branch, ``all`` (every
@@ -220,7 +277,7 @@ class LayerFlow:
         fig, ax = _figure(plt, ax, (6, 3.2))
         bottom = [0.0] * len(shares)
         for name in names:
-            heights = [s.get(name, 0.0) for s in shares]
+            heights = [0.0 if math.isnan(v) else v for v in (s.get(name, 0.0) for s in shares)]
             ax.bar(range(len(shares)), heights, bottom=bottom, label=name)
             bottom = [b + h for b, h in zip(bottom, heights, strict=True)]
         ax.set_xticks(range(len(shares)), [f"L{i}" for i in range(len(shares))])
@@ -235,26 +292,33 @@ class LayerFlow:
         """Tokens x layers: every path to the layer's input at that token (``total``)."""
         plt = _pyplot()
         labels = self._labels()
-        grid = self.total[:, example].T.float().numpy()  # [tokens, layers]
+        grid = self._masked_total(example).numpy()  # [tokens, layers], NaN: no path (blank)
         size = (1.6 + 0.6 * len(self.layers), 0.9 + 0.3 * len(labels))
         fig, ax = _figure(plt, ax, size)
         image = ax.imshow(grid, aspect="auto", cmap="viridis")
         ax.set_xticks(range(len(self.layers)), [f"L{i}" for i in range(len(self.layers))])
         ax.set_yticks(range(len(labels)), labels)
-        what = {"Entropy": "path entropy (nats)", "LogSum": "log total flow"}
+        flow = "log total flow" if self.log else "total flow"
+        what = {"Entropy": "path entropy (nats)", "LogSum": flow}
         ax.set_title(f"{what.get(self.semiring, self.semiring)} at each layer's input")
         ax.figure.colorbar(image, ax=ax)
         return _save(plt, fig, path, ax)
 
 
-def _shares(semiring: str, values: Tensor, dim: int) -> list[float]:
-    """``values`` [choices, tokens]: MaxProd's share of tokens per argmax choice, or LogSum's
-    share of the flow summed over tokens (log values)."""
-    if semiring == "LogSum":
-        flow = values.logsumexp(1)
-        return (flow - flow.logsumexp(0)).exp().tolist()
-    best = values.argmax(dim)
-    return [float((best == c).float().mean()) for c in range(values.shape[0])]
+#: The readout of "no path" of a semiring's default options, by name (``LayerFlow.no_path``).
+DEFAULT_NO_PATH = {"LogSum": -math.inf, "LogCount": -math.inf, "Entropy": math.nan}
+
+
+def _winners(values: Tensor, reached: Tensor) -> Tensor:
+    """``[choices, tokens]`` bool: the choices holding a token's largest value among those
+    that reach it (several on a tie, none for a token no choice reaches)."""
+    masked = values.double().masked_fill(~reached, -math.inf)
+    return (masked == masked.amax(0, keepdim=True)) & reached
+
+
+def _cell(value: float, fmt: str) -> str:
+    """A table cell: ``-`` for no path (NaN), else ``value`` formatted."""
+    return "-" if math.isnan(value) else format(value, fmt)
 
 
 def explain_layers(
@@ -264,10 +328,18 @@ def explain_layers(
     layers: Sequence[AttentionLayer] | None = None,
     drawing: str = "atomic",
     tokens: list[str] | None = None,
-) -> LayerFlow:
+) -> LayerFlow | tuple[LayerFlow, ...]:
     """One semiring backward of ``target()`` (a call that runs the model and returns the
-    scalar to explain), split at every attention layer: see ``LayerFlow``. The regular
-    gradient is not computed (the model's ``.grad`` is left alone)."""
+    scalar to explain), split at every attention layer: see ``LayerFlow``. A
+    ``semipack.Product`` gives one ``LayerFlow`` per factor, in order, from the one backward.
+    The regular gradient is not computed (the model's ``.grad`` is left alone)."""
+    _check_semiring(semiring)
+    if not callable(target):
+        raise SemipackError(
+            f"explain_layers: target must be a callable that runs the model and returns the "
+            f"scalar to explain (lambda: model(ids).logits[0, 3]), got {type(target).__name__}: "
+            "the forward has to run inside the split"
+        )
     layers = list(layers) if layers is not None else attention_layers(model)
     with extend(model, semiring, regular_grads=False, drawing=drawing), ExitStack() as stack:
         splits: list[Branches] = [stack.enter_context(branches(a.block)) for a in layers]
@@ -277,17 +349,59 @@ def explain_layers(
         if not isinstance(scalar, Tensor) or scalar.numel() != 1:
             raise SemipackError("explain_layers: target() must return a scalar tensor")
         scalar.backward()
+    factors = semiring.semirings if isinstance(semiring, Product) else (semiring,)
+    flows = tuple(
+        _flow(factor, layers, splits, contexts, tokens, i if len(factors) > 1 else None)
+        for i, factor in enumerate(factors)
+    )
+    return flows if isinstance(semiring, Product) else flows[0]
+
+
+def _check_semiring(semiring: Semiring) -> None:
+    """Refuse what has no single value per token: KBest (k values), SignedMaxProd (two)."""
+    if isinstance(semiring, type):
+        raise SemipackError(f"explain_layers takes a semiring instance: pass {semiring.__name__}()")
+    if not isinstance(semiring, Semiring):
+        raise SemipackError(f"explain_layers takes a semiring, got {type(semiring).__name__}")
+    factors = semiring.semirings if isinstance(semiring, Product) else (semiring,)
+    for factor in factors:
+        if isinstance(factor, (KBest, SignedMaxProd)):
+            raise SemipackError(
+                f"explain_layers needs one value per token and branch; {factor.name} reads out "
+                "several: use MaxProd, TopPath, LogSum, LogCount, Entropy (or a Product of them), "
+                "and layer_routes for KBest's paths"
+            )
+
+
+def _flow(
+    semiring: Semiring,
+    layers: Sequence[AttentionLayer],
+    splits: Sequence[Branches],
+    contexts: Sequence[Branches],
+    tokens: list[str] | None,
+    factor: int | None,
+) -> LayerFlow:
+    """The ``LayerFlow`` of one semiring (``factor``: its place in a Product's readouts)."""
+
+    no_path = float(semiring.readout(semiring.zeros((), torch.float64, "cpu")))
+
+    def pick(readout, shape: Sequence[int]) -> Tensor:
+        if readout is None:  # no path reached the layer at all
+            return torch.full(tuple(shape), no_path, dtype=torch.float64)
+        value = readout if factor is None else readout[factor]
+        return value.detach()
+
     per_layer, totals, heads = [], [], []
     for spec, split, context in zip(layers, splits, contexts, strict=True):
         values = {}
         for name, value in split.aggregate(-1).items():
             if value is not None:
-                values[branch_name(name, spec.name)] = value.detach()
+                values[branch_name(name, spec.name)] = pick(value, ())
         per_layer.append(values)
-        totals.append(split.total(-1).detach())
+        totals.append(pick(split.total(-1), split.split.shape[:-1]))
         batch, length, _ = context.split.shape
         view = (batch, length, spec.num_heads, spec.head_dim)
-        heads.append(context.total(-1, view=view).detach())
+        heads.append(pick(context.total(-1, view=view), view[:-1]))
     return LayerFlow(
         type(semiring).__name__,
         [a.name for a in layers],
@@ -295,6 +409,8 @@ def explain_layers(
         torch.stack(totals),
         torch.stack(heads),
         tokens,
+        no_path=no_path,
+        log=bool(getattr(semiring, "log", False)),
     )
 
 

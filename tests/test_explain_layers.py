@@ -310,3 +310,64 @@ def test_a_target_that_is_not_callable_is_refused() -> None:
     scalar = _target(model)()
     with pytest.raises(semipack.SemipackError, match=r"target must be a callable .* got Tensor"):
         semipack.explain_layers(model, semipack.MaxProd(), scalar)
+
+
+def test_routes_read_llama_residual_adds_and_gpt2_fused_projection() -> None:
+    """Llama- and GPT-2-family layers add the residual in the layer's own module
+    (``layers.0``, not ``layers.0.something``); GPT-2's ``c_attn`` makes query, key and value
+    side by side, ``[batch, tokens, 3 * hidden]``, after a ``[batch * tokens, hidden]`` view."""
+    llama = [AttentionLayer(f"layers.{i}.self_attn", None, None, 2, 4) for i in range(2)]
+    steps = [
+        _step("layers.0", (0, 3, 1)),  # the residual add of layer 0
+        _step("layers.1.input_layernorm", (0, 3, 1)),
+        _step("layers.1.self_attn.k_proj", (0, 3, 5)),
+        _step("layers.1.self_attn", (0, 1, 2, 3)),  # [b, heads, q, k]
+        _step("layers.1.self_attn.o_proj", (0, 2, 0)),
+        _step("layers.1", (0, 2, 0)),
+    ]
+    (route,) = layer_routes([SemiringPath("x", (0, 3, 1), -1.0, steps)], llama)
+    got = [(h.layer, h.token_in, h.token_out, h.branch, h.head) for h in route.hops]
+    assert got == [(0, 3, 3, "residual", None), (1, 3, 2, "key", 1)]
+    gpt2 = [AttentionLayer(f"h.{i}.attn", None, None, 2, 4) for i in range(2)]
+    steps = [
+        _step("h.0", (0, 1, 2)),
+        _step("h.1.ln_1", (0, 1, 2)),
+        _step("h.1.attn.c_attn", (1, 2)),  # the [batch * tokens, hidden] view: no token
+        _step("h.1.attn.c_attn", (1, 22)),
+        _step("h.1.attn.c_attn", (0, 1, 22)),  # unit 22 of 24: value (16..23), head 1
+        _step("h.1.attn", (0, 1, 4, 1)),
+        _step("h.1.attn.c_proj", (4, 6)),
+        _step("h.1", (0, 4, 6)),
+    ]
+    (route,) = layer_routes([SemiringPath("x", (0, 1, 2), -1.0, steps)], gpt2)
+    got = [(h.layer, h.token_in, h.token_out, h.branch, h.head) for h in route.hops]
+    assert got == [(0, 1, 1, "residual", None), (1, 1, 4, "value", 1)]
+
+
+def _gpt2():
+    torch.manual_seed(0)
+    cfg = transformers.GPT2Config(vocab_size=20, n_embd=8, n_layer=2, n_head=2, n_positions=8)
+    return transformers.GPT2Model._from_config(cfg, attn_implementation="eager").eval().double()
+
+
+def test_gpt2_layers_are_found_with_one_fused_branch() -> None:
+    model = _gpt2()
+    found = attention_layers(model)
+    assert [(a.name, a.num_heads, a.head_dim) for a in found] == [
+        ("h.0.attn", 2, 4),
+        ("h.1.attn", 2, 4),
+    ]
+    retained = []
+    hooks = [
+        a.block.register_forward_pre_hook(lambda m, a: retained.append(a[0]) or a[0].retain_grad())
+        for a in found
+    ]
+    with semipack.extend(model, semipack.MaxProd()):
+        model(input_ids=IDS).last_hidden_state[0, -1].sum().backward()
+    for h in hooks:
+        h.remove()
+    target = lambda: model(input_ids=IDS).last_hidden_state[0, -1].sum()  # noqa: E731
+    flow = semipack.explain_layers(model, semipack.MaxProd(), target)
+    assert all(list(layer) == ["qkv"] for layer in flow.branches)
+    for i, tensor in enumerate(retained):
+        torch.testing.assert_close(flow.total[i], tensor.semiring_grad.amax(-1), rtol=1e-10, atol=0)

@@ -29,7 +29,7 @@ from torch import Tensor, nn
 
 from ..api import extend
 from ..errors import SemipackError
-from ..messages.paths import Path
+from ..messages.paths import Path, PathStep
 from ..semirings import KBest, Product, Semiring, SignedMaxProd
 from .branches import Branches, branches
 from .token_types import attention_branch
@@ -78,13 +78,28 @@ def attention_layers(model: nn.Module) -> list[AttentionLayer]:
             heads = getattr(cfg, "num_attention_heads", None) or getattr(module, "num_heads", 0)
             width = getattr(module, "head_dim", None) or o_proj.in_features // heads
             found.append(AttentionLayer(name, module, o_proj, int(heads), int(width)))
+            continue
+        c_proj = getattr(module, "c_proj", None)
+        if _is_gpt2_attention(module) and c_proj is not None:
+            found.append(AttentionLayer(name, module, c_proj, module.num_heads, module.head_dim))
     if not found:
         raise SemipackError(
             f"no attention layers found in {type(model).__name__}: semipack knows BERT-family "
-            "(encoder.layer[i].attention) and Llama-family (layers[i].self_attn) blocks; pass "
-            "layers=[AttentionLayer(...), ...] for others"
+            "(encoder.layer[i].attention), Llama-family (layers[i].self_attn) and GPT-2 "
+            "(h[i].attn) blocks; pass layers=[AttentionLayer(...), ...] for others"
         )
     return found
+
+
+def _is_gpt2_attention(module: nn.Module) -> bool:
+    """GPT-2's self-attention: one fused ``c_attn`` makes query, key and value side by side
+    (``[batch, tokens, 3 * hidden]``), ``c_proj`` projects the heads' outputs."""
+    return (
+        isinstance(getattr(module, "c_attn", None), nn.Module)
+        and isinstance(getattr(module, "num_heads", None), int)
+        and isinstance(getattr(module, "head_dim", None), int)
+        and not getattr(module, "is_cross_attention", False)
+    )
 
 
 def branch_name(consumer: str, layer: str) -> str:
@@ -473,23 +488,37 @@ def layer_routes(paths: Sequence[Path], layers: Sequence[AttentionLayer]) -> lis
         hops = []
         for i, spec in enumerate(layers):
             owner = spec.name.rsplit(".", 1)[0] if "." in spec.name else spec.name
-            inside = [s for s in path.steps if s.module and s.module.startswith(owner + ".")]
-            inside = [s for s in inside if len(s.index) >= 2]
+            # the layer's steps on [batch, tokens, hidden] tensors; the layer's own module
+            # makes the residual adds of Llama- and GPT-2-family layers
+            inside = [
+                s for s in path.steps
+                if s.module and (s.module == owner or s.module.startswith(owner + "."))
+                and len(s.index) == 3
+            ]  # fmt: skip
             if not inside:
                 continue
-            projection = next(
-                (s for s in inside if branch_name(s.module, spec.name) in BRANCH_ORDER[:3]), None
-            )
+            projection = next((s for s in inside if _projection(s, spec) is not None), None)
             if projection is None:
                 branch, head = "residual", None
                 token_in = inside[0].index[1]
             else:
-                branch = branch_name(projection.module, spec.name)
-                head = projection.index[-1] // spec.head_dim
+                branch, head = _projection(projection, spec)
                 token_in = projection.index[1]
             hops.append(LayerHop(i, int(token_in), int(inside[-1].index[1]), branch, head))
         routes.append(LayerRoute(path.value, hops, path.rank))
     return routes
+
+
+def _projection(step: PathStep, spec: AttentionLayer) -> tuple[str, int] | None:
+    """(branch, head) of a step on a query, key or value projection's output, else None.
+    GPT-2's fused ``c_attn`` packs query, key and value side by side: the unit's third."""
+    name = step.module or ""
+    unit = int(step.index[-1])
+    if name.endswith(".c_attn") and name.startswith(spec.name + "."):
+        width = spec.num_heads * spec.head_dim
+        return BRANCH_ORDER[unit // width], (unit % width) // spec.head_dim
+    branch = branch_name(name, spec.name)
+    return (branch, unit // spec.head_dim) if branch in BRANCH_ORDER[:3] else None
 
 
 BRANCH_COLOURS = {"query": "tab:blue", "key": "tab:orange", "value": "tab:green"}

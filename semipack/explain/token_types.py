@@ -28,17 +28,20 @@ from .branches import Branches
 Reference = Mapping[str, Mapping[str, float]]
 
 
-#: The last part of a projection's module name -> its branch (BERT, Llama and T5 namings).
+#: The last part of a projection's module name -> its branch (BERT, Llama and T5 namings;
+#: GPT-2's ``c_attn`` makes query, key and value in one call: one branch, ``qkv``).
 PROJECTIONS = {
     "query": "query", "key": "key", "value": "value",
     "q_proj": "query", "k_proj": "key", "v_proj": "value",
     "q": "query", "k": "key", "v": "value",
+    "c_attn": "qkv",
 }  # fmt: skip
 
 
 def attention_branch(name: str) -> str:
     """The short name of an attention block's branch: ``query``, ``key`` or ``value`` for a
-    name ending with that projection (``...self.query``, ``...q_proj``, ``...q``),
+    name ending with that projection (``...self.query``, ``...q_proj``, ``...q``), ``qkv``
+    for GPT-2's fused ``...c_attn``,
     ``residual`` for any other use (in BERT the only other use of the block's input is the
     residual add in ``...attention.output``)."""
     return PROJECTIONS.get(name.rsplit(".", 1)[-1], "residual")

@@ -58,11 +58,21 @@ class AttentionLayer:
     head_dim: int
 
 
+#: The model families ``attention_layers`` finds by themselves (for messages).
+FAMILIES = (
+    "BERT-family encoders (BERT, RoBERTa, ELECTRA, MiniLM: encoder.layer[i].attention), "
+    "DistilBERT (transformer.layer[i].attention), Llama-family decoders (Llama, Mistral, Qwen2: "
+    "layers[i].self_attn) and GPT-2 (h[i].attn)"
+)
+
+
 def attention_layers(model: nn.Module) -> list[AttentionLayer]:
     """The attention layers of a Hugging Face BERT-family encoder (``encoder.layer[i]
-    .attention``, split with its residual add) or Llama-family decoder (``layers[i].self_attn``,
-    split at the projections' common input, after the layer's norm: query, key and value only).
-    Other models: build the ``AttentionLayer`` list by hand."""
+    .attention``, split with its residual add), DistilBERT (``transformer.layer[i].attention``,
+    the residual add in the layer), Llama-family decoder (``layers[i].self_attn``, split at the
+    projections' common input, after the layer's norm: query, key and value only) or GPT-2
+    (``h[i].attn``, after ``ln_1``: one fused ``qkv`` branch). Other models: build the
+    ``AttentionLayer`` list by hand."""
     found = []
     for name, module in model.named_modules():
         self_part = getattr(module, "self", None)
@@ -82,11 +92,21 @@ def attention_layers(model: nn.Module) -> list[AttentionLayer]:
         c_proj = getattr(module, "c_proj", None)
         if _is_gpt2_attention(module) and c_proj is not None:
             found.append(AttentionLayer(name, module, c_proj, module.num_heads, module.head_dim))
+            continue
+        out_lin = getattr(module, "out_lin", None)
+        if isinstance(out_lin, nn.Linear) and hasattr(module, "q_lin"):  # DistilBERT
+            heads = int(module.n_heads)
+            found.append(AttentionLayer(name, module, out_lin, heads, out_lin.in_features // heads))
+    if not found and any(n.endswith("albert_layer_groups") for n, _ in model.named_modules()):
+        raise SemipackError(
+            f"{type(model).__name__} runs one shared layer at every depth (ALBERT): a split "
+            f"takes a module's first call only, so its layers cannot be told apart; semipack "
+            f"knows {FAMILIES}"
+        )
     if not found:
         raise SemipackError(
-            f"no attention layers found in {type(model).__name__}: semipack knows BERT-family "
-            "(encoder.layer[i].attention), Llama-family (layers[i].self_attn) and GPT-2 "
-            "(h[i].attn) blocks; pass layers=[AttentionLayer(...), ...] for others"
+            f"no attention layers found in {type(model).__name__}: semipack knows {FAMILIES}; "
+            "pass layers=[AttentionLayer(...), ...] for others"
         )
     return found
 
@@ -104,11 +124,14 @@ def _is_gpt2_attention(module: nn.Module) -> bool:
 
 def branch_name(consumer: str, layer: str) -> str:
     """Short name of a consumer of an attention layer's input: query, key or value for the
-    projections (``attention_branch``), residual for BERT's attention output (where the
-    residual add is), else its module name relative to the layer."""
+    projections (``attention_branch``), residual for BERT's attention output or a module
+    enclosing the layer (where the residual add is), else its module name relative to the
+    layer."""
     short = attention_branch(consumer)
     if short != "residual":
         return short
+    if layer.startswith(consumer + "."):  # the enclosing layer adds it back (DistilBERT)
+        return "residual"
     relative = consumer[len(layer) + 1 :] if consumer.startswith(layer + ".") else consumer
     return "residual" if relative == "output" else relative
 
@@ -594,6 +617,7 @@ def write_csv(flows: Sequence[LayerFlow], path: str | FilePath, example: int = 0
 
 
 __all__ = [
+    "FAMILIES",
     "AttentionLayer",
     "LayerFlow",
     "LayerHop",

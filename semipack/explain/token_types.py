@@ -29,12 +29,13 @@ from .branches import Branches
 Reference = Mapping[str, Mapping[str, float]]
 
 
-#: The last part of a projection's module name -> its branch (BERT, Llama and T5 namings;
+#: The last part of a projection's module name -> its branch (BERT, Llama, DistilBERT, T5;
 #: GPT-2's ``c_attn`` makes query, key and value in one call: one branch, ``qkv``).
 PROJECTIONS = {
     "query": "query", "key": "key", "value": "value",
     "q_proj": "query", "k_proj": "key", "v_proj": "value",
     "q": "query", "k": "key", "v": "value",
+    "q_lin": "query", "k_lin": "key", "v_lin": "value",
     "c_attn": "qkv",
 }  # fmt: skip
 

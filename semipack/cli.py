@@ -1,8 +1,9 @@
 """``semipack explain`` (also ``python -m semipack explain``): branch flow of a text encoder.
 
 For every layer of a Hugging Face BERT-family encoder (the embedded all-MiniLM-L6-v2 by
-default, offline; DistilBERT, Llama-family decoders and GPT-2 too: ``explain.FAMILIES``) it splits the semiring value at the attention block's input by branch
-(query, key, value, residual; ``semipack.branches``), aggregates each token's hidden units
+default, offline; DistilBERT, Llama-family decoders and GPT-2 too: ``explain.FAMILIES``) it
+splits the semiring value at the attention block's input by branch (query, key, value,
+residual; ``semipack.branches``), aggregates each token's hidden units
 (``Branches.aggregate``) and prints, per token and layer, the branch its best path leaves by
 (MaxProd) and the log total flow and path entropy per branch (LogSum, Entropy). It writes a
 picture of the branch shares per layer (``branch_flow.png``) and the tables as CSV.

@@ -400,3 +400,33 @@ def test_distilbert_layers_split_with_the_residual_add_of_the_enclosing_layer() 
         torch.testing.assert_close(flow.total[i], want, rtol=1e-10, atol=0)
         stacked = torch.stack(list(flow.branches[i].values())).logsumexp(0)
         torch.testing.assert_close(stacked, want, rtol=1e-10, atol=0)
+
+
+def test_a_frozen_model_gives_the_values_of_the_unfrozen_one() -> None:
+    model = _bert()
+    want = semipack.explain_layers(model, semipack.LogSum(), _target(model))
+    model.requires_grad_(False)
+    got = semipack.explain_layers(model, semipack.LogSum(), _target(model))
+    torch.testing.assert_close(got.total, want.total, rtol=0, atol=0)
+    torch.testing.assert_close(got.heads, want.heads, rtol=0, atol=0)
+    for a, b in zip(got.branches, want.branches, strict=True):
+        assert a.keys() == b.keys() and all(torch.equal(a[n], b[n]) for n in a)
+    assert all(p.grad is None and not p.requires_grad for p in model.parameters())
+
+
+@pytest.mark.filterwarnings("error::UserWarning")
+def test_common_mistakes_are_named() -> None:
+    model = _bert()
+    with torch.no_grad(), pytest.raises(semipack.SemipackError, match=r"outside torch.no_grad"):
+        semipack.explain_layers(model, semipack.MaxProd(), _target(model))
+    flow = semipack.explain_layers(model, semipack.MaxProd(), _target(model))
+    with pytest.raises(semipack.SemipackError, match=r"example 1: the flow holds 1 example\(s\)"):
+        flow.best_branch(1)
+    with pytest.raises(semipack.SemipackError, match=r"example 2: the flow holds 1 example\(s\)"):
+        flow.table(example=2)
+    model.train()  # no dropout in this configuration: nothing random, no warning
+    semipack.explain_layers(model, semipack.MaxProd(), _target(model))
+    cfg = tiny_bert_config(hidden_dropout_prob=0.1)
+    model = transformers.BertModel._from_config(cfg, attn_implementation="eager").train()
+    with pytest.warns(UserWarning, match=r"BertModel is in training mode .* call model.eval\(\)"):
+        semipack.explain_layers(model, semipack.MaxProd(), _target(model))

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import csv
 import math
+import warnings
 from collections.abc import Callable, Sequence
 from contextlib import ExitStack
 from dataclasses import dataclass, field
@@ -187,6 +188,13 @@ class LayerFlow:
         names = list(layer)
         return names, torch.stack([layer[n][example] for n in names])
 
+    def _example(self, example: int) -> None:
+        """Refuse an example index the flow does not hold (``total`` is [layers, batch, ...])."""
+        batch = self.total.shape[1]
+        integer = isinstance(example, int) and not isinstance(example, bool)
+        if not integer or not -batch <= example < batch:
+            raise SemipackError(f"example {example!r}: the flow holds {batch} example(s)")
+
     def _needs(self, kinds: tuple[str, ...], what: str) -> None:
         if self.semiring not in kinds:
             raise SemipackError(f"{what} needs {' or '.join(kinds)}, not {self.semiring}")
@@ -194,6 +202,7 @@ class LayerFlow:
     def best_branch(self, example: int = 0) -> list[list[str]]:
         """``[tokens][layers]``: the branch of each token's best path (MaxProd, TopPath);
         tied branches joined by ``/`` (``key/value``), ``-`` where no path reaches the token."""
+        self._example(example)
         self._needs(("MaxProd", "TopPath"), "best_branch")
         columns = []
         for layer in self.branches:
@@ -209,6 +218,7 @@ class LayerFlow:
         """Per layer, branch -> share: of the reached tokens whose best path leaves by it
         (MaxProd, TopPath; a tie splits the token equally between the tied branches), or of
         the total flow over all tokens (LogSum). NaN where no path reaches the layer."""
+        self._example(example)
         self._needs(("MaxProd", "TopPath", "LogSum"), "branch_shares")
         shares = []
         for layer in self.branches:
@@ -220,6 +230,7 @@ class LayerFlow:
         """Per layer, per head: the share of reached tokens whose best path runs through that
         head's output (MaxProd, TopPath; ties split), or of the total flow through all heads
         (LogSum). NaN where no path reaches the layer."""
+        self._example(example)
         self._needs(("MaxProd", "TopPath", "LogSum"), "head_shares")
         return [self._shares(h[example].T) for h in self.heads]
 
@@ -242,6 +253,7 @@ class LayerFlow:
     def table(self, example: int = 0) -> str:
         """Per-layer summary: the branch shares and head shares (MaxProd, LogSum), or the mean
         over tokens of each branch's value (other semirings)."""
+        self._example(example)
         names = [b for b in BRANCH_ORDER if any(b in layer for layer in self.branches)]
         names += sorted({n for layer in self.branches for n in layer} - set(names))
         shares = self.semiring in ("MaxProd", "TopPath", "LogSum")
@@ -274,6 +286,7 @@ class LayerFlow:
     def token_table(self, example: int = 0) -> str:
         """Per token and layer: the branch of its best path (MaxProd, TopPath) or the value of
         every path to it (other semirings)."""
+        self._example(example)
         labels = self._labels()
         header = f"{'token':>12} " + " ".join(f"L{i:<9}" for i in range(len(self.layers)))
         lines = [header]
@@ -294,6 +307,7 @@ class LayerFlow:
     def rows(self, example: int = 0) -> list[tuple[str, int, str, int, str, float]]:
         """(semiring, layer, branch, token index, token, value) for every branch, ``all`` (every
         path) and ``head h``: the CSV's rows."""
+        self._example(example)
         labels = self._labels()
         out = []
         for i, layer in enumerate(self.branches):
@@ -308,6 +322,7 @@ class LayerFlow:
     def plot_branch_shares(self, path: str | FilePath | None = None, ax=None, example: int = 0):
         """Stacked bars per layer: ``branch_shares`` (MaxProd: of tokens, LogSum: of flow).
         Saves to ``path`` when given; returns the matplotlib axes."""
+        self._example(example)
         plt = _pyplot()
         shares = self.branch_shares(example)
         names = [b for b in BRANCH_ORDER if any(b in s for s in shares)]
@@ -328,6 +343,7 @@ class LayerFlow:
 
     def plot_heatmap(self, path: str | FilePath | None = None, ax=None, example: int = 0):
         """Tokens x layers: every path to the layer's input at that token (``total``)."""
+        self._example(example)
         plt = _pyplot()
         labels = self._labels()
         grid = self._masked_total(example).numpy()  # [tokens, layers], NaN: no path (blank)
@@ -378,8 +394,22 @@ def explain_layers(
             f"scalar to explain (lambda: model(ids).logits[0, 3]), got {type(target).__name__}: "
             "the forward has to run inside the split"
         )
+    if not torch.is_grad_enabled():
+        raise SemipackError(
+            "explain_layers runs a backward: call it outside torch.no_grad() and "
+            "torch.inference_mode()"
+        )
+    if _dropout_active(model):
+        warnings.warn(
+            f"explain_layers: {type(model).__name__} is in training mode (dropout draws a "
+            "random mask per pass, so the values change from call to call): call model.eval()",
+            stacklevel=2,
+        )
     layers = list(layers) if layers is not None else attention_layers(model)
     with extend(model, semiring, regular_grads=False, drawing=drawing), ExitStack() as stack:
+        for a in layers:  # before the splits' own hooks, which must see the new input
+            hook = a.block.register_forward_pre_hook(_requiring_grad, with_kwargs=True)
+            stack.callback(hook.remove)
         splits: list[Branches] = [stack.enter_context(branches(a.block)) for a in layers]
         contexts = [stack.enter_context(branches(a.heads_input)) for a in layers]
         scalar = target()
@@ -393,6 +423,38 @@ def explain_layers(
         for i, factor in enumerate(factors)
     )
     return flows if isinstance(semiring, Product) else flows[0]
+
+
+def _dropout_active(model: nn.Module) -> bool:
+    """Whether a module in training mode drops out: a dropout module with ``p > 0``, or a
+    float dropout rate its forward applies only in training (Hugging Face's attention)."""
+    for module in model.modules():
+        if not module.training:
+            continue
+        if isinstance(module, nn.modules.dropout._DropoutNd) and module.p > 0:
+            return True
+        rates = (getattr(module, n, None) for n in ("attention_dropout", "dropout"))
+        if any(isinstance(r, float) and r > 0 for r in rates):
+            return True
+    return False
+
+
+def _requiring_grad(module: nn.Module, args: tuple, kwargs: dict):
+    """A frozen model (no parameter requires grad) builds no graph below its first attention
+    layer: its first tensor input (the one split) becomes a leaf that requires grad. The
+    values at and above it are those of the same model unfrozen (paths from the root to a
+    tensor do not depend on what lies below it)."""
+    for i, a in enumerate(args):
+        if isinstance(a, Tensor):
+            if not a.requires_grad and a.is_floating_point():
+                return (*args[:i], a.detach().requires_grad_(), *args[i + 1 :]), kwargs
+            return None
+    for k, v in kwargs.items():
+        if isinstance(v, Tensor):
+            if not v.requires_grad and v.is_floating_point():
+                return args, {**kwargs, k: v.detach().requires_grad_()}
+            return None
+    return None
 
 
 def _check_semiring(semiring: Semiring) -> None:

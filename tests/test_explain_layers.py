@@ -430,3 +430,24 @@ def test_common_mistakes_are_named() -> None:
     model = transformers.BertModel._from_config(cfg, attn_implementation="eager").train()
     with pytest.warns(UserWarning, match=r"BertModel is in training mode .* call model.eval\(\)"):
         semipack.explain_layers(model, semipack.MaxProd(), _target(model))
+
+
+def test_a_layer_no_path_reaches_reads_no_path() -> None:
+    """The target reads layer 0's input itself (``hidden_states[0]``): the read is a branch
+    of layer 0 of its own, and no path reaches layer 1."""
+    model = _bert()
+
+    def target():
+        return model(input_ids=IDS, output_hidden_states=True).hidden_states[0][0, 1].sum()
+
+    flow = semipack.explain_layers(model, semipack.MaxProd(), target)
+    assert list(flow.branches[0]) == ["<outside the model>"] and flow.branches[1] == {}
+    assert (flow.total[1] == 0).all() and (flow.heads == 0).all()
+    assert flow.total[0, 0].tolist() == [0.0, 1.0, 0.0, 0.0, 0.0]  # d(sum of units)/d(unit)
+    assert flow.best_branch() == [["-", "-"], ["<outside the model>", "-"]] + [["-", "-"]] * 3
+    assert flow.branch_shares() == [{"<outside the model>": 1.0}, {}]
+    table = flow.table().splitlines()
+    assert table[2].split() == ["L0", "100.0%", "-", "-"]
+    assert table[3].split() == ["L1", "-", "-", "-"]
+    entropy = semipack.explain_layers(model, semipack.Entropy(), target)
+    assert entropy.table().splitlines()[3].split() == ["L1", "-"]

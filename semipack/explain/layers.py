@@ -206,6 +206,9 @@ class LayerFlow:
         self._needs(("MaxProd", "TopPath"), "best_branch")
         columns = []
         for layer in self.branches:
+            if not layer:  # no path reaches the layer
+                columns.append(["-"] * self.total.shape[-1])
+                continue
             names, values = self._stacked(layer, example)
             best = _winners(values, self.reached(values))  # [branches, tokens]
             columns.append(
@@ -222,6 +225,9 @@ class LayerFlow:
         self._needs(("MaxProd", "TopPath", "LogSum"), "branch_shares")
         shares = []
         for layer in self.branches:
+            if not layer:  # no path reaches the layer: no branch to share
+                shares.append({})
+                continue
             names, values = self._stacked(layer, example)
             shares.append(dict(zip(names, self._shares(values), strict=True)))
         return shares
@@ -261,7 +267,8 @@ class LayerFlow:
         what = {"MaxProd": best, "TopPath": best, "LogSum": "share of the flow per branch / head"}
         what = what.get(self.semiring, f"mean over tokens of each branch's {self.semiring} value")
         heads = self.heads.shape[-1]
-        header = f"{'layer':<6}" + "".join(f"{n:>10}" for n in names)
+        widths = [max(10, len(n) + 2) for n in names]
+        header = f"{'layer':<6}" + "".join(f"{n:>{w}}" for n, w in zip(names, widths, strict=True))
         if shares:
             header += "  " + "".join(f"{'head ' + str(h):>8}" for h in range(heads))
         lines = [f"{self.semiring}: {what}", header]
@@ -269,12 +276,13 @@ class LayerFlow:
         per_head = self.head_shares(example) if shares else None
         for i, layer in enumerate(self.branches):
             if per_branch is not None:
-                cells = [per_branch[i].get(n, 0.0) for n in names]
-                row = "".join(f"{_cell(v, '.1%'):>10}" for v in cells)
+                missing = 0.0 if layer else math.nan  # a layer no path reaches: "-"
+                cells = [per_branch[i].get(n, missing) for n in names]
+                row = "".join(f"{_cell(v, '.1%'):>{w}}" for v, w in zip(cells, widths, strict=True))
                 row += "  " + "".join(f"{_cell(v, '.1%'):>8}" for v in per_head[i])
             else:
                 cells = [self._mean(layer[n][example]) if n in layer else math.nan for n in names]
-                row = "".join(f"{_cell(v, '.3f'):>10}" for v in cells)
+                row = "".join(f"{_cell(v, '.3f'):>{w}}" for v, w in zip(cells, widths, strict=True))
             lines.append(f"L{i:<5}" + row)
         return "\n".join(lines)
 
@@ -288,15 +296,18 @@ class LayerFlow:
         every path to it (other semirings)."""
         self._example(example)
         labels = self._labels()
-        header = f"{'token':>12} " + " ".join(f"L{i:<9}" for i in range(len(self.layers)))
+        best = self.best_branch(example) if self.semiring in ("MaxProd", "TopPath") else None
+        width = max([10, *(len(b) + 1 for row in best or [] for b in row)])
+        layers = [f"L{i}" for i in range(len(self.layers))]
+        header = f"{'token':>12} " + " ".join(f"{n:<{width}}" for n in layers)
         lines = [header]
-        if self.semiring in ("MaxProd", "TopPath"):
-            for token, row in zip(labels, self.best_branch(example), strict=True):
-                lines.append(f"{token:>12} " + " ".join(f"{b:<10}" for b in row))
+        if best is not None:
+            for token, row in zip(labels, best, strict=True):
+                lines.append(f"{token:>12} " + " ".join(f"{b:<{width}}" for b in row))
         else:
             grid = self._masked_total(example).tolist()  # [tokens, layers]
             for token, row in zip(labels, grid, strict=True):
-                lines.append(f"{token:>12} " + " ".join(f"{_cell(v, '.3f'):<10}" for v in row))
+                lines.append(f"{token:>12} " + " ".join(f"{_cell(v, '.3f'):<{width}}" for v in row))
         return "\n".join(lines)
 
     def _masked_total(self, example: int) -> Tensor:
@@ -487,10 +498,11 @@ def _flow(
 
     def pick(readout, shape: Sequence[int]) -> Tensor:
         if readout is None:  # no path reached the layer at all
-            return torch.full(tuple(shape), no_path, dtype=torch.float64)
+            return torch.full(tuple(shape), no_path, dtype=torch.float64, device=device)
         value = readout if factor is None else readout[factor]
         return value.detach()
 
+    device = splits[0].split.device if splits else None
     per_layer, totals, heads = [], [], []
     for spec, split, context in zip(layers, splits, contexts, strict=True):
         values = {}

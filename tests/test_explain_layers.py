@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 from helpers import tiny_bert_config
+from torch import nn
 
 import semipack
 from semipack.explain import AttentionLayer, attention_layers, layer_routes, plot_routes
@@ -451,3 +452,47 @@ def test_a_layer_no_path_reaches_reads_no_path() -> None:
     assert table[3].split() == ["L1", "-", "-", "-"]
     entropy = semipack.explain_layers(model, semipack.Entropy(), target)
     assert entropy.table().splitlines()[3].split() == ["L1", "-"]
+
+
+@pytest.mark.parametrize("batch_first", [True, False])
+def test_torch_transformer_encoder_layers(batch_first: bool) -> None:
+    """``nn.TransformerEncoderLayer``: its ``nn.MultiheadAttention`` is found, the residual
+    add of the enclosing layer is a branch, the totals are the retained layer inputs' (read
+    ``[batch, tokens]`` whatever the layout); with ``batch_first`` the attention takes query,
+    key and value in one use (its transpose): one ``qkv`` branch."""
+    torch.manual_seed(0)
+    layer = nn.TransformerEncoderLayer(8, 2, 16, dropout=0.0, batch_first=batch_first)
+    model = nn.TransformerEncoder(layer, 2, enable_nested_tensor=False).double().eval()
+    x = torch.randn((1, 5, 8) if batch_first else (5, 1, 8), dtype=torch.float64)
+    found = attention_layers(model)
+    assert [(a.name, a.num_heads, a.head_dim, a.batch_first) for a in found] == [
+        (f"layers.{i}.self_attn", 2, 4, batch_first) for i in range(2)
+    ]
+    where = (0, 2) if batch_first else (2, 0)  # batch 0, token 2
+
+    def target():
+        return model(x)[where].sum()
+
+    flow = semipack.explain_layers(model, semipack.LogSum(), target)
+    x_leaf = x.clone().requires_grad_()
+    kept = []
+    hooks = [
+        a.block.register_forward_pre_hook(lambda m, a: kept.append(a[0]) or a[0].retain_grad())
+        for a in found
+    ]
+    with semipack.extend(model, semipack.LogSum()):
+        model(x_leaf)[where].sum().backward()
+    for h in hooks:
+        h.remove()
+    names = {"residual", "qkv"} if batch_first else {"residual", "query", "key", "value"}
+    assert flow.heads.shape == (2, 1, 5, 0)
+    for i, tensor in enumerate(kept):
+        want = tensor.semiring_grad.logsumexp(-1)
+        want = want if batch_first else want.T
+        torch.testing.assert_close(flow.total[i], want, rtol=1e-10, atol=0)
+        assert set(flow.branches[i]) == names
+        union = torch.stack(list(flow.branches[i].values())).logsumexp(0)
+        torch.testing.assert_close(union, want, rtol=1e-10, atol=0)
+    assert flow.table().splitlines()[1].split()[0] == "layer"
+    with pytest.raises(semipack.SemipackError, match=r"cannot read hops through layers.0.self_"):
+        layer_routes([], found)

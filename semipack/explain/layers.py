@@ -21,7 +21,7 @@ import csv
 import math
 import warnings
 from collections.abc import Callable, Sequence
-from contextlib import ExitStack
+from contextlib import ExitStack, suppress
 from dataclasses import dataclass, field
 from pathlib import Path as FilePath
 
@@ -47,23 +47,28 @@ class AttentionLayer:
         block: the module whose first tensor input is split by branch (its users: the
             query, key and value projections and, for BERT-family blocks, the residual add).
         heads_input: the module whose first tensor input holds the heads' outputs side by
-            side, ``[batch, tokens, heads * head_dim]`` (the attention output projection).
+            side, ``[batch, tokens, heads * head_dim]`` (the attention output projection); None
+            where no module receives them (``nn.MultiheadAttention``): no per-head values.
         num_heads: the number of heads packed in ``heads_input``'s input.
         head_dim: the width of one head (of the query, key and value projections' outputs).
+        batch_first: whether the layer's tensors are ``[batch, tokens, hidden]`` (else
+            ``[tokens, batch, hidden]``: ``nn.MultiheadAttention(batch_first=False)``).
     """
 
     name: str
     block: nn.Module
-    heads_input: nn.Module
+    heads_input: nn.Module | None
     num_heads: int
     head_dim: int
+    batch_first: bool = True
 
 
 #: The model families ``attention_layers`` finds by themselves (for messages).
 FAMILIES = (
     "BERT-family encoders (BERT, RoBERTa, ELECTRA, MiniLM: encoder.layer[i].attention), "
     "DistilBERT (transformer.layer[i].attention), Llama-family decoders (Llama, Mistral, Qwen2: "
-    "layers[i].self_attn) and GPT-2 (h[i].attn)"
+    "layers[i].self_attn), GPT-2 (h[i].attn) and torch's nn.MultiheadAttention "
+    "(nn.TransformerEncoderLayer)"
 )
 
 
@@ -93,6 +98,12 @@ def attention_layers(model: nn.Module) -> list[AttentionLayer]:
         c_proj = getattr(module, "c_proj", None)
         if _is_gpt2_attention(module) and c_proj is not None:
             found.append(AttentionLayer(name, module, c_proj, module.num_heads, module.head_dim))
+            continue
+        if isinstance(module, nn.MultiheadAttention) and module._qkv_same_embed_dim:
+            heads = module.num_heads
+            found.append(
+                AttentionLayer(name, module, None, heads, module.head_dim, module.batch_first)
+            )
             continue
         out_lin = getattr(module, "out_lin", None)
         if isinstance(out_lin, nn.Linear) and hasattr(module, "q_lin"):  # DistilBERT
@@ -131,6 +142,8 @@ def branch_name(consumer: str, layer: str) -> str:
     short = attention_branch(consumer)
     if short != "residual":
         return short
+    if consumer == layer:  # the block's own op takes query, key and value in one use
+        return "qkv"
     if layer.startswith(consumer + "."):  # the enclosing layer adds it back (DistilBERT)
         return "residual"
     relative = consumer[len(layer) + 1 :] if consumer.startswith(layer + ".") else consumer
@@ -238,6 +251,8 @@ class LayerFlow:
         (LogSum). NaN where no path reaches the layer."""
         self._example(example)
         self._needs(("MaxProd", "TopPath", "LogSum"), "head_shares")
+        if self.heads.shape[-1] == 0:  # no per-head values (nn.MultiheadAttention)
+            return [[] for _ in self.heads]
         return [self._shares(h[example].T) for h in self.heads]
 
     def _shares(self, values: Tensor) -> list[float]:
@@ -269,7 +284,7 @@ class LayerFlow:
         heads = self.heads.shape[-1]
         widths = [max(10, len(n) + 2) for n in names]
         header = f"{'layer':<6}" + "".join(f"{n:>{w}}" for n, w in zip(names, widths, strict=True))
-        if shares:
+        if shares and heads:
             header += "  " + "".join(f"{'head ' + str(h):>8}" for h in range(heads))
         lines = [f"{self.semiring}: {what}", header]
         per_branch = self.branch_shares(example) if shares else None
@@ -279,7 +294,8 @@ class LayerFlow:
                 missing = 0.0 if layer else math.nan  # a layer no path reaches: "-"
                 cells = [per_branch[i].get(n, missing) for n in names]
                 row = "".join(f"{_cell(v, '.1%'):>{w}}" for v, w in zip(cells, widths, strict=True))
-                row += "  " + "".join(f"{_cell(v, '.1%'):>8}" for v in per_head[i])
+                if heads:
+                    row += "  " + "".join(f"{_cell(v, '.1%'):>8}" for v in per_head[i])
             else:
                 cells = [self._mean(layer[n][example]) if n in layer else math.nan for n in names]
                 row = "".join(f"{_cell(v, '.3f'):>{w}}" for v, w in zip(cells, widths, strict=True))
@@ -357,7 +373,7 @@ class LayerFlow:
         self._example(example)
         plt = _pyplot()
         labels = self._labels()
-        grid = self._masked_total(example).numpy()  # [tokens, layers], NaN: no path (blank)
+        grid = self._masked_total(example).cpu().numpy()  # [tokens, layers], NaN: no path
         size = (1.6 + 0.6 * len(self.layers), 0.9 + 0.3 * len(labels))
         fig, ax = _figure(plt, ax, size)
         image = ax.imshow(grid, aspect="auto", cmap="viridis")
@@ -418,11 +434,14 @@ def explain_layers(
         )
     layers = list(layers) if layers is not None else attention_layers(model)
     with extend(model, semiring, regular_grads=False, drawing=drawing), ExitStack() as stack:
-        for a in layers:  # before the splits' own hooks, which must see the new input
-            hook = a.block.register_forward_pre_hook(_requiring_grad, with_kwargs=True)
+        for module in _entries(model, layers):  # before the splits' hooks: they see the leaf
+            hook = module.register_forward_pre_hook(_requiring_grad, with_kwargs=True)
             stack.callback(hook.remove)
         splits: list[Branches] = [stack.enter_context(branches(a.block)) for a in layers]
-        contexts = [stack.enter_context(branches(a.heads_input)) for a in layers]
+        contexts = [
+            stack.enter_context(branches(a.heads_input)) if a.heads_input is not None else None
+            for a in layers
+        ]
         scalar = target()
         stack.close()
         if not isinstance(scalar, Tensor) or scalar.numel() != 1:
@@ -450,11 +469,23 @@ def _dropout_active(model: nn.Module) -> bool:
     return False
 
 
+def _entries(model: nn.Module, layers: Sequence[AttentionLayer]) -> list[nn.Module]:
+    """Each split block and the module enclosing it (where a residual add may use the same
+    input: DistilBERT, ``nn.TransformerEncoderLayer``)."""
+    modules = []
+    for spec in layers:
+        if "." in spec.name:
+            with suppress(AttributeError):  # a hand-made layer named outside the model
+                modules.append(model.get_submodule(spec.name.rsplit(".", 1)[0]))
+        modules.append(spec.block)
+    return modules
+
+
 def _requiring_grad(module: nn.Module, args: tuple, kwargs: dict):
     """A frozen model (no parameter requires grad) builds no graph below its first attention
-    layer: its first tensor input (the one split) becomes a leaf that requires grad. The
-    values at and above it are those of the same model unfrozen (paths from the root to a
-    tensor do not depend on what lies below it)."""
+    layer: the first tensor input of that layer (and of its block, the one split) becomes a
+    leaf that requires grad. The values at and above it are those of the same model unfrozen
+    (paths from the root to a tensor do not depend on what lies below it)."""
     for i, a in enumerate(args):
         if isinstance(a, Tensor):
             if not a.requires_grad and a.is_floating_point():
@@ -488,7 +519,7 @@ def _flow(
     semiring: Semiring,
     layers: Sequence[AttentionLayer],
     splits: Sequence[Branches],
-    contexts: Sequence[Branches],
+    contexts: Sequence[Branches | None],
     tokens: list[str] | None,
     factor: int | None,
 ) -> LayerFlow:
@@ -496,21 +527,26 @@ def _flow(
 
     no_path = float(semiring.readout(semiring.zeros((), torch.float64, "cpu")))
 
-    def pick(readout, shape: Sequence[int]) -> Tensor:
+    def pick(readout, shape: Sequence[int], batch_first: bool = True) -> Tensor:
         if readout is None:  # no path reached the layer at all
             return torch.full(tuple(shape), no_path, dtype=torch.float64, device=device)
-        value = readout if factor is None else readout[factor]
-        return value.detach()
+        value = (readout if factor is None else readout[factor]).detach()
+        return value if batch_first else value.transpose(0, 1)  # [batch, tokens, ...]
 
     device = splits[0].split.device if splits else None
     per_layer, totals, heads = [], [], []
     for spec, split, context in zip(layers, splits, contexts, strict=True):
+        first = spec.batch_first
         values = {}
         for name, value in split.aggregate(-1).items():
             if value is not None:
-                values[branch_name(name, spec.name)] = pick(value, ())
+                values[branch_name(name, spec.name)] = pick(value, (), first)
         per_layer.append(values)
-        totals.append(pick(split.total(-1), split.split.shape[:-1]))
+        shape = split.split.shape[:-1] if first else split.split.shape[:-1][::-1]
+        totals.append(pick(split.total(-1), shape, first))
+        if context is None:  # no module receives the heads' outputs: no per-head values
+            heads.append(torch.zeros((*shape, 0), dtype=totals[-1].dtype, device=device))
+            continue
         batch, length, _ = context.split.shape
         view = (batch, length, spec.num_heads, spec.head_dim)
         heads.append(pick(context.total(-1, view=view), view[:-1]))
@@ -580,6 +616,13 @@ def layer_routes(paths: Sequence[Path], layers: Sequence[AttentionLayer]) -> lis
     entries (``[batch, tokens, ...]`` tensors inside each layer); the head of a query, key or
     value entry is its unit // ``head_dim`` (with grouped-query attention, a key or value
     entry names its shared key/value head). A layer the path does not pass is left out."""
+    for spec in layers:
+        if isinstance(spec.block, nn.MultiheadAttention):
+            raise SemipackError(
+                f"layer_routes cannot read hops through {spec.name} (nn.MultiheadAttention): its "
+                "query, key and value projections are no modules of their own, and its inner "
+                "tensors change layout; read it with explain_layers"
+            )
     routes = []
     for path in paths:
         hops = []

@@ -46,7 +46,10 @@ def attention_branch(name: str) -> str:
     for GPT-2's fused ``...c_attn``,
     ``residual`` for any other use (in BERT the only other use of the block's input is the
     residual add in ``...attention.output``)."""
-    return PROJECTIONS.get(name.rsplit(".", 1)[-1], "residual")
+    last = name.rsplit(".", 1)[-1]
+    if ":" in last:  # one call given the tensor as several arguments (multi-head attention)
+        return PROJECTIONS.get(last.rsplit(":", 1)[-1].split("#")[0], "residual")
+    return PROJECTIONS.get(last, "residual")
 
 
 @dataclass(frozen=True)

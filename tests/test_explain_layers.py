@@ -51,6 +51,7 @@ def _retained(model, semiring):
     [
         (semipack.MaxProd(), lambda v, d: v.amax(d)),
         (semipack.LogSum(), lambda v, d: v.logsumexp(d)),
+        (semipack.Real(), lambda v, d: v.sum(d)),
     ],
 )
 def test_totals_and_heads_are_every_path_to_the_retained_tensors(semiring, union) -> None:
@@ -66,6 +67,10 @@ def test_totals_and_heads_are_every_path_to_the_retained_tensors(semiring, union
         stacked = torch.stack(list(flow.branches[i].values()))
         torch.testing.assert_close(union(stacked, 0), flow.total[i], rtol=1e-10, atol=0)
         assert set(flow.branches[i]) == {"query", "key", "value", "residual"}
+    if isinstance(semiring, semipack.Real):  # signed sums: a 0 is no sign of no path
+        cells = [c for line in flow.table().splitlines()[2:] for c in line.split()[1:]]
+        cells += [c for line in flow.token_table().splitlines()[1:] for c in line.split()[1:]]
+        assert "-" not in cells and len(cells) == 2 * 4 + 5 * 2
 
 
 def test_shares_tables_and_best_branches() -> None:
@@ -304,6 +309,12 @@ def test_semirings_without_one_value_per_token_are_refused(semiring, message) ->
     model = _bert()
     with pytest.raises(semipack.SemipackError, match=message):
         semipack.explain_layers(model, semiring, _target(model))
+
+
+def test_token_labels_of_the_wrong_length_are_refused() -> None:
+    model = _bert()
+    with pytest.raises(semipack.SemipackError, match="tokens: 2 labels for 5 tokens"):
+        semipack.explain_layers(model, semipack.MaxProd(), _target(model), tokens=["a", "b"])
 
 
 def test_a_target_that_is_not_callable_is_refused() -> None:

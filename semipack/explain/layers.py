@@ -31,7 +31,7 @@ from torch import Tensor, nn
 from ..api import extend
 from ..errors import SemipackError
 from ..messages.paths import Path, PathStep
-from ..semirings import KBest, Product, Semiring, SignedMaxProd
+from ..semirings import KBest, Product, Real, Semiring, SignedMaxProd
 from .branches import Branches, branches
 from .token_types import attention_branch
 
@@ -180,6 +180,11 @@ class LayerFlow:
     log: bool | None = None
 
     def __post_init__(self) -> None:
+        if self.tokens is not None and len(self.tokens) != self.total.shape[-1]:
+            raise SemipackError(
+                f"tokens: {len(self.tokens)} labels for {self.total.shape[-1]} tokens (one label "
+                "per token of the layers' inputs, special tokens included)"
+            )
         if self.no_path is None:
             self.no_path = DEFAULT_NO_PATH.get(self.semiring, 0.0)
         if self.log is None:
@@ -387,7 +392,10 @@ class LayerFlow:
 
 
 #: The readout of "no path" of a semiring's default options, by name (``LayerFlow.no_path``).
-DEFAULT_NO_PATH = {"LogSum": -math.inf, "LogCount": -math.inf, "Entropy": math.nan}
+#: Real's 0 may be signed paths that cancel: NaN, which no value equals, so every token counts.
+DEFAULT_NO_PATH = {
+    "LogSum": -math.inf, "LogCount": -math.inf, "Entropy": math.nan, "Real": math.nan,
+}  # fmt: skip
 
 
 def _winners(values: Tensor, reached: Tensor) -> Tensor:
@@ -526,6 +534,8 @@ def _flow(
     """The ``LayerFlow`` of one semiring (``factor``: its place in a Product's readouts)."""
 
     no_path = float(semiring.readout(semiring.zeros((), torch.float64, "cpu")))
+    if isinstance(semiring, Real):  # a signed sum: 0 is no sign that no path exists
+        no_path = math.nan
 
     def pick(readout, shape: Sequence[int], batch_first: bool = True) -> Tensor:
         if readout is None:  # no path reached the layer at all

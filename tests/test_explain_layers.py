@@ -507,3 +507,12 @@ def test_torch_transformer_encoder_layers(batch_first: bool) -> None:
     assert flow.table().splitlines()[1].split()[0] == "layer"
     with pytest.raises(semipack.SemipackError, match=r"cannot read hops through layers.0.self_"):
         layer_routes([], found)
+
+
+def test_a_layer_the_target_never_calls_is_named() -> None:
+    model = _bert()
+    stray = AttentionLayer("elsewhere.attention", nn.Linear(8, 8), nn.Linear(8, 8), 2, 4)
+    layers = [*attention_layers(model), stray]
+    message = r"target\(\) did not call elsewhere.attention \(block\)"
+    with pytest.raises(semipack.SemipackError, match=message):
+        semipack.explain_layers(model, semipack.MaxProd(), _target(model), layers=layers)

@@ -451,6 +451,7 @@ def explain_layers(
             for a in layers
         ]
         scalar = target()
+        _check_called(layers, splits, contexts)
         stack.close()
         if not isinstance(scalar, Tensor) or scalar.numel() != 1:
             raise SemipackError("explain_layers: target() must return a scalar tensor")
@@ -461,6 +462,25 @@ def explain_layers(
         for i, factor in enumerate(factors)
     )
     return flows if isinstance(semiring, Product) else flows[0]
+
+
+def _check_called(
+    layers: Sequence[AttentionLayer],
+    splits: Sequence[Branches],
+    contexts: Sequence[Branches | None],
+) -> None:
+    """Every layer's block and heads' module must run in ``target()``: name those that did
+    not (a hand-made ``AttentionLayer`` of another model, a forward run before the call)."""
+    missing = [
+        f"{spec.name} ({'block' if split.split is None else 'heads_input'})"
+        for spec, split, context in zip(layers, splits, contexts, strict=True)
+        if split.split is None or (context is not None and context.split is None)
+    ]
+    if missing:
+        raise SemipackError(
+            f"explain_layers: target() did not call {', '.join(missing)}; target must run the "
+            "model's forward itself, and each AttentionLayer name modules of that model"
+        )
 
 
 def _dropout_active(model: nn.Module) -> bool:

@@ -265,4 +265,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except SemipackError as error:
         print(f"semipack explain: {error}", file=sys.stderr)
         return 2
+    except OSError as error:  # the output folder or files cannot be written
+        print(f"semipack explain: cannot write --out {args.out!r}: {error}", file=sys.stderr)
+        return 2
     return 0

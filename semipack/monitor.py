@@ -112,6 +112,8 @@ class Monitor:
         self.log_dir = Path(log_dir) if log_dir is not None else None
         self._csv = self._writer = None
         if self.log_dir is not None:
+            if self.log_dir.exists() and not self.log_dir.is_dir():
+                raise SemipackError(f"Monitor(log_dir={str(log_dir)!r}) is a file, not a folder")
             self.log_dir.mkdir(parents=True, exist_ok=True)
             self._csv_file = open(self.log_dir / "monitor.csv", "w", newline="")  # noqa: SIM115
             self._csv = csv.writer(self._csv_file)

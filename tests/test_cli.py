@@ -237,3 +237,11 @@ def test_decoder_and_distilbert_directories_run(tiny_model_dir, tmp_path, capsys
         assert main(["explain", "--model", str(folder), "--semirings", "MaxProd",
                      "--text", "the keys"]) == 0  # fmt: skip
         assert "MaxProd: share of tokens" in capsys.readouterr().out
+
+
+def test_an_unwritable_out_folder_is_named(tiny_model_dir, tmp_path, capsys) -> None:
+    (tmp_path / "FILE").write_text("kept")
+    out = tmp_path / "FILE" / "below"  # a folder under a file cannot be made
+    args = ["explain", "--model", str(tiny_model_dir), "--semirings", "MaxProd", "--out", str(out)]
+    assert main(args) == 2
+    assert f"cannot write --out {str(out)!r}" in capsys.readouterr().err

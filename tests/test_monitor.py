@@ -140,6 +140,13 @@ def test_mistakes_are_named() -> None:
         monitor.plot()
 
 
+def test_a_log_dir_that_is_a_file_is_refused(tmp_path: Path) -> None:
+    (tmp_path / "log").write_text("kept")
+    with pytest.raises(semipack.SemipackError, match=r"log_dir=.*log'\) is a file, not a folder"):
+        semipack.Monitor(_model(), log_dir=tmp_path / "log", tensorboard=False)
+    assert (tmp_path / "log").read_text() == "kept"
+
+
 def test_a_backward_after_the_step_block_is_refused_not_read_stale() -> None:
     """Step 0 records; step 1's backward runs after its block: nothing of step 0 is recorded
     again under step 1, the step raises saying where the backward belongs."""

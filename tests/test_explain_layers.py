@@ -516,3 +516,52 @@ def test_a_layer_the_target_never_calls_is_named() -> None:
     message = r"target\(\) did not call elsewhere.attention \(block\)"
     with pytest.raises(semipack.SemipackError, match=message):
         semipack.explain_layers(model, semipack.MaxProd(), _target(model), layers=layers)
+
+
+def _llama_family(name: str):
+    common = dict(
+        vocab_size=20, hidden_size=8, num_hidden_layers=2, num_attention_heads=2,
+        num_key_value_heads=1, intermediate_size=16, max_position_embeddings=16,
+    )  # fmt: skip
+    config = getattr(transformers, f"{name}Config")(**common)
+    torch.manual_seed(0)
+    model_class = getattr(transformers, f"{name}Model")
+    return model_class._from_config(config, attn_implementation="eager").eval().double()
+
+
+@pytest.mark.parametrize("family", ["Mistral", "Qwen2"])
+def test_other_llama_family_decoders_with_padding(family: str) -> None:
+    """Mistral and Qwen2 are found like Llama; with a right-padded example the padding token
+    reads no path and the totals are the retained attention inputs'."""
+    if not hasattr(transformers, f"{family}Model"):
+        pytest.skip(f"transformers has no {family}")
+    model = _llama_family(family)
+    found = attention_layers(model)
+    assert [(a.name, a.num_heads, a.head_dim) for a in found] == [
+        ("layers.0.self_attn", 2, 4),
+        ("layers.1.self_attn", 2, 4),
+    ]
+    ids = torch.tensor([[5, 7, 9, 3, 0]])
+    mask = torch.tensor([[1, 1, 1, 1, 0]])  # the last token is padding
+
+    def target():
+        return model(input_ids=ids, attention_mask=mask).last_hidden_state[0, 3].sum()
+
+    flow = semipack.explain_layers(model, semipack.MaxProd(), target)
+    kept = []
+    hooks = [
+        a.block.register_forward_pre_hook(
+            lambda m, a, k: kept.append(k["hidden_states"]) or k["hidden_states"].retain_grad(),
+            with_kwargs=True,
+        )
+        for a in found
+    ]
+    with semipack.extend(model, semipack.MaxProd()):
+        target().backward()
+    for h in hooks:
+        h.remove()
+    for i, tensor in enumerate(kept):
+        torch.testing.assert_close(flow.total[i], tensor.semiring_grad.amax(-1), rtol=1e-10, atol=0)
+        assert set(flow.branches[i]) == {"query", "key", "value"}
+    assert (flow.total[:, 0, 4] == 0).all() and (flow.total[:, 0, :4] > 0).all()
+    assert flow.best_branch()[4] == ["-", "-"]

@@ -1,8 +1,9 @@
 """``semipack explain`` (also ``python -m semipack explain``): branch flow of a text encoder.
 
 For every layer of a Hugging Face BERT-family encoder (the embedded all-MiniLM-L6-v2 by
-default, offline) it splits the semiring value at the attention block's input by branch
-(query, key, value, residual; ``semipack.branches``), aggregates each token's hidden units
+default, offline; DistilBERT, Llama-family decoders and GPT-2 too: ``explain.FAMILIES``) it
+splits the semiring value at the attention block's input by branch (query, key, value,
+residual; ``semipack.branches``), aggregates each token's hidden units
 (``Branches.aggregate``) and prints, per token and layer, the branch its best path leaves by
 (MaxProd) and the log total flow and path entropy per branch (LogSum, Entropy). It writes a
 picture of the branch shares per layer (``branch_flow.png``) and the tables as CSV.
@@ -25,6 +26,8 @@ from tqdm import tqdm
 from .api import extend
 from .errors import SemipackError
 from .explain import (
+    FAMILIES,
+    AttentionLayer,
     LayerFlow,
     LayerRoute,
     attention_layers,
@@ -58,10 +61,40 @@ def load(model_dir: str, masked_lm: bool = False) -> tuple[nn.Module, object]:
     path = Path(model_dir)
     if not path.is_dir() or not (path / "config.json").exists():
         raise SemipackError(f"--model {model_dir!r} is not a Hugging Face model directory")
-    tokenizer = transformers.AutoTokenizer.from_pretrained(str(path))
     auto = transformers.AutoModelForMaskedLM if masked_lm else transformers.AutoModel
-    model = auto.from_pretrained(str(path), attn_implementation="eager")
+    try:
+        tokenizer = transformers.AutoTokenizer.from_pretrained(str(path))
+        model = auto.from_pretrained(str(path), attn_implementation="eager")
+    except (OSError, ValueError, KeyError) as error:  # what transformers raises for these
+        kind = "a masked-language model (--target mask)" if masked_lm else "a model"
+        raise SemipackError(
+            f"--model {model_dir!r}: transformers cannot load {kind} and its tokenizer from it "
+            f"({type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}); "
+            f"semipack explain takes {FAMILIES}"
+        ) from error
     return model.eval(), tokenizer
+
+
+def _layers(model: nn.Module) -> list[AttentionLayer]:
+    """The model's attention layers, or a message naming the families the command takes."""
+    try:
+        return attention_layers(model)
+    except SemipackError as error:
+        why = str(error).split(";")[0] if "ALBERT" in str(error) else "no attention layers found"
+        raise SemipackError(
+            f"{type(model).__name__} is not supported ({why}): semipack explain takes {FAMILIES}"
+        ) from None
+
+
+def _check_length(model: nn.Module, tokenizer, length: int) -> None:
+    """Refuse a text longer than the model's positions (the forward would index past them)."""
+    limits = [getattr(model.config, "max_position_embeddings", None)]
+    limits.append(getattr(tokenizer, "model_max_length", None))
+    limits = [int(n) for n in limits if isinstance(n, int) and 0 < n < 1_000_000]
+    if limits and length > min(limits):
+        raise SemipackError(
+            f"the text has {length} tokens, the model takes at most {min(limits)}: shorten it"
+        )
 
 
 def _target(output: Tensor, mask: Tensor, target: str, masked: Tensor | None = None) -> Tensor:
@@ -97,6 +130,8 @@ def run(
     any token (slow on a whole model: about 20 s for k = 2 on MiniLM's sentence)."""
     if not text.strip():
         raise SemipackError("the text to explain is empty")
+    if isinstance(kbest, bool) or not isinstance(kbest, int) or kbest < 1:
+        raise SemipackError(f"--kbest must be a positive integer (1: TopPath), got {kbest!r}")
     unknown = [s for s in semiring_names if s not in SEMIRINGS]
     if unknown:
         raise SemipackError(f"unknown semiring {unknown[0]!r}: choose from {', '.join(SEMIRINGS)}")
@@ -107,8 +142,9 @@ def run(
         masked = encoded["input_ids"] == tokenizer.mask_token_id
         if not bool(masked.any()):
             raise SemipackError(f"--target mask needs a {tokenizer.mask_token} token in the text")
+    _check_length(model, tokenizer, len(tokens))
     _check_target(target, len(tokens))
-    layers = attention_layers(model)
+    layers = _layers(model)
 
     def forward(**inputs) -> Tensor:
         result = model(**inputs)
@@ -189,6 +225,18 @@ def _route_layers(result: Explanation) -> int:
     return 1 + max((h.layer for r in result.routes for h in r.hops), default=0)
 
 
+def _out_folder(out: str | None) -> Path | None:
+    """``--out``, checked before any pass runs: a folder (made if missing), not a file."""
+    if out is None:
+        return None
+    if not out.strip():
+        raise SemipackError("--out needs a folder name (it is empty)")
+    folder = Path(out)
+    if folder.exists() and not folder.is_dir():
+        raise SemipackError(f"--out {out!r} is a file, not a folder: name a folder")
+    return folder
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``semipack explain``; returns the exit status."""
     parser = argparse.ArgumentParser(prog="semipack", description=__doc__.split("\n\n")[0])
@@ -208,12 +256,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     explain.add_argument("--out", default=None, help="folder for branches.csv and the picture")
     args = parser.parse_args(argv)
     try:
+        out = _out_folder(args.out)
         model, tokenizer = load(args.model or default_model_path(), args.target == "mask")
         result = run(
             model, tokenizer, args.text, args.semirings, args.target, args.drawing, args.kbest
         )
-        report(result, Path(args.out) if args.out else None)
+        report(result, out)
     except SemipackError as error:
         print(f"semipack explain: {error}", file=sys.stderr)
+        return 2
+    except OSError as error:  # the output folder or files cannot be written
+        print(f"semipack explain: cannot write --out {args.out!r}: {error}", file=sys.stderr)
         return 2
     return 0

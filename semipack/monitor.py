@@ -112,6 +112,8 @@ class Monitor:
         self.log_dir = Path(log_dir) if log_dir is not None else None
         self._csv = self._writer = None
         if self.log_dir is not None:
+            if self.log_dir.exists() and not self.log_dir.is_dir():
+                raise SemipackError(f"Monitor(log_dir={str(log_dir)!r}) is a file, not a folder")
             self.log_dir.mkdir(parents=True, exist_ok=True)
             self._csv_file = open(self.log_dir / "monitor.csv", "w", newline="")  # noqa: SIM115
             self._csv = csv.writer(self._csv_file)
@@ -133,15 +135,46 @@ class Monitor:
             yield False
             return
         combine = self._combines_processes()
+        self._clear()
         with ExitStack() as stack:
             stack.enter_context(extend(self.model, self.semiring, keep_state=combine))
             splits = {
                 name: stack.enter_context(branches(module)) for name, module in self.splits.items()
             }
             yield True
+            self._check_splits(step, splits)
+        self._check_backward(step)
         if combine:  # every process: the whole batch's values (each layer's plus over them)
             all_reduce(list(self.layers.values()), self.semiring)
         self._record(step, splits)
+
+    def _clear(self) -> None:
+        """Drop the values an earlier pass left on the monitored parameters, so that only this
+        step's backward is read (a backward run after the block would leave none)."""
+        for param in self.layers.values():
+            for attribute in ("semiring_grad", "semiring_state"):
+                if hasattr(param, attribute):
+                    delattr(param, attribute)
+
+    def _check_backward(self, step: int) -> None:
+        """A sampled step whose backward did not run inside the block has nothing to record."""
+        if not any(hasattr(p, "semiring_grad") for p in self.layers.values()):
+            raise SemipackError(
+                f"Monitor.step({step}): no backward reached the model inside the block; call "
+                "loss.backward() inside `with monitor.step(...)` (a backward after the block "
+                "is a plain one: the sampled step would have nothing to record)"
+            )
+
+    def _check_splits(self, step: int, splits: dict[str, Branches]) -> None:
+        """Each split module must be called by the step's forward (inside the block)."""
+        for name, split in splits.items():
+            if split.split is None:
+                module = type(self.splits[name]).__name__
+                raise SemipackError(
+                    f"Monitor(splits={{{name!r}: {module}}}): the module was not called in step "
+                    f"{step}; run the forward inside `with monitor.step(...)`, and split a "
+                    "module that the forward calls"
+                )
 
     def _combines_processes(self) -> bool:
         """Whether sampled steps combine every process's values (``distributed``; by default
@@ -158,7 +191,7 @@ class Monitor:
         for name, param in self.layers.items():
             values = getattr(param, "semiring_grad", None)
             if values is None:
-                continue
+                continue  # this step's backward does not reach the layer
             rows += [Record(step, name, q, v) for q, v in self._summaries(name, values).items()]
         for name, split in splits.items():
             for use, share in _flow_shares(split).items():
@@ -173,6 +206,8 @@ class Monitor:
 
     def _summaries(self, name: str, values: tuple[Tensor, ...]) -> dict[str, float]:
         log_best, log_flow = values[0].detach(), values[1].detach()
+        if bool(log_best.isneginf().all()):  # in the graph, but no path: only its deadness
+            return {"dead_units": 1.0}
         out: dict[str, float] = {}
         if len(values) > 2:
             entropy = values[2].detach()

@@ -177,3 +177,71 @@ def test_a_masked_token_prediction_is_explained(tiny_model_dir: Path, tmp_path: 
     (best,) = semipack.grad(logit, emb, semipack.MaxProd())
     got = torch.tensor([per_token[t] for t in range(len(per_token))], dtype=best.dtype)
     torch.testing.assert_close(got, best[0].amax(-1), rtol=1e-5, atol=0)
+
+
+def _saved(folder: Path, model, words_from: Path) -> Path:
+    model.save_pretrained(str(folder))
+    transformers.AutoTokenizer.from_pretrained(str(words_from)).save_pretrained(str(folder))
+    return folder
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--text", " ".join(["the"] * 15)], "the text has 17 tokens, the model takes at most 16"),
+        (["--kbest", "0"], "--kbest must be a positive integer (1: TopPath), got 0"),
+        (["--out", ""], "--out needs a folder name (it is empty)"),
+        (["--out", "FILE"], "is a file, not a folder"),
+    ],
+)
+def test_bad_lengths_and_options_are_refused(tiny_model_dir, tmp_path, capsys, args, message):
+    (tmp_path / "FILE").write_text("kept")
+    args = [str(tmp_path / "FILE") if a == "FILE" else a for a in args]
+    assert main(["explain", "--model", str(tiny_model_dir), *args]) == 2
+    assert message in capsys.readouterr().err
+    assert (tmp_path / "FILE").read_text() == "kept"
+
+
+def test_unsupported_families_name_the_supported_ones(tiny_model_dir, tmp_path, capsys):
+    t5 = transformers.T5Config(vocab_size=len(WORDS), d_model=8, d_kv=4, d_ff=16, num_layers=1,
+                               num_heads=2)  # fmt: skip
+    albert = transformers.AlbertConfig(
+        vocab_size=len(WORDS), embedding_size=8, hidden_size=8, num_hidden_layers=2,
+        num_attention_heads=2, intermediate_size=16, max_position_embeddings=16,
+    )  # fmt: skip
+    for name, cfg, why in (
+        ("t5", t5, "T5Model is not supported (no attention layers found)"),
+        ("albert", albert, "AlbertModel is not supported (AlbertModel runs one shared layer"),
+    ):
+        folder = _saved(tmp_path / name, transformers.AutoModel.from_config(cfg), tiny_model_dir)
+        assert main(["explain", "--model", str(folder)]) == 2
+        err = capsys.readouterr().err
+        assert why in err
+        assert "semipack explain takes BERT-family encoders" in err and "GPT-2 (h[i].attn)" in err
+    gpt2 = transformers.GPT2Config(vocab_size=len(WORDS), n_embd=8, n_layer=1, n_head=2)
+    folder = _saved(tmp_path / "gpt2", transformers.GPT2Model(gpt2), tiny_model_dir)
+    assert main(["explain", "--model", str(folder), "--target", "mask", "--text", "[MASK]"]) == 2
+    assert "cannot load a masked-language model (--target mask)" in capsys.readouterr().err
+
+
+def test_decoder_and_distilbert_directories_run(tiny_model_dir, tmp_path, capsys):
+    configs = {
+        "gpt2": transformers.GPT2Config(vocab_size=len(WORDS), n_embd=8, n_layer=2, n_head=2),
+        "distilbert": transformers.DistilBertConfig(
+            vocab_size=len(WORDS), dim=8, n_layers=2, n_heads=2, hidden_dim=16
+        ),
+    }
+    for name, cfg in configs.items():
+        torch.manual_seed(0)
+        folder = _saved(tmp_path / name, transformers.AutoModel.from_config(cfg), tiny_model_dir)
+        assert main(["explain", "--model", str(folder), "--semirings", "MaxProd",
+                     "--text", "the keys"]) == 0  # fmt: skip
+        assert "MaxProd: share of tokens" in capsys.readouterr().out
+
+
+def test_an_unwritable_out_folder_is_named(tiny_model_dir, tmp_path, capsys) -> None:
+    (tmp_path / "FILE").write_text("kept")
+    out = tmp_path / "FILE" / "below"  # a folder under a file cannot be made
+    args = ["explain", "--model", str(tiny_model_dir), "--semirings", "MaxProd", "--out", str(out)]
+    assert main(args) == 2
+    assert f"cannot write --out {str(out)!r}" in capsys.readouterr().err

@@ -3,11 +3,13 @@ plain semiring runs (no split), against TopPath's own values, and on hand-made p
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import pytest
 import torch
 from helpers import tiny_bert_config
+from torch import nn
 
 import semipack
 from semipack.explain import AttentionLayer, attention_layers, layer_routes, plot_routes
@@ -49,6 +51,7 @@ def _retained(model, semiring):
     [
         (semipack.MaxProd(), lambda v, d: v.amax(d)),
         (semipack.LogSum(), lambda v, d: v.logsumexp(d)),
+        (semipack.Real(), lambda v, d: v.sum(d)),
     ],
 )
 def test_totals_and_heads_are_every_path_to_the_retained_tensors(semiring, union) -> None:
@@ -64,6 +67,10 @@ def test_totals_and_heads_are_every_path_to_the_retained_tensors(semiring, union
         stacked = torch.stack(list(flow.branches[i].values()))
         torch.testing.assert_close(union(stacked, 0), flow.total[i], rtol=1e-10, atol=0)
         assert set(flow.branches[i]) == {"query", "key", "value", "residual"}
+    if isinstance(semiring, semipack.Real):  # signed sums: a 0 is no sign of no path
+        cells = [c for line in flow.table().splitlines()[2:] for c in line.split()[1:]]
+        cells += [c for line in flow.token_table().splitlines()[1:] for c in line.split()[1:]]
+        assert "-" not in cells and len(cells) == 2 * 4 + 5 * 2
 
 
 def test_shares_tables_and_best_branches() -> None:
@@ -189,3 +196,372 @@ def test_llama_layers_and_unknown_models() -> None:
         attention_layers(torch.nn.Sequential(torch.nn.Linear(2, 2)))
     with pytest.raises(semipack.SemipackError, match="target\\(\\) must return a scalar"):
         semipack.explain_layers(llama, semipack.MaxProd(), lambda: llama(input_ids=IDS)[0])
+
+
+def _hand_flow(semiring: str, branches: dict[str, list[float]], **options) -> semipack.LayerFlow:
+    """One layer, one example: the branch values given, the total their max, two heads that
+    copy the first two branches."""
+    values = {n: torch.tensor([v], dtype=torch.float64) for n, v in branches.items()}
+    stacked = torch.stack([v[0] for v in values.values()])
+    heads = stacked[:2].T[None, None]  # [layers, batch, tokens, heads]
+    total = stacked.amax(0)[None, None]
+    return semipack.LayerFlow(semiring, ["l0"], [values], total, heads, **options)
+
+
+def test_unreached_tokens_and_ties_in_shares_and_best_branches() -> None:
+    """Token 3 has no path (all zero): it counts in no share and reads ``-``; token 1 ties
+    between query and key: half a token each."""
+    flow = _hand_flow(
+        "MaxProd",
+        {
+            "query": [0.5, 0.3, 0.1, 0.0],
+            "key": [0.2, 0.3, 0.0, 0.0],
+            "residual": [0.1, 0.2, 0.4, 0.0],
+        },
+    )
+    assert flow.best_branch() == [["query"], ["query/key"], ["residual"], ["-"]]
+    assert flow.branch_shares() == [{"query": 0.5, "key": 1 / 6, "residual": 1 / 3}]
+    assert flow.head_shares() == [[5 / 6, 1 / 6]]  # heads: query, key; token 2 head 0's
+    table = flow.table().splitlines()
+    assert table[2].split() == ["L0", "50.0%", "16.7%", "33.3%", "83.3%", "16.7%"]
+    lines = flow.token_table().splitlines()
+    assert [line.split()[1] for line in lines[1:]] == ["query", "query/key", "residual", "-"]
+
+
+def test_no_token_reached_gives_no_share() -> None:
+    flow = _hand_flow("MaxProd", {"query": [0.0, 0.0], "key": [0.0, 0.0]})
+    shares = flow.branch_shares()[0]
+    assert all(math.isnan(v) for v in shares.values())
+    assert flow.table().splitlines()[2].split() == ["L0", "-", "-", "-", "-"]
+
+
+def test_logsum_linear_and_log_shares_agree_and_skip_unreached() -> None:
+    logs = {"query": [0.0, math.log(3.0), -math.inf], "residual": [math.log(4.0), 0.0, -math.inf]}
+    linear = {n: [math.exp(v) for v in vs] for n, vs in logs.items()}
+    want = {"query": 4 / 9, "residual": 5 / 9}
+    assert _hand_flow("LogSum", logs).branch_shares()[0] == pytest.approx(want, rel=1e-12)
+    flow = _hand_flow("LogSum", linear, no_path=0.0, log=False)
+    assert flow.branch_shares()[0] == pytest.approx(want, rel=1e-12)
+
+
+def test_entropy_table_means_only_reached_tokens() -> None:
+    nan = math.nan
+    flow = _hand_flow("Entropy", {"query": [1.0, 2.0, nan], "key": [nan, 4.0, nan]})
+    assert flow.table().splitlines()[2].split() == ["L0", "1.500", "4.000"]
+    assert flow.token_table().splitlines()[3].split() == ["2", "-"]
+
+
+def _masked_target(model, mask):
+    return lambda: model(input_ids=IDS, attention_mask=mask).last_hidden_state[0, 0].sum()
+
+
+@pytest.mark.parametrize("semiring", [semipack.MaxProd(), semipack.LogSum(log=False)])
+def test_padding_token_is_reached_by_no_path(semiring) -> None:
+    """With the last token masked out of attention and the target at token 0, no path
+    reaches the last token: its total is the no-path readout (0), and the shares are those of
+    the other four tokens, counted independently from the branch values."""
+    model = _bert()
+    mask = torch.tensor([[1, 1, 1, 1, 0]])
+    flow = semipack.explain_layers(model, semiring, _masked_target(model, mask))
+    assert (flow.total[:, 0, 4] == 0).all() and (flow.total[:, 0, :4] > 0).all()
+    if isinstance(semiring, semipack.MaxProd):
+        assert flow.best_branch()[-1] == ["-", "-"]
+        for i, layer in enumerate(flow.branches):
+            names = list(layer)
+            winners = torch.stack([layer[n][0, :4] for n in names]).argmax(0).tolist()
+            want = {n: sum(w == k for w in winners) / 4 for k, n in enumerate(names)}
+            assert flow.branch_shares()[i] == pytest.approx(want)
+    else:  # the linear flow of each branch over the flow of all
+        log_flow = semipack.explain_layers(model, semipack.LogSum(), _masked_target(model, mask))
+        for got, want in zip(flow.branch_shares(), log_flow.branch_shares(), strict=True):
+            assert got == pytest.approx(want, rel=1e-9)
+        assert flow.table().startswith("LogSum: share of the flow")
+
+
+def test_product_gives_one_flow_per_factor_equal_to_its_own_pass() -> None:
+    model = _bert()
+    factors = (semipack.MaxProd(), semipack.LogSum(), semipack.Entropy())
+    flows = semipack.explain_layers(model, semipack.Product(*factors), _target(model))
+    assert [f.semiring for f in flows] == ["MaxProd", "LogSum", "Entropy"]
+    same = {"rtol": 1e-10, "atol": 0, "equal_nan": True}
+    for flow, factor in zip(flows, factors, strict=True):
+        alone = semipack.explain_layers(model, type(factor)(), _target(model))
+        torch.testing.assert_close(flow.total, alone.total, **same)
+        torch.testing.assert_close(flow.heads, alone.heads, **same)
+        for got, want in zip(flow.branches, alone.branches, strict=True):
+            assert got.keys() == want.keys()
+            for name in got:
+                torch.testing.assert_close(got[name], want[name], **same)
+        assert flow.log == alone.log
+        assert str(flow.no_path) == str(alone.no_path)  # nan, -inf or 0.0
+
+
+@pytest.mark.parametrize(
+    ("semiring", "message"),
+    [
+        (semipack.KBest(2), "KBest reads out several"),
+        (semipack.SignedMaxProd(), "SignedMaxProd reads out several"),
+        (semipack.Product(semipack.MaxProd(), semipack.SignedMaxProd()), "SignedMaxProd reads"),
+        (semipack.MaxProd, "takes a semiring instance: pass MaxProd()"),
+    ],
+)
+def test_semirings_without_one_value_per_token_are_refused(semiring, message) -> None:
+    model = _bert()
+    with pytest.raises(semipack.SemipackError, match=message):
+        semipack.explain_layers(model, semiring, _target(model))
+
+
+def test_token_labels_of_the_wrong_length_are_refused() -> None:
+    model = _bert()
+    with pytest.raises(semipack.SemipackError, match="tokens: 2 labels for 5 tokens"):
+        semipack.explain_layers(model, semipack.MaxProd(), _target(model), tokens=["a", "b"])
+
+
+def test_a_target_that_is_not_callable_is_refused() -> None:
+    model = _bert()
+    scalar = _target(model)()
+    with pytest.raises(semipack.SemipackError, match=r"target must be a callable .* got Tensor"):
+        semipack.explain_layers(model, semipack.MaxProd(), scalar)
+
+
+def test_routes_read_llama_residual_adds_and_gpt2_fused_projection() -> None:
+    """Llama- and GPT-2-family layers add the residual in the layer's own module
+    (``layers.0``, not ``layers.0.something``); GPT-2's ``c_attn`` makes query, key and value
+    side by side, ``[batch, tokens, 3 * hidden]``, after a ``[batch * tokens, hidden]`` view."""
+    llama = [AttentionLayer(f"layers.{i}.self_attn", None, None, 2, 4) for i in range(2)]
+    steps = [
+        _step("layers.0", (0, 3, 1)),  # the residual add of layer 0
+        _step("layers.1.input_layernorm", (0, 3, 1)),
+        _step("layers.1.self_attn.k_proj", (0, 3, 5)),
+        _step("layers.1.self_attn", (0, 1, 2, 3)),  # [b, heads, q, k]
+        _step("layers.1.self_attn.o_proj", (0, 2, 0)),
+        _step("layers.1", (0, 2, 0)),
+    ]
+    (route,) = layer_routes([SemiringPath("x", (0, 3, 1), -1.0, steps)], llama)
+    got = [(h.layer, h.token_in, h.token_out, h.branch, h.head) for h in route.hops]
+    assert got == [(0, 3, 3, "residual", None), (1, 3, 2, "key", 1)]
+    gpt2 = [AttentionLayer(f"h.{i}.attn", None, None, 2, 4) for i in range(2)]
+    steps = [
+        _step("h.0", (0, 1, 2)),
+        _step("h.1.ln_1", (0, 1, 2)),
+        _step("h.1.attn.c_attn", (1, 2)),  # the [batch * tokens, hidden] view: no token
+        _step("h.1.attn.c_attn", (1, 22)),
+        _step("h.1.attn.c_attn", (0, 1, 22)),  # unit 22 of 24: value (16..23), head 1
+        _step("h.1.attn", (0, 1, 4, 1)),
+        _step("h.1.attn.c_proj", (4, 6)),
+        _step("h.1", (0, 4, 6)),
+    ]
+    (route,) = layer_routes([SemiringPath("x", (0, 1, 2), -1.0, steps)], gpt2)
+    got = [(h.layer, h.token_in, h.token_out, h.branch, h.head) for h in route.hops]
+    assert got == [(0, 1, 1, "residual", None), (1, 1, 4, "value", 1)]
+
+
+def _gpt2():
+    torch.manual_seed(0)
+    cfg = transformers.GPT2Config(vocab_size=20, n_embd=8, n_layer=2, n_head=2, n_positions=8)
+    return transformers.GPT2Model._from_config(cfg, attn_implementation="eager").eval().double()
+
+
+def test_gpt2_layers_are_found_with_one_fused_branch() -> None:
+    model = _gpt2()
+    found = attention_layers(model)
+    assert [(a.name, a.num_heads, a.head_dim) for a in found] == [
+        ("h.0.attn", 2, 4),
+        ("h.1.attn", 2, 4),
+    ]
+    retained = []
+    hooks = [
+        a.block.register_forward_pre_hook(lambda m, a: retained.append(a[0]) or a[0].retain_grad())
+        for a in found
+    ]
+    with semipack.extend(model, semipack.MaxProd()):
+        model(input_ids=IDS).last_hidden_state[0, -1].sum().backward()
+    for h in hooks:
+        h.remove()
+    target = lambda: model(input_ids=IDS).last_hidden_state[0, -1].sum()  # noqa: E731
+    flow = semipack.explain_layers(model, semipack.MaxProd(), target)
+    assert all(list(layer) == ["qkv"] for layer in flow.branches)
+    for i, tensor in enumerate(retained):
+        torch.testing.assert_close(flow.total[i], tensor.semiring_grad.amax(-1), rtol=1e-10, atol=0)
+
+
+def test_distilbert_layers_split_with_the_residual_add_of_the_enclosing_layer() -> None:
+    torch.manual_seed(0)
+    cfg = transformers.DistilBertConfig(vocab_size=20, dim=8, n_layers=2, n_heads=2, hidden_dim=16)
+    model = transformers.DistilBertModel._from_config(cfg, attn_implementation="eager")
+    model = model.eval().double()
+    found = attention_layers(model)
+    assert [(a.name, a.num_heads, a.head_dim) for a in found] == [
+        ("transformer.layer.0.attention", 2, 4),
+        ("transformer.layer.1.attention", 2, 4),
+    ]
+    target = lambda: model(input_ids=IDS).last_hidden_state[0, 1:3].sum()  # noqa: E731
+    kept = []
+    hooks = [
+        a.block.register_forward_pre_hook(lambda m, a: kept.append(a[0]) or a[0].retain_grad())
+        for a in found
+    ]
+    with semipack.extend(model, semipack.LogSum()):
+        target().backward()
+    for h in hooks:
+        h.remove()
+    flow = semipack.explain_layers(model, semipack.LogSum(), target)
+    for i, tensor in enumerate(kept):
+        assert set(flow.branches[i]) == {"query", "key", "value", "residual"}
+        want = tensor.semiring_grad.logsumexp(-1)
+        torch.testing.assert_close(flow.total[i], want, rtol=1e-10, atol=0)
+        stacked = torch.stack(list(flow.branches[i].values())).logsumexp(0)
+        torch.testing.assert_close(stacked, want, rtol=1e-10, atol=0)
+
+
+def test_a_frozen_model_gives_the_values_of_the_unfrozen_one() -> None:
+    model = _bert()
+    want = semipack.explain_layers(model, semipack.LogSum(), _target(model))
+    model.requires_grad_(False)
+    got = semipack.explain_layers(model, semipack.LogSum(), _target(model))
+    torch.testing.assert_close(got.total, want.total, rtol=0, atol=0)
+    torch.testing.assert_close(got.heads, want.heads, rtol=0, atol=0)
+    for a, b in zip(got.branches, want.branches, strict=True):
+        assert a.keys() == b.keys() and all(torch.equal(a[n], b[n]) for n in a)
+    assert all(p.grad is None and not p.requires_grad for p in model.parameters())
+
+
+@pytest.mark.filterwarnings("error::UserWarning")
+def test_common_mistakes_are_named() -> None:
+    model = _bert()
+    with torch.no_grad(), pytest.raises(semipack.SemipackError, match=r"outside torch.no_grad"):
+        semipack.explain_layers(model, semipack.MaxProd(), _target(model))
+    flow = semipack.explain_layers(model, semipack.MaxProd(), _target(model))
+    with pytest.raises(semipack.SemipackError, match=r"example 1: the flow holds 1 example\(s\)"):
+        flow.best_branch(1)
+    with pytest.raises(semipack.SemipackError, match=r"example 2: the flow holds 1 example\(s\)"):
+        flow.table(example=2)
+    model.train()  # no dropout in this configuration: nothing random, no warning
+    semipack.explain_layers(model, semipack.MaxProd(), _target(model))
+    cfg = tiny_bert_config(hidden_dropout_prob=0.1)
+    model = transformers.BertModel._from_config(cfg, attn_implementation="eager").train()
+    with pytest.warns(UserWarning, match=r"BertModel is in training mode .* call model.eval\(\)"):
+        semipack.explain_layers(model, semipack.MaxProd(), _target(model))
+
+
+def test_a_layer_no_path_reaches_reads_no_path() -> None:
+    """The target reads layer 0's input itself (``hidden_states[0]``): the read is a branch
+    of layer 0 of its own, and no path reaches layer 1."""
+    model = _bert()
+
+    def target():
+        return model(input_ids=IDS, output_hidden_states=True).hidden_states[0][0, 1].sum()
+
+    flow = semipack.explain_layers(model, semipack.MaxProd(), target)
+    assert list(flow.branches[0]) == ["<outside the model>"] and flow.branches[1] == {}
+    assert (flow.total[1] == 0).all() and (flow.heads == 0).all()
+    assert flow.total[0, 0].tolist() == [0.0, 1.0, 0.0, 0.0, 0.0]  # d(sum of units)/d(unit)
+    assert flow.best_branch() == [["-", "-"], ["<outside the model>", "-"]] + [["-", "-"]] * 3
+    assert flow.branch_shares() == [{"<outside the model>": 1.0}, {}]
+    table = flow.table().splitlines()
+    assert table[2].split() == ["L0", "100.0%", "-", "-"]
+    assert table[3].split() == ["L1", "-", "-", "-"]
+    entropy = semipack.explain_layers(model, semipack.Entropy(), target)
+    assert entropy.table().splitlines()[3].split() == ["L1", "-"]
+
+
+@pytest.mark.parametrize("batch_first", [True, False])
+def test_torch_transformer_encoder_layers(batch_first: bool) -> None:
+    """``nn.TransformerEncoderLayer``: its ``nn.MultiheadAttention`` is found, the residual
+    add of the enclosing layer is a branch, the totals are the retained layer inputs' (read
+    ``[batch, tokens]`` whatever the layout); with ``batch_first`` the attention takes query,
+    key and value in one use (its transpose): one ``qkv`` branch."""
+    torch.manual_seed(0)
+    layer = nn.TransformerEncoderLayer(8, 2, 16, dropout=0.0, batch_first=batch_first)
+    model = nn.TransformerEncoder(layer, 2, enable_nested_tensor=False).double().eval()
+    x = torch.randn((1, 5, 8) if batch_first else (5, 1, 8), dtype=torch.float64)
+    found = attention_layers(model)
+    assert [(a.name, a.num_heads, a.head_dim, a.batch_first) for a in found] == [
+        (f"layers.{i}.self_attn", 2, 4, batch_first) for i in range(2)
+    ]
+    where = (0, 2) if batch_first else (2, 0)  # batch 0, token 2
+
+    def target():
+        return model(x)[where].sum()
+
+    flow = semipack.explain_layers(model, semipack.LogSum(), target)
+    x_leaf = x.clone().requires_grad_()
+    kept = []
+    hooks = [
+        a.block.register_forward_pre_hook(lambda m, a: kept.append(a[0]) or a[0].retain_grad())
+        for a in found
+    ]
+    with semipack.extend(model, semipack.LogSum()):
+        model(x_leaf)[where].sum().backward()
+    for h in hooks:
+        h.remove()
+    names = {"residual", "qkv"} if batch_first else {"residual", "query", "key", "value"}
+    assert flow.heads.shape == (2, 1, 5, 0)
+    for i, tensor in enumerate(kept):
+        want = tensor.semiring_grad.logsumexp(-1)
+        want = want if batch_first else want.T
+        torch.testing.assert_close(flow.total[i], want, rtol=1e-10, atol=0)
+        assert set(flow.branches[i]) == names
+        union = torch.stack(list(flow.branches[i].values())).logsumexp(0)
+        torch.testing.assert_close(union, want, rtol=1e-10, atol=0)
+    assert flow.table().splitlines()[1].split()[0] == "layer"
+    with pytest.raises(semipack.SemipackError, match=r"cannot read hops through layers.0.self_"):
+        layer_routes([], found)
+
+
+def test_a_layer_the_target_never_calls_is_named() -> None:
+    model = _bert()
+    stray = AttentionLayer("elsewhere.attention", nn.Linear(8, 8), nn.Linear(8, 8), 2, 4)
+    layers = [*attention_layers(model), stray]
+    message = r"target\(\) did not call elsewhere.attention \(block\)"
+    with pytest.raises(semipack.SemipackError, match=message):
+        semipack.explain_layers(model, semipack.MaxProd(), _target(model), layers=layers)
+
+
+def _llama_family(name: str):
+    common = dict(
+        vocab_size=20, hidden_size=8, num_hidden_layers=2, num_attention_heads=2,
+        num_key_value_heads=1, intermediate_size=16, max_position_embeddings=16,
+    )  # fmt: skip
+    config = getattr(transformers, f"{name}Config")(**common)
+    torch.manual_seed(0)
+    model_class = getattr(transformers, f"{name}Model")
+    return model_class._from_config(config, attn_implementation="eager").eval().double()
+
+
+@pytest.mark.parametrize("family", ["Mistral", "Qwen2"])
+def test_other_llama_family_decoders_with_padding(family: str) -> None:
+    """Mistral and Qwen2 are found like Llama; with a right-padded example the padding token
+    reads no path and the totals are the retained attention inputs'."""
+    if not hasattr(transformers, f"{family}Model"):
+        pytest.skip(f"transformers has no {family}")
+    model = _llama_family(family)
+    found = attention_layers(model)
+    assert [(a.name, a.num_heads, a.head_dim) for a in found] == [
+        ("layers.0.self_attn", 2, 4),
+        ("layers.1.self_attn", 2, 4),
+    ]
+    ids = torch.tensor([[5, 7, 9, 3, 0]])
+    mask = torch.tensor([[1, 1, 1, 1, 0]])  # the last token is padding
+
+    def target():
+        return model(input_ids=ids, attention_mask=mask).last_hidden_state[0, 3].sum()
+
+    flow = semipack.explain_layers(model, semipack.MaxProd(), target)
+    kept = []
+    hooks = [
+        a.block.register_forward_pre_hook(
+            lambda m, a, k: kept.append(k["hidden_states"]) or k["hidden_states"].retain_grad(),
+            with_kwargs=True,
+        )
+        for a in found
+    ]
+    with semipack.extend(model, semipack.MaxProd()):
+        target().backward()
+    for h in hooks:
+        h.remove()
+    for i, tensor in enumerate(kept):
+        torch.testing.assert_close(flow.total[i], tensor.semiring_grad.amax(-1), rtol=1e-10, atol=0)
+        assert set(flow.branches[i]) == {"query", "key", "value"}
+    assert (flow.total[:, 0, 4] == 0).all() and (flow.total[:, 0, :4] > 0).all()
+    assert flow.best_branch()[4] == ["-", "-"]

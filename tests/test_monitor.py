@@ -138,3 +138,59 @@ def test_mistakes_are_named() -> None:
     monitor = semipack.Monitor(_model(), every=1)
     with pytest.raises(semipack.SemipackError, match=r"Monitor\.plot needs a folder"):
         monitor.plot()
+
+
+def test_a_log_dir_that_is_a_file_is_refused(tmp_path: Path) -> None:
+    (tmp_path / "log").write_text("kept")
+    with pytest.raises(semipack.SemipackError, match=r"log_dir=.*log'\) is a file, not a folder"):
+        semipack.Monitor(_model(), log_dir=tmp_path / "log", tensorboard=False)
+    assert (tmp_path / "log").read_text() == "kept"
+
+
+def test_a_backward_after_the_step_block_is_refused_not_read_stale() -> None:
+    """Step 0 records; step 1's backward runs after its block: nothing of step 0 is recorded
+    again under step 1, the step raises saying where the backward belongs."""
+    model = _model()
+    monitor = semipack.Monitor(model, every=1, tensorboard=False)
+    (x, y), _ = _batches(2)
+    with monitor.step(0):
+        nn.functional.cross_entropy(model(x), y).backward()
+    recorded = list(monitor.records)
+    message = r"Monitor\.step\(1\): no backward reached"
+    with pytest.raises(semipack.SemipackError, match=message), monitor.step(1):
+        loss = nn.functional.cross_entropy(model(x), y)
+    loss.backward()
+    assert monitor.records == recorded
+    with monitor.step(2):  # the next step records as usual
+        nn.functional.cross_entropy(model(x), y).backward()
+    assert {r.step for r in monitor.records} == {0, 2}
+
+
+def test_only_layers_the_backward_reaches_are_recorded() -> None:
+    """``unused`` is not called; ``silenced`` is called but its output is multiplied by 0 (in
+    the graph, no path): it records only that it is dead."""
+    torch.manual_seed(0)
+    model = nn.ModuleDict(
+        {"used": nn.Linear(4, 3), "silenced": nn.Linear(4, 3), "unused": nn.Linear(4, 3)}
+    ).double()
+    monitor = semipack.Monitor(model, every=1, tensorboard=False)
+    x = torch.randn(2, 4, dtype=F64)
+    for step in range(2):
+        with monitor.step(step):
+            (model["used"](x) + 0.0 * model["silenced"](x)).sum().backward()
+    layers = {(r.layer, r.quantity) for r in monitor.records}
+    assert {layer for layer, _ in layers} == {"used", "silenced"}
+    assert [(r.step, r.quantity, r.value) for r in monitor.records if r.layer == "silenced"] == [
+        (0, "dead_units", 1.0),
+        (1, "dead_units", 1.0),
+    ]
+
+
+def test_a_split_module_the_forward_never_calls_is_named() -> None:
+    model = _model()
+    spare = nn.Linear(6, 6)
+    monitor = semipack.Monitor(model, every=1, splits={"spare": spare}, tensorboard=False)
+    (x, y), _ = _batches(2)
+    named = r"Monitor\(splits=\{'spare': Linear\}\): the module was not called in step 0"
+    with pytest.raises(semipack.SemipackError, match=named), monitor.step(0):
+        nn.functional.cross_entropy(model(x), y).backward()

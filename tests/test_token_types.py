@@ -194,3 +194,65 @@ def test_text_markdown_and_bar_chart(tmp_path) -> None:
 
     ax = Figure().subplots()
     assert table.bar_chart(ax=ax) is ax.figure and len(ax.patches) == 4
+
+
+def test_nan_and_minus_inf_values_stay_in_their_own_type_and_branch() -> None:
+    """NaN (no value) leaves its branch's mean and never wins; a token with no value at all is
+    left out; ``-inf`` (log of no path) makes only its own mean ``-inf``."""
+    nan, inf = math.nan, math.inf
+    values = {
+        "q": torch.tensor([[1.0, nan, 3.0, nan, -inf]]),
+        "k": torch.tensor([[2.0, 5.0, nan, nan, 0.5]]),
+    }
+    table = TokenTypeTable.from_values(values, [[0, 0, 1, 1, 2]], NAMES)  # types as lists
+    assert table.counts.tolist() == [2, 1, 1]  # token 3 has no value
+    assert table.branch_counts.tolist() == [[1, 2], [1, 0], [1, 1]]
+    want_mean = torch.tensor([[1.0, 3.5], [3.0, nan], [-inf, 0.5]], dtype=F64)
+    torch.testing.assert_close(table.mean, want_mean, equal_nan=True)
+    want_share = torch.tensor([[0.0, 1.0], [1.0, 0.0], [0.0, 1.0]], dtype=F64)
+    torch.testing.assert_close(table.share, want_share)
+
+
+def test_pooling_with_nan_values_weights_each_branch_by_its_own_tokens() -> None:
+    gen = torch.Generator().manual_seed(3)
+    values = {b: torch.rand(6, 5, generator=gen, dtype=F64) for b in ("q", "k")}
+    values["q"][values["q"] < 0.3] = math.nan
+    types = torch.randint(0, 3, (6, 5), generator=gen)
+    whole = TokenTypeTable.from_values(values, types, NAMES)
+    parts = [
+        TokenTypeTable.from_values({b: v[rows] for b, v in values.items()}, types[rows], NAMES)
+        for rows in (slice(0, 2), slice(2, 6))
+    ]
+    pooled = TokenTypeTable.pool(parts)
+    assert not whole.mean.isnan().any()
+    torch.testing.assert_close(pooled.mean, whole.mean)
+    torch.testing.assert_close(pooled.share, whole.share)
+    assert pooled.branch_counts.tolist() == whole.branch_counts.tolist()
+
+
+def test_empty_type_names_are_refused() -> None:
+    with pytest.raises(ValueError, match="at least one token type name"):
+        TokenTypeTable.from_values({"a": torch.ones(1, 2)}, [[-1, -1]], [])
+
+
+def test_a_padding_token_no_branch_reaches_is_left_out() -> None:
+    """The last token is masked out of attention and the output read is token 0's: no branch
+    reaches it, so it counts in no type, whatever its label."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    model = transformers.BertModel._from_config(tiny_bert_config(), attn_implementation="eager")
+    model = model.double().eval()
+    ids = torch.tensor([[3, 5, 3, 2, 7]])
+    mask = torch.tensor([[1, 1, 1, 1, 0]])
+    with semipack.extend(model, semipack.MaxProd()):
+        with semipack.branches(model.encoder.layer[0].attention) as split:
+            out = model(input_ids=ids, attention_mask=mask).last_hidden_state
+        out[:, 0].sum().backward()
+    types = torch.tensor([[0, 2, 1, 2, 2]])
+    table = TokenTypeTable.from_branches(split, types, NAMES, short=attention_branch)
+    assert table.counts.tolist() == [1, 1, 2]
+    kept = TokenTypeTable.from_branches(
+        split, torch.tensor([[0, 2, 1, 2, -1]]), NAMES, short=attention_branch
+    )
+    torch.testing.assert_close(table.mean, kept.mean)
+    torch.testing.assert_close(table.share, kept.share)

@@ -3,6 +3,7 @@ their values pooled by token type, layer-by-layer flow, paths across layers)."""
 
 from .branches import Branches, branches
 from .layers import (
+    FAMILIES,
     AttentionLayer,
     LayerFlow,
     LayerHop,
@@ -16,6 +17,7 @@ from .layers import (
 from .token_types import TokenTypeTable, attention_branch
 
 __all__ = [
+    "FAMILIES",
     "AttentionLayer",
     "Branches",
     "LayerFlow",

@@ -72,7 +72,10 @@ class Branches:
         of those entries, e.g. every hidden unit of a token: MaxProd gives the max, LogSum the
         log of the total, Entropy the entropy of the union, not an average of entropies), at
         the split tensor (``at=None``) or at input number ``at``. Shapes: the tensor's without
-        ``dims``. Vectorised over everything else (examples, positions)."""
+        ``dims``. Vectorised over everything else (examples, positions). Empty when no path
+        reached the split tensor."""
+        if not self.messages:
+            return {}
         sr = self._semiring()
         dims = [dims] if isinstance(dims, int) else list(dims)
         out = {}

@@ -19,8 +19,9 @@ from __future__ import annotations
 
 import csv
 import math
+import warnings
 from collections.abc import Callable, Sequence
-from contextlib import ExitStack
+from contextlib import ExitStack, suppress
 from dataclasses import dataclass, field
 from pathlib import Path as FilePath
 
@@ -29,8 +30,8 @@ from torch import Tensor, nn
 
 from ..api import extend
 from ..errors import SemipackError
-from ..messages.paths import Path
-from ..semirings.base import Semiring
+from ..messages.paths import Path, PathStep
+from ..semirings import KBest, Product, Real, Semiring, SignedMaxProd
 from .branches import Branches, branches
 from .token_types import attention_branch
 
@@ -46,23 +47,38 @@ class AttentionLayer:
         block: the module whose first tensor input is split by branch (its users: the
             query, key and value projections and, for BERT-family blocks, the residual add).
         heads_input: the module whose first tensor input holds the heads' outputs side by
-            side, ``[batch, tokens, heads * head_dim]`` (the attention output projection).
+            side, ``[batch, tokens, heads * head_dim]`` (the attention output projection); None
+            where no module receives them (``nn.MultiheadAttention``): no per-head values.
         num_heads: the number of heads packed in ``heads_input``'s input.
         head_dim: the width of one head (of the query, key and value projections' outputs).
+        batch_first: whether the layer's tensors are ``[batch, tokens, hidden]`` (else
+            ``[tokens, batch, hidden]``: ``nn.MultiheadAttention(batch_first=False)``).
     """
 
     name: str
     block: nn.Module
-    heads_input: nn.Module
+    heads_input: nn.Module | None
     num_heads: int
     head_dim: int
+    batch_first: bool = True
+
+
+#: The model families ``attention_layers`` finds by themselves (for messages).
+FAMILIES = (
+    "BERT-family encoders (BERT, RoBERTa, ELECTRA, MiniLM: encoder.layer[i].attention), "
+    "DistilBERT (transformer.layer[i].attention), Llama-family decoders (Llama, Mistral, Qwen2: "
+    "layers[i].self_attn), GPT-2 (h[i].attn) and torch's nn.MultiheadAttention "
+    "(nn.TransformerEncoderLayer)"
+)
 
 
 def attention_layers(model: nn.Module) -> list[AttentionLayer]:
     """The attention layers of a Hugging Face BERT-family encoder (``encoder.layer[i]
-    .attention``, split with its residual add) or Llama-family decoder (``layers[i].self_attn``,
-    split at the projections' common input, after the layer's norm: query, key and value only).
-    Other models: build the ``AttentionLayer`` list by hand."""
+    .attention``, split with its residual add), DistilBERT (``transformer.layer[i].attention``,
+    the residual add in the layer), Llama-family decoder (``layers[i].self_attn``, split at the
+    projections' common input, after the layer's norm: query, key and value only) or GPT-2
+    (``h[i].attn``, after ``ln_1``: one fused ``qkv`` branch). Other models: build the
+    ``AttentionLayer`` list by hand."""
     found = []
     for name, module in model.named_modules():
         self_part = getattr(module, "self", None)
@@ -78,22 +94,58 @@ def attention_layers(model: nn.Module) -> list[AttentionLayer]:
             heads = getattr(cfg, "num_attention_heads", None) or getattr(module, "num_heads", 0)
             width = getattr(module, "head_dim", None) or o_proj.in_features // heads
             found.append(AttentionLayer(name, module, o_proj, int(heads), int(width)))
+            continue
+        c_proj = getattr(module, "c_proj", None)
+        if _is_gpt2_attention(module) and c_proj is not None:
+            found.append(AttentionLayer(name, module, c_proj, module.num_heads, module.head_dim))
+            continue
+        if isinstance(module, nn.MultiheadAttention) and module._qkv_same_embed_dim:
+            heads = module.num_heads
+            found.append(
+                AttentionLayer(name, module, None, heads, module.head_dim, module.batch_first)
+            )
+            continue
+        out_lin = getattr(module, "out_lin", None)
+        if isinstance(out_lin, nn.Linear) and hasattr(module, "q_lin"):  # DistilBERT
+            heads = int(module.n_heads)
+            found.append(AttentionLayer(name, module, out_lin, heads, out_lin.in_features // heads))
+    if not found and any(n.endswith("albert_layer_groups") for n, _ in model.named_modules()):
+        raise SemipackError(
+            f"{type(model).__name__} runs one shared layer at every depth (ALBERT): a split "
+            f"takes a module's first call only, so its layers cannot be told apart; semipack "
+            f"knows {FAMILIES}"
+        )
     if not found:
         raise SemipackError(
-            f"no attention layers found in {type(model).__name__}: semipack knows BERT-family "
-            "(encoder.layer[i].attention) and Llama-family (layers[i].self_attn) blocks; pass "
-            "layers=[AttentionLayer(...), ...] for others"
+            f"no attention layers found in {type(model).__name__}: semipack knows {FAMILIES}; "
+            "pass layers=[AttentionLayer(...), ...] for others"
         )
     return found
 
 
+def _is_gpt2_attention(module: nn.Module) -> bool:
+    """GPT-2's self-attention: one fused ``c_attn`` makes query, key and value side by side
+    (``[batch, tokens, 3 * hidden]``), ``c_proj`` projects the heads' outputs."""
+    return (
+        isinstance(getattr(module, "c_attn", None), nn.Module)
+        and isinstance(getattr(module, "num_heads", None), int)
+        and isinstance(getattr(module, "head_dim", None), int)
+        and not getattr(module, "is_cross_attention", False)
+    )
+
+
 def branch_name(consumer: str, layer: str) -> str:
     """Short name of a consumer of an attention layer's input: query, key or value for the
-    projections (``attention_branch``), residual for BERT's attention output (where the
-    residual add is), else its module name relative to the layer."""
+    projections (``attention_branch``), residual for BERT's attention output or a module
+    enclosing the layer (where the residual add is), else its module name relative to the
+    layer."""
     short = attention_branch(consumer)
     if short != "residual":
         return short
+    if consumer == layer:  # the block's own op takes query, key and value in one use
+        return "qkv"
+    if layer.startswith(consumer + "."):  # the enclosing layer adds it back (DistilBERT)
+        return "residual"
     relative = consumer[len(layer) + 1 :] if consumer.startswith(layer + ".") else consumer
     return "residual" if relative == "output" else relative
 
@@ -111,6 +163,11 @@ class LayerFlow:
         heads: ``[layers, batch, tokens, heads]``: every path through each head's output at that
             token (the attention output projection's input).
         tokens: the tokens' labels (for tables and pictures), or None.
+        no_path: the readout of "no path" (the semiring zero: 0, ``-inf`` for logs, NaN for
+            Entropy); by default the one of ``semiring``'s defaults. A token holding it is not
+            reached: shares, best branches and means leave it out.
+        log: whether the values are logarithms (LogSum's and LogCount's default; ``False``
+            after ``LogSum(log=False)``); by default from ``semiring``.
     """
 
     semiring: str
@@ -119,44 +176,110 @@ class LayerFlow:
     total: Tensor
     heads: Tensor
     tokens: list[str] | None = None
+    no_path: float | None = None
+    log: bool | None = None
+
+    def __post_init__(self) -> None:
+        if self.tokens is not None and len(self.tokens) != self.total.shape[-1]:
+            raise SemipackError(
+                f"tokens: {len(self.tokens)} labels for {self.total.shape[-1]} tokens (one label "
+                "per token of the layers' inputs, special tokens included)"
+            )
+        if self.no_path is None:
+            self.no_path = DEFAULT_NO_PATH.get(self.semiring, 0.0)
+        if self.log is None:
+            self.log = self.semiring in ("LogSum", "LogCount")
+
+    def reached(self, values: Tensor) -> Tensor:
+        """Where ``values`` (any shape) hold at least one path, i.e. not ``no_path``. A value
+        that underflows to the no-path readout (MaxProd's linear 0) reads as unreached: use
+        ``MaxProd(log=True)`` where products are that small."""
+        if math.isnan(self.no_path):
+            return ~values.isnan()
+        return values != self.no_path
 
     def _labels(self) -> list[str]:
         return self.tokens or [str(t) for t in range(self.total.shape[-1])]
+
+    def _stacked(self, layer: dict[str, Tensor], example: int) -> tuple[list[str], Tensor]:
+        """The branch names and their values ``[branches, tokens]`` for one example."""
+        names = list(layer)
+        return names, torch.stack([layer[n][example] for n in names])
+
+    def _example(self, example: int) -> None:
+        """Refuse an example index the flow does not hold (``total`` is [layers, batch, ...])."""
+        batch = self.total.shape[1]
+        integer = isinstance(example, int) and not isinstance(example, bool)
+        if not integer or not -batch <= example < batch:
+            raise SemipackError(f"example {example!r}: the flow holds {batch} example(s)")
 
     def _needs(self, kinds: tuple[str, ...], what: str) -> None:
         if self.semiring not in kinds:
             raise SemipackError(f"{what} needs {' or '.join(kinds)}, not {self.semiring}")
 
     def best_branch(self, example: int = 0) -> list[list[str]]:
-        """``[tokens][layers]``: the branch of each token's best path (MaxProd, TopPath)."""
+        """``[tokens][layers]``: the branch of each token's best path (MaxProd, TopPath);
+        tied branches joined by ``/`` (``key/value``), ``-`` where no path reaches the token."""
+        self._example(example)
         self._needs(("MaxProd", "TopPath"), "best_branch")
         columns = []
         for layer in self.branches:
-            names = list(layer)
-            best = torch.stack([layer[n][example] for n in names]).argmax(0)
-            columns.append([names[int(i)] for i in best])
+            if not layer:  # no path reaches the layer
+                columns.append(["-"] * self.total.shape[-1])
+                continue
+            names, values = self._stacked(layer, example)
+            best = _winners(values, self.reached(values))  # [branches, tokens]
+            columns.append(
+                ["/".join(n for n, w in zip(names, col, strict=True) if w) or "-"
+                 for col in best.T.tolist()]
+            )  # fmt: skip
         return [list(row) for row in zip(*columns, strict=True)]
 
     def branch_shares(self, example: int = 0) -> list[dict[str, float]]:
-        """Per layer, branch -> share: of the tokens whose best path leaves by it (MaxProd,
-        TopPath), or of the total flow over all tokens (LogSum)."""
+        """Per layer, branch -> share: of the reached tokens whose best path leaves by it
+        (MaxProd, TopPath; a tie splits the token equally between the tied branches), or of
+        the total flow over all tokens (LogSum). NaN where no path reaches the layer."""
+        self._example(example)
         self._needs(("MaxProd", "TopPath", "LogSum"), "branch_shares")
         shares = []
         for layer in self.branches:
-            names = list(layer)
-            values = torch.stack([layer[n][example] for n in names])  # [branches, tokens]
-            shares.append(dict(zip(names, _shares(self.semiring, values, 0), strict=True)))
+            if not layer:  # no path reaches the layer: no branch to share
+                shares.append({})
+                continue
+            names, values = self._stacked(layer, example)
+            shares.append(dict(zip(names, self._shares(values), strict=True)))
         return shares
 
     def head_shares(self, example: int = 0) -> list[list[float]]:
-        """Per layer, per head: the share of tokens whose best path runs through that head's
-        output (MaxProd, TopPath), or of the total flow through all heads (LogSum)."""
+        """Per layer, per head: the share of reached tokens whose best path runs through that
+        head's output (MaxProd, TopPath; ties split), or of the total flow through all heads
+        (LogSum). NaN where no path reaches the layer."""
+        self._example(example)
         self._needs(("MaxProd", "TopPath", "LogSum"), "head_shares")
-        return [_shares(self.semiring, h[example].T, 0) for h in self.heads]
+        if self.heads.shape[-1] == 0:  # no per-head values (nn.MultiheadAttention)
+            return [[] for _ in self.heads]
+        return [self._shares(h[example].T) for h in self.heads]
+
+    def _shares(self, values: Tensor) -> list[float]:
+        """``values`` [choices, tokens]: each choice's share of the reached tokens' best paths,
+        ties split (MaxProd), or of the flow summed over tokens (LogSum, log or linear)."""
+        reached = self.reached(values)
+        values = values.double()
+        if self.semiring == "LogSum":
+            if self.log:
+                flow = values.masked_fill(~reached, -math.inf).logsumexp(1)
+                return (flow - flow.logsumexp(0)).exp().tolist()
+            flow = values.masked_fill(~reached, 0.0).sum(1)
+            return (flow / flow.sum()).tolist()
+        best = _winners(values, reached).double()  # [choices, tokens]
+        credit = best / best.sum(0).clamp(min=1)  # a tie splits the token
+        tokens = reached.any(0).sum()  # tokens that some choice reaches
+        return (credit.sum(1) / tokens).tolist()
 
     def table(self, example: int = 0) -> str:
         """Per-layer summary: the branch shares and head shares (MaxProd, LogSum), or the mean
         over tokens of each branch's value (other semirings)."""
+        self._example(example)
         names = [b for b in BRANCH_ORDER if any(b in layer for layer in self.branches)]
         names += sorted({n for layer in self.branches for n in layer} - set(names))
         shares = self.semiring in ("MaxProd", "TopPath", "LogSum")
@@ -164,41 +287,59 @@ class LayerFlow:
         what = {"MaxProd": best, "TopPath": best, "LogSum": "share of the flow per branch / head"}
         what = what.get(self.semiring, f"mean over tokens of each branch's {self.semiring} value")
         heads = self.heads.shape[-1]
-        header = f"{'layer':<6}" + "".join(f"{n:>10}" for n in names)
-        if shares:
+        widths = [max(10, len(n) + 2) for n in names]
+        header = f"{'layer':<6}" + "".join(f"{n:>{w}}" for n, w in zip(names, widths, strict=True))
+        if shares and heads:
             header += "  " + "".join(f"{'head ' + str(h):>8}" for h in range(heads))
         lines = [f"{self.semiring}: {what}", header]
         per_branch = self.branch_shares(example) if shares else None
         per_head = self.head_shares(example) if shares else None
         for i, layer in enumerate(self.branches):
             if per_branch is not None:
-                cells = [per_branch[i].get(n, 0.0) for n in names]
-                row = "".join(f"{v:>10.1%}" for v in cells)
-                row += "  " + "".join(f"{v:>8.1%}" for v in per_head[i])
+                missing = 0.0 if layer else math.nan  # a layer no path reaches: "-"
+                cells = [per_branch[i].get(n, missing) for n in names]
+                row = "".join(f"{_cell(v, '.1%'):>{w}}" for v, w in zip(cells, widths, strict=True))
+                if heads:
+                    row += "  " + "".join(f"{_cell(v, '.1%'):>8}" for v in per_head[i])
             else:
-                cells = [float(layer[n][example].mean()) if n in layer else math.nan for n in names]
-                row = "".join(f"{v:>10.3f}" for v in cells)
+                cells = [self._mean(layer[n][example]) if n in layer else math.nan for n in names]
+                row = "".join(f"{_cell(v, '.3f'):>{w}}" for v, w in zip(cells, widths, strict=True))
             lines.append(f"L{i:<5}" + row)
         return "\n".join(lines)
+
+    def _mean(self, values: Tensor) -> float:
+        """The mean over the reached tokens (NaN where none is reached)."""
+        kept = values[self.reached(values)]
+        return float(kept.double().mean()) if kept.numel() else math.nan
 
     def token_table(self, example: int = 0) -> str:
         """Per token and layer: the branch of its best path (MaxProd, TopPath) or the value of
         every path to it (other semirings)."""
+        self._example(example)
         labels = self._labels()
-        header = f"{'token':>12} " + " ".join(f"L{i:<9}" for i in range(len(self.layers)))
+        best = self.best_branch(example) if self.semiring in ("MaxProd", "TopPath") else None
+        width = max([10, *(len(b) + 1 for row in best or [] for b in row)])
+        layers = [f"L{i}" for i in range(len(self.layers))]
+        header = f"{'token':>12} " + " ".join(f"{n:<{width}}" for n in layers)
         lines = [header]
-        if self.semiring in ("MaxProd", "TopPath"):
-            for token, row in zip(labels, self.best_branch(example), strict=True):
-                lines.append(f"{token:>12} " + " ".join(f"{b:<10}" for b in row))
+        if best is not None:
+            for token, row in zip(labels, best, strict=True):
+                lines.append(f"{token:>12} " + " ".join(f"{b:<{width}}" for b in row))
         else:
-            grid = self.total[:, example].T.tolist()  # [tokens, layers]
+            grid = self._masked_total(example).tolist()  # [tokens, layers]
             for token, row in zip(labels, grid, strict=True):
-                lines.append(f"{token:>12} " + " ".join(f"{v:<10.3f}" for v in row))
+                lines.append(f"{token:>12} " + " ".join(f"{_cell(v, '.3f'):<{width}}" for v in row))
         return "\n".join(lines)
+
+    def _masked_total(self, example: int) -> Tensor:
+        """``[tokens, layers]`` float64 totals, NaN where no path reaches the token."""
+        grid = self.total[:, example].T
+        return grid.double().masked_fill(~self.reached(grid), math.nan)
 
     def rows(self, example: int = 0) -> list[tuple[str, int, str, int, str, float]]:
         """(semiring, layer, branch, token index, token, value) for every branch, ``all`` (every
         path) and ``head h``: the CSV's rows."""
+        self._example(example)
         labels = self._labels()
         out = []
         for i, layer in enumerate(self.branches):
@@ -213,6 +354,7 @@ class LayerFlow:
     def plot_branch_shares(self, path: str | FilePath | None = None, ax=None, example: int = 0):
         """Stacked bars per layer: ``branch_shares`` (MaxProd: of tokens, LogSum: of flow).
         Saves to ``path`` when given; returns the matplotlib axes."""
+        self._example(example)
         plt = _pyplot()
         shares = self.branch_shares(example)
         names = [b for b in BRANCH_ORDER if any(b in s for s in shares)]
@@ -220,7 +362,7 @@ class LayerFlow:
         fig, ax = _figure(plt, ax, (6, 3.2))
         bottom = [0.0] * len(shares)
         for name in names:
-            heights = [s.get(name, 0.0) for s in shares]
+            heights = [0.0 if math.isnan(v) else v for v in (s.get(name, 0.0) for s in shares)]
             ax.bar(range(len(shares)), heights, bottom=bottom, label=name)
             bottom = [b + h for b, h in zip(bottom, heights, strict=True)]
         ax.set_xticks(range(len(shares)), [f"L{i}" for i in range(len(shares))])
@@ -233,28 +375,39 @@ class LayerFlow:
 
     def plot_heatmap(self, path: str | FilePath | None = None, ax=None, example: int = 0):
         """Tokens x layers: every path to the layer's input at that token (``total``)."""
+        self._example(example)
         plt = _pyplot()
         labels = self._labels()
-        grid = self.total[:, example].T.float().numpy()  # [tokens, layers]
+        grid = self._masked_total(example).cpu().numpy()  # [tokens, layers], NaN: no path
         size = (1.6 + 0.6 * len(self.layers), 0.9 + 0.3 * len(labels))
         fig, ax = _figure(plt, ax, size)
         image = ax.imshow(grid, aspect="auto", cmap="viridis")
         ax.set_xticks(range(len(self.layers)), [f"L{i}" for i in range(len(self.layers))])
         ax.set_yticks(range(len(labels)), labels)
-        what = {"Entropy": "path entropy (nats)", "LogSum": "log total flow"}
+        flow = "log total flow" if self.log else "total flow"
+        what = {"Entropy": "path entropy (nats)", "LogSum": flow}
         ax.set_title(f"{what.get(self.semiring, self.semiring)} at each layer's input")
         ax.figure.colorbar(image, ax=ax)
         return _save(plt, fig, path, ax)
 
 
-def _shares(semiring: str, values: Tensor, dim: int) -> list[float]:
-    """``values`` [choices, tokens]: MaxProd's share of tokens per argmax choice, or LogSum's
-    share of the flow summed over tokens (log values)."""
-    if semiring == "LogSum":
-        flow = values.logsumexp(1)
-        return (flow - flow.logsumexp(0)).exp().tolist()
-    best = values.argmax(dim)
-    return [float((best == c).float().mean()) for c in range(values.shape[0])]
+#: The readout of "no path" of a semiring's default options, by name (``LayerFlow.no_path``).
+#: Real's 0 may be signed paths that cancel: NaN, which no value equals, so every token counts.
+DEFAULT_NO_PATH = {
+    "LogSum": -math.inf, "LogCount": -math.inf, "Entropy": math.nan, "Real": math.nan,
+}  # fmt: skip
+
+
+def _winners(values: Tensor, reached: Tensor) -> Tensor:
+    """``[choices, tokens]`` bool: the choices holding a token's largest value among those
+    that reach it (several on a tie, none for a token no choice reaches)."""
+    masked = values.double().masked_fill(~reached, -math.inf)
+    return (masked == masked.amax(0, keepdim=True)) & reached
+
+
+def _cell(value: float, fmt: str) -> str:
+    """A table cell: ``-`` for no path (NaN), else ``value`` formatted."""
+    return "-" if math.isnan(value) else format(value, fmt)
 
 
 def explain_layers(
@@ -264,30 +417,169 @@ def explain_layers(
     layers: Sequence[AttentionLayer] | None = None,
     drawing: str = "atomic",
     tokens: list[str] | None = None,
-) -> LayerFlow:
+) -> LayerFlow | tuple[LayerFlow, ...]:
     """One semiring backward of ``target()`` (a call that runs the model and returns the
-    scalar to explain), split at every attention layer: see ``LayerFlow``. The regular
-    gradient is not computed (the model's ``.grad`` is left alone)."""
+    scalar to explain), split at every attention layer: see ``LayerFlow``. A
+    ``semipack.Product`` gives one ``LayerFlow`` per factor, in order, from the one backward.
+    The regular gradient is not computed (the model's ``.grad`` is left alone)."""
+    _check_semiring(semiring)
+    if not callable(target):
+        raise SemipackError(
+            f"explain_layers: target must be a callable that runs the model and returns the "
+            f"scalar to explain (lambda: model(ids).logits[0, 3]), got {type(target).__name__}: "
+            "the forward has to run inside the split"
+        )
+    if not torch.is_grad_enabled():
+        raise SemipackError(
+            "explain_layers runs a backward: call it outside torch.no_grad() and "
+            "torch.inference_mode()"
+        )
+    if _dropout_active(model):
+        warnings.warn(
+            f"explain_layers: {type(model).__name__} is in training mode (dropout draws a "
+            "random mask per pass, so the values change from call to call): call model.eval()",
+            stacklevel=2,
+        )
     layers = list(layers) if layers is not None else attention_layers(model)
     with extend(model, semiring, regular_grads=False, drawing=drawing), ExitStack() as stack:
+        for module in _entries(model, layers):  # before the splits' hooks: they see the leaf
+            hook = module.register_forward_pre_hook(_requiring_grad, with_kwargs=True)
+            stack.callback(hook.remove)
         splits: list[Branches] = [stack.enter_context(branches(a.block)) for a in layers]
-        contexts = [stack.enter_context(branches(a.heads_input)) for a in layers]
+        contexts = [
+            stack.enter_context(branches(a.heads_input)) if a.heads_input is not None else None
+            for a in layers
+        ]
         scalar = target()
+        _check_called(layers, splits, contexts)
         stack.close()
         if not isinstance(scalar, Tensor) or scalar.numel() != 1:
             raise SemipackError("explain_layers: target() must return a scalar tensor")
         scalar.backward()
+    factors = semiring.semirings if isinstance(semiring, Product) else (semiring,)
+    flows = tuple(
+        _flow(factor, layers, splits, contexts, tokens, i if len(factors) > 1 else None)
+        for i, factor in enumerate(factors)
+    )
+    return flows if isinstance(semiring, Product) else flows[0]
+
+
+def _check_called(
+    layers: Sequence[AttentionLayer],
+    splits: Sequence[Branches],
+    contexts: Sequence[Branches | None],
+) -> None:
+    """Every layer's block and heads' module must run in ``target()``: name those that did
+    not (a hand-made ``AttentionLayer`` of another model, a forward run before the call)."""
+    missing = [
+        f"{spec.name} ({'block' if split.split is None else 'heads_input'})"
+        for spec, split, context in zip(layers, splits, contexts, strict=True)
+        if split.split is None or (context is not None and context.split is None)
+    ]
+    if missing:
+        raise SemipackError(
+            f"explain_layers: target() did not call {', '.join(missing)}; target must run the "
+            "model's forward itself, and each AttentionLayer name modules of that model"
+        )
+
+
+def _dropout_active(model: nn.Module) -> bool:
+    """Whether a module in training mode drops out: a dropout module with ``p > 0``, or a
+    float dropout rate its forward applies only in training (Hugging Face's attention)."""
+    for module in model.modules():
+        if not module.training:
+            continue
+        if isinstance(module, nn.modules.dropout._DropoutNd) and module.p > 0:
+            return True
+        rates = (getattr(module, n, None) for n in ("attention_dropout", "dropout"))
+        if any(isinstance(r, float) and r > 0 for r in rates):
+            return True
+    return False
+
+
+def _entries(model: nn.Module, layers: Sequence[AttentionLayer]) -> list[nn.Module]:
+    """Each split block and the module enclosing it (where a residual add may use the same
+    input: DistilBERT, ``nn.TransformerEncoderLayer``)."""
+    modules = []
+    for spec in layers:
+        if "." in spec.name:
+            with suppress(AttributeError):  # a hand-made layer named outside the model
+                modules.append(model.get_submodule(spec.name.rsplit(".", 1)[0]))
+        modules.append(spec.block)
+    return modules
+
+
+def _requiring_grad(module: nn.Module, args: tuple, kwargs: dict):
+    """A frozen model (no parameter requires grad) builds no graph below its first attention
+    layer: the first tensor input of that layer (and of its block, the one split) becomes a
+    leaf that requires grad. The values at and above it are those of the same model unfrozen
+    (paths from the root to a tensor do not depend on what lies below it)."""
+    for i, a in enumerate(args):
+        if isinstance(a, Tensor):
+            if not a.requires_grad and a.is_floating_point():
+                return (*args[:i], a.detach().requires_grad_(), *args[i + 1 :]), kwargs
+            return None
+    for k, v in kwargs.items():
+        if isinstance(v, Tensor):
+            if not v.requires_grad and v.is_floating_point():
+                return args, {**kwargs, k: v.detach().requires_grad_()}
+            return None
+    return None
+
+
+def _check_semiring(semiring: Semiring) -> None:
+    """Refuse what has no single value per token: KBest (k values), SignedMaxProd (two)."""
+    if isinstance(semiring, type):
+        raise SemipackError(f"explain_layers takes a semiring instance: pass {semiring.__name__}()")
+    if not isinstance(semiring, Semiring):
+        raise SemipackError(f"explain_layers takes a semiring, got {type(semiring).__name__}")
+    factors = semiring.semirings if isinstance(semiring, Product) else (semiring,)
+    for factor in factors:
+        if isinstance(factor, (KBest, SignedMaxProd)):
+            raise SemipackError(
+                f"explain_layers needs one value per token and branch; {factor.name} reads out "
+                "several: use MaxProd, TopPath, LogSum, LogCount, Entropy (or a Product of them), "
+                "and layer_routes for KBest's paths"
+            )
+
+
+def _flow(
+    semiring: Semiring,
+    layers: Sequence[AttentionLayer],
+    splits: Sequence[Branches],
+    contexts: Sequence[Branches | None],
+    tokens: list[str] | None,
+    factor: int | None,
+) -> LayerFlow:
+    """The ``LayerFlow`` of one semiring (``factor``: its place in a Product's readouts)."""
+
+    no_path = float(semiring.readout(semiring.zeros((), torch.float64, "cpu")))
+    if isinstance(semiring, Real):  # a signed sum: 0 is no sign that no path exists
+        no_path = math.nan
+
+    def pick(readout, shape: Sequence[int], batch_first: bool = True) -> Tensor:
+        if readout is None:  # no path reached the layer at all
+            return torch.full(tuple(shape), no_path, dtype=torch.float64, device=device)
+        value = (readout if factor is None else readout[factor]).detach()
+        return value if batch_first else value.transpose(0, 1)  # [batch, tokens, ...]
+
+    device = splits[0].split.device if splits else None
     per_layer, totals, heads = [], [], []
     for spec, split, context in zip(layers, splits, contexts, strict=True):
+        first = spec.batch_first
         values = {}
         for name, value in split.aggregate(-1).items():
             if value is not None:
-                values[branch_name(name, spec.name)] = value.detach()
+                values[branch_name(name, spec.name)] = pick(value, (), first)
         per_layer.append(values)
-        totals.append(split.total(-1).detach())
+        shape = split.split.shape[:-1] if first else split.split.shape[:-1][::-1]
+        totals.append(pick(split.total(-1), shape, first))
+        if context is None:  # no module receives the heads' outputs: no per-head values
+            heads.append(torch.zeros((*shape, 0), dtype=totals[-1].dtype, device=device))
+            continue
         batch, length, _ = context.split.shape
         view = (batch, length, spec.num_heads, spec.head_dim)
-        heads.append(context.total(-1, view=view).detach())
+        heads.append(pick(context.total(-1, view=view), view[:-1]))
     return LayerFlow(
         type(semiring).__name__,
         [a.name for a in layers],
@@ -295,6 +587,8 @@ def explain_layers(
         torch.stack(totals),
         torch.stack(heads),
         tokens,
+        no_path=no_path,
+        log=bool(getattr(semiring, "log", False)),
     )
 
 
@@ -352,28 +646,49 @@ def layer_routes(paths: Sequence[Path], layers: Sequence[AttentionLayer]) -> lis
     entries (``[batch, tokens, ...]`` tensors inside each layer); the head of a query, key or
     value entry is its unit // ``head_dim`` (with grouped-query attention, a key or value
     entry names its shared key/value head). A layer the path does not pass is left out."""
+    for spec in layers:
+        if isinstance(spec.block, nn.MultiheadAttention):
+            raise SemipackError(
+                f"layer_routes cannot read hops through {spec.name} (nn.MultiheadAttention): its "
+                "query, key and value projections are no modules of their own, and its inner "
+                "tensors change layout; read it with explain_layers"
+            )
     routes = []
     for path in paths:
         hops = []
         for i, spec in enumerate(layers):
             owner = spec.name.rsplit(".", 1)[0] if "." in spec.name else spec.name
-            inside = [s for s in path.steps if s.module and s.module.startswith(owner + ".")]
-            inside = [s for s in inside if len(s.index) >= 2]
+            # the layer's steps on [batch, tokens, hidden] tensors; the layer's own module
+            # makes the residual adds of Llama- and GPT-2-family layers
+            inside = [
+                s for s in path.steps
+                if s.module and (s.module == owner or s.module.startswith(owner + "."))
+                and len(s.index) == 3
+            ]  # fmt: skip
             if not inside:
                 continue
-            projection = next(
-                (s for s in inside if branch_name(s.module, spec.name) in BRANCH_ORDER[:3]), None
-            )
+            projection = next((s for s in inside if _projection(s, spec) is not None), None)
             if projection is None:
                 branch, head = "residual", None
                 token_in = inside[0].index[1]
             else:
-                branch = branch_name(projection.module, spec.name)
-                head = projection.index[-1] // spec.head_dim
+                branch, head = _projection(projection, spec)
                 token_in = projection.index[1]
             hops.append(LayerHop(i, int(token_in), int(inside[-1].index[1]), branch, head))
         routes.append(LayerRoute(path.value, hops, path.rank))
     return routes
+
+
+def _projection(step: PathStep, spec: AttentionLayer) -> tuple[str, int] | None:
+    """(branch, head) of a step on a query, key or value projection's output, else None.
+    GPT-2's fused ``c_attn`` packs query, key and value side by side: the unit's third."""
+    name = step.module or ""
+    unit = int(step.index[-1])
+    if name.endswith(".c_attn") and name.startswith(spec.name + "."):
+        width = spec.num_heads * spec.head_dim
+        return BRANCH_ORDER[unit // width], (unit % width) // spec.head_dim
+    branch = branch_name(name, spec.name)
+    return (branch, unit // spec.head_dim) if branch in BRANCH_ORDER[:3] else None
 
 
 BRANCH_COLOURS = {"query": "tab:blue", "key": "tab:orange", "value": "tab:green"}
@@ -449,6 +764,7 @@ def write_csv(flows: Sequence[LayerFlow], path: str | FilePath, example: int = 0
 
 
 __all__ = [
+    "FAMILIES",
     "AttentionLayer",
     "LayerFlow",
     "LayerHop",

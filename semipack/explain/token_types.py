@@ -14,6 +14,7 @@ long as all of them agree); ``mean`` and ``share`` are ``[types, branches]``.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,20 +29,27 @@ from .branches import Branches
 Reference = Mapping[str, Mapping[str, float]]
 
 
-#: The last part of a projection's module name -> its branch (BERT, Llama and T5 namings).
+#: The last part of a projection's module name -> its branch (BERT, Llama, DistilBERT, T5;
+#: GPT-2's ``c_attn`` makes query, key and value in one call: one branch, ``qkv``).
 PROJECTIONS = {
     "query": "query", "key": "key", "value": "value",
     "q_proj": "query", "k_proj": "key", "v_proj": "value",
     "q": "query", "k": "key", "v": "value",
+    "q_lin": "query", "k_lin": "key", "v_lin": "value",
+    "c_attn": "qkv",
 }  # fmt: skip
 
 
 def attention_branch(name: str) -> str:
     """The short name of an attention block's branch: ``query``, ``key`` or ``value`` for a
-    name ending with that projection (``...self.query``, ``...q_proj``, ``...q``),
+    name ending with that projection (``...self.query``, ``...q_proj``, ``...q``), ``qkv``
+    for GPT-2's fused ``...c_attn``,
     ``residual`` for any other use (in BERT the only other use of the block's input is the
     residual add in ``...attention.output``)."""
-    return PROJECTIONS.get(name.rsplit(".", 1)[-1], "residual")
+    last = name.rsplit(".", 1)[-1]
+    if ":" in last:  # one call given the tensor as several arguments (multi-head attention)
+        return PROJECTIONS.get(last.rsplit(":", 1)[-1].split("#")[0], "residual")
+    return PROJECTIONS.get(last, "residual")
 
 
 @dataclass(frozen=True)
@@ -52,13 +60,16 @@ class TokenTypeTable:
         type_names: the token types, in label order (label ``i`` is ``type_names[i]``).
         branch_names: the branches, in the order of the values given.
         mean: ``[types, branches]`` float64, the mean over every token of that type of the
-            branch's value (MaxProd: the mean best-path value through that branch; NaN for a type
-            with no token).
+            branch's value (MaxProd: the mean best-path value through that branch); a NaN value
+            (no value: Entropy where no path is) is left out of its branch's mean; NaN where no
+            token of the type has a value for the branch.
         share: ``[types, branches]`` float64, the share of the tokens of that type whose largest
             value is that branch's (MaxProd: whose best path leaves by it); a tie splits the
             token evenly between the tied branches, so every row sums to 1 (NaN for a type with
             no token).
-        counts: ``[types]`` int64, how many tokens each type has.
+        counts: ``[types]`` int64, how many tokens each type has (with at least one value).
+        branch_counts: ``[types, branches]`` int64, how many of them have a value (not NaN)
+            for each branch: the weights of ``mean`` when tables are pooled (None: ``counts``).
     """
 
     type_names: tuple[str, ...]
@@ -66,22 +77,31 @@ class TokenTypeTable:
     mean: Tensor
     share: Tensor
     counts: Tensor
+    branch_counts: Tensor | None = None
 
     @classmethod
     def from_values(
-        cls, values: Mapping[str, Tensor], types: Tensor, type_names: Sequence[str]
+        cls,
+        values: Mapping[str, Tensor],
+        types: Tensor | Sequence[Any],
+        type_names: Sequence[str],
     ) -> TokenTypeTable:
         """Build the table from one value per branch and token.
 
         Args:
             values: branch name -> ``[examples, tokens]`` values (any shape, the same for every
-                branch), higher meaning more (MaxProd's best-path value, LogSum's log flow).
-            types: integer labels shaped like the values; label ``i`` is ``type_names[i]``, a
-                negative label leaves that token out (padding, say).
-            type_names: one name per label.
+                branch), higher meaning more (MaxProd's best-path value, LogSum's log flow);
+                NaN for no value (left out of that branch's mean, never a token's best).
+            types: integer labels shaped like the values (a tensor or nested lists); label
+                ``i`` is ``type_names[i]``, a negative label leaves that token out (padding,
+                say), and so does a token whose every value is NaN.
+            type_names: one name per label (at least one).
         """
         if not values:
             raise ValueError("TokenTypeTable needs the values of at least one branch")
+        if len(type_names) == 0:
+            raise ValueError("TokenTypeTable needs at least one token type name (type_names)")
+        types = torch.as_tensor(types)
         if types.dtype.is_floating_point or types.dtype.is_complex or types.dtype == torch.bool:
             raise TypeError(f"token types must be integer labels, got {types.dtype}")
         for name, value in values.items():
@@ -96,28 +116,33 @@ class TokenTypeTable:
             raise ValueError(
                 f"token type label {int(labels.max())} has no name ({len(type_names)} given)"
             )
-        kept = labels >= 0
-        # [tokens, branches]: every kept token's values, one column per branch
-        table = torch.stack([v.reshape(-1)[kept].double() for v in values.values()], -1)
-        # [tokens, types]: which type each token is, so that a product pools by type
-        of_type = torch.nn.functional.one_hot(labels[kept], len(type_names)).double()
+        # [tokens, branches]: every token's values, one column per branch
+        table = torch.stack([v.detach().reshape(-1).double() for v in values.values()], -1)
+        labels = labels.to(table.device)
+        valued = ~table.isnan()
+        kept = (labels >= 0) & valued.any(-1)
+        table, valued, labels = table[kept], valued[kept], labels[kept]
         # [tokens, branches]: the token's best branch (a tie shares the token between branches)
-        best = table == table.amax(-1, keepdim=True)
-        credit = best.double() / best.sum(-1, keepdim=True)
-        counts = of_type.sum(0)
+        best = _best(table, valued).double()
+        credit = best / best.sum(-1, keepdim=True)
+        # pooled by type with index_add (a one-hot product would spread -inf as NaN)
+        branch_counts = _by_type(valued.double(), labels, len(type_names))
+        counts = _by_type(torch.ones_like(labels, dtype=torch.float64)[:, None], labels,
+                          len(type_names))[:, 0]  # fmt: skip
         return cls(
             type_names=tuple(type_names),
             branch_names=tuple(values),
-            mean=of_type.T @ table / counts[:, None],
-            share=of_type.T @ credit / counts[:, None],
+            mean=_by_type(table.masked_fill(~valued, 0.0), labels, len(type_names)) / branch_counts,
+            share=_by_type(credit, labels, len(type_names)) / counts[:, None],
             counts=counts.long(),
+            branch_counts=branch_counts.long(),
         )
 
     @classmethod
     def from_branches(
         cls,
         split: Branches,
-        types: Tensor,
+        types: Tensor | Sequence[Any],
         type_names: Sequence[str],
         short: Callable[[str], str] | None = None,
         dims: int | Sequence[int] = -1,
@@ -129,8 +154,10 @@ class TokenTypeTable:
         token's best path through that branch), as ``Branches.aggregate`` reads it. ``short``
         renames branches (``attention_branch`` gives query / key / value / residual); branches
         that get the same short name are joined by the semiring's plus (all their paths). A
-        branch no path reached holds the semiring's "no path" value. ``types`` is shaped like
-        the split tensor without ``dims``.
+        branch no path reached holds the semiring's "no path" value (MaxProd's 0 counts in its
+        mean; Entropy's NaN does not); a token no branch reaches (padding masked out of
+        attention, say) is left out, like a negative label. ``types`` (a tensor or nested
+        lists) is shaped like the split tensor without ``dims``.
         """
         if not split.messages:
             raise ValueError("the split has no branch values: run the backward first")
@@ -148,15 +175,21 @@ class TokenTypeTable:
             joined[key] = state if key not in joined else sr.plus(joined[key], state)
         rank = first.dim()
         reduce = sorted(d % rank for d in ([dims] if isinstance(dims, int) else dims))
-        values = {}
+        values, reached = {}, None
         for key, state in joined.items():
-            value = sr.readout(sr.sum(state, reduce))
+            summed = sr.sum(state, reduce)
+            value = sr.readout(summed)
             if not isinstance(value, Tensor):
                 raise ValueError(
                     f"{type(sr).__name__} reads out {type(value).__name__}, not one number per "
                     "token: a token-type table takes MaxProd, TopPath, LogSum, LogCount or Entropy"
                 )
             values[key] = value.detach()
+            some = ~sr.is_zero(summed)
+            reached = some if reached is None else reached | some
+        types = torch.as_tensor(types)
+        if reached is not None and reached.shape == types.shape:  # else from_values says so
+            types = types.masked_fill(~reached.to(types.device), -1)  # no path: left out
         return cls.from_values(values, types, type_names)
 
     @classmethod
@@ -169,20 +202,22 @@ class TokenTypeTable:
         names = {(t.type_names, t.branch_names) for t in tables}
         if len(names) > 1:
             raise ValueError(f"tables with different token types or branches: {sorted(names)}")
-        counts = torch.stack([t.counts for t in tables]).double()  # [tables, types]
-        total = counts.sum(0)
+        counts = torch.stack([t.counts for t in tables]).double()[..., None]  # [tables, types, 1]
+        valued = torch.stack([_branch_counts(t) for t in tables]).double()  # [.., branches]
 
-        def weighted(grids: list[Tensor]) -> Tensor:
-            # a type with no token in one table (NaN there) adds nothing
-            stacked = torch.stack(grids).nan_to_num(0.0)  # [tables, types, branches]
-            return (counts[..., None] * stacked).sum(0) / total[:, None]
+        def weighted(grids: list[Tensor], weights: Tensor) -> Tensor:
+            # an entry no token gave (NaN there) adds nothing
+            stacked = torch.stack(grids).double()  # [tables, types, branches]
+            stacked = torch.where(weights > 0, stacked, 0.0)
+            return (weights * stacked).sum(0) / weights.sum(0)
 
         return cls(
             type_names=tables[0].type_names,
             branch_names=tables[0].branch_names,
-            mean=weighted([t.mean for t in tables]),
-            share=weighted([t.share for t in tables]),
-            counts=total.long(),
+            mean=weighted([t.mean for t in tables], valued),
+            share=weighted([t.share for t in tables], counts),
+            counts=counts.sum(0)[:, 0].long(),
+            branch_counts=valued.sum(0).long(),
         )
 
     def __str__(self) -> str:
@@ -259,6 +294,26 @@ class TokenTypeTable:
             fig.tight_layout()
             fig.savefig(path, dpi=120)
         return fig
+
+
+def _best(table: Tensor, valued: Tensor) -> Tensor:
+    """``[tokens, branches]`` bool: the branches holding each token's largest value (several
+    on a tie), among its values that are not NaN."""
+    masked = table.masked_fill(~valued, -math.inf)
+    return (masked == masked.amax(-1, keepdim=True)) & valued
+
+
+def _by_type(rows: Tensor, labels: Tensor, types: int) -> Tensor:
+    """``[types, columns]``: the sum of ``rows [tokens, columns]`` over each type's tokens."""
+    out = torch.zeros(types, rows.shape[-1], dtype=rows.dtype, device=rows.device)
+    return out.index_add_(0, labels, rows)
+
+
+def _branch_counts(table: TokenTypeTable) -> Tensor:
+    """``[types, branches]``: the tokens behind each mean (``counts`` where not kept)."""
+    if table.branch_counts is not None:
+        return table.branch_counts
+    return table.counts[:, None].expand(table.mean.shape)
 
 
 __all__ = ["Reference", "TokenTypeTable", "attention_branch"]

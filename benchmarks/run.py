@@ -251,7 +251,8 @@ def main() -> None:
     )
     print(text)
     if args.write is not None:
-        args.write.write_text(_markdown(text))
+        others = kept_sections(args.write)
+        args.write.write_text(_markdown(text) + ("\n" + others if others else ""))
 
 
 def _markdown(results: str) -> str:
@@ -296,10 +297,9 @@ taken there).
   one shared exponentiation per linear and attention message (`semipack/messages/shared_shift.py`),
   the logarithms of the results, the LayerNorm all-pairs sums (native kernel, about 16 ms per
   LayerNorm), the softmax messages (native kernel) and the GELU edge weights: about 0.1 s.
-  Five runs of this script on this machine in one session measured 2.35x and 2.70x (medians of
-  rounds), then 2.51x, 2.66x and 2.60x (fastest of 7, 7 and 11 rounds; the last is the table)
-  while the plain backward itself took 0.17-0.23 s: the layer sits at the 2.5x target, about
-  20 ms above it in the table's run.
+  The ratio moves by about 10% between runs on this shared machine (2.36x-2.8x over the runs of
+  two sessions, the plain backward itself taking 0.16-0.23 s): the layer sits at or just above
+  the 2.5x target.
 - **Entropy floor.** Each linear message is three BLAS products (the expectation semiring's
   product rule; dual-number multiplication has bilinear rank 3) instead of one: with the input
   and weight messages and the regular gradient that is 48 products against the plain backward's
@@ -324,9 +324,42 @@ taken there).
   per product (Entropy: three products per message). The other semirings take one kernel tap at
   a time: 9 taps x 2 max-plus products of [32 x 1024, 64] x [64, 64] here, about 2.4 G pairs,
   plus a strided slice update per tap, against oneDNN's very fast direct convolution.
-- **CUDA**: no table yet; no GPU was available where these numbers were taken. `tests/test_cuda.py`
-  holds the CUDA tests (skipped without a GPU).
+- **Whole models on small inputs.** The ratios sit far above their floors because a plain
+  backward of one sentence or two images is a few milliseconds of large matrix products, while
+  every semiring node also pays elementwise work over its whole output (edge weights in log
+  form, the logarithms of BLAS results, underflow checks), a Python rule call per autograd node
+  (a few tens of microseconds each, hundreds of nodes) and the readouts of every parameter.
+  Measured with `torch.profiler` and cProfile on `minilm_1x20`: the matrix products are under a
+  fifth of the Entropy backward; the rest is spread over dozens of kinds of elementwise op, none
+  above a tenth. The embedding readout (a 30522 x 384 table, one exponential per entry) was the
+  largest single item: it now evaluates only the rows a token reached.
+- **Convolutional models.** ResNet-18 and MobileNetV3 MaxProd pay the convolution max-plus
+  products above (per tap, against oneDNN); depthwise convolutions take an elementwise path per
+  tap (MobileNet's 5x5 depthwise layers were 580x before it). In train mode ResNet-18 adds the
+  exact messages of BatchNorm over N x H x W entries per channel: all pairs (quadratic per
+  channel), hence Entropy's 33x; the sub-quadratic forms (upper envelopes for max-like
+  semirings, sorted prefix sums for sum-like ones) are not implemented.
+- **CUDA**: no table yet; no GPU with a supported torch was available where these numbers were
+  taken. `tests/test_cuda.py` holds the CUDA tests (skipped without a GPU).
 """
+
+
+#: Sections of an existing --write target that other scripts wrote (kept when it is rewritten).
+_OWN_SECTIONS = ("## Reading the table",)
+
+
+def kept_sections(path: Path) -> str:
+    """The ``## `` sections of ``path`` that this script does not write (``bench_per_sample``'s
+    section in BENCHMARKS.md, say), to append again after rewriting it."""
+    if not path.exists():
+        return ""
+    kept, keep = [], False
+    for line in path.read_text().splitlines(keepends=True):
+        if line.startswith("## "):
+            keep = not line.startswith(_OWN_SECTIONS)
+        if keep:
+            kept.append(line)
+    return "".join(kept)
 
 
 if __name__ == "__main__":

@@ -89,15 +89,25 @@ def time_backwards_interleaved(
     return {key: min(t) for key, t in times.items()}
 
 
-def interleaved(variants: dict[str, Callable[[], object]], repeats: int) -> dict[str, list[float]]:
+def interleaved(
+    variants: dict[str, Callable[[], object]], repeats: int, block: int = 1
+) -> dict[str, list[float]]:
     """Wall times of each variant (a whole step each) in each of ``repeats`` rounds, the
     variants taking turns within every round, after one warm-up round (native kernels build,
-    caches fill): drift on a shared machine hits every variant alike."""
+    caches fill): drift on a shared machine hits every variant alike.
+
+    With ``block`` > 1 a variant runs ``block`` times in a row per turn and the last is timed:
+    its steady state, as in a training loop repeating one step. A step right after another
+    variant pays for that variant's allocations (large tensors come back from the OS as fresh
+    pages), which favours whichever variant allocates like its predecessor.
+    """
     for run in variants.values():
         run()
     times: dict[str, list[float]] = {name: [] for name in variants}
     for _ in range(repeats):
         for name, run in variants.items():
+            for _ in range(block - 1):
+                run()
             start = time.perf_counter()
             run()
             times[name].append(time.perf_counter() - start)

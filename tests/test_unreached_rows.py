@@ -73,3 +73,30 @@ def test_k_best_reads_unreached_rows_as_k_missing_paths() -> None:
     assert torch.equal(grad, model.table.weight.semiring_grad)  # the generic path: no hint
     assert grad.shape == (40, 3, 2) and bool((grad[[2, 11]] > 0).all())
     assert int(grad.count_nonzero()) == 12
+
+
+def test_a_product_keeps_the_hint_and_reads_each_factor_as_its_own_pass() -> None:
+    model = _Lookup(tied=False)
+    ids = torch.tensor([[4, 30, 4]])
+    factors = (semipack.MaxProd(log=True), semipack.LogSum(), semipack.Entropy())
+    separate = []
+    for sr in factors:
+        with semipack.extend(model, sr):
+            model(ids).backward()
+        separate.append(model.table.weight.semiring_grad)
+    calls = []
+    original = semipack.Product.readout_rows
+
+    def spy(self, a, rows):
+        calls.append(rows.tolist())
+        return original(self, a, rows)
+
+    semipack.Product.readout_rows = spy
+    try:
+        with semipack.extend(model, semipack.Product(*factors)):
+            model(ids).backward()
+    finally:
+        semipack.Product.readout_rows = original
+    assert calls == [[4, 30]]
+    for alone, joint in zip(separate, model.table.weight.semiring_grad, strict=True):
+        torch.testing.assert_close(joint, alone, rtol=0, atol=0, equal_nan=True)

@@ -469,10 +469,21 @@ def _messages_per_factor(
     for i, factor in enumerate(product.semirings):
         incoming = tuple(None if st is None else product.split(st)[i] for st in call.incoming)
         per_factor.append(list(compute(replace(call, semiring=factor, incoming=incoming))))
-    return [
-        None if states[0] is None else product.join(list(states))
-        for states in zip(*per_factor, strict=True)
-    ]
+    return [_joined(product, states) for states in zip(*per_factor, strict=True)]
+
+
+def _joined(product: Product, states: Sequence[State | None]) -> State | None:
+    """The factors' states of one input as one product state; rows that no factor reached
+    stay marked (``ZeroOutsideRows``) when every factor marked the same ones."""
+    if states[0] is None:
+        return None
+    joined = product.join(list(states))
+    rows = [getattr(st, "rows", None) for st in states]
+    if rows[0] is not None and all(
+        r is rows[0] or (r is not None and torch.equal(r, rows[0])) for r in rows
+    ):
+        return ZeroOutsideRows(joined, rows[0])
+    return joined
 
 
 def unbatched(cls: type[ExtensionFunction], shape: Any) -> PerSampleError:

@@ -106,6 +106,12 @@ class Product(Semiring):
         """One readout per factor, in order."""
         return tuple(s.readout(st) for s, st in zip(self.semirings, self.split(a), strict=True))
 
+    def readout_rows(self, a: State, rows: Tensor) -> tuple[Any, ...]:
+        """``readout`` skipping the rows outside ``rows``, factor by factor."""
+        return tuple(
+            s.readout_rows(st, rows) for s, st in zip(self.semirings, self.split(a), strict=True)
+        )
+
     def component_dtypes(self, grad_dtype: torch.dtype) -> tuple[torch.dtype, ...]:
         return tuple(d for s in self.semirings for d in s.component_dtypes(grad_dtype))
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import threading
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
 from typing import Any
 
@@ -121,18 +121,20 @@ def extend(
                 stack.enter_context(eager_attention_routed())
             reroute.update(FUNCTION_EXTENSIONS)
         reroute.update(drawn)
-        stack.enter_context(
-            SemiringMode(
-                semiring,
-                regular_grads,
-                watched,
-                reroute,
-                names,
-                keep_state,
-                data_parallel,
-                per_sample,
-            )
+        mode = SemiringMode(
+            semiring,
+            regular_grads,
+            watched,
+            reroute,
+            names,
+            keep_state,
+            data_parallel,
+            per_sample,
         )
+        if per_sample:
+            handle = model.register_forward_pre_hook(_batch_recorder(mode), with_kwargs=True)
+            stack.callback(handle.remove)
+        stack.enter_context(mode)
         yield model
 
 
@@ -152,6 +154,19 @@ def _check_per_sample(model: nn.Module | None, semiring: Any, extensions: bool) 
                 "batch_first=False, so the batch is not dim 0 of the model input; build it "
                 "with batch_first=True"
             )
+
+
+def _batch_recorder(mode: SemiringMode) -> Callable[..., None]:
+    """A forward pre-hook for the model: the dim-0 size of its first tensor input (positional,
+    else keyword), the batch that per-sample rows must have."""
+
+    def record(module: nn.Module, args: tuple, kwargs: dict) -> None:
+        for value in (*args, *kwargs.values()):
+            if isinstance(value, torch.Tensor) and value.dim() > 0:
+                mode.input_batches.add(int(value.shape[0]))
+                return
+
+    return record
 
 
 def _leaf_name(name: str) -> str:

@@ -3,8 +3,11 @@
 Lightning owns the training loop, so the monitor's per-step context is opened when a training
 batch starts (before its forward) and closed once its backward is done: at
 ``on_before_optimizer_step`` (the optimizer then steps on the exact gradient, as in the plain
-loop), or at the batch's end for a batch that does not step (gradient accumulation). One
-monitor step is one training batch; the monitor's records use Lightning's ``global_step``.
+loop), or at the batch's end for a batch that does not step (gradient accumulation). A batch
+whose ``training_step`` returns None (Lightning's way to skip it: no backward) is left
+unrecorded. One monitor step is one training batch; the records use Lightning's
+``global_step``. Each fit gets its own ``Monitor`` (``callback.monitors``, the latest as
+``callback.monitor``); a second fit with the same ``log_dir`` writes into ``<log_dir>/fit<k>``.
 
 Needs ``pytorch_lightning`` (or the ``lightning`` package); ``import semipack`` does not import
 this module.
@@ -26,6 +29,10 @@ from .monitor import Monitor
 __all__ = ["MonitorCallback"]
 
 
+class _Skipped(Exception):
+    """Thrown into a monitor step to leave it without recording (the batch was skipped)."""
+
+
 class MonitorCallback(Callback):
     """Record ``semipack.Monitor`` summaries of the LightningModule every ``every`` batches.
 
@@ -40,15 +47,25 @@ class MonitorCallback(Callback):
     def __init__(self, every: int = 10, log_dir: str | Path | None = None, **monitor: Any) -> None:
         super().__init__()
         self.every, self.log_dir, self.options = every, log_dir, monitor
-        self.monitor: Monitor | None = None
+        self.monitors: list[Monitor] = []
         self._open: AbstractContextManager[bool] | None = None
+        self._backward_ran = False
+
+    @property
+    def monitor(self) -> Monitor | None:
+        """The latest fit's monitor (None before the first fit)."""
+        return self.monitors[-1] if self.monitors else None
 
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
-        if self.monitor is None:
-            log_dir = self.log_dir
-            if log_dir is None:
-                log_dir = Path(trainer.log_dir or trainer.default_root_dir) / "semipack"
-            self.monitor = Monitor(pl_module, every=self.every, log_dir=log_dir, **self.options)
+        if stage != "fit":
+            return
+        log_dir = self.log_dir
+        if log_dir is None:
+            log_dir = Path(trainer.log_dir or trainer.default_root_dir) / "semipack"
+        used = {m.log_dir for m in self.monitors}
+        if Path(log_dir) in used:  # the same folder again: keep the earlier fit's files
+            log_dir = Path(log_dir) / f"fit{len(self.monitors)}"
+        self.monitors.append(Monitor(pl_module, every=self.every, log_dir=log_dir, **self.options))
 
     def on_train_batch_start(
         self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int
@@ -56,6 +73,10 @@ class MonitorCallback(Callback):
         assert self.monitor is not None, "setup() runs before the first batch"
         self._open = self.monitor.step(trainer.global_step)
         self._open.__enter__()
+        self._backward_ran = False
+
+    def on_after_backward(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._backward_ran = True
 
     def on_before_optimizer_step(self, trainer: Trainer, pl_module: LightningModule, optimizer):
         self._close()
@@ -76,7 +97,11 @@ class MonitorCallback(Callback):
             self.monitor.close()
 
     def _close(self) -> None:
-        """Leave the open step (recording a sampled one); nothing when none is open."""
+        """Leave the open step: recording a sampled one whose backward ran, leaving one whose
+        batch was skipped (no backward) without a record; nothing when none is open."""
         if self._open is not None:
             context, self._open = self._open, None
-            context.__exit__(None, None, None)
+            if self._backward_ran:
+                context.__exit__(None, None, None)
+            else:
+                context.__exit__(_Skipped, _Skipped(), None)

@@ -103,3 +103,30 @@ def test_gradient_accumulation_monitors_each_batch_of_a_sampled_step(tmp_path) -
         r.step for r in callback.monitor.records if r.layer == "net.0" and r.quantity == "log_flow"
     ]
     assert steps == [0, 0, 2]
+
+
+class _Skipping(_Classifier):
+    """Skips its first batch, as Lightning documents: training_step returns None."""
+
+    def training_step(self, batch, batch_idx):
+        return None if batch_idx == 0 else super().training_step(batch, batch_idx)
+
+
+def test_a_skipped_batch_is_left_unrecorded(tmp_path) -> None:
+    callback = MonitorCallback(every=1, tensorboard=False)
+    _fit(_Skipping(), [callback], tmp_path)
+    steps = sorted({r.step for r in callback.monitor.records})
+    assert steps == [1, 2, 3, 4]  # five batches, the first skipped (it still counts a step)
+
+
+def test_each_fit_gets_its_own_monitor_and_folder(tmp_path) -> None:
+    callback = MonitorCallback(every=2, log_dir=tmp_path / "m", tensorboard=False)
+    first, second = _Classifier(), _Classifier()
+    _fit(first, [callback], tmp_path / "a")
+    _fit(second, [callback], tmp_path / "b")
+    assert [m.model for m in callback.monitors] == [first, second]
+    assert callback.monitor is callback.monitors[1]
+    for monitor, folder in zip(callback.monitors, ("m", "m/fit1"), strict=True):
+        assert sorted({r.step for r in monitor.records}) == [0, 2, 4]
+        lines = (tmp_path / folder / "monitor.csv").read_text().count("\n")
+        assert lines == len(monitor.records) + 1

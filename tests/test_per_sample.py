@@ -511,3 +511,92 @@ def test_needs_model_and_extensions():
     _refused_at_entry(
         nn.Linear(2, 2), semipack.MaxProd(), "needs extensions=True", extensions=False
     )
+
+
+class _Mixer(nn.Module):
+    """A Linear whose output goes through ``mix`` (a function of the whole batch)."""
+
+    def __init__(self, mix) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.l, self.mix = nn.Linear(3, 4), mix
+
+    def forward(self, x):
+        return self.mix(self.l(x))
+
+
+MIXING = {
+    "amax(0)": lambda h: h - h.amax(0),
+    "std(0)": lambda h: h / h.std(0),
+    "var(0)": lambda h: h * h.var(0),
+    "logsumexp(0)": lambda h: h - torch.logsumexp(h, 0),
+    "norm(dim=0)": lambda h: h / h.norm(dim=0),
+    "softmax(0)": lambda h: h.softmax(0),
+    "log_softmax(0)": lambda h: h.log_softmax(0),
+    "cumsum(0)": lambda h: h.cumsum(0),
+    "sort(0)": lambda h: h.sort(0).values,
+    "max(0)": lambda h: h - h.max(0).values,
+    "mean()": lambda h: h - h.mean(),
+    "amax()": lambda h: h / h.abs().amax(),
+}
+
+
+@pytest.mark.parametrize("mix", list(MIXING))
+def test_mixing_through_any_batch_reduction_is_refused(mix):
+    """Each of these makes an example's output depend on the others': rows would be wrong
+    (they still sum to semiring_grad), so the pass must refuse, naming the node."""
+    _refused(_Mixer(MIXING[mix]), (torch.randn(5, 3),), r"mixes them: it reduces over")
+
+
+def test_a_loss_computed_by_the_model_is_not_mixing():
+    """A model that returns its own scalar loss (a sum over the batch, the root) mixes no
+    examples: the rows equal single examples' gradients."""
+
+    class WithLoss(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            torch.manual_seed(0)
+            self.hidden, self.out = nn.Linear(3, 4), nn.Linear(4, 2)
+
+        def forward(self, x):
+            return self.out(self.hidden(x).tanh()).tanh().sum()
+
+    model, x = WithLoss().double(), torch.randn(5, 3, dtype=torch.float64)
+    with semipack.extend(model, semipack.Real(), per_sample=True):
+        model(x).backward()
+    for p in model.parameters():
+        for i in range(5):
+            expected = torch.autograd.grad(model(x[i : i + 1]), p)[0]
+            torch.testing.assert_close(p.semiring_grad_batch[i], expected)
+
+
+def test_a_layer_whose_dim_0_is_not_the_batch_is_refused():
+    """The rows follow dim 0 of each layer's input: a sequence-first layer inside a
+    batch-first model would give one row per token, silently."""
+
+    class SequenceFirst(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.l = nn.Linear(3, 4)
+
+        def forward(self, x):
+            return self.l(x.transpose(0, 1)).transpose(0, 1)
+
+    _refused(
+        SequenceFirst(),
+        (torch.randn(2, 5, 3),),
+        r"the parameters saw a batch of 5 rows, but the model's input has 2 examples",
+    )
+    flattened = nn.Sequential(nn.Flatten(0, 1), nn.Linear(3, 4))
+    _refused(flattened, (torch.randn(2, 5, 3),), r"batch of 10 rows, but the model's input has 2")
+
+
+def test_a_forward_run_before_the_block_is_named():
+    model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2))
+    loss = _loss(model(torch.randn(5, 3)))
+    outside = r"created outside a semipack.extend\(\.\.\., per_"
+    with (
+        pytest.raises(PerSampleError, match=outside),
+        semipack.extend(model, semipack.Real(), per_sample=True),
+    ):
+        loss.backward()

@@ -158,7 +158,16 @@ _REDUCTIONS = {
     "LogSoftmax",
     "Median",
     "Nanmedian",
+    "Sort",
+    "Topk",
+    "Kthvalue",
+    "Mode",
 }
+#: Reductions above whose output has the input's shape: the shape autograd records for the
+#: node's output is the input's (CumsumBackward0 saves nothing else).
+_SHAPE_PRESERVING = {
+    "Cumsum", "Cumprod", "Cummax", "Cummin", "Logcumsumexp", "Softmax", "LogSoftmax", "Sort",
+}  # fmt: skip
 _NODE_NAME = re.compile(r"^(?P<op>[A-Za-z]+?)Backward\d*$")
 
 
@@ -178,12 +187,33 @@ def _own_transpose(node) -> bool:
     return any(src is a for src, _ in b.next_functions)
 
 
-def mixing_reason(node) -> str | None:
+def _input_shape(node, op: str) -> tuple[int, ...] | None:
+    """The shape of a reduction's input, from what its node saved (sizes, the input itself,
+    or for shape-preserving ops the output's recorded shape); None when nothing says."""
+    sizes = getattr(node, "_saved_self_sym_sizes", None)
+    if sizes is not None:
+        return tuple(int(s) for s in sizes)
+    try:
+        saved = getattr(node, "_saved_self", None)
+    except RuntimeError:  # freed by an earlier backward: the pass itself will say so
+        saved = None
+    if isinstance(saved, torch.Tensor):
+        return tuple(saved.shape)
+    if op in _SHAPE_PRESERVING and node._input_metadata:
+        return tuple(node._input_metadata[0].shape)
+    return None
+
+
+def mixing_reason(node, is_root: bool = False, batches: frozenset[int] = frozenset()) -> str | None:
     """Why ``node`` (an autograd node inside the model) mixes the examples of the batch, or
-    None. Batch norm in train mode normalises over the batch; a reduction over dim 0 of a
-    tensor with more than one row combines examples before the loss; so does ``x @ x.T`` on a
-    [batch, features] matrix. Other mixing (a matrix product with another example's
-    features, an exchange written by indexing) is not recognised."""
+    None. Batch norm in train mode normalises over the batch; a reduction, scan, softmax or
+    sort over dim 0 of a tensor with more than one row combines examples before the loss, and
+    so does a reduction over every dim unless it is the root itself (a loss computed by the
+    model); so does ``x @ x.T`` on a [batch, features] matrix. ``batches`` holds the dim-0
+    sizes of the model's inputs when known: a reduction of a tensor whose dim 0 is none of
+    them (a weight's norm computed in the forward) is not over the batch. Other mixing (a
+    matrix product with another example's features, an exchange written by indexing) is not
+    recognised."""
     name = node.name()
     if "BatchNorm" in name and not hasattr(node, "_saved_training"):
         return (
@@ -201,14 +231,21 @@ def mixing_reason(node) -> str | None:
     match = _NODE_NAME.match(name)
     if match is None or match.group("op") not in _REDUCTIONS:
         return None
-    dims = getattr(node, "_saved_dim", None)
-    sizes = getattr(node, "_saved_self_sym_sizes", None)
-    if dims is None or sizes is None or len(sizes) < 2 or sizes[0] <= 1:
+    sizes = _input_shape(node, match.group("op"))
+    if sizes is None or len(sizes) < 1 or sizes[0] <= 1:
         return None
-    dims = [dims] if isinstance(dims, int) else list(dims)
-    ndim = len(sizes)
-    if any(_signed(d) % ndim == 0 for d in dims):
-        return f"it reduces over dim 0 (the batch) of a tensor of shape {tuple(sizes)}"
+    if batches and sizes[0] not in batches:
+        return None
+    dims = getattr(node, "_saved_dim", None)
+    dims = [] if dims is None else [dims] if isinstance(dims, int) else list(dims)
+    if not dims:  # no dim: every dim is reduced, the batch with the rest
+        if is_root:
+            return None
+        return f"it reduces over every dim, the batch included, of a tensor of shape {sizes}"
+    if len(sizes) < 2:
+        return None
+    if any(_signed(d) % len(sizes) == 0 for d in dims):
+        return f"it reduces over dim 0 (the batch) of a tensor of shape {sizes}"
     return None
 
 

@@ -271,13 +271,15 @@ def backward(
     keep_state: bool = False,
     accumulate_in_place: Sequence[Tensor] = (),
     per_sample: dict[int, str] | None = None,
+    per_sample_batches: frozenset[int] = frozenset(),
 ) -> list[Tensor]:
     """``torch.autograd.backward`` that also sets ``leaf.semiring_grad``; returns the leaves
     that received a message.
 
     ``per_sample`` (tensor id -> name, the model's parameters) also sets
     ``semiring_grad_batch`` on each of them the pass reaches (``transport.per_sample``); the
-    graph is checked for ops without per-sample rules and for mixing before anything runs.
+    graph is checked for ops without per-sample rules and for mixing before anything runs;
+    ``per_sample_batches`` are the dim-0 sizes of the model's inputs, when known.
 
     ``watched`` are tensors (the model's parameters) whose messages are captured even when the
     graph walk cannot see them beforehand (a reentrant checkpoint recomputes its graph inside
@@ -316,7 +318,7 @@ def backward(
                 "per-sample values cannot see inside a reentrant checkpoint (its graph is built "
                 "during the backward): use torch.utils.checkpoint(..., use_reentrant=False)"
             )
-        generic_uses = check_graph(tensors, per_sample)
+        generic_uses = check_graph(tensors, per_sample, per_sample_batches)
         rows = PerSampleRows(sr, per_sample)
     kept = retained.alive() if retained is not None else []
     with path_recording(sr, tensors, leaf_names) as sr:
@@ -332,7 +334,7 @@ def backward(
                 )
             if rows is not None:
                 batched = [t for t in leaves if id(t) in captured and id(t) in per_sample]
-                rows.check(batched)
+                rows.check(batched, per_sample_batches)
             retained_messages = _split_retained(kept)
         except BaseException:
             if ledger is not None:

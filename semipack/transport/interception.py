@@ -39,6 +39,8 @@ class SemiringMode(TorchFunctionMode):
     ) -> None:
         super().__init__()
         self.per_sample = per_sample
+        #: dim-0 sizes of the model's inputs in this block (``api.extend`` records them)
+        self.input_batches: set[int] = set()
         self.sr = sr
         self.regular_grads = regular_grads
         self.keep_state = keep_state
@@ -113,6 +115,7 @@ class SemiringMode(TorchFunctionMode):
                 if self.per_sample
                 else None
             ),
+            per_sample_batches=frozenset(self.input_batches),
         )
         # A watched parameter this backward did not reach must not keep a stale value.
         reached_ids = {id(t) for t in reached}

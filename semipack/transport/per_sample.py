@@ -51,13 +51,18 @@ def _module_of(node) -> str | None:
     return "the root module" if module == "" else f"module '{module}'"
 
 
-def check_graph(roots: Sequence[Tensor], params: dict[int, str]) -> list[tuple[Any, int, Tensor]]:
+def check_graph(
+    roots: Sequence[Tensor], params: dict[int, str], batches: frozenset[int] = frozenset()
+) -> list[tuple[Any, int, Tensor]]:
     """Raise ``PerSampleError`` before the pass if a node without a per-sample rule feeds a
-    parameter in ``params`` (id -> name), or a node inside the model mixes examples. Returns
-    ``(node, input_nr, parameter)`` for the uses a generic row rule handles (``hook_rules``)."""
+    parameter in ``params`` (id -> name), or a node inside the model mixes examples
+    (``batches``: the dim-0 sizes of the model's inputs, when the forward ran in the block).
+    Returns ``(node, input_nr, parameter)`` for the uses a generic row rule handles
+    (``hook_rules``)."""
     generic: list[tuple[Any, int, Tensor]] = []
     seen: set[int] = set()
     stack = [t.grad_fn for t in roots if t.grad_fn is not None]
+    root_ids = {id(node) for node in stack}
     while stack:
         node = stack.pop()
         if node is None or id(node) in seen:
@@ -65,7 +70,7 @@ def check_graph(roots: Sequence[Tensor], params: dict[int, str]) -> list[tuple[A
         seen.add(id(node))
         module = _module_of(node)
         if module is not None:  # created inside the model's forward (the loss is outside)
-            reason = mixing_reason(node)
+            reason = mixing_reason(node, id(node) in root_ids, batches)
             if reason is not None:
                 raise PerSampleError(
                     f"per-sample values need examples that do not mix, but {node.name()} "
@@ -79,6 +84,13 @@ def check_graph(roots: Sequence[Tensor], params: dict[int, str]) -> list[tuple[A
             if known and row_rule(node.name()) is not None:
                 generic.append((node, input_nr, variable))
             if known and not has_per_sample_rule(node.name()):
+                if MODULE_KEY not in node.metadata:
+                    raise PerSampleError(
+                        f"per-sample values: parameter '{params[id(variable)]}' is used by "
+                        f"{node.name()}, created outside a semipack.extend(..., per_sample=True) "
+                        "block: run the forward inside the block (the module extensions that "
+                        "compute the rows only run there)"
+                    )
                 where = f", created by {module}" if module else ""
                 raise PerSampleError(
                     f"per-sample values: parameter '{params[id(variable)]}' is used by "
@@ -139,8 +151,9 @@ class PerSampleRows:
                 raise _disagree(self.names[id(param)], before[0].shape[0], rows[0].shape[0])
             self.rows[id(param)] = rows if before is None else self.sr.plus(before, rows)
 
-    def check(self, params: Sequence[Tensor]) -> None:
-        """Raise unless every parameter in ``params`` has rows, all of one batch size."""
+    def check(self, params: Sequence[Tensor], batches: frozenset[int] = frozenset()) -> None:
+        """Raise unless every parameter in ``params`` has rows, all of one batch size, and
+        that size is the dim 0 of a model input (``batches``, when known)."""
         for p in params:
             if id(p) not in self.rows:
                 raise PerSampleError(
@@ -159,6 +172,15 @@ class PerSampleRows:
                 "did not: they were used on a tensor whose dim 0 is not the batch. A lookup "
                 "broadcast over the batch (Hugging Face position embeddings: pass position_ids "
                 "of shape [N, T]) or a sequence-first layout (put the batch first)"
+            )
+        if sizes and batches and sizes[0] not in batches:
+            inputs = " or ".join(str(n) for n in sorted(batches))
+            raise PerSampleError(
+                f"per-sample values: the parameters saw a batch of {sizes[0]} rows, but the "
+                f"model's input has {inputs} examples in dim 0: a layer saw a tensor whose dim "
+                "0 is not the batch (a sequence-first layout such as x.transpose(0, 1), or "
+                "examples flattened with tokens, x.reshape(N * T, -1)). Keep the batch in dim "
+                "0 of every layer's input"
             )
 
     def store(self, params: Sequence[Tensor], keep_state: bool) -> None:

@@ -64,7 +64,9 @@ def load(model_dir: str, masked_lm: bool = False) -> tuple[nn.Module, object]:
     auto = transformers.AutoModelForMaskedLM if masked_lm else transformers.AutoModel
     try:
         tokenizer = transformers.AutoTokenizer.from_pretrained(str(path))
-        model = auto.from_pretrained(str(path), attn_implementation="eager")
+        model, info = auto.from_pretrained(
+            str(path), attn_implementation="eager", output_loading_info=True
+        )
     except (OSError, ValueError, KeyError) as error:  # what transformers raises for these
         kind = "a masked-language model (--target mask)" if masked_lm else "a model"
         raise SemipackError(
@@ -72,6 +74,14 @@ def load(model_dir: str, masked_lm: bool = False) -> tuple[nn.Module, object]:
             f"({type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}); "
             f"semipack explain takes {FAMILIES}"
         ) from error
+    missing = sorted(info.get("missing_keys") or ())
+    if masked_lm and missing:
+        shown = ", ".join(missing[:3]) + (", ..." if len(missing) > 3 else "")
+        raise SemipackError(
+            f"--target mask: {model_dir!r} has no trained masked-language-model head (missing "
+            f"weights: {shown}); its predictions would come from random weights. Use a "
+            "masked-language-model directory, or --target norm / token:N"
+        )
     return model.eval(), tokenizer
 
 

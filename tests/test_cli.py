@@ -31,6 +31,17 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return folder
 
 
+@pytest.fixture(scope="module")
+def tiny_mlm_dir(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny BERT with a (random but saved) masked-language-model head."""
+    folder = tmp_path_factory.mktemp("tiny_mlm")
+    torch.manual_seed(1)
+    cfg = transformers.AutoConfig.from_pretrained(str(tiny_model_dir))
+    transformers.BertForMaskedLM(cfg).save_pretrained(str(folder))
+    transformers.AutoTokenizer.from_pretrained(str(tiny_model_dir)).save_pretrained(str(folder))
+    return folder
+
+
 def _rows(out: Path) -> list[dict[str, str]]:
     with open(out / "branches.csv") as f:
         return list(csv.DictReader(f))
@@ -111,9 +122,12 @@ def test_the_best_branch_per_token_is_the_best_path_to_the_token(
         (["--target", "mask", "--text", "the keys"], "--target mask needs a [MASK] token"),
     ],
 )
-def test_mistakes_exit_with_a_clear_message(tiny_model_dir, capsys, args, message) -> None:
+def test_mistakes_exit_with_a_clear_message(
+    tiny_model_dir, tiny_mlm_dir, capsys, args, message
+) -> None:
     if "--model" not in args:
-        args = ["--model", str(tiny_model_dir), *args]
+        folder = tiny_mlm_dir if "mask" in args else tiny_model_dir
+        args = ["--model", str(folder), *args]
     assert main(["explain", *args]) == 2
     assert message in capsys.readouterr().err
 
@@ -149,14 +163,10 @@ def test_head_flow_is_the_flow_into_each_heads_output(tiny_model_dir: Path, tmp_
         assert float(r["value"]) == pytest.approx(expected, rel=1e-5)
 
 
-def test_a_masked_token_prediction_is_explained(tiny_model_dir: Path, tmp_path: Path) -> None:
+def test_a_masked_token_prediction_is_explained(tiny_mlm_dir: Path, tmp_path: Path) -> None:
     """``--target mask``: the masked-LM head's top logit at [MASK]; the best path per token at
     layer 0's input agrees with ``semipack.grad`` of the same logit."""
-    mlm_dir = tmp_path / "mlm"
-    torch.manual_seed(1)
-    cfg = transformers.AutoConfig.from_pretrained(str(tiny_model_dir))
-    transformers.BertForMaskedLM(cfg).save_pretrained(str(mlm_dir))
-    transformers.AutoTokenizer.from_pretrained(str(tiny_model_dir)).save_pretrained(str(mlm_dir))
+    mlm_dir = tiny_mlm_dir
     out = tmp_path / "out"
     assert main(["explain", "--model", str(mlm_dir), "--text", "the [MASK] are", "--target",
                  "mask", "--semirings", "MaxProd", "--out", str(out)]) == 0  # fmt: skip
@@ -245,3 +255,13 @@ def test_an_unwritable_out_folder_is_named(tiny_model_dir, tmp_path, capsys) -> 
     args = ["explain", "--model", str(tiny_model_dir), "--semirings", "MaxProd", "--out", str(out)]
     assert main(args) == 2
     assert f"cannot write --out {str(out)!r}" in capsys.readouterr().err
+
+
+def test_mask_target_on_a_model_without_a_trained_head_is_refused(tiny_model_dir, capsys):
+    """A plain encoder directory has no masked-LM head: transformers would initialise one at
+    random, and the explanation would change from run to run."""
+    args = ["explain", "--model", str(tiny_model_dir), "--text", "the [MASK] are"]
+    assert main([*args, "--target", "mask", "--semirings", "MaxProd"]) == 2
+    err = capsys.readouterr().err
+    assert "--target mask: " in err and "has no trained masked-language-model head" in err
+    assert "cls.predictions" in err

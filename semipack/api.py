@@ -94,8 +94,9 @@ def extend(
     if active is not None:
         raise SemipackError(
             f"semipack.extend blocks cannot be nested: a block for {active!r} is already "
-            "active in this thread. Leave it first; for several semirings run one block per "
-            "semiring (keep the graph with retain_graph=True, or run the forward again)."
+            "active in this thread. Leave it first; for several semirings in one backward use "
+            "semipack.Product(...), or run one block per semiring (keep the graph with "
+            "retain_graph=True, or run the forward again)."
         )
     if per_sample:
         _check_per_sample(model, semiring, extensions)

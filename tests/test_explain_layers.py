@@ -565,3 +565,17 @@ def test_other_llama_family_decoders_with_padding(family: str) -> None:
         assert set(flow.branches[i]) == {"query", "key", "value"}
     assert (flow.total[:, 0, 4] == 0).all() and (flow.total[:, 0, :4] > 0).all()
     assert flow.best_branch()[4] == ["-", "-"]
+
+
+def test_tables_of_a_batch_say_which_example_they_show():
+    model = _bert(1)
+    ids = torch.tensor([[1, 2, 3], [4, 5, 6]])
+    flow = semipack.explain_layers(
+        model, semipack.LogSum(), lambda: model(input_ids=ids).last_hidden_state.sum()
+    )
+    assert flow.table(1).splitlines()[0].endswith("(example 1 of 2, from 0)")
+    assert flow.token_table(0).splitlines()[0] == "LogSum: per token (example 0 of 2, from 0)"
+    single = semipack.explain_layers(
+        model, semipack.LogSum(), lambda: model(input_ids=ids[:1]).last_hidden_state.sum()
+    )
+    assert "example" not in single.table() and single.token_table().startswith("       token")

@@ -291,7 +291,7 @@ class LayerFlow:
         header = f"{'layer':<6}" + "".join(f"{n:>{w}}" for n, w in zip(names, widths, strict=True))
         if shares and heads:
             header += "  " + "".join(f"{'head ' + str(h):>8}" for h in range(heads))
-        lines = [f"{self.semiring}: {what}", header]
+        lines = [f"{self.semiring}: {what}{self._which(example)}", header]
         per_branch = self.branch_shares(example) if shares else None
         per_head = self.head_shares(example) if shares else None
         for i, layer in enumerate(self.branches):
@@ -312,6 +312,11 @@ class LayerFlow:
         kept = values[self.reached(values)]
         return float(kept.double().mean()) if kept.numel() else math.nan
 
+    def _which(self, example: int) -> str:
+        """`` (example i of N)`` for a batch of several examples, else nothing."""
+        batch = self.total.shape[1]
+        return f" (example {example} of {batch}, from 0)" if batch > 1 else ""
+
     def token_table(self, example: int = 0) -> str:
         """Per token and layer: the branch of its best path (MaxProd, TopPath) or the value of
         every path to it (other semirings)."""
@@ -321,7 +326,10 @@ class LayerFlow:
         width = max([10, *(len(b) + 1 for row in best or [] for b in row)])
         layers = [f"L{i}" for i in range(len(self.layers))]
         header = f"{'token':>12} " + " ".join(f"{n:<{width}}" for n in layers)
-        lines = [header]
+        lines = (
+            [f"{self.semiring}: per token{self._which(example)}"] if self._which(example) else []
+        )
+        lines.append(header)
         if best is not None:
             for token, row in zip(labels, best, strict=True):
                 lines.append(f"{token:>12} " + " ".join(f"{b:<{width}}" for b in row))

@@ -600,3 +600,12 @@ def test_a_forward_run_before_the_block_is_named():
         semipack.extend(model, semipack.Real(), per_sample=True),
     ):
         loss.backward()
+
+
+def test_an_input_without_a_batch_dim_names_the_layer():
+    model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2))
+    _refused(
+        model,
+        (torch.randn(3),),
+        r"Linear \(module '2'\) was called on an input of shape \(4,\) without a batch dim",
+    )

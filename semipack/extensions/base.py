@@ -30,7 +30,7 @@ import torch
 from torch import Tensor
 
 from ..errors import PerSampleError
-from ..graph.provenance import current_module
+from ..graph.provenance import current_module, current_site
 from ..graph.sites import Site, stamp
 from ..messages.message import Message
 from ..rules.per_sample import register_per_sample
@@ -489,9 +489,12 @@ def _joined(product: Product, states: Sequence[State | None]) -> State | None:
 def unbatched(cls: type[ExtensionFunction], shape: Any) -> PerSampleError:
     """The error for a call without a batch dim under ``per_sample=True``."""
     what = f" on an input of shape {tuple(shape)}" if shape else ""
+    _, module = current_site()
+    where = "" if module is None else f" (module '{module}')" if module else " (the root module)"
     return PerSampleError(
-        f"per-sample values: {cls.__name__.removesuffix('Function')} was called{what} without "
-        "a batch dim; the batch must be dim 0 of its input"
+        f"per-sample values: {cls.__name__.removesuffix('Function')}{where} was called{what} "
+        "without a batch dim; the batch must be dim 0 of its input (the first layer the "
+        "backward reaches is named: give the model a batch, x[None] for one example)"
     )
 
 

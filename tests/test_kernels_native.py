@@ -277,3 +277,22 @@ def test_logsum_softmax_messages_take_the_native_kernel_unless_nan(monkeypatch):
     m[5, 7] = float("nan")
     (fallback,) = rowwise.softmax_messages(LogSum(), (m,), probs, log_probs)
     assert torch.isnan(fallback[5]).any()
+
+
+def test_a_shared_pruning_choice_is_estimated_once_per_shape_and_stays_exact(monkeypatch):
+    """In a ``shared_pruning_choice`` scope (a convolution's taps) products of the same
+    shapes reuse the first estimate; every product still equals the definition."""
+    calls = []
+    estimate = tropical.kept_fraction
+    monkeypatch.setattr(tropical, "kept_fraction", lambda a, b: calls.append(1) or estimate(a, b))
+    g = torch.Generator().manual_seed(3)
+    spread = [torch.randn(256, 256, generator=g) * 8 for _ in range(6)]
+    pairs = [(spread[0], spread[1]), (spread[2], spread[3]), (spread[4], spread[5])]
+    with tropical.shared_pruning_choice():
+        for a, b in pairs:
+            assert torch.equal(tropical.maxplus(a, b), (a[:, :, None] + b[None]).amax(1))
+    assert len(calls) == 2  # both orientations, once
+    calls.clear()
+    for a, b in pairs:  # outside a scope each product estimates its own
+        tropical.maxplus(a, b)
+    assert len(calls) == 2 * len(pairs)

@@ -24,6 +24,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
+from ..kernels.tropical import shared_pruning_choice
 from ..messages import OpCall, register_rule
 from ..messages.shared_shift import shared_shift_conv
 from ..messages.windows import ConvGeometry
@@ -48,9 +49,11 @@ def conv_messages(
     fast = shared_shift_conv(sr, m_parts, x.to(dtype), w.to(dtype), geometry, mask)
     if fast is not None:
         return fast
-    if geometry.transposed:
-        return transposed_per_tap_messages(sr, m_parts, x, w, geometry, mask)
-    return per_tap_messages(sr, m_parts, x, w, geometry, mask)
+    # The taps' products share shapes and nearly their data: one pruning estimate for all.
+    with shared_pruning_choice():
+        if geometry.transposed:
+            return transposed_per_tap_messages(sr, m_parts, x, w, geometry, mask)
+        return per_tap_messages(sr, m_parts, x, w, geometry, mask)
 
 
 def per_tap_messages(

@@ -39,22 +39,25 @@ def test_embedding_rows_no_lookup_reached_read_as_no_path(semiring_name: str, ti
     assert_readout_matches(semiring_name, expected, model.table.weight.semiring_grad, "table")
 
 
-def test_the_readout_skips_unreached_rows_only_where_the_hint_holds() -> None:
-    model = _Lookup(tied=False)
-    ids = torch.tensor([[5, 9]])
-    calls = []
-    original = semipack.MaxProd.readout_rows
+def _rows_read(monkeypatch: pytest.MonkeyPatch, cls: type) -> list[list[int]]:
+    """The ``rows`` of every ``cls.readout_rows`` call from now on (the call still runs)."""
+    calls: list[list[int]] = []
+    original = cls.readout_rows
 
     def spy(self, a, rows):
         calls.append(rows.tolist())
         return original(self, a, rows)
 
-    semipack.MaxProd.readout_rows = spy
-    try:
-        with semipack.extend(model, semipack.MaxProd(log=True)):
-            model(ids).backward()
-    finally:
-        semipack.MaxProd.readout_rows = original
+    monkeypatch.setattr(cls, "readout_rows", spy)
+    return calls
+
+
+def test_the_readout_skips_unreached_rows_only_where_the_hint_holds(monkeypatch) -> None:
+    model = _Lookup(tied=False)
+    ids = torch.tensor([[5, 9]])
+    calls = _rows_read(monkeypatch, semipack.MaxProd)
+    with semipack.extend(model, semipack.MaxProd(log=True)):
+        model(ids).backward()
     assert calls == [[5, 9]]
     grad = model.table.weight.semiring_grad
     reached = torch.isfinite(grad).all(1)
@@ -75,7 +78,7 @@ def test_k_best_reads_unreached_rows_as_k_missing_paths() -> None:
     assert int(grad.count_nonzero()) == 12
 
 
-def test_a_product_keeps_the_hint_and_reads_each_factor_as_its_own_pass() -> None:
+def test_a_product_keeps_the_hint_and_reads_each_factor_as_its_own_pass(monkeypatch) -> None:
     model = _Lookup(tied=False)
     ids = torch.tensor([[4, 30, 4]])
     factors = (semipack.MaxProd(log=True), semipack.LogSum(), semipack.Entropy())
@@ -84,19 +87,9 @@ def test_a_product_keeps_the_hint_and_reads_each_factor_as_its_own_pass() -> Non
         with semipack.extend(model, sr):
             model(ids).backward()
         separate.append(model.table.weight.semiring_grad)
-    calls = []
-    original = semipack.Product.readout_rows
-
-    def spy(self, a, rows):
-        calls.append(rows.tolist())
-        return original(self, a, rows)
-
-    semipack.Product.readout_rows = spy
-    try:
-        with semipack.extend(model, semipack.Product(*factors)):
-            model(ids).backward()
-    finally:
-        semipack.Product.readout_rows = original
+    calls = _rows_read(monkeypatch, semipack.Product)
+    with semipack.extend(model, semipack.Product(*factors)):
+        model(ids).backward()
     assert calls == [[4, 30]]
     for alone, joint in zip(separate, model.table.weight.semiring_grad, strict=True):
         torch.testing.assert_close(joint, alone, rtol=0, atol=0, equal_nan=True)

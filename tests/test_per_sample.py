@@ -539,6 +539,11 @@ MIXING = {
     "mean()": lambda h: h - h.mean(),
     "amax()": lambda h: h / h.abs().amax(),
 }
+EXCHANGES = {
+    "flip(0)": lambda h: h + h.flip(0),
+    "roll(1, 0)": lambda h: h * h.roll(1, 0),
+    "roll(1)": lambda h: h.roll(1),
+}
 
 
 @pytest.mark.parametrize("mix", list(MIXING))
@@ -546,6 +551,20 @@ def test_mixing_through_any_batch_reduction_is_refused(mix):
     """Each of these makes an example's output depend on the others': rows would be wrong
     (they still sum to semiring_grad), so the pass must refuse, naming the node."""
     _refused(_Mixer(MIXING[mix]), (torch.randn(5, 3),), r"mixes them: it reduces over")
+
+
+@pytest.mark.parametrize("mix", list(EXCHANGES))
+def test_exchanging_entries_along_the_batch_is_refused(mix):
+    _refused(_Mixer(EXCHANGES[mix]), (torch.randn(5, 3),), r"mixes them: it moves entries along")
+
+
+def test_flipping_features_is_not_mixing():
+    model, x = _Mixer(lambda h: h.flip(1).roll(1, 1)).double(), torch.randn(4, 3).double()
+    with semipack.extend(model, semipack.Real(), per_sample=True):
+        _loss(model(x)).backward()
+    for i in range(4):
+        expected = torch.autograd.grad(_loss(model(x[i : i + 1])), model.l.weight)[0]
+        torch.testing.assert_close(model.l.weight.semiring_grad_batch[i], expected)
 
 
 def test_a_loss_computed_by_the_model_is_not_mixing():

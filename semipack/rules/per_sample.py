@@ -204,12 +204,27 @@ def _input_shape(node, op: str) -> tuple[int, ...] | None:
     return None
 
 
+def _exchange_reason(node, batches: frozenset[int]) -> str | None:
+    """``flip`` or ``roll`` along dim 0 (``roll`` without dims flattens first): each example's
+    output holds another example's entries."""
+    shape = tuple(node._input_metadata[0].shape)
+    if len(shape) < 1 or shape[0] <= 1 or (batches and shape[0] not in batches):
+        return None
+    dims = list(node._saved_dims)
+    if (not dims and node.name() == "RollBackward0") or any(
+        _signed(d) % len(shape) == 0 for d in dims
+    ):
+        return f"it moves entries along dim 0 (the batch) of a tensor of shape {shape}"
+    return None
+
+
 def mixing_reason(node, is_root: bool = False, batches: frozenset[int] = frozenset()) -> str | None:
     """Why ``node`` (an autograd node inside the model) mixes the examples of the batch, or
     None. Batch norm in train mode normalises over the batch; a reduction, scan, softmax or
     sort over dim 0 of a tensor with more than one row combines examples before the loss, and
     so does a reduction over every dim unless it is the root itself (a loss computed by the
-    model); so does ``x @ x.T`` on a [batch, features] matrix. ``batches`` holds the dim-0
+    model); so do ``flip`` and ``roll`` along dim 0 and ``x @ x.T`` on a [batch, features]
+    matrix. ``batches`` holds the dim-0
     sizes of the model's inputs when known: a reduction of a tensor whose dim 0 is none of
     them (a weight's norm computed in the forward) is not over the batch. Other mixing (a
     matrix product with another example's features, an exchange written by indexing) is not
@@ -228,6 +243,8 @@ def mixing_reason(node, is_root: bool = False, batches: frozenset[int] = frozens
         return None
     if name == "MmBackward0" and _own_transpose(node):
         return "it multiplies a batch by its own transpose (x @ x.T), pairing the examples"
+    if name in ("FlipBackward0", "RollBackward0"):  # output shape = input shape
+        return _exchange_reason(node, batches)
     match = _NODE_NAME.match(name)
     if match is None or match.group("op") not in _REDUCTIONS:
         return None

@@ -1,7 +1,8 @@
-"""The embedding extension marks the rows of its table that no lookup reached
-(``Message.rows_reached``) and the readout skips them: the values must equal the oracle's,
-with every unreached row read as "no path", also where the hint is lost (a tied weight's two
-messages meet) or the readout is not a tensor per entry (KBest's k axis)."""
+"""The embedding extension keeps its table's message as the rows a lookup reached
+(``SparseRows`` in ``Message.sparse``): the readout skips the other rows and the full state is
+built only where an op needs it (a tied weight's two messages meet). The values must equal the
+oracle's, with every unreached row read as "no path", for every semiring, KBest's k axis and a
+Product's factors."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from oracle import build_graph
 from torch import nn
 
 import semipack
+from semipack.semirings.base import SparseRows
 
 
 class _Lookup(nn.Module):
@@ -40,25 +42,39 @@ def test_embedding_rows_no_lookup_reached_read_as_no_path(semiring_name: str, ti
 
 
 def _rows_read(monkeypatch: pytest.MonkeyPatch, cls: type) -> list[list[int]]:
-    """The ``rows`` of every ``cls.readout_rows`` call from now on (the call still runs)."""
+    """The rows of every ``cls.readout_sparse`` call from now on (the call still runs)."""
     calls: list[list[int]] = []
-    original = cls.readout_rows
+    original = cls.readout_sparse
 
-    def spy(self, a, rows):
-        calls.append(rows.tolist())
-        return original(self, a, rows)
+    def spy(self, a):
+        calls.append(a.rows.tolist())
+        return original(self, a)
 
-    monkeypatch.setattr(cls, "readout_rows", spy)
+    monkeypatch.setattr(cls, "readout_sparse", spy)
     return calls
+
+
+def _tables_built(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, ...]]:
+    """The shapes of every full state built from sparse rows from now on."""
+    built: list[tuple[int, ...]] = []
+    original = SparseRows.dense
+
+    def spy(self, sr):
+        built.append(self.shape)
+        return original(self, sr)
+
+    monkeypatch.setattr(SparseRows, "dense", spy)
+    return built
 
 
 def test_the_readout_skips_unreached_rows_only_where_the_hint_holds(monkeypatch) -> None:
     model = _Lookup(tied=False)
     ids = torch.tensor([[5, 9]])
     calls = _rows_read(monkeypatch, semipack.MaxProd)
+    built = _tables_built(monkeypatch)
     with semipack.extend(model, semipack.MaxProd(log=True)):
         model(ids).backward()
-    assert calls == [[5, 9]]
+    assert calls == [[5, 9]] and built == []  # the 40 x 3 state was never built
     grad = model.table.weight.semiring_grad
     reached = torch.isfinite(grad).all(1)
     assert reached.nonzero().flatten().tolist() == [5, 9]
@@ -93,3 +109,11 @@ def test_a_product_keeps_the_hint_and_reads_each_factor_as_its_own_pass(monkeypa
     assert calls == [[4, 30]]
     for alone, joint in zip(separate, model.table.weight.semiring_grad, strict=True):
         torch.testing.assert_close(joint, alone, rtol=0, atol=0, equal_nan=True)
+
+
+def test_a_tied_table_builds_its_full_state_where_the_two_messages_meet(monkeypatch) -> None:
+    built = _tables_built(monkeypatch)
+    model = _Lookup(tied=True)
+    with semipack.extend(model, semipack.MaxProd()):
+        model(torch.tensor([[3, 7]])).backward()
+    assert built == [(40, 3)]  # the engine adds the lookup's message to the projection's

@@ -34,7 +34,7 @@ from ..graph.provenance import current_module, current_site
 from ..graph.sites import Site, stamp
 from ..messages.message import Message
 from ..rules.per_sample import register_per_sample
-from ..semirings.base import Semiring, State
+from ..semirings.base import Semiring, SparseRows, State
 from ..semirings.product import Product
 from ..transport.passes import graph_retained, in_carry_pass
 from ..transport.per_sample import active_rows
@@ -472,18 +472,20 @@ def _messages_per_factor(
     return [_joined(product, states) for states in zip(*per_factor, strict=True)]
 
 
-def _joined(product: Product, states: Sequence[State | None]) -> State | None:
-    """The factors' states of one input as one product state; rows that no factor reached
-    stay marked (``ZeroOutsideRows``) when every factor marked the same ones."""
+def _joined(product: Product, states: Sequence[State | SparseRows | None]) -> Any:
+    """The factors' states of one input as one product state; sparse rows stay sparse when
+    every factor kept the same rows (an embedding table's lookups)."""
     if states[0] is None:
         return None
-    joined = product.join(list(states))
-    rows = [getattr(st, "rows", None) for st in states]
-    if rows[0] is not None and all(
-        r is rows[0] or (r is not None and torch.equal(r, rows[0])) for r in rows
-    ):
-        return ZeroOutsideRows(joined, rows[0])
-    return joined
+    if all(isinstance(st, SparseRows) for st in states):
+        first = states[0]
+        if all(torch.equal(st.rows, first.rows) for st in states):
+            return replace(first, parts=product.join([st.parts for st in states]))
+    dense = [
+        st.dense(factor) if isinstance(st, SparseRows) else st
+        for st, factor in zip(states, product.semirings, strict=True)
+    ]
+    return product.join(dense)
 
 
 def unbatched(cls: type[ExtensionFunction], shape: Any) -> PerSampleError:
@@ -512,22 +514,6 @@ def split_message(grad: Tensor | None) -> tuple[Tensor | None, State | None, Sem
     return grad, None, None
 
 
-class ZeroOutsideRows(tuple):
-    """A state (tuple of component tensors) whose rows along dim 0 outside ``rows`` (sorted
-    indices) are all the semiring zero: ``messages`` returns one to let the readout skip them
-    (``Message.rows_reached``)."""
-
-    rows: Tensor
-
-    def __new__(cls, parts: State, rows: Tensor) -> ZeroOutsideRows:
-        state = super().__new__(cls, parts)
-        state.rows = rows
-        return state
-
-
 def as_message(regular: Tensor | None, parts: State | None, sr: Semiring, like: Tensor) -> Message:
     """Wrap a computed state (and regular gradient) for the engine, shaped like ``like``."""
-    message = Message(regular, parts, sr, like.dtype)
-    if isinstance(parts, ZeroOutsideRows):
-        message.rows_reached = parts.rows
-    return message
+    return Message(regular, parts, sr, like.dtype)

@@ -7,12 +7,11 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from ..errors import PerSampleError
-from ..semirings.base import Semiring, State, scatter_into_zeros
+from ..semirings.base import Semiring, SparseRows, State, scatter_into_zeros, sparse_rows
 from .base import (
     BackwardCall,
     ExtensionFunction,
     Sites,
-    ZeroOutsideRows,
     extends,
     per_sample_rule,
     wants_graph,
@@ -21,9 +20,10 @@ from .base import (
 
 def embedding_messages(
     sr: Semiring, m: State, indices: Tensor, num_weights: int, padding_idx: int | None
-) -> State:
+) -> SparseRows:
     """Weight state of ``weight[indices]``: an edge of weight 1 per lookup, none for padding;
-    the rows no lookup reached are marked (``ZeroOutsideRows``) so the readout skips them.
+    kept as the rows a lookup reached (``SparseRows``): the table's full state is built only if
+    an op needs it, and the readout skips the other rows.
 
     m's parts: [*indices.shape, dim]; the state comes shaped like the weight [num_weights, dim].
     """
@@ -33,8 +33,7 @@ def embedding_messages(
     if padding_idx is not None and padding_idx >= 0:
         keep = flat_ids != padding_idx
         flat_ids, src = flat_ids[keep], tuple(p[keep] for p in src)
-    state = scatter_into_zeros(sr, (num_weights, dim), 0, flat_ids, src, m[0].dtype)
-    return ZeroOutsideRows(state, torch.unique(flat_ids))
+    return sparse_rows(sr, (num_weights, dim), flat_ids, src, m[0].dtype)
 
 
 def embedding_per_sample(

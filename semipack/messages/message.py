@@ -22,7 +22,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from ..errors import MessageLostError, SemipackError, UnsupportedOpError
 from ..graph.provenance import current_site
-from ..semirings.base import Semiring, State
+from ..semirings.base import Semiring, SparseRows, State
 from ..semirings.product import Product
 from .rule_table import rule_for
 
@@ -37,40 +37,53 @@ class Message(torch.Tensor):
     """
 
     regular_grad: Tensor | None
-    parts: State
     semiring: Semiring
-    #: Sorted indices along dim 0 outside which every entry is the semiring zero, or None
-    #: (anywhere). The embedding extension sets it for its table: the readout then skips the
-    #: rows no lookup reached (tens of thousands for a vocabulary, one sentence reaches ~20).
-    #: Only an extension's output carries it; an in-place op on the message drops it.
-    rows_reached: Tensor | None = None
+    #: The state kept as its non-zero rows (``SparseRows``) until an op needs the full state:
+    #: the embedding extension's message to its table. None once ``parts`` was built.
+    sparse: SparseRows | None
 
     @staticmethod
     def __new__(
         cls,
         regular: Tensor | None,
-        parts: State,
+        parts: State | SparseRows,
         semiring: Semiring,
         dtype: torch.dtype | None = None,
     ) -> Message:
-        ref = regular if regular is not None else parts[0]
+        sparse = parts if isinstance(parts, SparseRows) else None
         if dtype is None:
             if regular is None:
                 raise ValueError("a Message without a regular gradient needs an explicit dtype")
             dtype = regular.dtype
+        if regular is not None:
+            shape, strides, device = regular.shape, regular.stride(), regular.device
+        elif sparse is not None:
+            shape, strides, device = torch.Size(sparse.shape), None, sparse.rows.device
+        else:
+            shape, strides, device = parts[0].shape, parts[0].stride(), parts[0].device
         self = torch.Tensor._make_wrapper_subclass(
-            cls,
-            ref.shape,
-            strides=ref.stride(),
-            dtype=dtype,
-            device=ref.device,
-            requires_grad=False,
+            cls, shape, strides=strides, dtype=dtype, device=device, requires_grad=False
         )
-        shape = ref.shape
         self.regular_grad = regular
-        self.parts = tuple(p if p.shape == shape else p.expand(shape) for p in parts)
+        self.sparse = sparse
+        self._parts = None
+        if sparse is None:
+            self._parts = tuple(p if p.shape == shape else p.expand(shape) for p in parts)
         self.semiring = semiring
         return self
+
+    @property
+    def parts(self) -> State:
+        """The semiring state, one tensor per component, each of the message's shape (built
+        from ``sparse`` the first time an op reads it)."""
+        if self._parts is None:
+            self._parts = self.sparse.dense(self.semiring)
+            self.sparse = None
+        return self._parts
+
+    def stored_state(self) -> State | SparseRows:
+        """The state in the form it is kept: ``sparse`` while that stands, else ``parts``."""
+        return self.sparse if self.sparse is not None else self._parts
 
     def __init__(self, *args, **kwargs) -> None:  # attributes are set in __new__
         super().__init__()
@@ -154,8 +167,6 @@ def dispatch(func: OpOverload, args: tuple, kwargs: dict) -> Any:
     if rule is None:
         raise unsupported(func)
     first = _first_message(args, kwargs)
-    if func._schema.is_mutable and isinstance(first, Message):
-        first.rows_reached = None  # written in place: the hint no longer holds
     if first is not None and isinstance(first.semiring, Product):
         return dispatch_product(rule, func, args, kwargs, first.semiring)
     return rule(OpCall(func, args, kwargs))

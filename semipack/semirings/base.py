@@ -18,6 +18,7 @@ a user semiring that only defines the primitives stays correct (as precise as it
 from __future__ import annotations
 
 import copy
+import dataclasses
 import functools
 import math
 from collections.abc import Callable, Iterable, Sequence
@@ -212,17 +213,16 @@ class Semiring:
         """What users see: a tensor (or named tuple of tensors) of the state's shape."""
         return a[0]
 
-    def readout_rows(self, a: State, rows: Tensor) -> Any:
-        """``readout(a)`` when every row of ``a`` (along dim 0) outside ``rows`` is the zero:
-        those rows get the readout of the zero without evaluating it entry by entry (the
-        exponential of a 30k x 384 embedding table costs more than a small model's backward).
-        """
-        shape = a[0].shape
-        zero_row = self.readout(self.zeros((1, *shape[1:]), _state_grad_dtype(a), a[0].device))
-        if not isinstance(zero_row, Tensor):  # a named tuple (Product, paths): read it all
-            return self.readout(a)
-        out = zero_row.expand(shape[0], *zero_row.shape[1:]).clone()  # KBest adds a k axis
-        out[rows] = self.readout(tuple(p[rows] for p in a))
+    def readout_sparse(self, a: SparseRows) -> Any:
+        """``readout`` of a state kept as its non-zero rows: the other rows get the readout of
+        the zero without evaluating it entry by entry (the exponential of a 30k x 384
+        embedding table costs more than a small model's backward)."""
+        device = a.rows.device
+        zero_row = self.readout(self.zeros((1, *a.shape[1:]), a.grad_dtype, device))
+        if not isinstance(zero_row, Tensor):  # a named tuple (paths): read the dense state
+            return self.readout(a.dense(self))
+        out = zero_row.expand(a.shape[0], *zero_row.shape[1:]).clone()  # KBest adds a k axis
+        out[a.rows] = self.readout(a.parts)
         return out
 
     # --- dtypes and constants -----------------------------------------------------------------
@@ -542,6 +542,37 @@ def linear_from_log(log_abs: Tensor, sign: Sign) -> Tensor:
     return w if sign == 1 else w.mul_(sign)
 
 
+@dataclasses.dataclass(frozen=True)
+class SparseRows:
+    """A state of ``shape`` that is the semiring zero outside ``rows`` (sorted, distinct
+    indices along dim 0), kept as those rows only: ``parts`` has one tensor per component,
+    shaped ``[len(rows), *shape[1:]]``. An embedding table's message from a batch that looks
+    up a few of its tens of thousands of rows; ``dense`` builds the full state when an op
+    needs it, ``Semiring.readout_sparse`` reads it without."""
+
+    rows: Tensor
+    parts: State
+    shape: tuple[int, ...]
+    grad_dtype: torch.dtype
+
+    def dense(self, sr: Semiring) -> State:
+        """The full state: the semiring zero, with ``parts`` placed at ``rows``."""
+        full = sr.zeros(self.shape, self.grad_dtype, self.rows.device)
+        return tuple(f.index_copy_(0, self.rows, c) for f, c in zip(full, self.parts, strict=True))
+
+
+def sparse_rows(
+    sr: Semiring, shape: Sequence[int], index: Tensor, src: State, grad_dtype
+) -> SparseRows:
+    """``index_plus`` along dim 0 into a zero state of ``shape``, kept sparse: the lookups
+    ``src`` (``[len(index), *shape[1:]]``) are reduced into one row per distinct index."""
+    rows, inverse = torch.unique(index, return_inverse=True)
+    compact = sr.index_plus(
+        sr.zeros((rows.numel(), *shape[1:]), grad_dtype, index.device), 0, inverse, src
+    )
+    return SparseRows(rows, tuple(compact), tuple(shape), grad_dtype)
+
+
 def scatter_into_zeros(
     sr: Semiring, shape: Sequence[int], dim: int, index: Tensor, src: State, grad_dtype
 ) -> State:
@@ -551,6 +582,8 @@ def scatter_into_zeros(
     lookups into one row per distinct index first, then placing those rows, keeps the work
     proportional to the batch instead of the table.
     """
+    if dim == 0:
+        return sparse_rows(sr, shape, index, src, grad_dtype).dense(sr)
     rows, inverse = torch.unique(index, return_inverse=True)
     compact_shape = list(shape)
     compact_shape[dim] = rows.numel()

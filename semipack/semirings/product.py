@@ -18,13 +18,14 @@ pass's trace per semiring.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from typing import Any
 
 import torch
 from torch import Tensor
 
-from .base import Semiring, Sign, State
+from .base import Semiring, Sign, SparseRows, State
 
 
 class Product(Semiring):
@@ -106,10 +107,11 @@ class Product(Semiring):
         """One readout per factor, in order."""
         return tuple(s.readout(st) for s, st in zip(self.semirings, self.split(a), strict=True))
 
-    def readout_rows(self, a: State, rows: Tensor) -> tuple[Any, ...]:
-        """``readout`` skipping the rows outside ``rows``, factor by factor."""
+    def readout_sparse(self, a: SparseRows) -> tuple[Any, ...]:
+        """``readout`` of a sparse state, factor by factor (each skips the unreached rows)."""
         return tuple(
-            s.readout_rows(st, rows) for s, st in zip(self.semirings, self.split(a), strict=True)
+            s.readout_sparse(dataclasses.replace(a, parts=st))
+            for s, st in zip(self.semirings, self.split(a.parts), strict=True)
         )
 
     def component_dtypes(self, grad_dtype: torch.dtype) -> tuple[torch.dtype, ...]:

@@ -168,11 +168,10 @@ def store_results(
     """``t.semiring_grad`` (the readout), with ``keep_state`` ``t.semiring_state`` (the state
     itself) and, after a path-recording pass, ``t.semiring_paths``; a pass without them removes
     what an earlier pass left, so the three always describe the same pass."""
-    rows = msg.rows_reached
-    if rows is not None and msg.dim() > 0 and 2 * rows.numel() < msg.shape[0]:
-        setattr(t, SEMIRING_GRAD, sr.readout_rows(msg.parts, rows))
-    else:
-        setattr(t, SEMIRING_GRAD, sr.readout(msg.parts))
+    sparse = msg.sparse  # kept as its reached rows: read without building the full state
+    setattr(
+        t, SEMIRING_GRAD, sr.readout(msg.parts) if sparse is None else sr.readout_sparse(sparse)
+    )
     if keep_state:
         setattr(t, SEMIRING_STATE, tuple(msg.parts))
     elif hasattr(t, SEMIRING_STATE):
@@ -388,8 +387,7 @@ def _run_backward(tensors, grad_tensors, sr, leaves, regular_grads, retain_graph
             msg = _check(grad, leaf)
             # Keep only the semiring state: the regular gradient goes to ``.grad`` (possibly
             # as a copy), and holding it here too would double the gradients' memory.
-            state = Message(None, msg.parts, msg.semiring, msg.dtype)
-            state.rows_reached = msg.rows_reached
+            state = Message(None, msg.stored_state(), msg.semiring, msg.dtype)
             earlier = captured.get(id(leaf))
             if earlier is not None:  # a second engine run reached it (reentrant checkpoint)
                 state = Message(None, sr.plus(earlier.parts, msg.parts), sr, msg.dtype)

@@ -561,15 +561,24 @@ class SparseRows:
         return tuple(f.index_copy_(0, self.rows, c) for f, c in zip(full, self.parts, strict=True))
 
 
+def _distinct_lookups(
+    sr: Semiring, shape: Sequence[int], dim: int, index: Tensor, src: State, grad_dtype
+) -> tuple[Tensor, State]:
+    """``(rows, compact)``: the distinct indices (sorted) and, for each, the semiring sum of
+    the lookups ``src`` that hit it, shaped like ``shape`` with ``len(rows)`` along ``dim``."""
+    rows, inverse = torch.unique(index, return_inverse=True)
+    compact_shape = list(shape)
+    compact_shape[dim] = rows.numel()
+    zeros = sr.zeros(compact_shape, grad_dtype, index.device)
+    return rows, sr.index_plus(zeros, dim, inverse, src)
+
+
 def sparse_rows(
     sr: Semiring, shape: Sequence[int], index: Tensor, src: State, grad_dtype
 ) -> SparseRows:
     """``index_plus`` along dim 0 into a zero state of ``shape``, kept sparse: the lookups
     ``src`` (``[len(index), *shape[1:]]``) are reduced into one row per distinct index."""
-    rows, inverse = torch.unique(index, return_inverse=True)
-    compact = sr.index_plus(
-        sr.zeros((rows.numel(), *shape[1:]), grad_dtype, index.device), 0, inverse, src
-    )
+    rows, compact = _distinct_lookups(sr, shape, 0, index, src, grad_dtype)
     return SparseRows(rows, tuple(compact), tuple(shape), grad_dtype)
 
 
@@ -582,14 +591,8 @@ def scatter_into_zeros(
     lookups into one row per distinct index first, then placing those rows, keeps the work
     proportional to the batch instead of the table.
     """
-    if dim == 0:
-        return sparse_rows(sr, shape, index, src, grad_dtype).dense(sr)
-    rows, inverse = torch.unique(index, return_inverse=True)
-    compact_shape = list(shape)
-    compact_shape[dim] = rows.numel()
-    device = index.device
-    compact = sr.index_plus(sr.zeros(compact_shape, grad_dtype, device), dim, inverse, src)
-    full = sr.zeros(shape, grad_dtype, device)
+    rows, compact = _distinct_lookups(sr, shape, dim, index, src, grad_dtype)
+    full = sr.zeros(shape, grad_dtype, index.device)
     return tuple(f.index_copy_(dim, rows, c) for f, c in zip(full, compact, strict=True))
 
 

@@ -197,6 +197,77 @@ def test_norm_entropy_sums_match_float64_definition(rows, n):
         torch.testing.assert_close(g.double(), expected, rtol=2e-6, atol=2e-6)
 
 
+def _sorted_kernel_rows(n: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(a, x̂, r) float64 rows with what the O(n log n) kernels must get right: exact zero
+    crossings |1 + x̂_i x̂_j| = 0, ties, x̂ = 0 and -0, a single dominant a (the prefix sums
+    cancel: the columns are recomputed directly), zeros of a, all-equal x̂, ordinary rows."""
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(7, n, generator=gen, dtype=torch.float64)
+    x_hat = (x - x.mean(-1, keepdim=True)) / x.std(-1, unbiased=False, keepdim=True)
+    x_hat = torch.nan_to_num(x_hat)  # n = 1: zero spread
+    x_hat[0] = torch.tensor([2.0, -0.5, 1.0, -1.0] * (n // 4) + [0.25] * (n % 4))
+    x_hat[1, : n // 3], x_hat[1, n // 3 :] = 0.75, -1.5  # two values, many ties
+    x_hat[2, ::3], x_hat[2, 1::3] = 0.0, -0.0
+    x_hat[5] = 0.3  # every entry equal
+    a = torch.rand(7, n, generator=gen, dtype=torch.float64)
+    a[3] = a[3] * 1e-12
+    a[3, n // 2] = 1.0  # one entry dominates ...
+    x_hat[3, n // 2], x_hat[3, ::7] = 2.0, -0.5  # ... and has no edge to some columns: there
+    # the prefix sums cancel to rounding noise, and those columns are recomputed directly
+    a[4, ::2] = 0.0
+    a[6] = a[6] ** 8  # a wide range of weights
+    r = torch.randn(7, n, generator=gen, dtype=torch.float64) * 5
+    return a, x_hat, r
+
+
+def _pair_reductions(a, x_hat, r):
+    """max_i a_i c_ij and the sums S, T, U over the broadcast pairs in float64, c = |1 + x̂ x̂|."""
+    c = (1 + x_hat[:, :, None] * x_hat[:, None, :]).abs()  # [row, i, j]
+    w = a[:, :, None] * c
+    logs = torch.where(c > 0, c.log(), 0.0)
+    return w.amax(1), w.sum(1), (w * r[:, :, None]).sum(1), (w * logs).sum(1)
+
+
+@pytest.mark.parametrize("n", [1, 2, 5, 9, 64, 1000, 1031])
+def test_sorted_normalization_kernels_match_float64_definition(n):
+    """The envelope, prefix-sum and series-tree kernels of normalization_sorted.c against the
+    float64 pair reductions, relative to each column's scale (S for the sums, |r|max S for T)."""
+    a, x_hat, r = _sorted_kernel_rows(n, seed=n)
+    best, s, t, u = _pair_reductions(a, x_hat, r)
+    f32 = torch.float32
+    got_best = native.norm_sorted_max_f32(a.to(f32), x_hat.to(f32))
+    got_s, got_t, got_u = native.norm_sorted_sums_f32(a.to(f32), x_hat.to(f32), r.to(f32), True)
+    only_s, no_t, no_u = native.norm_sorted_sums_f32(a.to(f32), x_hat.to(f32))
+    assert no_t is None and no_u is None
+    assert torch.equal(only_s, got_s)
+    # the inputs themselves are rounded to float32: the reference uses the rounded ones
+    a32, x32, r32 = (v.to(f32).double() for v in (a, x_hat, r))
+    best, s, t, u = _pair_reductions(a32, x32, r32)
+    torch.testing.assert_close(got_best.double(), best, rtol=2e-7, atol=0)
+    scale = s.clamp_min(1e-300)
+    for got, want, weight in ((got_s, s, 1.0), (got_t, t, r32.abs().amax()), (got_u, u, 1.0)):
+        err = (got.double() - want).abs() / (scale * weight)
+        assert err.max() < 3e-7, err.max()
+
+
+def test_sorted_kernels_take_long_finite_rows_only(monkeypatch):
+    """From SORTED_MIN_ENTRIES entries the native message kernels sort; shorter rows and rows
+    with NaN keep the all-pairs kernels (NaN must propagate as it does there)."""
+    from semipack.kernels import normalization as knorm
+
+    calls = []
+    monkeypatch.setattr(knorm, "norm_sorted_max_f32", lambda *a: calls.append("sorted") or 0)
+    monkeypatch.setattr(knorm, "norm_abs_reduce_f32", lambda *a, **k: calls.append("pairs") or 0)
+    monkeypatch.setattr(knorm, "_max_prod_from_best", lambda *a: None)
+    n = knorm.SORTED_MIN_ENTRIES
+    for width, poison in ((n, False), (n - 1, False), (n, True)):
+        x_hat = torch.randn(2, width)
+        if poison:
+            x_hat[1, 3] = float("nan")
+        knorm.max_prod_native(torch.zeros(2, width), x_hat)
+    assert calls == ["sorted", "pairs", "pairs"]
+
+
 def _softmax_rows(rows: int, n: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Float32 (message, log-probabilities) rows with the edge cases of the kernel's contract."""
     gen = torch.Generator().manual_seed(seed)

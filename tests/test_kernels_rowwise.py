@@ -414,10 +414,11 @@ def boundary_rows(n: int = 12) -> tuple[torch.Tensor, torch.Tensor]:
 @pytest.mark.parametrize(
     "sr", [semipack.MaxProd(), semipack.LogSum(), semipack.Entropy()], ids=lambda s: s.name
 )
-@pytest.mark.parametrize("n", [12, 40, 768])
+@pytest.mark.parametrize("n", [12, 40, 768, 1030])
 def test_native_normalization_kernels_match_float64_dense_jacobian(sr: Semiring, n: int) -> None:
     """The hand-written float32 kernels (used with or without compilation) against the float64
-    dense Jacobian, on the boundary rows and at transformer width, with a no-path row."""
+    dense Jacobian, on the boundary rows, at transformer width and past SORTED_MIN_ENTRIES
+    (the O(n log n) kernels), with a no-path row."""
     if not knorm.native_available():
         pytest.skip("native kernels unavailable (no AVX2 or no C compiler)")
     x_hat, rstd = boundary_rows(n)

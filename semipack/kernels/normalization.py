@@ -7,7 +7,12 @@ messages need (see ``messages.normalization``)
 
 Each kernel here computes it for one algebra on plain tensors: a broadcast over [rows, j, i]
 reduced over the contiguous last index i, which inductor fuses into its reduction loop (no
-[rows, n, n] tensor exists), or a hand-written float32 kernel (:mod:`.native`). The log-space
+[rows, n, n] tensor exists), or a hand-written float32 kernel (:mod:`.native`). From
+``SORTED_MIN_ENTRIES`` entries per row (a train-mode batch norm channel holds batch x height x
+width of them) the hand-written kernels stop visiting pairs: seen from output j every term is a
+function of the affine form 1 + x̂_i x̂_j, so with the row sorted the max is an upper envelope
+of lines, the sums of |1 + x̂_i t| are prefix sums, and Entropy's Σ c log c is a series tree,
+O(n log n) in all (``native/normalization_sorted.c``, with its error bounds). The log-space
 algebras work in the linear domain after shifting each row by its largest message M_r:
 a_ri = exp(m'_ri - M_r) <= 1 and
 
@@ -31,9 +36,28 @@ import torch
 from torch import Tensor
 
 from .logspace import finite_or_zero, shifted_exp
-from .native import norm_abs_reduce_f32, norm_entropy_sums_f32
+from .native import (
+    norm_abs_reduce_f32,
+    norm_entropy_sums_f32,
+    norm_sorted_max_f32,
+    norm_sorted_sums_f32,
+)
 
 INF = float("inf")
+
+#: Rows of at least this many entries go to the O(n log n) native kernels (sorted rows:
+#: envelopes, prefix sums and a series tree; see native/normalization_sorted.c). Below it the
+#: all-pairs kernels are faster: on the 2-core VM of BENCHMARKS.md the two break even near
+#: n = 1000 for Entropy and n = 1500 for MaxProd and LogSum, and at n = 8192 (a batch norm
+#: channel of 8 x 32 x 32) the sorted ones are 5-10x faster.
+SORTED_MIN_ENTRIES = 1024
+
+
+def _sorted_rows(x_hat: Tensor) -> bool:
+    """Whether the O(n log n) kernels take these rows (long enough, and finite: the sorted
+    kernels give no NaN where the all-pairs ones would)."""
+    return x_hat.shape[-1] >= SORTED_MIN_ENTRIES and bool(torch.isfinite(x_hat).all())
+
 
 #: A fused expression: the state components of m' ([rows, n] each), then x̂ [rows, n], to the
 #: components of out' ([rows, n] each).
@@ -103,9 +127,14 @@ def max_prod_fused(m: Tensor, x_hat: Tensor) -> tuple[Tensor]:
 
 
 def max_prod_native(m: Tensor, x_hat: Tensor) -> tuple[Tensor]:
-    """``max_prod_fused`` with the all-pairs max taken by the native float32 kernel."""
+    """``max_prod_fused`` with the max taken by a native kernel (all pairs, or the envelope of
+    sorted lines from ``SORTED_MIN_ENTRIES`` entries per row)."""
     a, shift = shifted_exp(m, -1)
-    return _max_prod_from_best(a, shift, x_hat, norm_abs_reduce_f32(a, x_hat, reduce_max=True))
+    if _sorted_rows(x_hat):
+        best = norm_sorted_max_f32(a, x_hat)
+    else:
+        best = norm_abs_reduce_f32(a, x_hat, reduce_max=True)
+    return _max_prod_from_best(a, shift, x_hat, best)
 
 
 def _max_prod_from_best(a: Tensor, shift: Tensor, x_hat: Tensor, best: Tensor) -> tuple[Tensor]:
@@ -123,9 +152,14 @@ def log_sum_fused(m: Tensor, x_hat: Tensor) -> tuple[Tensor]:
 
 
 def log_sum_native(m: Tensor, x_hat: Tensor) -> tuple[Tensor]:
-    """``log_sum_fused`` with the all-pairs sum taken by the native float32 kernel."""
+    """``log_sum_fused`` with the sum taken by a native kernel (all pairs, or prefix sums over
+    the sorted row from ``SORTED_MIN_ENTRIES`` entries per row)."""
     a, shift = shifted_exp(m, -1)
-    return _log_sum_from_total(a, shift, x_hat, norm_abs_reduce_f32(a, x_hat, reduce_max=False))
+    if _sorted_rows(x_hat):
+        total = norm_sorted_sums_f32(a, x_hat)[0]
+    else:
+        total = norm_abs_reduce_f32(a, x_hat, reduce_max=False)
+    return _log_sum_from_total(a, shift, x_hat, total)
 
 
 def _log_sum_from_total(a: Tensor, shift: Tensor, x_hat: Tensor, total: Tensor) -> tuple[Tensor]:
@@ -162,12 +196,16 @@ def entropy_fused(log_z: Tensor, surprisal: Tensor, x_hat: Tensor) -> tuple[Tens
 
 
 def entropy_native(log_z: Tensor, surprisal: Tensor, x_hat: Tensor) -> tuple[Tensor, Tensor]:
-    """``entropy_fused`` with the three sums from the hand-written kernel, which works with
-    c = |1 + x̂_i x̂_j| = n |J'|: S = S_c / n, T = T_c / n, U = (U_c - log(n) S_c) / n."""
+    """``entropy_fused`` with the three sums from a hand-written kernel (all pairs, or the sorted
+    row's prefix sums and series tree from ``SORTED_MIN_ENTRIES`` entries per row), which works
+    with c = |1 + x̂_i x̂_j| = n |J'|: S = S_c / n, T = T_c / n, U = (U_c - log(n) S_c) / n."""
     n = x_hat.shape[-1]
     a, shift = shifted_exp(log_z, -1)
     r = torch.where(a > 0, surprisal, 0.0)
-    s_c, t_c, u_c = norm_entropy_sums_f32(a, r, x_hat)
+    if _sorted_rows(x_hat):
+        s_c, t_c, u_c = norm_sorted_sums_f32(a, x_hat, r, with_log=True)
+    else:
+        s_c, t_c, u_c = norm_entropy_sums_f32(a, r, x_hat)
     u = (u_c - math.log(n) * s_c) / n
     return _entropy_from_sums(a, r, shift, x_hat, s_c / n, t_c / n, u)
 

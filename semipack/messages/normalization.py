@@ -10,10 +10,12 @@ rstd (and a per-row gain) on the result last, and only
 
     out'_rj = ⊕_i m'_ri ⊗ lift(J'_rij)
 
-needs the O(n^2) pairs. A semiring declares how: ``Semiring.normalization_closed_form`` (Real:
-the whole message in closed form) or ``Semiring.normalization_kernel``, its fused kernels of
-out' (``kernels.normalization``: a broadcast over [rows, j, i] reduced over i, which inductor
-fuses so that no [rows, n, n] tensor exists, and optionally a hand-written float32 kernel).
+is left: O(n^2) pairs as written, O(n log n) in the native kernels of long rows (train-mode
+batch norm; see ``kernels.normalization``). A semiring declares how:
+``Semiring.normalization_closed_form`` (Real: the whole message in closed form) or
+``Semiring.normalization_kernel``, its fused kernels of out' (``kernels.normalization``: a
+broadcast over [rows, j, i] reduced over i, which inductor fuses so that no [rows, n, n] tensor
+exists, and optionally a hand-written float32 kernel).
 Without a native kernel below ``COMPILE_MIN_PAIRS`` pairs or with compilation switched off,
 or for semirings without either, ``normalized_messages`` returns None and the caller
 contracts the dense Jacobian (``contract_rows``), which is also each kernel's eager fallback.

@@ -28,7 +28,8 @@ import torch
 from torch import Tensor
 
 _SOURCES = tuple(
-    Path(__file__).with_name(name) for name in ("maxplus.c", "normalization.c", "softmax.c")
+    Path(__file__).with_name(name)
+    for name in ("maxplus.c", "normalization.c", "normalization_sorted.c", "softmax.c")
 )
 #: Headers the sources include (part of the build's cache key).
 _HEADERS = tuple(Path(__file__).with_name(name) for name in ("vector_math.h",))
@@ -125,6 +126,14 @@ def _library() -> ctypes.CDLL | None:
     reduce.restype = None
     reduce.argtypes = [*[ctypes.c_void_p] * 2, *[ctypes.c_int64] * 2, ctypes.c_void_p]
     reduce.argtypes += [ctypes.c_int, ctypes.c_int]
+    sorted_max = lib.semipack_norm_sorted_max_f32
+    sorted_max.restype = ctypes.c_int
+    sorted_max.argtypes = [*[ctypes.c_void_p] * 2, *[ctypes.c_int64] * 2, ctypes.c_void_p]
+    sorted_max.argtypes += [ctypes.c_int]
+    sorted_sums = lib.semipack_norm_sorted_sums_f32
+    sorted_sums.restype = ctypes.c_int
+    sorted_sums.argtypes = [*[ctypes.c_void_p] * 3, *[ctypes.c_int64] * 2]
+    sorted_sums.argtypes += [*[ctypes.c_void_p] * 3, ctypes.c_int]
     return lib
 
 
@@ -265,6 +274,61 @@ def norm_abs_reduce_f32(a: Tensor, x_hat: Tensor, reduce_max: bool) -> Tensor:
         _threads(rows * n * n),
     )
     return out
+
+
+def norm_sorted_max_f32(a: Tensor, x_hat: Tensor) -> Tensor:
+    """``norm_abs_reduce_f32(a, x_hat, reduce_max=True)`` in O(n log n) per row: two upper
+    envelopes of the lines ``±(a_i + a_i x̂_i t)`` evaluated at the sorted ``t = x̂_j`` (see
+    normalization_sorted.c). [rows, n] float32 inputs, ``a >= 0``; values within float32 rounding
+    of the all-pairs kernel's (the products are formed in double)."""
+    lib = _library()
+    assert lib is not None
+    a, x_hat = (t.to(torch.float32).contiguous() for t in (a, x_hat))
+    rows, n = x_hat.shape
+    out = torch.empty((rows, n), dtype=torch.float32)
+    status = lib.semipack_norm_sorted_max_f32(
+        a.data_ptr(),
+        x_hat.data_ptr(),
+        rows,
+        n,
+        out.data_ptr(),
+        _threads(rows * n * 64),
+    )
+    if status != 0:
+        raise MemoryError("norm_sorted_max_f32: the kernel could not allocate its work buffers")
+    return out
+
+
+def norm_sorted_sums_f32(
+    a: Tensor, x_hat: Tensor, r: Tensor | None = None, with_log: bool = False
+) -> tuple[Tensor, Tensor | None, Tensor | None]:
+    """``S = Σ_i a_i c_ij`` (LogSum's part, ``norm_abs_reduce_f32`` with a sum), and with ``r``
+    also ``T = Σ_i a_i c_ij r_i`` and with ``with_log`` ``U = Σ_i a_i c_ij log c_ij``
+    (``norm_entropy_sums_f32``'s three sums), ``c_ij = |1 + x̂_i x̂_j|``, in O(n log n) per row:
+    prefix sums over the sorted x̂ for S and T, a tree with series far fields for U (see
+    normalization_sorted.c for the error bounds). [rows, n] float32 inputs with ``a >= 0``."""
+    lib = _library()
+    assert lib is not None
+    a, x_hat = (t.to(torch.float32).contiguous() for t in (a, x_hat))
+    rows, n = x_hat.shape
+    r = r.to(torch.float32).contiguous() if r is not None else None
+    s = torch.empty((rows, n), dtype=torch.float32)
+    t = torch.empty((rows, n), dtype=torch.float32) if r is not None else None
+    u = torch.empty((rows, n), dtype=torch.float32) if with_log else None
+    status = lib.semipack_norm_sorted_sums_f32(
+        a.data_ptr(),
+        r.data_ptr() if r is not None else None,
+        x_hat.data_ptr(),
+        rows,
+        n,
+        s.data_ptr(),
+        t.data_ptr() if t is not None else None,
+        u.data_ptr() if u is not None else None,
+        _threads(rows * n * (256 if with_log else 16)),
+    )
+    if status != 0:
+        raise MemoryError("norm_sorted_sums_f32: the kernel could not allocate its work buffers")
+    return s, t, u
 
 
 def softmax_log_sum_f32(m: Tensor, log_probs: Tensor) -> Tensor:

@@ -251,21 +251,38 @@ def test_sorted_normalization_kernels_match_float64_definition(n):
 
 
 def test_sorted_kernels_take_long_finite_rows_only(monkeypatch):
-    """From SORTED_MIN_ENTRIES entries the native message kernels sort; shorter rows and rows
-    with NaN keep the all-pairs kernels (NaN must propagate as it does there)."""
+    """From SORTED_MIN_ENTRIES entries (SORTED_MIN_ENTRIES_ENTROPY for Entropy) the native
+    message kernels sort; shorter rows and rows with NaN keep the all-pairs kernels (NaN must
+    propagate as it does there)."""
     from semipack.kernels import normalization as knorm
 
     calls = []
-    monkeypatch.setattr(knorm, "norm_sorted_max_f32", lambda *a: calls.append("sorted") or 0)
-    monkeypatch.setattr(knorm, "norm_abs_reduce_f32", lambda *a, **k: calls.append("pairs") or 0)
-    monkeypatch.setattr(knorm, "_max_prod_from_best", lambda *a: None)
-    n = knorm.SORTED_MIN_ENTRIES
-    for width, poison in ((n, False), (n - 1, False), (n, True)):
-        x_hat = torch.randn(2, width)
-        if poison:
-            x_hat[1, 3] = float("nan")
-        knorm.max_prod_native(torch.zeros(2, width), x_hat)
-    assert calls == ["sorted", "pairs", "pairs"]
+
+    def record(name, result):
+        return lambda *args, **kwargs: calls.append(name) or result
+
+    monkeypatch.setattr(knorm, "norm_sorted_max_f32", record("sorted", 0))
+    monkeypatch.setattr(knorm, "norm_abs_reduce_f32", record("pairs", 0))
+    monkeypatch.setattr(knorm, "_max_prod_from_best", record("done", None))
+    monkeypatch.setattr(knorm, "norm_sorted_sums_f32", record("sorted sums", (0, 0, 0)))
+    monkeypatch.setattr(knorm, "norm_entropy_sums_f32", record("pair sums", (0, 0, 0)))
+    monkeypatch.setattr(knorm, "_entropy_from_sums", record("done", None))
+    for kernel, n in (
+        ("max", knorm.SORTED_MIN_ENTRIES),
+        ("entropy", knorm.SORTED_MIN_ENTRIES_ENTROPY),
+    ):
+        for width, poison in ((n, False), (n - 1, False), (n, True)):
+            x_hat = torch.randn(2, width)
+            if poison:
+                x_hat[1, 3] = float("nan")
+            if kernel == "max":
+                knorm.max_prod_native(torch.zeros(2, width), x_hat)
+            else:
+                knorm.entropy_native(torch.zeros(2, width), torch.zeros(2, width), x_hat)
+    assert [c for c in calls if c != "done"] == [
+        *("sorted", "pairs", "pairs"),
+        *("sorted sums", "pair sums", "pair sums"),
+    ]
 
 
 def _softmax_rows(rows: int, n: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -46,17 +46,19 @@ from .native import (
 INF = float("inf")
 
 #: Rows of at least this many entries go to the O(n log n) native kernels (sorted rows:
-#: envelopes, prefix sums and a series tree; see native/normalization_sorted.c). Below it the
-#: all-pairs kernels are faster: on the 2-core VM of BENCHMARKS.md the two break even near
-#: n = 1000 for Entropy and n = 1500 for MaxProd and LogSum, and at n = 8192 (a batch norm
-#: channel of 8 x 32 x 32) the sorted ones are 5-10x faster.
+#: envelopes, prefix sums and a series tree; see native/normalization_sorted.c); shorter rows
+#: to the all-pairs ones. The break-even points, single-thread CPU time on the 2-core VM of
+#: BENCHMARKS.md: about n = 1000 for MaxProd and LogSum and n = 400 for Entropy (at n = 768,
+#: BERT's width, the sorted Entropy kernel is 1.6x faster; at n = 8192, a batch norm channel of
+#: 8 x 32 x 32, 16x faster for MaxProd and 35x for Entropy).
 SORTED_MIN_ENTRIES = 1024
+SORTED_MIN_ENTRIES_ENTROPY = 512
 
 
-def _sorted_rows(x_hat: Tensor) -> bool:
+def _sorted_rows(x_hat: Tensor, min_entries: int) -> bool:
     """Whether the O(n log n) kernels take these rows (long enough, and finite: the sorted
     kernels give no NaN where the all-pairs ones would)."""
-    return x_hat.shape[-1] >= SORTED_MIN_ENTRIES and bool(torch.isfinite(x_hat).all())
+    return x_hat.shape[-1] >= min_entries and bool(torch.isfinite(x_hat).all())
 
 
 #: A fused expression: the state components of m' ([rows, n] each), then x̂ [rows, n], to the
@@ -130,7 +132,7 @@ def max_prod_native(m: Tensor, x_hat: Tensor) -> tuple[Tensor]:
     """``max_prod_fused`` with the max taken by a native kernel (all pairs, or the envelope of
     sorted lines from ``SORTED_MIN_ENTRIES`` entries per row)."""
     a, shift = shifted_exp(m, -1)
-    if _sorted_rows(x_hat):
+    if _sorted_rows(x_hat, SORTED_MIN_ENTRIES):
         best = norm_sorted_max_f32(a, x_hat)
     else:
         best = norm_abs_reduce_f32(a, x_hat, reduce_max=True)
@@ -155,7 +157,7 @@ def log_sum_native(m: Tensor, x_hat: Tensor) -> tuple[Tensor]:
     """``log_sum_fused`` with the sum taken by a native kernel (all pairs, or prefix sums over
     the sorted row from ``SORTED_MIN_ENTRIES`` entries per row)."""
     a, shift = shifted_exp(m, -1)
-    if _sorted_rows(x_hat):
+    if _sorted_rows(x_hat, SORTED_MIN_ENTRIES):
         total = norm_sorted_sums_f32(a, x_hat)[0]
     else:
         total = norm_abs_reduce_f32(a, x_hat, reduce_max=False)
@@ -196,13 +198,14 @@ def entropy_fused(log_z: Tensor, surprisal: Tensor, x_hat: Tensor) -> tuple[Tens
 
 
 def entropy_native(log_z: Tensor, surprisal: Tensor, x_hat: Tensor) -> tuple[Tensor, Tensor]:
-    """``entropy_fused`` with the three sums from a hand-written kernel (all pairs, or the sorted
-    row's prefix sums and series tree from ``SORTED_MIN_ENTRIES`` entries per row), which works
-    with c = |1 + x̂_i x̂_j| = n |J'|: S = S_c / n, T = T_c / n, U = (U_c - log(n) S_c) / n."""
+    """``entropy_fused`` with the three sums from a hand-written kernel (all pairs, or the
+    sorted row's prefix sums and series tree from ``SORTED_MIN_ENTRIES_ENTROPY`` entries per
+    row), which works with c = |1 + x̂_i x̂_j| = n |J'|: S = S_c / n, T = T_c / n,
+    U = (U_c - log(n) S_c) / n."""
     n = x_hat.shape[-1]
     a, shift = shifted_exp(log_z, -1)
     r = torch.where(a > 0, surprisal, 0.0)
-    if _sorted_rows(x_hat):
+    if _sorted_rows(x_hat, SORTED_MIN_ENTRIES_ENTROPY):
         s_c, t_c, u_c = norm_sorted_sums_f32(a, x_hat, r, with_log=True)
     else:
         s_c, t_c, u_c = norm_entropy_sums_f32(a, r, x_hat)

@@ -132,6 +132,7 @@ def prune_everything(monkeypatch):
     monkeypatch.setattr(tropical, "PRUNE_MIN_PAIRS", 0)
     monkeypatch.setattr(tropical, "PRUNE_MIN_K", 1)
     monkeypatch.setattr(tropical, "PRUNE_MAX_KEPT", 10.0)
+    monkeypatch.setattr(tropical, "PRUNE_MIN_COLS", 1)
 
 
 @pytest.mark.parametrize("orientation", ["direct", "transposed"])
@@ -384,3 +385,25 @@ def test_a_shared_pruning_choice_is_estimated_once_per_shape_and_stays_exact(mon
     for a, b in pairs:  # outside a scope each product estimates its own
         tropical.maxplus(a, b)
     assert len(calls) == 2 * len(pairs)
+
+
+def test_products_with_few_output_columns_are_not_pruned(monkeypatch):
+    """An orientation with fewer than PRUNE_MIN_COLS output columns is never estimated nor
+    pruned (a convolution's weight message, [O, B·L] x [B·L, C] with small O and C, ran slower
+    pruned than dense); the dense kernel gives the definition's values."""
+    calls, pruned = [], []
+    estimate = tropical.kept_fraction
+    monkeypatch.setattr(
+        tropical, "kept_fraction", lambda a, b: calls.append(b.shape) or estimate(a, b)
+    )
+    kernel = tropical.maxplus_pruned_f32
+    monkeypatch.setattr(
+        tropical, "maxplus_pruned_f32", lambda a, b, i: pruned.append(1) or kernel(a, b, i)
+    )
+    g = torch.Generator().manual_seed(5)
+    a, b = torch.randn(64, 8192, generator=g) * 8, torch.randn(8192, 16, generator=g) * 8
+    assert torch.equal(tropical.maxplus(a, b), (a[:, :, None] + b[None]).amax(1))
+    assert calls == [] and pruned == []
+    wide = torch.randn(8192, 300, generator=g) * 8  # 300 columns: the direct orientation is tried
+    tropical.maxplus(a, wide)
+    assert calls == [torch.Size([8192, 300])]

@@ -52,6 +52,13 @@ PRUNE_MIN_K = 64
 #: dense kernel runs instead (the pruned one has per-row costs the dense one does not).
 PRUNE_SAMPLE_ROWS = 8
 PRUNE_MAX_KEPT = 0.5
+#: An orientation is pruned only with at least this many output columns. The pruned kernel
+#: scans every (row, k) pair for its bound and candidates, a few ns each, and only a kept k's
+#: sweep over many columns repays that: measured single-thread on the 2-core VM of
+#: BENCHMARKS.md, a [64, 32768] x [32768, 64] weight message of a convolution ran 7.9 ms pruned
+#: (6% kept) against 6.7 ms dense, a depthwise [72, 6272] x [6272, 16] one 2.5 ms (3% kept)
+#: against 0.3 ms, while Linear's [1024, 3072] x [3072, 768] ran 27 ms (3% kept) against 92 ms.
+PRUNE_MIN_COLS = 256
 #: Pairs broadcast at once by the eager fallback: 4 MiB of float32 keeps the temporary in cache;
 #: measured 3.1 G pairs/s per core vs 0.46 with the full ``BLOCK_ELEMENTS`` (32 MiB).
 EAGER_BLOCK_ELEMENTS = min(BLOCK_ELEMENTS, 1 << 20)
@@ -232,7 +239,9 @@ def _maxplus_pruned(a: Tensor, b: Tensor, with_index: bool) -> tuple[Tensor, Ten
     key = (tuple(a.shape), tuple(b.shape))
     choice = None if table is None else table.get(key)
     if choice is None:
-        direct, transposed = kept_fraction(a, b), kept_fraction(b.t(), a.t())
+        # out = a (x) b sweeps b's m columns per kept k; out.T = b.T (x) a.T sweeps a's n rows
+        direct = kept_fraction(a, b) if b.shape[1] >= PRUNE_MIN_COLS else _INF
+        transposed = kept_fraction(b.t(), a.t()) if a.shape[0] >= PRUNE_MIN_COLS else _INF
         if min(direct, transposed) > PRUNE_MAX_KEPT:
             choice = "dense"
         else:

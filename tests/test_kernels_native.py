@@ -236,7 +236,7 @@ def test_sorted_normalization_kernels_match_float64_definition(n):
     a, x_hat, r = _sorted_kernel_rows(n, seed=n)
     best, s, t, u = _pair_reductions(a, x_hat, r)
     f32 = torch.float32
-    got_best = native.norm_sorted_max_f32(a.to(f32), x_hat.to(f32))
+    got_best, got_arg = native.norm_sorted_max_f32(a.to(f32), x_hat.to(f32), with_index=True)
     got_s, got_t, got_u = native.norm_sorted_sums_f32(a.to(f32), x_hat.to(f32), r.to(f32), True)
     only_s, no_t, no_u = native.norm_sorted_sums_f32(a.to(f32), x_hat.to(f32))
     assert no_t is None and no_u is None
@@ -245,6 +245,12 @@ def test_sorted_normalization_kernels_match_float64_definition(n):
     a32, x32, r32 = (v.to(f32).double() for v in (a, x_hat, r))
     best, s, t, u = _pair_reductions(a32, x32, r32)
     torch.testing.assert_close(got_best.double(), best, rtol=2e-7, atol=0)
+    # the index attains the maximum (any of exact ties), -1 only where every term is 0
+    c = (1 + x32[:, :, None] * x32[:, None, :]).abs()  # [row, i, j]
+    attained = (a32[:, :, None] * c).gather(1, got_arg.clamp_min(0)[:, None, :])[:, 0]
+    torch.testing.assert_close(attained, best, rtol=2e-7, atol=0)
+    assert torch.equal(got_arg < 0, best == 0)
+    assert native.norm_sorted_max_f32(a.to(f32), x_hat.to(f32))[1] is None
     scale = s.clamp_min(1e-300)
     for got, want, weight in ((got_s, s, 1.0), (got_t, t, r32.abs().amax()), (got_u, u, 1.0)):
         err = (got.double() - want).abs() / (scale * weight)
@@ -262,7 +268,7 @@ def test_sorted_kernels_take_long_finite_rows_only(monkeypatch):
     def record(name, result):
         return lambda *args, **kwargs: calls.append(name) or result
 
-    monkeypatch.setattr(knorm, "norm_sorted_max_f32", record("sorted", 0))
+    monkeypatch.setattr(knorm, "norm_sorted_max_f32", record("sorted", (0, None)))
     monkeypatch.setattr(knorm, "norm_abs_reduce_f32", record("pairs", 0))
     monkeypatch.setattr(knorm, "_max_prod_from_best", record("done", None))
     monkeypatch.setattr(knorm, "norm_sorted_sums_f32", record("sorted sums", (0, 0, 0)))

@@ -435,3 +435,38 @@ def test_native_normalization_kernels_match_float64_dense_jacobian(sr: Semiring,
     if isinstance(sr, semipack.Entropy):
         live = torch.isfinite(want[0])
         torch.testing.assert_close(got[1].double()[live], want[1][live], rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("n", [12, 40, 768, 1030])
+def test_top_path_normalization_kernel_follows_a_best_edge(n: int) -> None:
+    """TopPath through normalisation rows (the sorted envelope with its argmax, float32): the
+    value is MaxProd's from the float64 dense Jacobian, and each output's successor id is that of
+    an output entry i whose edge attains it (ids are unique here, so the id names i). Boundary
+    rows: exact zero crossings, ties, outliers; a row and an output entry without paths."""
+    if not knorm.native_available():
+        pytest.skip("native kernels unavailable (no AVX2 or no C compiler)")
+    x_hat, rstd = boundary_rows(n)
+    gen = torch.Generator().manual_seed(31)
+    gain = torch.randn(n, generator=gen, dtype=F64)
+    gain[3] = 0.0  # an output entry without edges
+    (values,) = random_state(semipack.MaxProd(), 6, n, seed=32)
+    values[5, :] = NEG_INF  # a row without any path
+    ids = torch.arange(6 * n).reshape(6, n)
+    jac = normalization_jacobian(x_hat, rstd, gain, False)
+    (want,) = dense(semipack.MaxProd(), (values,), jac)
+    f32 = torch.float32
+    args = (x_hat.to(f32), rstd.to(f32), gain.to(f32), False)
+    got, succ = normalized_messages(
+        semipack.TopPath(), (values.to(f32), ids), *args, mode="compiled"
+    )
+    assert got.dtype == f32 and succ.dtype == torch.int64
+    torch.testing.assert_close(got.double(), want, rtol=0, atol=5e-5)
+    live = torch.isfinite(want)
+    assert (~live).any() and live.any()
+    rows = torch.arange(6)[:, None].expand(6, n)
+    i = succ - rows * n
+    assert ((i >= 0) & (i < n))[live].all()
+    edge = (
+        values[rows, i.clamp(0, n - 1)] + jac[rows, i.clamp(0, n - 1), torch.arange(n)].abs().log()
+    )
+    torch.testing.assert_close(edge[live], want[live], rtol=0, atol=5e-5)

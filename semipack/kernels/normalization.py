@@ -44,6 +44,8 @@ from .native import (
 )
 
 INF = float("inf")
+#: TopPath's id of "no successor" (a state without a path); see ``semirings.top_path``.
+NO_SUCCESSOR = -1
 
 #: Rows of at least this many entries go to the O(n log n) native kernels (sorted rows:
 #: envelopes, prefix sums and a series tree; see native/normalization_sorted.c); shorter rows
@@ -133,7 +135,7 @@ def max_prod_native(m: Tensor, x_hat: Tensor) -> tuple[Tensor]:
     sorted lines from ``SORTED_MIN_ENTRIES`` entries per row)."""
     a, shift = shifted_exp(m, -1)
     if _sorted_rows(x_hat, SORTED_MIN_ENTRIES):
-        best = norm_sorted_max_f32(a, x_hat)
+        best = norm_sorted_max_f32(a, x_hat)[0]
     else:
         best = norm_abs_reduce_f32(a, x_hat, reduce_max=True)
     return _max_prod_from_best(a, shift, x_hat, best)
@@ -144,6 +146,44 @@ def _max_prod_from_best(a: Tensor, shift: Tensor, x_hat: Tensor, best: Tensor) -
     holds (outside the outlier columns), so one more maximum makes it exact."""
     _, right = _diagonal_terms(a, x_hat)
     return (torch.maximum(best / x_hat.shape[-1], right).log() + shift,)
+
+
+def top_path_fused(m: Tensor, ids: Tensor, x_hat: Tensor) -> tuple[Tensor, Tensor]:
+    """TopPath messages of the centred Jacobian: MaxProd's value and the successor id of an
+    input attaining it, as one inductor-fused max with its index. ``m`` [rows, n] log-messages,
+    ``ids`` [rows, n] int64 successor ids, ``x_hat`` [rows, n]; returns ([rows, n], [rows, n])."""
+    a, shift = shifted_exp(m, -1)
+    best, where = (a[:, None, :] * pair_magnitudes(x_hat)).max(-1)
+    return _top_path_from_best(a, shift, ids, x_hat, best, where)
+
+
+def top_path_native(m: Tensor, ids: Tensor, x_hat: Tensor) -> tuple[Tensor, Tensor]:
+    """``top_path_fused`` with the max and an input attaining it from the sorted envelope
+    (O(n log n) per row, at any n: the dense alternative is an eager argmax over all pairs).
+    Rows with NaN take the fused expression eagerly, a few rows at a time."""
+    if not bool(torch.isfinite(x_hat).all()):
+        step = max(1, (1 << 22) // max(1, x_hat.shape[-1] ** 2))
+        parts = [
+            top_path_fused(m[r : r + step], ids[r : r + step], x_hat[r : r + step])
+            for r in range(0, x_hat.shape[0], step)
+        ]
+        return torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
+    a, shift = shifted_exp(m, -1)
+    best, where = norm_sorted_max_f32(a, x_hat, with_index=True)
+    return _top_path_from_best(a, shift, ids, x_hat, best, where)
+
+
+def _top_path_from_best(
+    a: Tensor, shift: Tensor, ids: Tensor, x_hat: Tensor, best: Tensor, where: Tensor
+) -> tuple[Tensor, Tensor]:
+    """``best`` = max_i a_i |1 + x̂_i x̂_j|, attained at ``where``. The true diagonal term is
+    never below the one ``best`` holds (outside the outlier columns): where it is at least
+    ``best`` the path goes through entry j itself, else through ``where``. No path: no id."""
+    _, right = _diagonal_terms(a, x_hat)
+    off = best / x_hat.shape[-1]
+    value = torch.maximum(off, right).log() + shift
+    chosen = torch.where(right >= off, ids, ids.gather(1, where.clamp_min(0)))
+    return value, torch.where(value == -INF, NO_SUCCESSOR, chosen)
 
 
 def log_sum_fused(m: Tensor, x_hat: Tensor) -> tuple[Tensor]:
@@ -267,6 +307,7 @@ def signed_fused(
 
 
 MAX_PROD = CentredPairsKernel(max_prod_fused, max_prod_native)
+TOP_PATH = CentredPairsKernel(top_path_fused, top_path_native)
 LOG_SUM = CentredPairsKernel(log_sum_fused, log_sum_native)
 LOG_COUNT = CentredPairsKernel(log_count_fused)
 ENTROPY = CentredPairsKernel(entropy_fused, entropy_native)

@@ -13,12 +13,11 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from ..kernels.normalization import NO_SUCCESSOR, TOP_PATH, CentredPairsKernel
 from ..kernels.tropical import maxplus_argmax
 from ._log import log_abs
 from .base import Sign, State, index_reduce
 from .max_prod import MaxProd
-
-NO_SUCCESSOR = -1
 
 
 def stored_paths(leaf: Tensor, what: str, semiring: str):
@@ -135,6 +134,12 @@ class TopPath(MaxProd):
 
     def lift_is_multiplicative(self) -> bool:
         return True
+
+    def normalization_kernel(self) -> CentredPairsKernel | None:
+        # the best input of each output from the sorted envelope: O(n log n) per row where
+        # the dense Jacobian took an eager argmax over all n^2 pairs (ResNet-18 in training,
+        # 8 x 64 x 64 images: 88 s per backward)
+        return TOP_PATH
 
     def path_slots(self, a: State) -> tuple[Tensor, Tensor]:
         return a[0][None], a[1].expand(a[0].shape)[None]

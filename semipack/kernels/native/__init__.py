@@ -128,7 +128,7 @@ def _library() -> ctypes.CDLL | None:
     reduce.argtypes += [ctypes.c_int, ctypes.c_int]
     sorted_max = lib.semipack_norm_sorted_max_f32
     sorted_max.restype = ctypes.c_int
-    sorted_max.argtypes = [*[ctypes.c_void_p] * 2, *[ctypes.c_int64] * 2, ctypes.c_void_p]
+    sorted_max.argtypes = [*[ctypes.c_void_p] * 2, *[ctypes.c_int64] * 2, *[ctypes.c_void_p] * 2]
     sorted_max.argtypes += [ctypes.c_int]
     sorted_sums = lib.semipack_norm_sorted_sums_f32
     sorted_sums.restype = ctypes.c_int
@@ -276,27 +276,32 @@ def norm_abs_reduce_f32(a: Tensor, x_hat: Tensor, reduce_max: bool) -> Tensor:
     return out
 
 
-def norm_sorted_max_f32(a: Tensor, x_hat: Tensor) -> Tensor:
+def norm_sorted_max_f32(
+    a: Tensor, x_hat: Tensor, with_index: bool = False
+) -> tuple[Tensor, Tensor | None]:
     """``norm_abs_reduce_f32(a, x_hat, reduce_max=True)`` in O(n log n) per row: two upper
     envelopes of the lines ``±(a_i + a_i x̂_i t)`` evaluated at the sorted ``t = x̂_j`` (see
     normalization_sorted.c). [rows, n] float32 inputs, ``a >= 0``; values within float32 rounding
-    of the all-pairs kernel's (the products are formed in double)."""
+    of the all-pairs kernel's (the products are formed in double). With ``with_index`` also an
+    i attaining each maximum ([rows, n] int64; -1 where every term is 0; among exact ties any)."""
     lib = _library()
     assert lib is not None
     a, x_hat = (t.to(torch.float32).contiguous() for t in (a, x_hat))
     rows, n = x_hat.shape
     out = torch.empty((rows, n), dtype=torch.float32)
+    index = torch.empty((rows, n), dtype=torch.int64) if with_index else None
     status = lib.semipack_norm_sorted_max_f32(
         a.data_ptr(),
         x_hat.data_ptr(),
         rows,
         n,
         out.data_ptr(),
+        index.data_ptr() if index is not None else None,
         _threads(rows * n * 64),
     )
     if status != 0:
         raise MemoryError("norm_sorted_max_f32: the kernel could not allocate its work buffers")
-    return out
+    return out, index
 
 
 def norm_sorted_sums_f32(

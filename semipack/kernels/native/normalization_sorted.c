@@ -101,9 +101,10 @@ static int64_t upper_envelope(const double *slope, const double *icpt, int64_t n
     return h;
 }
 
-/* out[q] = max(out[q], envelope at t[q]) for t ascending. */
+/* out[q] = max(out[q], envelope at t[q]) for t ascending; where the envelope is larger,
+   line[q] takes the position (in slope order) of its line. */
 static void envelope_max(const double *slope, const double *icpt, const int64_t *hull, int64_t h,
-                         const double *t, int64_t n, double *out) {
+                         const double *t, int64_t n, double *out, int64_t *line) {
     int64_t p = 0;
     for (int64_t q = 0; q < n; q++) {
         double best = icpt[hull[p]] + slope[hull[p]] * t[q];
@@ -113,13 +114,17 @@ static void envelope_max(const double *slope, const double *icpt, const int64_t 
             best = next;
             p++;
         }
-        if (best > out[q]) out[q] = best;
+        if (best > out[q]) {
+            out[q] = best;
+            line[q] = hull[p];
+        }
     }
 }
 
-/* One row of max_i a_i |1 + x_i x_j|. ``work``: 4 n doubles; ``hull``: n; ``ranks``: 5 n words. */
+/* One row of max_i a_i |1 + x_i x_j|, and in ``arg`` (unless NULL) an i attaining it (-1 where
+   every term is 0). ``work``: 4 n doubles; ``hull``, ``line``: n; ``ranks``: 5 n words. */
 static void row_max(const float *a, const float *x, int64_t n, double *work, int64_t *hull,
-                    uint32_t *ranks, float *out) {
+                    int64_t *line, uint32_t *ranks, float *out, int64_t *arg) {
     double *slope = work, *icpt = slope + n, *t = icpt + n, *best = t + n;
     float *slope_f = (float *)best; /* the float32 slopes, only until best is written */
     uint32_t *order_x = ranks, *order_b = ranks + n, *scratch = ranks + 2 * n;
@@ -133,10 +138,14 @@ static void row_max(const float *a, const float *x, int64_t n, double *work, int
         icpt[k] = (double)a[i];
         t[k] = (double)x[order_x[k]];
     }
-    for (int64_t k = 0; k < n; k++) best[k] = 0.0;
+    for (int64_t k = 0; k < n; k++) {
+        best[k] = 0.0;
+        line[k] = -1;
+    }
     int64_t h = upper_envelope(slope, icpt, n, hull);
-    envelope_max(slope, icpt, hull, h, t, n, best);
-    /* the negated lines, -a_i - (a_i x_i) t, sorted by slope: the same order reversed */
+    envelope_max(slope, icpt, hull, h, t, n, best, line);
+    /* the negated lines, -a_i - (a_i x_i) t, sorted by slope: the same order reversed, so the
+       line at position k there is the one at n - 1 - k here */
     for (int64_t k = 0; k < n / 2; k++) {
         const double s = slope[k], c = icpt[k];
         slope[k] = -slope[n - 1 - k];
@@ -148,9 +157,17 @@ static void row_max(const float *a, const float *x, int64_t n, double *work, int
         slope[n / 2] = -slope[n / 2];
         icpt[n / 2] = -icpt[n / 2];
     }
+    for (int64_t k = 0; k < n; k++) /* mark the first envelope's winners as positions >= n */
+        if (line[k] >= 0) line[k] += n;
     h = upper_envelope(slope, icpt, n, hull);
-    envelope_max(slope, icpt, hull, h, t, n, best);
-    for (int64_t k = 0; k < n; k++) out[order_x[k]] = (float)best[k];
+    envelope_max(slope, icpt, hull, h, t, n, best, line);
+    for (int64_t k = 0; k < n; k++) {
+        const uint32_t j = order_x[k];
+        out[j] = (float)best[k];
+        if (arg == NULL) continue;
+        const int64_t at = line[k];
+        arg[j] = at < 0 ? -1 : at >= n ? (int64_t)order_b[at - n] : (int64_t)order_b[n - 1 - at];
+    }
 }
 
 /* ---- sums of |affine| terms: prefix sums over sorted x ---------------------------------------- */
@@ -411,21 +428,22 @@ static void row_sums(const float *a, const float *r, const float *x, int64_t n, 
 /* Work doubles per row for row_sums (row_max needs fewer). */
 static size_t work_doubles(int64_t n) { return 8 * (size_t)n + 4; }
 
-/* Returns 0, or -1 when a thread could not allocate its work buffers. */
+/* Returns 0, or -1 when a thread could not allocate its work buffers. ``arg`` may be NULL. */
 int semipack_norm_sorted_max_f32(const float *a, const float *x, int64_t rows, int64_t n,
-                                 float *out, int threads) {
+                                 float *out, int64_t *arg, int threads) {
     int failed = 0;
 #pragma omp parallel num_threads(threads) reduction(| : failed)
     {
         double *work = (double *)malloc(work_doubles(n) * sizeof(double));
-        int64_t *hull = (int64_t *)malloc((size_t)n * sizeof(int64_t));
+        int64_t *hull = (int64_t *)malloc(2 * (size_t)n * sizeof(int64_t));
         uint32_t *ranks = (uint32_t *)malloc(5 * (size_t)n * sizeof(uint32_t));
         if (work == NULL || hull == NULL || ranks == NULL) {
             failed = 1;
         } else {
 #pragma omp for schedule(dynamic, 1)
             for (int64_t row = 0; row < rows; row++)
-                row_max(a + row * n, x + row * n, n, work, hull, ranks, out + row * n);
+                row_max(a + row * n, x + row * n, n, work, hull, hull + n, ranks, out + row * n,
+                        arg != NULL ? arg + row * n : NULL);
         }
         free(work);
         free(hull);

@@ -12,7 +12,6 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import semiring_names
 
 import semipack
 import semipack.messages.normalization as knorm
@@ -23,15 +22,6 @@ from semipack.messages.normalization import normalized_messages
 from semipack.messages.rowwise import has_fast_rowwise, log_softmax_messages, softmax_messages
 from semipack.rules.softmax import softmax_contract
 from semipack.semirings import Semiring, State
-
-
-# TopPath is left out: the row-wise kernels have no exclusive-reduction form that keeps its
-# successor ids (softmax_messages / normalized_messages return None for it, and its rules take
-# the dense Jacobian route, which test_new_op_rules and test_model_zoo check for TopPath).
-@pytest.fixture(params=semiring_names("top_path"))
-def semiring_name(request: pytest.FixtureRequest) -> str:
-    return request.param
-
 
 F64 = torch.float64
 NEG_INF = float("-inf")

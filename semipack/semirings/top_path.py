@@ -135,6 +135,18 @@ class TopPath(MaxProd):
     def lift_is_multiplicative(self) -> bool:
         return True
 
+    def exclusive_plus(self, a: State) -> State | None:
+        # the best other entry: the row's first maximum, except at that entry, where it is the
+        # first maximum of the others (so softmax rows take the O(n) diagonal-plus-rank-one
+        # form, as MaxProd's do, instead of an argmax over every pair of a dense Jacobian)
+        values, ids = a[0], a[1].expand(a[0].shape)
+        first, top = values.max(-1, keepdim=True)
+        is_top = torch.arange(values.shape[-1], device=values.device) == top
+        second, runner_up = torch.where(is_top, float("-inf"), values).max(-1, keepdim=True)
+        value = torch.where(is_top, second, first)
+        chosen = torch.where(is_top, ids.gather(-1, runner_up), ids.gather(-1, top))
+        return value, chosen
+
     def normalization_kernel(self) -> CentredPairsKernel | None:
         # the best input of each output from the sorted envelope: O(n log n) per row where
         # the dense Jacobian took an eager argmax over all n^2 pairs (ResNet-18 in training,

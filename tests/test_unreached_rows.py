@@ -117,3 +117,31 @@ def test_a_tied_table_builds_its_full_state_where_the_two_messages_meet(monkeypa
     with semipack.extend(model, semipack.MaxProd()):
         model(torch.tensor([[3, 7]])).backward()
     assert built == [(40, 3)]  # the engine adds the lookup's message to the projection's
+
+
+@pytest.mark.parametrize("semiring", [semipack.TopPath(), semipack.KBest(2)], ids=repr)
+def test_recorded_paths_keep_the_reached_rows_and_read_as_the_full_table(
+    monkeypatch, semiring
+) -> None:
+    """A path-recording pass keeps the table's paths as the reached rows only (the full state
+    is never built); every path read from them, the best one included, equals the path read from
+    the full-shaped values and ids, and unreached rows have none."""
+    from semipack.messages.paths import LeafPaths
+
+    built = _tables_built(monkeypatch)
+    model = _Lookup(tied=False)
+    ids = torch.tensor([[6, 2, 6, 17]])
+    with semipack.extend(model, semiring):
+        model(ids).backward()
+    assert built == []
+    kept = model.table.weight.semiring_paths
+    assert kept.rows.tolist() == [2, 6, 17]
+    full = LeafPaths(kept.trace, kept.name, kept.log_values, kept.successors, kept.shape)
+    assert kept.log_values.shape == (kept._values.shape[0], 40, 3)
+    assert torch.isfinite(kept.log_values[0, [2, 6, 17]]).all()
+    assert not torch.isfinite(kept.log_values[:, [0, 1, 3, 39]]).any()
+    assert kept.path() == full.path() and kept.path().steps
+    for row in (0, 2, 6, 17, 39):
+        for col in range(3):
+            assert kept.paths((row, col)) == full.paths((row, col))
+            assert bool(kept.paths((row, col))) == (row in (2, 6, 17))

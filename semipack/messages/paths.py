@@ -155,13 +155,17 @@ class PathTrace:
 
     def capture_leaf(self, leaf: Tensor, message: Message, fallback_name: str) -> LeafPaths:
         """The best paths from every entry of ``leaf``, given the message that reached it."""
-        log_values, successors = message.semiring.path_slots(message.parts)
+        name = self.leaf_names.get(id(leaf), fallback_name)
+        sparse = message.sparse  # an embedding table's reached rows: keep only those
+        parts = message.parts if sparse is None else sparse.parts
+        log_values, successors = message.semiring.path_slots(parts)
         return LeafPaths(
             self,
-            self.leaf_names.get(id(leaf), fallback_name),
+            name,
             log_values.detach().clone(),
             successors.clone(),
             tuple(leaf.shape),
+            rows=None if sparse is None else sparse.rows,
         )
 
     def locate(self, node_id: int) -> tuple[TensorRecord, int]:
@@ -225,7 +229,6 @@ def _describe(record: TensorRecord, index: tuple[int, ...]) -> str:
     return f"{where}: {record.op} output {list(index)}"
 
 
-@dataclass
 class LeafPaths:
     """The paths of one tensor after a TopPath or KBest pass (stored as
     ``tensor.semiring_paths``): per entry and rank (one rank for TopPath, k for KBest), the
@@ -235,15 +238,51 @@ class LeafPaths:
     and ``owners`` says which process (its rank in the group) recorded each slot's path: a
     trace holds the graph of one process's batch, so only the owner can walk it, and asking
     another process for that path raises, naming the owner.
+
+    An embedding table's paths are kept as the rows a lookup reached (``rows``, sorted; every
+    other row has no path): a 30k x 384 table's full values and ids took more time and memory
+    than a one-sentence backward. ``log_values`` and ``successors`` still read as the full
+    ``[ranks, *shape]`` tensors, built on first access.
     """
 
-    trace: PathTrace
-    name: str
-    log_values: Tensor  # [ranks, *leaf's shape]
-    successors: Tensor  # [ranks, *leaf's shape], node ids in ``trace``
-    shape: tuple[int, ...]
-    owners: Tensor | None = None  # [ranks, *leaf's shape], process ranks; None: all local
-    process: int = 0  # this process's rank in the group ``owners`` refers to
+    def __init__(
+        self,
+        trace: PathTrace,
+        name: str,
+        log_values: Tensor,
+        successors: Tensor,
+        shape: tuple[int, ...],
+        owners: Tensor | None = None,
+        process: int = 0,
+        rows: Tensor | None = None,
+    ) -> None:
+        self.trace, self.name, self.shape = trace, name, tuple(shape)
+        self.owners = owners  # [ranks, *shape], process ranks; None: all local
+        self.process = process  # this process's rank in the group ``owners`` refers to
+        self.rows = rows  # None: ``log_values`` / ``successors`` are full-shaped
+        self._values = log_values  # [ranks, *shape], or [ranks, len(rows), *shape[1:]]
+        self._successors = successors  # the same shape; node ids in ``trace``
+        self._full: tuple[Tensor, Tensor] | None = None
+
+    @property
+    def log_values(self) -> Tensor:
+        """[ranks, *shape]: each slot's path log-value (``-inf``: no path)."""
+        return self._values if self.rows is None else self._densified()[0]
+
+    @property
+    def successors(self) -> Tensor:
+        """[ranks, *shape]: each slot's first node in ``trace`` (``NO_SUCCESSOR``: none)."""
+        return self._successors if self.rows is None else self._densified()[1]
+
+    def _densified(self) -> tuple[Tensor, Tensor]:
+        if self._full is None:
+            ranks = self._values.shape[0]
+            values = self._values.new_full((ranks, *self.shape), -math.inf)
+            ids = self._successors.new_full((ranks, *self.shape), NO_SUCCESSOR)
+            values[:, self.rows] = self._values
+            ids[:, self.rows] = self._successors
+            self._full = (values, ids)
+        return self._full
 
     def path(self, index: tuple[int, ...] | int | None = None, rank: int = 0) -> Path:
         """The ``rank``-th best path (0: the best) from entry ``index`` (default: the entry
@@ -255,22 +294,39 @@ class LeafPaths:
         best first; ranks without a path (fewer paths than ranks) are left out, so an entry
         with no path at all gives an empty list."""
         flat = self._flat(index)
-        ranks = self.log_values.shape[0]
+        ranks = self._values.shape[0]
         found = [self._walk(flat, r) for r in range(ranks)]
         return [p for p in found if p.log_value != -math.inf]
 
     def _flat(self, index: tuple[int, ...] | int | None) -> int:
-        if index is None:
-            return int(self.log_values[0].reshape(-1).argmax())
-        return _ravel(_integer_index(index), self.shape)
+        if index is not None:
+            return _ravel(_integer_index(index), self.shape)
+        best = int(self._values[0].reshape(-1).argmax()) if self._values[0].numel() else 0
+        if self.rows is None or self.rows.numel() == 0:
+            return best
+        inner = math.prod(self.shape[1:])
+        return int(self.rows[best // inner]) * inner + best % inner
+
+    def _stored(self, flat: int) -> int | None:
+        """Where slot ``flat`` of the full shape is stored: its flat position in ``_values[r]``,
+        None for a row no lookup reached (no path)."""
+        if self.rows is None:
+            return flat
+        inner = math.prod(self.shape[1:])
+        row, rest = divmod(flat, inner)
+        at = int(torch.searchsorted(self.rows, row))
+        if at == self.rows.numel() or int(self.rows[at]) != row:
+            return None
+        return at * inner + rest
 
     def _walk(self, flat: int, rank: int) -> Path:
         shape = self.shape
         start = (
             tuple(int(i) for i in torch.unravel_index(torch.tensor(flat), shape)) if shape else ()
         )
-        values = self.log_values[rank].reshape(-1)
-        path = Path(self.name, start, float(values[flat]), rank=rank)
+        stored = self._stored(flat)
+        value = -math.inf if stored is None else float(self._values[rank].reshape(-1)[stored])
+        path = Path(self.name, start, value, rank=rank)
         if path.log_value == -math.inf:  # no path: successor ids of "no path" states mean nothing
             return path
         if self.owners is not None:
@@ -283,7 +339,7 @@ class LeafPaths:
                     "after semipack.distributed.all_reduce each path stays on the process whose "
                     f"batch holds it. Read it on process {owner}."
                 )
-        node = int(self.successors[rank].reshape(-1)[flat])
+        node = int(self._successors[rank].reshape(-1)[stored])
         guard = len(self.trace.records) + 1
         while node != NO_SUCCESSOR and guard > 0:
             record, offset = self.trace.locate(node)

@@ -460,3 +460,19 @@ def test_top_path_normalization_kernel_follows_a_best_edge(n: int) -> None:
         values[rows, i.clamp(0, n - 1)] + jac[rows, i.clamp(0, n - 1), torch.arange(n)].abs().log()
     )
     torch.testing.assert_close(edge[live], want[live], rtol=0, atol=5e-5)
+
+
+def test_native_normalization_kernels_take_float32_cpu_rows_only() -> None:
+    """The C kernels read host memory: rows on another device (a CUDA tensor's pointer would
+    crash them) or in another dtype go to the compiled or dense kernels."""
+    from semipack.kernels import normalization as kernels
+    from semipack.messages.normalization import native_kernel
+
+    if not knorm.native_available():
+        pytest.skip("native kernels unavailable (no AVX2 or no C compiler)")
+    cpu = torch.zeros(2, 8)
+    assert native_kernel(kernels.MAX_PROD, cpu) is kernels.max_prod_native
+    assert native_kernel(kernels.TOP_PATH, cpu) is kernels.top_path_native
+    assert native_kernel(kernels.MAX_PROD, cpu.double()) is None
+    assert native_kernel(kernels.MAX_PROD, torch.zeros(2, 8, device="meta")) is None
+    assert native_kernel(kernels.LOG_COUNT, cpu) is None  # no hand-written kernel

@@ -31,7 +31,12 @@ from torch import Tensor
 
 from ..kernels.compiled import compile_enabled, compiled
 from ..kernels.native import native_available
-from ..kernels.normalization import centred_pairs, entry_gains, pair_magnitudes
+from ..kernels.normalization import (
+    CentredPairsKernel,
+    centred_pairs,
+    entry_gains,
+    pair_magnitudes,
+)
 from ..semirings import Semiring, State
 from .jacobian import contract_rows, identity_block
 
@@ -40,6 +45,7 @@ __all__ = [
     "centred_block",
     "centred_pairs",
     "compiled_normalization",
+    "native_kernel",
     "normalized_messages",
     "pair_magnitudes",
 ]
@@ -109,8 +115,7 @@ def normalized_messages(
     if spec is None or not sr.lift_is_multiplicative():
         return None
     rows, n = x_hat.shape
-    native = spec.native if x_hat.dtype == torch.float32 else None
-    native = native if native is not None and native_available() else None
+    native = native_kernel(spec, x_hat)
     if mode == "auto":
         # the hand-written kernel costs nothing to start, so it serves rows of any size; the
         # compiled one pays off from COMPILE_MIN_PAIRS pairs up
@@ -139,6 +144,15 @@ def normalized_messages(
         if mode == "compiled" and spec.all_pairs:
             out = _fix_outliers(sr, m, x_hat, tuple(out), spec.as_floats)
     return sr.scale(tuple(out), row_weight[:, None])
+
+
+def native_kernel(spec: CentredPairsKernel, x_hat: Tensor) -> Callable[..., State] | None:
+    """The semiring's hand-written kernel where it can run on these rows: float32 CPU tensors
+    (the C code reads host memory: a CUDA tensor's pointer must never reach it) and the native
+    library available; else None."""
+    if spec.native is None or x_hat.dtype != torch.float32 or x_hat.device.type != "cpu":
+        return None
+    return spec.native if native_available() else None
 
 
 def _fix_outliers(sr: Semiring, m: State, x_hat: Tensor, out: State, as_floats: bool) -> State:

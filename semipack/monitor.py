@@ -119,7 +119,7 @@ class Monitor:
             self._csv = csv.writer(self._csv_file)
             self._csv.writerow(["step", "layer", "quantity", "value"])
             if tensorboard:
-                self._writer = _summary_writer(self.log_dir)
+                self._writer = _Events(self.log_dir)
 
     def sampled(self, step: int) -> bool:
         """Whether ``step`` runs a semiring backward."""
@@ -187,42 +187,33 @@ class Monitor:
         return any(isinstance(m, DistributedDataParallel) for m in self.model.modules())
 
     def _record(self, step: int, splits: dict[str, Branches]) -> None:
-        rows: list[Record] = []
+        """Summarise the step's values and write them out: every layer's summaries come to
+        the host in one transfer (``_summaries``), and the files get one CSV write and one
+        TensorBoard event per step (per-value events cost more than the summaries)."""
+        reached = {}
         for name, param in self.layers.items():
             values = getattr(param, "semiring_grad", None)
-            if values is None:
-                continue  # this step's backward does not reach the layer
-            rows += [Record(step, name, q, v) for q, v in self._summaries(name, values).items()]
+            if values is not None:  # else this step's backward does not reach the layer
+                reached[name] = values
+        rows: list[Record] = []
+        for name, summary in zip(reached, _summaries(list(reached.values())), strict=True):
+            if summary is not None:  # the best path's entry, to compare with the next step's
+                best = summary.pop("best")
+                if name in self._best:
+                    summary["top_path_changed"] = float(best != self._best[name])
+                self._best[name] = best
+            else:  # in the graph, but no path: only its deadness
+                summary = {"dead_units": 1.0}
+            rows += [Record(step, name, q, v) for q, v in summary.items()]
         for name, split in splits.items():
             for use, share in _flow_shares(split).items():
                 rows.append(Record(step, f"{name} -> {use}", "flow_share", share))
         self.records += rows
         if self._csv is not None:
             self._csv.writerows([(r.step, r.layer, r.quantity, r.value) for r in rows])
-            self._csv_file.flush()
-        if self._writer is not None:
-            for r in rows:
-                self._writer.add_scalar(f"{r.quantity}/{r.layer}", r.value, r.step)
-
-    def _summaries(self, name: str, values: tuple[Tensor, ...]) -> dict[str, float]:
-        log_best, log_flow = values[0].detach(), values[1].detach()
-        if bool(log_best.isneginf().all()):  # in the graph, but no path: only its deadness
-            return {"dead_units": 1.0}
-        out: dict[str, float] = {}
-        if len(values) > 2:
-            entropy = values[2].detach()
-            reached = entropy[~entropy.isnan()]
-            out["entropy_mean"] = float(reached.mean()) if reached.numel() else math.nan
-            out["entropy_max"] = float(reached.max()) if reached.numel() else math.nan
-        out["log_best_path"] = float(log_best.max())
-        out["log_flow"] = float(log_flow.logsumexp(tuple(range(log_flow.dim()))))
-        units = log_best.reshape(log_best.shape[0], -1) if log_best.dim() else log_best[None, None]
-        out["dead_units"] = float(units.isneginf().all(1).double().mean())
-        best = int(log_best.reshape(-1).argmax())
-        if name in self._best:
-            out["top_path_changed"] = float(best != self._best[name])
-        self._best[name] = best
-        return out
+            self._csv_file.flush()  # a run that dies keeps every recorded step (a few us)
+        if self._writer is not None and rows:
+            self._writer.write(step, [(f"{r.quantity}/{r.layer}", r.value) for r in rows])
 
     def series(self, quantity: str) -> dict[str, tuple[list[int], list[float]]]:
         """Layer -> (steps, values) of ``quantity`` over the recorded steps."""
@@ -283,25 +274,115 @@ def _layers(model: nn.Module) -> dict[str, nn.Parameter]:
     return out
 
 
+def _summaries(values: list[tuple[Tensor, ...]]) -> list[dict[str, float | int] | None]:
+    """Each layer's summaries from its ``(log best path, log flow[, entropy])`` values: None
+    for a layer reached without any path, else the recorded quantities in their order and
+    ``best``, the flat index of the entry with the best path.
+
+    Every reduction of every layer is stacked into one tensor per device and kind (floats;
+    integer counts and indices), so the host waits once per step instead of once per value;
+    each reduction is the one a layer-by-layer summary runs, so the values are the same bits.
+    The entropy of a layer with unreached entries (NaN) is averaged over the reached ones in
+    a second pass, needed only by such layers."""
+    floats: list[Tensor] = []
+    ints: list[Tensor] = []
+    for layer in values:
+        if not layer[0].numel():
+            continue  # no entry at all: no path either
+        log_best, log_flow = layer[0].detach(), layer[1].detach()
+        units = log_best.reshape(log_best.shape[0], -1) if log_best.dim() else log_best[None, None]
+        floats += [
+            log_best.max(),  # -inf exactly when no entry has a path
+            log_flow.logsumexp(tuple(range(log_flow.dim()))),
+            units.isneginf().all(1).double().mean(),
+        ]
+        ints.append(log_best.reshape(-1).argmax())
+        if len(layer) > 2:
+            entropy = layer[2].detach()
+            floats += [entropy.mean(), entropy.max()]
+            ints.append(entropy.isnan().sum())
+    host_floats, host_ints = iter(_to_host(floats)), iter(_to_host(ints))
+    out: list[dict[str, float | int] | None] = []
+    for layer in values:
+        if not layer[0].numel():
+            out.append(None)
+            continue
+        best_path, flow, dead = next(host_floats), next(host_floats), next(host_floats)
+        best = next(host_ints)
+        mean = top = unreached = None
+        if len(layer) > 2:
+            mean, top, unreached = next(host_floats), next(host_floats), next(host_ints)
+        if best_path == -math.inf:
+            out.append(None)
+            continue
+        summary: dict[str, float | int] = {}
+        if len(layer) > 2:
+            entropy = layer[2].detach()
+            if unreached == entropy.numel():
+                mean = top = math.nan
+            elif unreached:
+                reached = entropy[~entropy.isnan()]
+                mean, top = float(reached.mean()), float(reached.max())
+            summary.update(entropy_mean=mean, entropy_max=top)
+        summary.update(log_best_path=best_path, log_flow=flow, dead_units=dead, best=best)
+        out.append(summary)
+    return out
+
+
+def _to_host(tensors: list[Tensor]) -> list[Any]:
+    """The values of 0-dim ``tensors`` as Python numbers, in order: one stack and one
+    ``tolist`` per device (floating dtypes promote to the widest, which keeps every value)."""
+    by_device: dict[torch.device, list[int]] = {}
+    for i, t in enumerate(tensors):
+        by_device.setdefault(t.device, []).append(i)
+    out: list[Any] = [None] * len(tensors)
+    for positions in by_device.values():
+        stacked = torch.stack([tensors[i] for i in positions]).tolist()
+        for i, v in zip(positions, stacked, strict=True):
+            out[i] = v
+    return out
+
+
 def _flow_shares(split: Branches) -> dict[str, float]:
     """Each use's share of the LogSum flow at the split tensor (the Product's second factor)."""
-    logs = {use: float(v[1].logsumexp(tuple(range(v[1].dim())))) for use, v in split.values.items()}
-    if not logs:
+    if not split.values:
         return {}
+    sums = [v[1].logsumexp(tuple(range(v[1].dim()))) for v in split.values.values()]
+    logs = dict(zip(split.values, _to_host(sums), strict=True))
     whole = torch.tensor(list(logs.values()), dtype=torch.float64).logsumexp(0)
     return {use: math.exp(v - float(whole)) for use, v in logs.items()}
 
 
-def _summary_writer(log_dir: Path) -> Any:
-    """TensorBoard's writer (tensorboard is an optional dependency)."""
-    try:
-        from torch.utils.tensorboard import SummaryWriter
-    except ImportError as error:
-        raise SemipackError(
-            "Monitor(tensorboard=True) needs the tensorboard package: pip install tensorboard, "
-            "or pass tensorboard=False (the CSV and plots need nothing extra)"
-        ) from error
-    return SummaryWriter(str(log_dir))
+class _Events:
+    """TensorBoard's event file: each step's scalars go in as one ``Summary`` of one event.
+
+    ``SummaryWriter.add_scalar`` writes one event per value; an event costs a protobuf, a
+    queue hand-off and two pure-Python CRCs on TensorBoard's writer thread, which made most of
+    the monitor's own cost at ``every=1``. One event holding every value of the step carries
+    the same tags, steps and values (read back by ``tests/test_monitor.py``)."""
+
+    def __init__(self, log_dir: Path) -> None:
+        try:
+            from tensorboard.compat.proto.summary_pb2 import Summary
+            from torch.utils.tensorboard import SummaryWriter
+        except ImportError as error:
+            raise SemipackError(
+                "Monitor(tensorboard=True) needs the tensorboard package: pip install "
+                "tensorboard, or pass tensorboard=False (the CSV and plots need nothing extra)"
+            ) from error
+        self._summary = Summary
+        self.writer = SummaryWriter(str(log_dir))
+
+    def write(self, step: int, scalars: list[tuple[str, float]]) -> None:
+        """One event at ``step`` holding each ``(tag, value)`` as ``add_scalar`` stores it
+        (``simple_value``, a float32)."""
+        value = self._summary.Value
+        summary = self._summary(value=[value(tag=tag, simple_value=v) for tag, v in scalars])
+        self.writer._get_file_writer().add_summary(summary, step)
+
+    def close(self) -> None:
+        """Write out every queued event and close the file."""
+        self.writer.close()
 
 
 __all__ = ["QUANTITIES", "Monitor", "Record"]

@@ -279,51 +279,44 @@ def _summaries(values: list[tuple[Tensor, ...]]) -> list[dict[str, float | int] 
     for a layer reached without any path, else the recorded quantities in their order and
     ``best``, the flat index of the entry with the best path.
 
-    Every reduction of every layer is stacked into one tensor per device and kind (floats;
-    integer counts and indices), so the host waits once per step instead of once per value;
-    each reduction is the one a layer-by-layer summary runs, so the values are the same bits.
-    The entropy of a layer with unreached entries (NaN) is averaged over the reached ones in
-    a second pass, needed only by such layers."""
-    floats: list[Tensor] = []
-    ints: list[Tensor] = []
+    The reductions of every layer come to the host together (``_to_host``: one transfer per
+    device and dtype, where a value at a time waits on the device once per value); each is the
+    reduction a layer-by-layer summary runs, so the values are the same bits."""
+    pending: list[Tensor] = []
+    reached_entropy: list[Tensor | None] = []
     for layer in values:
-        if not layer[0].numel():
-            continue  # no entry at all: no path either
         log_best, log_flow = layer[0].detach(), layer[1].detach()
+        if not log_best.numel():
+            reached_entropy.append(None)
+            continue  # no entry at all: no path either
         units = log_best.reshape(log_best.shape[0], -1) if log_best.dim() else log_best[None, None]
-        floats += [
+        pending += [
             log_best.max(),  # -inf exactly when no entry has a path
             log_flow.logsumexp(tuple(range(log_flow.dim()))),
             units.isneginf().all(1).double().mean(),
+            log_best.reshape(-1).argmax(),
         ]
-        ints.append(log_best.reshape(-1).argmax())
-        if len(layer) > 2:
+        reached = None
+        if len(layer) > 2:  # the entropy of the entries a path reaches (the others are NaN)
             entropy = layer[2].detach()
-            floats += [entropy.mean(), entropy.max()]
-            ints.append(entropy.isnan().sum())
-    host_floats, host_ints = iter(_to_host(floats)), iter(_to_host(ints))
+            reached = entropy.masked_select(entropy == entropy)
+            if reached.numel():
+                pending += [reached.mean(), reached.max()]
+        reached_entropy.append(reached)
+    host = iter(_to_host(pending))
     out: list[dict[str, float | int] | None] = []
-    for layer in values:
+    for layer, reached in zip(values, reached_entropy, strict=True):
         if not layer[0].numel():
             out.append(None)
             continue
-        best_path, flow, dead = next(host_floats), next(host_floats), next(host_floats)
-        best = next(host_ints)
-        mean = top = unreached = None
-        if len(layer) > 2:
-            mean, top, unreached = next(host_floats), next(host_floats), next(host_ints)
-        if best_path == -math.inf:
+        best_path, flow, dead, best = next(host), next(host), next(host), next(host)
+        summary: dict[str, float | int] = {}
+        if reached is not None:
+            mean, top = (next(host), next(host)) if reached.numel() else (math.nan, math.nan)
+            summary.update(entropy_mean=mean, entropy_max=top)
+        if best_path == -math.inf:  # in the graph, but no path: only its deadness
             out.append(None)
             continue
-        summary: dict[str, float | int] = {}
-        if len(layer) > 2:
-            entropy = layer[2].detach()
-            if unreached == entropy.numel():
-                mean = top = math.nan
-            elif unreached:
-                reached = entropy[~entropy.isnan()]
-                mean, top = float(reached.mean()), float(reached.max())
-            summary.update(entropy_mean=mean, entropy_max=top)
         summary.update(log_best_path=best_path, log_flow=flow, dead_units=dead, best=best)
         out.append(summary)
     return out
@@ -331,12 +324,12 @@ def _summaries(values: list[tuple[Tensor, ...]]) -> list[dict[str, float | int] 
 
 def _to_host(tensors: list[Tensor]) -> list[Any]:
     """The values of 0-dim ``tensors`` as Python numbers, in order: one stack and one
-    ``tolist`` per device (floating dtypes promote to the widest, which keeps every value)."""
-    by_device: dict[torch.device, list[int]] = {}
+    ``tolist`` per device and dtype (a stack of mixed dtypes converts, and costs more)."""
+    groups: dict[tuple[torch.device, torch.dtype], list[int]] = {}
     for i, t in enumerate(tensors):
-        by_device.setdefault(t.device, []).append(i)
+        groups.setdefault((t.device, t.dtype), []).append(i)
     out: list[Any] = [None] * len(tensors)
-    for positions in by_device.values():
+    for positions in groups.values():
         stacked = torch.stack([tensors[i] for i in positions]).tolist()
         for i, v in zip(positions, stacked, strict=True):
             out[i] = v

@@ -294,7 +294,7 @@ def _summaries(values: list[tuple[Tensor, ...]]) -> list[dict[str, float | int] 
             log_best.max(),  # -inf exactly when no entry has a path
             log_flow.logsumexp(tuple(range(log_flow.dim()))),
             units.isneginf().all(1).double().mean(),
-            log_best.reshape(-1).argmax(),
+            log_best.argmax(),  # the flat index
         ]
         reached = None
         if len(layer) > 2:  # the entropy of the entries a path reaches (the others are NaN)
@@ -323,12 +323,17 @@ def _summaries(values: list[tuple[Tensor, ...]]) -> list[dict[str, float | int] 
 
 
 def _to_host(tensors: list[Tensor]) -> list[Any]:
-    """The values of 0-dim ``tensors`` as Python numbers, in order: one stack and one
-    ``tolist`` per device and dtype (a stack of mixed dtypes converts, and costs more)."""
+    """The values of 0-dim ``tensors`` as Python numbers, in order. On the CPU each is read
+    on its own (reading one costs less than a stack); elsewhere each device and dtype gives one
+    stack and one ``tolist`` (one wait on the device, where reading each value waits once per
+    value; a stack of mixed dtypes would convert)."""
+    out: list[Any] = [None] * len(tensors)
     groups: dict[tuple[torch.device, torch.dtype], list[int]] = {}
     for i, t in enumerate(tensors):
-        groups.setdefault((t.device, t.dtype), []).append(i)
-    out: list[Any] = [None] * len(tensors)
+        if t.device.type == "cpu":
+            out[i] = t.item()
+        else:
+            groups.setdefault((t.device, t.dtype), []).append(i)
     for positions in groups.values():
         stacked = torch.stack([tensors[i] for i in positions]).tolist()
         for i, v in zip(positions, stacked, strict=True):

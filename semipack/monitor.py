@@ -29,6 +29,8 @@ from __future__ import annotations
 
 import csv
 import math
+import time
+import weakref
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
@@ -86,6 +88,9 @@ class Monitor:
     wrapper as ``model``, and sum the loss over examples for the values to be the whole
     batch's); ``splits`` stay per process.
     ``entropy=False`` leaves out the Entropy factor, the most expensive of the three.
+    The records reach ``monitor.csv`` and TensorBoard every ``flush_secs`` seconds (writing a
+    step at a time costs more than the summaries), and all of them on ``flush()``, ``close()``
+    (or leaving ``with Monitor(...) as monitor:``), an exception through ``step`` and at exit.
     """
 
     def __init__(
@@ -97,6 +102,7 @@ class Monitor:
         entropy: bool = True,
         tensorboard: bool = True,
         distributed: bool | None = None,
+        flush_secs: float = 5.0,
     ) -> None:
         if isinstance(every, bool) or not isinstance(every, int) or every < 1:
             raise ValueError(f"Monitor(every=...) needs a positive integer, got {every!r}")
@@ -110,16 +116,14 @@ class Monitor:
         self._best: dict[str, int] = {}
         self._count = 0
         self.log_dir = Path(log_dir) if log_dir is not None else None
-        self._csv = self._writer = None
+        self._files: _Files | None = None
         if self.log_dir is not None:
             if self.log_dir.exists() and not self.log_dir.is_dir():
                 raise SemipackError(f"Monitor(log_dir={str(log_dir)!r}) is a file, not a folder")
             self.log_dir.mkdir(parents=True, exist_ok=True)
-            self._csv_file = open(self.log_dir / "monitor.csv", "w", newline="")  # noqa: SIM115
-            self._csv = csv.writer(self._csv_file)
-            self._csv.writerow(["step", "layer", "quantity", "value"])
-            if tensorboard:
-                self._writer = _Events(self.log_dir)
+            self._files = _Files(self.log_dir, tensorboard, flush_secs)
+            # a monitor dropped, or a run ending, without close() still leaves complete files
+            weakref.finalize(self, self._files.close)
 
     def sampled(self, step: int) -> bool:
         """Whether ``step`` runs a semiring backward."""
@@ -131,22 +135,27 @@ class Monitor:
         the step is sampled. ``step`` defaults to a counter of the calls."""
         step = self._count if step is None else step
         self._count += 1
-        if not self.sampled(step):
-            yield False
-            return
-        combine = self._combines_processes()
-        self._clear()
-        with ExitStack() as stack:
-            stack.enter_context(extend(self.model, self.semiring, keep_state=combine))
-            splits = {
-                name: stack.enter_context(branches(module)) for name, module in self.splits.items()
-            }
-            yield True
-            self._check_splits(step, splits)
-        self._check_backward(step)
-        if combine:  # every process: the whole batch's values (each layer's plus over them)
-            all_reduce(list(self.layers.values()), self.semiring)
-        self._record(step, splits)
+        try:
+            if not self.sampled(step):
+                yield False
+                return
+            combine = self._combines_processes()
+            self._clear()
+            with ExitStack() as stack:
+                stack.enter_context(extend(self.model, self.semiring, keep_state=combine))
+                splits = {
+                    name: stack.enter_context(branches(module))
+                    for name, module in self.splits.items()
+                }
+                yield True
+                self._check_splits(step, splits)
+            self._check_backward(step)
+            if combine:  # every process: the whole batch's values (each layer's plus over them)
+                all_reduce(list(self.layers.values()), self.semiring)
+            self._record(step, splits)
+        except BaseException:
+            self.flush()  # the run may end here: every earlier record goes to the files
+            raise
 
     def _clear(self) -> None:
         """Drop the values an earlier pass left on the monitored parameters, so that only this
@@ -209,11 +218,8 @@ class Monitor:
             for use, share in _flow_shares(split).items():
                 rows.append(Record(step, f"{name} -> {use}", "flow_share", share))
         self.records += rows
-        if self._csv is not None:
-            self._csv.writerows([(r.step, r.layer, r.quantity, r.value) for r in rows])
-            self._csv_file.flush()  # a run that dies keeps every recorded step (a few us)
-        if self._writer is not None and rows:
-            self._writer.write(step, [(f"{r.quantity}/{r.layer}", r.value) for r in rows])
+        if self._files is not None and rows:
+            self._files.add(step, rows)
 
     def series(self, quantity: str) -> dict[str, tuple[list[int], list[float]]]:
         """Layer -> (steps, values) of ``quantity`` over the recorded steps."""
@@ -249,14 +255,23 @@ class Monitor:
             written.append(path)
         return written
 
+    def flush(self) -> None:
+        """Write every record so far to ``monitor.csv`` and TensorBoard's events now (they are
+        otherwise written every ``flush_secs``)."""
+        if self._files is not None:
+            self._files.flush()
+
     def close(self) -> None:
-        """Flush and close the CSV file and the TensorBoard writer."""
-        if self._csv is not None:
-            self._csv_file.close()
-            self._csv = None
-        if self._writer is not None:
-            self._writer.close()
-            self._writer = None
+        """Write every record and close the CSV file and the TensorBoard writer."""
+        if self._files is not None:
+            self._files.close()
+
+    def __enter__(self) -> Monitor:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        """Close the files, also when the block ends with an exception (not swallowed)."""
+        self.close()
 
 
 def _layers(model: nn.Module) -> dict[str, nn.Parameter]:
@@ -351,6 +366,70 @@ def _flow_shares(split: Branches) -> dict[str, float]:
     return {use: math.exp(v - float(whole)) for use, v in logs.items()}
 
 
+class _Files:
+    """``monitor.csv`` and TensorBoard's events of one monitor, written a batch at a time.
+
+    Each sampled step's records wait in memory and are written out together once
+    ``flush_secs`` have passed since the last write (and on ``flush``, ``close``, an exception
+    through ``Monitor.step`` and the monitor's collection or the interpreter's exit): rows
+    formatted and events queued a step at a time cost several times more, TensorBoard's writer
+    thread competing with the training for the interpreter between steps. The records in
+    the files, and their order, are those written a step at a time."""
+
+    def __init__(self, log_dir: Path, tensorboard: bool, flush_secs: float) -> None:
+        self.events = _Events(log_dir) if tensorboard else None
+        self.csv_file = open(log_dir / "monitor.csv", "w", newline="")  # noqa: SIM115
+        self.csv = csv.writer(self.csv_file)
+        self.csv.writerow(["step", "layer", "quantity", "value"])
+        self.csv_file.flush()
+        self.flush_secs = flush_secs
+        self.pending: list[tuple[int, list[Record]]] = []  # (step, its records) per record
+        self.written_at = time.monotonic()
+        self.closed = False
+
+    def add(self, step: int, rows: list[Record]) -> None:
+        """Queue one sampled step's records; write everything out when it is time (after
+        ``close`` the records stay in ``Monitor.records`` only, as before)."""
+        if self.closed:
+            return
+        self.pending.append((step, rows))
+        if time.monotonic() - self.written_at >= self.flush_secs:
+            self.write()
+
+    def write(self) -> None:
+        """Write the queued records: the CSV rows (flushed to the file) and one TensorBoard
+        event per sampled step."""
+        pending, self.pending = self.pending, []
+        self.written_at = time.monotonic()
+        if not pending:
+            return
+        self.csv.writerows(
+            [(r.step, r.layer, r.quantity, r.value) for _, rows in pending for r in rows]
+        )
+        self.csv_file.flush()
+        if self.events is not None:
+            for step, rows in pending:
+                self.events.write(step, [(f"{r.quantity}/{r.layer}", r.value) for r in rows])
+
+    def flush(self) -> None:
+        """Write the queued records and have TensorBoard's writer put its events on disk."""
+        if self.closed:
+            return
+        self.write()
+        if self.events is not None:
+            self.events.flush()
+
+    def close(self) -> None:
+        """Write the queued records and close both files (once; later calls do nothing)."""
+        if self.closed:
+            return
+        self.write()
+        self.closed = True
+        self.csv_file.close()
+        if self.events is not None:
+            self.events.close()
+
+
 class _Events:
     """TensorBoard's event file: each step's scalars go in as one ``Summary`` of one event.
 
@@ -377,6 +456,10 @@ class _Events:
         value = self._summary.Value
         summary = self._summary(value=[value(tag=tag, simple_value=v) for tag, v in scalars])
         self.writer._get_file_writer().add_summary(summary, step)
+
+    def flush(self) -> None:
+        """Put every queued event on disk."""
+        self.writer.flush()
 
     def close(self) -> None:
         """Write out every queued event and close the file."""

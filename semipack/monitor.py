@@ -305,11 +305,14 @@ def _summaries(values: list[tuple[Tensor, ...]]) -> list[dict[str, float | int] 
             reached_entropy.append(None)
             continue  # no entry at all: no path either
         units = log_best.reshape(log_best.shape[0], -1) if log_best.dim() else log_best[None, None]
+        # the best path and the flat index of its first entry (argmax's) in one reduction;
+        # the best path is -inf exactly when no entry has a path
+        best_path, best = log_best.reshape(-1).max(0)
         pending += [
-            log_best.max(),  # -inf exactly when no entry has a path
+            best_path,
             log_flow.logsumexp(tuple(range(log_flow.dim()))),
             units.isneginf().all(1).double().mean(),
-            log_best.argmax(),  # the flat index
+            best,
         ]
         reached = None
         if len(layer) > 2:  # the entropy of the entries a path reaches (the others are NaN)

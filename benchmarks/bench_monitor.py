@@ -5,7 +5,9 @@ the same start: no monitor; the monitor at ``every=10``; at ``every=1``; and eve
 backward run directly as the Monitor's semiring backward (``semipack.extend`` with the same
 ``Product``, nothing recorded): the semiring backward's own cost, which ``every=1`` should not
 exceed by much. The variants take turns within every round; the line gives the median of the
-rounds and the ratios to no monitor.
+rounds and the ratios to no monitor. The last line isolates the monitor's own recording (its
+summaries and files, which the difference of two whole runs drowns in the backward's noise):
+the time inside ``Monitor._record`` and ``close`` in the ``every=1`` runs, per sampled step.
 
 Run: ``python benchmarks/bench_monitor.py --steps 100 --rounds 5``.
 """
@@ -19,6 +21,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
@@ -38,8 +41,9 @@ def _example():
     return module
 
 
-def run(variant: str, steps: int, folder: str) -> float:
-    """Seconds to train ``steps`` steps in ``variant``."""
+def run(variant: str, steps: int, folder: str, recording: list[float] | None = None) -> float:
+    """Seconds to train ``steps`` steps in ``variant``; with ``recording``, appends the seconds
+    the monitor spent recording (``Monitor._record`` and ``close``) per sampled step."""
     example = _example()
     torch.manual_seed(0)
     model = example.small_cnn()
@@ -51,6 +55,16 @@ def run(variant: str, steps: int, folder: str) -> float:
     if variant.startswith("every="):
         every = int(variant.split("=")[1])
         monitor = semipack.Monitor(model, every=every, log_dir=f"{folder}/{variant}")
+        spent = [0.0, 0]  # seconds recording, sampled steps
+        record = monitor._record
+
+        def timed(*args: Any) -> None:
+            start = time.perf_counter()
+            record(*args)
+            spent[0] += time.perf_counter() - start
+            spent[1] += 1
+
+        monitor._record = timed  # the instance's own: Monitor.step calls self._record
     product = semipack.Monitor(model, every=1).semiring
     start = time.perf_counter()
     for step, (x, y) in enumerate(batches):
@@ -65,7 +79,11 @@ def run(variant: str, steps: int, folder: str) -> float:
             lossfunc(model(x), y).backward()
         optimizer.step()
     if monitor is not None:
+        closing = time.perf_counter()
         monitor.close()
+        spent[0] += time.perf_counter() - closing
+        if recording is not None:
+            recording.append(spent[0] / spent[1])
     return time.perf_counter() - start
 
 
@@ -76,18 +94,23 @@ def main() -> None:
     args = parser.parse_args()
     variants = ["plain", "every=10", "every=1", "semiring backward"]
     times: dict[str, list[float]] = {v: [] for v in variants}
+    recording: list[float] = []
     with tempfile.TemporaryDirectory() as folder:
         for v in variants:
             run(v, 5, folder)  # warm-up
         for _ in range(args.rounds):
             for v in variants:
-                times[v].append(run(v, args.steps, folder))
+                times[v].append(run(v, args.steps, folder, recording if v == "every=1" else None))
     median = {v: statistics.median(t) for v, t in times.items()}
     for v in variants:
         print(f"{v:>18}: {median[v]:.3f} s ({median[v] / median['plain']:.2f}x no monitor)")
     print(
         f"every=1 over the semiring backward alone: "
         f"{median['every=1'] / median['semiring backward']:.2f}"
+    )
+    print(
+        f"recording at every=1 (Monitor._record and close): "
+        f"{statistics.median(recording) * 1e3:.3f} ms per sampled step"
     )
 
 

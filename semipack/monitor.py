@@ -29,6 +29,8 @@ from __future__ import annotations
 
 import csv
 import math
+import time
+import weakref
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
@@ -86,6 +88,9 @@ class Monitor:
     wrapper as ``model``, and sum the loss over examples for the values to be the whole
     batch's); ``splits`` stay per process.
     ``entropy=False`` leaves out the Entropy factor, the most expensive of the three.
+    The records reach ``monitor.csv`` and TensorBoard every ``flush_secs`` seconds (writing a
+    step at a time costs more than the summaries), and all of them on ``flush()``, ``close()``
+    (or leaving ``with Monitor(...) as monitor:``), an exception through ``step`` and at exit.
     """
 
     def __init__(
@@ -97,6 +102,7 @@ class Monitor:
         entropy: bool = True,
         tensorboard: bool = True,
         distributed: bool | None = None,
+        flush_secs: float = 5.0,
     ) -> None:
         if isinstance(every, bool) or not isinstance(every, int) or every < 1:
             raise ValueError(f"Monitor(every=...) needs a positive integer, got {every!r}")
@@ -110,16 +116,14 @@ class Monitor:
         self._best: dict[str, int] = {}
         self._count = 0
         self.log_dir = Path(log_dir) if log_dir is not None else None
-        self._csv = self._writer = None
+        self._files: _Files | None = None
         if self.log_dir is not None:
             if self.log_dir.exists() and not self.log_dir.is_dir():
                 raise SemipackError(f"Monitor(log_dir={str(log_dir)!r}) is a file, not a folder")
             self.log_dir.mkdir(parents=True, exist_ok=True)
-            self._csv_file = open(self.log_dir / "monitor.csv", "w", newline="")  # noqa: SIM115
-            self._csv = csv.writer(self._csv_file)
-            self._csv.writerow(["step", "layer", "quantity", "value"])
-            if tensorboard:
-                self._writer = _summary_writer(self.log_dir)
+            self._files = _Files(self.log_dir, tensorboard, flush_secs)
+            # a monitor dropped, or a run ending, without close() still leaves complete files
+            weakref.finalize(self, self._files.close)
 
     def sampled(self, step: int) -> bool:
         """Whether ``step`` runs a semiring backward."""
@@ -131,22 +135,27 @@ class Monitor:
         the step is sampled. ``step`` defaults to a counter of the calls."""
         step = self._count if step is None else step
         self._count += 1
-        if not self.sampled(step):
-            yield False
-            return
-        combine = self._combines_processes()
-        self._clear()
-        with ExitStack() as stack:
-            stack.enter_context(extend(self.model, self.semiring, keep_state=combine))
-            splits = {
-                name: stack.enter_context(branches(module)) for name, module in self.splits.items()
-            }
-            yield True
-            self._check_splits(step, splits)
-        self._check_backward(step)
-        if combine:  # every process: the whole batch's values (each layer's plus over them)
-            all_reduce(list(self.layers.values()), self.semiring)
-        self._record(step, splits)
+        try:
+            if not self.sampled(step):
+                yield False
+                return
+            combine = self._combines_processes()
+            self._clear()
+            with ExitStack() as stack:
+                stack.enter_context(extend(self.model, self.semiring, keep_state=combine))
+                splits = {
+                    name: stack.enter_context(branches(module))
+                    for name, module in self.splits.items()
+                }
+                yield True
+                self._check_splits(step, splits)
+            self._check_backward(step)
+            if combine:  # every process: the whole batch's values (each layer's plus over them)
+                all_reduce(list(self.layers.values()), self.semiring)
+            self._record(step, splits)
+        except BaseException:
+            self.flush()  # the run may end here: every earlier record goes to the files
+            raise
 
     def _clear(self) -> None:
         """Drop the values an earlier pass left on the monitored parameters, so that only this
@@ -187,42 +196,30 @@ class Monitor:
         return any(isinstance(m, DistributedDataParallel) for m in self.model.modules())
 
     def _record(self, step: int, splits: dict[str, Branches]) -> None:
-        rows: list[Record] = []
+        """Summarise the step's values and write them out: every layer's summaries come to
+        the host in one transfer (``_summaries``), and the files get one CSV write and one
+        TensorBoard event per step (per-value events cost more than the summaries)."""
+        reached = {}
         for name, param in self.layers.items():
             values = getattr(param, "semiring_grad", None)
-            if values is None:
-                continue  # this step's backward does not reach the layer
-            rows += [Record(step, name, q, v) for q, v in self._summaries(name, values).items()]
+            if values is not None:  # else this step's backward does not reach the layer
+                reached[name] = values
+        rows: list[Record] = []
+        for name, summary in zip(reached, _summaries(list(reached.values())), strict=True):
+            if summary is not None:  # the best path's entry, to compare with the next step's
+                best = summary.pop("best")
+                if name in self._best:
+                    summary["top_path_changed"] = float(best != self._best[name])
+                self._best[name] = best
+            else:  # in the graph, but no path: only its deadness
+                summary = {"dead_units": 1.0}
+            rows += [Record(step, name, q, v) for q, v in summary.items()]
         for name, split in splits.items():
             for use, share in _flow_shares(split).items():
                 rows.append(Record(step, f"{name} -> {use}", "flow_share", share))
         self.records += rows
-        if self._csv is not None:
-            self._csv.writerows([(r.step, r.layer, r.quantity, r.value) for r in rows])
-            self._csv_file.flush()
-        if self._writer is not None:
-            for r in rows:
-                self._writer.add_scalar(f"{r.quantity}/{r.layer}", r.value, r.step)
-
-    def _summaries(self, name: str, values: tuple[Tensor, ...]) -> dict[str, float]:
-        log_best, log_flow = values[0].detach(), values[1].detach()
-        if bool(log_best.isneginf().all()):  # in the graph, but no path: only its deadness
-            return {"dead_units": 1.0}
-        out: dict[str, float] = {}
-        if len(values) > 2:
-            entropy = values[2].detach()
-            reached = entropy[~entropy.isnan()]
-            out["entropy_mean"] = float(reached.mean()) if reached.numel() else math.nan
-            out["entropy_max"] = float(reached.max()) if reached.numel() else math.nan
-        out["log_best_path"] = float(log_best.max())
-        out["log_flow"] = float(log_flow.logsumexp(tuple(range(log_flow.dim()))))
-        units = log_best.reshape(log_best.shape[0], -1) if log_best.dim() else log_best[None, None]
-        out["dead_units"] = float(units.isneginf().all(1).double().mean())
-        best = int(log_best.reshape(-1).argmax())
-        if name in self._best:
-            out["top_path_changed"] = float(best != self._best[name])
-        self._best[name] = best
-        return out
+        if self._files is not None and rows:
+            self._files.add(step, rows)
 
     def series(self, quantity: str) -> dict[str, tuple[list[int], list[float]]]:
         """Layer -> (steps, values) of ``quantity`` over the recorded steps."""
@@ -258,14 +255,23 @@ class Monitor:
             written.append(path)
         return written
 
+    def flush(self) -> None:
+        """Write every record so far to ``monitor.csv`` and TensorBoard's events now (they are
+        otherwise written every ``flush_secs``)."""
+        if self._files is not None:
+            self._files.flush()
+
     def close(self) -> None:
-        """Flush and close the CSV file and the TensorBoard writer."""
-        if self._csv is not None:
-            self._csv_file.close()
-            self._csv = None
-        if self._writer is not None:
-            self._writer.close()
-            self._writer = None
+        """Write every record and close the CSV file and the TensorBoard writer."""
+        if self._files is not None:
+            self._files.close()
+
+    def __enter__(self) -> Monitor:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        """Close the files, also when the block ends with an exception (not swallowed)."""
+        self.close()
 
 
 def _layers(model: nn.Module) -> dict[str, nn.Parameter]:
@@ -283,25 +289,184 @@ def _layers(model: nn.Module) -> dict[str, nn.Parameter]:
     return out
 
 
+def _summaries(values: list[tuple[Tensor, ...]]) -> list[dict[str, float | int] | None]:
+    """Each layer's summaries from its ``(log best path, log flow[, entropy])`` values: None
+    for a layer reached without any path, else the recorded quantities in their order and
+    ``best``, the flat index of the entry with the best path.
+
+    The reductions of every layer come to the host together (``_to_host``: one transfer per
+    device and dtype, where a value at a time waits on the device once per value); each is the
+    reduction a layer-by-layer summary runs, so the values are the same bits."""
+    pending: list[Tensor] = []
+    reached_entropy: list[Tensor | None] = []
+    for layer in values:
+        log_best, log_flow = layer[0].detach(), layer[1].detach()
+        if not log_best.numel():
+            reached_entropy.append(None)
+            continue  # no entry at all: no path either
+        units = log_best.reshape(log_best.shape[0], -1) if log_best.dim() else log_best[None, None]
+        # the best path and the flat index of its first entry (argmax's) in one reduction;
+        # the best path is -inf exactly when no entry has a path
+        best_path, best = log_best.reshape(-1).max(0)
+        pending += [
+            best_path,
+            log_flow.logsumexp(tuple(range(log_flow.dim()))),
+            units.isneginf().all(1).double().mean(),
+            best,
+        ]
+        reached = None
+        if len(layer) > 2:  # the entropy of the entries a path reaches (the others are NaN)
+            entropy = layer[2].detach()
+            reached = entropy.masked_select(entropy == entropy)
+            if reached.numel():
+                pending += [reached.mean(), reached.max()]
+        reached_entropy.append(reached)
+    host = iter(_to_host(pending))
+    out: list[dict[str, float | int] | None] = []
+    for layer, reached in zip(values, reached_entropy, strict=True):
+        if not layer[0].numel():
+            out.append(None)
+            continue
+        best_path, flow, dead, best = next(host), next(host), next(host), next(host)
+        summary: dict[str, float | int] = {}
+        if reached is not None:
+            mean, top = (next(host), next(host)) if reached.numel() else (math.nan, math.nan)
+            summary.update(entropy_mean=mean, entropy_max=top)
+        if best_path == -math.inf:  # in the graph, but no path: only its deadness
+            out.append(None)
+            continue
+        summary.update(log_best_path=best_path, log_flow=flow, dead_units=dead, best=best)
+        out.append(summary)
+    return out
+
+
+def _to_host(tensors: list[Tensor]) -> list[Any]:
+    """The values of 0-dim ``tensors`` as Python numbers, in order. On the CPU each is read
+    on its own (reading one costs less than a stack); elsewhere each device and dtype gives one
+    stack and one ``tolist`` (one wait on the device, where reading each value waits once per
+    value; a stack of mixed dtypes would convert)."""
+    out: list[Any] = [None] * len(tensors)
+    groups: dict[tuple[torch.device, torch.dtype], list[int]] = {}
+    for i, t in enumerate(tensors):
+        if t.device.type == "cpu":
+            out[i] = t.item()
+        else:
+            groups.setdefault((t.device, t.dtype), []).append(i)
+    for positions in groups.values():
+        stacked = torch.stack([tensors[i] for i in positions]).tolist()
+        for i, v in zip(positions, stacked, strict=True):
+            out[i] = v
+    return out
+
+
 def _flow_shares(split: Branches) -> dict[str, float]:
     """Each use's share of the LogSum flow at the split tensor (the Product's second factor)."""
-    logs = {use: float(v[1].logsumexp(tuple(range(v[1].dim())))) for use, v in split.values.items()}
-    if not logs:
+    if not split.values:
         return {}
+    sums = [v[1].logsumexp(tuple(range(v[1].dim()))) for v in split.values.values()]
+    logs = dict(zip(split.values, _to_host(sums), strict=True))
     whole = torch.tensor(list(logs.values()), dtype=torch.float64).logsumexp(0)
     return {use: math.exp(v - float(whole)) for use, v in logs.items()}
 
 
-def _summary_writer(log_dir: Path) -> Any:
-    """TensorBoard's writer (tensorboard is an optional dependency)."""
-    try:
-        from torch.utils.tensorboard import SummaryWriter
-    except ImportError as error:
-        raise SemipackError(
-            "Monitor(tensorboard=True) needs the tensorboard package: pip install tensorboard, "
-            "or pass tensorboard=False (the CSV and plots need nothing extra)"
-        ) from error
-    return SummaryWriter(str(log_dir))
+class _Files:
+    """``monitor.csv`` and TensorBoard's events of one monitor, written a batch at a time.
+
+    Each sampled step's records wait in memory and are written out together once
+    ``flush_secs`` have passed since the last write (and on ``flush``, ``close``, an exception
+    through ``Monitor.step`` and the monitor's collection or the interpreter's exit): rows
+    formatted and events queued a step at a time cost several times more, TensorBoard's writer
+    thread competing with the training for the interpreter between steps. The records in
+    the files, and their order, are those written a step at a time."""
+
+    def __init__(self, log_dir: Path, tensorboard: bool, flush_secs: float) -> None:
+        self.events = _Events(log_dir) if tensorboard else None
+        self.csv_file = open(log_dir / "monitor.csv", "w", newline="")  # noqa: SIM115
+        self.csv = csv.writer(self.csv_file)
+        self.csv.writerow(["step", "layer", "quantity", "value"])
+        self.csv_file.flush()
+        self.flush_secs = flush_secs
+        self.pending: list[tuple[int, list[Record]]] = []  # (step, its records) per record
+        self.written_at = time.monotonic()
+        self.closed = False
+
+    def add(self, step: int, rows: list[Record]) -> None:
+        """Queue one sampled step's records; write everything out when it is time (after
+        ``close`` the records stay in ``Monitor.records`` only, as before)."""
+        if self.closed:
+            return
+        self.pending.append((step, rows))
+        if time.monotonic() - self.written_at >= self.flush_secs:
+            self.write()
+
+    def write(self) -> None:
+        """Write the queued records: the CSV rows (flushed to the file) and one TensorBoard
+        event per sampled step."""
+        pending, self.pending = self.pending, []
+        self.written_at = time.monotonic()
+        if not pending:
+            return
+        self.csv.writerows(
+            [(r.step, r.layer, r.quantity, r.value) for _, rows in pending for r in rows]
+        )
+        self.csv_file.flush()
+        if self.events is not None:
+            for step, rows in pending:
+                self.events.write(step, [(f"{r.quantity}/{r.layer}", r.value) for r in rows])
+
+    def flush(self) -> None:
+        """Write the queued records and have TensorBoard's writer put its events on disk."""
+        if self.closed:
+            return
+        self.write()
+        if self.events is not None:
+            self.events.flush()
+
+    def close(self) -> None:
+        """Write the queued records and close both files (once; later calls do nothing)."""
+        if self.closed:
+            return
+        self.write()
+        self.closed = True
+        self.csv_file.close()
+        if self.events is not None:
+            self.events.close()
+
+
+class _Events:
+    """TensorBoard's event file: each step's scalars go in as one ``Summary`` of one event.
+
+    ``SummaryWriter.add_scalar`` writes one event per value; an event costs a protobuf, a
+    queue hand-off and two pure-Python CRCs on TensorBoard's writer thread, which made most of
+    the monitor's own cost at ``every=1``. One event holding every value of the step carries
+    the same tags, steps and values (read back by ``tests/test_monitor.py``)."""
+
+    def __init__(self, log_dir: Path) -> None:
+        try:
+            from tensorboard.compat.proto.summary_pb2 import Summary
+            from torch.utils.tensorboard import SummaryWriter
+        except ImportError as error:
+            raise SemipackError(
+                "Monitor(tensorboard=True) needs the tensorboard package: pip install "
+                "tensorboard, or pass tensorboard=False (the CSV and plots need nothing extra)"
+            ) from error
+        self._summary = Summary
+        self.writer = SummaryWriter(str(log_dir))
+
+    def write(self, step: int, scalars: list[tuple[str, float]]) -> None:
+        """One event at ``step`` holding each ``(tag, value)`` as ``add_scalar`` stores it
+        (``simple_value``, a float32)."""
+        value = self._summary.Value
+        summary = self._summary(value=[value(tag=tag, simple_value=v) for tag, v in scalars])
+        self.writer._get_file_writer().add_summary(summary, step)
+
+    def flush(self) -> None:
+        """Put every queued event on disk."""
+        self.writer.flush()
+
+    def close(self) -> None:
+        """Write out every queued event and close the file."""
+        self.writer.close()
 
 
 __all__ = ["QUANTITIES", "Monitor", "Record"]

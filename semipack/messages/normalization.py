@@ -112,7 +112,7 @@ def normalized_messages(
     if own is not None:
         return own
     spec = sr.normalization_kernel()
-    if spec is None or not sr.lift_is_multiplicative():
+    if spec is None or not sr.lift_is_multiplicative() or not _kernel_inputs(m, x_hat):
         return None
     rows, n = x_hat.shape
     native = native_kernel(spec, x_hat)
@@ -144,6 +144,19 @@ def normalized_messages(
         if mode == "compiled" and spec.all_pairs:
             out = _fix_outliers(sr, m, x_hat, tuple(out), spec.as_floats)
     return sr.scale(tuple(out), row_weight[:, None])
+
+
+def _kernel_inputs(m: State, x_hat: Tensor) -> bool:
+    """Whether the fused kernels may take these rows: finite x̂, and messages without NaN or
+    +inf. They shift each row by its largest message and drop NaN in their maxima, so such a
+    row would come out partly finite; the dense Jacobian gives what the definition does (a
+    NaN or infinite message reaches every output of its row that it has an edge to)."""
+    if not bool(torch.isfinite(x_hat).all()):
+        return False
+    for c in m:
+        if c.is_floating_point() and bool((torch.isnan(c) | (c == float("inf"))).any()):
+            return False
+    return True
 
 
 def native_kernel(spec: CentredPairsKernel, x_hat: Tensor) -> Callable[..., State] | None:

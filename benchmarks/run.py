@@ -326,7 +326,9 @@ taken there).
   plus a strided slice update per tap, against oneDNN's very fast direct convolution. The taps
   of one convolution share one estimate of how much the pruned kernel keeps
   (`kernels.tropical.shared_pruning_choice`): estimating each product alone cost about a fifth
-  of ResNet-18's MaxProd backward.
+  of ResNet-18's MaxProd backward. A product is pruned only with at least 256 output columns
+  (`PRUNE_MIN_COLS`): the weight message's [64, 32 x 1024] x [32 x 1024, 64] ran slower pruned
+  than dense (conv2d MaxProd 8.6x -> 4.9x).
 - **Whole models on small inputs.** The ratios sit far above their floors because a plain
   backward of one sentence or two images is a few milliseconds of large matrix products, while
   every semiring node also pays elementwise work over its whole output (edge weights in log
@@ -341,9 +343,11 @@ taken there).
 - **Convolutional models.** ResNet-18 and MobileNetV3 MaxProd pay the convolution max-plus
   products above (per tap, against oneDNN); depthwise convolutions take an elementwise path per
   tap (MobileNet's 5x5 depthwise layers were 580x before it). In train mode ResNet-18 adds the
-  exact messages of BatchNorm over N x H x W entries per channel: all pairs (quadratic per
-  channel), hence Entropy's 33x; the sub-quadratic forms (upper envelopes for max-like
-  semirings, sorted prefix sums for sum-like ones) are not implemented.
+  exact messages of BatchNorm over N x H x W entries per channel (8192 in its first layer). The
+  native kernels sort each channel and take O(n log n): MaxProd's maximum is an upper envelope
+  of lines, LogSum's sum prefix sums, Entropy's sum of c log c a series tree
+  (`kernels/native/normalization_sorted.c`); the all-pairs form had Entropy at 38.6x and
+  MaxProd at 12.2x (2026-11-25).
 - **CUDA**: no table yet; no GPU with a supported torch was available where these numbers were
   taken. `tests/test_cuda.py` holds the CUDA tests (skipped without a GPU).
 """

@@ -112,7 +112,7 @@ def normalized_messages(
     if own is not None:
         return own
     spec = sr.normalization_kernel()
-    if spec is None or not sr.lift_is_multiplicative() or not _kernel_inputs(m, x_hat):
+    if spec is None or not sr.lift_is_multiplicative() or not _kernel_inputs(sr, m, x_hat):
         return None
     rows, n = x_hat.shape
     native = native_kernel(spec, x_hat)
@@ -146,15 +146,19 @@ def normalized_messages(
     return sr.scale(tuple(out), row_weight[:, None])
 
 
-def _kernel_inputs(m: State, x_hat: Tensor) -> bool:
-    """Whether the fused kernels may take these rows: finite x̂, and messages without NaN or
-    +inf. They shift each row by its largest message and drop NaN in their maxima, so such a
-    row would come out partly finite; the dense Jacobian gives what the definition does (a
-    NaN or infinite message reaches every output of its row that it has an edge to)."""
+def _kernel_inputs(sr: Semiring, m: State, x_hat: Tensor) -> bool:
+    """Whether the fused kernels may take these rows: finite x̂, and messages without NaN or an
+    infinite weight (+inf in a component whose "no path" is -inf). They shift each row by its
+    largest message and drop NaN in their maxima, so such a row would come out partly finite;
+    the dense Jacobian gives what the definition does (a NaN or infinite message reaches every
+    output of its row that it has an edge to)."""
     if not bool(torch.isfinite(x_hat).all()):
         return False
-    for c in m:
-        if c.is_floating_point() and bool((torch.isnan(c) | (c == float("inf"))).any()):
+    for c, zero in zip(m, sr.zero, strict=True):
+        if not c.is_floating_point():
+            continue
+        bad = torch.isnan(c) if zero == float("inf") else torch.isnan(c) | (c == float("inf"))
+        if bool(bad.any()):
             return False
     return True
 

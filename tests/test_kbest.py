@@ -357,3 +357,24 @@ def test_matmul_blocks_give_the_unblocked_product(block, monkeypatch) -> None:
     got = kb.matmul(a, w)
     for x, y in zip(got, want, strict=True):
         torch.testing.assert_close(x, y, rtol=1e-12, atol=0)
+
+
+@pytest.mark.parametrize("k", [1, 2, 3])
+def test_many_candidates_rank_as_a_stable_sort(k: int) -> None:
+    """The k best of many candidates (a matmul's inner size times k) come from k first-
+    occurrence maxima, not a sort: the values, and the successors of every slot holding a path,
+    are those of the stable descending sort (ties: the first candidate first); a slot without a
+    path has no successor."""
+    gen = torch.Generator().manual_seed(k)
+    values = torch.randint(0, 4, (6, 50), generator=gen).double()  # many ties
+    values[0, 3:] = float("-inf")  # fewer finite candidates than k in some rows
+    values[1] = float("-inf")
+    values[3, 1:] = float("-inf")  # one path only
+    values[2, 7] = 9.0
+    ids = torch.randint(0, 1000, (6, 50), generator=gen)
+    kb = semipack.KBest(k)
+    got = kb._best(values, ids)
+    best, order = torch.sort(values, dim=-1, descending=True, stable=True)
+    want_ids = torch.where(best[:, :k] == float("-inf"), -1, ids.gather(-1, order[:, :k]))
+    assert torch.equal(torch.stack(got[:k], -1), best[:, :k])
+    assert torch.equal(torch.stack(got[k:], -1), want_ids)

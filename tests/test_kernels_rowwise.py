@@ -522,3 +522,26 @@ def test_a_nan_or_infinite_message_reaches_its_whole_normalisation_row(sr, poiso
     else:
         assert torch.equal(got[0], torch.full((n,), float("inf")))
     assert torch.isfinite(got[1]).all()
+
+
+@pytest.mark.parametrize("k", [1, 2, 3])
+def test_k_best_softmax_rows_match_the_dense_jacobian(k: int) -> None:
+    """KBest's softmax and log_softmax rows through its exclusive k best (the row's 2k best
+    paths, ranked once) equal the dense Jacobian's: values, and the successor of every slot
+    holding a path (one-hot rows, masked keys and rows of one live entry included)."""
+    sr = semipack.KBest(k)
+    logits = softmax_logits()
+    probs, log_probs = torch.softmax(logits, -1), torch.log_softmax(logits, -1)
+    m = random_state(sr, *probs.shape, seed=4)
+    cases = [
+        (softmax_messages(sr, m, probs), dense(sr, m, softmax_jacobian(probs))),
+        (log_softmax_messages(sr, m, log_probs), log_softmax_reference(sr, m, log_probs)),
+    ]
+    for got, want in cases:
+        assert got is not None  # the O(n k) form, not the dense fallback
+        values, ids = torch.stack(got[:k], -1), torch.stack(got[k:], -1)
+        want_values, want_ids = torch.stack(want[:k], -1), torch.stack(want[k:], -1)
+        torch.testing.assert_close(values, want_values, rtol=1e-9, atol=1e-11)
+        live = torch.isfinite(want_values)
+        assert live.any() and (~live).any()
+        assert torch.equal(ids[live], want_ids[live])

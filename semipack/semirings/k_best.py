@@ -158,6 +158,39 @@ class KBest(Semiring):
     def uses_edge_signs(self) -> bool:
         return False
 
+    def lift_is_multiplicative(self) -> bool:
+        return True  # an edge is one path of log-value log|w|: log|ab| = log|a| + log|b|
+
+    def exclusive_plus(self, a: State) -> State | None:
+        # the k best paths of the other entries of a row, for softmax rows in O(n k): removing
+        # one entry removes at most its k paths, so they are among the row's 2k best, ranked
+        # once (first candidates first, entry i's r-th path at i * k + r)
+        values, ids = self._stacked(a)  # [rows, n, k]
+        rows, n, k = values.shape
+        flat_values, flat_ids = values.reshape(rows, n * k), ids.reshape(rows, n * k)
+        owner = torch.arange(n, device=values.device).repeat_interleave(k)
+        work = flat_values.clone()
+        picks = []
+        for _ in range(min(2 * k, n * k)):
+            at = work.max(-1, keepdim=True).indices
+            picks.append(at)
+            work.scatter_(-1, at, -math.inf)
+        at = torch.cat(picks, -1)  # [rows, top], best first
+        top_values, top_ids = flat_values.gather(-1, at), flat_ids.gather(-1, at)
+        others = owner[at][:, None, :] != torch.arange(n, device=values.device)[None, :, None]
+        place = others.cumsum(-1)  # [rows, n, top]: 1 for the first candidate kept, ...
+        best = values.new_full((rows, n, k), -math.inf)
+        chosen = torch.full((rows, n, k), NO_SUCCESSOR, dtype=ids.dtype, device=ids.device)
+        for r in range(min(k, at.shape[-1])):
+            slot = others & (place == r + 1)  # at most one candidate per output
+            found = slot.any(-1)
+            where = slot.to(torch.uint8).argmax(-1, keepdim=True)  # [rows, n, 1]
+            best[..., r] = torch.where(
+                found, top_values[:, None, :].expand_as(slot).gather(-1, where)[..., 0], -math.inf
+            )
+            chosen[..., r] = top_ids[:, None, :].expand_as(slot).gather(-1, where)[..., 0]
+        return self._ranked(best, chosen)
+
     def matmul(self, a: State, w: Tensor) -> State:
         return self._products(a, log_abs(w, a[0].dtype))
 

@@ -145,3 +145,16 @@ def test_recorded_paths_keep_the_reached_rows_and_read_as_the_full_table(
         for col in range(3):
             assert kept.paths((row, col)) == full.paths((row, col))
             assert bool(kept.paths((row, col))) == (row in (2, 6, 17))
+
+
+def test_a_table_without_any_path_starts_its_best_path_at_the_first_entry() -> None:
+    """When no reached row has a path (the loss ignores the lookups), the default entry is the
+    first one, as an argmax over the full-shaped values gives, and the path is empty."""
+    model = _Lookup(tied=False)
+    ids = torch.tensor([[5, 9]])
+    with semipack.extend(model, semipack.TopPath()):
+        (model(ids) * 0.0).backward()
+    kept = model.table.weight.semiring_paths
+    assert kept.rows is not None and not torch.isfinite(kept.log_values).any()
+    path = kept.path()
+    assert path.index == (0, 0) and not path.steps

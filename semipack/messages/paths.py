@@ -304,6 +304,8 @@ class LeafPaths:
         best = int(self._values[0].reshape(-1).argmax()) if self._values[0].numel() else 0
         if self.rows is None or self.rows.numel() == 0:
             return best
+        if self._values[0].reshape(-1)[best] == -math.inf:
+            return 0  # no path anywhere: the first entry, as the full-shaped argmax gives
         inner = math.prod(self.shape[1:])
         return int(self.rows[best // inner]) * inner + best % inner
 

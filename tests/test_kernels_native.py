@@ -259,9 +259,11 @@ def test_sorted_normalization_kernels_match_float64_definition(n):
 
 def test_sorted_kernels_take_long_finite_rows_only(monkeypatch):
     """From SORTED_MIN_ENTRIES entries (SORTED_MIN_ENTRIES_ENTROPY for Entropy) the native
-    message kernels sort; shorter rows and rows with NaN keep the all-pairs kernels (NaN must
-    propagate as it does there)."""
+    message kernels sort; shorter rows keep the all-pairs kernels, and rows with NaN reach
+    neither (the dense Jacobian takes them, so NaN propagates as the definition says)."""
+    import semipack
     from semipack.kernels import normalization as knorm
+    from semipack.messages.normalization import normalized_messages
 
     calls = []
 
@@ -278,17 +280,21 @@ def test_sorted_kernels_take_long_finite_rows_only(monkeypatch):
         ("max", knorm.SORTED_MIN_ENTRIES),
         ("entropy", knorm.SORTED_MIN_ENTRIES_ENTROPY),
     ):
-        for width, poison in ((n, False), (n - 1, False), (n, True)):
+        for width in (n, n - 1):
             x_hat = torch.randn(2, width)
-            if poison:
-                x_hat[1, 3] = float("nan")
             if kernel == "max":
                 knorm.max_prod_native(torch.zeros(2, width), x_hat)
             else:
                 knorm.entropy_native(torch.zeros(2, width), torch.zeros(2, width), x_hat)
+        x_hat = torch.randn(2, n)
+        x_hat[1, 3] = float("nan")
+        sr = semipack.MaxProd() if kernel == "max" else semipack.Entropy()
+        m = sr.zeros((2, n), torch.float32, "cpu")
+        ones = torch.ones(2)
+        assert normalized_messages(sr, m, x_hat, ones, ones, True) is None
     assert [c for c in calls if c != "done"] == [
-        *("sorted", "pairs", "pairs"),
-        *("sorted sums", "pair sums", "pair sums"),
+        *("sorted", "pairs"),
+        *("sorted sums", "pair sums"),
     ]
 
 

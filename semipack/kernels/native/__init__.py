@@ -43,6 +43,20 @@ PRUNE_TOP = 32
 #: Indices are carried as float32 inside the kernel: exact below this.
 MAX_INDEX_K = 1 << 24
 
+#: ctypes codes of the C signatures below: a pointer, an int64_t, an int.
+_C_TYPES = {"p": ctypes.c_void_p, "q": ctypes.c_int64, "i": ctypes.c_int}
+#: Each exported function: (return type or None for void, parameter types), in those codes.
+_SIGNATURES: dict[str, tuple[str | None, str]] = {
+    "semipack_maxplus_f32": (None, "pqqqpppqqqqqqi"),
+    "semipack_maxplus_pruned_f32": ("q", "pqppppqqqqqi"),
+    "semipack_pack_panels_f32": (None, "pqqqpqqqi"),
+    "semipack_norm_entropy_sums_f32": ("i", "pppqqpppi"),
+    "semipack_softmax_log_sum_f32": ("i", "ppqqpi"),
+    "semipack_norm_abs_reduce_f32": (None, "ppqqpii"),
+    "semipack_norm_sorted_max_f32": ("i", "ppqqppi"),
+    "semipack_norm_sorted_sums_f32": ("i", "pppqqpppi"),
+}
+
 _state = {"enabled": os.environ.get("SEMIPACK_NATIVE", "1") not in ("0", "false", "no")}
 
 
@@ -102,38 +116,10 @@ def _library() -> ctypes.CDLL | None:
             stacklevel=3,
         )
         return None
-    fn = lib.semipack_maxplus_f32
-    fn.restype = None
-    fn.argtypes = [ctypes.c_void_p, *[ctypes.c_int64] * 3, *[ctypes.c_void_p] * 3]
-    fn.argtypes += [*[ctypes.c_int64] * 6, ctypes.c_int]
-    pruned = lib.semipack_maxplus_pruned_f32
-    pruned.restype = ctypes.c_int64
-    pruned.argtypes = [ctypes.c_void_p, ctypes.c_int64, *[ctypes.c_void_p] * 4]
-    pruned.argtypes += [*[ctypes.c_int64] * 5, ctypes.c_int]
-    pack = lib.semipack_pack_panels_f32
-    pack.restype = None
-    pack.argtypes = [ctypes.c_void_p, *[ctypes.c_int64] * 3, ctypes.c_void_p]
-    pack.argtypes += [*[ctypes.c_int64] * 3, ctypes.c_int]
-    sums = lib.semipack_norm_entropy_sums_f32
-    sums.restype = ctypes.c_int
-    sums.argtypes = [*[ctypes.c_void_p] * 3, *[ctypes.c_int64] * 2, *[ctypes.c_void_p] * 3]
-    sums.argtypes += [ctypes.c_int]
-    softmax = lib.semipack_softmax_log_sum_f32
-    softmax.restype = ctypes.c_int
-    softmax.argtypes = [*[ctypes.c_void_p] * 2, *[ctypes.c_int64] * 2, ctypes.c_void_p]
-    softmax.argtypes += [ctypes.c_int]
-    reduce = lib.semipack_norm_abs_reduce_f32
-    reduce.restype = None
-    reduce.argtypes = [*[ctypes.c_void_p] * 2, *[ctypes.c_int64] * 2, ctypes.c_void_p]
-    reduce.argtypes += [ctypes.c_int, ctypes.c_int]
-    sorted_max = lib.semipack_norm_sorted_max_f32
-    sorted_max.restype = ctypes.c_int
-    sorted_max.argtypes = [*[ctypes.c_void_p] * 2, *[ctypes.c_int64] * 2, *[ctypes.c_void_p] * 2]
-    sorted_max.argtypes += [ctypes.c_int]
-    sorted_sums = lib.semipack_norm_sorted_sums_f32
-    sorted_sums.restype = ctypes.c_int
-    sorted_sums.argtypes = [*[ctypes.c_void_p] * 3, *[ctypes.c_int64] * 2]
-    sorted_sums.argtypes += [*[ctypes.c_void_p] * 3, ctypes.c_int]
+    for name, (result, params) in _SIGNATURES.items():
+        fn = getattr(lib, name)
+        fn.restype = _C_TYPES[result] if result is not None else None
+        fn.argtypes = [_C_TYPES[code] for code in params]
     return lib
 
 

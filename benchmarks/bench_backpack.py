@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import statistics
 import sys
 import warnings
 from collections.abc import Callable
@@ -42,7 +41,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import backpack
 from backpack import extensions as bpe
-from common import interleaved, machine
+from common import interleaved, machine, median_ratio, medians
 
 import semipack
 
@@ -129,13 +128,9 @@ def main() -> None:
     )
     for name in args.semirings:
         rounds = bench(name, args.batch, args.repeats, args.block)
-        ratio = statistics.median(
-            c / (b + s)
-            for c, b, s in zip(
-                rounds["combined"], rounds["backpack"], rounds["semiring"], strict=True
-            )
-        )
-        t = {variant: statistics.median(times) for variant, times in rounds.items()}
+        separate = [b + s for b, s in zip(rounds["backpack"], rounds["semiring"], strict=True)]
+        ratio = median_ratio(rounds["combined"], separate)
+        t = medians(rounds)
         print(
             f"{name:<9} {t['plain'] * 1e3:>6.1f}ms {t['backpack'] * 1e3:>7.1f}ms "
             f"{t['semiring'] * 1e3:>7.1f}ms {t['combined'] * 1e3:>7.1f}ms {ratio:>33.2f}"

@@ -21,7 +21,6 @@ round after one warm-up round; the ratio printed is the median over rounds of ea
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -32,7 +31,7 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import interleaved, machine
+from common import interleaved, machine, median_ratio, medians
 
 import semipack
 
@@ -112,10 +111,8 @@ def main() -> None:
     for workload in args.workloads:
         for name in args.semirings:
             rounds = bench(workload, name, args.repeats)
-            ratio = statistics.median(
-                p / b for p, b in zip(rounds["per_sample"], rounds["batch"], strict=True)
-            )
-            t = {variant: statistics.median(times) for variant, times in rounds.items()}
+            ratio = median_ratio(rounds["per_sample"], rounds["batch"])
+            t = medians(rounds)
             print(
                 f"{workload:<12} {name:<9} {t['plain'] * 1e3:>7.1f}ms {t['batch'] * 1e3:>7.1f}ms "
                 f"{t['per_sample'] * 1e3:>9.1f}ms {ratio:>19.2f}"

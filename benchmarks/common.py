@@ -114,6 +114,17 @@ def interleaved(
     return times
 
 
+def medians(rounds: dict[str, list[float]]) -> dict[str, float]:
+    """Each variant's median time over the rounds of ``interleaved``."""
+    return {variant: statistics.median(times) for variant, times in rounds.items()}
+
+
+def median_ratio(numerator: list[float], denominator: list[float]) -> float:
+    """The median over rounds of one round's ratio: variants timed in the same round share
+    its drift, so the ratio of a round is steadier than a ratio of medians."""
+    return statistics.median(n / d for n, d in zip(numerator, denominator, strict=True))
+
+
 def memory_of(
     step: Callable[[], Callable[[], object]], reset: Callable[[], None] | None = None
 ) -> int:

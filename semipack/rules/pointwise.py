@@ -30,7 +30,6 @@ from ..semirings.base import Sign
 aten = torch.ops.aten
 
 ACTIVATION_BACKWARDS = [
-    aten.threshold_backward.default,
     aten.gelu_backward.default,
     aten.silu_backward.default,
     aten.mish_backward.default,
@@ -161,16 +160,19 @@ def exact_log_derivative(call: OpCall) -> tuple[Tensor, Sign] | None:
     return None if exact is None else exact(call, call.semiring.uses_edge_signs())
 
 
-def _threshold_messages(call: OpCall, parts: tuple[Tensor, ...]) -> tuple[Tensor, ...]:
-    """threshold_backward's messages: an edge of weight exactly 1 where ``self > threshold``
-    (the message passes unchanged: ⊗ one), none elsewhere (the semiring zero). The same values
-    as scaling by the 0/1 derivative, without building it and taking its logarithm (a
-    ResNet's ReLUs spent 6% of its MaxProd backward there). Entries are cut where torch's own
-    backward zeroes the gradient, ``self <= threshold`` (a NaN input passes, as there)."""
+@register_rule(aten.threshold_backward.default)
+def threshold_backward(call: OpCall):
+    """ReLU (threshold): an edge of weight exactly 1 where ``self > threshold`` (the message
+    passes unchanged: ⊗ one), none elsewhere (the semiring zero). The same values as scaling by
+    the 0/1 derivative, without building it and taking its logarithm (a ResNet's ReLUs spent 6%
+    of its MaxProd backward there). Entries are cut where torch's own backward zeroes the
+    gradient, ``self <= threshold`` (a NaN input passes, as there)."""
+    _, msg = _message_arg(call)
     off = call["self"] <= call["threshold"]
-    return tuple(
-        torch.where(off, zero, p) for p, zero in zip(parts, call.semiring.zero, strict=True)
+    parts = tuple(
+        torch.where(off, zero, p) for p, zero in zip(msg.parts, call.semiring.zero, strict=True)
     )
+    return call.wrap(call.run_regular(), parts)
 
 
 @register_rule(*ACTIVATION_BACKWARDS)
@@ -178,8 +180,6 @@ def activation(call: OpCall):
     """Elementwise activations' backward ops: each output entry has one edge, the exact
     local derivative (from the recorded input in log form where it saturates)."""
     name, msg = _message_arg(call)
-    if call.func is aten.threshold_backward.default:  # ReLU: the derivative is 0 or 1
-        return call.wrap(call.run_regular(), _threshold_messages(call, msg.parts))
     exact = exact_log_derivative(call)
     if exact is None:
         parts = call.semiring.scale_owned(msg.parts, edge_weights(call, name))

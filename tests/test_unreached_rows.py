@@ -46,9 +46,9 @@ def _rows_read(monkeypatch: pytest.MonkeyPatch, cls: type) -> list[list[int]]:
     calls: list[list[int]] = []
     original = cls.readout_sparse
 
-    def spy(self, a):
+    def spy(self, a, into=None):
         calls.append(a.rows.tolist())
-        return original(self, a)
+        return original(self, a, into)
 
     monkeypatch.setattr(cls, "readout_sparse", spy)
     return calls
@@ -158,3 +158,72 @@ def test_a_table_without_any_path_starts_its_best_path_at_the_first_entry() -> N
     assert kept.rows is not None and not torch.isfinite(kept.log_values).any()
     path = kept.path()
     assert path.index == (0, 0) and not path.steps
+
+
+def _table_pass(model: _Lookup, semiring: semipack.Semiring, ids: list[int]):
+    with semipack.extend(model, semiring):
+        model(torch.tensor([ids])).backward()
+    return model.table.weight.semiring_grad
+
+
+def _fresh_readout(semiring: semipack.Semiring, ids: list[int]):
+    """The readout of a new model with the same weights, so no earlier readout exists."""
+    return _table_pass(_Lookup(tied=False), semiring, ids)
+
+
+def test_a_new_readout_reuses_the_memory_of_the_last_one_that_nobody_holds() -> None:
+    """The second pass writes into the first readout's memory; rows the first pass reached and
+    the second did not read as no path again."""
+    model = _Lookup(tied=False)
+    first_ptr = _table_pass(model, semipack.MaxProd(), [3, 8]).data_ptr()
+    second = _table_pass(model, semipack.MaxProd(), [5, 8])
+    assert second.data_ptr() == first_ptr
+    assert torch.equal(second, _fresh_readout(semipack.MaxProd(), [5, 8]))
+    assert int(second[3].count_nonzero()) == 0 and int(second[5].count_nonzero()) == 3
+
+
+@pytest.mark.parametrize(
+    "keep",
+    [
+        lambda grad: grad,  # a name for it
+        lambda grad: grad[3:],  # a view
+        lambda grad: grad.numpy(),  # an array sharing its memory
+        lambda grad: torch.empty(0, dtype=grad.dtype).set_(  # another tensor on its memory
+            grad.untyped_storage(), 0, grad.shape
+        ),
+    ],
+    ids=["name", "view", "numpy", "storage"],
+)
+def test_a_readout_someone_still_holds_is_never_overwritten(keep) -> None:
+    model = _Lookup(tied=False)
+    first = _table_pass(model, semipack.MaxProd(), [3, 8])
+    expected = first.clone()
+    kept = keep(first)
+    del first
+    second = _table_pass(model, semipack.MaxProd(), [5, 9])
+    assert torch.equal(torch.as_tensor(kept), expected[-len(kept) :])
+    assert torch.equal(second, _fresh_readout(semipack.MaxProd(), [5, 9]))
+
+
+def test_a_product_reuses_each_factor_nobody_holds() -> None:
+    model = _Lookup(tied=False)
+    product = semipack.Product(semipack.MaxProd(), semipack.LogSum())
+    max_prod, log_sum = _table_pass(model, product, [3, 8])
+    held, log_sum_ptr = max_prod.clone(), log_sum.data_ptr()
+    del log_sum
+    second = _table_pass(model, product, [5, 8])
+    assert torch.equal(max_prod, held)  # held by a name here: untouched
+    assert second[0].data_ptr() != max_prod.data_ptr()
+    assert second[1].data_ptr() == log_sum_ptr
+    for joint, fresh in zip(second, _fresh_readout(product, [5, 8]), strict=True):
+        assert torch.equal(joint, fresh)
+
+
+def test_a_product_readout_held_as_a_whole_is_never_overwritten() -> None:
+    model = _Lookup(tied=False)
+    product = semipack.Product(semipack.MaxProd(), semipack.LogSum())
+    both = _table_pass(model, product, [3, 8])
+    expected = [r.clone() for r in both]
+    _table_pass(model, product, [5, 9])
+    for kept, value in zip(both, expected, strict=True):
+        assert torch.equal(kept, value)

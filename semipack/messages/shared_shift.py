@@ -27,7 +27,7 @@ from torch import Tensor
 from ..kernels.shared_shift import SHARED_SHIFT_SPAN, global_shift
 from ..semirings import Semiring, State
 from ..semirings._log import finite_or_zero
-from ..semirings.base import Products, repair_underflow
+from ..semirings.base import Products, kept_edge_columns, repair_underflow
 
 if TYPE_CHECKING:
     from .windows import ConvGeometry
@@ -72,7 +72,14 @@ def shared_shift_products(
         # A product far below the shift underflows: recompute those entries in the log domain.
         shift = global_shift(m[0])
         if by_right is not None:
-            by_right = repair_underflow(sr, m, lambda: sr.lift(right), by_right, shift)
+            by_right = repair_underflow(
+                sr,
+                m,
+                lambda: sr.kept_lift(right),
+                by_right,
+                shift,
+                edges=lambda: kept_edge_columns(sr, right),
+            )
         if by_left is not None:
             lifted = sr.lift(left) if left_log is None else sr.lift_log(left_log)
             left_shift = shift

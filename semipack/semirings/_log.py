@@ -6,13 +6,27 @@ import torch
 from torch import Tensor
 
 from ..kernels.logspace import finite_or_zero, shifted_exp
+from ..kernels.weight_cache import WEIGHTS
 
-__all__ = ["add_log_abs_", "can_overwrite", "finite_or_zero", "log_abs", "shifted_exp"]
+__all__ = [
+    "add_log_abs_",
+    "can_overwrite",
+    "finite_or_zero",
+    "kept_log_abs",
+    "log_abs",
+    "shifted_exp",
+]
 
 
 def log_abs(w: Tensor, dtype: torch.dtype) -> Tensor:
     """``log|w|`` in ``dtype``, with exact zeros mapped to ``-inf`` (the semiring zero)."""
     return w.to(dtype).abs().log_()  # abs() is a fresh tensor: log in place
+
+
+def kept_log_abs(w: Tensor, dtype: torch.dtype) -> Tensor:
+    """``log_abs(w, dtype)`` for the right operand of a product, kept across passes when ``w``
+    is a model weight (``kernels.weight_cache``). The result is shared: read it only."""
+    return WEIGHTS.derived(w, ("log_abs", dtype), lambda: log_abs(w, dtype))
 
 
 def can_overwrite(w: Tensor, state: Tensor) -> bool:

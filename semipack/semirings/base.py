@@ -21,7 +21,7 @@ import copy
 import dataclasses
 import functools
 import math
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Hashable, Iterable, Sequence
 from typing import Any, ClassVar
 
 import torch
@@ -30,6 +30,7 @@ from torch import Tensor
 from ..kernels.blocking import BLOCK_ELEMENTS
 from ..kernels.normalization import CentredPairsKernel
 from ..kernels.shared_shift import ConvolutionSums
+from ..kernels.weight_cache import WEIGHTS
 
 State = tuple[Tensor, ...]
 
@@ -196,6 +197,20 @@ class Semiring:
         an exact 0 must lift to ``zero`` (no edge)."""
         raise NotImplementedError
 
+    def lift_cache_key(self) -> Hashable | None:
+        """What besides ``w`` decides ``lift(w)``: the key under which lifted model weights are
+        kept across passes (``kept_lift``), or None, the default, to lift every time. A
+        semiring whose ``lift`` reads settings of the instance puts them in the key."""
+        return None
+
+    def kept_lift(self, w: Tensor) -> State:
+        """``lift(w)``, kept across passes while ``w`` is a model weight with unchanged contents
+        (``kernels.weight_cache``). The state is shared with later passes: only read it."""
+        key = self.lift_cache_key()
+        if key is None:
+            return self.lift(w)
+        return WEIGHTS.derived(w, ("lift", key), lambda: self.lift(w))
+
     def plus(self, a: State, b: State) -> State:
         """Combine two alternatives (paths that meet), entry by entry; identity ``zero``."""
         raise NotImplementedError
@@ -213,15 +228,22 @@ class Semiring:
         """What users see: a tensor (or named tuple of tensors) of the state's shape."""
         return a[0]
 
-    def readout_sparse(self, a: SparseRows) -> Any:
+    def readout_sparse(self, a: SparseRows, into: Any = None) -> Any:
         """``readout`` of a state kept as its non-zero rows: the other rows get the readout of
         the zero without evaluating it entry by entry (the exponential of a 30k x 384
-        embedding table costs more than a small model's backward)."""
+        embedding table costs more than a small model's backward).
+
+        ``into``: an earlier readout of the same tensor that nothing else holds any more. The
+        result is written into its memory where shape, dtype and device agree: a table this
+        large is fresh memory from the OS at each allocation, and the first touch of its
+        pages costs as much as the writes themselves.
+        """
         device = a.rows.device
         zero_row = self.readout(self.zeros((1, *a.shape[1:]), a.grad_dtype, device))
         if not isinstance(zero_row, Tensor):  # a named tuple (paths): read the dense state
             return self.readout(a.dense(self))
-        out = zero_row.expand(a.shape[0], *zero_row.shape[1:]).clone()  # KBest adds a k axis
+        full = zero_row.expand(a.shape[0], *zero_row.shape[1:])  # KBest adds a k axis
+        out = into.copy_(full) if _fits(into, full) else full.clone()
         out[a.rows] = self.readout(a.parts)
         return out
 
@@ -542,6 +564,19 @@ def linear_from_log(log_abs: Tensor, sign: Sign) -> Tensor:
     return w if sign == 1 else w.mul_(sign)
 
 
+def _fits(out: Any, like: Tensor) -> bool:
+    """Whether ``out`` is a plain tensor that can take ``like``'s values in place: same shape,
+    dtype and device, contiguous, outside autograd."""
+    return (
+        type(out) is Tensor
+        and out.shape == like.shape
+        and out.dtype == like.dtype
+        and out.device == like.device
+        and out.is_contiguous()
+        and not out.requires_grad
+    )
+
+
 @dataclasses.dataclass(frozen=True)
 class SparseRows:
     """A state of ``shape`` that is the semiring zero outside ``rows`` (sorted, distinct
@@ -642,6 +677,7 @@ def repair_underflow(
     lifted: State | Callable[[], State],
     out: State,
     shift: Tensor | float | None = None,
+    edges: Callable[[], Tensor] | None = None,
 ) -> State:
     """Entries of a fast product ``out = a ⊗ lifted`` that underflowed in its BLAS form.
 
@@ -653,20 +689,28 @@ def repair_underflow(
     their column an edge are recomputed with the exact log-domain definition
     (``blocked_lifted_matmul``), row by row. ``shift`` is what was subtracted in log space
     (broadcastable to ``out``); None checks exact zeros only. ``lifted`` may be a function
-    that lifts the weights, called only when some entry needs the check.
+    that lifts the weights, called only when some entry needs the check; ``edges`` one that
+    gives which columns of ``lifted`` hold an edge ([..., 1, m] bool), when that is known
+    without lifting (``kept_edge_columns``).
     ``a`` [..., n, k], ``lifted`` [..., k, m], ``out`` [..., n, m].
     """
     floor = precise_log_floor(out[0].dtype)
+    if _none_below(out[0], shift, floor):
+        return out
     low = sr.is_zero(out) if shift is None else (out[0] - shift) < floor
     if not bool(low.any()):
         return out
-    if callable(lifted):
-        lifted = lifted()
     row_has_path = (~sr.is_zero(a)).any(-1, keepdim=True)
-    col_has_edge = (~sr.is_zero(lifted)).any(-2, keepdim=True)
+    if edges is None:
+        lifted = lifted() if callable(lifted) else lifted
+        col_has_edge = _edge_columns(sr, lifted)
+    else:
+        col_has_edge = edges()
     suspect = low & row_has_path & col_has_edge
     if not bool(suspect.any()):
         return out
+    if callable(lifted):
+        lifted = lifted()
     n, k, m = a[0].shape[-2], a[0].shape[-1], lifted[0].shape[-1]
     batch = torch.broadcast_shapes(a[0].shape[:-2], lifted[0].shape[:-2])
     size = _numel(batch)
@@ -682,6 +726,30 @@ def repair_underflow(
         for f, e in zip(fixed, exact, strict=True):
             f[b, rows] = e.to(f.dtype)
     return tuple(f.reshape(*batch, n, m) for f in fixed)
+
+
+def _none_below(out: Tensor, shift: Tensor | float | None, floor: float) -> bool:
+    """Whether no entry of ``out - shift`` is below ``floor``, from one reduction, where
+    ``shift`` is one number: rounding ``x - shift`` is monotone in ``x``, so the smallest
+    difference is the difference of the smallest entry. (A NaN minimum proves nothing.)"""
+    if shift is None or (isinstance(shift, Tensor) and shift.numel() != 1) or out.numel() == 0:
+        return False
+    lowest = out.amin() - shift
+    return bool(lowest >= floor)
+
+
+def _edge_columns(sr: Semiring, lifted: State) -> Tensor:
+    return (~sr.is_zero(lifted)).any(-2, keepdim=True)
+
+
+def kept_edge_columns(sr: Semiring, w: Tensor) -> Tensor:
+    """Which columns of the weights ``w`` [..., k, m] hold an edge, as ``[..., 1, m]`` bools,
+    kept across passes like ``Semiring.kept_lift`` (the check of ``repair_underflow`` then
+    reads no weight-sized tensor)."""
+    key = sr.lift_cache_key()
+    if key is None:
+        return _edge_columns(sr, sr.lift(w))
+    return WEIGHTS.derived(w, ("edge columns", key), lambda: _edge_columns(sr, sr.kept_lift(w)))
 
 
 def _numel(shape: Sequence[int]) -> int:

@@ -10,6 +10,7 @@ from torch import Tensor
 from ..kernels.exclusive import exclusive_logsumexp
 from ..kernels.normalization import ENTROPY, CentredPairsKernel
 from ..kernels.shared_shift import ConvolutionSums, global_shift
+from ..kernels.weight_cache import WEIGHTS
 from ._log import can_overwrite, finite_or_zero, shifted_exp
 from .base import Products, Semiring, Sign, State, index_reduce, repair_underflow
 from .log_sum import column_scaled
@@ -38,6 +39,9 @@ class Entropy(Semiring):
     components = ("log_normalizer", "mean_surprisal")
     zero = (float("-inf"), 0.0)
     one = (0.0, 0.0)
+
+    def lift_cache_key(self) -> tuple:
+        return (type(self),)  # the lift reads no settings of the instance
 
     def lift(self, w: Tensor) -> State:
         log_w = w.to(self.state_dtype(w.dtype)).abs().log_()
@@ -106,8 +110,7 @@ class Entropy(Semiring):
     def matmul(self, a: State, w: Tensor) -> State:
         # Σ_k e_k|w_kj| (R_k - log|w_kj|) = (e∘R) @ |w| - e @ (|w| log|w|): three BLAS calls.
         e, m = shifted_exp(a[0], -1)
-        mag = w.to(e.dtype).abs()
-        mag_log_mag = torch.where(mag > 0, mag * mag.log(), 0.0)  # 0 log 0 = 0 (xlogy is slow)
+        mag, mag_log_mag = _magnitudes(w.to(e.dtype))
         s = torch.matmul(e, mag)
         t = torch.matmul(e * a[1], mag) - torch.matmul(e, mag_log_mag)
         mean = torch.where(s > 0, t / s, torch.zeros_like(s))
@@ -203,11 +206,20 @@ def _entropy_product(
     Elementwise steps run in place on fresh tensors (same values as the out-of-place
     expressions): the temporaries beside the products are one |w| and one |w| log|w|.
     """
-    mag = w.abs()
+    mag, mag_log_mag = _magnitudes(w)
     total, weighted = contract(e, mag), contract(e_r, mag)
-    mag_log_mag = mag.log().mul_(mag).masked_fill_(~(mag > 0), 0.0)  # 0 log 0 = 0
-    del mag
     return _entropy_pair(total, weighted.sub_(contract(e, mag_log_mag)), shift)
+
+
+def _magnitudes(w: Tensor) -> tuple[Tensor, Tensor]:
+    """``(|w|, |w| log|w|)`` with 0 log 0 = 0, kept across passes for model weights
+    (``kernels.weight_cache``): shared, read only."""
+
+    def make() -> tuple[Tensor, Tensor]:
+        mag = w.abs()
+        return mag, mag.log().mul_(mag).masked_fill_(~(mag > 0), 0.0)
+
+    return WEIGHTS.derived(w, "entropy magnitudes", make)
 
 
 def _entropy_product_log(e: Tensor, e_r: Tensor, log_w: Tensor, shift: Tensor) -> State:

@@ -68,6 +68,9 @@ class LogSum(Semiring):
         """The edge weight this semiring sums: |w| for LogSum."""
         return w.abs()
 
+    def lift_cache_key(self) -> tuple:
+        return (type(self),)  # the lift reads no settings of the instance
+
     def lift(self, w: Tensor) -> State:
         w = w.to(self.state_dtype(w.dtype))
         mag = self.magnitude(w)

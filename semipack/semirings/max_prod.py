@@ -8,7 +8,7 @@ from torch import Tensor
 from ..kernels.exclusive import exclusive_max
 from ..kernels.normalization import MAX_PROD, CentredPairsKernel
 from ..kernels.tropical import maxplus
-from ._log import add_log_abs_, can_overwrite, log_abs
+from ._log import add_log_abs_, can_overwrite, kept_log_abs, log_abs
 from .base import Semiring, Sign, State, index_reduce
 
 
@@ -65,7 +65,7 @@ class MaxProd(Semiring):
 
     def matmul(self, a: State, w: Tensor) -> State:
         # A compiled max-plus kernel instead of the generic broadcast-and-reduce blocks.
-        return (maxplus(a[0], self.lift(w)[0]),)
+        return (maxplus(a[0], kept_log_abs(w, self.state_dtype(w.dtype))),)
 
     def has_lifted_matmul(self) -> bool:
         return True

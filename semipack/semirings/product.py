@@ -107,11 +107,15 @@ class Product(Semiring):
         """One readout per factor, in order."""
         return tuple(s.readout(st) for s, st in zip(self.semirings, self.split(a), strict=True))
 
-    def readout_sparse(self, a: SparseRows) -> tuple[Any, ...]:
-        """``readout`` of a sparse state, factor by factor (each skips the unreached rows)."""
+    def readout_sparse(self, a: SparseRows, into: Any = None) -> tuple[Any, ...]:
+        """``readout`` of a sparse state, factor by factor (each skips the unreached rows);
+        ``into`` is an earlier readout of this product, reused factor by factor."""
+        earlier = into if isinstance(into, tuple) and len(into) == len(self.semirings) else None
         return tuple(
-            s.readout_sparse(dataclasses.replace(a, parts=st))
-            for s, st in zip(self.semirings, self.split(a.parts), strict=True)
+            s.readout_sparse(
+                dataclasses.replace(a, parts=st), None if earlier is None else earlier[i]
+            )
+            for i, (s, st) in enumerate(zip(self.semirings, self.split(a.parts), strict=True))
         )
 
     def component_dtypes(self, grad_dtype: torch.dtype) -> tuple[torch.dtype, ...]:

@@ -15,7 +15,7 @@ from torch import Tensor
 
 from ..kernels.normalization import NO_SUCCESSOR, TOP_PATH, CentredPairsKernel
 from ..kernels.tropical import maxplus_argmax
-from ._log import log_abs
+from ._log import kept_log_abs, log_abs
 from .base import Sign, State, index_reduce
 from .max_prod import MaxProd
 
@@ -98,7 +98,7 @@ class TopPath(MaxProd):
         return best, chosen
 
     def matmul(self, a: State, w: Tensor) -> State:
-        return self._best_products(a, log_abs(w, a[0].dtype))
+        return self._best_products(a, kept_log_abs(w, a[0].dtype))
 
     def has_lifted_matmul(self) -> bool:
         return True

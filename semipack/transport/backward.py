@@ -12,6 +12,7 @@ gradients twice.
 
 from __future__ import annotations
 
+import sys
 import weakref
 from collections.abc import Iterable, Iterator, Sequence
 from contextlib import ExitStack, contextmanager
@@ -162,6 +163,51 @@ def path_recording(
             h.remove()
 
 
+def _attribute_refs(owner: Any, name: str) -> tuple[Any, int]:
+    """``owner.name`` and its reference count as seen from here (a calibrated baseline)."""
+    value = owner.__dict__.get(name)
+    return value, sys.getrefcount(value)
+
+
+def _item_refs(items: tuple, i: int) -> tuple[Any, int]:
+    """``items[i]`` and its reference count as seen from here (a calibrated baseline)."""
+    value = items[i]
+    return value, sys.getrefcount(value)
+
+
+def _baseline_refs() -> tuple[int, int]:
+    """The counts of ``_attribute_refs`` and ``_item_refs`` for an object with no other holder
+    (measured, not assumed: they depend on the interpreter's calling convention)."""
+    owner = torch.empty(0)
+    setattr(owner, SEMIRING_GRAD, torch.empty(0))
+    _, attribute = _attribute_refs(owner, SEMIRING_GRAD)
+    _, item = _item_refs((torch.empty(0),), 0)
+    return attribute, item
+
+
+_ALONE_AS_ATTRIBUTE, _ALONE_AS_ITEM = _baseline_refs()
+
+
+def _alone(value: Any, refs: int, baseline: int) -> bool:
+    """Whether no one but its holder can reach ``value``: no other Python reference, no other
+    owner of the tensor (a view, a graph that saved it) and no other owner of its memory."""
+    if type(value) is not Tensor or refs > baseline or value._use_count() != 1:
+        return False
+    storage = value.untyped_storage()  # this object is one more owner of the memory
+    return torch._C._storage_Use_Count(storage._cdata) <= 2
+
+
+def unheld_readout(t: Tensor) -> Any:
+    """``t.semiring_grad`` from an earlier pass, where nothing but ``t`` holds it: a new readout
+    may then be written into its memory, as PyTorch reuses a gradient's buffer. Otherwise
+    ``None`` (and a tuple readout gets ``None`` for each factor held elsewhere)."""
+    value, refs = _attribute_refs(t, SEMIRING_GRAD)
+    if type(value) is tuple and refs <= _ALONE_AS_ATTRIBUTE:  # a Product's readouts
+        held = [_item_refs(value, i) for i in range(len(value))]
+        return tuple(v if _alone(v, r, _ALONE_AS_ITEM) else None for v, r in held)
+    return value if _alone(value, refs, _ALONE_AS_ATTRIBUTE) else None
+
+
 def store_results(
     t: Tensor, sr: Semiring, msg: Message, fallback_name: str, keep_state: bool = False
 ) -> None:
@@ -169,9 +215,11 @@ def store_results(
     itself) and, after a path-recording pass, ``t.semiring_paths``; a pass without them removes
     what an earlier pass left, so the three always describe the same pass."""
     sparse = msg.sparse  # kept as its reached rows: read without building the full state
-    setattr(
-        t, SEMIRING_GRAD, sr.readout(msg.parts) if sparse is None else sr.readout_sparse(sparse)
-    )
+    if sparse is None:
+        value = sr.readout(msg.parts)
+    else:
+        value = sr.readout_sparse(sparse, into=unheld_readout(t))
+    setattr(t, SEMIRING_GRAD, value)
     if keep_state:
         setattr(t, SEMIRING_STATE, tuple(msg.parts))
     elif hasattr(t, SEMIRING_STATE):

@@ -17,6 +17,7 @@ from torch import Tensor
 from torch.overrides import TorchFunctionMode
 
 from ..graph.saved_inputs import run_recording_inputs
+from ..kernels.weight_cache import WEIGHTS
 from ..semirings.base import Semiring
 from . import backward as bw
 from . import per_sample
@@ -93,6 +94,7 @@ class SemiringMode(TorchFunctionMode):
         self._run(tensors, list(grad_tensors), retain_graph, create_graph, inputs)
 
     def _run(self, tensors, grads, retain_graph, create_graph, inputs) -> None:
+        WEIGHTS.watch(self.watched)  # their lifted forms may be kept for the next pass
         if isinstance(inputs, Tensor):
             inputs = [inputs]
         elif inputs is not None:

@@ -29,7 +29,13 @@ from torch import Tensor
 
 _SOURCES = tuple(
     Path(__file__).with_name(name)
-    for name in ("maxplus.c", "normalization.c", "normalization_sorted.c", "softmax.c")
+    for name in (
+        "maxplus.c",
+        "normalization.c",
+        "normalization_sorted.c",
+        "softmax.c",
+        "fingerprint.c",
+    )
 )
 #: Headers the sources include (part of the build's cache key).
 _HEADERS = tuple(Path(__file__).with_name(name) for name in ("vector_math.h",))
@@ -55,6 +61,7 @@ _SIGNATURES: dict[str, tuple[str | None, str]] = {
     "semipack_norm_abs_reduce_f32": (None, "ppqqpii"),
     "semipack_norm_sorted_max_f32": ("i", "ppqqppi"),
     "semipack_norm_sorted_sums_f32": ("i", "pppqqpppi"),
+    "semipack_fingerprint": (None, "pqp"),
 }
 
 _state = {"enabled": os.environ.get("SEMIPACK_NATIVE", "1") not in ("0", "false", "no")}
@@ -121,6 +128,17 @@ def _library() -> ctypes.CDLL | None:
         fn.restype = _C_TYPES[result] if result is not None else None
         fn.argtypes = [_C_TYPES[code] for code in params]
     return lib
+
+
+def fingerprint(t: Tensor) -> tuple[int, ...] | None:
+    """256 bits that change with any single changed word of a contiguous CPU tensor's memory
+    (see fingerprint.c), or None where the native library is not available."""
+    lib = _library() if _state["enabled"] else None
+    if lib is None or t.device.type != "cpu" or not t.is_contiguous():
+        return None
+    out = (ctypes.c_uint64 * 4)()
+    lib.semipack_fingerprint(t.data_ptr(), t.numel() * t.element_size(), ctypes.addressof(out))
+    return tuple(out)
 
 
 def _threads(pairs: int) -> int:

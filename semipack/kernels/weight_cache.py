@@ -1,0 +1,145 @@
+"""Forms of model weights derived for a semiring product (log|W|, |W| log|W|), kept across
+backward passes and recomputed only when a weight's contents change.
+
+Why: every semiring backward contracts the messages with each weight matrix, and the semiring
+first lifts it (MaxProd takes log|W|, Entropy |W| and |W| log|W|). On a short input, one sentence
+or one image, these passes over the weights cost as much as the products themselves: a
+BERT-sized linear layer's log|W| took longer than its max-plus product with a 20-token message.
+
+What is kept: derived forms of the tensors ``watch`` names (``extend`` names the model's
+parameters at every backward); any other tensor (an activation) is computed as before.
+
+When an entry is reused: when a 256-bit fingerprint of the weight's bytes (``fingerprint.c``,
+one read at memory speed, certain to change with any single changed word) equals the one taken
+when the entry was made. Version counters would be cheaper but are not enough: writes through
+``p.data`` (hand-written optimizer steps, weight clipping) leave ``p._version`` unchanged, and a
+stale log|W| would give wrong semiring values without any error. Without the native library
+nothing is kept.
+
+Memory: at most ``max_bytes`` (default 1 GiB, ``SEMIPACK_WEIGHT_CACHE_MB`` or
+:func:`set_weight_cache_bytes`). A new entry replaces entries no pass has used since the last
+``watch``, oldest first; when those do not make room, it is not kept (a model larger than the
+budget keeps its first weights instead of cycling through all of them).
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections import OrderedDict
+from collections.abc import Callable, Hashable, Iterable
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+from torch import Tensor
+
+from .native import fingerprint
+
+T = TypeVar("T")
+
+DEFAULT_MAX_BYTES = int(float(os.environ.get("SEMIPACK_WEIGHT_CACHE_MB", "1024")) * 2**20)
+
+
+@dataclass
+class _Entry:
+    fingerprint: tuple[int, ...]
+    value: Any
+    nbytes: int
+    generation: int
+
+
+def _nbytes(value: Any) -> int:
+    if isinstance(value, Tensor):
+        return value.numel() * value.element_size()
+    if isinstance(value, tuple):
+        return sum(_nbytes(v) for v in value)
+    return 0
+
+
+def _location(t: Tensor) -> tuple:
+    return (t.data_ptr(), tuple(t.shape), tuple(t.stride()), t.dtype, t.device)
+
+
+class WeightCache:
+    """Derived forms of watched weights, reused while the weights' bytes stay the same.
+
+    A value handed out is shared with later passes: callers must only read it.
+    """
+
+    def __init__(self, max_bytes: int = DEFAULT_MAX_BYTES) -> None:
+        self.max_bytes = max_bytes
+        self._entries: OrderedDict[tuple, _Entry] = OrderedDict()  # least recently used first
+        self._watched: frozenset[tuple] = frozenset()
+        self._generation = 0
+        self._bytes = 0
+        self._lock = threading.Lock()
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held by the entries."""
+        return self._bytes
+
+    def watch(self, tensors: Iterable[Tensor]) -> None:
+        """From now on, keep derived forms of ``tensors`` (and no others); starts a new
+        generation for the eviction rule."""
+        with self._lock:
+            self._watched = frozenset(_location(t) for t in tensors)
+            self._generation += 1
+
+    def derived(self, w: Tensor, kind: Hashable, make: Callable[[], T]) -> T:
+        """``make()``, a form of ``w`` named ``kind``: the kept one while ``w``'s bytes are
+        unchanged, else computed (and kept when ``w`` is watched and there is room)."""
+        location = _location(w)
+        if self.max_bytes <= 0 or location not in self._watched:
+            return make()
+        key = (kind, *location)
+        stamp = fingerprint(w)
+        if stamp is None:
+            return make()
+        with self._lock:
+            entry = self._entries.get(key)
+            if entry is not None and entry.fingerprint == stamp:
+                entry.generation = self._generation
+                self._entries.move_to_end(key)
+                return entry.value
+        value = make()
+        self._keep(key, _Entry(stamp, value, _nbytes(value), self._generation))
+        return value
+
+    def _keep(self, key: tuple, entry: _Entry) -> None:
+        with self._lock:
+            old = self._entries.pop(key, None)
+            if old is not None:
+                self._bytes -= old.nbytes
+            room = self.max_bytes - self._bytes
+            if entry.nbytes > room:
+                idle = [k for k, e in self._entries.items() if e.generation < self._generation]
+                freed, victims = 0, []
+                for k in idle:  # oldest first
+                    if room + freed >= entry.nbytes:
+                        break
+                    victims.append(k)
+                    freed += self._entries[k].nbytes
+                if room + freed < entry.nbytes:
+                    return
+                for k in victims:
+                    self._bytes -= self._entries.pop(k).nbytes
+            self._entries[key] = entry
+            self._bytes += entry.nbytes
+
+    def clear(self) -> None:
+        """Drop every entry (their memory is freed once no pass uses them)."""
+        with self._lock:
+            self._entries.clear()
+            self._bytes = 0
+
+
+#: The process's cache, shared by every ``extend`` block.
+WEIGHTS = WeightCache()
+
+
+def set_weight_cache_bytes(max_bytes: int) -> None:
+    """Cap the memory of kept weight forms (0 turns keeping off and frees what is kept)."""
+    WEIGHTS.max_bytes = int(max_bytes)
+    if WEIGHTS.max_bytes <= 0:
+        WEIGHTS.clear()

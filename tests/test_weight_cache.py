@@ -1,0 +1,191 @@
+"""Lifted model weights kept across backward passes (``kernels.weight_cache``).
+
+The cache may only ever save time: every pass must give the values a pass without it gives,
+whatever happened to the weights in between (an optimizer step, a write through ``p.data`` that
+leaves the version counter alone, a swapped ``p.data``), and it must keep nothing but the
+watched parameters' forms, within its budget.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import semipack
+from semipack.kernels import weight_cache
+from semipack.kernels.native import fingerprint, native_available
+from semipack.kernels.weight_cache import WEIGHTS, WeightCache
+
+pytestmark = pytest.mark.skipif(
+    not native_available(), reason="entries are fingerprinted by the native library"
+)
+
+SEMIRINGS = {
+    "max_prod": semipack.MaxProd,
+    "top_path": semipack.TopPath,
+    "log_sum": semipack.LogSum,
+    "entropy": semipack.Entropy,
+}
+
+
+@pytest.fixture(autouse=True)
+def _empty_cache():
+    WEIGHTS.clear()
+    yield
+    WEIGHTS.clear()
+
+
+def _model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(24, 40), nn.Tanh(), nn.Linear(40, 3))
+
+
+def _values(model: nn.Module, semiring: semipack.Semiring, x: torch.Tensor) -> list:
+    model.zero_grad(set_to_none=True)
+    with semipack.extend(model, semiring):
+        model(x).sum().backward()
+    return [p.semiring_grad.clone() for p in model.parameters()]
+
+
+def _uncached(model: nn.Module, semiring: semipack.Semiring, x: torch.Tensor) -> list:
+    budget = WEIGHTS.max_bytes
+    weight_cache.set_weight_cache_bytes(0)
+    try:
+        return _values(model, semiring, x)
+    finally:
+        weight_cache.set_weight_cache_bytes(budget)
+
+
+def _assert_same(got: list, expected: list) -> None:
+    for g, e in zip(got, expected, strict=True):
+        torch.testing.assert_close(g, e, rtol=0, atol=0, equal_nan=True)
+
+
+@pytest.mark.parametrize("name", SEMIRINGS)
+def test_a_kept_lift_gives_the_values_of_a_pass_without_the_cache(name: str) -> None:
+    model, x = _model(), torch.randn(5, 24)
+    first = _values(model, SEMIRINGS[name](), x)
+    # LogSum's BLAS form multiplies by |W| itself; it lifts W only to repair underflow
+    assert (WEIGHTS.nbytes > 0) == (name != "log_sum")  # the weights' forms were kept...
+    second = _values(model, SEMIRINGS[name](), x)  # ...and this pass reads them
+    _assert_same(first, second)
+    _assert_same(second, _uncached(model, SEMIRINGS[name](), x))
+
+
+def _scale_through_data(model: nn.Module) -> None:
+    for p in model.parameters():
+        p.data.mul_(0.5)  # p._version does not change
+
+
+def _optimizer_step(model: nn.Module) -> None:
+    model(torch.randn(2, 24)).sum().backward()
+    torch.optim.SGD(model.parameters(), lr=0.5).step()
+
+
+def _swap_data(model: nn.Module) -> None:
+    for p in model.parameters():
+        p.data = p.data.flip(0).contiguous()
+
+
+def _change_one_entry(model: nn.Module) -> None:
+    model[2].weight.data[1, 7] *= -40.0  # the lifted weight, version unchanged
+
+
+@pytest.mark.parametrize(
+    "change", [_scale_through_data, _optimizer_step, _swap_data, _change_one_entry], ids=repr
+)
+@pytest.mark.parametrize("name", SEMIRINGS)
+def test_changed_weights_are_never_read_from_the_cache(name: str, change) -> None:
+    model, x = _model(), torch.randn(5, 24)
+    before = _values(model, SEMIRINGS[name](), x)
+    change(model)
+    after = _values(model, SEMIRINGS[name](), x)
+    _assert_same(after, _uncached(model, SEMIRINGS[name](), x))
+    assert not all(torch.equal(a, b) for a, b in zip(after, before, strict=True))
+
+
+def test_the_cached_forms_equal_a_fresh_lift_after_a_pass() -> None:
+    """Callers only read what the cache hands out: after two passes the kept log|W| is still
+    log|W|."""
+    model, x = _model(), torch.randn(5, 24, requires_grad=True)  # both weights are lifted
+    for _ in range(2):
+        _values(model, semipack.MaxProd(), x)
+    kept = [e.value for e in WEIGHTS._entries.values()]
+    weights = [model[0].weight.detach(), model[2].weight.detach()]
+    assert len(kept) == 2
+    for value in kept:
+        match = [w for w in weights if w.shape == value.shape]
+        assert len(match) == 1
+        assert torch.equal(value, match[0].abs().log())
+
+
+def test_only_the_extended_models_parameters_are_kept() -> None:
+    w = torch.randn(30, 20, requires_grad=True)
+    x = torch.randn(4, 30)
+    semipack.grad((x @ w).tanh().sum(), [w], semipack.MaxProd())
+    assert WEIGHTS.nbytes == 0  # no model named its parameters
+    model = _model()
+    _values(model, semipack.MaxProd(), torch.randn(5, 24, requires_grad=True))
+    assert WEIGHTS.nbytes == sum(p.numel() * 4 for p in (model[0].weight, model[2].weight))
+
+
+def _table(tensors: list[torch.Tensor], max_bytes: int) -> WeightCache:
+    cache = WeightCache(max_bytes)
+    cache.watch(tensors)
+    return cache
+
+
+def test_an_entry_beyond_the_budget_is_not_kept() -> None:
+    a, b = torch.randn(100), torch.randn(100)  # 400 bytes each
+    cache = _table([a, b], max_bytes=600)
+    made = []
+    for t in (a, b, a, b):
+        cache.derived(t, "double", lambda t=t: made.append(t) or t * 2)
+    # a fits and stays; b never fits beside it while a is in use in this generation
+    assert cache.nbytes == 400 and [m is a for m in made] == [True, False, False]
+
+
+def test_entries_idle_since_the_last_watch_make_room() -> None:
+    a, b = torch.randn(100), torch.randn(100)
+    cache = _table([a, b], max_bytes=600)
+    cache.derived(a, "double", lambda: a * 2)
+    cache.watch([a, b])  # a new pass: a has not been used in it yet
+    kept_b = cache.derived(b, "double", lambda: b * 2)
+    assert cache.nbytes == 400
+    assert cache.derived(b, "double", lambda: pytest.fail("b was kept")) is kept_b
+
+
+def test_a_zero_budget_keeps_nothing() -> None:
+    a = torch.randn(100)
+    cache = _table([a], max_bytes=0)
+    cache.derived(a, "double", lambda: a * 2)
+    assert cache.nbytes == 0
+
+
+@pytest.mark.parametrize("nbytes", [4, 32, 36, 4096, 4100, 4 * 1001])
+def test_the_fingerprint_changes_with_every_single_changed_word(nbytes: int) -> None:
+    torch.manual_seed(nbytes)
+    t = torch.randn(nbytes // 4)
+    base = fingerprint(t)
+    assert fingerprint(t.clone()) == base
+    for i in range(t.numel()):
+        changed = t.clone()
+        changed[i] = torch.nextafter(changed[i], torch.tensor(float("inf")))
+        assert fingerprint(changed) != base, i
+
+
+def test_the_fingerprint_tells_lengths_and_odd_byte_counts_apart() -> None:
+    t = torch.zeros(64, dtype=torch.uint8)
+    prints = {fingerprint(t[:n]) for n in range(65)}
+    assert len(prints) == 65
+    odd = torch.arange(37, dtype=torch.uint8)
+    changed = odd.clone()
+    changed[36] += 1  # a tail byte, past the last 32-byte block
+    assert fingerprint(odd) != fingerprint(changed)
+
+
+def test_the_fingerprint_needs_contiguous_cpu_memory() -> None:
+    t = torch.randn(8, 8)
+    assert fingerprint(t.t()) is None
+    assert fingerprint(t) is not None

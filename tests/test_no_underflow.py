@@ -129,3 +129,26 @@ def test_float32_model_keeps_the_float64_oracles_paths(name: str) -> None:
         assert torch.equal(torch.isinf(got), torch.isinf(expected)), (got, expected)
         torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-4)
     assert name == "boolean" or bool(torch.isfinite(got).all())
+
+
+def test_the_one_reduction_check_finds_exactly_the_low_entries() -> None:
+    """``repair_underflow`` first asks whether ``min(out) - shift`` is below the floor: for one
+    shift this must agree with the entry-by-entry test, at the boundary too, and a NaN minimum
+    must not hide a low entry."""
+    from semipack.semirings.base import _none_below, precise_log_floor
+
+    floor = precise_log_floor(torch.float32)
+    torch.manual_seed(0)
+    for trial in range(400):
+        shift = torch.tensor(float(torch.randn(()) * 50))
+        out = shift + floor + torch.randn(7, 5) * (10.0 ** (trial % 5 - 3))
+        if trial % 7 == 0:
+            out[2, 3] = float("nan")
+        if trial % 11 == 0:  # an entry exactly at the boundary
+            out[0, 0] = floor + shift
+        entrywise = not bool(((out - shift) < floor).any())
+        assert _none_below(out, shift, floor) == entrywise or (
+            torch.isnan(out).any() and not _none_below(out, shift, floor)
+        ), trial
+    row_shift = torch.zeros(7, 1)  # one shift per row: never decided by the reduction
+    assert not _none_below(torch.zeros(7, 5), row_shift, floor)

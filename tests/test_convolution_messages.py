@@ -102,7 +102,7 @@ def test_grouped_convolution_takes_one_matmul_per_tap(monkeypatch, c_g: int, mat
     as a dense convolution 96 times larger)."""
     sr = semipack.MaxProd()
     calls = []
-    for name in ("matmul", "matmul_lifted"):  # input messages; weight messages on lifted x
+    for name in ("matmul", "matmul_lifted"):  # both directions multiply by lifted W and x
         product = getattr(sr, name)
         monkeypatch.setattr(
             sr, name, lambda a, b, product=product, name=name: calls.append(name) or product(a, b)
@@ -114,5 +114,5 @@ def test_grouped_convolution_takes_one_matmul_per_tap(monkeypatch, c_g: int, mat
     geometry = ConvGeometry.of(2, 1, 1, 1, channels // c_g)
     per_tap_messages(sr, m, x, w, geometry, (True, True, False))
     taps = kernel[0] * kernel[1]
-    assert calls.count("matmul") == matmuls * taps
-    assert calls.count("matmul_lifted") == matmuls * taps
+    assert calls.count("matmul") == 0
+    assert calls.count("matmul_lifted") == 2 * matmuls * taps

@@ -92,10 +92,15 @@ def per_tap_messages(
     )
     rows_t = tuple(p.transpose(-1, -2).contiguous() for p in rows) if mask[1] else None
     w_groups = w.to(dtype).reshape(groups, o_g, c_g, *kernel)
+    depthwise = c_g == 1 and groups > 1
+    # The weights' lift once per pass, not once per tap (and kept across passes for a model's
+    # weights: ``Semiring.kept_lift``).
+    w_lifted = None
+    if mask[0] and not depthwise and sr.has_lifted_matmul():
+        w_lifted = tuple(c.reshape(w_groups.shape) for c in sr.kept_lift(w.to(dtype)))
 
     dest = sr.zeros((batch, *padded, channels), dtype, x.device) if mask[0] else None
     w_msg = sr.zeros((out_channels, c_g, *kernel), dtype, x.device) if mask[1] else None
-    depthwise = c_g == 1 and groups > 1
     if depthwise:  # [B, *out, G, O/G]: each output channel's message, channels last
         m_last = tuple(
             p.reshape(batch, groups, o_g, *out_size).movedim((1, 2), (-2, -1)) for p in m_parts
@@ -111,9 +116,13 @@ def per_tap_messages(
             _depthwise_tap(sr, m_last, w_tap, x_last, lifted, dest, w_msg, where, tap, mask)
             continue
         if mask[0]:  # [G, B·L, O/G] ⊗ [G, O/G, C/G] -> [B, *out, C], into the tap's input slice
-            cols = sr.matmul(
-                rows, _grouped(w_groups[(slice(None), slice(None), slice(None), *tap)], groups)
-            )
+            at_tap = (slice(None), slice(None), slice(None), *tap)
+            if w_lifted is not None:
+                cols = sr.matmul_lifted(
+                    rows, tuple(_grouped(c[at_tap], groups).contiguous() for c in w_lifted)
+                )
+            else:
+                cols = sr.matmul(rows, _grouped(w_groups[at_tap], groups))
             cols = tuple(_ungroup_channels(p, groups, batch, out_size) for p in cols)
             merged = sr.plus(tuple(d[where] for d in dest), cols)
             for d, part in zip(dest, merged, strict=True):

@@ -32,6 +32,9 @@ class MaxProd(Semiring):
     def lift(self, w: Tensor) -> State:
         return (log_abs(w, self.state_dtype(w.dtype)),)
 
+    def kept_lift(self, w: Tensor) -> State:
+        return (kept_log_abs(w, self.state_dtype(w.dtype)),)
+
     def scale_owned(self, a: State, w: Tensor) -> State:
         if not can_overwrite(w, a[0]):
             return self.scale(a, w)

@@ -52,8 +52,18 @@ class TopPath(MaxProd):
         return (self.state_dtype(grad_dtype), torch.int64)
 
     def lift(self, w: Tensor) -> State:
-        value = log_abs(w, self.state_dtype(w.dtype))
-        return (value, torch.full(value.shape, NO_SUCCESSOR, dtype=torch.int64, device=w.device))
+        return self._edges(log_abs(w, self.state_dtype(w.dtype)))
+
+    def kept_lift(self, w: Tensor) -> State:
+        return self._edges(kept_log_abs(w, self.state_dtype(w.dtype)))
+
+    @staticmethod
+    def _edges(log_w: Tensor) -> State:
+        """Edges of log-weights ``log_w``: no successor of their own."""
+        return (
+            log_w,
+            torch.full(log_w.shape, NO_SUCCESSOR, dtype=torch.int64, device=log_w.device),
+        )
 
     def plus(self, a: State, b: State) -> State:
         take_b = b[0] > a[0]

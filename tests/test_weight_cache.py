@@ -93,7 +93,9 @@ def _change_one_entry(model: nn.Module) -> None:
 
 
 @pytest.mark.parametrize(
-    "change", [_scale_through_data, _optimizer_step, _swap_data, _change_one_entry], ids=repr
+    "change",
+    [_scale_through_data, _optimizer_step, _swap_data, _change_one_entry],
+    ids=lambda change: change.__name__.strip("_"),
 )
 @pytest.mark.parametrize("name", SEMIRINGS)
 def test_changed_weights_are_never_read_from_the_cache(name: str, change) -> None:

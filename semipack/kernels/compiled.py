@@ -15,6 +15,11 @@ from typing import Any
 
 import torch
 
+#: Below this many entries an elementwise kernel runs eagerly: measured on one core, a fused
+#: Entropy readout of 7.7k entries took 37 us against 29 us for its eager ops (the compiled
+#: call's guards), while at 147k it took 0.13 ms against 0.37 ms.
+FUSED_MIN_ELEMENTS = 1 << 15
+
 _state = {"enabled": os.environ.get("SEMIPACK_COMPILE", "1") not in ("0", "false", "no")}
 
 
@@ -28,19 +33,23 @@ def compile_enabled() -> bool:
     return _state["enabled"]
 
 
-def compiled(eager: Callable[..., Any], fused: Callable[..., Any] | None = None):
+def compiled(
+    eager: Callable[..., Any], fused: Callable[..., Any] | None = None, min_elements: int = 0
+):
     """Decorate-able: returns ``call(*args)`` running ``torch.compile(fused or eager)``.
 
     ``eager`` is the reference (a blocked implementation that never materialises large
     broadcasts); ``fused`` is the expression handed to inductor, which fuses the broadcast into
-    its reduction loop. Both must compute the same values.
+    its reduction loop. Both must compute the same values. Calls whose first argument has fewer
+    than ``min_elements`` entries run eagerly (a compiled call's guards cost more than a few
+    small eager ops).
     """
     source = fused or eager
     holder: dict[str, Any] = {"fn": None, "broken": False}
 
     @functools.wraps(eager)
     def call(*args: Any) -> Any:
-        if not _state["enabled"] or holder["broken"]:
+        if not _state["enabled"] or holder["broken"] or args[0].numel() < min_elements:
             return eager(*args)
         if holder["fn"] is None:
             holder["fn"] = torch.compile(source, dynamic=True)

@@ -7,6 +7,7 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import Tensor
 
+from ..kernels.compiled import FUSED_MIN_ELEMENTS, compiled
 from ..kernels.exclusive import exclusive_logsumexp
 from ..kernels.normalization import ENTROPY, CentredPairsKernel
 from ..kernels.shared_shift import ConvolutionSums, global_shift
@@ -105,7 +106,7 @@ class Entropy(Semiring):
         return a[0] == float("-inf")
 
     def readout(self, a: State) -> Tensor:
-        return (a[0] + a[1]).masked_fill_(~torch.isfinite(a[0]), float("nan"))  # a fresh sum
+        return _entropy_readout(a[0], a[1])
 
     def matmul(self, a: State, w: Tensor) -> State:
         # Σ_k e_k|w_kj| (R_k - log|w_kj|) = (e∘R) @ |w| - e @ (|w| log|w|): three BLAS calls.
@@ -187,9 +188,37 @@ def _surprisal(log_w: Tensor) -> Tensor:
 
 
 # --- shared-shift products (see ``kernels.shared_shift``) ----------------------------------------
-def _entropy_pair(total: Tensor, weighted: Tensor, shift: Tensor) -> State:
-    """(log Z, mean surprisal) from the shifted sums Σ e w and Σ e w (R - log w), in place."""
-    mean = weighted.div_(total).masked_fill_(~(total > 0), 0.0)
+def _readout_eager(log_z: Tensor, mean: Tensor) -> Tensor:
+    return (log_z + mean).masked_fill_(~torch.isfinite(log_z), float("nan"))  # a fresh sum
+
+
+def _readout_fused(log_z: Tensor, mean: Tensor) -> Tensor:
+    return torch.where(torch.isfinite(log_z), log_z + mean, float("nan"))
+
+
+#: Entropy = log Z + mean surprisal, NaN where no path reaches (one loop over large states).
+_entropy_readout = compiled(_readout_eager, _readout_fused, min_elements=FUSED_MIN_ELEMENTS)
+
+
+def _mean_eager(total: Tensor, weighted: Tensor, less: Tensor) -> Tensor:
+    return weighted.sub_(less).div_(total).masked_fill_(~(total > 0), 0.0)
+
+
+def _mean_fused(total: Tensor, weighted: Tensor, less: Tensor) -> Tensor:
+    return torch.where(total > 0, (weighted - less) / total, 0.0)
+
+
+#: The mean surprisal (weighted - less) / total, 0 where the total is 0, in one loop (the
+#: eager form's four passes over a weight-sized message cost as much as its products).
+_mean_surprisal = compiled(_mean_eager, _mean_fused, min_elements=FUSED_MIN_ELEMENTS)
+
+
+def _entropy_pair(
+    total: Tensor, weighted: Tensor, shift: Tensor, less: Tensor | None = None
+) -> State:
+    """(log Z, mean surprisal) from the shifted sums Σ e w and Σ e w R (less Σ e w log w when
+    given); ``weighted`` may be overwritten, ``total`` is."""
+    mean = _mean_surprisal(total, weighted, torch.zeros(()) if less is None else less)
     return (total.log_().add_(shift), mean)
 
 
@@ -208,7 +237,7 @@ def _entropy_product(
     """
     mag, mag_log_mag = _magnitudes(w)
     total, weighted = contract(e, mag), contract(e_r, mag)
-    return _entropy_pair(total, weighted.sub_(contract(e, mag_log_mag)), shift)
+    return _entropy_pair(total, weighted, shift, contract(e, mag_log_mag))
 
 
 def _magnitudes(w: Tensor) -> tuple[Tensor, Tensor]:

@@ -545,3 +545,27 @@ def test_k_best_softmax_rows_match_the_dense_jacobian(k: int) -> None:
         live = torch.isfinite(want_values)
         assert live.any() and (~live).any()
         assert torch.equal(ids[live], want_ids[live])
+
+
+@pytest.mark.parametrize("shape", [(300, 200), (7, 5)], ids=["fused", "eager"])
+def test_entropy_elementwise_kernels_equal_their_eager_forms(shape) -> None:
+    """The Entropy readout and mean surprisal run compiled on large states: the same bits as
+    the eager ops, with "no path" (-inf), zero totals, infinities and NaN among the entries."""
+    from semipack.semirings.entropy import _entropy_readout, _mean_surprisal
+
+    torch.manual_seed(0)
+    log_z, mean = torch.randn(shape) * 30, torch.randn(shape)
+    log_z.view(-1)[::7] = float("-inf")
+    log_z.view(-1)[3::11] = float("inf")
+    log_z.view(-1)[5::13] = float("nan")
+    got = _entropy_readout(log_z, mean)
+    want = _entropy_readout.eager(log_z, mean)
+    assert torch.equal(got.isnan(), want.isnan())
+    assert torch.equal(got.nan_to_num(), want.nan_to_num())
+    total, weighted, less = torch.rand(shape), torch.randn(shape), torch.randn(shape)
+    total.view(-1)[::5] = 0.0
+    total.view(-1)[2::9] = float("inf")
+    got = _mean_surprisal(total, weighted.clone(), less)
+    want = _mean_surprisal.eager(total, weighted.clone(), less)
+    assert torch.equal(got.isnan(), want.isnan())
+    assert torch.equal(got.nan_to_num(), want.nan_to_num())

@@ -10,6 +10,7 @@ from . import distributed, rules  # noqa: F401  (rules registers the built-in op
 from .api import extend, grad
 from .errors import MessageLostError, PerSampleError, SemipackError, UnsupportedOpError
 from .explain import Branches, LayerFlow, TokenTypeTable, branches, explain_layers
+from .kernels.weight_cache import set_weight_cache_bytes
 from .messages import Message, OpCall, register_rule, registered_ops, scoped_rules
 from .monitor import Monitor
 from .semirings import (
@@ -62,4 +63,5 @@ __all__ = [
     "register_rule",
     "registered_ops",
     "scoped_rules",
+    "set_weight_cache_bytes",
 ]

@@ -13,7 +13,6 @@ import torch
 from torch import nn
 
 import semipack
-from semipack.kernels import weight_cache
 from semipack.kernels.native import fingerprint, native_available
 from semipack.kernels.weight_cache import WEIGHTS, WeightCache
 
@@ -50,11 +49,11 @@ def _values(model: nn.Module, semiring: semipack.Semiring, x: torch.Tensor) -> l
 
 def _uncached(model: nn.Module, semiring: semipack.Semiring, x: torch.Tensor) -> list:
     budget = WEIGHTS.max_bytes
-    weight_cache.set_weight_cache_bytes(0)
+    semipack.set_weight_cache_bytes(0)
     try:
         return _values(model, semiring, x)
     finally:
-        weight_cache.set_weight_cache_bytes(budget)
+        semipack.set_weight_cache_bytes(budget)
 
 
 def _assert_same(got: list, expected: list) -> None:
@@ -191,3 +190,16 @@ def test_the_fingerprint_needs_contiguous_cpu_memory() -> None:
     t = torch.randn(8, 8)
     assert fingerprint(t.t()) is None
     assert fingerprint(t) is not None
+
+
+def test_a_smaller_budget_drops_what_it_cannot_hold() -> None:
+    model = _model()
+    _values(model, semipack.Entropy(), torch.randn(5, 24, requires_grad=True))
+    held, budget = WEIGHTS.nbytes, WEIGHTS.max_bytes
+    try:
+        semipack.set_weight_cache_bytes(held)
+        assert WEIGHTS.nbytes == held  # still fits
+        semipack.set_weight_cache_bytes(held - 1)
+        assert WEIGHTS.nbytes == 0
+    finally:
+        semipack.set_weight_cache_bytes(budget)

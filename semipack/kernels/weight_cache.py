@@ -139,7 +139,9 @@ WEIGHTS = WeightCache()
 
 
 def set_weight_cache_bytes(max_bytes: int) -> None:
-    """Cap the memory of kept weight forms (0 turns keeping off and frees what is kept)."""
+    """Cap the memory of kept weight forms, in bytes (public as
+    ``semipack.set_weight_cache_bytes``; 0 turns keeping off). What is kept beyond the new cap
+    is dropped."""
     WEIGHTS.max_bytes = int(max_bytes)
-    if WEIGHTS.max_bytes <= 0:
+    if WEIGHTS.nbytes > WEIGHTS.max_bytes:  # over the new budget: start again
         WEIGHTS.clear()

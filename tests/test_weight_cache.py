@@ -11,6 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 from torch import nn
+from torch.utils._pytree import tree_leaves
 
 import semipack
 from semipack.kernels.native import fingerprint, native_available
@@ -25,6 +26,8 @@ SEMIRINGS = {
     "top_path": semipack.TopPath,
     "log_sum": semipack.LogSum,
     "entropy": semipack.Entropy,
+    "k_best": lambda: semipack.KBest(2),
+    "signed_max_prod": semipack.SignedMaxProd,
 }
 
 
@@ -44,7 +47,7 @@ def _values(model: nn.Module, semiring: semipack.Semiring, x: torch.Tensor) -> l
     model.zero_grad(set_to_none=True)
     with semipack.extend(model, semiring):
         model(x).sum().backward()
-    return [p.semiring_grad.clone() for p in model.parameters()]
+    return [t.clone() for p in model.parameters() for t in tree_leaves(p.semiring_grad)]
 
 
 def _uncached(model: nn.Module, semiring: semipack.Semiring, x: torch.Tensor) -> list:

@@ -23,7 +23,7 @@ import torch
 from torch import Tensor
 
 from ..kernels.blocking import BLOCK_ELEMENTS
-from ._log import log_abs
+from ._log import kept_log_abs, log_abs
 from .base import Semiring, Sign, State
 from .top_path import NO_SUCCESSOR, stored_paths
 
@@ -178,7 +178,7 @@ class KBest(Semiring):
         return self._ranked(best, chosen)
 
     def matmul(self, a: State, w: Tensor) -> State:
-        return self._products(a, log_abs(w, a[0].dtype))
+        return self._products(a, kept_log_abs(w, a[0].dtype))
 
     def matmul_log(self, a: State, log_abs: Tensor, sign: Sign = 1.0) -> State:
         return self._products(a, log_abs.to(a[0].dtype))

@@ -125,7 +125,10 @@ class SignedMaxProd(Semiring):
         return _with_nan(scaled, torch.isnan(lw))
 
     def matmul(self, a: State, w: Tensor) -> State:
-        return self._matmul_lifted(a, self.lift(w))
+        return self._matmul_lifted(a, self.kept_lift(w))
+
+    def lift_cache_key(self) -> tuple:
+        return (type(self),)  # the lift reads no settings of the instance
 
     def matmul_log(self, a: State, log_abs: Tensor, sign: Sign = 1.0) -> State:
         return self._matmul_lifted(a, self.lift_log(log_abs.to(a[0].dtype), sign))

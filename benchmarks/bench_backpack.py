@@ -41,7 +41,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import backpack
 from backpack import extensions as bpe
-from common import interleaved, machine, median_ratio, medians
+from common import interleaved, machine, median_ratio, medians, sign_test
 
 import semipack
 
@@ -124,16 +124,18 @@ def main() -> None:
     )
     print(
         f"{'semiring':<9} {'plain':>8} {'backpack':>9} {'semiring':>9} {'combined':>9} "
-        f"{'combined / (backpack + semiring)':>33}"
+        f"{'combined / (backpack + semiring)':>33} {'rounds faster (sign test p)':>28}"
     )
     for name in args.semirings:
         rounds = bench(name, args.batch, args.repeats, args.block)
         separate = [b + s for b, s in zip(rounds["backpack"], rounds["semiring"], strict=True)]
         ratio = median_ratio(rounds["combined"], separate)
+        wins, p = sign_test(rounds["combined"], separate)
         t = medians(rounds)
         print(
             f"{name:<9} {t['plain'] * 1e3:>6.1f}ms {t['backpack'] * 1e3:>7.1f}ms "
-            f"{t['semiring'] * 1e3:>7.1f}ms {t['combined'] * 1e3:>7.1f}ms {ratio:>33.2f}"
+            f"{t['semiring'] * 1e3:>7.1f}ms {t['combined'] * 1e3:>7.1f}ms {ratio:>33.2f} "
+            f"{f'{wins}/{len(separate)} (p = {p:.1g})':>28}"
         )
 
 

@@ -11,6 +11,7 @@ temporaries).
 from __future__ import annotations
 
 import gc
+import math
 import os
 import platform
 import statistics
@@ -123,6 +124,16 @@ def median_ratio(numerator: list[float], denominator: list[float]) -> float:
     """The median over rounds of one round's ratio: variants timed in the same round share
     its drift, so the ratio of a round is steadier than a ratio of medians."""
     return statistics.median(n / d for n, d in zip(numerator, denominator, strict=True))
+
+
+def sign_test(numerator: list[float], denominator: list[float]) -> tuple[int, float]:
+    """How many rounds have ``numerator < denominator``, and the one-sided sign-test p-value
+    of that many or more if either were as likely to be faster (ties count against): the
+    chance that noise alone makes the numerator look faster this often."""
+    wins = sum(n < d for n, d in zip(numerator, denominator, strict=True))
+    rounds = len(numerator)
+    p = sum(math.comb(rounds, k) for k in range(wins, rounds + 1)) / 2**rounds
+    return wins, p
 
 
 def memory_of(

@@ -116,3 +116,69 @@ def test_grouped_convolution_takes_one_matmul_per_tap(monkeypatch, c_g: int, mat
     taps = kernel[0] * kernel[1]
     assert calls.count("matmul") == 0
     assert calls.count("matmul_lifted") == 2 * matmuls * taps
+
+
+#: name -> (x shape, w shape, stride, padding, dilation)
+DEPTHWISE = {
+    "3x3_padded": ((2, 5, 9, 11), (5, 1, 3, 3), (1, 1), (1, 1), (1, 1)),
+    "5x5_wide_rows": ((1, 4, 14, 21), (4, 1, 5, 5), (1, 1), (2, 2), (1, 1)),
+    "strided": ((2, 3, 13, 12), (3, 1, 3, 3), (2, 2), (1, 1), (1, 1)),
+    "dilated_multiplier": ((2, 3, 10, 19), (6, 1, 3, 2), (1, 1), (2, 1), (2, 3)),
+    "strided_columns_only": ((1, 2, 8, 17), (4, 1, 2, 3), (1, 2), (0, 1), (1, 1)),
+}
+
+
+@pytest.mark.parametrize("mask", [(True, True, True), (True, False, False), (False, True, False)])
+@pytest.mark.parametrize("name", DEPTHWISE)
+def test_native_depthwise_max_plus_equals_the_per_tap_path(name: str, mask) -> None:
+    """The native depthwise kernel gives the per-tap path's MaxProd messages bit for bit, with
+    exact zeros in x and w (no edge) and messages without a path (-inf)."""
+    from semipack.kernels.native import native_available
+    from semipack.rules.convolution import depthwise_max_plus
+
+    if not native_available():
+        pytest.skip("no native kernels here")
+    x_shape, w_shape, stride, padding, dilation = DEPTHWISE[name]
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn(x_shape, generator=gen)
+    x[x.abs() < 0.3] = 0.0
+    w = torch.randn(w_shape, generator=gen)
+    w.view(-1)[::7] = 0.0
+    sr = semipack.MaxProd()
+    geometry = ConvGeometry.of(2, stride, padding, dilation, x.shape[1])
+    out = torch.nn.functional.conv2d(x, w, None, stride, padding, dilation, x.shape[1])
+    m = torch.randn(out.shape, generator=gen) * 3
+    m[m < -2.5] = float("-inf")
+    native = depthwise_max_plus(sr, (m,), x, w, geometry, mask)
+    assert native is not None
+    reference = per_tap_messages(sr, (m,), x, w, geometry, mask)
+    for got, want, wanted in zip(native, reference, mask, strict=True):
+        assert (got is None) == (want is None) == (not wanted)
+        if wanted:
+            assert torch.equal(got[0], want[0])
+
+
+def test_native_depthwise_declines_what_it_does_not_cover() -> None:
+    """Other algebras, NaN or +inf operands and non-depthwise convolutions take the per-tap
+    path (None here)."""
+    from semipack.rules.convolution import depthwise_max_plus
+
+    x, w = torch.randn(1, 3, 6, 6), torch.randn(3, 1, 3, 3)
+    geometry = ConvGeometry.of(2, 1, 1, 1, 3)
+    m = torch.randn(1, 3, 6, 6)
+    mask = (True, True, True)
+    assert (
+        depthwise_max_plus(
+            semipack.TopPath(), (m, torch.zeros_like(m).long()), x, w, geometry, mask
+        )
+        is None
+    )
+    assert depthwise_max_plus(semipack.LogSum(), (m,), x, w, geometry, mask) is None
+    nan = m.clone()
+    nan[0, 1, 2, 3] = float("nan")
+    assert depthwise_max_plus(semipack.MaxProd(), (nan,), x, w, geometry, mask) is None
+    dense = ConvGeometry.of(2, 1, 1, 1, 1)
+    assert (
+        depthwise_max_plus(semipack.MaxProd(), (m,), x, torch.randn(3, 3, 3, 3), dense, mask)
+        is None
+    )

@@ -24,11 +24,15 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
+from ..kernels.native import depthwise_f32, native_available
 from ..kernels.tropical import shared_pruning_choice
 from ..messages import OpCall, register_rule
 from ..messages.shared_shift import shared_shift_conv
 from ..messages.windows import ConvGeometry
+from ..semirings._log import log_abs
 from ..semirings.base import Semiring, State
+
+_INF = float("inf")
 
 aten = torch.ops.aten
 
@@ -49,11 +53,56 @@ def conv_messages(
     fast = shared_shift_conv(sr, m_parts, x.to(dtype), w.to(dtype), geometry, mask)
     if fast is not None:
         return fast
+    if not geometry.transposed:
+        native = depthwise_max_plus(sr, m_parts, x, w, geometry, mask)
+        if native is not None:
+            return native
     # The taps' products share shapes and nearly their data: one pruning estimate for all.
     with shared_pruning_choice():
         if geometry.transposed:
             return transposed_per_tap_messages(sr, m_parts, x, w, geometry, mask)
         return per_tap_messages(sr, m_parts, x, w, geometry, mask)
+
+
+def depthwise_max_plus(
+    sr: Semiring, m_parts: State, x: Tensor, w: Tensor, geometry: ConvGeometry, mask: Sequence[bool]
+) -> Messages | None:
+    """The messages of a 2-D depthwise convolution (one input channel per group) in MaxProd's
+    algebra from the native kernel (``kernels/native/depthwise.c``: every tap swept in
+    registers, where the per-tap path builds and reduces an output-sized sum per tap), or None
+    where it does not apply: another algebra, not 2-D depthwise, not float32 on the CPU, no
+    native library, or a NaN or +inf among the operands. Same values as ``per_tap_messages``,
+    bit for bit (max does not round)."""
+    groups = geometry.groups
+    if not (
+        sr.is_max_plus()
+        and x.dim() == 4
+        and groups == x.shape[1]
+        and w.shape[1] == 1
+        and x.dtype == w.dtype == m_parts[0].dtype == torch.float32
+        and x.device.type == "cpu"
+        and native_available()
+    ):
+        return None
+    pad = [p for pair in reversed(geometry.padding) for p in (pair, pair)]
+    x_pad = torch.nn.functional.pad(x, pad) if any(geometry.padding) else x
+    m = m_parts[0]
+    lx = log_abs(x_pad, torch.float32)  # the padding lifts to -inf: no edge
+    lw = sr.kept_lift(w)[0].reshape(w.shape[0], *w.shape[2:])
+    if not all(bool(t.amax() < _INF) for t in (m, lw, lx) if t.numel()):
+        return None  # NaN or +inf: the kernel's max would not propagate it
+    dx, dw = depthwise_f32(
+        m, lw, lx, tuple(geometry.stride), tuple(geometry.dilation), mask[0], mask[1]
+    )
+    grad_in = grad_w = grad_b = None
+    if mask[0]:
+        crop = tuple(slice(p, p + n) for p, n in zip(geometry.padding, x.shape[2:], strict=True))
+        grad_in = (dx[(slice(None), slice(None), *crop)].contiguous(),)
+    if mask[1]:
+        grad_w = (dw.reshape(w.shape),)
+    if mask[2]:
+        grad_b = sr.sum((m.reshape(m.shape[0], m.shape[1], -1),), [0, 2])
+    return grad_in, grad_w, grad_b
 
 
 def per_tap_messages(

@@ -432,6 +432,12 @@ class Semiring:
         generic form (``messages.rowwise``). ``m``, ``log_probs`` [rows, n]."""
         return None
 
+    def is_max_plus(self) -> bool:
+        """Whether the state is one log-magnitude tensor that ``plus`` combines by max and
+        ``times`` by addition, with ``lift`` = log|w| (MaxProd's algebra): kernels written for
+        max-plus products (a depthwise convolution's, ``rules.convolution``) then apply."""
+        return False
+
     def compiles_rowwise(self) -> bool:
         """Whether the generic softmax form may run as one compiled kernel for this semiring on
         large rows (float components, and ``type(self)()`` builds an equivalent semiring)."""

@@ -73,6 +73,9 @@ class MaxProd(Semiring):
     def has_lifted_matmul(self) -> bool:
         return True
 
+    def is_max_plus(self) -> bool:
+        return True
+
     def matmul_lifted(self, a: State, lifted: State) -> State:
         return (maxplus(a[0], lifted[0]),)
 

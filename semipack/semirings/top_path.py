@@ -157,6 +157,9 @@ class TopPath(MaxProd):
         chosen = torch.where(is_top, ids.gather(-1, runner_up), ids.gather(-1, top))
         return value, chosen
 
+    def is_max_plus(self) -> bool:
+        return False  # the state also carries successor ids
+
     def normalization_kernel(self) -> CentredPairsKernel | None:
         # the best input of each output from the sorted envelope: O(n log n) per row where
         # the dense Jacobian took an eager argmax over all n^2 pairs (ResNet-18 in training,

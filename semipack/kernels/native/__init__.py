@@ -35,6 +35,7 @@ _SOURCES = tuple(
         "normalization_sorted.c",
         "softmax.c",
         "fingerprint.c",
+        "depthwise.c",
     )
 )
 #: Headers the sources include (part of the build's cache key).
@@ -62,6 +63,8 @@ _SIGNATURES: dict[str, tuple[str | None, str]] = {
     "semipack_norm_sorted_max_f32": ("i", "ppqqppi"),
     "semipack_norm_sorted_sums_f32": ("i", "pppqqpppi"),
     "semipack_fingerprint": (None, "pqp"),
+    "semipack_depthwise_input_f32": (None, "ppp" + "q" * 13 + "i"),
+    "semipack_depthwise_weight_f32": (None, "ppp" + "q" * 13 + "i"),
 }
 
 _state = {"enabled": os.environ.get("SEMIPACK_NATIVE", "1") not in ("0", "false", "no")}
@@ -139,6 +142,42 @@ def fingerprint(t: Tensor) -> tuple[int, ...] | None:
     out = (ctypes.c_uint64 * 4)()
     lib.semipack_fingerprint(t.data_ptr(), t.numel() * t.element_size(), ctypes.addressof(out))
     return tuple(out)
+
+
+def depthwise_f32(
+    m: Tensor,
+    lw: Tensor,
+    lx: Tensor,
+    stride: tuple[int, int],
+    dilation: tuple[int, int],
+    want_input: bool,
+    want_weight: bool,
+) -> tuple[Tensor | None, Tensor | None]:
+    """MaxProd messages of a 2-D depthwise convolution (see depthwise.c): to the padded input,
+    ``[B, C, Hp, Wp]``, and to the weight, ``[C * M, KH, KW]``. ``m`` [B, C * M, Ho, Wo],
+    ``lw`` [C * M, KH, KW], ``lx`` [B, C, Hp, Wp] (log|x| of the zero-padded input), all float32
+    CPU; the caller checks that none holds NaN or ``+inf``."""
+    lib = _library()
+    assert lib is not None and m.dtype == lw.dtype == lx.dtype == torch.float32
+    m, lw, lx = m.contiguous(), lw.contiguous(), lx.contiguous()
+    batch, channels, hp, wp = lx.shape
+    mult = m.shape[1] // channels
+    ho, wo = m.shape[2:]
+    kh, kw = lw.shape[1:]
+    sizes = (batch, channels, mult, ho, wo, hp, wp, kh, kw, *stride, *dilation)
+    threads = _threads(m.numel() * kh * kw * 16)
+    dx = dw = None
+    if want_input:
+        dx = torch.empty((batch, channels, hp, wp), dtype=torch.float32)
+        lib.semipack_depthwise_input_f32(
+            m.data_ptr(), lw.data_ptr(), dx.data_ptr(), *sizes, threads
+        )
+    if want_weight:
+        dw = torch.empty((channels * mult, kh, kw), dtype=torch.float32)
+        lib.semipack_depthwise_weight_f32(
+            m.data_ptr(), lx.data_ptr(), dw.data_ptr(), *sizes, threads
+        )
+    return dx, dw
 
 
 def _threads(pairs: int) -> int:

@@ -205,6 +205,35 @@ def test_a_readout_someone_still_holds_is_never_overwritten(keep) -> None:
     assert torch.equal(second, _fresh_readout(semipack.MaxProd(), [5, 9]))
 
 
+def test_a_held_storage_object_or_shared_memory_is_never_overwritten() -> None:
+    """Holding only the storage (``untyped_storage()`` returns the one Python object PyTorch
+    keeps per storage) or having sent the tensor to another process (its memory is shared)
+    keeps a readout from being written into."""
+    model = _Lookup(tied=False)
+    first = _table_pass(model, semipack.MaxProd(), [3, 8])
+    expected, storage, shape = first.clone(), first.untyped_storage(), first.shape
+    del first
+    _table_pass(model, semipack.MaxProd(), [5, 9])
+    held = torch.empty(0, dtype=expected.dtype).set_(storage, 0, shape)
+    assert torch.equal(held, expected)
+    sent = _table_pass(model, semipack.MaxProd(), [3, 8]).share_memory_()  # a queue does this
+    expected = sent.clone()
+    del sent
+    _table_pass(model, semipack.MaxProd(), [5, 9])
+    assert not model.table.weight.semiring_grad.is_shared()
+
+
+def test_each_pass_gives_a_new_readout_object() -> None:
+    """Written into the old memory or not, the readout is a new value: weak references to the
+    old one end, and memos keyed by identity cannot mistake one pass for another."""
+    import weakref
+
+    model = _Lookup(tied=False)
+    old = weakref.ref(_table_pass(model, semipack.MaxProd(), [3, 8]))
+    new = _table_pass(model, semipack.MaxProd(), [5, 8])
+    assert old() is None and new is model.table.weight.semiring_grad
+
+
 def test_a_product_reuses_each_factor_nobody_holds() -> None:
     model = _Lookup(tied=False)
     product = semipack.Product(semipack.MaxProd(), semipack.LogSum())

@@ -206,3 +206,69 @@ def test_a_smaller_budget_drops_what_it_cannot_hold() -> None:
         assert WEIGHTS.nbytes == 0
     finally:
         semipack.set_weight_cache_bytes(budget)
+
+
+class _ThresholdCount(semipack.LogSum):
+    """log of the number of paths whose every |local derivative| exceeds ``eps``: a lift that
+    reads a setting of the instance."""
+
+    def __init__(self, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+
+    def magnitude(self, w: torch.Tensor) -> torch.Tensor:
+        return (w.abs() > self.eps).to(w.dtype)
+
+    def log_magnitude(self, log_abs: torch.Tensor) -> torch.Tensor:
+        keep = log_abs > torch.tensor(self.eps).log()
+        return torch.where(keep, 0.0, float("-inf")).to(log_abs.dtype)
+
+
+def test_a_subclass_that_lifts_its_own_way_never_shares_kept_forms() -> None:
+    """Two instances whose lifts differ (a threshold) on the same weights: the second must not
+    read the first one's kept lift (it read one path where there is none)."""
+    model = nn.Sequential(nn.Linear(2, 2, bias=False), nn.ReLU())
+    with torch.no_grad():
+        model[0].weight.copy_(torch.tensor([[0.05, 0.3], [0.3, 0.3]]))
+    x = torch.tensor([[-2.0, 1.0]], requires_grad=True)
+
+    def count(eps: float) -> list:
+        with semipack.extend(model, _ThresholdCount(eps)):
+            model(x).sum().backward()
+        return x.semiring_grad.tolist()
+
+    assert count(0.1) == [[float("-inf"), 0.0]]
+    assert count(0.5) == [[float("-inf"), float("-inf")]]  # no |w| above 0.5: no path
+
+
+class _SquaredMaxProd(semipack.MaxProd):
+    """Paths weighted by squared derivatives: MaxProd's algebra with its own lift."""
+
+    def lift(self, w: torch.Tensor) -> tuple:
+        return (2 * super().lift(w)[0],)
+
+
+def test_a_max_prod_subclass_with_its_own_lift_multiplies_by_it() -> None:
+    """Through linear layers only every edge is lifted, so squaring each edge doubles every
+    log path value exactly, also right after MaxProd kept log|W| of the same weights."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(24, 40, bias=False), nn.Linear(40, 3, bias=False))
+    x = torch.randn(5, 24, requires_grad=True)
+    with semipack.extend(model, semipack.MaxProd(log=True)):
+        model(x).sum().backward()
+    plain = x.semiring_grad.clone()
+    assert WEIGHTS.nbytes > 0  # log|W| is kept
+    with semipack.extend(model, _SquaredMaxProd(log=True)):
+        model(x).sum().backward()
+    assert torch.equal(x.semiring_grad, 2 * plain)
+
+
+def test_deleting_the_model_frees_its_kept_forms() -> None:
+    import gc
+
+    model = _model()
+    _values(model, semipack.Entropy(), torch.randn(5, 24, requires_grad=True))
+    assert WEIGHTS.nbytes > 0
+    del model
+    gc.collect()
+    assert WEIGHTS.nbytes == 0

@@ -19,13 +19,15 @@ nothing is kept.
 Memory: at most ``max_bytes`` (default 1 GiB, ``SEMIPACK_WEIGHT_CACHE_MB`` or
 :func:`set_weight_cache_bytes`). A new entry replaces entries no pass has used since the last
 ``watch``, oldest first; when those do not make room, it is not kept (a model larger than the
-budget keeps its first weights instead of cycling through all of them).
+budget keeps its first weights instead of cycling through all of them). An entry lives no
+longer than the parameter it was made from: deleting the model frees its forms.
 """
 
 from __future__ import annotations
 
 import os
 import threading
+import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Hashable, Iterable
 from dataclasses import dataclass
@@ -69,10 +71,12 @@ class WeightCache:
     def __init__(self, max_bytes: int = DEFAULT_MAX_BYTES) -> None:
         self.max_bytes = max_bytes
         self._entries: OrderedDict[tuple, _Entry] = OrderedDict()  # least recently used first
-        self._watched: frozenset[tuple] = frozenset()
+        #: location -> the watched tensor there (weakly: the cache must not keep it alive)
+        self._watched: dict[tuple, weakref.ref[Tensor]] = {}
+        self._finalizers: dict[tuple, weakref.finalize] = {}  # per location with entries
         self._generation = 0
         self._bytes = 0
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()  # a finalizer may run inside a locked region
 
     @property
     def nbytes(self) -> int:
@@ -83,7 +87,7 @@ class WeightCache:
         """From now on, keep derived forms of ``tensors`` (and no others); starts a new
         generation for the eviction rule."""
         with self._lock:
-            self._watched = frozenset(_location(t) for t in tensors)
+            self._watched = {_location(t): weakref.ref(t) for t in tensors}
             self._generation += 1
 
     def derived(self, w: Tensor, kind: Hashable, make: Callable[[], T]) -> T:
@@ -106,6 +110,22 @@ class WeightCache:
         self._keep(key, _Entry(stamp, value, _nbytes(value), self._generation))
         return value
 
+    def _forget(self, location: tuple) -> None:
+        """Drop every entry made from the tensor at ``location`` (it was freed)."""
+        with self._lock:
+            self._finalizers.pop(location, None)
+            for key in [k for k in self._entries if k[1:] == location]:
+                self._bytes -= self._entries.pop(key).nbytes
+
+    def _tie_to_owner(self, location: tuple) -> None:
+        """Make the entries at ``location`` end with the tensor they were made from."""
+        if location in self._finalizers:
+            return
+        ref = self._watched.get(location)
+        owner = None if ref is None else ref()
+        if owner is not None:
+            self._finalizers[location] = weakref.finalize(owner, self._forget, location)
+
     def _keep(self, key: tuple, entry: _Entry) -> None:
         with self._lock:
             old = self._entries.pop(key, None)
@@ -126,12 +146,16 @@ class WeightCache:
                     self._bytes -= self._entries.pop(k).nbytes
             self._entries[key] = entry
             self._bytes += entry.nbytes
+            self._tie_to_owner(key[1:])
 
     def clear(self) -> None:
         """Drop every entry (their memory is freed once no pass uses them)."""
         with self._lock:
             self._entries.clear()
             self._bytes = 0
+            for finalizer in self._finalizers.values():
+                finalizer.detach()
+            self._finalizers.clear()
 
 
 #: The process's cache, shared by every ``extend`` block.

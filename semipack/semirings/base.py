@@ -200,7 +200,9 @@ class Semiring:
     def lift_cache_key(self) -> Hashable | None:
         """What besides ``w`` decides ``lift(w)``: the key under which lifted model weights are
         kept across passes (``kept_lift``), or None, the default, to lift every time. A
-        semiring whose ``lift`` reads settings of the instance puts them in the key."""
+        semiring whose ``lift`` reads settings of the instance puts them in the key; the
+        built-in ones return None for a subclass that redefines how it lifts
+        (``lifts_like``), whose lift may read settings of its own."""
         return None
 
     def kept_lift(self, w: Tensor) -> State:
@@ -243,7 +245,7 @@ class Semiring:
         if not isinstance(zero_row, Tensor):  # a named tuple (paths): read the dense state
             return self.readout(a.dense(self))
         full = zero_row.expand(a.shape[0], *zero_row.shape[1:])  # KBest adds a k axis
-        out = into.copy_(full) if _fits(into, full) else full.clone()
+        out = _on_memory_of(into).copy_(full) if _fits(into, full) else full.clone()
         out[a.rows] = self.readout(a.parts)
         return out
 
@@ -570,6 +572,13 @@ def linear_from_log(log_abs: Tensor, sign: Sign) -> Tensor:
     return w if sign == 1 else w.mul_(sign)
 
 
+def _on_memory_of(t: Tensor) -> Tensor:
+    """A new tensor object on ``t``'s memory (same shape and strides): the result is a new
+    value, so weak references to ``t`` and memos keyed by its identity end with ``t``."""
+    fresh = torch.empty(0, dtype=t.dtype, device=t.device)
+    return fresh.set_(t.untyped_storage(), t.storage_offset(), t.shape, t.stride())
+
+
 def _fits(out: Any, like: Tensor) -> bool:
     """Whether ``out`` is a plain tensor that can take ``like``'s values in place: same shape,
     dtype and device, contiguous, outside autograd."""
@@ -732,6 +741,12 @@ def repair_underflow(
         for f, e in zip(fixed, exact, strict=True):
             f[b, rows] = e.to(f.dtype)
     return tuple(f.reshape(*batch, n, m) for f in fixed)
+
+
+def lifts_like(sr: Semiring, cls: type, *methods: str) -> bool:
+    """Whether ``sr`` lifts weights with ``cls``'s own ``methods``: a subclass that redefines
+    one of them may read settings of its own, so its lifts are not kept across passes."""
+    return all(getattr(type(sr), name) is getattr(cls, name) for name in methods)
 
 
 def _none_below(out: Tensor, shift: Tensor | float | None, floor: float) -> bool:

@@ -13,7 +13,7 @@ from ..kernels.normalization import ENTROPY, CentredPairsKernel
 from ..kernels.shared_shift import ConvolutionSums, global_shift
 from ..kernels.weight_cache import WEIGHTS
 from ._log import can_overwrite, finite_or_zero, shifted_exp
-from .base import Products, Semiring, Sign, State, index_reduce, repair_underflow
+from .base import Products, Semiring, Sign, State, index_reduce, lifts_like, repair_underflow
 from .log_sum import column_scaled
 
 
@@ -41,8 +41,8 @@ class Entropy(Semiring):
     zero = (float("-inf"), 0.0)
     one = (0.0, 0.0)
 
-    def lift_cache_key(self) -> tuple:
-        return (type(self),)  # the lift reads no settings of the instance
+    def lift_cache_key(self) -> tuple | None:
+        return (Entropy,) if lifts_like(self, Entropy, "lift") else None
 
     def lift(self, w: Tensor) -> State:
         log_w = w.to(self.state_dtype(w.dtype)).abs().log_()

@@ -19,6 +19,7 @@ from .base import (
     Sign,
     State,
     index_reduce,
+    lifts_like,
     repair_underflow,
     use_generic,
 )
@@ -68,8 +69,11 @@ class LogSum(Semiring):
         """The edge weight this semiring sums: |w| for LogSum."""
         return w.abs()
 
-    def lift_cache_key(self) -> tuple:
-        return (type(self),)  # the lift reads no settings of the instance
+    def lift_cache_key(self) -> tuple | None:
+        base = LogCount if isinstance(self, LogCount) else LogSum
+        if lifts_like(self, base, "lift", "magnitude", "log_magnitude"):
+            return (base,)  # LogSum's and LogCount's lifts read no settings of the instance
+        return None
 
     def lift(self, w: Tensor) -> State:
         w = w.to(self.state_dtype(w.dtype))

@@ -9,7 +9,7 @@ from ..kernels.exclusive import exclusive_max
 from ..kernels.normalization import MAX_PROD, CentredPairsKernel
 from ..kernels.tropical import maxplus
 from ._log import add_log_abs_, can_overwrite, kept_log_abs, log_abs
-from .base import Semiring, Sign, State, index_reduce
+from .base import Semiring, Sign, State, index_reduce, lifts_like
 
 
 class MaxProd(Semiring):
@@ -33,6 +33,8 @@ class MaxProd(Semiring):
         return (log_abs(w, self.state_dtype(w.dtype)),)
 
     def kept_lift(self, w: Tensor) -> State:
+        if not lifts_like(self, MaxProd, "lift"):
+            return self.lift(w)
         return (kept_log_abs(w, self.state_dtype(w.dtype)),)
 
     def scale_owned(self, a: State, w: Tensor) -> State:
@@ -68,7 +70,7 @@ class MaxProd(Semiring):
 
     def matmul(self, a: State, w: Tensor) -> State:
         # A compiled max-plus kernel instead of the generic broadcast-and-reduce blocks.
-        return (maxplus(a[0], kept_log_abs(w, self.state_dtype(w.dtype))),)
+        return (maxplus(a[0], self.kept_lift(w)[0]),)
 
     def has_lifted_matmul(self) -> bool:
         return True

@@ -11,7 +11,7 @@ from ..kernels.exclusive import exclusive_max, exclusive_min
 from ..kernels.normalization import SIGNED, CentredPairsKernel
 from ..kernels.tropical import maxplus
 from ._log import log_abs
-from .base import Semiring, Sign, State, index_reduce
+from .base import Semiring, Sign, State, index_reduce, lifts_like
 
 INF = float("inf")
 
@@ -127,8 +127,10 @@ class SignedMaxProd(Semiring):
     def matmul(self, a: State, w: Tensor) -> State:
         return self._matmul_lifted(a, self.kept_lift(w))
 
-    def lift_cache_key(self) -> tuple:
-        return (type(self),)  # the lift reads no settings of the instance
+    def lift_cache_key(self) -> tuple | None:
+        if lifts_like(self, SignedMaxProd, "lift", "_lift_routed"):
+            return (SignedMaxProd,)
+        return None
 
     def matmul_log(self, a: State, log_abs: Tensor, sign: Sign = 1.0) -> State:
         return self._matmul_lifted(a, self.lift_log(log_abs.to(a[0].dtype), sign))

@@ -16,7 +16,7 @@ from torch import Tensor
 from ..kernels.normalization import NO_SUCCESSOR, TOP_PATH, CentredPairsKernel
 from ..kernels.tropical import maxplus_argmax
 from ._log import kept_log_abs, log_abs
-from .base import Sign, State, index_reduce
+from .base import Sign, State, index_reduce, lifts_like
 from .max_prod import MaxProd
 
 
@@ -55,6 +55,8 @@ class TopPath(MaxProd):
         return self._edges(log_abs(w, self.state_dtype(w.dtype)))
 
     def kept_lift(self, w: Tensor) -> State:
+        if not lifts_like(self, TopPath, "lift"):
+            return self.lift(w)
         return self._edges(kept_log_abs(w, self.state_dtype(w.dtype)))
 
     @staticmethod

@@ -175,26 +175,39 @@ def _item_refs(items: tuple, i: int) -> tuple[Any, int]:
     return value, sys.getrefcount(value)
 
 
-def _baseline_refs() -> tuple[int, int]:
-    """The counts of ``_attribute_refs`` and ``_item_refs`` for an object with no other holder
-    (measured, not assumed: they depend on the interpreter's calling convention)."""
+def _storage_refs(value: Tensor) -> tuple[Any, int]:
+    """``value``'s storage object and its reference count as seen from here. PyTorch keeps one
+    Python object per storage, so a user who holds the storage (``untyped_storage()``) holds
+    this very object: only its reference count shows it."""
+    storage = value.untyped_storage()
+    return storage, sys.getrefcount(storage)
+
+
+def _baseline_refs() -> tuple[int, int, int]:
+    """The counts of ``_attribute_refs``, ``_item_refs`` and ``_storage_refs`` for objects with
+    no other holder (measured, not assumed: they depend on the interpreter)."""
     owner = torch.empty(0)
-    setattr(owner, SEMIRING_GRAD, torch.empty(0))
+    setattr(owner, SEMIRING_GRAD, torch.empty(1))
     _, attribute = _attribute_refs(owner, SEMIRING_GRAD)
     _, item = _item_refs((torch.empty(0),), 0)
-    return attribute, item
+    _, storage = _storage_refs(torch.empty(1))
+    return attribute, item, storage
 
 
-_ALONE_AS_ATTRIBUTE, _ALONE_AS_ITEM = _baseline_refs()
+_ALONE_AS_ATTRIBUTE, _ALONE_AS_ITEM, _ALONE_STORAGE = _baseline_refs()
 
 
 def _alone(value: Any, refs: int, baseline: int) -> bool:
     """Whether no one but its holder can reach ``value``: no other Python reference, no other
-    owner of the tensor (a view, a graph that saved it) and no other owner of its memory."""
+    owner of the tensor (a view, a graph that saved it), no other owner of its memory (another
+    tensor on it, a holder of its storage object) and no other process (shared memory, as a
+    ``torch.multiprocessing`` queue leaves a tensor it sent)."""
     if type(value) is not Tensor or refs > baseline or value._use_count() != 1:
         return False
-    storage = value.untyped_storage()  # this object is one more owner of the memory
-    return torch._C._storage_Use_Count(storage._cdata) <= 2
+    if value.is_shared():
+        return False
+    storage, storage_refs = _storage_refs(value)  # one more owner of the memory while held here
+    return storage_refs <= _ALONE_STORAGE and torch._C._storage_Use_Count(storage._cdata) <= 2
 
 
 def unheld_readout(t: Tensor) -> Any:

@@ -152,3 +152,21 @@ def test_the_one_reduction_check_finds_exactly_the_low_entries() -> None:
         ), trial
     row_shift = torch.zeros(7, 1)  # one shift per row: never decided by the reduction
     assert not _none_below(torch.zeros(7, 5), row_shift, floor)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+def test_the_zero_safe_logarithm_gives_torchs_bits(dtype) -> None:
+    """``log_magnitude_`` keeps exact zeros away from torch's log (a slow path there) and must
+    give the same bits as ``log_``: zeros, NaN, infinity, subnormals, ordinary values."""
+    from semipack.kernels.logspace import ZERO_SAFE_MIN_ELEMENTS, log_magnitude_
+
+    torch.manual_seed(0)
+    x = torch.randn(ZERO_SAFE_MIN_ELEMENTS * 3).abs().to(dtype)
+    x[::3] = 0.0
+    special = [float("nan"), float("inf"), 0.0, -0.0, 1e-45, 3e-39, 1.0, 2.0]
+    x[: len(special)] = torch.tensor(special).abs().to(dtype)
+    want = x.clone().log_()
+    got = log_magnitude_(x.clone())
+    assert torch.equal(got.isnan(), want.isnan())
+    assert torch.equal(got.nan_to_num(), want.nan_to_num())
+    assert got[2].item() == got[3].item() == float("-inf")

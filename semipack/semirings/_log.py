@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ..kernels.logspace import finite_or_zero, shifted_exp
+from ..kernels.logspace import finite_or_zero, log_magnitude_, shifted_exp
 from ..kernels.weight_cache import WEIGHTS
 
 __all__ = [
@@ -14,13 +14,14 @@ __all__ = [
     "finite_or_zero",
     "kept_log_abs",
     "log_abs",
+    "log_magnitude_",
     "shifted_exp",
 ]
 
 
 def log_abs(w: Tensor, dtype: torch.dtype) -> Tensor:
     """``log|w|`` in ``dtype``, with exact zeros mapped to ``-inf`` (the semiring zero)."""
-    return w.to(dtype).abs().log_()  # abs() is a fresh tensor: log in place
+    return log_magnitude_(w.to(dtype).abs())  # abs() is a fresh tensor: log in place
 
 
 def kept_log_abs(w: Tensor, dtype: torch.dtype) -> Tensor:
@@ -38,4 +39,4 @@ def can_overwrite(w: Tensor, state: Tensor) -> bool:
 def add_log_abs_(state: Tensor, w: Tensor) -> Tensor:
     """``state + log|w|`` in the memory of ``w`` (see ``can_overwrite``); bitwise the same as
     ``state + log_abs(w)``."""
-    return w.abs_().log_().add_(state)
+    return log_magnitude_(w.abs_()).add_(state)

@@ -12,7 +12,7 @@ from ..kernels.exclusive import exclusive_logsumexp
 from ..kernels.normalization import ENTROPY, CentredPairsKernel
 from ..kernels.shared_shift import ConvolutionSums, global_shift
 from ..kernels.weight_cache import WEIGHTS
-from ._log import can_overwrite, finite_or_zero, shifted_exp
+from ._log import can_overwrite, finite_or_zero, log_magnitude_, shifted_exp
 from .base import Products, Semiring, Sign, State, index_reduce, lifts_like, repair_underflow
 from .log_sum import column_scaled
 
@@ -45,14 +45,14 @@ class Entropy(Semiring):
         return (Entropy,) if lifts_like(self, Entropy, "lift") else None
 
     def lift(self, w: Tensor) -> State:
-        log_w = w.to(self.state_dtype(w.dtype)).abs().log_()
+        log_w = log_magnitude_(w.to(self.state_dtype(w.dtype)).abs())
         surprisal = torch.where(torch.isfinite(log_w), -log_w, torch.zeros_like(log_w))
         return (log_w, surprisal)
 
     def scale_owned(self, a: State, w: Tensor) -> State:
         if not can_overwrite(w, a[0]):
             return self.scale(a, w)
-        log_w = w.abs_().log_()
+        log_w = log_magnitude_(w.abs_())
         surprisal = log_w.neg().masked_fill_(~torch.isfinite(log_w), 0.0)
         return (log_w.add_(a[0]), surprisal.add_(a[1]))
 
@@ -219,7 +219,7 @@ def _entropy_pair(
     """(log Z, mean surprisal) from the shifted sums Σ e w and Σ e w R (less Σ e w log w when
     given); ``weighted`` may be overwritten, ``total`` is."""
     mean = _mean_surprisal(total, weighted, torch.zeros(()) if less is None else less)
-    return (total.log_().add_(shift), mean)
+    return (log_magnitude_(total).add_(shift), mean)
 
 
 def _entropy_product(

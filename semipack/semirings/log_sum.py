@@ -12,7 +12,7 @@ from ..kernels.exclusive import exclusive_logsumexp
 from ..kernels.native import native_available, softmax_log_sum_f32
 from ..kernels.normalization import LOG_COUNT, LOG_SUM, CentredPairsKernel
 from ..kernels.shared_shift import ConvolutionSums, global_shift
-from ._log import add_log_abs_, can_overwrite, finite_or_zero, shifted_exp
+from ._log import add_log_abs_, can_overwrite, finite_or_zero, log_magnitude_, shifted_exp
 from .base import (
     Products,
     Semiring,
@@ -78,7 +78,7 @@ class LogSum(Semiring):
     def lift(self, w: Tensor) -> State:
         w = w.to(self.state_dtype(w.dtype))
         mag = self.magnitude(w)
-        return (mag.log() if mag is w else mag.log_(),)  # in place on a fresh magnitude
+        return (mag.log() if mag is w else log_magnitude_(mag),)  # in place on a fresh one
 
     def log_magnitude(self, log_abs: Tensor) -> Tensor:
         """``log(magnitude(w))`` from ``log|w|`` (``log_abs`` itself for LogSum). A subclass
@@ -189,9 +189,10 @@ class LogSum(Semiring):
         e = (m[0] - shift).exp_()
         by_right = by_left = total = None
         if right is not None:
-            by_right = (torch.matmul(e, self.magnitude(right)).log_().add_(shift),)
+            by_right = (log_magnitude_(torch.matmul(e, self.magnitude(right))).add_(shift),)
         if left is not None:
-            by_left = (torch.matmul(e.transpose(-1, -2), self.magnitude(left)).log_().add_(shift),)
+            by_left = torch.matmul(e.transpose(-1, -2), self.magnitude(left))
+            by_left = (log_magnitude_(by_left).add_(shift),)
         if left_log is not None:
             scaled, c = column_scaled(self.log_magnitude(left_log))
             by_left = (torch.matmul(e.transpose(-1, -2), scaled).log_().add_(shift).add_(c),)
@@ -208,9 +209,9 @@ class LogSum(Semiring):
         e = (m[0] - shift).exp_()
         to_in = to_w = bias = None
         if mask[0]:
-            to_in = (sums.to_input(e, self.magnitude(sums.w)).log_().add_(shift),)
+            to_in = (log_magnitude_(sums.to_input(e, self.magnitude(sums.w))).add_(shift),)
         if mask[1]:
-            to_w = (sums.to_weight(e, self.magnitude(sums.x)).log_().add_(shift),)
+            to_w = (log_magnitude_(sums.to_weight(e, self.magnitude(sums.x))).add_(shift),)
         if mask[2]:
             bias = (e.sum([d for d in range(e.dim()) if d != 1]).log_().add_(shift),)
         return to_in, to_w, bias

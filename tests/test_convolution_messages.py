@@ -182,3 +182,43 @@ def test_native_depthwise_declines_what_it_does_not_cover() -> None:
         depthwise_max_plus(semipack.MaxProd(), (m,), x, torch.randn(3, 3, 3, 3), dense, mask)
         is None
     )
+
+
+@pytest.mark.parametrize("geometry", ["conv2d_padded", "conv1d", "conv3d", "strided_wide"], ids=str)
+def test_packed_input_weight_messages_equal_the_per_tap_copies(monkeypatch, geometry) -> None:
+    """MaxProd's weight messages from the input packed once per convolution (a row-offset
+    table per tap) equal the per-tap copies' bit for bit, with zeros in x (no edge), messages
+    without a path, channel counts below and above one 16-column panel."""
+    import semipack.rules.convolution as conv
+    from semipack.kernels.native import native_available
+
+    if not native_available():
+        pytest.skip("no native kernels here")
+    shapes = dict(GEOMETRIES, strided_wide=dict(
+        x=(2, 21, 11, 9), w=(5, 21, 3, 2), stride=(2, 3), padding=(1, 2), dilation=(2, 1)
+    ))[geometry]  # fmt: skip
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(shapes["x"], generator=gen)
+    x[x.abs() < 0.4] = 0.0
+    w = torch.randn(shapes["w"], generator=gen)
+    spatial = x.dim() - 2
+    args = (shapes.get("stride", 1), shapes.get("padding", 0), shapes.get("dilation", 1))
+    geo = ConvGeometry.of(spatial, *args, shapes.get("groups", 1))
+    forward = getattr(torch.nn.functional, f"conv{spatial}d")
+    out = forward(x, w, None, *args)
+    m = torch.randn(out.shape, generator=gen) * 3
+    m[m < -2.5] = float("-inf")
+    sr = semipack.MaxProd()
+    used = []
+    packed = conv._packed_input
+
+    def spy(*a):
+        result = packed(*a)
+        used.append(result is not None)
+        return result
+
+    monkeypatch.setattr(conv, "_packed_input", spy)
+    got = per_tap_messages(sr, (m,), x, w, geo, (False, True, False))[1][0]
+    monkeypatch.setattr(conv, "_packed_input", lambda *a: None)
+    want = per_tap_messages(sr, (m,), x, w, geo, (False, True, False))[1][0]
+    assert used == [True] and torch.equal(got, want)

@@ -63,6 +63,7 @@ _SIGNATURES: dict[str, tuple[str | None, str]] = {
     "semipack_norm_sorted_max_f32": ("i", "ppqqppi"),
     "semipack_norm_sorted_sums_f32": ("i", "pppqqpppi"),
     "semipack_fingerprint": (None, "pqp"),
+    "semipack_maxplus_gather_f32": (None, "pqqpqppqqqqi"),
     "semipack_depthwise_input_f32": (None, "ppp" + "q" * 13 + "i"),
     "semipack_depthwise_weight_f32": (None, "ppp" + "q" * 13 + "i"),
 }
@@ -142,6 +143,43 @@ def fingerprint(t: Tensor) -> tuple[int, ...] | None:
     out = (ctypes.c_uint64 * 4)()
     lib.semipack_fingerprint(t.data_ptr(), t.numel() * t.element_size(), ctypes.addressof(out))
     return tuple(out)
+
+
+def pack_panels_f32(b: Tensor) -> Tensor:
+    """``b`` [K, m] float32 as [panels, K, 16] column panels, ``-inf`` padded: the packed form
+    ``maxplus_gather_f32`` reads rows of."""
+    return _panels(b[None])[0]
+
+
+def maxplus_gather_f32(a: Tensor, panels: Tensor, rows: Tensor, offset: int, m: int) -> Tensor:
+    """``out[i, j] = max_k a[i, k] + b[offset + rows[k], j]``, float32 [n, m], for ``b`` [K, m]
+    packed by :func:`pack_panels_f32` and ``rows`` int64 [k] (``offset + rows`` within K).
+    ``a`` [n, k] is read with unit stride along k (made so if it is not). The caller checks that
+    neither operand holds NaN or ``+inf``."""
+    lib = _library()
+    assert lib is not None and a.dtype == panels.dtype == torch.float32
+    assert rows.dtype == torch.int64 and rows.is_contiguous()
+    if a.stride(-1) != 1:
+        a = a.contiguous()
+    n, k = a.shape
+    stride = panels.shape[1] * PANEL_COLS
+    out = torch.empty((n, m), dtype=torch.float32)
+    base = panels.data_ptr() + offset * PANEL_COLS * panels.element_size()
+    lib.semipack_maxplus_gather_f32(
+        a.data_ptr(),
+        a.stride(0),
+        1,
+        base,
+        stride,
+        rows.data_ptr(),
+        out.data_ptr(),
+        m,
+        n,
+        k,
+        m,
+        _threads(n * k * m),
+    )
+    return out
 
 
 def depthwise_f32(

@@ -378,6 +378,60 @@ int64_t semipack_maxplus_pruned_f32(const float *a, int64_t a_i, const float *bm
     return failed ? -1 : kept;
 }
 
+/* Max-plus product whose k-th row of b is row rows[k] of packed panels: out[i, j] =
+   max_k a[i, k] + b[rows[k], j], with b packed once as [panel][K][16] (panel_stride = K * 16
+   elements between panels). A convolution tap reads a strided window of the padded input: its
+   rows are one offset table (the same for every tap, shifted by the tap's start), so the input
+   is packed once per convolution instead of being copied and packed once per tap. */
+static void tile_values_gather(const problem *p, const float *a, const float *panel,
+                               const int64_t *rows_of_b, float *out, int rows, int cols) {
+    const float *ar[ROWS];
+    __m256 lo[ROWS], hi[ROWS];
+#pragma GCC unroll 8
+    for (int r = 0; r < ROWS; r++) {
+        ar[r] = a + (r < rows ? r : 0) * p->a_i;
+        lo[r] = hi[r] = _mm256_set1_ps(-INFINITY);
+    }
+    const int64_t step = p->a_k;
+    int64_t at = 0;
+    for (int64_t k = 0; k < p->k; k++, at += step) {
+        const float *row = panel + rows_of_b[k] * 16;
+        const __m256 b0 = _mm256_load_ps(row);
+        const __m256 b1 = _mm256_load_ps(row + 8);
+#pragma GCC unroll 8
+        for (int r = 0; r < ROWS; r++) {
+            const __m256 x = _mm256_broadcast_ss(ar[r] + at);
+            lo[r] = _mm256_max_ps(lo[r], _mm256_add_ps(x, b0));
+            hi[r] = _mm256_max_ps(hi[r], _mm256_add_ps(x, b1));
+        }
+    }
+    float tile[ROWS * 16];
+#pragma GCC unroll 8
+    for (int r = 0; r < ROWS; r++) {
+        _mm256_storeu_ps(tile + r * 16, lo[r]);
+        _mm256_storeu_ps(tile + r * 16 + 8, hi[r]);
+    }
+    copy_out(out, p->o_i, tile, rows, cols);
+}
+
+void semipack_maxplus_gather_f32(const float *a, int64_t a_i, int64_t a_k, const float *panels,
+                                 int64_t panel_stride, const int64_t *rows_of_b, float *out,
+                                 int64_t o_i, int64_t n, int64_t k, int64_t m, int threads) {
+    const problem p = {a, 0, a_i, a_k, panels, out, NULL, 0, o_i, n, k, m};
+    const int64_t panels_n = (m + 15) / 16, blocks = (n + BLOCK_ROWS - 1) / BLOCK_ROWS;
+#pragma omp parallel for schedule(static) num_threads(threads)
+    for (int64_t t = 0; t < blocks * panels_n; t++) {
+        const int64_t q = t % panels_n, block = t / panels_n;
+        const int64_t j = q * 16, i1 = (block + 1) * BLOCK_ROWS < n ? (block + 1) * BLOCK_ROWS : n;
+        const int cols = m - j < 16 ? (int)(m - j) : 16;
+        for (int64_t i = block * BLOCK_ROWS; i < i1; i += ROWS) {
+            const int rows = i1 - i < ROWS ? (int)(i1 - i) : ROWS;
+            tile_values_gather(&p, a + i * a_i, panels + q * panel_stride, rows_of_b,
+                               out + i * o_i + j, rows, cols);
+        }
+    }
+}
+
 /* Packs b[s, k, j] (any strides, in elements) into [s][panel][k][16] panels, -inf padded. */
 void semipack_pack_panels_f32(const float *b, int64_t b_s, int64_t b_k, int64_t b_j,
                               float *panels, int64_t batch, int64_t k, int64_t m, int threads) {

@@ -227,6 +227,8 @@ def _packed_input(
         and native_available()
         and x.dtype == a.dtype == torch.float32
         and x.device.type == "cpu"
+        and x.numel() > 0
+        and a.numel() > 0
         and bool(x.amax() < _INF)
         and bool(a.amax() < _INF)
     ):

@@ -184,11 +184,15 @@ def test_native_depthwise_declines_what_it_does_not_cover() -> None:
     )
 
 
-@pytest.mark.parametrize("geometry", ["conv2d_padded", "conv1d", "conv3d", "strided_wide"], ids=str)
-def test_packed_input_weight_messages_equal_the_per_tap_copies(monkeypatch, geometry) -> None:
-    """MaxProd's weight messages from the input packed once per convolution (a row-offset
-    table per tap) equal the per-tap copies' bit for bit, with zeros in x (no edge), messages
-    without a path, channel counts below and above one 16-column panel."""
+@pytest.mark.parametrize("mask", [(True, True, True), (True, False, False), (False, True, False)])
+@pytest.mark.parametrize("geometry", ["conv2d_padded", "conv1d", "conv3d", "strided_wide"])
+def test_max_plus_taps_without_copies_equal_the_per_tap_products(
+    monkeypatch, geometry: str, mask
+) -> None:
+    """MaxProd's messages with the input packed once and every tap's window addressed through
+    one row-offset table (``_MaxPlusTaps``) equal the per-tap products' bit for bit, with zeros
+    in x and w (no edge), messages without a path, channel counts below and above one
+    16-column panel."""
     import semipack.rules.convolution as conv
     from semipack.kernels.native import native_available
 
@@ -201,6 +205,7 @@ def test_packed_input_weight_messages_equal_the_per_tap_copies(monkeypatch, geom
     x = torch.randn(shapes["x"], generator=gen)
     x[x.abs() < 0.4] = 0.0
     w = torch.randn(shapes["w"], generator=gen)
+    w.view(-1)[::5] = 0.0
     spatial = x.dim() - 2
     args = (shapes.get("stride", 1), shapes.get("padding", 0), shapes.get("dilation", 1))
     geo = ConvGeometry.of(spatial, *args, shapes.get("groups", 1))
@@ -209,16 +214,20 @@ def test_packed_input_weight_messages_equal_the_per_tap_copies(monkeypatch, geom
     m = torch.randn(out.shape, generator=gen) * 3
     m[m < -2.5] = float("-inf")
     sr = semipack.MaxProd()
-    used = []
-    packed = conv._packed_input
+    made = []
+    make = conv._MaxPlusTaps.make
 
     def spy(*a):
-        result = packed(*a)
-        used.append(result is not None)
-        return result
+        taps = make(*a)
+        made.append(taps is not None)
+        return taps
 
-    monkeypatch.setattr(conv, "_packed_input", spy)
-    got = per_tap_messages(sr, (m,), x, w, geo, (False, True, False))[1][0]
-    monkeypatch.setattr(conv, "_packed_input", lambda *a: None)
-    want = per_tap_messages(sr, (m,), x, w, geo, (False, True, False))[1][0]
-    assert used == [True] and torch.equal(got, want)
+    monkeypatch.setattr(conv._MaxPlusTaps, "make", staticmethod(spy))
+    got = per_tap_messages(sr, (m,), x, w, geo, mask)
+    monkeypatch.setattr(conv._MaxPlusTaps, "make", staticmethod(lambda *a: None))
+    want = per_tap_messages(sr, (m,), x, w, geo, mask)
+    assert made == [True]
+    for g, e in zip(got, want, strict=True):
+        assert (g is None) == (e is None)
+        if g is not None:
+            assert torch.equal(g[0], e[0])

@@ -27,6 +27,7 @@ from torch import Tensor
 from ..kernels.native import (
     depthwise_f32,
     maxplus_gather_f32,
+    maxplus_scatter_max_f32,
     native_available,
     pack_panels_f32,
 )
@@ -155,9 +156,12 @@ def per_tap_messages(
 
     dest = sr.zeros((batch, *padded, channels), dtype, x.device) if mask[0] else None
     w_msg = sr.zeros((out_channels, c_g, *kernel), dtype, x.device) if mask[1] else None
-    gathered = None
-    if mask[1] and groups == 1 and lifted is not None:
-        gathered = _packed_input(sr, lifted, rows_t, padded, out_size, stride)
+    taps = None  # max-plus products without per-tap copies, where they apply
+    if groups == 1 and (lifted is not None or w_lifted is not None):
+        operands = [*(lifted or ()), *(rows_t or ()), *(w_lifted or ()), *rows]
+        taps = _MaxPlusTaps.make(sr, operands, [batch, *padded], out_size, stride)
+        if taps is not None and ((mask[0] and w_lifted is None) or (mask[1] and lifted is None)):
+            taps = None
     if depthwise:  # [B, *out, G, O/G]: each output channel's message, channels last
         m_last = tuple(
             p.reshape(batch, groups, o_g, *out_size).movedim((1, 2), (-2, -1)) for p in m_parts
@@ -172,7 +176,10 @@ def per_tap_messages(
             w_tap = w_groups[(slice(None), slice(None), 0, *tap)]  # [G, O/G]
             _depthwise_tap(sr, m_last, w_tap, x_last, lifted, dest, w_msg, where, tap, mask)
             continue
-        if mask[0]:  # [G, B·L, O/G] ⊗ [G, O/G, C/G] -> [B, *out, C], into the tap's input slice
+        if mask[0] and taps is not None:  # straight into the tap's window of dest
+            w_tap = w_lifted[0][(0, slice(None), slice(None), *tap)]  # [O, C]: one group
+            taps.add_input_message(dest[0], rows[0], w_tap.contiguous(), tap, dilation)
+        elif mask[0]:  # [G, B·L, O/G] ⊗ [G, O/G, C/G] -> [B, *out, C], into the tap's input slice
             at_tap = (slice(None), slice(None), slice(None), *tap)
             if w_lifted is not None:
                 cols = sr.matmul_lifted(
@@ -185,11 +192,11 @@ def per_tap_messages(
             for d, part in zip(dest, merged, strict=True):
                 d[where] = part
         if mask[1]:  # [G, O/G, B·L] ⊗ [G, B·L, C/G] -> [O, C/G]
-            if gathered is not None:
-                found = (gathered(tap, dilation),)
+            if taps is not None:
+                found = (taps.weight_message(lifted[0], rows_t[0], tap, dilation),)
             elif lifted is not None:
-                taps = tuple(_group_inputs(c[where], groups) for c in lifted)
-                found = sr.matmul_lifted(rows_t, taps)
+                inputs = tuple(_group_inputs(c[where], groups) for c in lifted)
+                found = sr.matmul_lifted(rows_t, inputs)
             else:
                 found = sr.matmul(rows_t, _group_inputs(x_last[where], groups))
             for d, part in zip(w_msg, found, strict=True):
@@ -207,51 +214,78 @@ def per_tap_messages(
     return grad_in, w_msg, grad_b
 
 
-def _packed_input(
-    sr: Semiring,
-    lifted: State,
-    rows_t: State,
-    padded: Sequence[int],
-    out_size: Sequence[int],
-    stride: Sequence[int],
-):
-    """For max-plus states: the lifted input packed once (``pack_panels_f32``) and a function
-    giving a tap's weight message [O, C] from it (``maxplus_gather_f32``: the tap's window is
-    one table of row offsets, shifted by the tap's start), or None where the per-tap products
-    stay (another algebra, no native kernel, NaN or +inf). Same values: max does not round.
-    Wide products, which the per-tap path may prune, are packed too: ResNet-18 eval MaxProd
-    took 4.38x a plain backward so and 4.35x with them left to the per-tap path (one thread)."""
-    x, a = lifted[0], rows_t[0]  # [B, *padded, C] and [O, B·L]
-    if not (
-        sr.is_max_plus()
-        and native_available()
-        and x.dtype == a.dtype == torch.float32
-        and x.device.type == "cpu"
-        and x.numel() > 0
-        and a.numel() > 0
-        and bool(x.amax() < _INF)
-        and bool(a.amax() < _INF)
-    ):
-        return None
-    channels = x.shape[-1]
-    panels = pack_panels_f32(x.reshape(-1, channels))
-    # Row of the padded grid read by output position l of tap 0: each spatial dim's index
-    # times its stride, flattened with the padded sizes (and the batch as the leading dim).
-    grid = [x.shape[0], *padded]
-    index = torch.zeros((), dtype=torch.int64)
-    for dim, (size, step) in enumerate(zip([x.shape[0], *out_size], [1, *stride], strict=True)):
-        place = math.prod(grid[dim + 1 :])
-        index = index[..., None] + torch.arange(size, dtype=torch.int64) * (step * place)
-    rows = index.reshape(-1).contiguous()
+class _MaxPlusTaps:
+    """A convolution's taps in max-plus algebra without a copy per tap.
 
-    def tap_message(tap: Sequence[int], dilation: Sequence[int]) -> Tensor:
-        start = sum(
-            t * d * math.prod(grid[dim + 2 :])
+    A tap's output positions read (and its input message lands on) a strided window of the
+    padded input, channels last: rows ``start(tap) + rows[l]`` of its ``[B·padded, C]`` form,
+    one offset table for every tap. So the lifted input is packed once per convolution and each
+    tap's weight message is read through the table (``maxplus_gather_f32``), and each tap's
+    input message is added with max straight into those rows (``maxplus_scatter_max_f32``),
+    instead of copying, packing, reading and writing back the window per tap. Same values as the
+    per-tap products: max does not round. ``make`` returns None where this does not apply
+    (another algebra, no native kernel, not float32 on the CPU, NaN or +inf among the
+    operands, an empty batch). Wide products, which the per-tap path may prune, take this path
+    too: ResNet-18 eval MaxProd took 4.38x a plain backward so and 4.35x with them left to the
+    per-tap path (one thread).
+    """
+
+    def __init__(self, grid: list[int], out_size: Sequence[int], stride: Sequence[int]) -> None:
+        self.grid = grid  # [B, *padded]
+        index = torch.zeros((), dtype=torch.int64)
+        for dim, (size, step) in enumerate(zip([grid[0], *out_size], [1, *stride], strict=True)):
+            index = index[..., None] + torch.arange(size, dtype=torch.int64) * (
+                step * math.prod(grid[dim + 1 :])
+            )
+        self.rows = index.reshape(-1).contiguous()  # tap 0's row of each output position
+        self.panels: Tensor | None = None
+
+    @staticmethod
+    def make(
+        sr: Semiring,
+        operands: Sequence[Tensor],
+        grid: list[int],
+        out_size: Sequence[int],
+        stride: Sequence[int],
+    ) -> _MaxPlusTaps | None:
+        if not (
+            sr.is_max_plus()
+            and native_available()
+            and all(t.dtype == torch.float32 and t.device.type == "cpu" for t in operands)
+            and all(t.numel() > 0 and bool(t.amax() < _INF) for t in operands)
+        ):
+            return None
+        return _MaxPlusTaps(grid, out_size, stride)
+
+    def start(self, tap: Sequence[int], dilation: Sequence[int]) -> int:
+        """The row of the padded grid that output position 0 of ``tap`` reads."""
+        return sum(
+            t * d * math.prod(self.grid[dim + 2 :])
             for dim, (t, d) in enumerate(zip(tap, dilation, strict=True))
         )
-        return maxplus_gather_f32(a, panels, rows, start, channels)
 
-    return tap_message
+    def weight_message(
+        self, lifted_x: Tensor, rows_t: Tensor, tap: Sequence[int], dilation: Sequence[int]
+    ) -> Tensor:
+        """``rows_t`` [O, B·L] ⊗ the tap's window of ``lifted_x`` [B, *padded, C] -> [O, C]."""
+        channels = lifted_x.shape[-1]
+        if self.panels is None:
+            self.panels = pack_panels_f32(lifted_x.reshape(-1, channels))
+        start = self.start(tap, dilation)
+        return maxplus_gather_f32(rows_t, self.panels, self.rows, start, channels)
+
+    def add_input_message(
+        self,
+        dest: Tensor,
+        rows: Tensor,
+        lifted_w_tap: Tensor,
+        tap: Sequence[int],
+        dilation: Sequence[int],
+    ) -> None:
+        """``dest`` [B, *padded, C] ⊕= ``rows`` [B·L, O] ⊗ ``lifted_w_tap`` [O, C] on the window."""
+        flat = dest.reshape(-1, dest.shape[-1])
+        panels = pack_panels_f32(lifted_w_tap)
+        maxplus_scatter_max_f32(rows, panels, flat, self.rows, self.start(tap, dilation))
 
 
 def _depthwise_tap(

@@ -64,6 +64,7 @@ _SIGNATURES: dict[str, tuple[str | None, str]] = {
     "semipack_norm_sorted_sums_f32": ("i", "pppqqpppi"),
     "semipack_fingerprint": (None, "pqp"),
     "semipack_maxplus_gather_f32": (None, "pqqpqppqqqqi"),
+    "semipack_maxplus_scatter_max_f32": (None, "pqqpppqqqqi"),
     "semipack_depthwise_input_f32": (None, "ppp" + "q" * 13 + "i"),
     "semipack_depthwise_weight_f32": (None, "ppp" + "q" * 13 + "i"),
 }
@@ -180,6 +181,35 @@ def maxplus_gather_f32(a: Tensor, panels: Tensor, rows: Tensor, offset: int, m: 
         _threads(n * k * m),
     )
     return out
+
+
+def maxplus_scatter_max_f32(
+    a: Tensor, panels: Tensor, out: Tensor, rows: Tensor, offset: int
+) -> None:
+    """``out[offset + rows[i], j] = max(that, max_k a[i, k] + b[k, j])`` in place, for ``out``
+    [R, m] contiguous float32, ``b`` [k, m] packed by :func:`pack_panels_f32` and distinct
+    ``offset + rows`` (int64 [n]) within R. The caller checks that no operand holds NaN or
+    ``+inf``."""
+    lib = _library()
+    assert lib is not None and a.dtype == panels.dtype == out.dtype == torch.float32
+    assert rows.dtype == torch.int64 and rows.is_contiguous() and out.is_contiguous()
+    if a.stride(-1) != 1:
+        a = a.contiguous()
+    n, k = a.shape
+    m = out.shape[1]
+    lib.semipack_maxplus_scatter_max_f32(
+        a.data_ptr(),
+        a.stride(0),
+        1,
+        panels.data_ptr(),
+        out.data_ptr() + offset * m * out.element_size(),
+        rows.data_ptr(),
+        m,
+        n,
+        k,
+        m,
+        _threads(n * k * m),
+    )
 
 
 def depthwise_f32(

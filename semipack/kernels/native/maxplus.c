@@ -432,6 +432,37 @@ void semipack_maxplus_gather_f32(const float *a, int64_t a_i, int64_t a_k, const
     }
 }
 
+/* Max-plus product added with max into rows of a larger array: out[rows[i] * o_row + j] =
+   max(that, max_k a[i, k] + b[k, j]), b packed as [panel][k][16]. A convolution tap's input
+   message lands on a strided window of the padded input's message: one row-offset table (the
+   same for every tap, shifted by the tap's start) replaces building the tap's product, reading
+   the window, taking the max and writing the window back. Rows must be distinct. */
+void semipack_maxplus_scatter_max_f32(const float *a, int64_t a_i, int64_t a_k,
+                                      const float *panels, float *out, const int64_t *rows_of_out,
+                                      int64_t o_row, int64_t n, int64_t k, int64_t m,
+                                      int threads) {
+    const problem p = {a, 0, a_i, a_k, panels, out, NULL, 0, 16, n, k, m};
+    const int64_t panels_n = (m + 15) / 16, blocks = (n + BLOCK_ROWS - 1) / BLOCK_ROWS;
+#pragma omp parallel for schedule(static) num_threads(threads)
+    for (int64_t t = 0; t < blocks * panels_n; t++) {
+        const int64_t q = t % panels_n, block = t / panels_n;
+        const int64_t j = q * 16, i1 = (block + 1) * BLOCK_ROWS < n ? (block + 1) * BLOCK_ROWS : n;
+        const int cols = m - j < 16 ? (int)(m - j) : 16;
+        for (int64_t i = block * BLOCK_ROWS; i < i1; i += ROWS) {
+            const int rows = i1 - i < ROWS ? (int)(i1 - i) : ROWS;
+            float tile[ROWS * 16];
+            tile_values(&p, a + i * a_i, panels + q * k * 16, tile, rows, 16);
+            for (int r = 0; r < rows; r++) {
+                float *dst = out + rows_of_out[i + r] * o_row + j;
+                for (int c = 0; c < cols; c++) {
+                    const float v = tile[r * 16 + c];
+                    if (v > dst[c]) dst[c] = v;
+                }
+            }
+        }
+    }
+}
+
 /* Packs b[s, k, j] (any strides, in elements) into [s][panel][k][16] panels, -inf padded. */
 void semipack_pack_panels_f32(const float *b, int64_t b_s, int64_t b_k, int64_t b_j,
                               float *panels, int64_t batch, int64_t k, int64_t m, int threads) {

@@ -170,3 +170,23 @@ def test_the_zero_safe_logarithm_gives_torchs_bits(dtype) -> None:
     assert torch.equal(got.isnan(), want.isnan())
     assert torch.equal(got.nan_to_num(), want.nan_to_num())
     assert got[2].item() == got[3].item() == float("-inf")
+
+
+def test_float_op_forms_of_masked_logs_give_the_masked_bits() -> None:
+    """``finite_surprisal``, ``xlogx_`` and ``finite_or_zero`` replace bool-mask expressions
+    (``torch.where`` and ``masked_fill`` ran about 30x slower per entry than float ops here)
+    and must give their bits: zeros, NaN, infinities, subnormals, ordinary values."""
+    from semipack.kernels.logspace import finite_or_zero, finite_surprisal, xlogx_
+
+    torch.manual_seed(1)
+    special = torch.tensor([0.0, float("nan"), float("inf"), 1e-45, 3e-39, 1.0, 2.5e30])
+    mag = torch.cat([special, torch.randn(5000).abs(), torch.zeros(100)])
+    log_w = mag.log()
+    want = torch.where(torch.isfinite(log_w), -log_w, torch.zeros_like(log_w))
+    assert torch.equal(finite_surprisal(log_w), want)
+    want = mag.log().mul_(mag).masked_fill_(~(mag > 0), 0.0)
+    got = xlogx_(mag.clone())
+    assert torch.equal(got, want) and not got.isnan().any()
+    for x in (log_w, -log_w, mag):
+        want = torch.where(torch.isfinite(x), x, torch.zeros((), dtype=x.dtype))
+        assert torch.equal(finite_or_zero(x), want)

@@ -9,6 +9,7 @@ from torch import Tensor
 
 from ..kernels.compiled import FUSED_MIN_ELEMENTS, compiled
 from ..kernels.exclusive import exclusive_logsumexp
+from ..kernels.logspace import finite_surprisal, xlogx_
 from ..kernels.normalization import ENTROPY, CentredPairsKernel
 from ..kernels.shared_shift import ConvolutionSums, global_shift
 from ..kernels.weight_cache import WEIGHTS
@@ -46,27 +47,26 @@ class Entropy(Semiring):
 
     def lift(self, w: Tensor) -> State:
         log_w = log_magnitude_(w.to(self.state_dtype(w.dtype)).abs())
-        surprisal = torch.where(torch.isfinite(log_w), -log_w, torch.zeros_like(log_w))
-        return (log_w, surprisal)
+        return (log_w, finite_surprisal(log_w))
 
     def scale_owned(self, a: State, w: Tensor) -> State:
         if not can_overwrite(w, a[0]):
             return self.scale(a, w)
         log_w = log_magnitude_(w.abs_())
-        surprisal = log_w.neg().masked_fill_(~torch.isfinite(log_w), 0.0)
+        surprisal = finite_surprisal(log_w)
         return (log_w.add_(a[0]), surprisal.add_(a[1]))
 
     def lift_log(self, log_abs: Tensor, sign: Sign = 1.0) -> State:
         log_w = log_abs.to(self.state_dtype(log_abs.dtype))
-        return (log_w, _surprisal(log_w))
+        return (log_w, finite_surprisal(log_w))
 
     def scale_log(self, a: State, log_abs: Tensor, sign: Sign = 1.0) -> State:
-        return (a[0] + log_abs, a[1] + _surprisal(log_abs))
+        return (a[0] + log_abs, a[1] + finite_surprisal(log_abs))
 
     def scale_log_owned(self, a: State, log_abs: Tensor, sign: Sign = 1.0) -> State:
         if not can_overwrite(log_abs, a[0]):
             return self.scale_log(a, log_abs, sign)
-        surprisal = _surprisal(log_abs)
+        surprisal = finite_surprisal(log_abs)
         return (log_abs.add_(a[0]), surprisal.add_(a[1]))
 
     def matmul_log(self, a: State, log_abs: Tensor, sign: Sign = 1.0) -> State:
@@ -181,12 +181,6 @@ class Entropy(Semiring):
         return to_in, to_w, bias
 
 
-def _surprisal(log_w: Tensor) -> Tensor:
-    """``-log|w|`` where finite, else 0 (no edge; a NaN weight's NaN lives in ``log_w``), as
-    ``lift`` computes it."""
-    return log_w.neg().masked_fill_(~torch.isfinite(log_w), 0.0)
-
-
 # --- shared-shift products (see ``kernels.shared_shift``) ----------------------------------------
 def _readout_eager(log_z: Tensor, mean: Tensor) -> Tensor:
     return (log_z + mean).masked_fill_(~torch.isfinite(log_z), float("nan"))  # a fresh sum
@@ -246,7 +240,7 @@ def _magnitudes(w: Tensor) -> tuple[Tensor, Tensor]:
 
     def make() -> tuple[Tensor, Tensor]:
         mag = w.abs()
-        return mag, mag.log().mul_(mag).masked_fill_(~(mag > 0), 0.0)
+        return mag, xlogx_(mag.clone())
 
     return WEIGHTS.derived(w, "entropy magnitudes", make)
 

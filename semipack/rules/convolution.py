@@ -162,6 +162,8 @@ def per_tap_messages(
         taps = _MaxPlusTaps.make(sr, operands, [batch, *padded], out_size, stride)
         if taps is not None and ((mask[0] and w_lifted is None) or (mask[1] and lifted is None)):
             taps = None
+        if taps is not None and mask[0]:
+            rows = (rows[0].contiguous(),)  # read by every tap: one copy, not one per tap
     if depthwise:  # [B, *out, G, O/G]: each output channel's message, channels last
         m_last = tuple(
             p.reshape(batch, groups, o_g, *out_size).movedim((1, 2), (-2, -1)) for p in m_parts

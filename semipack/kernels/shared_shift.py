@@ -28,10 +28,11 @@ def global_shift(log_values: Tensor) -> Tensor | None:
         return None
     low, high = torch.aminmax(log_values)
     if low.item() == float("-inf"):  # entries without any path do not count
-        finite = torch.isfinite(log_values)
-        if not finite.any():
+        # (no NaN here: it would have been the minimum) the smallest finite entry, by float ops
+        # only: a boolean index ran a nonzero and a gather over the whole message
+        low = torch.nan_to_num(log_values, posinf=float("inf"), neginf=float("inf")).amin()
+        if low.item() == float("inf"):  # no finite entry
             return None
-        low = log_values[finite].amin()
     if not torch.isfinite(high) or (high - low).item() > SHARED_SHIFT_SPAN:
         return None
     return high

@@ -124,7 +124,7 @@ class Entropy(Semiring):
         total = e_dest.index_add(dim, index, e_src)
         weighted = (e_dest * dest[1]).index_add(dim, index, e_src * src[1])
         mean = torch.where(total > 0, weighted / total, torch.zeros_like(total))
-        return (total.log() + peak, mean)
+        return (log_magnitude_(total).add_(peak), mean)
 
     # --- fast paths of the message math -------------------------------------------------------
     def lift_is_multiplicative(self) -> bool:

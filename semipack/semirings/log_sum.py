@@ -139,7 +139,7 @@ class LogSum(Semiring):
         peak = finite_or_zero(peak)
         e_dest = (dest[0] - peak).exp()
         e_src = (src[0] - peak.index_select(dim, index)).exp()
-        return (e_dest.index_add(dim, index, e_src).log() + peak,)
+        return (log_magnitude_(e_dest.index_add(dim, index, e_src)).add_(peak),)
 
     # --- fast paths of the message math -------------------------------------------------------
     def lift_is_multiplicative(self) -> bool:

@@ -323,12 +323,12 @@ taken there).
   direct kernels) on the exponentiated message and |x|, |W|: the same work as the plain backward
   per product (Entropy: three products per message). The other semirings take one kernel tap at
   a time: 9 taps x 2 max-plus products of [32 x 1024, 64] x [64, 64] here, about 2.4 G pairs,
-  plus a strided slice update per tap, against oneDNN's very fast direct convolution. The taps
-  of one convolution share one estimate of how much the pruned kernel keeps
-  (`kernels.tropical.shared_pruning_choice`): estimating each product alone cost about a fifth
-  of ResNet-18's MaxProd backward. A product is pruned only with at least 256 output columns
-  (`PRUNE_MIN_COLS`): the weight message's [64, 32 x 1024] x [32 x 1024, 64] ran slower pruned
-  than dense (conv2d MaxProd 8.6x -> 4.9x).
+  against oneDNN's very fast direct convolution. For MaxProd the lifted input is packed once per
+  convolution and each tap's window is addressed through one table of row offsets: the weight
+  message reads it in place, the input message is added with max straight into the padded
+  message (no copy, pack, slice read or write-back per tap; ResNet-18 train MaxProd 6.7x ->
+  5.6x single-thread). The max-plus kernel runs near the two vector ports' peak here (about
+  27 G pairs/s on one core), so the products alone are about 1.7x the plain backward.
 - **Whole models on small inputs.** The ratios sit far above their floors because a plain
   backward of one sentence or two images is a few milliseconds of large matrix products, while
   every semiring node also pays elementwise work over its whole output (edge weights in log
@@ -339,10 +339,17 @@ taken there).
   above a tenth. The embedding table (30522 x 384) was the largest single item: its message is
   now kept as the rows a token reached (`SparseRows`), built in full only where an op needs it,
   and its readout evaluates those rows only (MiniLM sentence MaxProd 5.9x -> 4.9x, peak memory
-  3.0x -> 2.5x).
+  3.0x -> 2.5x), written into the previous readout's memory when nothing holds it (a fresh
+  47 MB table costs 20 ms of page faults). The weights' lifted forms (log|W|, |W| log|W|) are
+  kept across passes while a fingerprint of their bytes is unchanged (`kernels/weight_cache.py`):
+  on one sentence, lifting every weight matrix cost as much as its product with the message.
 - **Convolutional models.** ResNet-18 and MobileNetV3 MaxProd pay the convolution max-plus
-  products above (per tap, against oneDNN); depthwise convolutions take an elementwise path per
-  tap (MobileNet's 5x5 depthwise layers were 580x before it). In train mode ResNet-18 adds the
+  products above (per tap, against oneDNN); 2-D depthwise convolutions have a native kernel
+  that sweeps each plane once per tap (`native/depthwise.c`; a 5x5 layer of 96 channels went
+  from 6.2x to 3.3x its plain backward, MobileNetV3 MaxProd 7.3x -> 6.5x single-thread). PyTorch's
+  vectorised log takes a slow path for every exact zero, about 10 ns each, and half of a ReLU
+  network's activations are zeros: logarithms of magnitudes replace them by 1 and put -inf back
+  (same bits; ResNet-18 eval MaxProd 4.8x -> 4.6x). In train mode ResNet-18 adds the
   exact messages of BatchNorm over N x H x W entries per channel (8192 in its first layer). The
   native kernels sort each channel and take O(n log n): MaxProd's maximum is an upper envelope
   of lines, LogSum's sum prefix sums, Entropy's sum of c log c a series tree

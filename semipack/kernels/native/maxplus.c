@@ -44,9 +44,13 @@ static inline void copy_out(float *dst, int64_t ld, const float *tile, int rows,
     for (int r = 0; r < rows; r++) memcpy(dst + r * ld, tile + r * 16, sizeof(float) * (size_t)cols);
 }
 
-/* One tile: rows [i, i + rows) x the 16 columns of one panel, over all of k. */
-static void tile_values(const problem *p, const float *a, const float *panel, float *out,
-                        int rows, int cols) {
+/* One tile: rows [i, i + rows) x the 16 columns of one panel, over all of k. Row k of the
+   panel is row k, or row rows_of_b[k] when a table is given (see semipack_maxplus_gather_f32);
+   inlined into both callers, so the plain one has no table test in its loop. */
+static inline __attribute__((always_inline)) void tile_loop(const problem *p, const float *a,
+                                                            const float *panel,
+                                                            const int64_t *rows_of_b, float *out,
+                                                            int rows, int cols) {
     const float *ar[ROWS];
     __m256 lo[ROWS], hi[ROWS];
 #pragma GCC unroll 8
@@ -57,8 +61,9 @@ static void tile_values(const problem *p, const float *a, const float *panel, fl
     const int64_t step = p->a_k;
     int64_t at = 0;
     for (int64_t k = 0; k < p->k; k++, at += step) {
-        const __m256 b0 = _mm256_load_ps(panel + k * 16);
-        const __m256 b1 = _mm256_load_ps(panel + k * 16 + 8);
+        const float *row = panel + (rows_of_b ? rows_of_b[k] : k) * 16;
+        const __m256 b0 = _mm256_load_ps(row);
+        const __m256 b1 = _mm256_load_ps(row + 8);
 #pragma GCC unroll 8
         for (int r = 0; r < ROWS; r++) {
             const __m256 x = _mm256_broadcast_ss(ar[r] + at);
@@ -73,6 +78,11 @@ static void tile_values(const problem *p, const float *a, const float *panel, fl
         _mm256_storeu_ps(tile + r * 16 + 8, hi[r]);
     }
     copy_out(out, p->o_i, tile, rows, cols);
+}
+
+static void tile_values(const problem *p, const float *a, const float *panel, float *out,
+                        int rows, int cols) {
+    tile_loop(p, a, panel, NULL, out, rows, cols);
 }
 
 /* Values and first argmax over ARGMAX_ROWS rows (four accumulators per row fill the registers);
@@ -378,82 +388,40 @@ int64_t semipack_maxplus_pruned_f32(const float *a, int64_t a_i, const float *bm
     return failed ? -1 : kept;
 }
 
-/* Max-plus product whose k-th row of b is row rows[k] of packed panels: out[i, j] =
-   max_k a[i, k] + b[rows[k], j], with b packed once as [panel][K][16] (panel_stride = K * 16
-   elements between panels). A convolution tap reads a strided window of the padded input: its
-   rows are one offset table (the same for every tap, shifted by the tap's start), so the input
-   is packed once per convolution instead of being copied and packed once per tap. */
-static void tile_values_gather(const problem *p, const float *a, const float *panel,
-                               const int64_t *rows_of_b, float *out, int rows, int cols) {
-    const float *ar[ROWS];
-    __m256 lo[ROWS], hi[ROWS];
-#pragma GCC unroll 8
-    for (int r = 0; r < ROWS; r++) {
-        ar[r] = a + (r < rows ? r : 0) * p->a_i;
-        lo[r] = hi[r] = _mm256_set1_ps(-INFINITY);
-    }
-    const int64_t step = p->a_k;
-    int64_t at = 0;
-    for (int64_t k = 0; k < p->k; k++, at += step) {
-        const float *row = panel + rows_of_b[k] * 16;
-        const __m256 b0 = _mm256_load_ps(row);
-        const __m256 b1 = _mm256_load_ps(row + 8);
-#pragma GCC unroll 8
-        for (int r = 0; r < ROWS; r++) {
-            const __m256 x = _mm256_broadcast_ss(ar[r] + at);
-            lo[r] = _mm256_max_ps(lo[r], _mm256_add_ps(x, b0));
-            hi[r] = _mm256_max_ps(hi[r], _mm256_add_ps(x, b1));
-        }
-    }
-    float tile[ROWS * 16];
-#pragma GCC unroll 8
-    for (int r = 0; r < ROWS; r++) {
-        _mm256_storeu_ps(tile + r * 16, lo[r]);
-        _mm256_storeu_ps(tile + r * 16 + 8, hi[r]);
-    }
-    copy_out(out, p->o_i, tile, rows, cols);
-}
+/* The two products of a convolution tap with one row-offset table (see
+   rules/convolution.py, _MaxPlusTaps). A tap reads, and its input message lands on, a strided
+   window of the padded input; its rows are one table (the same for every tap, shifted by the
+   tap's start), so nothing is copied or packed per tap:
 
-void semipack_maxplus_gather_f32(const float *a, int64_t a_i, int64_t a_k, const float *panels,
-                                 int64_t panel_stride, const int64_t *rows_of_b, float *out,
-                                 int64_t o_i, int64_t n, int64_t k, int64_t m, int threads) {
-    const problem p = {a, 0, a_i, a_k, panels, out, NULL, 0, o_i, n, k, m};
+   gather:       out[i, j] = max_k a[i, k] + b[rows_of_b[k], j], b packed once as [panel][K][16]
+                 (panel_stride = K * 16 elements between panels);
+   scatter-max:  out[rows_of_out[i] * o_row + j] = max(that, max_k a[i, k] + b[k, j]), b packed
+                 as [panel][k][16]; the rows must be distinct (a tap's outputs are).
+
+   One task per (block of rows, panel), as in semipack_maxplus_f32. */
+static void maxplus_tiles(const problem *p, int64_t panel_stride, const int64_t *rows_of_b,
+                          const int64_t *rows_of_out, int64_t o_row, int threads) {
+    const int64_t n = p->n, m = p->m;
     const int64_t panels_n = (m + 15) / 16, blocks = (n + BLOCK_ROWS - 1) / BLOCK_ROWS;
 #pragma omp parallel for schedule(static) num_threads(threads)
     for (int64_t t = 0; t < blocks * panels_n; t++) {
         const int64_t q = t % panels_n, block = t / panels_n;
         const int64_t j = q * 16, i1 = (block + 1) * BLOCK_ROWS < n ? (block + 1) * BLOCK_ROWS : n;
         const int cols = m - j < 16 ? (int)(m - j) : 16;
+        const float *panel = p->panels + q * panel_stride;
         for (int64_t i = block * BLOCK_ROWS; i < i1; i += ROWS) {
             const int rows = i1 - i < ROWS ? (int)(i1 - i) : ROWS;
-            tile_values_gather(&p, a + i * a_i, panels + q * panel_stride, rows_of_b,
-                               out + i * o_i + j, rows, cols);
-        }
-    }
-}
-
-/* Max-plus product added with max into rows of a larger array: out[rows[i] * o_row + j] =
-   max(that, max_k a[i, k] + b[k, j]), b packed as [panel][k][16]. A convolution tap's input
-   message lands on a strided window of the padded input's message: one row-offset table (the
-   same for every tap, shifted by the tap's start) replaces building the tap's product, reading
-   the window, taking the max and writing the window back. Rows must be distinct. */
-void semipack_maxplus_scatter_max_f32(const float *a, int64_t a_i, int64_t a_k,
-                                      const float *panels, float *out, const int64_t *rows_of_out,
-                                      int64_t o_row, int64_t n, int64_t k, int64_t m,
-                                      int threads) {
-    const problem p = {a, 0, a_i, a_k, panels, out, NULL, 0, 16, n, k, m};
-    const int64_t panels_n = (m + 15) / 16, blocks = (n + BLOCK_ROWS - 1) / BLOCK_ROWS;
-#pragma omp parallel for schedule(static) num_threads(threads)
-    for (int64_t t = 0; t < blocks * panels_n; t++) {
-        const int64_t q = t % panels_n, block = t / panels_n;
-        const int64_t j = q * 16, i1 = (block + 1) * BLOCK_ROWS < n ? (block + 1) * BLOCK_ROWS : n;
-        const int cols = m - j < 16 ? (int)(m - j) : 16;
-        for (int64_t i = block * BLOCK_ROWS; i < i1; i += ROWS) {
-            const int rows = i1 - i < ROWS ? (int)(i1 - i) : ROWS;
+            const float *arow = p->a + i * p->a_i;
+            if (!rows_of_out) {
+                tile_loop(p, arow, panel, rows_of_b, p->out + i * p->o_i + j, rows, cols);
+                continue;
+            }
             float tile[ROWS * 16];
-            tile_values(&p, a + i * a_i, panels + q * k * 16, tile, rows, 16);
+            const problem local = {arow, 0, p->a_i, p->a_k, NULL, NULL, NULL, 0, 16,
+                                   p->n, p->k, p->m};
+            tile_loop(&local, arow, panel, rows_of_b, tile, rows, 16);
             for (int r = 0; r < rows; r++) {
-                float *dst = out + rows_of_out[i + r] * o_row + j;
+                float *dst = p->out + rows_of_out[i + r] * o_row + j;
                 for (int c = 0; c < cols; c++) {
                     const float v = tile[r * 16 + c];
                     if (v > dst[c]) dst[c] = v;
@@ -461,6 +429,21 @@ void semipack_maxplus_scatter_max_f32(const float *a, int64_t a_i, int64_t a_k,
             }
         }
     }
+}
+
+void semipack_maxplus_gather_f32(const float *a, int64_t a_i, int64_t a_k, const float *panels,
+                                 int64_t panel_stride, const int64_t *rows_of_b, float *out,
+                                 int64_t o_i, int64_t n, int64_t k, int64_t m, int threads) {
+    const problem p = {a, 0, a_i, a_k, panels, out, NULL, 0, o_i, n, k, m};
+    maxplus_tiles(&p, panel_stride, rows_of_b, NULL, 0, threads);
+}
+
+void semipack_maxplus_scatter_max_f32(const float *a, int64_t a_i, int64_t a_k,
+                                      const float *panels, float *out, const int64_t *rows_of_out,
+                                      int64_t o_row, int64_t n, int64_t k, int64_t m,
+                                      int threads) {
+    const problem p = {a, 0, a_i, a_k, panels, out, NULL, 0, 0, n, k, m};
+    maxplus_tiles(&p, k * 16, NULL, rows_of_out, o_row, threads);
 }
 
 /* Packs b[s, k, j] (any strides, in elements) into [s][panel][k][16] panels, -inf padded. */

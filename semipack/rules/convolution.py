@@ -180,7 +180,7 @@ def per_tap_messages(
             continue
         if mask[0] and taps is not None:  # straight into the tap's window of dest
             w_tap = w_lifted[0][(0, slice(None), slice(None), *tap)]  # [O, C]: one group
-            taps.add_input_message(dest[0], rows[0], w_tap.contiguous(), tap, dilation)
+            taps.add_input_message(dest[0], rows[0], w_tap, tap, dilation)
         elif mask[0]:  # [G, B·L, O/G] ⊗ [G, O/G, C/G] -> [B, *out, C], into the tap's input slice
             at_tap = (slice(None), slice(None), slice(None), *tap)
             if w_lifted is not None:

@@ -28,13 +28,13 @@ def finite_surprisal(log_w: Tensor) -> Tensor:
     return log_w.neg().nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0)
 
 
-def xlogx_(mag: Tensor) -> Tensor:
-    """``mag log mag`` in place for magnitudes (>= 0 or NaN), with 0 log 0 = 0 and 0 at NaN: the
-    same bits as ``mag.log() * mag`` masked where ``mag > 0`` fails, without a zero reaching
-    torch's log (see ``log_magnitude_``) or a bool mask."""
-    zero = torch.sign(mag).neg_().add_(1.0)  # 1 at a zero, 0 elsewhere, NaN at NaN
-    log = zero.add_(mag).log_()  # log 1 = 0 at the zeros
-    return mag.mul_(log).nan_to_num_(nan=0.0, posinf=float("inf"), neginf=float("-inf"))
+def xlogx(mag: Tensor) -> Tensor:
+    """``mag log mag`` for magnitudes (>= 0 or NaN) in one new tensor, with 0 log 0 = 0 and 0 at
+    NaN: the same bits as ``mag.log() * mag`` masked where ``mag > 0`` fails, without a zero
+    reaching torch's log (see ``log_magnitude_``) or a bool mask."""
+    out = torch.sign(mag).neg_().add_(1.0)  # 1 at a zero, 0 elsewhere, NaN at NaN
+    out.add_(mag).log_()  # log 1 = 0 at the zeros
+    return out.mul_(mag).nan_to_num_(nan=0.0, posinf=float("inf"), neginf=float("-inf"))
 
 
 def finite_or_zero(x: Tensor) -> Tensor:

@@ -9,7 +9,7 @@ from torch import Tensor
 
 from ..kernels.compiled import FUSED_MIN_ELEMENTS, compiled
 from ..kernels.exclusive import exclusive_logsumexp
-from ..kernels.logspace import finite_surprisal, xlogx_
+from ..kernels.logspace import finite_surprisal, xlogx
 from ..kernels.normalization import ENTROPY, CentredPairsKernel
 from ..kernels.shared_shift import ConvolutionSums, global_shift
 from ..kernels.weight_cache import WEIGHTS
@@ -199,7 +199,8 @@ def _mean_eager(total: Tensor, weighted: Tensor, less: Tensor) -> Tensor:
 
 
 def _mean_fused(total: Tensor, weighted: Tensor, less: Tensor) -> Tensor:
-    return torch.where(total > 0, (weighted - less) / total, 0.0)
+    # written into ``weighted``, as the eager form does: no third message-sized tensor
+    return weighted.copy_(torch.where(total > 0, (weighted - less) / total, 0.0))
 
 
 #: The mean surprisal (weighted - less) / total, 0 where the total is 0, in one loop (the
@@ -240,7 +241,7 @@ def _magnitudes(w: Tensor) -> tuple[Tensor, Tensor]:
 
     def make() -> tuple[Tensor, Tensor]:
         mag = w.abs()
-        return mag, xlogx_(mag.clone())
+        return mag, xlogx(mag)
 
     return WEIGHTS.derived(w, "entropy magnitudes", make)
 

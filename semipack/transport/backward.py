@@ -12,7 +12,6 @@ gradients twice.
 
 from __future__ import annotations
 
-import sys
 import weakref
 from collections.abc import Iterable, Iterator, Sequence
 from contextlib import ExitStack, contextmanager
@@ -29,6 +28,7 @@ from ..semirings.base import Semiring, State
 from .hooks import ModuleHookNodes, hooks_need_regular_gradients
 from .passes import carry_pass, in_carry_pass, semiring_pass
 from .per_sample import PerSampleRows, check_graph, check_semiring, collecting, hook_rules
+from .reuse import unheld_value
 
 SEMIRING_GRAD = "semiring_grad"
 #: Where ``extend(..., keep_state=True)`` keeps a tensor's final semiring state (a tuple of
@@ -163,64 +163,6 @@ def path_recording(
             h.remove()
 
 
-def _attribute_refs(owner: Any, name: str) -> tuple[Any, int]:
-    """``owner.name`` and its reference count as seen from here (a calibrated baseline)."""
-    value = owner.__dict__.get(name)
-    return value, sys.getrefcount(value)
-
-
-def _item_refs(items: tuple, i: int) -> tuple[Any, int]:
-    """``items[i]`` and its reference count as seen from here (a calibrated baseline)."""
-    value = items[i]
-    return value, sys.getrefcount(value)
-
-
-def _storage_refs(value: Tensor) -> tuple[Any, int]:
-    """``value``'s storage object and its reference count as seen from here. PyTorch keeps one
-    Python object per storage, so a user who holds the storage (``untyped_storage()``) holds
-    this very object: only its reference count shows it."""
-    storage = value.untyped_storage()
-    return storage, sys.getrefcount(storage)
-
-
-def _baseline_refs() -> tuple[int, int, int]:
-    """The counts of ``_attribute_refs``, ``_item_refs`` and ``_storage_refs`` for objects with
-    no other holder (measured, not assumed: they depend on the interpreter)."""
-    owner = torch.empty(0)
-    setattr(owner, SEMIRING_GRAD, torch.empty(1))
-    _, attribute = _attribute_refs(owner, SEMIRING_GRAD)
-    _, item = _item_refs((torch.empty(0),), 0)
-    _, storage = _storage_refs(torch.empty(1))
-    return attribute, item, storage
-
-
-_ALONE_AS_ATTRIBUTE, _ALONE_AS_ITEM, _ALONE_STORAGE = _baseline_refs()
-
-
-def _alone(value: Any, refs: int, baseline: int) -> bool:
-    """Whether no one but its holder can reach ``value``: no other Python reference, no other
-    owner of the tensor (a view, a graph that saved it), no other owner of its memory (another
-    tensor on it, a holder of its storage object) and no other process (shared memory, as a
-    ``torch.multiprocessing`` queue leaves a tensor it sent)."""
-    if type(value) is not Tensor or refs > baseline or value._use_count() != 1:
-        return False
-    if value.is_shared():
-        return False
-    storage, storage_refs = _storage_refs(value)  # one more owner of the memory while held here
-    return storage_refs <= _ALONE_STORAGE and torch._C._storage_Use_Count(storage._cdata) <= 2
-
-
-def unheld_readout(t: Tensor) -> Any:
-    """``t.semiring_grad`` from an earlier pass, where nothing but ``t`` holds it: a new readout
-    may then be written into its memory, as PyTorch reuses a gradient's buffer. Otherwise
-    ``None`` (and a tuple readout gets ``None`` for each factor held elsewhere)."""
-    value, refs = _attribute_refs(t, SEMIRING_GRAD)
-    if type(value) is tuple and refs <= _ALONE_AS_ATTRIBUTE:  # a Product's readouts
-        held = [_item_refs(value, i) for i in range(len(value))]
-        return tuple(v if _alone(v, r, _ALONE_AS_ITEM) else None for v, r in held)
-    return value if _alone(value, refs, _ALONE_AS_ATTRIBUTE) else None
-
-
 def store_results(
     t: Tensor, sr: Semiring, msg: Message, fallback_name: str, keep_state: bool = False
 ) -> None:
@@ -231,7 +173,7 @@ def store_results(
     if sparse is None:
         value = sr.readout(msg.parts)
     else:
-        value = sr.readout_sparse(sparse, into=unheld_readout(t))
+        value = sr.readout_sparse(sparse, into=unheld_value(t, SEMIRING_GRAD))
     setattr(t, SEMIRING_GRAD, value)
     if keep_state:
         setattr(t, SEMIRING_STATE, tuple(msg.parts))

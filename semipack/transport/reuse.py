@@ -1,0 +1,81 @@
+"""Which results of an earlier pass nothing else holds, so that a new pass may write into their
+memory (``transport.backward`` stores an embedding table's readout this way: a fresh table of
+tens of megabytes comes from the OS at every allocation, and touching its pages the first time
+cost as much as a small model's backward).
+
+A value counts as unheld only when every kind of holder is ruled out: other Python references
+(reference counts, measured against a calibrated baseline because they depend on the
+interpreter), other tensors on the same TensorImpl (views, graphs that saved it), other owners
+of its memory (a tensor built on its storage, the storage object itself), and other processes
+(shared memory). ``tests/test_unreached_rows.py`` holds each kind and checks that the old value
+survives a new pass.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+import torch
+from torch import Tensor
+
+#: Attribute name of the probe used to measure the baseline reference counts.
+_PROBE = "semipack_probe"
+
+
+def _attribute_refs(owner: Any, name: str) -> tuple[Any, int]:
+    """``owner.name`` and its reference count as seen from here (a calibrated baseline)."""
+    value = owner.__dict__.get(name)
+    return value, sys.getrefcount(value)
+
+
+def _item_refs(items: tuple, i: int) -> tuple[Any, int]:
+    """``items[i]`` and its reference count as seen from here (a calibrated baseline)."""
+    value = items[i]
+    return value, sys.getrefcount(value)
+
+
+def _storage_refs(value: Tensor) -> tuple[Any, int]:
+    """``value``'s storage object and its reference count as seen from here. PyTorch keeps one
+    Python object per storage, so a user who holds the storage (``untyped_storage()``) holds
+    this very object: only its reference count shows it."""
+    storage = value.untyped_storage()
+    return storage, sys.getrefcount(storage)
+
+
+def _baseline_refs() -> tuple[int, int, int]:
+    """The counts of ``_attribute_refs``, ``_item_refs`` and ``_storage_refs`` for objects with
+    no other holder (measured, not assumed: they depend on the interpreter)."""
+    owner = torch.empty(0)
+    setattr(owner, _PROBE, torch.empty(1))
+    _, attribute = _attribute_refs(owner, _PROBE)
+    _, item = _item_refs((torch.empty(0),), 0)
+    _, storage = _storage_refs(torch.empty(1))
+    return attribute, item, storage
+
+
+_ALONE_AS_ATTRIBUTE, _ALONE_AS_ITEM, _ALONE_STORAGE = _baseline_refs()
+
+
+def _alone(value: Any, refs: int, baseline: int) -> bool:
+    """Whether no one but its holder can reach ``value``: no other Python reference, no other
+    owner of the tensor (a view, a graph that saved it), no other owner of its memory (another
+    tensor on it, a holder of its storage object) and no other process (shared memory, as a
+    ``torch.multiprocessing`` queue leaves a tensor it sent)."""
+    if type(value) is not Tensor or refs > baseline or value._use_count() != 1:
+        return False
+    if value.is_shared():
+        return False
+    storage, storage_refs = _storage_refs(value)  # one more owner of the memory while held here
+    return storage_refs <= _ALONE_STORAGE and torch._C._storage_Use_Count(storage._cdata) <= 2
+
+
+def unheld_value(t: Tensor, name: str) -> Any:
+    """``t.<name>`` (a readout from an earlier pass) where nothing but ``t`` holds it: a new
+    readout may then be written into its memory, as PyTorch reuses a gradient's buffer.
+    Otherwise ``None`` (and a tuple of readouts gets ``None`` for each one held elsewhere)."""
+    value, refs = _attribute_refs(t, name)
+    if type(value) is tuple and refs <= _ALONE_AS_ATTRIBUTE:  # a Product's readouts
+        held = [_item_refs(value, i) for i in range(len(value))]
+        return tuple(v if _alone(v, r, _ALONE_AS_ITEM) else None for v, r in held)
+    return value if _alone(value, refs, _ALONE_AS_ATTRIBUTE) else None

@@ -179,7 +179,7 @@ def test_float_op_forms_of_masked_logs_give_the_masked_bits() -> None:
     from semipack.kernels.logspace import finite_or_zero, finite_surprisal, xlogx
 
     torch.manual_seed(1)
-    special = torch.tensor([0.0, float("nan"), float("inf"), 1e-45, 3e-39, 1.0, 2.5e30])
+    special = torch.tensor([0.0, -0.0, float("nan"), float("inf"), 1e-45, 3e-39, 1.0, 2.5e30])
     mag = torch.cat([special, torch.randn(5000).abs(), torch.zeros(100)])
     log_w = mag.log()
     want = torch.where(torch.isfinite(log_w), -log_w, torch.zeros_like(log_w))
@@ -188,6 +188,7 @@ def test_float_op_forms_of_masked_logs_give_the_masked_bits() -> None:
     kept = mag.clone()
     got = xlogx(mag)
     assert torch.equal(got, want) and not got.isnan().any()
+    assert torch.equal(got.signbit(), want.signbit())  # -0.0 gives +0.0 too
     assert torch.equal(mag.nan_to_num(), kept.nan_to_num())  # the magnitudes stay
     for x in (log_w, -log_w, mag):
         want = torch.where(torch.isfinite(x), x, torch.zeros((), dtype=x.dtype))

@@ -34,7 +34,8 @@ def xlogx(mag: Tensor) -> Tensor:
     reaching torch's log (see ``log_magnitude_``) or a bool mask."""
     out = torch.sign(mag).neg_().add_(1.0)  # 1 at a zero, 0 elsewhere, NaN at NaN
     out.add_(mag).log_()  # log 1 = 0 at the zeros
-    return out.mul_(mag).nan_to_num_(nan=0.0, posinf=float("inf"), neginf=float("-inf"))
+    out.mul_(mag).add_(0.0)  # + 0.0: a -0.0 magnitude gives +0.0, as the masked form does
+    return out.nan_to_num_(nan=0.0, posinf=float("inf"), neginf=float("-inf"))
 
 
 def finite_or_zero(x: Tensor) -> Tensor:

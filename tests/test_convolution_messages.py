@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 from conv_reference import window_map_messages
@@ -184,15 +186,17 @@ def test_native_depthwise_declines_what_it_does_not_cover() -> None:
     )
 
 
+@pytest.mark.parametrize("semiring", [semipack.MaxProd(), semipack.TopPath()], ids=repr)
 @pytest.mark.parametrize("mask", [(True, True, True), (True, False, False), (False, True, False)])
 @pytest.mark.parametrize("geometry", ["conv2d_padded", "conv1d", "conv3d", "strided_wide"])
 def test_max_plus_taps_without_copies_equal_the_per_tap_products(
-    monkeypatch, geometry: str, mask
+    monkeypatch, geometry: str, mask, semiring
 ) -> None:
-    """MaxProd's messages with the input packed once and every tap's window addressed through
-    one row-offset table (``_MaxPlusTaps``) equal the per-tap products' bit for bit, with zeros
-    in x and w (no edge), messages without a path, channel counts below and above one
-    16-column panel."""
+    """MaxProd's and TopPath's messages with the input packed once and every tap's window
+    addressed through one row-offset table (``_MaxPlusTaps``) equal the per-tap products' bit
+    for bit, successor ids included (ties between taps keep the earlier one), with zeros in x
+    and w (no edge), messages without a path, and channel counts below and above one 16-column
+    panel."""
     import semipack.rules.convolution as conv
     from semipack.kernels.native import native_available
 
@@ -213,7 +217,9 @@ def test_max_plus_taps_without_copies_equal_the_per_tap_products(
     out = forward(x, w, None, *args)
     m = torch.randn(out.shape, generator=gen) * 3
     m[m < -2.5] = float("-inf")
-    sr = semipack.MaxProd()
+    m = m.round()  # ties between taps and between candidates
+    sr = semiring
+    state = (m, _ids(m.shape)) if isinstance(sr, semipack.TopPath) else (m,)
     made = []
     make = conv._MaxPlusTaps.make
 
@@ -223,11 +229,16 @@ def test_max_plus_taps_without_copies_equal_the_per_tap_products(
         return taps
 
     monkeypatch.setattr(conv._MaxPlusTaps, "make", staticmethod(spy))
-    got = per_tap_messages(sr, (m,), x, w, geo, mask)
+    got = per_tap_messages(sr, state, x, w, geo, mask)
     monkeypatch.setattr(conv._MaxPlusTaps, "make", staticmethod(lambda *a: None))
-    want = per_tap_messages(sr, (m,), x, w, geo, mask)
+    want = per_tap_messages(sr, state, x, w, geo, mask)
     assert made == [True]
     for g, e in zip(got, want, strict=True):
         assert (g is None) == (e is None)
         if g is not None:
-            assert torch.equal(g[0], e[0])
+            assert len(g) == len(e) and all(torch.equal(a, b) for a, b in zip(g, e, strict=True))
+
+
+def _ids(shape) -> torch.Tensor:
+    """Distinct successor ids for a message of ``shape`` (TopPath's second component)."""
+    return torch.arange(math.prod(shape), dtype=torch.int64).reshape(shape) + 100

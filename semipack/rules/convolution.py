@@ -158,12 +158,12 @@ def per_tap_messages(
     w_msg = sr.zeros((out_channels, c_g, *kernel), dtype, x.device) if mask[1] else None
     taps = None  # max-plus products without per-tap copies, where they apply
     if groups == 1 and (lifted is not None or w_lifted is not None):
-        operands = [*(lifted or ()), *(rows_t or ()), *(w_lifted or ()), *rows]
-        taps = _MaxPlusTaps.make(sr, operands, [batch, *padded], out_size, stride)
+        values = [s[0] for s in (lifted, rows_t, w_lifted, rows) if s is not None]
+        taps = _MaxPlusTaps.make(sr, values, [batch, *padded], out_size, stride)
         if taps is not None and ((mask[0] and w_lifted is None) or (mask[1] and lifted is None)):
             taps = None
-        if taps is not None and mask[0]:
-            rows = (rows[0].contiguous(),)  # read by every tap: one copy, not one per tap
+        if taps is not None and mask[0]:  # read by every tap: one copy, not one per tap
+            rows = tuple(p.contiguous() for p in rows)
     if depthwise:  # [B, *out, G, O/G]: each output channel's message, channels last
         m_last = tuple(
             p.reshape(batch, groups, o_g, *out_size).movedim((1, 2), (-2, -1)) for p in m_parts
@@ -180,7 +180,7 @@ def per_tap_messages(
             continue
         if mask[0] and taps is not None:  # straight into the tap's window of dest
             w_tap = w_lifted[0][(0, slice(None), slice(None), *tap)]  # [O, C]: one group
-            taps.add_input_message(dest[0], rows[0], w_tap, tap, dilation)
+            taps.add_input_message(dest, rows, w_tap, tap, dilation)
         elif mask[0]:  # [G, B·L, O/G] ⊗ [G, O/G, C/G] -> [B, *out, C], into the tap's input slice
             at_tap = (slice(None), slice(None), slice(None), *tap)
             if w_lifted is not None:
@@ -195,7 +195,7 @@ def per_tap_messages(
                 d[where] = part
         if mask[1]:  # [G, O/G, B·L] ⊗ [G, B·L, C/G] -> [O, C/G]
             if taps is not None:
-                found = (taps.weight_message(lifted[0], rows_t[0], tap, dilation),)
+                found = taps.weight_message(lifted[0], rows_t, tap, dilation)
             elif lifted is not None:
                 inputs = tuple(_group_inputs(c[where], groups) for c in lifted)
                 found = sr.matmul_lifted(rows_t, inputs)
@@ -224,16 +224,20 @@ class _MaxPlusTaps:
     one offset table for every tap. So the lifted input is packed once per convolution and each
     tap's weight message is read through the table (``maxplus_gather_f32``), and each tap's
     input message is added with max straight into those rows (``maxplus_scatter_max_f32``),
-    instead of copying, packing, reading and writing back the window per tap. Same values as the
-    per-tap products: max does not round. ``make`` returns None where this does not apply
-    (another algebra, no native kernel, not float32 on the CPU, NaN or +inf among the
-    operands, an empty batch). Wide products, which the per-tap path may prune, take this path
-    too: ResNet-18 eval MaxProd took 4.38x a plain backward so and 4.35x with them left to the
-    per-tap path (one thread).
+    instead of copying, packing, reading and writing back the window per tap. For TopPath the
+    kernels also carry the first argmax, whose successor id the state takes (ties keep the
+    earlier tap's, as TopPath's plus does). Same values and ids as the per-tap products: max
+    does not round. ``make`` returns None where this does not apply (another algebra, no native
+    kernel, not float32 on the CPU, NaN or +inf among the operands, an empty batch). Wide
+    products, which the per-tap path may prune, take this path too: ResNet-18 eval MaxProd took
+    4.38x a plain backward so and 4.35x with them left to the per-tap path (one thread).
     """
 
-    def __init__(self, grid: list[int], out_size: Sequence[int], stride: Sequence[int]) -> None:
+    def __init__(
+        self, grid: list[int], out_size: Sequence[int], stride: Sequence[int], ids: bool
+    ) -> None:
         self.grid = grid  # [B, *padded]
+        self.ids = ids  # whether states carry successor ids (TopPath)
         index = torch.zeros((), dtype=torch.int64)
         for dim, (size, step) in enumerate(zip([grid[0], *out_size], [1, *stride], strict=True)):
             index = index[..., None] + torch.arange(size, dtype=torch.int64) * (
@@ -245,19 +249,21 @@ class _MaxPlusTaps:
     @staticmethod
     def make(
         sr: Semiring,
-        operands: Sequence[Tensor],
+        values: Sequence[Tensor],
         grid: list[int],
         out_size: Sequence[int],
         stride: Sequence[int],
     ) -> _MaxPlusTaps | None:
+        """``values``: the log-value component of every operand."""
+        ids = sr.is_max_plus_with_ids()
         if not (
-            sr.is_max_plus()
+            (sr.is_max_plus() or ids)
             and native_available()
-            and all(t.dtype == torch.float32 and t.device.type == "cpu" for t in operands)
-            and all(t.numel() > 0 and bool(t.amax() < _INF) for t in operands)
+            and all(t.dtype == torch.float32 and t.device.type == "cpu" for t in values)
+            and all(t.numel() > 0 and bool(t.amax() < _INF) for t in values)
         ):
             return None
-        return _MaxPlusTaps(grid, out_size, stride)
+        return _MaxPlusTaps(grid, out_size, stride, ids)
 
     def start(self, tap: Sequence[int], dilation: Sequence[int]) -> int:
         """The row of the padded grid that output position 0 of ``tap`` reads."""
@@ -267,27 +273,37 @@ class _MaxPlusTaps:
         )
 
     def weight_message(
-        self, lifted_x: Tensor, rows_t: Tensor, tap: Sequence[int], dilation: Sequence[int]
-    ) -> Tensor:
+        self, lifted_x: Tensor, rows_t: State, tap: Sequence[int], dilation: Sequence[int]
+    ) -> State:
         """``rows_t`` [O, B·L] ⊗ the tap's window of ``lifted_x`` [B, *padded, C] -> [O, C]."""
         channels = lifted_x.shape[-1]
         if self.panels is None:
             self.panels = pack_panels_f32(lifted_x.reshape(-1, channels))
         start = self.start(tap, dilation)
-        return maxplus_gather_f32(rows_t, self.panels, self.rows, start, channels)
+        values, index = maxplus_gather_f32(
+            rows_t[0], self.panels, self.rows, start, channels, with_index=self.ids
+        )
+        if not self.ids:
+            return (values,)
+        return values, torch.gather(rows_t[1], 1, index)
 
     def add_input_message(
         self,
-        dest: Tensor,
-        rows: Tensor,
+        dest: State,
+        rows: State,
         lifted_w_tap: Tensor,
         tap: Sequence[int],
         dilation: Sequence[int],
     ) -> None:
         """``dest`` [B, *padded, C] ⊕= ``rows`` [B·L, O] ⊗ ``lifted_w_tap`` [O, C] on the window."""
-        flat = dest.reshape(-1, dest.shape[-1])
+        flat = dest[0].reshape(-1, dest[0].shape[-1])
         panels = pack_panels_f32(lifted_w_tap)
-        maxplus_scatter_max_f32(rows, panels, flat, self.rows, self.start(tap, dilation))
+        start = self.start(tap, dilation)
+        if not self.ids:
+            maxplus_scatter_max_f32(rows[0], panels, flat, self.rows, start)
+            return
+        flat_ids = dest[1].reshape(flat.shape)
+        maxplus_scatter_max_f32(rows[0], panels, flat, self.rows, start, rows[1], flat_ids)
 
 
 def _depthwise_tap(

@@ -202,7 +202,7 @@ class Semiring:
         kept across passes (``kept_lift``), or None, the default, to lift every time. A
         semiring whose ``lift`` reads settings of the instance puts them in the key; the
         built-in ones return None for a subclass that redefines how it lifts
-        (``lifts_like``), whose lift may read settings of its own."""
+        (``uses_methods_of``), whose lift may read settings of its own."""
         return None
 
     def kept_lift(self, w: Tensor) -> State:
@@ -437,7 +437,12 @@ class Semiring:
     def is_max_plus(self) -> bool:
         """Whether the state is one log-magnitude tensor that ``plus`` combines by max and
         ``times`` by addition, with ``lift`` = log|w| (MaxProd's algebra): kernels written for
-        max-plus products (a depthwise convolution's, ``rules.convolution``) then apply."""
+        max-plus products (a convolution's, ``rules.convolution``) then apply."""
+        return False
+
+    def is_max_plus_with_ids(self) -> bool:
+        """Whether the state is MaxProd's log-magnitude and a successor id per entry, the id of
+        the first candidate attaining each max (TopPath's algebra; ties keep the first)."""
         return False
 
     def compiles_rowwise(self) -> bool:
@@ -743,9 +748,10 @@ def repair_underflow(
     return tuple(f.reshape(*batch, n, m) for f in fixed)
 
 
-def lifts_like(sr: Semiring, cls: type, *methods: str) -> bool:
-    """Whether ``sr`` lifts weights with ``cls``'s own ``methods``: a subclass that redefines
-    one of them may read settings of its own, so its lifts are not kept across passes."""
+def uses_methods_of(sr: Semiring, cls: type, *methods: str) -> bool:
+    """Whether ``sr`` has ``cls``'s own ``methods``: a subclass that redefines one of them (a
+    lift reading settings of its own, another plus) must not get the fast path written for
+    ``cls`` (kept lifts, max-plus kernels)."""
     return all(getattr(type(sr), name) is getattr(cls, name) for name in methods)
 
 

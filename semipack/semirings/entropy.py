@@ -14,7 +14,7 @@ from ..kernels.normalization import ENTROPY, CentredPairsKernel
 from ..kernels.shared_shift import ConvolutionSums, global_shift
 from ..kernels.weight_cache import WEIGHTS
 from ._log import can_overwrite, finite_or_zero, log_magnitude_, shifted_exp
-from .base import Products, Semiring, Sign, State, index_reduce, lifts_like, repair_underflow
+from .base import Products, Semiring, Sign, State, index_reduce, repair_underflow, uses_methods_of
 from .log_sum import column_scaled
 
 
@@ -43,7 +43,7 @@ class Entropy(Semiring):
     one = (0.0, 0.0)
 
     def lift_cache_key(self) -> tuple | None:
-        return (Entropy,) if lifts_like(self, Entropy, "lift") else None
+        return (Entropy,) if uses_methods_of(self, Entropy, "lift") else None
 
     def lift(self, w: Tensor) -> State:
         log_w = log_magnitude_(w.to(self.state_dtype(w.dtype)).abs())

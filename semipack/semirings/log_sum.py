@@ -19,9 +19,9 @@ from .base import (
     Sign,
     State,
     index_reduce,
-    lifts_like,
     repair_underflow,
     use_generic,
+    uses_methods_of,
 )
 
 #: Use the native LogSum softmax kernel from this many entries up.
@@ -71,7 +71,7 @@ class LogSum(Semiring):
 
     def lift_cache_key(self) -> tuple | None:
         base = LogCount if isinstance(self, LogCount) else LogSum
-        if lifts_like(self, base, "lift", "magnitude", "log_magnitude"):
+        if uses_methods_of(self, base, "lift", "magnitude", "log_magnitude"):
             return (base,)  # LogSum's and LogCount's lifts read no settings of the instance
         return None
 

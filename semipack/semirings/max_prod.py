@@ -9,7 +9,7 @@ from ..kernels.exclusive import exclusive_max
 from ..kernels.normalization import MAX_PROD, CentredPairsKernel
 from ..kernels.tropical import maxplus
 from ._log import add_log_abs_, can_overwrite, kept_log_abs, log_abs
-from .base import Semiring, Sign, State, index_reduce, lifts_like
+from .base import Semiring, Sign, State, index_reduce, uses_methods_of
 
 
 class MaxProd(Semiring):
@@ -33,7 +33,7 @@ class MaxProd(Semiring):
         return (log_abs(w, self.state_dtype(w.dtype)),)
 
     def kept_lift(self, w: Tensor) -> State:
-        if not lifts_like(self, MaxProd, "lift"):
+        if not uses_methods_of(self, MaxProd, "lift"):
             return self.lift(w)
         return (kept_log_abs(w, self.state_dtype(w.dtype)),)
 
@@ -76,7 +76,7 @@ class MaxProd(Semiring):
         return True
 
     def is_max_plus(self) -> bool:
-        return True
+        return uses_methods_of(self, MaxProd, "lift", "plus", "times", "sum", "zero", "one")
 
     def matmul_lifted(self, a: State, lifted: State) -> State:
         return (maxplus(a[0], lifted[0]),)

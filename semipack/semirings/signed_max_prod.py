@@ -11,7 +11,7 @@ from ..kernels.exclusive import exclusive_max, exclusive_min
 from ..kernels.normalization import SIGNED, CentredPairsKernel
 from ..kernels.tropical import maxplus
 from ._log import log_abs
-from .base import Semiring, Sign, State, index_reduce, lifts_like
+from .base import Semiring, Sign, State, index_reduce, uses_methods_of
 
 INF = float("inf")
 
@@ -128,7 +128,7 @@ class SignedMaxProd(Semiring):
         return self._matmul_lifted(a, self.kept_lift(w))
 
     def lift_cache_key(self) -> tuple | None:
-        if lifts_like(self, SignedMaxProd, "lift", "_lift_routed"):
+        if uses_methods_of(self, SignedMaxProd, "lift", "_lift_routed"):
             return (SignedMaxProd,)
         return None
 

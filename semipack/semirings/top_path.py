@@ -16,7 +16,7 @@ from torch import Tensor
 from ..kernels.normalization import NO_SUCCESSOR, TOP_PATH, CentredPairsKernel
 from ..kernels.tropical import maxplus_argmax
 from ._log import kept_log_abs, log_abs
-from .base import Sign, State, index_reduce, lifts_like
+from .base import Sign, State, index_reduce, uses_methods_of
 from .max_prod import MaxProd
 
 
@@ -55,7 +55,7 @@ class TopPath(MaxProd):
         return self._edges(log_abs(w, self.state_dtype(w.dtype)))
 
     def kept_lift(self, w: Tensor) -> State:
-        if not lifts_like(self, TopPath, "lift"):
+        if not uses_methods_of(self, TopPath, "lift"):
             return self.lift(w)
         return self._edges(kept_log_abs(w, self.state_dtype(w.dtype)))
 
@@ -161,6 +161,9 @@ class TopPath(MaxProd):
 
     def is_max_plus(self) -> bool:
         return False  # the state also carries successor ids
+
+    def is_max_plus_with_ids(self) -> bool:
+        return uses_methods_of(self, TopPath, "lift", "plus", "times", "sum", "zero", "one")
 
     def normalization_kernel(self) -> CentredPairsKernel | None:
         # the best input of each output from the sorted envelope: O(n log n) per row where

@@ -63,8 +63,8 @@ _SIGNATURES: dict[str, tuple[str | None, str]] = {
     "semipack_norm_sorted_max_f32": ("i", "ppqqppi"),
     "semipack_norm_sorted_sums_f32": ("i", "pppqqpppi"),
     "semipack_fingerprint": (None, "pqp"),
-    "semipack_maxplus_gather_f32": (None, "pqqpqppqqqqi"),
-    "semipack_maxplus_scatter_max_f32": (None, "pqqpppqqqqi"),
+    "semipack_maxplus_gather_f32": (None, "pqqpqpppqqqqi"),
+    "semipack_maxplus_scatter_max_f32": (None, "pqqpppqppqqqi"),
     "semipack_depthwise_input_f32": (None, "ppp" + "q" * 13 + "i"),
     "semipack_depthwise_weight_f32": (None, "ppp" + "q" * 13 + "i"),
 }
@@ -152,9 +152,12 @@ def pack_panels_f32(b: Tensor) -> Tensor:
     return _panels(b[None])[0]
 
 
-def maxplus_gather_f32(a: Tensor, panels: Tensor, rows: Tensor, offset: int, m: int) -> Tensor:
+def maxplus_gather_f32(
+    a: Tensor, panels: Tensor, rows: Tensor, offset: int, m: int, with_index: bool = False
+) -> tuple[Tensor, Tensor | None]:
     """``out[i, j] = max_k a[i, k] + b[offset + rows[k], j]``, float32 [n, m], for ``b`` [K, m]
-    packed by :func:`pack_panels_f32` and ``rows`` int64 [k] (``offset + rows`` within K).
+    packed by :func:`pack_panels_f32` and ``rows`` int64 [k] (``offset + rows`` within K), and
+    with ``with_index`` the first k attaining each max (int64 [n, m]; 0 without a finite pair).
     ``a`` [n, k] is read with unit stride along k (made so if it is not). The caller checks that
     neither operand holds NaN or ``+inf``."""
     lib = _library()
@@ -163,33 +166,42 @@ def maxplus_gather_f32(a: Tensor, panels: Tensor, rows: Tensor, offset: int, m: 
     if a.stride(-1) != 1:
         a = a.contiguous()
     n, k = a.shape
-    stride = panels.shape[1] * PANEL_COLS
+    if with_index and k >= MAX_INDEX_K:
+        raise ValueError(f"maxplus_gather_f32: argmax needs k < 2**24, got {k}")
     out = torch.empty((n, m), dtype=torch.float32)
-    base = panels.data_ptr() + offset * PANEL_COLS * panels.element_size()
+    index = torch.empty((n, m), dtype=torch.int64) if with_index else None
     lib.semipack_maxplus_gather_f32(
         a.data_ptr(),
         a.stride(0),
         1,
-        base,
-        stride,
+        panels.data_ptr() + offset * PANEL_COLS * panels.element_size(),
+        panels.shape[1] * PANEL_COLS,
         rows.data_ptr(),
         out.data_ptr(),
+        None if index is None else index.data_ptr(),
         m,
         n,
         k,
         m,
         _threads(n * k * m),
     )
-    return out
+    return out, index
 
 
 def maxplus_scatter_max_f32(
-    a: Tensor, panels: Tensor, out: Tensor, rows: Tensor, offset: int
+    a: Tensor,
+    panels: Tensor,
+    out: Tensor,
+    rows: Tensor,
+    offset: int,
+    ids: Tensor | None = None,
+    out_ids: Tensor | None = None,
 ) -> None:
     """``out[offset + rows[i], j] = max(that, max_k a[i, k] + b[k, j])`` in place, for ``out``
     [R, m] contiguous float32, ``b`` [k, m] packed by :func:`pack_panels_f32` and distinct
-    ``offset + rows`` (int64 [n]) within R. The caller checks that no operand holds NaN or
-    ``+inf``."""
+    ``offset + rows`` (int64 [n]) within R. With ``ids`` (int64 [n, k]) and ``out_ids`` (int64
+    like ``out``), an entry that a strictly larger candidate replaces takes the id of the
+    candidate's first argmax k. The caller checks that no operand holds NaN or ``+inf``."""
     lib = _library()
     assert lib is not None and a.dtype == panels.dtype == out.dtype == torch.float32
     assert rows.dtype == torch.int64 and rows.is_contiguous() and out.is_contiguous()
@@ -197,6 +209,11 @@ def maxplus_scatter_max_f32(
         a = a.contiguous()
     n, k = a.shape
     m = out.shape[1]
+    if ids is not None:
+        assert out_ids is not None and out_ids.is_contiguous() and out_ids.shape == out.shape
+        ids = ids.contiguous()
+        if k >= MAX_INDEX_K:
+            raise ValueError(f"maxplus_scatter_max_f32: argmax needs k < 2**24, got {k}")
     lib.semipack_maxplus_scatter_max_f32(
         a.data_ptr(),
         a.stride(0),
@@ -205,6 +222,8 @@ def maxplus_scatter_max_f32(
         out.data_ptr() + offset * m * out.element_size(),
         rows.data_ptr(),
         m,
+        None if ids is None else ids.data_ptr(),
+        None if out_ids is None else out_ids.data_ptr() + offset * m * out_ids.element_size(),
         n,
         k,
         m,

@@ -86,9 +86,11 @@ static void tile_values(const problem *p, const float *a, const float *panel, fl
 }
 
 /* Values and first argmax over ARGMAX_ROWS rows (four accumulators per row fill the registers);
-   k is carried as a float, exact below 2^24 (checked by the caller). */
-static void tile_argmax(const problem *p, const float *a, const float *panel, float *out,
-                        int64_t *index, int rows, int cols) {
+   k is carried as a float, exact below 2^24 (checked by the caller). Row k of the panel as in
+   tile_loop (optionally through a row table); index gets k, with out's row stride. */
+static inline __attribute__((always_inline)) void tile_argmax_loop(
+    const problem *p, const float *a, const float *panel, const int64_t *rows_of_b, float *out,
+    int64_t *index, int rows, int cols) {
     const float *ar[ARGMAX_ROWS];
     __m256 lo[ARGMAX_ROWS], hi[ARGMAX_ROWS], ilo[ARGMAX_ROWS], ihi[ARGMAX_ROWS];
 #pragma GCC unroll 8
@@ -102,8 +104,9 @@ static void tile_argmax(const problem *p, const float *a, const float *panel, fl
     __m256 kk = _mm256_setzero_ps();
     const __m256 one = _mm256_set1_ps(1.0f);
     for (int64_t k = 0; k < p->k; k++, at += step, kk = _mm256_add_ps(kk, one)) {
-        const __m256 b0 = _mm256_load_ps(panel + k * 16);
-        const __m256 b1 = _mm256_load_ps(panel + k * 16 + 8);
+        const float *row = panel + (rows_of_b ? rows_of_b[k] : k) * 16;
+        const __m256 b0 = _mm256_load_ps(row);
+        const __m256 b1 = _mm256_load_ps(row + 8);
 #pragma GCC unroll 8
         for (int r = 0; r < ARGMAX_ROWS; r++) {
             const __m256 x = _mm256_broadcast_ss(ar[r] + at);
@@ -125,6 +128,11 @@ static void tile_argmax(const problem *p, const float *a, const float *panel, fl
     copy_out(out, p->o_i, tile, rows, cols);
     for (int r = 0; r < rows; r++)
         for (int c = 0; c < cols; c++) index[r * p->o_i + c] = (int64_t)where[r * 16 + c];
+}
+
+static void tile_argmax(const problem *p, const float *a, const float *panel, float *out,
+                        int64_t *index, int rows, int cols) {
+    tile_argmax_loop(p, a, panel, NULL, out, index, rows, cols);
 }
 
 /* Rows of a are split into blocks of BLOCK_ROWS (a multiple of both tile heights) so that
@@ -394,14 +402,20 @@ int64_t semipack_maxplus_pruned_f32(const float *a, int64_t a_i, const float *bm
    tap's start), so nothing is copied or packed per tap:
 
    gather:       out[i, j] = max_k a[i, k] + b[rows_of_b[k], j], b packed once as [panel][K][16]
-                 (panel_stride = K * 16 elements between panels);
+                 (panel_stride = K * 16 elements between panels); with index, also the first k
+                 attaining it (TopPath);
    scatter-max:  out[rows_of_out[i] * o_row + j] = max(that, max_k a[i, k] + b[k, j]), b packed
-                 as [panel][k][16]; the rows must be distinct (a tap's outputs are).
+                 as [panel][k][16]; the rows must be distinct (a tap's outputs are). With ids
+                 (int64 [n, k], one per entry of a) and out_ids (beside out), a strictly larger
+                 candidate also takes ids[i, its first argmax k] (ties keep what was there, as
+                 TopPath's plus does).
 
    One task per (block of rows, panel), as in semipack_maxplus_f32. */
 static void maxplus_tiles(const problem *p, int64_t panel_stride, const int64_t *rows_of_b,
-                          const int64_t *rows_of_out, int64_t o_row, int threads) {
+                          const int64_t *rows_of_out, int64_t o_row, const int64_t *ids,
+                          int64_t *out_ids, int threads) {
     const int64_t n = p->n, m = p->m;
+    const int tile_rows = (p->index || ids) ? ARGMAX_ROWS : ROWS;
     const int64_t panels_n = (m + 15) / 16, blocks = (n + BLOCK_ROWS - 1) / BLOCK_ROWS;
 #pragma omp parallel for schedule(static) num_threads(threads)
     for (int64_t t = 0; t < blocks * panels_n; t++) {
@@ -409,22 +423,36 @@ static void maxplus_tiles(const problem *p, int64_t panel_stride, const int64_t 
         const int64_t j = q * 16, i1 = (block + 1) * BLOCK_ROWS < n ? (block + 1) * BLOCK_ROWS : n;
         const int cols = m - j < 16 ? (int)(m - j) : 16;
         const float *panel = p->panels + q * panel_stride;
-        for (int64_t i = block * BLOCK_ROWS; i < i1; i += ROWS) {
-            const int rows = i1 - i < ROWS ? (int)(i1 - i) : ROWS;
+        for (int64_t i = block * BLOCK_ROWS; i < i1; i += tile_rows) {
+            const int rows = i1 - i < tile_rows ? (int)(i1 - i) : tile_rows;
             const float *arow = p->a + i * p->a_i;
             if (!rows_of_out) {
-                tile_loop(p, arow, panel, rows_of_b, p->out + i * p->o_i + j, rows, cols);
+                float *dst = p->out + i * p->o_i + j;
+                if (p->index) {
+                    tile_argmax_loop(p, arow, panel, rows_of_b, dst, p->index + i * p->o_i + j,
+                                     rows, cols);
+                } else {
+                    tile_loop(p, arow, panel, rows_of_b, dst, rows, cols);
+                }
                 continue;
             }
             float tile[ROWS * 16];
+            int64_t where[ROWS * 16];
             const problem local = {arow, 0, p->a_i, p->a_k, NULL, NULL, NULL, 0, 16,
                                    p->n, p->k, p->m};
-            tile_loop(&local, arow, panel, rows_of_b, tile, rows, 16);
+            if (ids) {
+                tile_argmax_loop(&local, arow, panel, rows_of_b, tile, where, rows, 16);
+            } else {
+                tile_loop(&local, arow, panel, rows_of_b, tile, rows, 16);
+            }
             for (int r = 0; r < rows; r++) {
-                float *dst = p->out + rows_of_out[i + r] * o_row + j;
+                const int64_t at = rows_of_out[i + r] * o_row + j;
                 for (int c = 0; c < cols; c++) {
                     const float v = tile[r * 16 + c];
-                    if (v > dst[c]) dst[c] = v;
+                    if (v > p->out[at + c]) {
+                        p->out[at + c] = v;
+                        if (ids) out_ids[at + c] = ids[(i + r) * p->k + where[r * 16 + c]];
+                    }
                 }
             }
         }
@@ -433,17 +461,18 @@ static void maxplus_tiles(const problem *p, int64_t panel_stride, const int64_t 
 
 void semipack_maxplus_gather_f32(const float *a, int64_t a_i, int64_t a_k, const float *panels,
                                  int64_t panel_stride, const int64_t *rows_of_b, float *out,
-                                 int64_t o_i, int64_t n, int64_t k, int64_t m, int threads) {
-    const problem p = {a, 0, a_i, a_k, panels, out, NULL, 0, o_i, n, k, m};
-    maxplus_tiles(&p, panel_stride, rows_of_b, NULL, 0, threads);
+                                 int64_t *index, int64_t o_i, int64_t n, int64_t k, int64_t m,
+                                 int threads) {
+    const problem p = {a, 0, a_i, a_k, panels, out, index, 0, o_i, n, k, m};
+    maxplus_tiles(&p, panel_stride, rows_of_b, NULL, 0, NULL, NULL, threads);
 }
 
 void semipack_maxplus_scatter_max_f32(const float *a, int64_t a_i, int64_t a_k,
                                       const float *panels, float *out, const int64_t *rows_of_out,
-                                      int64_t o_row, int64_t n, int64_t k, int64_t m,
-                                      int threads) {
+                                      int64_t o_row, const int64_t *ids, int64_t *out_ids,
+                                      int64_t n, int64_t k, int64_t m, int threads) {
     const problem p = {a, 0, a_i, a_k, panels, out, NULL, 0, 0, n, k, m};
-    maxplus_tiles(&p, k * 16, NULL, rows_of_out, o_row, threads);
+    maxplus_tiles(&p, k * 16, NULL, rows_of_out, o_row, ids, out_ids, threads);
 }
 
 /* Packs b[s, k, j] (any strides, in elements) into [s][panel][k][16] panels, -inf padded. */

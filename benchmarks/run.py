@@ -323,12 +323,13 @@ taken there).
   direct kernels) on the exponentiated message and |x|, |W|: the same work as the plain backward
   per product (Entropy: three products per message). The other semirings take one kernel tap at
   a time: 9 taps x 2 max-plus products of [32 x 1024, 64] x [64, 64] here, about 2.4 G pairs,
-  against oneDNN's very fast direct convolution. For MaxProd the lifted input is packed once per
-  convolution and each tap's window is addressed through one table of row offsets: the weight
-  message reads it in place, the input message is added with max straight into the padded
-  message (no copy, pack, slice read or write-back per tap; ResNet-18 train MaxProd 6.7x ->
-  5.6x single-thread). The max-plus kernel runs near the two vector ports' peak here (about
-  27 G pairs/s on one core), so the products alone are about 1.7x the plain backward.
+  against oneDNN's very fast direct convolution. For MaxProd and TopPath the lifted input is
+  packed once per convolution and each tap's window is addressed through one table of row
+  offsets: the weight message reads it in place, the input message is added with max straight
+  into the padded message (no copy, pack, slice read or write-back per tap; ResNet-18 train
+  MaxProd 6.7x -> 5.6x single-thread). The max-plus kernel runs near the two vector ports'
+  peak here (about 27 G pairs/s on one core), so the products alone are about 1.7x the plain
+  backward.
 - **Whole models on small inputs.** The ratios sit far above their floors because a plain
   backward of one sentence or two images is a few milliseconds of large matrix products, while
   every semiring node also pays elementwise work over its whole output (edge weights in log

@@ -130,11 +130,13 @@ DEPTHWISE = {
 }
 
 
+@pytest.mark.parametrize("semiring", [semipack.MaxProd(), semipack.TopPath()], ids=repr)
 @pytest.mark.parametrize("mask", [(True, True, True), (True, False, False), (False, True, False)])
 @pytest.mark.parametrize("name", DEPTHWISE)
-def test_native_depthwise_max_plus_equals_the_per_tap_path(name: str, mask) -> None:
-    """The native depthwise kernel gives the per-tap path's MaxProd messages bit for bit, with
-    exact zeros in x and w (no edge) and messages without a path (-inf)."""
+def test_native_depthwise_max_plus_equals_the_per_tap_path(name: str, mask, semiring) -> None:
+    """The native depthwise kernel gives the per-tap path's MaxProd and TopPath messages bit for
+    bit, TopPath's successor ids included (ties between taps and multiplier channels go to the
+    same candidate), with exact zeros in x and w (no edge) and messages without a path (-inf)."""
     from semipack.kernels.native import native_available
     from semipack.rules.convolution import depthwise_max_plus
 
@@ -146,18 +148,20 @@ def test_native_depthwise_max_plus_equals_the_per_tap_path(name: str, mask) -> N
     x[x.abs() < 0.3] = 0.0
     w = torch.randn(w_shape, generator=gen)
     w.view(-1)[::7] = 0.0
-    sr = semipack.MaxProd()
     geometry = ConvGeometry.of(2, stride, padding, dilation, x.shape[1])
     out = torch.nn.functional.conv2d(x, w, None, stride, padding, dilation, x.shape[1])
-    m = torch.randn(out.shape, generator=gen) * 3
+    m = (torch.randn(out.shape, generator=gen) * 3).round()  # ties
     m[m < -2.5] = float("-inf")
-    native = depthwise_max_plus(sr, (m,), x, w, geometry, mask)
+    sr = semiring
+    state = (m, _ids(m.shape)) if isinstance(sr, semipack.TopPath) else (m,)
+    native = depthwise_max_plus(sr, state, x, w, geometry, mask)
     assert native is not None
-    reference = per_tap_messages(sr, (m,), x, w, geometry, mask)
-    for got, want, wanted in zip(native, reference, mask, strict=True):
-        assert (got is None) == (want is None) == (not wanted)
-        if wanted:
-            assert torch.equal(got[0], want[0])
+    reference = per_tap_messages(sr, state, x, w, geometry, mask)
+    for got, want in zip(native, reference, strict=True):
+        assert (got is None) == (want is None)
+        if got is not None:
+            assert len(got) == len(want)
+            assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
 
 
 def test_native_depthwise_declines_what_it_does_not_cover() -> None:
@@ -169,13 +173,8 @@ def test_native_depthwise_declines_what_it_does_not_cover() -> None:
     geometry = ConvGeometry.of(2, 1, 1, 1, 3)
     m = torch.randn(1, 3, 6, 6)
     mask = (True, True, True)
-    assert (
-        depthwise_max_plus(
-            semipack.TopPath(), (m, torch.zeros_like(m).long()), x, w, geometry, mask
-        )
-        is None
-    )
     assert depthwise_max_plus(semipack.LogSum(), (m,), x, w, geometry, mask) is None
+    assert depthwise_max_plus(semipack.KBest(2), (m,), x, w, geometry, mask) is None
     nan = m.clone()
     nan[0, 1, 2, 3] = float("nan")
     assert depthwise_max_plus(semipack.MaxProd(), (nan,), x, w, geometry, mask) is None

@@ -74,14 +74,16 @@ def depthwise_max_plus(
     sr: Semiring, m_parts: State, x: Tensor, w: Tensor, geometry: ConvGeometry, mask: Sequence[bool]
 ) -> Messages | None:
     """The messages of a 2-D depthwise convolution (one input channel per group) in MaxProd's
-    algebra from the native kernel (``kernels/native/depthwise.c``: every tap swept in
-    registers, where the per-tap path builds and reduces an output-sized sum per tap), or None
-    where it does not apply: another algebra, not 2-D depthwise, not float32 on the CPU, no
-    native library, or a NaN or +inf among the operands. Same values as ``per_tap_messages``,
-    bit for bit (max does not round)."""
+    algebra, and TopPath's with its successor ids, from the native kernel
+    (``kernels/native/depthwise.c``: every tap swept once, where the per-tap path builds and
+    reduces an output-sized sum per tap), or None where it does not apply: another algebra, not
+    2-D depthwise, not float32 on the CPU, no native library, or a NaN or +inf among the
+    operands. Same values and ids as ``per_tap_messages``, bit for bit (max does not round, and
+    ties go to the same candidate)."""
     groups = geometry.groups
+    ids = sr.is_max_plus_with_ids()
     if not (
-        sr.is_max_plus()
+        (sr.is_max_plus() or ids)
         and x.dim() == 4
         and groups == x.shape[1]
         and w.shape[1] == 1
@@ -97,17 +99,26 @@ def depthwise_max_plus(
     lw = sr.kept_lift(w)[0].reshape(w.shape[0], *w.shape[2:])
     if not all(bool(t.amax() < _INF) for t in (m, lw, lx) if t.numel()):
         return None  # NaN or +inf: the kernel's max would not propagate it
-    dx, dw = depthwise_f32(
-        m, lw, lx, tuple(geometry.stride), tuple(geometry.dilation), mask[0], mask[1]
+    to_input, to_weight = depthwise_f32(
+        m,
+        lw,
+        lx,
+        tuple(geometry.stride),
+        tuple(geometry.dilation),
+        mask[0],
+        mask[1],
+        ids=m_parts[1] if ids else None,
+        no_successor=int(sr.zero[1]) if ids else -1,
     )
     grad_in = grad_w = grad_b = None
     if mask[0]:
         crop = tuple(slice(p, p + n) for p, n in zip(geometry.padding, x.shape[2:], strict=True))
-        grad_in = (dx[(slice(None), slice(None), *crop)].contiguous(),)
+        grad_in = tuple(p[(slice(None), slice(None), *crop)].contiguous() for p in to_input)
     if mask[1]:
-        grad_w = (dw.reshape(w.shape),)
+        grad_w = tuple(p.reshape(w.shape) for p in to_weight)
     if mask[2]:
-        grad_b = sr.sum((m.reshape(m.shape[0], m.shape[1], -1),), [0, 2])
+        rows = tuple(p.expand(m.shape).reshape(m.shape[0], m.shape[1], -1) for p in m_parts)
+        grad_b = sr.sum(rows, [0, 2])
     return grad_in, grad_w, grad_b
 
 

@@ -67,6 +67,8 @@ _SIGNATURES: dict[str, tuple[str | None, str]] = {
     "semipack_maxplus_scatter_max_f32": (None, "pqqpppqppqqqi"),
     "semipack_depthwise_input_f32": (None, "ppp" + "q" * 13 + "i"),
     "semipack_depthwise_weight_f32": (None, "ppp" + "q" * 13 + "i"),
+    "semipack_depthwise_input_ids_f32": (None, "ppppp" + "q" * 14 + "i"),
+    "semipack_depthwise_weight_ids_f32": (None, "ppppp" + "q" * 13 + "i"),
 }
 
 _state = {"enabled": os.environ.get("SEMIPACK_NATIVE", "1") not in ("0", "false", "no")}
@@ -239,11 +241,15 @@ def depthwise_f32(
     dilation: tuple[int, int],
     want_input: bool,
     want_weight: bool,
-) -> tuple[Tensor | None, Tensor | None]:
+    ids: Tensor | None = None,
+    no_successor: int = -1,
+) -> tuple[tuple[Tensor, ...] | None, tuple[Tensor, ...] | None]:
     """MaxProd messages of a 2-D depthwise convolution (see depthwise.c): to the padded input,
-    ``[B, C, Hp, Wp]``, and to the weight, ``[C * M, KH, KW]``. ``m`` [B, C * M, Ho, Wo],
-    ``lw`` [C * M, KH, KW], ``lx`` [B, C, Hp, Wp] (log|x| of the zero-padded input), all float32
-    CPU; the caller checks that none holds NaN or ``+inf``."""
+    ``[B, C, Hp, Wp]``, and to the weight, ``[C * M, KH, KW]``, each as a 1-tuple. ``m``
+    [B, C * M, Ho, Wo], ``lw`` [C * M, KH, KW], ``lx`` [B, C, Hp, Wp] (log|x| of the zero-padded
+    input), all float32 CPU; the caller checks that none holds NaN or ``+inf``. With ``ids``
+    (int64 like ``m``: TopPath's successor ids) each message is (values, ids), the ids of the
+    first candidates attaining the maxima (``no_successor`` where an input has none)."""
     lib = _library()
     assert lib is not None and m.dtype == lw.dtype == lx.dtype == torch.float32
     m, lw, lx = m.contiguous(), lw.contiguous(), lx.contiguous()
@@ -253,18 +259,49 @@ def depthwise_f32(
     kh, kw = lw.shape[1:]
     sizes = (batch, channels, mult, ho, wo, hp, wp, kh, kw, *stride, *dilation)
     threads = _threads(m.numel() * kh * kw * 16)
-    dx = dw = None
+    to_input = to_weight = None
+    if ids is not None:
+        ids = ids.expand(m.shape).contiguous()
     if want_input:
         dx = torch.empty((batch, channels, hp, wp), dtype=torch.float32)
-        lib.semipack_depthwise_input_f32(
-            m.data_ptr(), lw.data_ptr(), dx.data_ptr(), *sizes, threads
-        )
+        if ids is None:
+            lib.semipack_depthwise_input_f32(
+                m.data_ptr(), lw.data_ptr(), dx.data_ptr(), *sizes, threads
+            )
+            to_input = (dx,)
+        else:
+            dx_ids = torch.empty(dx.shape, dtype=torch.int64)
+            lib.semipack_depthwise_input_ids_f32(
+                m.data_ptr(),
+                ids.data_ptr(),
+                lw.data_ptr(),
+                dx.data_ptr(),
+                dx_ids.data_ptr(),
+                no_successor,
+                *sizes,
+                threads,
+            )
+            to_input = (dx, dx_ids)
     if want_weight:
         dw = torch.empty((channels * mult, kh, kw), dtype=torch.float32)
-        lib.semipack_depthwise_weight_f32(
-            m.data_ptr(), lx.data_ptr(), dw.data_ptr(), *sizes, threads
-        )
-    return dx, dw
+        if ids is None:
+            lib.semipack_depthwise_weight_f32(
+                m.data_ptr(), lx.data_ptr(), dw.data_ptr(), *sizes, threads
+            )
+            to_weight = (dw,)
+        else:
+            dw_ids = torch.empty(dw.shape, dtype=torch.int64)
+            lib.semipack_depthwise_weight_ids_f32(
+                m.data_ptr(),
+                ids.data_ptr(),
+                lx.data_ptr(),
+                dw.data_ptr(),
+                dw_ids.data_ptr(),
+                *sizes,
+                threads,
+            )
+            to_weight = (dw, dw_ids)
+    return to_input, to_weight
 
 
 def _threads(pairs: int) -> int:

@@ -97,3 +97,75 @@ void semipack_depthwise_weight_f32(const float *m, const float *lx, float *out, 
         out[t] = max1(best, hmax8(best8));
     }
 }
+
+/* TopPath's messages: the same maxima and the successor id of the first candidate attaining
+   each, in the per-tap path's order (taps in order, then the channel multiplier; a later
+   candidate replaces only when strictly larger, as TopPath's plus does). ids [B, C*M, Ho, Wo]
+   are the message's successor ids; dx_ids starts at no_successor. The weight message's id is
+   the message's id at the first (b, oh, ow) attaining the max (position 0 when no pair has a
+   path, as torch.max gives). Scalar loops: these are rarer than MaxProd's. */
+void semipack_depthwise_input_ids_f32(const float *m, const int64_t *ids, const float *lw,
+                                      float *dx, int64_t *dx_ids, int64_t no_successor,
+                                      int64_t batch, int64_t channels, int64_t mult, int64_t ho,
+                                      int64_t wo, int64_t hp, int64_t wp, int64_t kh_n,
+                                      int64_t kw_n, int64_t sh, int64_t sw, int64_t dh,
+                                      int64_t dw, int threads) {
+#pragma omp parallel for schedule(static) num_threads(threads)
+    for (int64_t bc = 0; bc < batch * channels; bc++) {
+        const int64_t b = bc / channels, c = bc % channels;
+        float *plane = dx + bc * hp * wp;
+        int64_t *plane_ids = dx_ids + bc * hp * wp;
+        for (int64_t i = 0; i < hp * wp; i++) {
+            plane[i] = -__builtin_inff();
+            plane_ids[i] = no_successor;
+        }
+        for (int64_t kh = 0; kh < kh_n; kh++) {
+            for (int64_t kw = 0; kw < kw_n; kw++) {
+                for (int64_t oh = 0; oh < ho; oh++) {
+                    for (int64_t ow = 0; ow < wo; ow++) {
+                        const int64_t at = (oh * sh + kh * dh) * wp + ow * sw + kw * dw;
+                        for (int64_t u = 0; u < mult; u++) {
+                            const int64_t o = c * mult + u;
+                            const int64_t from = ((b * channels * mult + o) * ho + oh) * wo + ow;
+                            const float v = m[from] + lw[(o * kh_n + kh) * kw_n + kw];
+                            if (v > plane[at]) {
+                                plane[at] = v;
+                                plane_ids[at] = ids[from];
+                            }
+                        }
+                    }
+                }
+            }
+        }
+    }
+}
+
+void semipack_depthwise_weight_ids_f32(const float *m, const int64_t *ids, const float *lx,
+                                       float *out, int64_t *out_ids, int64_t batch,
+                                       int64_t channels, int64_t mult, int64_t ho, int64_t wo,
+                                       int64_t hp, int64_t wp, int64_t kh_n, int64_t kw_n,
+                                       int64_t sh, int64_t sw, int64_t dh, int64_t dw,
+                                       int threads) {
+    const int64_t taps = kh_n * kw_n;
+#pragma omp parallel for schedule(static) num_threads(threads)
+    for (int64_t t = 0; t < channels * mult * taps; t++) {
+        const int64_t o = t / taps, kh = (t % taps) / kw_n, kw = t % kw_n, c = o / mult;
+        float best = -__builtin_inff();
+        int64_t best_id = ids[o * ho * wo]; /* b = 0, position 0 */
+        for (int64_t b = 0; b < batch; b++) {
+            const int64_t base = (b * channels * mult + o) * ho * wo;
+            const float *xc = lx + (b * channels + c) * hp * wp + kh * dh * wp + kw * dw;
+            for (int64_t oh = 0; oh < ho; oh++) {
+                for (int64_t ow = 0; ow < wo; ow++) {
+                    const float v = m[base + oh * wo + ow] + xc[oh * sh * wp + ow * sw];
+                    if (v > best) {
+                        best = v;
+                        best_id = ids[base + oh * wo + ow];
+                    }
+                }
+            }
+        }
+        out[t] = best;
+        out_ids[t] = best_id;
+    }
+}

@@ -262,45 +262,25 @@ def depthwise_f32(
     to_input = to_weight = None
     if ids is not None:
         ids = ids.expand(m.shape).contiguous()
+    # the TopPath kernels take the ids beside the message and give ids beside each result
+    with_ids = () if ids is None else (ids.data_ptr(),)
+    suffix = "_f32" if ids is None else "_ids_f32"
     if want_input:
-        dx = torch.empty((batch, channels, hp, wp), dtype=torch.float32)
-        if ids is None:
-            lib.semipack_depthwise_input_f32(
-                m.data_ptr(), lw.data_ptr(), dx.data_ptr(), *sizes, threads
-            )
-            to_input = (dx,)
-        else:
-            dx_ids = torch.empty(dx.shape, dtype=torch.int64)
-            lib.semipack_depthwise_input_ids_f32(
-                m.data_ptr(),
-                ids.data_ptr(),
-                lw.data_ptr(),
-                dx.data_ptr(),
-                dx_ids.data_ptr(),
-                no_successor,
-                *sizes,
-                threads,
-            )
-            to_input = (dx, dx_ids)
+        out = [torch.empty((batch, channels, hp, wp), dtype=torch.float32)]
+        if ids is not None:
+            out.append(torch.empty(out[0].shape, dtype=torch.int64))
+        kernel = getattr(lib, "semipack_depthwise_input" + suffix)
+        tail = () if ids is None else (out[1].data_ptr(), no_successor)
+        kernel(m.data_ptr(), *with_ids, lw.data_ptr(), out[0].data_ptr(), *tail, *sizes, threads)
+        to_input = tuple(out)
     if want_weight:
-        dw = torch.empty((channels * mult, kh, kw), dtype=torch.float32)
-        if ids is None:
-            lib.semipack_depthwise_weight_f32(
-                m.data_ptr(), lx.data_ptr(), dw.data_ptr(), *sizes, threads
-            )
-            to_weight = (dw,)
-        else:
-            dw_ids = torch.empty(dw.shape, dtype=torch.int64)
-            lib.semipack_depthwise_weight_ids_f32(
-                m.data_ptr(),
-                ids.data_ptr(),
-                lx.data_ptr(),
-                dw.data_ptr(),
-                dw_ids.data_ptr(),
-                *sizes,
-                threads,
-            )
-            to_weight = (dw, dw_ids)
+        out = [torch.empty((channels * mult, kh, kw), dtype=torch.float32)]
+        if ids is not None:
+            out.append(torch.empty(out[0].shape, dtype=torch.int64))
+        kernel = getattr(lib, "semipack_depthwise_weight" + suffix)
+        tail = () if ids is None else (out[1].data_ptr(),)
+        kernel(m.data_ptr(), *with_ids, lx.data_ptr(), out[0].data_ptr(), *tail, *sizes, threads)
+        to_weight = tuple(out)
     return to_input, to_weight
 
 

@@ -346,11 +346,13 @@ taken there).
   on one sentence, lifting every weight matrix cost as much as its product with the message.
 - **Convolutional models.** ResNet-18 and MobileNetV3 MaxProd pay the convolution max-plus
   products above (per tap, against oneDNN); 2-D depthwise convolutions have a native kernel
-  that sweeps each plane once per tap (`native/depthwise.c`; a 5x5 layer of 96 channels went
-  from 6.2x to 3.3x its plain backward, MobileNetV3 MaxProd 7.3x -> 6.5x single-thread). PyTorch's
-  vectorised log takes a slow path for every exact zero, about 10 ns each, and half of a ReLU
-  network's activations are zeros: logarithms of magnitudes replace them by 1 and put -inf back
-  (same bits; ResNet-18 eval MaxProd 4.8x -> 4.6x). In train mode ResNet-18 adds the
+  that sweeps each plane once per tap (`native/depthwise.c`; a 5x5 layer of 96 channels takes
+  about 3x its plain backward with it and about 7x per tap, `bench_kernel_costs.py`; MobileNetV3
+  MaxProd 7.3x -> 6.5x single-thread). PyTorch's vectorised log takes a slow path for every
+  exact zero (3.9 ms for 430k entries half of them zeros, 0.43 ms without zeros,
+  `bench_kernel_costs.py`), and half of a ReLU network's activations are zeros: logarithms of
+  magnitudes replace them by 1 and put -inf back (same bits; ResNet-18 eval MaxProd 4.8x ->
+  4.6x). In train mode ResNet-18 adds the
   exact messages of BatchNorm over N x H x W entries per channel (8192 in its first layer). The
   native kernels sort each channel and take O(n log n): MaxProd's maximum is an upper envelope
   of lines, LogSum's sum prefix sums, Entropy's sum of c log c a series tree

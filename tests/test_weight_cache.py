@@ -272,3 +272,31 @@ def test_deleting_the_model_frees_its_kept_forms() -> None:
     del model
     gc.collect()
     assert WEIGHTS.nbytes == 0
+
+
+def test_one_fingerprint_per_weight_and_pass(monkeypatch) -> None:
+    """The forms of one weight share one read of its bytes within a pass; the next pass reads
+    them again (the weight may have changed in between)."""
+    from semipack.kernels import weight_cache
+
+    taken = []
+    monkeypatch.setattr(weight_cache, "fingerprint", lambda t: taken.append(1) or (len(taken),))
+    a = torch.randn(100)
+    cache = _table([a], max_bytes=10_000)
+    cache.derived(a, "double", lambda: a * 2)
+    cache.derived(a, "triple", lambda: a * 3)
+    assert len(taken) == 1
+    cache.watch([a])
+    kept = cache.derived(a, "double", lambda: a * 2)
+    assert len(taken) == 2 and torch.equal(kept, a * 2)
+
+
+def test_nothing_is_watched_outside_a_backward_pass() -> None:
+    """After ``extend``'s backward the parameters are no longer watched: a later computation on
+    them (``semipack.grad``, after the weights changed) reads nothing kept from the pass."""
+    model = _model()
+    _values(model, semipack.MaxProd(), torch.randn(5, 24, requires_grad=True))
+    weight = model[2].weight.detach()
+    made = []
+    WEIGHTS.derived(weight, ("log_abs", torch.float32), lambda: made.append(1) or weight)
+    assert made == [1]

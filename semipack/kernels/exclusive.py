@@ -39,6 +39,15 @@ def exclusive_max(a: Tensor) -> Tensor:
     return torch.where(_is_top(a, index), second, first)
 
 
+def exclusive_argmax(a: Tensor) -> tuple[Tensor, Tensor]:
+    """``out_j = max_{i != j} a_i`` and the first i attaining it: the row's first maximum,
+    except at that entry, where it is the first maximum of the others (TopPath's successors)."""
+    first, index = a.max(-1, keepdim=True)
+    is_top = _is_top(a, index)
+    second, runner_up = torch.where(is_top, -INF, a).max(-1, keepdim=True)
+    return torch.where(is_top, second, first), torch.where(is_top, runner_up, index)
+
+
 def exclusive_min(a: Tensor) -> Tensor:
     """``out_j = min_{i != j} a_i`` (``+inf`` for rows of one entry)."""
     return -exclusive_max(-a)

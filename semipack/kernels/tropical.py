@@ -30,7 +30,14 @@ from torch import Tensor
 
 from .blocking import BLOCK_ELEMENTS
 from .compiled import compile_enabled, compiled
-from .native import MAX_INDEX_K, PRUNE_TOP, maxplus_f32, maxplus_pruned_f32, native_available
+from .native import (
+    MAX_INDEX_K,
+    PRUNE_TOP,
+    maxplus_f32,
+    maxplus_pruned_f32,
+    native_available,
+    no_nan_or_posinf,
+)
 
 #: Output rows per register tile of the compiled kernel. On a Zen 3 core (AVX2) 4 rows ran at
 #: 15 G pairs/s vs 9.7 untiled; 8 rows tied, 16 spilled registers, tiling columns too was slower.
@@ -213,8 +220,7 @@ def _use_native(a3: Tensor, bt3: Tensor) -> bool:
         and s * n * k * bt3.shape[1] >= NATIVE_MIN_PAIRS
         and k < MAX_INDEX_K
         and native_available()
-        and bool(a3.amax() < _INF)
-        and bool(bt3.amax() < _INF)
+        and no_nan_or_posinf(a3, bt3)
     )
 
 

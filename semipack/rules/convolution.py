@@ -29,6 +29,7 @@ from ..kernels.native import (
     maxplus_gather_f32,
     maxplus_scatter_max_f32,
     native_available,
+    no_nan_or_posinf,
     pack_panels_f32,
 )
 from ..kernels.tropical import shared_pruning_choice
@@ -37,8 +38,6 @@ from ..messages.shared_shift import shared_shift_conv
 from ..messages.windows import ConvGeometry
 from ..semirings._log import log_abs
 from ..semirings.base import Semiring, State
-
-_INF = float("inf")
 
 aten = torch.ops.aten
 
@@ -97,8 +96,8 @@ def depthwise_max_plus(
     m = m_parts[0]
     lx = log_abs(x_pad, torch.float32)  # the padding lifts to -inf: no edge
     lw = sr.kept_lift(w)[0].reshape(w.shape[0], *w.shape[2:])
-    if not all(bool(t.amax() < _INF) for t in (m, lw, lx) if t.numel()):
-        return None  # NaN or +inf: the kernel's max would not propagate it
+    if not no_nan_or_posinf(m, lw, lx):
+        return None  # the kernel's max would not propagate a NaN
     to_input, to_weight = depthwise_f32(
         m,
         lw,
@@ -271,7 +270,8 @@ class _MaxPlusTaps:
             (sr.is_max_plus() or ids)
             and native_available()
             and all(t.dtype == torch.float32 and t.device.type == "cpu" for t in values)
-            and all(t.numel() > 0 and bool(t.amax() < _INF) for t in values)
+            and all(t.numel() > 0 for t in values)
+            and no_nan_or_posinf(*values)
         ):
             return None
         return _MaxPlusTaps(grid, out_size, stride, ids)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from ..kernels.exclusive import exclusive_argmax
 from ..kernels.normalization import NO_SUCCESSOR, TOP_PATH, CentredPairsKernel
 from ..kernels.tropical import maxplus_argmax
 from ._log import kept_log_abs, log_abs
@@ -151,13 +152,8 @@ class TopPath(MaxProd):
         # the best other entry: the row's first maximum, except at that entry, where it is the
         # first maximum of the others (so softmax rows take the O(n) diagonal-plus-rank-one
         # form, as MaxProd's do, instead of an argmax over every pair of a dense Jacobian)
-        values, ids = a[0], a[1].expand(a[0].shape)
-        first, top = values.max(-1, keepdim=True)
-        is_top = torch.arange(values.shape[-1], device=values.device) == top
-        second, runner_up = torch.where(is_top, float("-inf"), values).max(-1, keepdim=True)
-        value = torch.where(is_top, second, first)
-        chosen = torch.where(is_top, ids.gather(-1, runner_up), ids.gather(-1, top))
-        return value, chosen
+        value, where = exclusive_argmax(a[0])
+        return value, a[1].expand(a[0].shape).gather(-1, where)
 
     def is_max_plus(self) -> bool:
         return False  # the state also carries successor ids

@@ -94,31 +94,32 @@ class SemiringMode(TorchFunctionMode):
         self._run(tensors, list(grad_tensors), retain_graph, create_graph, inputs)
 
     def _run(self, tensors, grads, retain_graph, create_graph, inputs) -> None:
-        WEIGHTS.watch(self.watched)  # their lifted forms may be kept for the next pass
         if isinstance(inputs, Tensor):
             inputs = [inputs]
         elif inputs is not None:
             inputs = list(inputs)
-        reached = bw.backward(
-            tensors,
-            grads,
-            self.sr,
-            regular_grads=self.regular_grads,
-            retain_graph=retain_graph,
-            create_graph=create_graph,
-            inputs=inputs,
-            leaf_names=self.leaf_names,
-            watched=self.watched,
-            retained=self.retained,
-            keep_state=self.keep_state,
-            accumulate_in_place=self.accumulate_in_place,
-            per_sample=(
-                {id(p): (self.leaf_names or {}).get(id(p), "?") for p in self.watched}
-                if self.per_sample
-                else None
-            ),
-            per_sample_batches=frozenset(self.input_batches),
-        )
+        # the parameters' lifted forms may be kept for the next pass (kernels.weight_cache)
+        with WEIGHTS.watching(self.watched):
+            reached = bw.backward(
+                tensors,
+                grads,
+                self.sr,
+                regular_grads=self.regular_grads,
+                retain_graph=retain_graph,
+                create_graph=create_graph,
+                inputs=inputs,
+                leaf_names=self.leaf_names,
+                watched=self.watched,
+                retained=self.retained,
+                keep_state=self.keep_state,
+                accumulate_in_place=self.accumulate_in_place,
+                per_sample=(
+                    {id(p): (self.leaf_names or {}).get(id(p), "?") for p in self.watched}
+                    if self.per_sample
+                    else None
+                ),
+                per_sample_batches=frozenset(self.input_batches),
+            )
         # A watched parameter this backward did not reach must not keep a stale value.
         reached_ids = {id(t) for t in reached}
         for p in self.watched:

@@ -50,6 +50,8 @@ PRUNE_TOP = 32
 #: Indices are carried as float32 inside the kernel: exact below this.
 MAX_INDEX_K = 1 << 24
 
+_INF = float("inf")
+
 #: ctypes codes of the C signatures below: a pointer, an int64_t, an int.
 _C_TYPES = {"p": ctypes.c_void_p, "q": ctypes.c_int64, "i": ctypes.c_int}
 #: Each exported function: (return type or None for void, parameter types), in those codes.
@@ -77,6 +79,12 @@ _state = {"enabled": os.environ.get("SEMIPACK_NATIVE", "1") not in ("0", "false"
 def set_native(enabled: bool) -> None:
     """Use (or stop using) the hand-written kernel for the whole process."""
     _state["enabled"] = bool(enabled)
+
+
+def no_nan_or_posinf(*tensors: Tensor) -> bool:
+    """Whether no operand holds NaN or ``+inf``, as every kernel here requires (their max does
+    not propagate NaN; ``-inf`` means "no edge"): each operand's maximum is below ``+inf``."""
+    return all(t.numel() == 0 or bool(t.amax() < _INF) for t in tensors)
 
 
 def native_available() -> bool:

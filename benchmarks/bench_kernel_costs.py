@@ -1,0 +1,173 @@
+"""The single-operation costs that semipack's speed work rests on, measured on this machine.
+
+    OMP_NUM_THREADS=1 python benchmarks/bench_kernel_costs.py [--repeats 15]
+
+Each line is a median of ``--repeats`` timed runs (after a warm-up) on one thread:
+
+* PyTorch's ``log`` of 430k entries without zeros, with half of them exact zeros (a ReLU
+  network's activations), and ``log_magnitude_`` on the half-zero tensor (the same bits);
+* ``torch.where`` on a boolean mask against ``finite_or_zero``'s float op (the same bits);
+* the weight fingerprint's read speed (``kernels/native/fingerprint.c``) on 40 MB, and for one
+  MiniLM feed-forward weight (384 x 1536): its fingerprint, its log|W| and its max-plus product
+  with a 20-token message (what the weight cache saves on one sentence);
+* Entropy's readout of 7.7k and 147k entries as eager ops and as the fused kernel (where
+  ``FUSED_MIN_ELEMENTS`` sits);
+* a fresh 30522 x 384 zero table (MiniLM's vocabulary) against filling one that exists: the
+  cost of first touching fresh pages, which the readout reuse avoids;
+* the max-plus kernel on one ResNet-18 convolution tap's weight message, read through the row
+  table of ``_MaxPlusTaps``, in pairs per second;
+* one 5x5 depthwise layer of 96 channels (MobileNet-like, 14 x 14, batch 2): MaxProd backward
+  over a plain one in CPU time, with the native depthwise kernel and with it switched off
+  (medians of ``--repeats`` backward passes, each after an untimed forward).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+import semipack
+import semipack.rules.convolution as convolution
+from semipack.kernels.logspace import finite_or_zero, log_magnitude_
+from semipack.kernels.native import (
+    fingerprint,
+    maxplus_gather_f32,
+    native_available,
+    pack_panels_f32,
+)
+from semipack.kernels.tropical import maxplus
+from semipack.semirings._log import log_abs
+from semipack.semirings.entropy import _entropy_readout
+
+
+def median_ms(fn: Callable[[], object], repeats: int, clock=time.perf_counter) -> float:
+    fn()
+    times = []
+    for _ in range(repeats):
+        start = clock()
+        fn()
+        times.append(clock() - start)
+    return statistics.median(times) * 1e3
+
+
+def elementwise(repeats: int) -> None:
+    torch.manual_seed(0)
+    x = torch.rand(430_592) + 0.1
+    half_zero = x.clone()
+    half_zero[torch.rand(x.shape) < 0.5] = 0.0  # at random places, as after a ReLU
+    print("log of 430k entries (ms):")
+    print(f"  no zeros               {median_ms(lambda: x.log(), repeats):7.3f}")
+    print(f"  half exact zeros       {median_ms(lambda: half_zero.log(), repeats):7.3f}")
+    zero_safe = median_ms(lambda: log_magnitude_(half_zero.clone()), repeats)
+    print(f"  half zeros, zero-safe  {zero_safe:7.3f}  (log_magnitude_, clone included)")
+    mask = torch.isfinite(half_zero.log())
+    zero = torch.zeros(())
+    print("select 430k entries (ms):")
+    print(f"  torch.where(bool mask) {median_ms(lambda: torch.where(mask, x, zero), repeats):7.3f}")
+    print(f"  finite_or_zero         {median_ms(lambda: finite_or_zero(x), repeats):7.3f}")
+
+
+def memory(repeats: int) -> None:
+    big = torch.randn(10_000_000)
+    ms = median_ms(lambda: fingerprint(big), repeats)
+    print(f"fingerprint of 40 MB: {ms:.2f} ms, {big.numel() * 4 / ms / 1e6:.1f} GB/s")
+    table = torch.zeros(30522, 384)
+    fresh = median_ms(lambda: torch.zeros(30522, 384), repeats)
+    refill = median_ms(lambda: table.zero_(), repeats)
+    print(
+        f"30522 x 384 zero table: fresh {fresh:.2f} ms, refilling an existing one {refill:.2f} ms"
+    )
+
+
+def weight_forms(repeats: int) -> None:
+    torch.manual_seed(0)
+    w, message = torch.randn(384, 1536), torch.randn(20, 384)
+    lifted = log_abs(w, torch.float32)
+    print("MiniLM feed-forward weight 384 x 1536 (ms):")
+    print(f"  fingerprint            {median_ms(lambda: fingerprint(w), repeats):7.3f}")
+    print(f"  log|W|                 {median_ms(lambda: log_abs(w, torch.float32), repeats):7.3f}")
+    product = median_ms(lambda: maxplus(message, lifted), repeats)
+    print(f"  max-plus with [20, 384] {product:6.3f}")
+
+
+def fused_readout(repeats: int) -> None:
+    print("Entropy readout (ms): eager, fused")
+    for n in (7_680, 147_456):
+        log_z, mean = torch.randn(n), torch.randn(n)
+        eager = median_ms(lambda a=log_z, b=mean: _entropy_readout.eager(a, b), repeats)
+        fused = median_ms(lambda a=log_z, b=mean: _entropy_readout(a, b), repeats)
+        print(f"  {n:7d} entries         {eager:7.3f} {fused:7.3f}")
+
+
+def max_plus(repeats: int) -> None:
+    # ResNet-18 layer1, batch 2: the weight message of one tap, [64, B*L] x window [B*L, 64]
+    torch.manual_seed(0)
+    batch, side, channels = 2, 56, 64
+    padded = side + 2
+    x = torch.randn(batch * padded * padded, channels)
+    a = torch.randn(channels, batch * side * side)
+    panels = pack_panels_f32(x)
+    b_idx = torch.arange(batch)[:, None, None] * padded * padded
+    rows = (b_idx + torch.arange(side)[None, :, None] * padded + torch.arange(side)).reshape(-1)
+    ms = median_ms(lambda: maxplus_gather_f32(a, panels, rows, padded + 1, channels), repeats)
+    pairs = a.shape[0] * a.shape[1] * channels
+    rate = pairs / ms / 1e6
+    print(f"max-plus tap product [64, 6272] x [6272, 64]: {ms:.3f} ms, {rate:.1f} G pairs/s")
+
+
+def depthwise(repeats: int) -> None:
+    torch.manual_seed(0)
+    conv = nn.Conv2d(96, 96, 5, padding=2, groups=96)
+    x = torch.randn(2, 96, 14, 14, requires_grad=True)
+
+    def backward_ms(semiring: semipack.Semiring | None) -> float:
+        """Median CPU time of the backward alone (the forward runs untimed before each)."""
+        times = []
+        for _ in range(repeats + 1):
+            conv.zero_grad(set_to_none=True)
+            context = semipack.extend(conv, semiring) if semiring else contextlib.nullcontext()
+            with context:
+                loss = conv(x).square().sum()
+                start = time.process_time()
+                loss.backward()
+                times.append(time.process_time() - start)
+        return statistics.median(times[1:]) * 1e3
+
+    plain = backward_ms(None)
+    native = backward_ms(semipack.MaxProd())
+    kernel = convolution.depthwise_max_plus
+    convolution.depthwise_max_plus = lambda *args: None  # the per-tap path
+    try:
+        per_tap = backward_ms(semipack.MaxProd())
+    finally:
+        convolution.depthwise_max_plus = kernel
+    print(
+        f"depthwise 5x5, 96 channels, 14 x 14, batch 2, backward CPU time: plain {plain:.2f} ms;"
+        f" MaxProd {native / plain:.1f}x with the native kernel, {per_tap / plain:.1f}x per tap"
+    )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeats", type=int, default=15)
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    elementwise(args.repeats)
+    if not native_available():
+        print("native kernels not available here: the remaining lines need them")
+        return
+    memory(args.repeats)
+    weight_forms(args.repeats)
+    fused_readout(args.repeats)
+    max_plus(args.repeats)
+    depthwise(args.repeats)
+
+
+if __name__ == "__main__":
+    main()

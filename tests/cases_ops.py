@@ -478,7 +478,7 @@ def case_leaves(case: OpCase, dtype: torch.dtype = torch.float64) -> list[Tensor
 def weighted_loss(case: OpCase, leaves: list[Tensor]) -> Tensor:
     out = case.fn(*leaves)
     weights = torch.randn(out.shape, generator=torch.Generator().manual_seed(5))
-    return (out * weights.to(out.dtype)).sum()
+    return (out * weights.to(out.device, out.dtype)).sum()
 
 
 # --- one-input functions ----------------------------------------------------------------------

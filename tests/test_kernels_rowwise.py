@@ -569,3 +569,38 @@ def test_entropy_elementwise_kernels_equal_their_eager_forms(shape) -> None:
     want = _mean_surprisal.eager(total, weighted.clone(), less)
     assert torch.equal(got.isnan(), want.isnan())
     assert torch.equal(got.nan_to_num(), want.nan_to_num())
+
+
+@pytest.mark.parametrize(
+    "op",
+    [torch.ops.aten.cudnn_batch_norm_backward, torch.ops.aten.miopen_batch_norm_backward],
+    ids=["cudnn", "miopen"],
+)
+def test_fused_batch_norm_backward_rules_draw_the_native_graph(op, semiring_name: str) -> None:
+    """cuDNN's and MIOpen's train-mode batch norm backward (the ops autograd calls on a GPU)
+    give the native rule's messages, bit for bit, for the input, gain and bias. The ops have no
+    CPU kernel, so they are called with state-only messages: only the rule runs."""
+    from helpers import SEMIRINGS
+
+    from semipack.messages.message import Message
+
+    sr = SEMIRINGS[semiring_name]()
+    gen = torch.Generator().manual_seed(21)
+    x = torch.randn(4, 3, 2, 5, generator=gen, dtype=F64)
+    weight = torch.tensor([0.5, 0.0, -2.0], dtype=F64)
+    eps = 1e-5
+    mean = x.mean((0, 2, 3))
+    invstd = (x.var((0, 2, 3), unbiased=False) + eps).rsqrt()
+    weights = torch.randn(x.shape, generator=gen, dtype=F64)
+    weights[0, 1] = 0.0  # some output entries without a path
+    msg = Message(None, sr.lift(weights), sr, F64)
+    native = torch.ops.aten.native_batch_norm_backward(
+        msg, x, weight, None, None, mean, invstd, True, eps, [True, True, True]
+    )
+    extra = [torch.empty(0)] if op is torch.ops.aten.cudnn_batch_norm_backward else []
+    fused = op(x, msg, weight, None, None, mean, invstd, eps, *extra)
+    assert len(fused) == len(native) == 3
+    for got, want in zip(fused, native, strict=True):
+        for a, b in zip(got.parts, want.parts, strict=True):
+            assert torch.equal(a.isnan(), b.isnan())
+            assert torch.equal(a.nan_to_num(), b.nan_to_num()), (semiring_name, a, b)

@@ -39,6 +39,12 @@ pytestmark = pytest.mark.usefixtures("single_thread")
 NO_CPU_KERNEL = "no CPU kernel, so no CPU backward calls it: "
 OUTSIDE = "reached outside the corpus only, by "
 UNREACHED: dict[str, str] = {
+    "aten.cudnn_batch_norm_backward.default": NO_CPU_KERNEL
+    + "cuDNN train-mode batch norm; test_kernels_rowwise calls the rule with state-only "
+    "messages against the native rule, test_cuda runs it on a GPU",
+    "aten.miopen_batch_norm_backward.default": NO_CPU_KERNEL
+    + "MIOpen train-mode batch norm; test_kernels_rowwise calls the rule with state-only "
+    "messages against the native rule",
     "aten._cudnn_rnn_backward.default": NO_CPU_KERNEL
     + "cuDNN RNN; the rule is called with state-only messages by test_recurrent",
     "aten._scaled_dot_product_cudnn_attention_backward.default": "CUDA-only SDPA kernel",

@@ -45,7 +45,7 @@ def layer_norm_messages(
     m_rows = tuple(p.reshape(rows, n) for p in m)
     m_x = m_w = m_b = None
     if need[0]:
-        gain = weight.to(dtype).reshape(n) if weight is not None else torch.ones(n, dtype=dtype)
+        gain = norm_rules.gains(weight, n, dtype, x.device)
         flat = norm_rules.normalized_contract(
             sr, m_rows, x_hat, rstd.to(dtype).reshape(rows), gain, False
         )

@@ -34,7 +34,7 @@ def additive_mask(
 
     def additive(m: Tensor) -> Tensor:
         if m.dtype == torch.bool:
-            return torch.zeros(m.shape, dtype=dtype).masked_fill(m, float("-inf"))
+            return torch.zeros(m.shape, dtype=dtype, device=m.device).masked_fill(m, -torch.inf)
         return m.to(dtype)
 
     total = None

@@ -51,6 +51,14 @@ def normalized_contract_dense(
     return contract_rows(sr, m, jac, n)
 
 
+def gains(weight: Tensor | None, n: int, dtype: torch.dtype, device: torch.device) -> Tensor:
+    """The [n] gains of a norm's entries (layer_norm) or channels (batch_norm): its affine
+    weight, flattened, or ones on the input's device for a norm without affine parameters."""
+    if weight is not None:
+        return weight.to(dtype).reshape(n)
+    return torch.ones(n, dtype=dtype, device=device)
+
+
 def gain_block(gain: Tensor, gain_per_row: bool, rows: slice) -> Tensor:
     """The output entries' gains for a block of rows, shaped to broadcast over [rows, n, cols]."""
     if gain_per_row:
@@ -85,7 +93,7 @@ def layer_norm_backward(call: OpCall):
     x_hat = ((x - call["mean"]) * call["rstd"]).to(dtype).reshape(rows, n)
     rstd = call["rstd"].to(dtype).reshape(rows)
     weight = call["weight"]
-    gain = weight.to(dtype).reshape(n) if weight is not None else torch.ones(n, dtype=dtype)
+    gain = gains(weight, n, dtype, x.device)
     m = tuple(p.reshape(rows, n) for p in msg.parts)
     sr = call.semiring
     grad_in = grad_w = grad_b = None
@@ -107,19 +115,36 @@ def layer_norm_backward(call: OpCall):
 def batch_norm_backward(call: OpCall):
     """Batch norm (train: statistics over the batch couple every entry of a channel;
     eval: a per-channel affine map) and the gain's and bias's edges."""
-    msg, x = call["grad_out"], call["input"]
-    mask, train = call["output_mask"], call["train"]
+    if call["train"]:
+        mean, invstd = call["save_mean"], call["save_invstd"]
+    else:
+        mean = call["running_mean"]
+        invstd = (call["running_var"].to(call.weight_dtype) + call["eps"]).rsqrt()
+    return _batch_norm(call, call["grad_out"], mean, invstd, call["train"], call["output_mask"])
+
+
+@register_rule(aten.cudnn_batch_norm_backward.default)
+@register_rule(aten.miopen_batch_norm_backward.default)
+def fused_batch_norm_backward(call: OpCall):
+    """cuDNN's and MIOpen's batch norm backward. Autograd calls them for train mode only (eval
+    mode takes ``native_batch_norm_backward``), and they return all three gradients; their
+    ``save_var`` is the saved inverse standard deviation, as ``save_invstd`` is for the
+    native kernel. Drawn as the native kernel's graph."""
+    mean, invstd = call["save_mean"], call["save_var"]
+    return _batch_norm(call, call["grad_output"], mean, invstd, True, (True, True, True))
+
+
+def _batch_norm(call: OpCall, msg, mean: Tensor, invstd: Tensor, train: bool, mask):
+    """Messages of a batch norm over channel rows: ``input``: [N, C, *spatial];
+    ``mean``, ``invstd``: [C] (the batch's in train mode, the running ones in eval mode)."""
+    x = call["input"]
     dtype = call.weight_dtype
     channels = x.shape[1]
     rows = x.movedim(1, 0).reshape(channels, -1).to(dtype)
-    if train:
-        mean, invstd = call["save_mean"].to(dtype), call["save_invstd"].to(dtype)
-    else:
-        mean = call["running_mean"].to(dtype)
-        invstd = (call["running_var"].to(dtype) + call["eps"]).rsqrt()
+    mean, invstd = mean.to(dtype), invstd.to(dtype)
     x_hat = (rows - mean[:, None]) * invstd[:, None]
     weight = call["weight"]
-    gain = weight.to(dtype) if weight is not None else torch.ones(channels, dtype=dtype)
+    gain = gains(weight, channels, dtype, x.device)
     m = tuple(p.movedim(1, 0).reshape(channels, -1) for p in msg.parts)
     sr = call.semiring
 

@@ -117,7 +117,9 @@ def _batch_norm_eval_rows(sr: Semiring, node, state: State, input_nr: int) -> St
         shape = [1, -1] + [1] * (x.dim() - 2)
         mean = node._saved_running_mean.reshape(shape)
         var = node._saved_running_var.reshape(shape)
-        x_hat = ((x - mean) * torch.rsqrt(var + node._saved_eps)).to(dtype)
+        eps = getattr(node, "_saved_eps", None)  # cuDNN's and MIOpen's nodes: epsilon
+        eps = node._saved_epsilon if eps is None else eps
+        x_hat = ((x - mean) * torch.rsqrt(var + eps)).to(dtype)
         state = sr.scale(state, x_hat)
     n, c = state[0].shape[:2]
     dims = list(range(2, state[0].dim()))
@@ -129,6 +131,8 @@ register_per_sample("MulBackward0", _mul_rows)
 register_per_sample("AddBackward0", _add_rows(1.0))
 register_per_sample("SubBackward0", _add_rows(-1.0))
 register_per_sample("NativeBatchNormBackward0", _batch_norm_eval_rows)
+register_per_sample("CudnnBatchNormBackward0", _batch_norm_eval_rows)
+register_per_sample("MiopenBatchNormBackward0", _batch_norm_eval_rows)
 
 
 #: Reductions whose saved ``dim`` says which axes they reduce (``SumBackward1``, ...).

@@ -300,3 +300,67 @@ def test_nothing_is_watched_outside_a_backward_pass() -> None:
     made = []
     WEIGHTS.derived(weight, ("log_abs", torch.float32), lambda: made.append(1) or weight)
     assert made == [1]
+
+
+class _InputMajor(nn.Module):
+    """A layer that stores its weight as [in, out] and computes ``x @ W + b`` (GPT-2's Conv1D):
+    the message to its input multiplies by the view ``W.T``."""
+
+    def __init__(self, n_in: int, n_out: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(n_in, n_out) / n_in**0.5)
+        self.bias = nn.Parameter(torch.zeros(n_out))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.addmm(self.bias, x, self.weight)
+
+
+def _input_major_model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(_InputMajor(24, 40), nn.Tanh(), _InputMajor(40, 3))
+
+
+def _change_one_stored_entry(model: nn.Module) -> None:
+    model[2].weight.data.view(-1)[7] *= -40.0  # version unchanged
+
+
+@pytest.mark.parametrize(
+    "change", [_scale_through_data, _swap_data, _change_one_stored_entry], ids=lambda c: c.__name__
+)
+@pytest.mark.parametrize("name", SEMIRINGS)
+def test_forms_of_a_transposed_weight_follow_the_weight(name: str, change) -> None:
+    """``W.T`` holds W's entries: its forms are kept (checked by W's fingerprint) and never
+    read after W changed."""
+    model, x = _input_major_model(), torch.randn(5, 24, requires_grad=True)
+    first = _values(model, SEMIRINGS[name](), x)
+    _assert_same(first, _values(model, SEMIRINGS[name](), x))
+    change(model)
+    after = _values(model, SEMIRINGS[name](), x)
+    _assert_same(after, _uncached(model, SEMIRINGS[name](), x))
+    assert not all(torch.equal(a, b) for a, b in zip(after, first, strict=True))
+
+
+def test_a_transposed_view_is_kept_and_a_slice_is_not() -> None:
+    w = torch.randn(6, 4)
+    cache = _table([w], max_bytes=10_000)
+    kept = cache.derived(w.T, "double", lambda: w.T * 2)
+    assert torch.equal(kept, w.T * 2) and cache.nbytes == kept.numel() * 4
+    assert cache.derived(w.T, "double", lambda: pytest.fail("w.T was kept")) is kept
+    assert cache.derived(w, "double", lambda: w * 2).shape == (6, 4)  # its own entry
+    made = []
+    for part in (w[:3], w.T[:, :2], w.view(-1)[1:], w.view(torch.int32)):
+        cache.derived(part, "double", lambda part=part: made.append(1) or part)
+    assert len(made) == 4 and cache.nbytes == 2 * 6 * 4 * 4
+
+
+def test_deleting_a_model_frees_the_forms_of_its_transposed_weights() -> None:
+    import gc
+
+    model = _input_major_model()
+    _values(model, semipack.MaxProd(), torch.randn(5, 24, requires_grad=True))
+    owners = {e.owner for e in WEIGHTS._entries.values()}
+    views = [k for k in WEIGHTS._entries if k[1:] not in owners]
+    assert views  # W.T's log|W.T| was kept...
+    del model
+    gc.collect()
+    assert WEIGHTS.nbytes == 0  # ...and ended with W

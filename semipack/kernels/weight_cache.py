@@ -8,7 +8,9 @@ feed-forward weight's log|W| took 0.76 ms, its max-plus product with a 20-token 
 (``benchmarks/bench_kernel_costs.py``).
 
 What is kept: derived forms of the tensors ``watch`` names (``extend`` names the model's
-parameters at every backward); any other tensor (an activation) is computed as before.
+parameters at every backward) and of views that hold exactly their entries in another order
+(``W.T``, as GPT-2's ``Conv1D`` and tied output layers use their weights); any other tensor
+(an activation, a slice of a weight) is computed as before.
 
 When an entry is reused: when a 256-bit fingerprint of the weight's bytes (``fingerprint.c``,
 one read at memory speed, certain to change with any single changed word) equals the one taken
@@ -50,6 +52,7 @@ class _Entry:
     value: Any
     nbytes: int
     generation: int
+    owner: tuple  # the location of the watched tensor it was made from
 
 
 def _nbytes(value: Any) -> int:
@@ -64,6 +67,12 @@ def _location(t: Tensor) -> tuple:
     return (t.data_ptr(), tuple(t.shape), tuple(t.stride()), t.dtype, t.device)
 
 
+def _layout(t: Tensor) -> list[tuple[int, int]]:
+    """(stride, size) of the dims with more than one entry, sorted: two tensors at the same
+    address with the same layout hold the same entries (a permutation of dims keeps it)."""
+    return sorted((st, n) for st, n in zip(t.stride(), t.shape, strict=True) if n != 1)
+
+
 class WeightCache:
     """Derived forms of watched weights, reused while the weights' bytes stay the same.
 
@@ -75,6 +84,8 @@ class WeightCache:
         self._entries: OrderedDict[tuple, _Entry] = OrderedDict()  # least recently used first
         #: location -> the watched tensor there (weakly: the cache must not keep it alive)
         self._watched: dict[tuple, weakref.ref[Tensor]] = {}
+        #: address -> locations of the watched tensors there, for views of them
+        self._by_address: dict[int, list[tuple]] = {}
         self._finalizers: dict[tuple, weakref.finalize] = {}  # per location with entries
         #: location -> its fingerprint, taken once per generation: the forms of one weight
         #: (Entropy's magnitudes, a lift, LogSum's edge columns) share one read of its bytes
@@ -93,6 +104,9 @@ class WeightCache:
         generation for the eviction rule."""
         with self._lock:
             self._watched = {_location(t): weakref.ref(t) for t in tensors}
+            self._by_address = {}
+            for location in self._watched:
+                self._by_address.setdefault(location[0], []).append(location)
             self._generation += 1
             self._stamps = {}
 
@@ -101,6 +115,7 @@ class WeightCache:
         may change before the next pass)."""
         with self._lock:
             self._watched = {}
+            self._by_address = {}
             self._stamps = {}
 
     @contextlib.contextmanager
@@ -115,29 +130,52 @@ class WeightCache:
     def derived(self, w: Tensor, kind: Hashable, make: Callable[[], T]) -> T:
         """``make()``, a form of ``w`` named ``kind``: the kept one while ``w``'s bytes are
         unchanged, else computed (and kept when ``w`` is watched and there is room)."""
+        if self.max_bytes <= 0 or not self._watched:
+            return make()
         location = _location(w)
-        if self.max_bytes <= 0 or location not in self._watched:
+        owner = location if location in self._watched else self._owner_of(w)
+        if owner is None:
             return make()
         key = (kind, *location)
-        stamp = self._stamps.get(location) if location in self._stamps else fingerprint(w)
-        self._stamps[location] = stamp
+        if owner in self._stamps:
+            stamp = self._stamps[owner]
+        else:
+            held = self._watched[owner]()
+            stamp = None if held is None else fingerprint(held)
+        self._stamps[owner] = stamp
         if stamp is None:
             return make()
         with self._lock:
             entry = self._entries.get(key)
-            if entry is not None and entry.fingerprint == stamp:
+            if entry is not None and entry.fingerprint == stamp and entry.owner == owner:
                 entry.generation = self._generation
                 self._entries.move_to_end(key)
                 return entry.value
         value = make()
-        self._keep(key, _Entry(stamp, value, _nbytes(value), self._generation))
+        self._keep(key, _Entry(stamp, value, _nbytes(value), self._generation, owner))
         return value
+
+    def _owner_of(self, view: Tensor) -> tuple | None:
+        """The location of the watched tensor whose entries ``view`` holds, all of them and
+        no others, in some order (``W.T``, ``W.permute(...)``); None for anything else."""
+        candidates = self._by_address.get(view.data_ptr(), ())
+        for location in candidates:
+            held = self._watched[location]()
+            if (
+                held is not None
+                and held.dtype == view.dtype
+                and held.device == view.device
+                and held.numel() == view.numel()
+                and _layout(held) == _layout(view)
+            ):
+                return location
+        return None
 
     def _forget(self, location: tuple) -> None:
         """Drop every entry made from the tensor at ``location`` (it was freed)."""
         with self._lock:
             self._finalizers.pop(location, None)
-            for key in [k for k in self._entries if k[1:] == location]:
+            for key in [k for k, e in self._entries.items() if e.owner == location]:
                 self._bytes -= self._entries.pop(key).nbytes
 
     def _tie_to_owner(self, location: tuple) -> None:
@@ -169,7 +207,7 @@ class WeightCache:
                     self._bytes -= self._entries.pop(k).nbytes
             self._entries[key] = entry
             self._bytes += entry.nbytes
-            self._tie_to_owner(key[1:])
+            self._tie_to_owner(entry.owner)
 
     def clear(self) -> None:
         """Drop every entry (their memory is freed once no pass uses them)."""

@@ -182,7 +182,7 @@ def _fix_outliers(sr: Semiring, m: State, x_hat: Tensor, out: State, as_floats: 
     xh = x_hat[rows]  # [k, n]: the outlier's row, entries i
     t = xh.gather(1, cols[:, None])  # [k, 1]: x̂_j
     jac = -(1.0 + xh * t) / n
-    jac[torch.arange(rows.numel()), cols] += 1.0  # δ_ij
+    jac[torch.arange(rows.numel(), device=cols.device), cols] += 1.0  # δ_ij
     state = tuple(p[rows] for p in m)
     if as_floats:
         state = (state[0] != 0,)

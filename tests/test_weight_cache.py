@@ -364,3 +364,19 @@ def test_deleting_a_model_frees_the_forms_of_its_transposed_weights() -> None:
     del model
     gc.collect()
     assert WEIGHTS.nbytes == 0  # ...and ended with W
+
+
+@pytest.mark.parametrize("make_model", [_model, _input_major_model], ids=["linear", "input_major"])
+def test_boolean_edges_follow_the_weight(make_model) -> None:
+    """Boolean keeps each weight's 0/1 edge matrix (W and W.T). Scaling a weight leaves every
+    reachability as it was; a column of zeros written through ``p.data`` cuts the paths
+    through one hidden unit, and the next pass must see it."""
+    model, x = make_model(), torch.randn(5, 24, requires_grad=True)
+    first = _values(model, semipack.Boolean(), x)
+    assert WEIGHTS.nbytes > 0
+    weight = model[2].weight.data
+    column = weight[:, 7] if weight.shape[1] == 40 else weight[7]
+    column.zero_()  # hidden unit 7 no longer reaches the output
+    after = _values(model, semipack.Boolean(), x)
+    _assert_same(after, _uncached(model, semipack.Boolean(), x))
+    assert not all(torch.equal(a, b) for a, b in zip(after, first, strict=True))

@@ -12,6 +12,7 @@ needs the other (a call unwraps and wraps messages, a message dispatches to a ca
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
@@ -248,16 +249,14 @@ class OpCall:
         """Arguments by schema name, defaults filled in."""
         if self._bound is None:
             out: dict[str, Any] = {}
-            schema_args = self.func._schema.arguments
-            for i, arg in enumerate(schema_args):
-                if i < len(self.args) and not arg.kwarg_only:
-                    out[arg.name] = self.args[i]
-                elif arg.name in self.kwargs:
-                    out[arg.name] = self.kwargs[arg.name]
-                elif arg.has_default_value():
-                    out[arg.name] = arg.default_value
-                else:
-                    out[arg.name] = None
+            args, kwargs = self.args, self.kwargs
+            for i, (name, kwarg_only, default) in enumerate(_schema_arguments(self.func)):
+                if i < len(args) and not kwarg_only:
+                    out[name] = args[i]
+                elif name in kwargs:
+                    out[name] = kwargs[name]
+                else:  # a fresh list per call, as the schema hands out: a rule may change it
+                    out[name] = list(default) if isinstance(default, list) else default
             self._bound = out
         return self._bound
 
@@ -318,6 +317,16 @@ class OpCall:
         """The semiring's zero ("no path") of ``shape``, in the state dtypes and on the device
         of this call."""
         return self.semiring.zeros(shape, self.dtype, self.device)
+
+
+@functools.cache
+def _schema_arguments(func: OpOverload) -> tuple[tuple[str, bool, Any], ...]:
+    """(name, keyword-only, default or None) of ``func``'s schema arguments, read once per op:
+    reading a schema through its bindings costs microseconds, on every op of every pass."""
+    return tuple(
+        (arg.name, arg.kwarg_only, arg.default_value if arg.has_default_value() else None)
+        for arg in func._schema.arguments
+    )
 
 
 def flat_arguments(args: tuple, kwargs: dict) -> list[Any]:

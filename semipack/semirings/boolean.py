@@ -7,6 +7,7 @@ from torch import Tensor
 
 from ..kernels.exclusive import exclusive_any
 from ..kernels.normalization import BOOLEAN, CentredPairsKernel
+from ..kernels.weight_cache import WEIGHTS
 from .base import Semiring, Sign, State
 
 
@@ -47,9 +48,12 @@ class Boolean(Semiring):
         return (out,)
 
     def matmul(self, a: State, w: Tensor) -> State:
-        # Counting reachable predecessors with a float matmul is exact enough: counts are >= 0.
+        # Counting reachable predecessors with a float matmul is exact: the counts are sums of
+        # 0s and 1s, so a count is > 0 exactly when one term is. A model weight's 0/1 matrix
+        # is kept across passes (``kernels.weight_cache``).
         dtype = self.state_dtype(w.dtype)
-        return (torch.matmul(a[0].to(dtype), (w != 0).to(dtype)) > 0,)
+        edges = WEIGHTS.derived(w, ("edges", dtype), lambda: (w != 0).to(dtype))
+        return (torch.matmul(a[0].to(dtype), edges) > 0,)
 
     def index_plus(self, dest: State, dim: int, index: Tensor, src: State) -> State:
         hits = dest[0].to(torch.float32).index_add(dim, index, src[0].to(torch.float32))

@@ -604,3 +604,31 @@ def test_fused_batch_norm_backward_rules_draw_the_native_graph(op, semiring_name
         for a, b in zip(got.parts, want.parts, strict=True):
             assert torch.equal(a.isnan(), b.isnan())
             assert torch.equal(a.nan_to_num(), b.nan_to_num()), (semiring_name, a, b)
+
+
+@pytest.mark.parametrize(
+    "sr", [semipack.MaxProd(), semipack.LogSum(), semipack.Entropy()], ids=lambda s: s.name
+)
+def test_compiled_softmax_kernel_is_one_graph(sr: Semiring) -> None:
+    """The softmax row kernel compiles without a graph break: a break (a data-dependent branch
+    such as the eager cut of vanishing weights) splits it into pieces that recompile per call
+    pattern, up to dynamo's limit, after which they run eagerly."""
+    if not compile_enabled():
+        pytest.skip("compiled kernels are switched off (SEMIPACK_COMPILE=0)")
+    import torch._dynamo
+
+    from semipack.messages.rowwise import softmax_from_log_probs
+
+    gen = torch.Generator().manual_seed(31)
+    m = sr.lift(torch.randn(6, 9, generator=gen))
+    log_probs = torch.log_softmax(torch.randn(6, 9, generator=gen), -1)
+    log_probs[0, 0] = -200.0  # a weight below the cut: the branch would be taken
+    torch._dynamo.reset()
+    explained = torch._dynamo.explain(lambda *a: softmax_from_log_probs(sr, a[:-1], a[-1]))(
+        *m, log_probs
+    )
+    assert explained.graph_break_count == 0, explained.break_reasons
+    compiled = torch.compile(lambda *a: softmax_from_log_probs(sr, a[:-1], a[-1]))(*m, log_probs)
+    eager = softmax_from_log_probs(sr, m, log_probs)
+    for got, want in zip(compiled, eager, strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6, equal_nan=True)

@@ -511,8 +511,16 @@ def _make_total(cls: type) -> None:
 
 
 def cut_vanishing(log_abs: Tensor, in_place: bool = False) -> Tensor:
-    """``log_abs`` with every entry below ``NO_EDGE_LOG`` set to ``-inf`` (no edge)."""
+    """``log_abs`` with every entry below ``NO_EDGE_LOG`` set to ``-inf`` (no edge).
+
+    Eagerly, a tensor with nothing to cut is returned as it is (no write); inside a compiled
+    kernel the fill is unconditional, since a data-dependent branch would split the kernel
+    into pieces that recompile per call pattern (the same values either way)."""
     vanishing = log_abs < NO_EDGE_LOG
+    if torch.compiler.is_compiling():
+        if in_place:
+            return log_abs.masked_fill_(vanishing, -math.inf)
+        return log_abs.masked_fill(vanishing, -math.inf)
     if not bool(vanishing.any()):
         return log_abs
     if in_place:

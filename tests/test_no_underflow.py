@@ -193,3 +193,82 @@ def test_float_op_forms_of_masked_logs_give_the_masked_bits() -> None:
     for x in (log_w, -log_w, mag):
         want = torch.where(torch.isfinite(x), x, torch.zeros((), dtype=x.dtype))
         assert torch.equal(finite_or_zero(x), want)
+
+
+@pytest.mark.parametrize("name", ["MaxProd", "LogSum", "Entropy", "TopPath", "SignedMaxProd"])
+def test_the_branch_free_forms_for_accelerators_give_the_same_bits(name, monkeypatch) -> None:
+    """On a GPU the shortcuts decided by reading a value back (no zeros to guard in a log, no
+    vanishing weight to cut) run branch-free. Forced on the CPU, the whole backward gives the
+    same bits: a ReLU network (exact zeros in large logs) with weights far below the cut."""
+    from torch.utils._pytree import tree_leaves
+
+    from semipack.kernels import logspace
+
+    class MaskedSoftmax(torch.nn.Module):
+        def forward(self, h: torch.Tensor) -> torch.Tensor:
+            mask = torch.zeros(h.shape[-1])
+            mask[::3] = -1e4  # log-probabilities near -1e4: far below the cut, no edge
+            return torch.softmax(h + mask, -1)
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        torch.nn.Linear(64, 128), torch.nn.ReLU(), torch.nn.Linear(128, 96), MaskedSoftmax()
+    )
+    x = torch.randn(64, 64)
+
+    def values() -> list[torch.Tensor]:
+        model.zero_grad(set_to_none=True)
+        with semipack.extend(model, getattr(semipack, name)()):
+            model(x).pow(2).sum().backward()
+        return [t.clone() for p in model.parameters() for t in tree_leaves(p.semiring_grad)]
+
+    from semipack.semirings import base
+
+    cut, vanishing = base.cut_vanishing, []
+
+    def spy(log_abs: torch.Tensor, in_place: bool = False) -> torch.Tensor:
+        vanishing.append(bool((log_abs < base.NO_EDGE_LOG).any()))
+        return cut(log_abs, in_place)
+
+    monkeypatch.setattr(base, "cut_vanishing", spy)
+    on_host = values()
+    # weights below the cut reached it (LogSum's softmax has a closed form without log weights)
+    assert any(vanishing) or name == "LogSum"
+    calls = []
+    monkeypatch.setattr(logspace, "checks_on_host", lambda t: calls.append(1) and False)
+    branch_free = values()
+    assert calls  # the forms for accelerators ran
+    for a, b in zip(on_host, branch_free, strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=0, equal_nan=True)
+
+
+def test_the_one_read_global_shift_decides_as_the_host_form(monkeypatch) -> None:
+    """``global_shift`` on a GPU reads one pair of values back instead of up to four; every
+    decision (no finite entry, NaN, +inf, a span at the limit) is the host form's."""
+    from semipack.kernels import logspace
+    from semipack.kernels.shared_shift import SHARED_SHIFT_SPAN, global_shift
+
+    inf, nan = float("inf"), float("nan")
+    span = torch.tensor(SHARED_SHIFT_SPAN)
+    cases = [
+        torch.tensor([1.0, -3.0, 0.5]),
+        torch.tensor([-inf, -inf]),
+        torch.tensor([-inf, 2.0, -5.0]),
+        torch.tensor([nan, 1.0]),
+        torch.tensor([inf, 1.0]),
+        torch.tensor([-inf, 0.0]) - torch.tensor([0.0, 1.0]),
+        torch.stack([torch.tensor(3.0), torch.tensor(3.0) - span]),  # exactly at the limit
+        torch.stack([torch.tensor(3.0), torch.tensor(3.0) - span.nextafter(span + 1)]),
+        torch.tensor([7.25]),
+        torch.tensor([]),
+        torch.randn(50, 30, dtype=torch.float64) * 20,
+    ]
+    host = [global_shift(c) for c in cases]
+    monkeypatch.setattr(logspace, "checks_on_host", lambda t: False)
+    device = [global_shift(c) for c in cases]
+    assert [h is None for h in host] == [d is None for d in device]
+    assert [h is None for h in host] == [False, True, False, True, True, False, False, True,
+                                         False, True, True]  # fmt: skip
+    for h, d in zip(host, device, strict=True):
+        if h is not None:
+            assert torch.equal(h, d)

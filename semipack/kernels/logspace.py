@@ -12,11 +12,20 @@ from torch import Tensor
 ZERO_SAFE_MIN_ELEMENTS = 4096
 
 
+def checks_on_host(t: Tensor) -> bool:
+    """Whether a shortcut decided by reading a value back (``bool(t.any())``) pays on ``t``'s
+    device. On the CPU it saves the work it skips. On an accelerator the read waits for every
+    queued kernel, so the Python work of the next ops can no longer overlap with the device's:
+    there the branch-free form runs, which gives the same values."""
+    return t.device.type == "cpu"
+
+
 def log_magnitude_(mag: Tensor) -> Tensor:
     """``mag.log_()`` for magnitudes (entries >= 0, or NaN), in place, with the same bits: exact
     zeros (``-inf``, no path) never reach torch's log. One reduction finds whether there are
-    any; if so each zero is replaced by 1 before the log and the result gets ``-inf`` there."""
-    if mag.numel() < ZERO_SAFE_MIN_ELEMENTS or not bool(mag.amin() == 0):
+    any; if so each zero is replaced by 1 before the log and the result gets ``-inf`` there.
+    (A GPU's log has no slow path for zeros: there it is the plain log.)"""
+    if mag.numel() < ZERO_SAFE_MIN_ELEMENTS or not checks_on_host(mag) or not bool(mag.amin() == 0):
         return mag.log_()
     zero = torch.sign(mag).neg_().add_(1.0)  # 1 at a zero, 0 elsewhere, NaN at NaN
     mag.add_(zero).log_()  # log 1 = 0 at the zeros

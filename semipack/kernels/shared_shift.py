@@ -11,10 +11,13 @@ compute each product in the linear domain after subtracting a shift. When every 
 
 from __future__ import annotations
 
+import math
 from typing import Protocol
 
 import torch
 from torch import Tensor
+
+from . import logspace
 
 #: Largest spread (nats) of finite message entries for which one shift serves every product.
 #: exp(-40) ~ 4e-18 keeps each product e |w| a normal float32 for |w| down to ~1e-20.
@@ -26,6 +29,8 @@ def global_shift(log_values: Tensor) -> Tensor | None:
     (also for an empty message: the per-product path handles empty sums)."""
     if log_values.numel() == 0:
         return None
+    if not logspace.checks_on_host(log_values):
+        return _global_shift_one_read(log_values)
     low, high = torch.aminmax(log_values)
     if low.item() == float("-inf"):  # entries without any path do not count
         # (no NaN here: it would have been the minimum) the smallest finite entry, by float ops
@@ -34,6 +39,18 @@ def global_shift(log_values: Tensor) -> Tensor | None:
         if low.item() == float("inf"):  # no finite entry
             return None
     if not torch.isfinite(high) or (high - low).item() > SHARED_SHIFT_SPAN:
+        return None
+    return high
+
+
+def _global_shift_one_read(log_values: Tensor) -> Tensor | None:
+    """``global_shift`` with one value read back instead of up to four (on a GPU each read
+    waits for the queued kernels): both reductions run, and the span is subtracted in the
+    tensor's dtype as above, so every decision is the same."""
+    high = log_values.amax()  # NaN if there is one
+    low = torch.nan_to_num(log_values, posinf=float("inf"), neginf=float("inf")).amin()
+    top, span = torch.stack([high, high - low]).tolist()  # low = inf: no finite entry
+    if not math.isfinite(top) or span > SHARED_SHIFT_SPAN:
         return None
     return high
 

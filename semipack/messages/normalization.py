@@ -151,16 +151,15 @@ def _kernel_inputs(sr: Semiring, m: State, x_hat: Tensor) -> bool:
     infinite weight (+inf in a component whose "no path" is -inf). They shift each row by its
     largest message and drop NaN in their maxima, so such a row would come out partly finite;
     the dense Jacobian gives what the definition does (a NaN or infinite message reaches every
-    output of its row that it has an edge to)."""
-    if not bool(torch.isfinite(x_hat).all()):
-        return False
+    output of its row that it has an edge to). One value is read back for all the checks (on a
+    GPU each read waits for the queued kernels)."""
+    flags = [~torch.isfinite(x_hat).all()]
     for c, zero in zip(m, sr.zero, strict=True):
         if not c.is_floating_point():
             continue
         bad = torch.isnan(c) if zero == float("inf") else torch.isnan(c) | (c == float("inf"))
-        if bool(bad.any()):
-            return False
-    return True
+        flags.append(bad.any())
+    return not bool(torch.stack(flags).any())
 
 
 def native_kernel(spec: CentredPairsKernel, x_hat: Tensor) -> Callable[..., State] | None:

@@ -27,6 +27,7 @@ from typing import Any, ClassVar
 import torch
 from torch import Tensor
 
+from ..kernels import logspace
 from ..kernels.blocking import BLOCK_ELEMENTS
 from ..kernels.normalization import CentredPairsKernel
 from ..kernels.shared_shift import ConvolutionSums
@@ -513,11 +514,13 @@ def _make_total(cls: type) -> None:
 def cut_vanishing(log_abs: Tensor, in_place: bool = False) -> Tensor:
     """``log_abs`` with every entry below ``NO_EDGE_LOG`` set to ``-inf`` (no edge).
 
-    Eagerly, a tensor with nothing to cut is returned as it is (no write); inside a compiled
-    kernel the fill is unconditional, since a data-dependent branch would split the kernel
-    into pieces that recompile per call pattern (the same values either way)."""
+    Eagerly on the CPU, a tensor with nothing to cut is returned as it is (no write). Inside a
+    compiled kernel the fill is unconditional, since a data-dependent branch would split the
+    kernel into pieces that recompile per call pattern, and so it is on a GPU, where reading
+    the branch's condition back stalls the kernel queue (``logspace.checks_on_host``). The
+    values are the same either way."""
     vanishing = log_abs < NO_EDGE_LOG
-    if torch.compiler.is_compiling():
+    if torch.compiler.is_compiling() or not logspace.checks_on_host(log_abs):
         if in_place:
             return log_abs.masked_fill_(vanishing, -math.inf)
         return log_abs.masked_fill(vanishing, -math.inf)

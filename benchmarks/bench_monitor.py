@@ -1,13 +1,15 @@
 """What ``semipack.Monitor`` adds to the wall time of training the example CNN.
 
 Variants, each training the CNN of ``examples/monitor_training.py`` for ``--steps`` steps from
-the same start: no monitor; the monitor at ``every=10``; at ``every=1``; and every step's
+the same start: no monitor; the monitor at ``every=10``; at ``every=10`` without its Entropy
+factor (``entropy=False``, the cheaper configuration); at ``every=1``; and every step's
 backward run directly as the Monitor's semiring backward (``semipack.extend`` with the same
 ``Product``, nothing recorded): the semiring backward's own cost, which ``every=1`` should not
 exceed by much. The variants take turns within every round; the line gives the median of the
 rounds and the ratios to no monitor. The last line isolates the monitor's own recording (its
 summaries and files, which the difference of two whole runs drowns in the backward's noise):
 the time inside ``Monitor._record`` and ``close`` in the ``every=1`` runs, per sampled step.
+A final line splits a plain step into forward, backward and optimizer step.
 
 Run: ``python benchmarks/bench_monitor.py --steps 100 --rounds 5``.
 """
@@ -53,8 +55,11 @@ def run(variant: str, steps: int, folder: str, recording: list[float] | None = N
     lossfunc = nn.CrossEntropyLoss()
     monitor = None
     if variant.startswith("every="):
-        every = int(variant.split("=")[1])
-        monitor = semipack.Monitor(model, every=every, log_dir=f"{folder}/{variant}")
+        every = int(variant.split("=")[1].split()[0])
+        entropy = "no entropy" not in variant
+        monitor = semipack.Monitor(
+            model, every=every, entropy=entropy, log_dir=f"{folder}/{variant.replace(' ', '_')}"
+        )
         spent = [0.0, 0]  # seconds recording, sampled steps
         record = monitor._record
 
@@ -87,12 +92,38 @@ def run(variant: str, steps: int, folder: str, recording: list[float] | None = N
     return time.perf_counter() - start
 
 
+def plain_phases(steps: int) -> tuple[float, float, float]:
+    """Median seconds of a plain step's forward, backward and optimizer step: the budget the
+    monitor's target leaves, against the semiring products' arithmetic floor."""
+    example = _example()
+    torch.manual_seed(0)
+    model = example.small_cnn()
+    x, y = example.quadrant_images(32, torch.Generator().manual_seed(0))
+    optimizer = torch.optim.Adam(model.parameters(), lr=3e-3)
+    lossfunc = nn.CrossEntropyLoss()
+    phases: list[list[float]] = [[], [], []]
+    for i in range(steps + 10):
+        t0 = time.perf_counter()
+        loss = lossfunc(model(x), y)
+        t1 = time.perf_counter()
+        optimizer.zero_grad()
+        loss.backward()
+        t2 = time.perf_counter()
+        optimizer.step()
+        t3 = time.perf_counter()
+        if i >= 10:  # warmed up
+            for times, seconds in zip(phases, (t1 - t0, t2 - t1, t3 - t2), strict=True):
+                times.append(seconds)
+    forward, backward, step = (statistics.median(t) for t in phases)
+    return forward, backward, step
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=100)
     parser.add_argument("--rounds", type=int, default=5)
     args = parser.parse_args()
-    variants = ["plain", "every=10", "every=1", "semiring backward"]
+    variants = ["plain", "every=10", "every=10 no entropy", "every=1", "semiring backward"]
     times: dict[str, list[float]] = {v: [] for v in variants}
     recording: list[float] = []
     with tempfile.TemporaryDirectory() as folder:
@@ -111,6 +142,11 @@ def main() -> None:
     print(
         f"recording at every=1 (Monitor._record and close): "
         f"{statistics.median(recording) * 1e3:.3f} ms per sampled step"
+    )
+    forward, backward, step = plain_phases(args.steps)
+    print(
+        f"plain step: forward {forward * 1e3:.2f} ms, backward {backward * 1e3:.2f} ms, "
+        f"optimizer {step * 1e3:.2f} ms (medians of {args.steps})"
     )
 
 

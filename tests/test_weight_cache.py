@@ -380,3 +380,43 @@ def test_boolean_edges_follow_the_weight(make_model) -> None:
     after = _values(model, semipack.Boolean(), x)
     _assert_same(after, _uncached(model, semipack.Boolean(), x))
     assert not all(torch.equal(a, b) for a, b in zip(after, first, strict=True))
+
+
+def _conv_model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(
+        nn.Conv2d(3, 8, 3, padding=1), nn.ReLU(), nn.Conv2d(8, 4, 3, stride=2), nn.Flatten()
+    )
+
+
+@pytest.mark.parametrize("name", ["max_prod", "top_path"])
+def test_packed_convolution_taps_follow_the_weight(name: str) -> None:
+    """The max-plus convolution keeps each tap's packed log|W| (its input messages read them);
+    a weight changed through ``p.data`` is packed again."""
+    model = _conv_model()
+    x = torch.randn(2, 3, 9, 9, generator=torch.Generator().manual_seed(1), requires_grad=True)
+
+    def values() -> list:
+        model.zero_grad(set_to_none=True)
+        x.semiring_grad = None
+        with semipack.extend(model, SEMIRINGS[name]()):
+            model(x).pow(2).sum().backward()
+        leaves = [p.semiring_grad for p in model.parameters()] + [x.semiring_grad]
+        return [t.clone() for t in tree_leaves(leaves)]
+
+    def uncached() -> list:
+        budget = WEIGHTS.max_bytes
+        semipack.set_weight_cache_bytes(0)
+        try:
+            return values()
+        finally:
+            semipack.set_weight_cache_bytes(budget)
+
+    first = values()
+    assert any(k[0][0] == "max-plus tap panels" for k in WEIGHTS._entries)
+    _assert_same(first, values())
+    _assert_same(first, uncached())
+    model[2].weight.data[1, 3, 0, 2] *= -40.0  # version unchanged
+    after = values()
+    _assert_same(after, uncached())
+    assert not all(torch.equal(a, b) for a, b in zip(after, first, strict=True))

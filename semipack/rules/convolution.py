@@ -33,6 +33,7 @@ from ..kernels.native import (
     pack_panels_f32,
 )
 from ..kernels.tropical import shared_pruning_choice
+from ..kernels.weight_cache import WEIGHTS
 from ..messages import OpCall, register_rule
 from ..messages.shared_shift import shared_shift_conv
 from ..messages.windows import ConvGeometry
@@ -174,6 +175,18 @@ def per_tap_messages(
             taps = None
         if taps is not None and mask[0]:  # read by every tap: one copy, not one per tap
             rows = tuple(p.contiguous() for p in rows)
+            # each tap's [O, C] slice of log|W| packed for the kernel: kept across passes
+            # with the weight's other forms (the packing is a copy of the whole weight)
+            all_taps = list(itertools.product(*(range(k) for k in kernel)))
+            packed = WEIGHTS.derived(
+                w,
+                ("max-plus tap panels", dtype),
+                lambda: tuple(
+                    pack_panels_f32(w_lifted[0][(0, slice(None), slice(None), *tap)])
+                    for tap in all_taps
+                ),
+            )
+            taps.weight_panels = dict(zip(all_taps, packed, strict=True))
     if depthwise:  # [B, *out, G, O/G]: each output channel's message, channels last
         m_last = tuple(
             p.reshape(batch, groups, o_g, *out_size).movedim((1, 2), (-2, -1)) for p in m_parts
@@ -189,8 +202,7 @@ def per_tap_messages(
             _depthwise_tap(sr, m_last, w_tap, x_last, lifted, dest, w_msg, where, tap, mask)
             continue
         if mask[0] and taps is not None:  # straight into the tap's window of dest
-            w_tap = w_lifted[0][(0, slice(None), slice(None), *tap)]  # [O, C]: one group
-            taps.add_input_message(dest, rows, w_tap, tap, dilation)
+            taps.add_input_message(dest, rows, tap, dilation)
         elif mask[0]:  # [G, B·L, O/G] ⊗ [G, O/G, C/G] -> [B, *out, C], into the tap's input slice
             at_tap = (slice(None), slice(None), slice(None), *tap)
             if w_lifted is not None:
@@ -255,6 +267,8 @@ class _MaxPlusTaps:
             )
         self.rows = index.reshape(-1).contiguous()  # tap 0's row of each output position
         self.panels: Tensor | None = None
+        #: per tap, its [O, C] lifted weights packed for the kernel
+        self.weight_panels: dict[tuple[int, ...], Tensor] = {}
 
     @staticmethod
     def make(
@@ -299,16 +313,12 @@ class _MaxPlusTaps:
         return values, torch.gather(rows_t[1], 1, index)
 
     def add_input_message(
-        self,
-        dest: State,
-        rows: State,
-        lifted_w_tap: Tensor,
-        tap: Sequence[int],
-        dilation: Sequence[int],
+        self, dest: State, rows: State, tap: Sequence[int], dilation: Sequence[int]
     ) -> None:
-        """``dest`` [B, *padded, C] ⊕= ``rows`` [B·L, O] ⊗ ``lifted_w_tap`` [O, C] on the window."""
+        """``dest`` [B, *padded, C] ⊕= ``rows`` [B·L, O] ⊗ the tap's lifted weights [O, C]
+        (``weight_panels``) on the window."""
         flat = dest[0].reshape(-1, dest[0].shape[-1])
-        panels = pack_panels_f32(lifted_w_tap)
+        panels = self.weight_panels[tuple(tap)]
         start = self.start(tap, dilation)
         if not self.ids:
             maxplus_scatter_max_f32(rows[0], panels, flat, self.rows, start)

@@ -420,3 +420,21 @@ def test_packed_convolution_taps_follow_the_weight(name: str) -> None:
     after = values()
     _assert_same(after, uncached())
     assert not all(torch.equal(a, b) for a, b in zip(after, first, strict=True))
+
+
+def test_forms_of_a_weight_given_new_memory_are_dropped() -> None:
+    """``p.data = p.data - lr * g`` moves every parameter to new memory at each step: the forms
+    made at the old place can never be read again, and are dropped at the next pass instead of
+    piling up to the whole budget."""
+    model = _conv_model()
+    x = torch.randn(1, 3, 9, 9, generator=torch.Generator().manual_seed(2), requires_grad=True)
+    sizes = []
+    for _ in range(6):
+        model.zero_grad(set_to_none=True)
+        with semipack.extend(model, semipack.MaxProd()):
+            model(x).sum().backward()
+        sizes.append(WEIGHTS.nbytes)
+        for p in model.parameters():
+            p.data = p.data - 0.01 * p.grad
+    assert sizes[0] > 0
+    assert sizes == [sizes[0]] * 6  # one set of forms, not one per step

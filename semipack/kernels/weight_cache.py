@@ -103,6 +103,7 @@ class WeightCache:
         """From now on, keep derived forms of ``tensors`` (and no others); starts a new
         generation for the eviction rule."""
         with self._lock:
+            self._drop_moved()
             self._watched = {_location(t): weakref.ref(t) for t in tensors}
             self._by_address = {}
             for location in self._watched:
@@ -177,6 +178,16 @@ class WeightCache:
             self._finalizers.pop(location, None)
             for key in [k for k, e in self._entries.items() if e.owner == location]:
                 self._bytes -= self._entries.pop(key).nbytes
+
+    def _drop_moved(self) -> None:
+        """Drop the entries of tensors that now live elsewhere: ``p.data = p.data - lr * g``
+        gives a parameter new memory at every step, and the forms made at the old location can
+        never be read again (without this they piled up to the whole budget)."""
+        for location, finalizer in list(self._finalizers.items()):
+            alive = finalizer.peek()
+            if alive is not None and _location(alive[0]) != location:
+                finalizer.detach()
+                self._forget(location)
 
     def _tie_to_owner(self, location: tuple) -> None:
         """Make the entries at ``location`` end with the tensor they were made from."""

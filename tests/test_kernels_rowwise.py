@@ -632,3 +632,34 @@ def test_compiled_softmax_kernel_is_one_graph(sr: Semiring) -> None:
     eager = softmax_from_log_probs(sr, m, log_probs)
     for got, want in zip(compiled, eager, strict=True):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6, equal_nan=True)
+
+
+@pytest.mark.parametrize("shape", [(5, 7, 3), (20, 384, 1536), (300, 200, 250)])
+def test_entropy_matmul_gives_its_definition_bitwise(shape) -> None:
+    """Entropy's generic product (the path when no shared shift serves) forms the mean
+    surprisal with the fused kernel above ``FUSED_MIN_ELEMENTS`` and the zero-safe log: the
+    same bits as the plain expression ``where(s > 0, (t1 - t2) / s, 0)``, ``log s + m``, with
+    rows without a path, zero weights and zero columns."""
+    from semipack.kernels.logspace import shifted_exp, xlogx
+    from semipack.semirings.base import repair_underflow
+
+    sr = semipack.Entropy()
+    n, k, m = shape
+    gen = torch.Generator().manual_seed(41)
+    a0 = torch.randn(n, k, generator=gen) * 30
+    a0[0] = -math.inf
+    a0[1, :5] = -math.inf
+    a1 = torch.rand(n, k, generator=gen)
+    w = torch.randn(k, m, generator=gen)
+    w[:, 0] = 0.0
+    w[min(3, k - 1)] = 0.0
+
+    e, shift = shifted_exp(a0, -1)
+    mag = w.abs()
+    s = e @ mag
+    t = (e * a1) @ mag - e @ xlogx(mag)
+    mean = torch.where(s > 0, t / s, torch.zeros_like(s))
+    want = repair_underflow(sr, (a0, a1), lambda: sr.lift(w), (s.log().add_(shift), mean), shift)
+    got = sr.matmul((a0, a1), w)
+    for g, ww in zip(got, want, strict=True):
+        torch.testing.assert_close(g, ww, rtol=0, atol=0, equal_nan=True)

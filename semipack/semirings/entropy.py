@@ -77,9 +77,8 @@ class Entropy(Semiring):
         # |w| log|w| = e^c w' log|w|: the common factor e^c cancels in the mean surprisal.
         scaled_log = torch.where(scaled > 0, scaled * log_w, 0.0)
         s = torch.matmul(e, scaled)
-        t = torch.matmul(e * a[1], scaled) - torch.matmul(e, scaled_log)
-        mean = torch.where(s > 0, t / s, torch.zeros_like(s))
-        out = (s.log_().add_(m).add_(c), mean)
+        mean = _mean_surprisal(s, torch.matmul(e * a[1], scaled), torch.matmul(e, scaled_log))
+        out = (log_magnitude_(s).add_(m).add_(c), mean)
         return repair_underflow(self, a, lambda: self.lift_log(log_w), out, shift=m + c)
 
     def uses_edge_signs(self) -> bool:
@@ -113,9 +112,8 @@ class Entropy(Semiring):
         e, m = shifted_exp(a[0], -1)
         mag, mag_log_mag = _magnitudes(w.to(e.dtype))
         s = torch.matmul(e, mag)
-        t = torch.matmul(e * a[1], mag) - torch.matmul(e, mag_log_mag)
-        mean = torch.where(s > 0, t / s, torch.zeros_like(s))
-        return repair_underflow(self, a, lambda: self.lift(w), (s.log_().add_(m), mean), shift=m)
+        out = _entropy_pair(s, torch.matmul(e * a[1], mag), m, torch.matmul(e, mag_log_mag))
+        return repair_underflow(self, a, lambda: self.lift(w), out, shift=m)
 
     def index_plus(self, dest: State, dim: int, index: Tensor, src: State) -> State:
         peak = finite_or_zero(index_reduce(dest[0], dim, index, src[0], "amax"))

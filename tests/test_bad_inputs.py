@@ -994,3 +994,29 @@ def test_an_older_torch_is_refused_at_import_with_the_version_named() -> None:
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert "semipack needs torch>=2.14" in out.stdout and torch.__version__ in out.stdout
+
+
+def test_semipacks_own_kernels_stay_compiled_in_the_readouts() -> None:
+    """The block forces user code compiled with ``torch.compile`` to run eagerly, but the pass
+    and the readouts after it (Entropy's readout is a fused kernel) run in the default stance:
+    under the forced one a compiled kernel ran its fused source eagerly, slower than its eager
+    form. Outside the readouts the block's stance is back."""
+    from torch._dynamo import eval_frame
+
+    stances = []
+
+    class Recording(semipack.Entropy):
+        def readout(self, a):
+            stances.append(eval_frame._stance.stance)
+            return super().readout(a)
+
+    model, x = mlp(), data()
+    with semipack.extend(model, Recording()):
+        model(x).sum().backward()
+        after = eval_frame._stance.stance
+    assert stances and set(stances) == {"default"}
+    assert after == "force_eager"
+    with semipack.extend(None, Recording()):  # semipack.grad inside a block
+        stances.clear()
+        semipack.grad(model(x).sum(), [model[0].weight], Recording())
+    assert set(stances) == {"default"}

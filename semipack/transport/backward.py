@@ -26,7 +26,7 @@ from ..messages.message import MODULE_HOOK_NODE, Message
 from ..messages.paths import PathTrace, attach, records_steps
 from ..semirings.base import Semiring, State
 from .hooks import ModuleHookNodes, hooks_need_regular_gradients
-from .passes import carry_pass, in_carry_pass, semiring_pass
+from .passes import carry_pass, in_carry_pass, own_kernels_compiled, semiring_pass
 from .per_sample import PerSampleRows, check_graph, check_semiring, collecting, hook_rules
 from .reuse import unheld_value
 
@@ -344,16 +344,17 @@ def backward(
             raise
         if ledger is not None:
             ledger.commit()
-        for i, (t, msg) in enumerate(retained_messages):
-            store_results(t, sr, msg, f"retained tensor {i}", keep_state)
         reached = []
-        for i, leaf in enumerate(leaves):
-            msg = captured.get(id(leaf))
-            if msg is not None:
-                store_results(leaf, sr, msg, f"leaf {i}", keep_state)
-                reached.append(leaf)
-        if rows is not None:
-            rows.store(batched, keep_state)
+        with own_kernels_compiled():  # the readouts (Entropy's is a fused kernel)
+            for i, (t, msg) in enumerate(retained_messages):
+                store_results(t, sr, msg, f"retained tensor {i}", keep_state)
+            for i, leaf in enumerate(leaves):
+                msg = captured.get(id(leaf))
+                if msg is not None:
+                    store_results(leaf, sr, msg, f"leaf {i}", keep_state)
+                    reached.append(leaf)
+            if rows is not None:
+                rows.store(batched, keep_state)
     return reached
 
 
@@ -486,7 +487,8 @@ def grad(
                 )
             result.append(None)
             continue
-        result.append(sr.readout(_check(msg, t).parts))
+        with own_kernels_compiled():  # inside an extend block too
+            result.append(sr.readout(_check(msg, t).parts))
     return tuple(result)
 
 

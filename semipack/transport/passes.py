@@ -36,11 +36,21 @@ def semiring_pass(retain_graph: bool | None) -> Iterator[None]:
     with _lock:
         _running[retain] += 1
     try:
-        with torch.compiler.set_stance("default"):
+        with own_kernels_compiled():
             yield
     finally:
         with _lock:
             _running[retain] -= 1
+
+
+@contextmanager
+def own_kernels_compiled() -> Iterator[None]:
+    """torch.compile's default stance for the block: inside ``semipack.extend`` (which forces
+    user code to run eagerly) semipack's own kernels must still run compiled, in a pass and in
+    the readouts after it; under the forced stance a compiled kernel would run its fused source
+    eagerly, which is slower than its eager form."""
+    with torch.compiler.set_stance("default"):
+        yield
 
 
 def graph_retained() -> bool:

@@ -1020,3 +1020,28 @@ def test_semipacks_own_kernels_stay_compiled_in_the_readouts() -> None:
         stances.clear()
         semipack.grad(model(x).sum(), [model[0].weight], Recording())
     assert set(stances) == {"default"}
+
+
+def test_a_kernel_called_under_the_forced_eager_stance_runs_its_eager_form() -> None:
+    """Outside a pass, inside the block (a monitor's summaries, user code calling semipack's
+    kernels), torch.compile is told to run eagerly: the kernel then takes its eager form, not
+    its fused source op by op."""
+    from semipack.kernels.compiled import compiled
+
+    ran = []
+
+    def eager(t: torch.Tensor) -> torch.Tensor:
+        ran.append("eager")
+        return t * 2
+
+    def fused(t: torch.Tensor) -> torch.Tensor:
+        return t * 2
+
+    kernel = compiled(eager, fused)
+    x = torch.ones(5)
+    with torch.compiler.set_stance("force_eager"):
+        assert torch.equal(kernel(x), x * 2)
+    assert ran == ["eager"]
+    with semipack.extend(None, semipack.MaxProd()):
+        kernel(x)
+    assert ran == ["eager", "eager"]

@@ -33,6 +33,14 @@ def compile_enabled() -> bool:
     return _state["enabled"]
 
 
+def _forced_eager() -> bool:
+    """Whether torch.compile is told to run everything eagerly here (``semipack.extend`` does
+    so for user code outside its passes): a compiled kernel would then run its fused source
+    op by op, slower than the eager form written for that."""
+    stance = getattr(torch._dynamo.eval_frame, "_stance", None)
+    return getattr(stance, "stance", "default") == "force_eager"
+
+
 def compiled(
     eager: Callable[..., Any], fused: Callable[..., Any] | None = None, min_elements: int = 0
 ):
@@ -49,7 +57,12 @@ def compiled(
 
     @functools.wraps(eager)
     def call(*args: Any) -> Any:
-        if not _state["enabled"] or holder["broken"] or args[0].numel() < min_elements:
+        if (
+            not _state["enabled"]
+            or holder["broken"]
+            or args[0].numel() < min_elements
+            or _forced_eager()
+        ):
             return eager(*args)
         if holder["fn"] is None:
             holder["fn"] = torch.compile(source, dynamic=True)

@@ -137,6 +137,8 @@ def fused_batch_norm_backward(call: OpCall):
 def _batch_norm(call: OpCall, msg, mean: Tensor, invstd: Tensor, train: bool, mask):
     """Messages of a batch norm over channel rows: ``input``: [N, C, *spatial];
     ``mean``, ``invstd``: [C] (the batch's in train mode, the running ones in eval mode)."""
+    if not train:
+        return _batch_norm_eval(call, msg, mean, invstd, mask)
     x = call["input"]
     dtype = call.weight_dtype
     channels = x.shape[1]
@@ -154,12 +156,33 @@ def _batch_norm(call: OpCall, msg, mean: Tensor, invstd: Tensor, train: bool, ma
 
     grad_in = grad_w = grad_b = None
     if mask[0]:
-        if train:
-            grad_in = back(normalized_contract(sr, m, x_hat, invstd, gain, True))
-        else:
-            grad_in = back(sr.scale(m, (gain * invstd)[:, None]))
+        grad_in = back(normalized_contract(sr, m, x_hat, invstd, gain, True))
     if mask[1] or mask[2]:
         w, b = _param_messages(sr, m, x_hat, [1])
+        grad_w = w if mask[1] and weight is not None else None
+        grad_b = b if mask[2] else None
+    return _outputs(call, call.run_regular(), grad_in, grad_w, grad_b, mask)
+
+
+def _batch_norm_eval(call: OpCall, msg, mean: Tensor, invstd: Tensor, mask):
+    """Eval mode: a per-channel affine map, in the input's own layout. Channel rows would copy
+    the input and the message (and hand back a strided view) for what broadcasting does in
+    place: each output entry has one edge from its input entry (``gain * invstd`` of its
+    channel), one from its channel's gain (x̂) and one from the bias."""
+    x = call["input"]
+    dtype = call.weight_dtype
+    channels = x.shape[1]
+    per_channel = (1, channels, *([1] * (x.dim() - 2)))
+    mean, invstd = mean.to(dtype).reshape(per_channel), invstd.to(dtype).reshape(per_channel)
+    weight = call["weight"]
+    sr = call.semiring
+    grad_in = grad_w = grad_b = None
+    if mask[0]:
+        gain = gains(weight, channels, dtype, x.device).reshape(per_channel)
+        grad_in = sr.scale(msg.parts, gain * invstd)
+    if mask[1] or mask[2]:
+        x_hat = (x.to(dtype) - mean) * invstd
+        w, b = _param_messages(sr, msg.parts, x_hat, [0, *range(2, x.dim())])
         grad_w = w if mask[1] and weight is not None else None
         grad_b = b if mask[2] else None
     return _outputs(call, call.run_regular(), grad_in, grad_w, grad_b, mask)

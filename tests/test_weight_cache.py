@@ -8,6 +8,8 @@ watched parameters' forms, within its budget.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import pytest
 import torch
 from torch import nn
@@ -50,13 +52,18 @@ def _values(model: nn.Module, semiring: semipack.Semiring, x: torch.Tensor) -> l
     return [t.clone() for p in model.parameters() for t in tree_leaves(p.semiring_grad)]
 
 
-def _uncached(model: nn.Module, semiring: semipack.Semiring, x: torch.Tensor) -> list:
+def _without_cache(values: Callable[[], list]) -> list:
+    """``values()`` with keeping switched off (and the cache emptied), then the budget back."""
     budget = WEIGHTS.max_bytes
     semipack.set_weight_cache_bytes(0)
     try:
-        return _values(model, semiring, x)
+        return values()
     finally:
         semipack.set_weight_cache_bytes(budget)
+
+
+def _uncached(model: nn.Module, semiring: semipack.Semiring, x: torch.Tensor) -> list:
+    return _without_cache(lambda: _values(model, semiring, x))
 
 
 def _assert_same(got: list, expected: list) -> None:
@@ -404,21 +411,13 @@ def test_packed_convolution_taps_follow_the_weight(name: str) -> None:
         leaves = [p.semiring_grad for p in model.parameters()] + [x.semiring_grad]
         return [t.clone() for t in tree_leaves(leaves)]
 
-    def uncached() -> list:
-        budget = WEIGHTS.max_bytes
-        semipack.set_weight_cache_bytes(0)
-        try:
-            return values()
-        finally:
-            semipack.set_weight_cache_bytes(budget)
-
     first = values()
     assert any(k[0][0] == "max-plus tap panels" for k in WEIGHTS._entries)
     _assert_same(first, values())
-    _assert_same(first, uncached())
+    _assert_same(first, _without_cache(values))
     model[2].weight.data[1, 3, 0, 2] *= -40.0  # version unchanged
     after = values()
-    _assert_same(after, uncached())
+    _assert_same(after, _without_cache(values))
     assert not all(torch.equal(a, b) for a, b in zip(after, first, strict=True))
 
 

@@ -158,6 +158,7 @@ def per_tap_messages(
     )
     rows_t = tuple(p.transpose(-1, -2).contiguous() for p in rows) if mask[1] else None
     w_groups = w.to(dtype).reshape(groups, o_g, c_g, *kernel)
+    all_taps = list(itertools.product(*(range(k) for k in kernel)))
     depthwise = c_g == 1 and groups > 1
     # The weights' lift once per pass, not once per tap (and kept across passes for a model's
     # weights: ``Semiring.kept_lift``).
@@ -177,7 +178,6 @@ def per_tap_messages(
             rows = tuple(p.contiguous() for p in rows)
             # each tap's [O, C] slice of log|W| packed for the kernel: kept across passes
             # with the weight's other forms (the packing is a copy of the whole weight)
-            all_taps = list(itertools.product(*(range(k) for k in kernel)))
             packed = WEIGHTS.derived(
                 w,
                 ("max-plus tap panels", dtype),
@@ -191,7 +191,7 @@ def per_tap_messages(
         m_last = tuple(
             p.reshape(batch, groups, o_g, *out_size).movedim((1, 2), (-2, -1)) for p in m_parts
         )
-    for tap in itertools.product(*(range(k) for k in kernel)):
+    for tap in all_taps:
         window = tuple(
             slice(t * d, t * d + (o - 1) * s + 1, s)
             for t, d, o, s in zip(tap, dilation, out_size, stride, strict=True)

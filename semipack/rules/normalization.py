@@ -115,12 +115,11 @@ def layer_norm_backward(call: OpCall):
 def batch_norm_backward(call: OpCall):
     """Batch norm (train: statistics over the batch couple every entry of a channel;
     eval: a per-channel affine map) and the gain's and bias's edges."""
-    if call["train"]:
-        mean, invstd = call["save_mean"], call["save_invstd"]
-    else:
-        mean = call["running_mean"]
+    msg, mask = call["grad_out"], call["output_mask"]
+    if not call["train"]:
         invstd = (call["running_var"].to(call.weight_dtype) + call["eps"]).rsqrt()
-    return _batch_norm(call, call["grad_out"], mean, invstd, call["train"], call["output_mask"])
+        return _batch_norm_eval(call, msg, call["running_mean"], invstd, mask)
+    return _batch_norm_train(call, msg, call["save_mean"], call["save_invstd"], mask)
 
 
 @register_rule(aten.cudnn_batch_norm_backward.default)
@@ -131,14 +130,12 @@ def fused_batch_norm_backward(call: OpCall):
     ``save_var`` is the saved inverse standard deviation, as ``save_invstd`` is for the
     native kernel. Drawn as the native kernel's graph."""
     mean, invstd = call["save_mean"], call["save_var"]
-    return _batch_norm(call, call["grad_output"], mean, invstd, True, (True, True, True))
+    return _batch_norm_train(call, call["grad_output"], mean, invstd, (True, True, True))
 
 
-def _batch_norm(call: OpCall, msg, mean: Tensor, invstd: Tensor, train: bool, mask):
-    """Messages of a batch norm over channel rows: ``input``: [N, C, *spatial];
-    ``mean``, ``invstd``: [C] (the batch's in train mode, the running ones in eval mode)."""
-    if not train:
-        return _batch_norm_eval(call, msg, mean, invstd, mask)
+def _batch_norm_train(call: OpCall, msg, mean: Tensor, invstd: Tensor, mask):
+    """Train mode: the batch's statistics couple every entry of a channel, so the messages
+    run over channel rows. ``input``: [N, C, *spatial]; ``mean``, ``invstd``: [C]."""
     x = call["input"]
     dtype = call.weight_dtype
     channels = x.shape[1]

@@ -520,11 +520,8 @@ def cut_vanishing(log_abs: Tensor, in_place: bool = False) -> Tensor:
     the branch's condition back stalls the kernel queue (``logspace.checks_on_host``). The
     values are the same either way."""
     vanishing = log_abs < NO_EDGE_LOG
-    if torch.compiler.is_compiling() or not logspace.checks_on_host(log_abs):
-        if in_place:
-            return log_abs.masked_fill_(vanishing, -math.inf)
-        return log_abs.masked_fill(vanishing, -math.inf)
-    if not bool(vanishing.any()):
+    shortcut = not torch.compiler.is_compiling() and logspace.checks_on_host(log_abs)
+    if shortcut and not bool(vanishing.any()):
         return log_abs
     if in_place:
         return log_abs.masked_fill_(vanishing, -math.inf)

@@ -5,6 +5,7 @@ set -euo pipefail
 cd "$(git rev-parse --show-toplevel)"
 grep -qx "/.gpu/" .git/info/exclude 2>/dev/null || { mkdir -p .git/info; echo "/.gpu/" >> .git/info/exclude; }
 work=$(mktemp -d)
+trap 'rm -rf "$work"' EXIT  # about 2 GB while it runs
 for pkg in torch==2.14.1 torchvision==0.29.1; do
   python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
     --implementation cp --platform manylinux_2_28_x86_64 -d "$work" "$pkg"

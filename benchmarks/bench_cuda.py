@@ -9,6 +9,11 @@ before the clock starts. Every variant runs twice to warm up (kernels compile, t
 allocator fills), then the variants take turns for ``--repeats`` rounds and the median of each
 is reported. Peak memory is the largest allocation during the backward above what was allocated
 when it started, over the plain backward's.
+
+With ``--host-checks`` every semiring also runs with the CPU's host-side shortcuts turned on
+(``semipack.kernels.logspace.checks_on_host`` answering true, so the zero-safe log and the
+early exits read device values back as they do on the CPU), interleaved with the default run:
+the GPU time that skipping those reads saves.
 """
 
 from __future__ import annotations
@@ -21,6 +26,8 @@ import torch
 from bench_cpu_time import semiring_named
 from cases import WORKLOADS
 from common import backward_step
+
+from semipack.kernels import logspace
 
 
 def timed_backward(step) -> tuple[float, int]:
@@ -36,11 +43,31 @@ def timed_backward(step) -> tuple[float, int]:
     return seconds, torch.cuda.max_memory_allocated() - start_bytes
 
 
+def with_host_checks(step):
+    """``step`` whose backward takes the CPU's host-read shortcuts on any device."""
+
+    def patched_step():
+        backward = step()
+
+        def patched_backward():
+            original = logspace.checks_on_host
+            logspace.checks_on_host = lambda t: True
+            try:
+                backward()
+            finally:
+                logspace.checks_on_host = original
+
+        return patched_backward
+
+    return patched_step
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--workloads", nargs="+", default=["bert_layer"], choices=WORKLOADS)
     parser.add_argument("--semirings", nargs="+", default=["MaxProd", "LogSum", "Entropy"])
     parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--host-checks", action="store_true", help="also time host-read forms")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("bench_cuda.py needs a CUDA device")
@@ -50,6 +77,8 @@ def main() -> None:
         steps = {"plain": backward_step(work.model, work.loss, None)}
         for sr_name in args.semirings:
             steps[sr_name] = backward_step(work.model, work.loss, semiring_named(sr_name))
+            if args.host_checks:
+                steps[f"{sr_name} host checks"] = with_host_checks(steps[sr_name])
         for step in steps.values():
             for _ in range(2):
                 timed_backward(step)
@@ -65,7 +94,8 @@ def main() -> None:
         columns = "  ".join(
             f"{key} {statistics.median(times[key]) / plain:.2f}x"
             f" (mem {statistics.median(peaks[key]) / plain_peak:.2f}x)"
-            for key in args.semirings
+            for key in steps
+            if key != "plain"
         )
         print(f"{name}: plain {plain * 1e3:.2f} ms  {columns}", flush=True)
 

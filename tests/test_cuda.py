@@ -28,7 +28,7 @@ def test_transformer_layer_cuda_matches_cpu(semiring_name: str) -> None:
     values = []
     for device in ("cpu", "cuda"):
         model = _block().to(device)
-        inp = x.to(device).requires_grad_(True)
+        inp = x.to(device).detach().requires_grad_(True)
         with semipack.extend(model, make()):
             model(inp).pow(2).sum().backward()
         values.append({n: p.semiring_grad for n, p in model.named_parameters()})
@@ -207,7 +207,7 @@ def test_train_mode_batch_norm_cuda_matches_cpu(semiring_name: str) -> None:
     values = []
     for device in ("cpu", "cuda"):
         model = _normalised_cnn().to(device).train()
-        inp = x.to(device).requires_grad_(True)
+        inp = x.to(device).detach().requires_grad_(True)
         with semipack.extend(model, make()):
             model(inp).pow(2).sum().backward()
         named = {n: p.semiring_grad for n, p in model.named_parameters()}

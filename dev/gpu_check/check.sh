@@ -27,3 +27,6 @@ timeout 120 python3 -m pytest -q -p no:cacheprovider -n 6 -rfEs tests/test_cuda.
 cd benchmarks && TORCH_LOGS=-all timeout 160 python3 bench_cuda.py --workloads resnet18_train \
   bert_layer linear conv2d resnet18_eval mobilenet_v3_small_eval gpt2_tiny \
   --semirings MaxProd LogSum Entropy --repeats 5 2>&1 | grep -v Warning | tee "$OUT/bench_cuda.txt"
+TORCH_LOGS=-all timeout 110 python3 bench_cuda.py --workloads bert_layer gpt2_tiny resnet18_eval \
+  --semirings MaxProd LogSum --host-checks --repeats 5 2>&1 | grep -v Warning \
+  | tee "$OUT/bench_host_checks.txt"

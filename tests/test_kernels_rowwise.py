@@ -663,3 +663,34 @@ def test_entropy_matmul_gives_its_definition_bitwise(shape) -> None:
     got = sr.matmul((a0, a1), w)
     for g, ww in zip(got, want, strict=True):
         torch.testing.assert_close(g, ww, rtol=0, atol=0, equal_nan=True)
+
+
+@pytest.mark.parametrize("shape", [(7, 5), (8, 128, 768)])
+def test_log_add_exp_and_entropy_plus_match_float64(shape) -> None:
+    """LogSum's and Entropy's plus run compiled on large states (``log(1 + e)`` where torch's
+    logaddexp has a scalar log1p): within float32 rounding of the float64 logaddexp, relative to
+    the magnitude (an absolute error in log space), and exactly -inf, inf or NaN where the
+    float64 value is, with "no path" on one or both sides, equal and infinite arguments."""
+    from semipack.kernels.logspace import log_add_exp
+
+    gen = torch.Generator().manual_seed(5)
+    a, b = torch.randn(shape, generator=gen) * 40, torch.randn(shape, generator=gen) * 40
+    a.view(-1)[::7] = -math.inf
+    b.view(-1)[::5] = -math.inf
+    b.view(-1)[1::9] = a.view(-1)[1::9]
+    a.view(-1)[2::31] = math.inf
+    b.view(-1)[3::37] = math.nan
+    want = torch.logaddexp(a.double(), b.double())
+    got = log_add_exp(a, b)
+    assert got.dtype == torch.float32
+    # two float32 ulps of the value (at least of 1): float32 logaddexp's own rounding
+    torch.testing.assert_close(got.double(), want, rtol=2.4e-7, atol=2.4e-7, equal_nan=True)
+    assert torch.equal(got.isinf(), want.isinf()) and torch.equal(got.isnan(), want.isnan())
+
+    r_a, r_b = torch.rand(shape, generator=gen), torch.rand(shape, generator=gen)
+    got_z, got_r = semipack.Entropy().plus((a, r_a), (b, r_b))
+    z = want
+    safe = torch.where(z.isfinite(), z, 0.0)
+    want_r = (a.double() - safe).exp() * r_a.double() + (b.double() - safe).exp() * r_b.double()
+    torch.testing.assert_close(got_z.double(), z, rtol=2.4e-7, atol=2.4e-7, equal_nan=True)
+    torch.testing.assert_close(got_r.double(), want_r, rtol=1e-5, atol=1e-6, equal_nan=True)

@@ -9,6 +9,7 @@ import torch
 from torch import Tensor
 
 from ..kernels.exclusive import exclusive_logsumexp
+from ..kernels.logspace import log_add_exp
 from ..kernels.native import native_available, softmax_log_sum_f32
 from ..kernels.normalization import LOG_COUNT, LOG_SUM, CentredPairsKernel
 from ..kernels.shared_shift import ConvolutionSums, global_shift
@@ -116,7 +117,7 @@ class LogSum(Semiring):
         return False
 
     def plus(self, a: State, b: State) -> State:
-        return (torch.logaddexp(a[0], b[0]),)
+        return (log_add_exp(a[0], b[0]),)
 
     def times(self, a: State, b: State) -> State:
         return (a[0] + b[0],)

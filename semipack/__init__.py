@@ -8,7 +8,13 @@ p.grad, p.semiring_grad
 
 from . import distributed, rules  # noqa: F401  (rules registers the built-in op rules)
 from .api import extend, grad
-from .errors import MessageLostError, PerSampleError, SemipackError, UnsupportedOpError
+from .errors import (
+    MessageLostError,
+    PerSampleError,
+    SemipackError,
+    StateShapeError,
+    UnsupportedOpError,
+)
 from .explain import Branches, LayerFlow, TokenTypeTable, branches, explain_layers
 from .kernels.weight_cache import set_weight_cache_bytes
 from .messages import Message, OpCall, register_rule, registered_ops, scoped_rules
@@ -52,6 +58,7 @@ __all__ = [
     "Semiring",
     "SignedLog",
     "SignedMaxProd",
+    "StateShapeError",
     "TokenTypeTable",
     "TopPath",
     "UnsupportedOpError",

@@ -101,7 +101,7 @@ def extend(
     if per_sample:
         _check_per_sample(model, semiring, extensions)
     watched = [p for p in model.parameters() if p.requires_grad] if model is not None else []
-    names = {id(p): _leaf_name(n) for n, p in model.named_parameters()} if model else {}
+    names = {id(p): _leaf_name(n) for n, p in model.named_parameters()} if model is not None else {}
     data_parallel = _data_parallel_parameters(model)
     with ExitStack() as stack:
         _blocks.semiring = semiring
@@ -115,7 +115,9 @@ def extend(
         # the module tracker's global hooks see the compiled wrapper's call and ignore it
         warnings.filterwarnings("ignore", "Using `torch.compile\\(module\\)` when there are global")
         stack.enter_context(ModuleTracker(model).active())
-        stack.enter_context(module_hooks_see_gradients(model.modules() if model else ()))
+        stack.enter_context(
+            module_hooks_see_gradients(model.modules() if model is not None else ())
+        )
         reroute = dict(FORWARD_ROUTES)
         if extensions:
             if not drawn:  # attention extensions compute the atomic drawing's messages

@@ -54,6 +54,12 @@ class UnsupportedOpError(SemipackError):
         super().__init__(message)
 
 
+class StateShapeError(SemipackError):
+    """A semiring state whose shape is not its message's (the regular gradient's): a defect of
+    the rule or extension that built it. semipack never broadcasts a state, which would hand one
+    entry's paths to every entry it is copied to."""
+
+
 class MessageLostError(SemipackError):
     """A plain gradient reached a place where a semiring message was required."""
 

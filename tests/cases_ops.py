@@ -217,6 +217,9 @@ CASES: dict[str, OpCase] = {
     # shrink activations: derivative 1 outside [-lambd, lambd], no edge inside
     "softshrink": OpCase(lambda x: F.softshrink(x, 0.5), ((3, 5),), zeros=(0.2,)),
     "hardshrink": OpCase(lambda x: F.hardshrink(x, 0.7), ((3, 5),), zeros=(0.2,)),
+    # a learnable PReLU weight: one entry shared by every input entry, or one per channel
+    "prelu_shared_weight": OpCase(F.prelu, ((3, 5), (1,)), zeros=(0.2,)),
+    "prelu_channel_weights": OpCase(F.prelu, ((2, 3, 2, 2), (3,)), zeros=(0.2,)),
     # margin losses: each score feeds its own sample's loss
     "multi_margin_mean": OpCase(lambda x: F.multi_margin_loss(x, TARGETS), ((3, 4),)),
     "multi_margin_p2_weighted_none": OpCase(

@@ -390,3 +390,30 @@ def test_rules_registered_in_a_scope_leave_with_it() -> None:
         semipack.register_rule(op)(lambda call: None)
         assert semipack.messages.rule_for(op) is not None
     assert semipack.messages.rule_for(op) is None
+
+
+def test_a_rule_whose_state_has_another_shape_is_named_not_broadcast() -> None:
+    """A rule that returns a state of another shape than its regular gradient (here one summed
+    entry for a [2, 3] gradient) raises, naming the op and the node: broadcast, the one entry
+    would stand for six copies of its paths."""
+    op = torch.ops.aten.reflection_pad1d_backward.default
+
+    def summed_rule(call: semipack.OpCall):
+        msg = call["grad_output"]
+        return call.wrap(call.run_regular(), call.semiring.sum(msg.parts, [0, 1], keepdim=True))
+
+    with semipack.scoped_rules():
+        semipack.register_rule(op, replace=True)(summed_rule)
+        x = torch.randn(2, 3, requires_grad=True)
+        with (
+            pytest.raises(semipack.UnsupportedOpError) as info,
+            semipack.extend(torch.nn.Module(), semipack.LogCount()),
+        ):
+            F.pad(x, (1, 1), mode="reflect").sum().backward()
+    assert str(info.value).startswith(
+        "semipack cannot compute semiring messages for aten.reflection_pad1d_backward.default in "
+        "the backward of ReflectionPad1DBackward0, created by module '<outside the model>': its "
+        "rule returned a semiring state of shape (1, 1) for a message of shape (2, 3) (a defect "
+        "in the rule)."
+    )
+    assert isinstance(info.value.__cause__, semipack.StateShapeError)

@@ -272,6 +272,33 @@ def test_a_compiled_model_runs_eagerly_with_the_same_values() -> None:
         assert torch.equal(got[name][1], p.semiring_grad), name
 
 
+class _Tanh(nn.Module):
+    """Not a container: a compiled wrapper of it has no ``len`` (an ``nn.Sequential`` has)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(3, 2).to(DTYPE)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.fc(x).tanh()
+
+
+def test_a_compiled_module_that_is_not_a_container_can_be_extended() -> None:
+    """``extend`` once asked the model for its truth value, which a compiled wrapper answers
+    with its module's ``len``: every non-container model failed with a TypeError."""
+    torch.manual_seed(0)
+    model, x = _Tanh(), data()
+    compiled = torch.compile(model)
+    with semipack.extend(compiled, semipack.LogSum()):
+        compiled(x).sum().backward()
+    fresh = _Tanh()
+    fresh.load_state_dict(model.state_dict())
+    with semipack.extend(fresh, semipack.LogSum()):
+        fresh(x).sum().backward()
+    for p, q in zip(model.parameters(), fresh.parameters(), strict=True):
+        assert torch.equal(p.grad, q.grad) and torch.equal(p.semiring_grad, q.semiring_grad)
+
+
 def test_a_compiled_wrapper_kept_beside_the_model_runs_eagerly_with_the_same_values() -> None:
     """The usual pattern: extend the module the user owns, call the compiled wrapper."""
     model, x = mlp(), data()

@@ -6,6 +6,8 @@ Jacobians, so the checks are independent of semipack's rules.
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -84,3 +86,27 @@ def test_boolean_keeps_edges_that_only_float64_resolves() -> None:
     assert torch.equal(reach, grad != 0)
     (count,) = semipack.grad(loss, logits, semipack.LogCount())
     assert torch.equal(count, torch.zeros_like(count))  # one path to each logit
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_relu_cut_equals_where_bitwise(dtype) -> None:
+    """The ReLU rule's cut (``threshold_backward`` and an infinite offset instead of
+    ``torch.where`` on a bool mask) gives where's bits for every zero a semiring has, with NaN,
+    infinite and threshold-equal inputs, and NaN, infinite and -0.0 message entries."""
+    from semipack.rules.pointwise import _ReluCut
+
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(3, 50, 70, generator=gen, dtype=dtype)
+    part = torch.randn(3, 50, 70, generator=gen, dtype=dtype)
+    for step, value in [(101, math.nan), (103, math.inf), (107, -math.inf), (7, 0.0), (11, 0.5)]:
+        x.view(-1)[::step] = value
+    for step, value in [(37, math.nan), (41, math.inf), (43, -0.0), (47, -math.inf)]:
+        part.view(-1)[::step] = value
+    for threshold in (0.0, 0.5, -1.0):
+        cut = _ReluCut(x, threshold)
+        for zero in (0.0, -0.0, -math.inf, math.inf, 3.0):
+            want = torch.where(x <= threshold, zero, part)
+            got = cut(part, zero)
+            assert torch.equal(got.isnan(), want.isnan())
+            assert torch.equal(got.nan_to_num(), want.nan_to_num())
+            assert torch.equal(got.signbit(), want.signbit()), (threshold, zero)

@@ -57,6 +57,25 @@ def test_rule_matches_oracle(name: str, semiring_name: str) -> None:
             torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
 
 
+@pytest.mark.parametrize("semiring_name", ["real", "log_count"])
+@pytest.mark.parametrize("name", list(CASES))
+def test_rule_with_regular_gradients_matches_oracle(name: str, semiring_name: str) -> None:
+    """The same cases in an ordinary backward under ``extend`` (regular gradients alongside,
+    which ``semipack.grad`` leaves out): a rule whose state has another shape than its gradient
+    (PReLU's weight once did) is an error, never a broadcast. LogCount counts every path, so a
+    path counted twice shows; Real must equal ``.grad``."""
+    _, leaves, graph = _graph(name)
+    expected = oracle_readouts(graph, leaves, semiring_name)
+    fresh = [leaf.detach().clone().requires_grad_(True) for leaf in leaves]
+    with semipack.extend(torch.nn.Module(), SEMIRINGS[semiring_name]()):
+        weighted_loss(CASES[name], fresh).backward()
+    for i, (want, leaf) in enumerate(zip(expected, fresh, strict=True)):
+        assert_readout_matches(semiring_name, want, leaf.semiring_grad, f"{name} leaf {i}")
+    if semiring_name == "real":
+        for leaf in fresh:
+            torch.testing.assert_close(leaf.semiring_grad, leaf.grad, rtol=1e-10, atol=1e-12)
+
+
 @pytest.mark.parametrize("name", list(CASES))
 def test_top_path_value_is_max_prod_and_its_path_reads_out(name: str) -> None:
     loss, leaves, _ = _graph(name)

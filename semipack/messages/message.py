@@ -21,7 +21,7 @@ from torch import Tensor
 from torch._ops import OpOverload
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from ..errors import MessageLostError, SemipackError, UnsupportedOpError
+from ..errors import MessageLostError, SemipackError, StateShapeError, UnsupportedOpError
 from ..graph.provenance import current_site
 from ..semirings.base import Semiring, SparseRows, State
 from ..semirings.product import Product
@@ -69,7 +69,13 @@ class Message(torch.Tensor):
         self.sparse = sparse
         self._parts = None
         if sparse is None:
-            self._parts = tuple(p if p.shape == shape else p.expand(shape) for p in parts)
+            for p in parts:
+                if p.shape != shape:  # never broadcast: that would copy one entry's paths
+                    raise StateShapeError(
+                        f"a semiring state of shape {tuple(p.shape)} for a message of shape "
+                        f"{tuple(shape)}"
+                    )
+            self._parts = tuple(parts)
         self.semiring = semiring
         return self
 
@@ -310,8 +316,13 @@ class OpCall:
 
     def wrap(self, regular: Tensor | None, parts: State) -> Message:
         """A message output: regular gradient ``regular`` (or None) and state ``parts``, in this
-        call's semiring (which, on a path-recording pass, carries the pass's trace)."""
-        return Message(regular, parts, self.semiring, self.dtype if regular is None else None)
+        call's semiring (which, on a path-recording pass, carries the pass's trace). A state
+        whose shape is not the gradient's is an error of the rule, named here: broadcast, it
+        would hand one entry's paths to many entries."""
+        try:
+            return Message(regular, parts, self.semiring, self.dtype if regular is None else None)
+        except StateShapeError as exc:
+            raise unsupported(self.func, f"its rule returned {exc} (a defect in the rule)") from exc
 
     def zeros(self, shape: Sequence[int]) -> State:
         """The semiring's zero ("no path") of ``shape``, in the state dtypes and on the device

@@ -507,6 +507,8 @@ FUNCTIONS = {
     "pixel_shuffle": (lambda x: F.pixel_shuffle(x, 2), (1, 4, 2, 2)),
     "tril": (lambda x: (x @ x.t()).tril(-1), (3, 2)),
     "glu": (lambda x: F.glu(x, -1), (2, 4)),
+    "rrelu_eval": (lambda x: F.rrelu(x, 0.1, 0.3), (2, 5)),  # slope 0.2 below 0
+    "rrelu_training": (lambda x: F.rrelu(x, 0.1, 0.3, training=True), (3, 4)),  # one per entry
     "prelu": (lambda x: F.prelu(x, torch.tensor([0.3, -2.0], dtype=torch.float64)), (2, 2, 3)),
     "masked_select": (
         lambda x: x.masked_select(torch.tensor([[True, False, True], [False, True, True]])),

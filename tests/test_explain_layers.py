@@ -529,6 +529,44 @@ def _llama_family(name: str):
     return model_class._from_config(config, attn_implementation="eager").eval().double()
 
 
+@pytest.mark.parametrize("share_att_key", [False, True])
+def test_deberta_v2_layers_split_into_named_branches(share_att_key: bool) -> None:
+    """DeBERTa-v2 is found as a BERT-family encoder; its ``query_proj``, ``key_proj`` and
+    ``value_proj`` are the query, key and value branches (they were named by module path), with
+    relative attention whose position terms reuse those projections (``share_att_key``) or
+    have their own. The branches' flows add up to the retained attention inputs'."""
+    torch.manual_seed(0)
+    cfg = transformers.DebertaV2Config(
+        vocab_size=20, hidden_size=8, num_hidden_layers=2, num_attention_heads=2,
+        intermediate_size=16, relative_attention=True, position_buckets=4,
+        max_relative_positions=8, pos_att_type=["p2c", "c2p"], share_att_key=share_att_key,
+    )  # fmt: skip
+    model = transformers.DebertaV2Model._from_config(cfg, attn_implementation="eager")
+    model = model.eval().double()
+    found = attention_layers(model)
+    assert [(a.name, a.num_heads, a.head_dim) for a in found] == [
+        ("encoder.layer.0.attention", 2, 4),
+        ("encoder.layer.1.attention", 2, 4),
+    ]
+    target = lambda: model(input_ids=IDS).last_hidden_state[0, 1:3].sum()  # noqa: E731
+    kept = []
+    hooks = [
+        a.block.register_forward_pre_hook(lambda m, a: kept.append(a[0]) or a[0].retain_grad())
+        for a in found
+    ]
+    with semipack.extend(model, semipack.LogSum()):
+        target().backward()
+    for h in hooks:
+        h.remove()
+    flow = semipack.explain_layers(model, semipack.LogSum(), target)
+    for i, tensor in enumerate(kept):
+        assert set(flow.branches[i]) == {"query", "key", "value", "residual"}
+        want = tensor.semiring_grad.logsumexp(-1)
+        torch.testing.assert_close(flow.total[i], want, rtol=1e-10, atol=0)
+        stacked = torch.stack(list(flow.branches[i].values())).logsumexp(0)
+        torch.testing.assert_close(stacked, want, rtol=1e-10, atol=0)
+
+
 @pytest.mark.parametrize("family", ["Mistral", "Qwen2"])
 def test_other_llama_family_decoders_with_padding(family: str) -> None:
     """Mistral and Qwen2 are found like Llama; with a right-padded example the padding token

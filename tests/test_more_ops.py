@@ -48,7 +48,6 @@ UNSUPPORTED = {
     "aten.xlogy.Tensor": lambda x: torch.xlogy(x, x.abs() + 1),
     "aten.put.default": lambda x: x.take(torch.tensor([0, 2])),
     "aten.linalg_cross.default": lambda x: torch.linalg.cross(x[0, 0], x[0, 1]),
-    "aten.rrelu_with_noise_backward.default": lambda x: F.rrelu(x, training=True),
     "aten._ctc_loss_backward.default": lambda x: F.ctc_loss(
         x[0, :, :1].log_softmax(-1), torch.tensor([[1, 2]]), torch.tensor([2]), torch.tensor([2])
     ),

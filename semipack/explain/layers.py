@@ -65,7 +65,7 @@ class AttentionLayer:
 
 #: The model families ``attention_layers`` finds by themselves (for messages).
 FAMILIES = (
-    "BERT-family encoders (BERT, RoBERTa, ELECTRA, MiniLM: encoder.layer[i].attention), "
+    "BERT-family encoders (BERT, RoBERTa, ELECTRA, MiniLM, DeBERTa: encoder.layer[i].attention), "
     "DistilBERT (transformer.layer[i].attention), Llama-family decoders (Llama, Mistral, Qwen2: "
     "layers[i].self_attn), GPT-2 (h[i].attn) and torch's nn.MultiheadAttention "
     "(nn.TransformerEncoderLayer)"

@@ -29,13 +29,15 @@ from .branches import Branches
 Reference = Mapping[str, Mapping[str, float]]
 
 
-#: The last part of a projection's module name -> its branch (BERT, Llama, DistilBERT, T5;
+#: The last part of a projection's module name -> its branch (BERT, Llama, DistilBERT, T5,
+#: DeBERTa;
 #: GPT-2's ``c_attn`` makes query, key and value in one call: one branch, ``qkv``).
 PROJECTIONS = {
     "query": "query", "key": "key", "value": "value",
     "q_proj": "query", "k_proj": "key", "v_proj": "value",
     "q": "query", "k": "key", "v": "value",
     "q_lin": "query", "k_lin": "key", "v_lin": "value",
+    "query_proj": "query", "key_proj": "key", "value_proj": "value",
     "c_attn": "qkv",
 }  # fmt: skip
 

@@ -37,6 +37,7 @@ ACTIVATION_BACKWARDS = [
     aten.sigmoid_backward.default,
     aten.softplus_backward.default,
     aten.leaky_relu_backward.default,
+    aten.rrelu_with_noise_backward.default,  # the slope (sampled per entry in training) or 1
     aten.elu_backward.default,
     aten.hardtanh_backward.default,
     aten.hardswish_backward.default,

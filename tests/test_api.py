@@ -330,8 +330,27 @@ def test_plain_gradient_reaching_a_leaf_is_an_error() -> None:
         def backward(ctx, g):
             return torch.ones(3)  # ignores the incoming message
 
-    with pytest.raises(semipack.MessageLostError, match="plain gradient reached a leaf"):
+    with pytest.raises(
+        semipack.MessageLostError,
+        match=r"^a plain gradient reached a leaf of shape \(3,\) from ForgetfulBackward: ",
+    ):
         semipack.grad(Forgetful.apply(x).sum(), x, semipack.MaxProd())
+
+
+def test_a_zero_gradient_pytorch_makes_up_names_its_node() -> None:
+    """copysign's gradient for its sign source is ``zeros_like(other)``, made without the
+    incoming gradient: no message reaches the parameter, and the error names the node."""
+    sign = nn.Parameter(torch.randn(5))
+    a = torch.randn(4, 5, requires_grad=True)
+    with (
+        pytest.raises(semipack.MessageLostError) as info,
+        semipack.extend(nn.Module(), semipack.MaxProd()),
+    ):
+        torch.copysign(a, sign).sum().backward()
+    assert str(info.value).startswith(
+        "a plain gradient reached a leaf of shape (5,) from CopysignBackward0: that backward "
+        "function returned a tensor it created (PyTorch's zero gradient of an argument"
+    )
 
 
 def test_user_rule_registration_is_used() -> None:

@@ -124,14 +124,35 @@ def seeds(
     return out
 
 
-def _check(leaf_msg: Any, leaf: Tensor) -> Message:
+def _check(leaf_msg: Any, leaf: Tensor, roots: Sequence[Tensor] = ()) -> Message:
     if not isinstance(leaf_msg, Message):
+        feeders = _nodes_feeding(leaf, roots)
+        origin = f" from {', '.join(feeders)}" if feeders else ""
         raise MessageLostError(
-            f"a plain gradient reached a leaf of shape {tuple(leaf.shape)}: some backward "
-            "function (often a custom autograd.Function) returned a tensor it created instead "
-            "of one computed from its incoming gradient"
+            f"a plain gradient reached a leaf of shape {tuple(leaf.shape)}{origin}: that "
+            "backward function returned a tensor it created (PyTorch's zero gradient of an "
+            "argument a function is flat in, such as copysign's sign source, or a custom "
+            "autograd.Function's own tensor) instead of one computed from its incoming "
+            "gradient, so semipack cannot tell which paths it carries"
         )
     return leaf_msg
+
+
+def _nodes_feeding(leaf: Tensor, roots: Sequence[Tensor]) -> list[str]:
+    """Names of the autograd nodes of the graph below ``roots`` that hand ``leaf`` a gradient
+    (walked only to name them in an error)."""
+    stack = [t.grad_fn for t in roots if t.grad_fn is not None]
+    seen, names = set(), []
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        for child, _ in node.next_functions:
+            if child is not None and getattr(child, "variable", None) is leaf:
+                names.append(node.name())
+            stack.append(child)
+    return sorted(set(names))
 
 
 @contextmanager
@@ -381,14 +402,14 @@ def _run_backward(tensors, grad_tensors, sr, leaves, regular_grads, retain_graph
             )
         for leaf, msg in zip(leaves, got, strict=True):
             if msg is not None:
-                captured[id(leaf)] = _check(msg, leaf)
+                captured[id(leaf)] = _check(msg, leaf, tensors)
         return captured
 
     def capture(leaf: Tensor):
         def hook(grad):
             if in_carry_pass():  # a branch carried down by an explain readout, not this pass
                 return None
-            msg = _check(grad, leaf)
+            msg = _check(grad, leaf, tensors)
             # Keep only the semiring state: the regular gradient goes to ``.grad`` (possibly
             # as a copy), and holding it here too would double the gradients' memory.
             state = Message(None, msg.stored_state(), msg.semiring, msg.dtype)
@@ -488,7 +509,7 @@ def grad(
             result.append(None)
             continue
         with own_kernels_compiled():  # inside an extend block too
-            result.append(sr.readout(_check(msg, t).parts))
+            result.append(sr.readout(_check(msg, t, outputs).parts))
     return tuple(result)
 
 
@@ -509,7 +530,7 @@ def carry_down(
             )
             out.append(
                 [
-                    None if m is None else _check(m, t).parts
+                    None if m is None else _check(m, t, [tensor]).parts
                     for m, t in zip(got, inputs, strict=True)
                 ]
             )

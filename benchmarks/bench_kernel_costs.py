@@ -14,6 +14,8 @@ Each line is a median of ``--repeats`` timed runs (after a warm-up) on one threa
   ``FUSED_MIN_ELEMENTS`` sits);
 * LogSum's plus (``torch.logaddexp``, whose CPU kernel has a scalar log1p) against the fused
   ``log_add_exp``, on one BERT layer's residual state (8 x 128 x 768);
+* ReLU's cut of a log-space message (ResNet-18's stem, 2 x 64 x 112 x 112): ``torch.where`` on
+  the bool mask against the rule's ``threshold_backward`` and infinite offset (same bits);
 * a fresh 30522 x 384 zero table (MiniLM's vocabulary) against filling one that exists: the
   cost of first touching fresh pages, which the readout reuse avoids;
 * the max-plus kernel on one ResNet-18 convolution tap's weight message, read through the row
@@ -44,6 +46,7 @@ from semipack.kernels.native import (
     pack_panels_f32,
 )
 from semipack.kernels.tropical import maxplus
+from semipack.rules.pointwise import _ReluCut
 from semipack.semirings._log import log_abs
 from semipack.semirings.entropy import _entropy_readout
 
@@ -113,6 +116,10 @@ def log_plus(repeats: int) -> None:
     eager = median_ms(lambda: torch.logaddexp(a, b), repeats)
     fused = median_ms(lambda: log_add_exp(a, b), repeats)
     print(f"log(e^a + e^b) of 786k entries (ms): torch.logaddexp {eager:.3f}, fused {fused:.3f}")
+    x, part = torch.randn(2, 64, 112, 112), torch.randn(2, 64, 112, 112)
+    where = median_ms(lambda: torch.where(x <= 0, float("-inf"), part), repeats)
+    cut = median_ms(lambda: _ReluCut(x, 0.0)(part, float("-inf")), repeats)
+    print(f"ReLU cut of 1.6M entries (ms): torch.where {where:.3f}, threshold_backward {cut:.3f}")
 
 
 def max_plus(repeats: int) -> None:

@@ -358,8 +358,14 @@ taken there).
   of lines, LogSum's sum prefix sums, Entropy's sum of c log c a series tree
   (`kernels/native/normalization_sorted.c`); the all-pairs form had Entropy at 38.6x and
   MaxProd at 12.2x (2026-11-25).
-- **CUDA**: no table yet; no GPU with a supported torch was available where these numbers were
-  taken. `tests/test_cuda.py` holds the CUDA tests (skipped without a GPU).
+- **Slow scalar paths in PyTorch's CPU kernels.** `torch.logaddexp` evaluates log1p one entry
+  at a time (8 ms for a BERT layer's 786k-entry residual state on one core): LogSum's and
+  Entropy's plus run as one fused loop with a vectorised log instead (`kernels/logspace.py`,
+  1.3-2.7 ms). `torch.where` on a random bool mask is branchy (8.5 ms for ResNet-18's
+  1.6M-entry stem activation): ReLU's cut uses `threshold_backward` and an infinite offset
+  (1.7 ms, same bits). Both in `bench_kernel_costs.py`.
+- **CUDA**: `benchmarks/bench_cuda.py`, results in the README ("Performance on a GPU"; an H200,
+  2026-11-26). `tests/test_cuda.py` holds the CUDA tests (skipped without a GPU).
 """
 
 

@@ -385,15 +385,15 @@ def test_gpt2_layers_are_found_with_one_fused_branch() -> None:
         torch.testing.assert_close(flow.total[i], tensor.semiring_grad.amax(-1), rtol=1e-10, atol=0)
 
 
-def test_distilbert_layers_split_with_the_residual_add_of_the_enclosing_layer() -> None:
-    torch.manual_seed(0)
-    cfg = transformers.DistilBertConfig(vocab_size=20, dim=8, n_layers=2, n_heads=2, hidden_dim=16)
-    model = transformers.DistilBertModel._from_config(cfg, attn_implementation="eager")
-    model = model.eval().double()
+def _assert_four_branches_add_up(model, layers: str) -> None:
+    """Two attention layers (2 heads of width 4) are found under ``layers``; the LogSum flows of
+    ``explain_layers`` there have query, key, value and residual branches whose log-sum-exp,
+    and the total, are the retained layer inputs' own ``semiring_grad`` from an ordinary pass
+    (summed over units)."""
     found = attention_layers(model)
     assert [(a.name, a.num_heads, a.head_dim) for a in found] == [
-        ("transformer.layer.0.attention", 2, 4),
-        ("transformer.layer.1.attention", 2, 4),
+        (f"{layers}.0.attention", 2, 4),
+        (f"{layers}.1.attention", 2, 4),
     ]
     target = lambda: model(input_ids=IDS).last_hidden_state[0, 1:3].sum()  # noqa: E731
     kept = []
@@ -412,6 +412,13 @@ def test_distilbert_layers_split_with_the_residual_add_of_the_enclosing_layer() 
         torch.testing.assert_close(flow.total[i], want, rtol=1e-10, atol=0)
         stacked = torch.stack(list(flow.branches[i].values())).logsumexp(0)
         torch.testing.assert_close(stacked, want, rtol=1e-10, atol=0)
+
+
+def test_distilbert_layers_split_with_the_residual_add_of_the_enclosing_layer() -> None:
+    torch.manual_seed(0)
+    cfg = transformers.DistilBertConfig(vocab_size=20, dim=8, n_layers=2, n_heads=2, hidden_dim=16)
+    model = transformers.DistilBertModel._from_config(cfg, attn_implementation="eager")
+    _assert_four_branches_add_up(model.eval().double(), "transformer.layer")
 
 
 def test_a_frozen_model_gives_the_values_of_the_unfrozen_one() -> None:
@@ -542,29 +549,7 @@ def test_deberta_v2_layers_split_into_named_branches(share_att_key: bool) -> Non
         max_relative_positions=8, pos_att_type=["p2c", "c2p"], share_att_key=share_att_key,
     )  # fmt: skip
     model = transformers.DebertaV2Model._from_config(cfg, attn_implementation="eager")
-    model = model.eval().double()
-    found = attention_layers(model)
-    assert [(a.name, a.num_heads, a.head_dim) for a in found] == [
-        ("encoder.layer.0.attention", 2, 4),
-        ("encoder.layer.1.attention", 2, 4),
-    ]
-    target = lambda: model(input_ids=IDS).last_hidden_state[0, 1:3].sum()  # noqa: E731
-    kept = []
-    hooks = [
-        a.block.register_forward_pre_hook(lambda m, a: kept.append(a[0]) or a[0].retain_grad())
-        for a in found
-    ]
-    with semipack.extend(model, semipack.LogSum()):
-        target().backward()
-    for h in hooks:
-        h.remove()
-    flow = semipack.explain_layers(model, semipack.LogSum(), target)
-    for i, tensor in enumerate(kept):
-        assert set(flow.branches[i]) == {"query", "key", "value", "residual"}
-        want = tensor.semiring_grad.logsumexp(-1)
-        torch.testing.assert_close(flow.total[i], want, rtol=1e-10, atol=0)
-        stacked = torch.stack(list(flow.branches[i].values())).logsumexp(0)
-        torch.testing.assert_close(stacked, want, rtol=1e-10, atol=0)
+    _assert_four_branches_add_up(model.eval().double(), "encoder.layer")
 
 
 @pytest.mark.parametrize("family", ["Mistral", "Qwen2"])

@@ -155,3 +155,34 @@ def test_plain_backward_through_extended_modules_matches_autograd() -> None:
         got = torch.autograd.grad(model(x).sum(), [x, *model.parameters()])
     for a, b in zip(got, want, strict=True):
         assert type(a) is torch.Tensor and torch.equal(a, b)
+
+
+@pytest.mark.parametrize(
+    ("x_shape", "w_shape", "b_shape", "counts"),
+    [
+        # path counts by hand: W[o, i] reaches the loss through each of the N rows
+        ((3, 4), (3, 4), (1,), {"w": torch.full((3, 4), 3.0), "b": torch.tensor([9.0])}),
+        ((2, 5, 4), (4,), (), {"w": torch.full((4,), 10.0), "b": torch.tensor(10.0)}),
+        ((3, 4), (4,), None, {"w": torch.full((4,), 3.0)}),
+        ((4,), (4,), None, {"w": torch.ones(4)}),
+    ],
+    ids=["bias_broadcast_over_outputs", "1d_weight_3d_input", "1d_weight", "1d_weight_1d_input"],
+)
+def test_linear_shapes_the_fused_extension_leaves_to_the_rules(
+    x_shape, w_shape, b_shape, counts
+) -> None:
+    """F.linear takes a 1-D weight and a bias that broadcasts over the outputs; the extension
+    once failed on them (a shape error, a wrongly shaped bias state). They now go through the
+    per-op rules: the path counts are the hand counts and equal the generic path's."""
+    torch.manual_seed(0)
+    x = torch.randn(x_shape, dtype=torch.float64)
+    params = nn.ParameterDict({"w": torch.randn(w_shape, dtype=torch.float64)})
+    if b_shape is not None:
+        params["b"] = torch.randn(b_shape, dtype=torch.float64)
+    for extensions in (True, False):
+        with semipack.extend(params, semipack.LogCount(log=False), extensions=extensions):
+            torch.nn.functional.linear(x, params["w"], params.get("b")).tanh().sum().backward()
+        for name, want in counts.items():
+            got = params[name].semiring_grad
+            torch.testing.assert_close(got, want.double(), rtol=1e-12, atol=0, msg=name)
+        params.zero_grad()

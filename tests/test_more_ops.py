@@ -46,6 +46,7 @@ UNSUPPORTED = {
         x, 2, output_size=1, _random_samples=torch.full((1, 2, 2), 0.5, dtype=torch.float64)
     ),
     "aten.xlogy.Tensor": lambda x: torch.xlogy(x, x.abs() + 1),
+    "aten.special_xlog1py.default": lambda x: torch.special.xlog1py(x, x.abs()),
     "aten.put.default": lambda x: x.take(torch.tensor([0, 2])),
     "aten.linalg_cross.default": lambda x: torch.linalg.cross(x[0, 0], x[0, 1]),
     "aten._ctc_loss_backward.default": lambda x: F.ctc_loss(
@@ -69,6 +70,18 @@ def test_ops_without_rules_raise_naming_the_op(op: str) -> None:
     with pytest.raises(semipack.UnsupportedOpError) as info:
         semipack.grad(UNSUPPORTED[op](x).sum(), x, semipack.MaxProd())
     assert info.value.op == op
+
+
+def test_matrix_exp_names_its_node() -> None:
+    """matrix_exp's backward builds a block matrix of the message and plain tensors (a
+    ``cat``): no semiring meaning, so it raises, naming the op and the autograd node."""
+    x = function_leaf(3, 3)
+    with pytest.raises(semipack.MessageLostError) as info:
+        semipack.grad(torch.linalg.matrix_exp(x).sum(), x, semipack.MaxProd())
+    assert str(info.value).startswith(
+        "aten.cat.default in the backward of LinalgMatrixExpBackward0: a non-zero plain tensor "
+        "was combined with a semiring message"
+    )
 
 
 def test_boolean_keeps_edges_that_only_float64_resolves() -> None:

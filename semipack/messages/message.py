@@ -305,9 +305,13 @@ class OpCall:
             return x.parts
         if isinstance(x, Tensor):
             if bool((x != 0).any()):
+                node, module = current_site()
+                where = f" in the backward of {node}" if node else ""
+                if node and module is not None:
+                    where += f" (module '{module}')" if module else " (the root module)"
                 raise MessageLostError(
-                    f"{self.func}: a non-zero plain tensor was combined with a semiring message; "
-                    "a backward formula produced a gradient semipack cannot interpret"
+                    f"{self.func}{where}: a non-zero plain tensor was combined with a semiring "
+                    "message; a backward formula produced a gradient semipack cannot interpret"
                 )
             return self.semiring.zeros(x.shape if shape is None else shape, self.dtype, x.device)
         if isinstance(x, (int, float, bool)) and x == 0:

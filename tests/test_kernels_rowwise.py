@@ -429,6 +429,49 @@ def test_native_normalization_kernels_match_float64_dense_jacobian(sr: Semiring,
 
 
 @pytest.mark.parametrize("n", [12, 40, 768, 1030])
+def test_log_count_sorted_kernel_matches_the_dense_float32_jacobian(n: int) -> None:
+    """LogCount's O(n log n) kernel against the dense contraction in the same dtype (which
+    entries are exactly 0 is a property of float32's own rounding: the rows of 2.0 and -3.0
+    normalise to x̂ = ±1 exactly in float32, not in float64), on the boundary rows, where every
+    pair of opposite signs of a ±1 row has 1 + x̂_i x̂_j = 0, with a no-path row."""
+    if not knorm.native_available():
+        pytest.skip("native kernels unavailable (no AVX2 or no C compiler)")
+    sr, f32 = semipack.LogCount(), torch.float32
+    x_hat, rstd = (t.to(f32) for t in boundary_rows(n))
+    gain = torch.randn(n, generator=torch.Generator().manual_seed(24)).to(f32)
+    m = tuple(c.to(f32) for c in random_state(sr, 6, n, seed=25))
+    m[0][5, :] = NEG_INF
+    zero_pairs = (1.0 + x_hat[:, :, None] * x_hat[:, None, :] == 0).sum()
+    assert zero_pairs >= (n // 2) ** 2 * 2  # rows 0 and 1
+    got = normalized_messages(sr, m, x_hat, rstd, gain, False, mode="compiled")
+    want = normalized_messages(sr, m, x_hat, rstd, gain, False, mode="eager")
+    torch.testing.assert_close(got[0], want[0], rtol=0, atol=2e-6)
+    assert torch.equal(got[0].isinf(), want[0].isinf())
+
+
+def test_log_count_sorted_kernel_finds_products_rounded_to_minus_one() -> None:
+    """Pairs whose float32 product rounds to exactly -1 although v is not the float nearest
+    -1 / c (one ulp beside it): the search window around -1 / c must hold them. Counts (a
+    message of log 1 = 0 everywhere) equal the all-pairs kernel's exactly."""
+    from semipack.kernels.normalization import log_count_fused, log_count_sorted
+
+    cs, vs = [], []
+    for c in torch.rand(4000, generator=torch.Generator().manual_seed(1)) * 3 + 0.1:
+        target = -1.0 / c
+        for direction in (-10.0, 10.0):
+            v = torch.nextafter(target, torch.tensor(direction))
+            if 1.0 + v * c == 0 and len(cs) < 40:
+                cs.append(float(c))
+                vs.append(float(v))
+    assert len(cs) == 40
+    x_hat = torch.tensor([cs + vs, vs + cs])
+    m = torch.zeros_like(x_hat)
+    assert (1.0 + x_hat[:, :, None] * x_hat[:, None, :] == 0).sum() >= 2 * 2 * 40
+    got, want = log_count_sorted(m, x_hat)[0].exp(), log_count_fused(m, x_hat)[0].exp()
+    assert torch.equal(got.round(), want.round()) and (want.round() < 80).any()
+
+
+@pytest.mark.parametrize("n", [12, 40, 768, 1030])
 def test_top_path_normalization_kernel_follows_a_best_edge(n: int) -> None:
     """TopPath through normalisation rows (the sorted envelope with its argmax, float32): the
     value is MaxProd's from the float64 dense Jacobian, and each output's successor id is that of
@@ -476,7 +519,8 @@ def test_native_normalization_kernels_take_float32_cpu_rows_only() -> None:
     assert native_kernel(kernels.TOP_PATH, cpu) is kernels.top_path_native
     assert native_kernel(kernels.MAX_PROD, cpu.double()) is None
     assert native_kernel(kernels.MAX_PROD, torch.zeros(2, 8, device="meta")) is None
-    assert native_kernel(kernels.LOG_COUNT, cpu) is None  # no hand-written kernel
+    assert native_kernel(kernels.LOG_COUNT, cpu) is kernels.log_count_sorted
+    assert native_kernel(kernels.BOOLEAN, cpu) is None  # no hand-written kernel
 
 
 @pytest.mark.parametrize(

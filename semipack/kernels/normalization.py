@@ -74,10 +74,11 @@ class CentredPairsKernel:
     """One semiring's kernels for ``out'_rj = ⊕_i m'_ri ⊗ lift(J'_rij)``.
 
     ``fused`` is the expression handed to inductor; ``native`` a hand-written float32 kernel
-    with the same values (None: none); ``all_pairs`` says that the kernel reduces over all i,
-    the diagonal included, and corrects the i = j terms afterwards (see ``_diagonal_terms``),
-    so outlier columns must be recomputed; ``as_floats`` that the (boolean) state enters as 0/1
-    floats (a bool load in the inner loop is not vectorised).
+    with the same values, used on CPU rows of any size (None: none; LogCount's is torch ops
+    over sorted rows, taken on the same terms); ``all_pairs`` says that the kernel reduces over
+    all i, the diagonal included, and corrects the i = j terms afterwards (see
+    ``_diagonal_terms``), so outlier columns must be recomputed; ``as_floats`` that the
+    (boolean) state enters as 0/1 floats (a bool load in the inner loop is not vectorised).
     """
 
     fused: PairsKernel
@@ -215,6 +216,40 @@ def log_count_fused(m: Tensor, x_hat: Tensor) -> tuple[Tensor]:
     return (total.clamp_min(0.0).log() + shift,)
 
 
+def log_count_sorted(m: Tensor, x_hat: Tensor) -> tuple[Tensor]:
+    """``log_count_fused`` in O(n log n) per row, with torch ops: every pair counts except those
+    with ``1 + x̂_i x̂_j`` exactly 0, which need the rounded product to be exactly -1. For a
+    given j those i lie within a few ulps of -1 / x̂_j, so a search of the sorted row finds the
+    candidates (almost always none) and each is checked with the kernel's own float ops."""
+    a, shift = shifted_exp(m, -1)
+    live = a.sum(-1, keepdim=True) - _zero_pair_sums(a, x_hat)
+    wrong, right = _diagonal_terms(a, x_hat)
+    total = live - (wrong != 0).to(a.dtype) * a + (right != 0).to(a.dtype) * a
+    return (total.clamp_min(0.0).log() + shift,)
+
+
+def _zero_pair_sums(a: Tensor, x_hat: Tensor) -> Tensor:
+    """[rows, n]: Σ a_i over the i with ``1 + x̂_i x̂_j == 0`` (as the fused kernel rounds it)."""
+    values, order = x_hat.sort(-1)
+    target = -1.0 / x_hat  # ±inf at x̂_j = 0: no candidate
+    slack = 8 * torch.finfo(x_hat.dtype).eps  # the rounded product is -1 within 1 ulp of target
+    ends = torch.stack([target * (1 - slack), target * (1 + slack)])
+    low = torch.searchsorted(values, ends.amin(0).contiguous(), side="left")
+    high = torch.searchsorted(values, ends.amax(0).contiguous(), side="right")
+    width = high - low
+    zero = torch.zeros_like(a)
+    if not bool((width > 0).any()):
+        return zero
+    rows, cols = torch.nonzero(width > 0, as_tuple=True)
+    for k in range(int(width.max())):
+        at = low[rows, cols] + k
+        inside = at < high[rows, cols]
+        i = order[rows, at.clamp_max(x_hat.shape[-1] - 1)]
+        exact = inside & (1.0 + x_hat[rows, i] * x_hat[rows, cols] == 0)
+        zero.index_put_((rows, cols), torch.where(exact, a[rows, i], 0.0), accumulate=True)
+    return zero
+
+
 def entropy_fused(log_z: Tensor, surprisal: Tensor, x_hat: Tensor) -> tuple[Tensor, Tensor]:
     """Entropy ⊕ over i of (L_i + log|J'|, R_i - log|J'|), with w_i = a_i |J'| (shifted):
 
@@ -304,7 +339,7 @@ def signed_fused(
 MAX_PROD = CentredPairsKernel(max_prod_fused, max_prod_native)
 TOP_PATH = CentredPairsKernel(top_path_fused, top_path_native)
 LOG_SUM = CentredPairsKernel(log_sum_fused, log_sum_native)
-LOG_COUNT = CentredPairsKernel(log_count_fused)
+LOG_COUNT = CentredPairsKernel(log_count_fused, log_count_sorted)
 ENTROPY = CentredPairsKernel(entropy_fused, entropy_native)
 BOOLEAN = CentredPairsKernel(boolean_fused, as_floats=True)
 SIGNED = CentredPairsKernel(signed_fused, all_pairs=False)

@@ -428,23 +428,35 @@ def test_native_normalization_kernels_match_float64_dense_jacobian(sr: Semiring,
         torch.testing.assert_close(got[1].double()[live], want[1][live], rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("sr", [semipack.LogCount(), semipack.Boolean()], ids=lambda s: s.name)
 @pytest.mark.parametrize("n", [12, 40, 768, 1030])
-def test_log_count_sorted_kernel_matches_the_dense_float32_jacobian(n: int) -> None:
-    """LogCount's O(n log n) kernel against the dense contraction in the same dtype (which
-    entries are exactly 0 is a property of float32's own rounding: the rows of 2.0 and -3.0
-    normalise to x̂ = ±1 exactly in float32, not in float64), on the boundary rows, where every
-    pair of opposite signs of a ±1 row has 1 + x̂_i x̂_j = 0, with a no-path row."""
+def test_count_sorted_kernels_match_the_dense_float32_jacobian(sr: Semiring, n: int) -> None:
+    """LogCount's and Boolean's O(n log n) kernels against the dense contraction in the same
+    dtype (which entries are exactly 0 is a property of float32's own rounding: the rows of 2.0
+    and -3.0 normalise to x̂ = ±1 exactly in float32, not in float64), on the boundary rows,
+    where every pair of opposite signs of a ±1 row has 1 + x̂_i x̂_j = 0, with a no-path row."""
     if not knorm.native_available():
         pytest.skip("native kernels unavailable (no AVX2 or no C compiler)")
-    sr, f32 = semipack.LogCount(), torch.float32
+    f32 = torch.float32
     x_hat, rstd = (t.to(f32) for t in boundary_rows(n))
     gain = torch.randn(n, generator=torch.Generator().manual_seed(24)).to(f32)
-    m = tuple(c.to(f32) for c in random_state(sr, 6, n, seed=25))
-    m[0][5, :] = NEG_INF
+    m = random_state(sr, 6, n, seed=25)
+    m = tuple(c.to(f32) if c.is_floating_point() else c for c in m)
+    m[0][5, :] = sr.zero[0]
     zero_pairs = (1.0 + x_hat[:, :, None] * x_hat[:, None, :] == 0).sum()
     assert zero_pairs >= (n // 2) ** 2 * 2  # rows 0 and 1
     got = normalized_messages(sr, m, x_hat, rstd, gain, False, mode="compiled")
     want = normalized_messages(sr, m, x_hat, rstd, gain, False, mode="eager")
+    if isinstance(sr, semipack.Boolean):
+        assert torch.equal(got[0], want[0]) and not want[0].all() and want[0].any()
+        # reaching only the -1 entries of the ±1 row: every +1 entry's pairs with them are 0
+        reach = (x_hat[:1] < 0).to(f32)
+        from semipack.kernels.normalization import boolean_fused, boolean_sorted
+
+        sorted_form = boolean_sorted(reach, x_hat[:1])[0]
+        assert torch.equal(sorted_form, boolean_fused(reach, x_hat[:1])[0])
+        assert torch.equal(sorted_form, x_hat[:1] < 0)
+        return
     torch.testing.assert_close(got[0], want[0], rtol=0, atol=2e-6)
     assert torch.equal(got[0].isinf(), want[0].isinf())
 
@@ -520,7 +532,7 @@ def test_native_normalization_kernels_take_float32_cpu_rows_only() -> None:
     assert native_kernel(kernels.MAX_PROD, cpu.double()) is None
     assert native_kernel(kernels.MAX_PROD, torch.zeros(2, 8, device="meta")) is None
     assert native_kernel(kernels.LOG_COUNT, cpu) is kernels.log_count_sorted
-    assert native_kernel(kernels.BOOLEAN, cpu) is None  # no hand-written kernel
+    assert native_kernel(kernels.SIGNED, cpu) is None  # no hand-written kernel
 
 
 @pytest.mark.parametrize(

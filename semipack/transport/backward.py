@@ -127,9 +127,9 @@ def seeds(
 def _check(leaf_msg: Any, leaf: Tensor, roots: Sequence[Tensor] = ()) -> Message:
     if not isinstance(leaf_msg, Message):
         feeders = _nodes_feeding(leaf, roots)
-        origin = f" from {', '.join(feeders)}" if feeders else ""
+        origin = f" from {', '.join(feeders)}: that" if feeders else ": a"
         raise MessageLostError(
-            f"a plain gradient reached a leaf of shape {tuple(leaf.shape)}{origin}: that "
+            f"a plain gradient reached a leaf of shape {tuple(leaf.shape)}{origin} "
             "backward function returned a tensor it created (PyTorch's zero gradient of an "
             "argument a function is flat in, such as copysign's sign source, or a custom "
             "autograd.Function's own tensor) instead of one computed from its incoming "

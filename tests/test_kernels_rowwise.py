@@ -306,6 +306,25 @@ def test_normalization_compiled_kernel_matches_dense_jacobian(semiring: Semiring
         assert_same_state(semiring, got, want)
 
 
+def test_signed_max_prod_compiles_its_normalisation_kernel_from_a_million_pairs() -> None:
+    """Without a native kernel, rows below 2^24 pairs take the dense contraction, except for
+    SignedMaxProd, whose dense form is slow enough that compiling pays from 2^20 pairs (one
+    MiniLM sentence: 20 x 384 x 384). float64 rows: no native kernel for any semiring."""
+    if not compile_enabled():
+        pytest.skip("compiled kernels are switched off (SEMIPACK_COMPILE=0)")
+    x_hat, rstd, gain, per_row = norm_case(NORM_KINDS[0], 8, 384)  # 1.18M pairs
+    small = norm_case(NORM_KINDS[0], 6, 384)  # 0.88M pairs
+    for sr, compiles in ((semipack.SignedMaxProd(), True), (semipack.MaxProd(), False)):
+        m = random_state(sr, 8, 384, seed=8)
+        got = normalized_messages(sr, m, x_hat, rstd, gain, per_row)
+        assert (got is not None) == compiles, sr.name
+        if compiles:
+            want = dense(sr, m, normalization_jacobian(x_hat, rstd, gain, per_row))
+            assert_same_state(sr, got, want)
+        m_small = random_state(sr, 6, 384, seed=8)
+        assert normalized_messages(sr, m_small, *small) is None, sr.name
+
+
 def test_real_layer_norm_and_batch_norm_match_autograd() -> None:
     gen = torch.Generator().manual_seed(12)
     x = torch.randn(3, 5, 16, generator=gen, dtype=F64, requires_grad=True)

@@ -119,7 +119,8 @@ def normalized_messages(
     if mode == "auto":
         # the hand-written kernel costs nothing to start, so it serves rows of any size; the
         # compiled one pays off from COMPILE_MIN_PAIRS pairs up
-        compiled_pays = compile_enabled() and rows * n * n >= COMPILE_MIN_PAIRS
+        threshold = spec.compile_min_pairs or COMPILE_MIN_PAIRS
+        compiled_pays = compile_enabled() and rows * n * n >= threshold
         if native is None and not compiled_pays:
             return None
         mode = "compiled"

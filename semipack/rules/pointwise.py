@@ -285,8 +285,8 @@ def prelu_backward(call: OpCall):
     xs, w = x.to(dtype), weight.to(dtype)
     sr = call.semiring
     positive = xs > 0
-    to_x = sr.scale(msg.parts, torch.where(positive, torch.ones_like(xs), w))
-    to_w = sr.scale(msg.parts, torch.where(positive, torch.zeros_like(xs), xs))
+    to_x = sr.scale(msg.parts, torch.where(positive, 1.0, w))
+    to_w = sr.scale(msg.parts, torch.where(positive, 0.0, xs))
     regular = call.run_regular()
     reals = regular if regular is not None else (None, None)
     return call.wrap(reals[0], to_x), call.wrap(reals[1], to_w)

@@ -184,7 +184,7 @@ def _plus_eager(log_a: Tensor, r_a: Tensor, log_b: Tensor, r_b: Tensor) -> State
 
 def _plus_fused(log_a: Tensor, r_a: Tensor, log_b: Tensor, r_b: Tensor) -> State:
     big = fused_log_add_exp(log_a, log_b)
-    safe = torch.where(torch.isfinite(big), big, 0.0)
+    safe = finite_or_zero(big)
     return big, torch.exp(log_a - safe) * r_a + torch.exp(log_b - safe) * r_b
 
 

@@ -257,8 +257,49 @@ def test_sorted_normalization_kernels_match_float64_definition(n):
         assert err.max() < 3e-7, err.max()
 
 
+def _envelope_rows(n: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(a, x̂) float64 rows for the three ways of the envelope kernel, whose lines are
+    a_i + a_i x̂_i t: every line on the envelope (the points (a_i x̂_i, a_i) on a concave curve:
+    more lines than its candidate sets hold, so the sorting envelope takes the row); 20 lines on
+    it and the others 1e-3 below (above the envelope of the first candidates, so candidates are
+    added in rounds); ordinary rows (candidates in one pass)."""
+    gen = torch.Generator().manual_seed(seed)
+    f64 = torch.float64
+    s_all = torch.linspace(-0.5, 0.5, n, dtype=f64)
+    s_some = torch.cat(
+        [
+            torch.linspace(-0.5, 0.5, 20, dtype=f64),
+            torch.rand(n - 20, generator=gen, dtype=f64) - 0.5,
+        ]
+    )
+    c_all, c_some = 1 - s_all * s_all, 1 - s_some * s_some
+    c_some[20:] -= 1e-3
+    order = torch.randperm(n, generator=gen)
+    a = torch.stack([c_all[order], c_some[order], torch.rand(n, generator=gen, dtype=f64)])
+    x = torch.stack(
+        [(s_all / c_all)[order], (s_some / c_some)[order], torch.randn(n, generator=gen, dtype=f64)]
+    )
+    return a, x
+
+
+@pytest.mark.parametrize("n", [200, 777])
+def test_envelope_kernel_on_long_envelopes_and_near_lines(n):
+    """Rows that take each way through the envelope kernel (checked in C while writing it: the
+    first row falls back to sorting, the second adds candidates in rounds) against the float64
+    definition, values and the attaining index."""
+    a, x_hat = (v.to(torch.float32) for v in _envelope_rows(n, seed=n))
+    a32, x32 = a.double(), x_hat.double()
+    best = _pair_reductions(a32, x32, torch.zeros_like(a32))[0]
+    got, arg = native.norm_sorted_max_f32(a, x_hat, with_index=True)
+    torch.testing.assert_close(got.double(), best, rtol=2e-7, atol=0)
+    assert torch.equal(native.norm_sorted_max_f32(a, x_hat)[0], got)
+    c = (1 + x32[:, :, None] * x32[:, None, :]).abs()
+    attained = (a32[:, :, None] * c).gather(1, arg[:, None, :])[:, 0]
+    torch.testing.assert_close(attained, best, rtol=2e-7, atol=0)
+
+
 def test_sorted_kernels_take_long_finite_rows_only(monkeypatch):
-    """From SORTED_MIN_ENTRIES entries (SORTED_MIN_ENTRIES_ENTROPY for Entropy) the native
+    """From SORTED_MIN_ENTRIES_MAX entries (SORTED_MIN_ENTRIES_ENTROPY for Entropy) the native
     message kernels sort; shorter rows keep the all-pairs kernels, and rows with NaN reach
     neither (the dense Jacobian takes them, so NaN propagates as the definition says)."""
     import semipack
@@ -277,7 +318,7 @@ def test_sorted_kernels_take_long_finite_rows_only(monkeypatch):
     monkeypatch.setattr(knorm, "norm_entropy_sums_f32", record("pair sums", (0, 0, 0)))
     monkeypatch.setattr(knorm, "_entropy_from_sums", record("done", None))
     for kernel, n in (
-        ("max", knorm.SORTED_MIN_ENTRIES),
+        ("max", knorm.SORTED_MIN_ENTRIES_MAX),
         ("entropy", knorm.SORTED_MIN_ENTRIES_ENTROPY),
     ):
         for width in (n, n - 1):

@@ -55,6 +55,12 @@ NO_SUCCESSOR = -1
 #: 8 x 32 x 32, 16x faster for MaxProd and 35x for Entropy).
 SORTED_MIN_ENTRIES = 1024
 SORTED_MIN_ENTRIES_ENTROPY = 512
+#: MaxProd's rows go to the envelope kernel from this many entries: it first tries a set of
+#: candidate lines found by evaluation (no sort; real envelopes hold a few lines), which beat the
+#: all-pairs kernel from about n = 256. At n = 768 (a BERT layer norm's rows, MaxProd messages of
+#: the bert_layer workload) it took 9.9 us per row against 27.8 for all pairs and 35 for the
+#: sorting envelope it replaces, single-thread on the 2-core VM of BENCHMARKS.md.
+SORTED_MIN_ENTRIES_MAX = 256
 
 
 def _sorted_rows(x_hat: Tensor, min_entries: int) -> bool:
@@ -138,9 +144,9 @@ def max_prod_fused(m: Tensor, x_hat: Tensor) -> tuple[Tensor]:
 
 def max_prod_native(m: Tensor, x_hat: Tensor) -> tuple[Tensor]:
     """``max_prod_fused`` with the max taken by a native kernel (all pairs, or the envelope of
-    sorted lines from ``SORTED_MIN_ENTRIES`` entries per row)."""
+    lines from ``SORTED_MIN_ENTRIES_MAX`` entries per row)."""
     a, shift = shifted_exp(m, -1)
-    if _sorted_rows(x_hat, SORTED_MIN_ENTRIES):
+    if _sorted_rows(x_hat, SORTED_MIN_ENTRIES_MAX):
         best = norm_sorted_max_f32(a, x_hat)[0]
     else:
         best = norm_abs_reduce_f32(a, x_hat, reduce_max=True)
@@ -164,8 +170,9 @@ def top_path_fused(m: Tensor, ids: Tensor, x_hat: Tensor) -> tuple[Tensor, Tenso
 
 
 def top_path_native(m: Tensor, ids: Tensor, x_hat: Tensor) -> tuple[Tensor, Tensor]:
-    """``top_path_fused`` with the max and an input attaining it from the sorted envelope
-    (O(n log n) per row, at any n: the dense alternative is an eager argmax over all pairs).
+    """``top_path_fused`` with the max and an input attaining it from the envelope kernel
+    (at most O(n log n) per row, at any n: the dense alternative is an eager argmax over all
+    pairs).
     The caller (``messages.normalization``) passes finite x̂ and messages without NaN or +inf
     only; other rows take the dense Jacobian."""
     a, shift = shifted_exp(m, -1)

@@ -170,6 +170,285 @@ static void row_max(const float *a, const float *x, int64_t n, double *work, int
     }
 }
 
+/* ---- max with few envelope lines: candidates found by evaluation, no sort -------------------- */
+
+/* The envelopes of real rows are short (a BERT layer norm's: 4 to 5 lines of 768 on average),
+   and row_max spends most of its time sorting and pushing lines that never stay on them.
+   Seen on the queries' range [lo, hi] = [min x, max x], a line rises above the envelope of a
+   set S of lines somewhere only if it does at one of that envelope's vertices (its breakpoints
+   inside the range, lo and hi): the envelope is convex and piecewise linear, so the envelope
+   minus a line is smallest at a vertex. Hence, per sign:
+   - S starts with the lines best at SEED_POINTS points of the range (one pass);
+   - one pass keeps the lines rising above S's envelope at a vertex. Every other line stays
+     below it everywhere on the range, and below every envelope of a larger S;
+   - S takes the risers (few, on real rows) and then holds every line that can attain a maximum.
+     If they are too many, S takes the one rising most at each vertex and the risers are
+     filtered again, for at most MAX_ROUNDS rounds.
+   The maxima are then taken over S's lines at the queries, formed as row_max forms them
+   (double products and sums); between rows the two ways differ only in which line of an exact
+   tie is named. Rows whose S would outgrow MAX_CANDIDATES lines go to row_max. */
+
+#define SEED_POINTS 8 /* two vectors of four doubles */
+#define MAX_CANDIDATES 48
+#define MAX_ROUNDS 8
+
+/* Candidate lines sign * (c_i + s_i t): their ids, intercepts and slopes (sign included). */
+struct lines {
+    int64_t count;
+    int64_t id[MAX_CANDIDATES];
+    double icpt[MAX_CANDIDATES], slope[MAX_CANDIDATES];
+};
+
+/* Adds line i unless S holds it already; 0 when S is full. */
+static int add_line(struct lines *S, int64_t i, double sign, const double *c, const double *s) {
+    for (int64_t k = 0; k < S->count; k++)
+        if (S->id[k] == i) return 1;
+    if (S->count == MAX_CANDIDATES) return 0;
+    S->id[S->count] = i;
+    S->icpt[S->count] = sign * c[i];
+    S->slope[S->count] = sign * s[i];
+    S->count++;
+    return 1;
+}
+
+/* S reduced to its envelope lines in slope order (insertion sort: S is small), and the vertices
+   of that envelope on [lo, hi] in ``v`` with its values there in ``env``; returns their count,
+   padded with copies of hi to whole vectors of four. */
+static int64_t envelope_vertices(struct lines *S, double lo, double hi, double *v, double *env) {
+    for (int64_t k = 1; k < S->count; k++) {
+        const int64_t id = S->id[k];
+        const double c = S->icpt[k], s = S->slope[k];
+        int64_t p = k;
+        while (p > 0 && (S->slope[p - 1] > s || (S->slope[p - 1] == s && S->icpt[p - 1] > c))) {
+            S->id[p] = S->id[p - 1];
+            S->icpt[p] = S->icpt[p - 1];
+            S->slope[p] = S->slope[p - 1];
+            p--;
+        }
+        S->id[p] = id;
+        S->icpt[p] = c;
+        S->slope[p] = s;
+    }
+    int64_t hull[MAX_CANDIDATES];
+    const int64_t h = upper_envelope(S->slope, S->icpt, S->count, hull);
+    for (int64_t k = 0; k < h; k++) { /* hull is increasing: compaction in place is safe */
+        S->id[k] = S->id[hull[k]];
+        S->icpt[k] = S->icpt[hull[k]];
+        S->slope[k] = S->slope[hull[k]];
+    }
+    S->count = h;
+    int64_t nv = 0;
+    v[nv++] = lo;
+    for (int64_t k = 0; k + 1 < h; k++) {
+        const double at = (S->icpt[k] - S->icpt[k + 1]) / (S->slope[k + 1] - S->slope[k]);
+        if (at > lo && at < hi) v[nv++] = at;
+    }
+    v[nv++] = hi;
+    while (nv % 4) v[nv++] = hi;
+    for (int64_t q = 0; q < nv; q++) {
+        double top = -INFINITY;
+        for (int64_t k = 0; k < h; k++) top = fmax(top, S->icpt[k] + S->slope[k] * v[q]);
+        env[q] = top;
+    }
+    return nv;
+}
+
+/* The lines (of ``list``, or all n where it is NULL) rising above ``env`` at one of the nv
+   vertices ``v``, written to ``found`` (which may be ``list``); returns how many. */
+static int64_t rising_lines(const double *c, const double *s, const int64_t *list, int64_t n,
+                            double sign, const double *v, const double *env, int64_t nv,
+                            int64_t *found) {
+    const __m256d sg = _mm256_set1_pd(sign);
+    int64_t count = 0;
+    if (list == NULL && nv <= 8) { /* the common case, unrolled: every line, two vectors */
+        const __m256d v0 = _mm256_mul_pd(sg, _mm256_loadu_pd(v));
+        const __m256d v1 = _mm256_mul_pd(sg, _mm256_loadu_pd(v + 4 * (nv > 4)));
+        const __m256d e0 = _mm256_loadu_pd(env), e1 = _mm256_loadu_pd(env + 4 * (nv > 4));
+        const __m256d sc = _mm256_mul_pd(sg, _mm256_set1_pd(1.0));
+        for (int64_t i = 0; i < n; i++) {
+            const __m256d ci = _mm256_mul_pd(sc, _mm256_set1_pd(c[i]));
+            const __m256d si = _mm256_set1_pd(s[i]);
+            const __m256d r0 = _mm256_cmp_pd(_mm256_add_pd(_mm256_mul_pd(si, v0), ci), e0,
+                                             _CMP_GT_OQ);
+            const __m256d r1 = _mm256_cmp_pd(_mm256_add_pd(_mm256_mul_pd(si, v1), ci), e1,
+                                             _CMP_GT_OQ);
+            if (_mm256_movemask_pd(_mm256_or_pd(r0, r1))) found[count++] = i;
+        }
+        return count;
+    }
+    for (int64_t k = 0; k < n; k++) {
+        const int64_t i = list != NULL ? list[k] : k;
+        const __m256d ci = _mm256_mul_pd(sg, _mm256_set1_pd(c[i]));
+        const __m256d si = _mm256_mul_pd(sg, _mm256_set1_pd(s[i]));
+        __m256d rises = _mm256_setzero_pd();
+        for (int64_t q = 0; q < nv; q += 4) {
+            const __m256d val = _mm256_add_pd(_mm256_mul_pd(si, _mm256_loadu_pd(v + q)), ci);
+            rises = _mm256_or_pd(rises, _mm256_cmp_pd(val, _mm256_loadu_pd(env + q), _CMP_GT_OQ));
+        }
+        if (_mm256_movemask_pd(rises)) found[count++] = i;
+    }
+    return count;
+}
+
+/* Completes S (seeded) to hold every line that attains the envelope on [lo, hi]; 0 where it
+   would outgrow MAX_CANDIDATES lines or MAX_ROUNDS rounds. ``list``: n words of scratch. */
+static int complete_lines(const double *c, const double *s, int64_t n, double lo, double hi,
+                          double sign, struct lines *S, int64_t *list) {
+    double v[MAX_CANDIDATES + 4], env[MAX_CANDIDATES + 4];
+    int64_t nv = envelope_vertices(S, lo, hi, v, env);
+    int64_t count = rising_lines(c, s, NULL, n, sign, v, env, nv, list);
+    for (int round = 0; count > 0; round++) {
+        if (S->count + count <= MAX_CANDIDATES) {
+            for (int64_t k = 0; k < count; k++) add_line(S, list[k], sign, c, s);
+            return 1;
+        }
+        if (round == MAX_ROUNDS) return 0;
+        for (int64_t q = 0; q < nv; q++) { /* the riser rising most at each vertex */
+            double most = 0.0;
+            int64_t at = -1;
+            for (int64_t k = 0; k < count; k++) {
+                const int64_t i = list[k];
+                const double rise = sign * (c[i] + s[i] * v[q]) - env[q];
+                if (rise > most) {
+                    most = rise;
+                    at = i;
+                }
+            }
+            if (at >= 0 && !add_line(S, at, sign, c, s)) return 0;
+        }
+        nv = envelope_vertices(S, lo, hi, v, env);
+        count = rising_lines(c, s, list, count, sign, v, env, nv, list);
+    }
+    return 1;
+}
+
+/* The lines best (largest: ``up``, smallest: ``down``) at SEED_POINTS points of [lo, hi]. */
+static void seed_lines(const double *c, const double *s, int64_t n, double lo, double hi,
+                       struct lines *up, struct lines *down) {
+    double t[SEED_POINTS];
+    for (int p = 0; p < SEED_POINTS; p++) t[p] = lo + (hi - lo) * p / (SEED_POINTS - 1);
+    const __m256d t0 = _mm256_loadu_pd(t), t1 = _mm256_loadu_pd(t + 4);
+    __m256d top0 = _mm256_set1_pd(-INFINITY), top1 = top0;
+    __m256d low0 = _mm256_set1_pd(INFINITY), low1 = low0;
+    __m256d at_top0 = _mm256_setzero_pd(), at_top1 = at_top0, at_low0 = at_top0, at_low1 = at_top0;
+    for (int64_t i = 0; i < n; i++) {
+        const __m256d ci = _mm256_set1_pd(c[i]), si = _mm256_set1_pd(s[i]);
+        const __m256d id = _mm256_set1_pd((double)i);
+        const __m256d v0 = _mm256_add_pd(_mm256_mul_pd(si, t0), ci);
+        const __m256d v1 = _mm256_add_pd(_mm256_mul_pd(si, t1), ci);
+        __m256d m = _mm256_cmp_pd(v0, top0, _CMP_GT_OQ);
+        top0 = _mm256_blendv_pd(top0, v0, m);
+        at_top0 = _mm256_blendv_pd(at_top0, id, m);
+        m = _mm256_cmp_pd(v1, top1, _CMP_GT_OQ);
+        top1 = _mm256_blendv_pd(top1, v1, m);
+        at_top1 = _mm256_blendv_pd(at_top1, id, m);
+        m = _mm256_cmp_pd(v0, low0, _CMP_LT_OQ);
+        low0 = _mm256_blendv_pd(low0, v0, m);
+        at_low0 = _mm256_blendv_pd(at_low0, id, m);
+        m = _mm256_cmp_pd(v1, low1, _CMP_LT_OQ);
+        low1 = _mm256_blendv_pd(low1, v1, m);
+        at_low1 = _mm256_blendv_pd(at_low1, id, m);
+    }
+    double ids[4 * 4];
+    _mm256_storeu_pd(ids, at_top0);
+    _mm256_storeu_pd(ids + 4, at_top1);
+    _mm256_storeu_pd(ids + 8, at_low0);
+    _mm256_storeu_pd(ids + 12, at_low1);
+    for (int p = 0; p < SEED_POINTS; p++) { /* at most SEED_POINTS < MAX_CANDIDATES each */
+        add_line(up, (int64_t)ids[p], 1.0, c, s);
+        add_line(down, (int64_t)ids[SEED_POINTS + p], -1.0, c, s);
+    }
+}
+
+/* row_max through candidate lines; 0 (with nothing written) where the row needs row_max.
+   ``work``: 3 n doubles. */
+static int row_max_candidates(const float *a, const float *x, int64_t n, double *work, float *out,
+                              int64_t *arg) {
+    double *c = work, *s = work + n;
+    int64_t *list = (int64_t *)(work + 2 * n);
+    double lo = INFINITY, hi = -INFINITY;
+    for (int64_t k = 0; k < n; k++) {
+        c[k] = (double)a[k];
+        s[k] = (double)(a[k] * x[k]); /* the float32 slope, as row_max uses it */
+        const double t = (double)x[k];
+        lo = t < lo ? t : lo;
+        hi = t > hi ? t : hi;
+    }
+    struct lines up = {0}, down = {0};
+    seed_lines(c, s, n, lo, hi, &up, &down);
+    if (!complete_lines(c, s, n, lo, hi, 1.0, &up, list) ||
+        !complete_lines(c, s, n, lo, hi, -1.0, &down, list))
+        return 0;
+    const struct lines *sets[2] = {&up, &down};
+    int64_t j = 0;
+    if (arg == NULL) { /* values only: one max per line and query vector */
+        for (; j + 8 <= n; j += 8) {
+            const __m256d t0 = _mm256_cvtps_pd(_mm_loadu_ps(x + j));
+            const __m256d t1 = _mm256_cvtps_pd(_mm_loadu_ps(x + j + 4));
+            __m256d best0 = _mm256_setzero_pd(), best1 = best0;
+            for (int side = 0; side < 2; side++) {
+                const struct lines *S = sets[side];
+                for (int64_t k = 0; k < S->count; k++) {
+                    const __m256d ck = _mm256_set1_pd(S->icpt[k]);
+                    const __m256d sk = _mm256_set1_pd(S->slope[k]);
+                    /* on ties max_pd returns its second operand: best stays +0.0 */
+                    best0 = _mm256_max_pd(_mm256_add_pd(_mm256_mul_pd(sk, t0), ck), best0);
+                    best1 = _mm256_max_pd(_mm256_add_pd(_mm256_mul_pd(sk, t1), ck), best1);
+                }
+            }
+            _mm_storeu_ps(out + j, _mm256_cvtpd_ps(best0));
+            _mm_storeu_ps(out + j + 4, _mm256_cvtpd_ps(best1));
+        }
+    }
+    for (; j + 8 <= n; j += 8) { /* two vectors of queries: two independent chains */
+        const __m256d t0 = _mm256_cvtps_pd(_mm_loadu_ps(x + j));
+        const __m256d t1 = _mm256_cvtps_pd(_mm_loadu_ps(x + j + 4));
+        __m256d best0 = _mm256_setzero_pd(), best1 = best0;
+        __m256d at0 = _mm256_set1_pd(-1.0), at1 = at0;
+        for (int side = 0; side < 2; side++) {
+            const struct lines *S = sets[side];
+            for (int64_t k = 0; k < S->count; k++) {
+                const __m256d ck = _mm256_set1_pd(S->icpt[k]), sk = _mm256_set1_pd(S->slope[k]);
+                const __m256d id = _mm256_set1_pd((double)S->id[k]);
+                const __m256d v0 = _mm256_add_pd(_mm256_mul_pd(sk, t0), ck);
+                const __m256d v1 = _mm256_add_pd(_mm256_mul_pd(sk, t1), ck);
+                const __m256d m0 = _mm256_cmp_pd(v0, best0, _CMP_GT_OQ);
+                const __m256d m1 = _mm256_cmp_pd(v1, best1, _CMP_GT_OQ);
+                best0 = _mm256_blendv_pd(best0, v0, m0);
+                best1 = _mm256_blendv_pd(best1, v1, m1);
+                at0 = _mm256_blendv_pd(at0, id, m0);
+                at1 = _mm256_blendv_pd(at1, id, m1);
+            }
+        }
+        _mm_storeu_ps(out + j, _mm256_cvtpd_ps(best0));
+        _mm_storeu_ps(out + j + 4, _mm256_cvtpd_ps(best1));
+        if (arg != NULL) {
+            double ids[8];
+            _mm256_storeu_pd(ids, at0);
+            _mm256_storeu_pd(ids + 4, at1);
+            for (int q = 0; q < 8; q++) arg[j + q] = (int64_t)ids[q];
+        }
+    }
+    for (; j < n; j++) {
+        const double t = (double)x[j];
+        double best = 0.0;
+        int64_t where = -1;
+        for (int side = 0; side < 2; side++) {
+            const struct lines *S = sets[side];
+            for (int64_t k = 0; k < S->count; k++) {
+                const double val = S->icpt[k] + S->slope[k] * t;
+                if (val > best) {
+                    best = val;
+                    where = S->id[k];
+                }
+            }
+        }
+        out[j] = (float)best;
+        if (arg != NULL) arg[j] = where;
+    }
+    return 1;
+}
+
 /* ---- sums of |affine| terms: prefix sums over sorted x ---------------------------------------- */
 
 struct prefix {
@@ -441,9 +720,13 @@ int semipack_norm_sorted_max_f32(const float *a, const float *x, int64_t rows, i
             failed = 1;
         } else {
 #pragma omp for schedule(dynamic, 1)
-            for (int64_t row = 0; row < rows; row++)
-                row_max(a + row * n, x + row * n, n, work, hull, hull + n, ranks, out + row * n,
-                        arg != NULL ? arg + row * n : NULL);
+            for (int64_t row = 0; row < rows; row++) {
+                int64_t *row_arg = arg != NULL ? arg + row * n : NULL;
+                if (!row_max_candidates(a + row * n, x + row * n, n, work, out + row * n,
+                                        row_arg))
+                    row_max(a + row * n, x + row * n, n, work, hull, hull + n, ranks,
+                            out + row * n, row_arg);
+            }
         }
         free(work);
         free(hull);

@@ -354,8 +354,9 @@ taken there).
   magnitudes replace them by 1 and put -inf back (same bits; ResNet-18 eval MaxProd 4.8x ->
   4.6x). In train mode ResNet-18 adds the
   exact messages of BatchNorm over N x H x W entries per channel (8192 in its first layer). The
-  native kernels sort each channel and take O(n log n): MaxProd's maximum is an upper envelope
-  of lines, LogSum's sum prefix sums, Entropy's sum of c log c a series tree
+  native kernels take O(n log n) at most: MaxProd's maximum is an upper envelope of lines
+  (candidate lines found by evaluation, sorting only when they do not hold it), LogSum's sum
+  prefix sums over the sorted channel, Entropy's sum of c log c a series tree
   (`kernels/native/normalization_sorted.c`); the all-pairs form had Entropy at 38.6x and
   MaxProd at 12.2x (2026-11-25).
 - **Slow scalar paths in PyTorch's CPU kernels.** `torch.logaddexp` evaluates log1p one entry

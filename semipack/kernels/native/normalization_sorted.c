@@ -9,8 +9,10 @@
    Why this is possible: seen from output j, with t = x_j, every term is a function of one
    affine form 1 + x_i t. So
 
-   - the max is the larger of two upper envelopes of lines, a_i + (a_i x_i) t and its negation:
-     sort the lines by slope once, keep the envelope (a stack), walk it with the sorted t;
+   - the max is the larger of two upper envelopes of lines, a_i + (a_i x_i) t and its negation.
+     Real rows' envelopes hold a few lines, found without sorting (row_max_candidates, below);
+     otherwise: sort the lines by slope once, keep the envelope (a stack), walk it with the
+     sorted t (row_max);
    - a sum of a_i |1 + x_i t| is linear in t between the points t = -1/x_i: with x sorted and
      prefix sums of a and a x, the terms with 1 + x_i t >= 0 are a prefix or a suffix found by
      binary search, and the sum is 2 (positive part) - (all);

@@ -381,6 +381,9 @@ static int row_max_candidates(const float *a, const float *x, int64_t n, double 
     if (!complete_lines(c, s, n, lo, hi, 1.0, &up, list) ||
         !complete_lines(c, s, n, lo, hi, -1.0, &down, list))
         return 0;
+    double v[MAX_CANDIDATES + 4], env[MAX_CANDIDATES + 4];
+    envelope_vertices(&up, lo, hi, v, env); /* keeps only envelope lines: fewer to evaluate */
+    envelope_vertices(&down, lo, hi, v, env);
     const struct lines *sets[2] = {&up, &down};
     int64_t j = 0;
     if (arg == NULL) { /* values only: one max per line and query vector */

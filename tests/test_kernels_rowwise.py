@@ -769,3 +769,34 @@ def test_log_add_exp_and_entropy_plus_match_float64(shape) -> None:
     want_r = (a.double() - safe).exp() * r_a.double() + (b.double() - safe).exp() * r_b.double()
     torch.testing.assert_close(got_z.double(), z, rtol=2.4e-7, atol=2.4e-7, equal_nan=True)
     torch.testing.assert_close(got_r.double(), want_r, rtol=1e-5, atol=1e-6, equal_nan=True)
+
+
+@pytest.mark.parametrize("compiled", [True, False])
+def test_eval_batch_norm_gain_and_bias_max_plus_kernel(compiled, monkeypatch):
+    """An eval-mode batch norm's gain and bias messages in MaxProd come from one fused kernel
+    (compiled from FUSED_MIN_ELEMENTS entries): against the generic rule's ops (scale by x̂,
+    max over batch and positions), with a channel whose x̂ is all exactly 0 (its gain has no
+    edge: -inf), scattered zeros of x̂ and a sample without a path (-inf messages)."""
+    from semipack.kernels.normalization import affine_params_max_plus
+
+    kcompiled = importlib.import_module("semipack.kernels.compiled")
+    monkeypatch.setitem(kcompiled._state, "enabled", compiled)
+    sr = semipack.MaxProd()
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(4, 8, 40, 40, generator=gen)  # 51200 entries, past FUSED_MIN_ELEMENTS
+    mean, invstd = torch.randn(8, generator=gen), torch.rand(8, generator=gen) + 0.5
+    m = torch.randn(4, 8, 40, 40, generator=gen) * 3
+    x[:, 2] = mean[2]
+    x[0, 3, :5] = mean[3]
+    m[1] = float("-inf")
+    per_channel = (1, 8, 1, 1)
+    x_hat = (x - mean.reshape(per_channel)) * invstd.reshape(per_channel)
+    want_w = sr.sum(sr.scale((m,), x_hat), [0, 2, 3])[0]
+    want_b = sr.sum((m,), [0, 2, 3])[0]
+    rows, stats = (4, 8, -1), (1, 8, 1)
+    got_w, got_b = affine_params_max_plus(
+        m.reshape(rows), x.reshape(rows), mean.reshape(stats), invstd.reshape(stats)
+    )
+    assert got_w[2] == float("-inf") and torch.isfinite(got_w[torch.arange(8) != 2]).all()
+    torch.testing.assert_close(got_w, want_w, rtol=1e-6, atol=0)
+    assert torch.equal(got_b, want_b)

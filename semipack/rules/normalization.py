@@ -16,6 +16,7 @@ import math
 import torch
 from torch import Tensor
 
+from ..kernels.normalization import affine_params_max_plus
 from ..messages import OpCall, register_rule
 from ..messages.jacobian import contract_rows, identity_block
 from ..messages.normalization import normalized_messages
@@ -178,8 +179,18 @@ def _batch_norm_eval(call: OpCall, msg, mean: Tensor, invstd: Tensor, mask):
         gain = gains(weight, channels, dtype, x.device).reshape(per_channel)
         grad_in = sr.scale(msg.parts, gain * invstd)
     if mask[1] or mask[2]:
-        x_hat = (x.to(dtype) - mean) * invstd
-        w, b = _param_messages(sr, msg.parts, x_hat, [0, *range(2, x.dim())])
+        if sr.is_max_plus():  # both reductions in one fused pass over the message and input
+            rows = (x.shape[0], channels, -1)
+            w, b = affine_params_max_plus(
+                msg.parts[0].reshape(rows),
+                x.to(dtype).reshape(rows),
+                mean.reshape(1, channels, 1),
+                invstd.reshape(1, channels, 1),
+            )
+            w, b = (w,), (b,)
+        else:
+            x_hat = (x.to(dtype) - mean) * invstd
+            w, b = _param_messages(sr, msg.parts, x_hat, [0, *range(2, x.dim())])
         grad_w = w if mask[1] and weight is not None else None
         grad_b = b if mask[2] else None
     return _outputs(call, call.run_regular(), grad_in, grad_w, grad_b, mask)

@@ -19,6 +19,8 @@ from contextlib import contextmanager
 
 import torch
 
+from ..kernels.tropical import shared_pruning_choice
+
 _lock = threading.Lock()
 _running = {True: 0, False: 0}  # retain_graph -> number of semiring passes in flight
 
@@ -31,12 +33,17 @@ def semiring_pass(retain_graph: bool | None) -> Iterator[None]:
     compiled with ``torch.compile`` to run eagerly (so its ops reach the rules), but semipack's
     own kernels (``kernels.compiled``) stay compiled. One switch per pass: ``set_stance`` costs
     about a millisecond, far too much per kernel call.
+
+    Max-plus products of the same operand shapes within the pass share one choice of pruned or
+    dense kernel (``shared_pruning_choice``): a transformer's layers repeat their shapes, and
+    each estimate read a whole weight (0.2 ms for a MiniLM feed-forward product of one sentence,
+    a quarter of the product). The choice decides speed only, never a value.
     """
     retain = bool(retain_graph)
     with _lock:
         _running[retain] += 1
     try:
-        with own_kernels_compiled():
+        with own_kernels_compiled(), shared_pruning_choice():
             yield
     finally:
         with _lock:

@@ -169,3 +169,25 @@ def test_registration_is_scoped_and_restores_the_previous_extension() -> None:
     with extending(diag_scale_extension, diag_scale):
         assert FUNCTION_EXTENSIONS[diag_scale] is diag_scale_extension
     assert diag_scale not in FUNCTION_EXTENSIONS
+
+
+class OutOfGraphFunction(ExtensionFunction):
+    """A faulty extension: its messages give ``w`` a path that its call (``x * 2``, ``w``
+    unused) does not have."""
+
+    @staticmethod
+    def messages(call: BackwardCall):
+        sr, (m,), (x, _) = call.semiring, call.incoming, call.inputs
+        return sr.scale(m, torch.full_like(x, 2.0)), sr.sum(m, list(range(x.dim() - 1)))
+
+
+def test_messages_where_the_plain_backward_has_no_gradient_raise() -> None:
+    """An input the call's plain backward does not reach gets no message (as in a plain
+    backward, ``.grad`` stays None); if the extension's messages claim a path to it anyway,
+    the pass raises instead of dropping or keeping that path silently."""
+    x = torch.randn(3, 4, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(4, dtype=torch.float64, requires_grad=True)
+    with semipack.extend(None, semipack.MaxProd()):
+        out = OutOfGraphFunction.run(lambda a, b: a * 2, [x * 1, w * 1])
+        with pytest.raises(semipack.MessageLostError, match="OutOfGraph: the semiring messages"):
+            out.sum().backward()

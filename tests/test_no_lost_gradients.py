@@ -156,3 +156,130 @@ def test_a_captured_learnable_mask_keeps_its_gradient_and_the_generic_drawing() 
         values[extensions] = leaves["mask"].semiring_grad.clone()
         assert leaves["mask"].grad is not None
     torch.testing.assert_close(values[True], values[False], rtol=1e-12, atol=0)
+
+
+def _grads_and_values(
+    params: dict[str, Tensor], loss: Callable[[], Tensor], sr: semipack.Semiring | None, **kw
+) -> tuple[dict[str, Tensor | None], dict[str, Tensor | None]]:
+    """(.grad, .semiring_grad) of each parameter after one backward of ``loss()``, plain when
+    ``sr`` is None, else inside ``semipack.extend`` with ``kw``."""
+    for p in params.values():
+        p.grad = None
+        if hasattr(p, "semiring_grad"):
+            del p.semiring_grad
+    if sr is None:
+        loss().backward()
+    else:
+        with semipack.extend(None, sr, **kw):
+            loss().backward()
+    grads = {n: p.grad for n, p in params.items()}
+    values = {n: getattr(p, "semiring_grad", None) for n, p in params.items()}
+    return grads, values
+
+
+def _assert_like_plain_and_generic(params, loss) -> None:
+    """.grad bitwise plain (None where plain has None) and never a Message; semiring values
+    only where plain has a gradient, equal to the generic per-op path's (Real: to .grad)."""
+    plain, _ = _grads_and_values(params, loss, None)
+    for sr in (semipack.MaxProd(), semipack.LogSum(), semipack.Real()):
+        grads, fused = _grads_and_values(params, loss, sr)
+        _, generic = _grads_and_values(params, loss, sr, extensions=False)
+        for name, want in plain.items():
+            got = grads[name]
+            assert (got is None) == (want is None), f"{sr.name} {name}: .grad {got!r}"
+            assert (fused[name] is None) == (want is None), f"{sr.name} {name}: semiring_grad"
+            if want is None:
+                continue
+            assert type(got) is Tensor and torch.equal(got, want), f"{sr.name} {name}"
+            # Real's sums cancel to rounding noise where the gradient is 0: an absolute floor
+            floor = 1e-12 if isinstance(sr, semipack.Real) else 0.0
+            torch.testing.assert_close(fused[name], generic[name], rtol=1e-9, atol=floor)
+            if isinstance(sr, semipack.Real):
+                torch.testing.assert_close(fused[name], want, rtol=1e-9, atol=floor)
+
+
+@pytest.mark.parametrize("output", ["attention output", "attention weights"])
+def test_a_loss_of_one_output_of_multihead_attention(output: str) -> None:
+    """The loss reads one of nn.MultiheadAttention's two outputs. From the weights only, the
+    value rows of the input projection and out_proj are on no path: out_proj gets no gradient
+    (as in a plain backward) and no semiring value. A message without a regular gradient used
+    to end in out_proj's ``.grad`` (a new-user trial found it: an optimizer step then raised)."""
+    mha = nn.MultiheadAttention(4, 2, batch_first=True, dtype=DTYPE)
+    x = _rand(2, 3, 4, seed=1).requires_grad_()
+    params = {**dict(mha.named_parameters()), "x": x}
+    which = 0 if output == "attention output" else 1
+
+    def loss() -> Tensor:
+        return mha(x * 1, x * 1, x * 1, need_weights=True)[which].pow(2).sum()
+
+    _assert_like_plain_and_generic(params, loss)
+
+
+def test_a_loss_of_a_hugging_face_models_attention_weights() -> None:
+    """A loss of the last layer's attention probabilities (``output_attentions=True``) of a
+    two-layer BERT with eager attention: that layer's value projection and everything after it
+    get no gradient. A regular-gradient-less message from the value projection used to be added
+    into the residual stream and leave Messages in every earlier parameter's ``.grad``."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    cfg = transformers.BertConfig(
+        vocab_size=20, hidden_size=8, num_hidden_layers=2, num_attention_heads=2,
+        intermediate_size=16, torch_dtype=DTYPE,
+    )  # fmt: skip
+    model = transformers.BertModel._from_config(cfg, attn_implementation="eager").eval()
+    model = model.to(DTYPE)
+    ids = torch.tensor([[3, 5, 7, 2]])
+    params = dict(model.named_parameters())
+
+    def loss() -> Tensor:
+        return model(input_ids=ids, output_attentions=True).attentions[1].pow(2).sum()
+
+    _assert_like_plain_and_generic(params, loss)
+
+
+def _penalty_grads(call: Call, leaves: dict[str, Tensor]) -> tuple[list[bool], tuple]:
+    """Which gradients of the loss carry a graph (``create_graph=True``, as a gradient penalty
+    or double backprop computes them), and the gradients of their squared norm, by direct
+    ``torch.autograd.grad`` calls (None where the penalty is constant)."""
+    loss = _loss(call, leaves)
+    grads = torch.autograd.grad(loss, list(leaves.values()), create_graph=True, allow_unused=True)
+    graphs = [g is not None and g.requires_grad for g in grads]
+    if not any(graphs):
+        return graphs, (None,) * len(leaves)
+    penalty = sum(g.pow(2).sum() for g, on in zip(grads, graphs, strict=True) if on)
+    return graphs, torch.autograd.grad(penalty, list(leaves.values()), allow_unused=True)
+
+
+@pytest.mark.parametrize("call", CALLS, ids=lambda c: c.name)
+def test_a_gradient_penalty_differentiates_through_extensions(call: Call) -> None:
+    """``torch.autograd.grad(..., create_graph=True)`` inside ``extend`` gives a gradient that
+    can be differentiated again, through every extension, to the second-order gradients of a
+    plain run, bitwise. The extensions' inner graphs hang off detached aliases, so their
+    gradients used to be constants: a gradient penalty's second-order term was silently lost
+    (a new-user trial found it). Linear's penalised loss also runs a semiring backward."""
+    if call.name == "hf_eager":
+        pytest.importorskip("transformers")
+    names = tuple(call.shapes)
+    try:
+        want = _penalty_grads(call, _leaves(call, names))
+    except RuntimeError as exc:  # PyTorch itself has no double backward for this kernel
+        pytest.skip(f"plain double backward unavailable: {exc}"[:200])
+    with semipack.extend(_MHA, semipack.MaxProd()):
+        got = _penalty_grads(call, _leaves(call, names))
+    assert got[0] == want[0], "which gradients carry a graph"
+    for name, w, g in zip(names, want[1], got[1], strict=True):
+        assert (w is None) == (g is None), name
+        assert w is None or torch.equal(g, w), name
+    if call.name == "linear":
+        plain = _leaves(call, names)
+        loss = _loss(call, plain)
+        grads = torch.autograd.grad(loss, list(plain.values()), create_graph=True)
+        (loss + sum(g.pow(2).sum() for g in grads)).backward()
+        leaves = _leaves(call, names)
+        with semipack.extend(None, semipack.Real()):
+            loss = _loss(call, leaves)
+            grads = torch.autograd.grad(loss, list(leaves.values()), create_graph=True)
+            (loss + sum(g.pow(2).sum() for g in grads)).backward()
+        for name in names:
+            assert torch.equal(leaves[name].grad, plain[name].grad), name
+            torch.testing.assert_close(leaves[name].semiring_grad, plain[name].grad)

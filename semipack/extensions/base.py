@@ -29,7 +29,7 @@ from typing import Any, ClassVar
 import torch
 from torch import Tensor
 
-from ..errors import PerSampleError
+from ..errors import MessageLostError, PerSampleError
 from ..graph.provenance import current_module, current_site
 from ..graph.sites import Site, stamp
 from ..messages.message import Message
@@ -200,6 +200,40 @@ class InnerGraph:
             if g is not None and not first:
                 g = torch.zeros_like(g)
             out.append(g)
+        return out
+
+    def differentiable_grads(self, grads: Sequence[Tensor | None]) -> list[Tensor | None]:
+        """``regular_grads`` for a backward that records a graph (``create_graph=True``: a
+        gradient penalty or double backprop differentiates the gradient again). The inner
+        graph hangs off detached aliases, so its gradients would be constants; the call runs
+        again on its real inputs and is differentiated with ``create_graph``: the same ops, so
+        the same values, now connected to the inputs and to the incoming gradients."""
+        outs = self.fn(*self.originals)
+        outs = outs if isinstance(outs, tuple) else (outs,)
+        pairs = [
+            (o, g)
+            for o, g in zip(outs, grads, strict=False)
+            if g is not None and isinstance(o, Tensor) and o.requires_grad
+        ]
+        unique = [
+            t
+            for t, first in zip(self.originals, self.first_use, strict=True)
+            if first and t is not None and t.requires_grad
+        ]
+        if not unique or not pairs:
+            return [None] * len(self.originals)
+        got = torch.autograd.grad(
+            [o for o, _ in pairs],
+            unique,
+            [g for _, g in pairs],
+            create_graph=True,
+            allow_unused=True,
+        )
+        found = dict(zip((id(t) for t in unique), got, strict=True))
+        out: list[Tensor | None] = []
+        for t, first in zip(self.originals, self.first_use, strict=True):
+            g = None if t is None else found.get(id(t))
+            out.append(torch.zeros_like(g) if g is not None and not first else g)
         return out
 
 
@@ -423,6 +457,8 @@ class ExtensionFunction(torch.autograd.Function):
         release = sr is not None and not graph_retained()
         inner.retain = not release
         if sr is None:  # a plain backward
+            if torch.is_grad_enabled():  # create_graph=True: the gradient is differentiated
+                return (None, None, *inner.differentiable_grads(regular))
             return (None, None, *inner.regular_grads(regular))
         cls = ctx._forward_cls
         inner.check_unmodified(cls.reads)
@@ -445,14 +481,44 @@ class ExtensionFunction(torch.autograd.Function):
                 for p, state in zip(params, per, strict=True):
                     if p is not None and state is not None:
                         rows.add(p, state)
+        with_regular = any(g is not None for g in regular)
         regular = inner.regular_grads(regular)
         out = tuple(
-            as_message(r, s, sr, v) if s is not None and need and v is not None else None
+            as_message(r, s, sr, v)
+            if s is not None and need and v is not None and _reached(r, s, sr, with_regular, cls)
+            else None
             for r, s, v, need in zip(regular, states, values, needs, strict=True)
         )
         if release:
             ctx.__dict__.clear()
         return (None, None, *out)
+
+
+def _reached(
+    regular: Tensor | None,
+    state: State,
+    sr: Semiring,
+    with_regular: bool,
+    cls: type[ExtensionFunction],
+) -> bool:
+    """Whether an input gets a message: in a pass with regular gradients, only an input that a
+    plain backward reaches (it has a regular gradient). An input the call's inner graph does
+    not connect to any output that got a gradient (the value projection when only the attention
+    weights feed the loss) gets none, as in a plain backward: a message without its regular
+    gradient would end in the parameter's ``.grad``, or drop the regular gradient it is added
+    to. Such an input has no path either; a state with one means the messages and the inner
+    graph disagree, which is raised rather than dropped."""
+    if regular is not None or not with_regular:
+        return True
+    if isinstance(state, SparseRows):
+        state = state.parts
+    if not bool(sr.is_zero(state).all()):
+        raise MessageLostError(
+            f"{cls.__name__.removesuffix('Function')}: the semiring messages reach an input that "
+            "the plain backward of the same call does not reach (a semipack bug: please report "
+            "it with the model)"
+        )
+    return False
 
 
 def _messages_per_factor(

@@ -409,6 +409,8 @@ def _run_backward(tensors, grad_tensors, sr, leaves, regular_grads, retain_graph
         def hook(grad):
             if in_carry_pass():  # a branch carried down by an explain readout, not this pass
                 return None
+            if grad is None:  # no gradient reaches the leaf (a Function returned None for it)
+                return None
             msg = _check(grad, leaf, tensors)
             # Keep only the semiring state: the regular gradient goes to ``.grad`` (possibly
             # as a copy), and holding it here too would double the gradients' memory.

@@ -283,3 +283,20 @@ def test_a_gradient_penalty_differentiates_through_extensions(call: Call) -> Non
         for name in names:
             assert torch.equal(leaves[name].grad, plain[name].grad), name
             torch.testing.assert_close(leaves[name].semiring_grad, plain[name].grad)
+
+
+def test_a_model_under_torch_func_vmap_inside_extend() -> None:
+    """``torch.func.vmap(functional_call(model, ...))`` inside ``extend``: the extensions step
+    aside (their inner graph's detached aliases cannot be made inside a functorch transform; it
+    used to raise functorch's own error) and the generic path gives plain gradients and the
+    semiring values."""
+    from torch.func import functional_call, vmap
+
+    model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2)).to(DTYPE)
+    x = _rand(2, 3, seed=0)
+    params = dict(model.named_parameters())
+
+    def loss() -> Tensor:
+        return vmap(lambda xi: functional_call(model, params, (xi,)))(x).pow(2).sum()
+
+    _assert_like_plain_and_generic(params, loss)

@@ -426,7 +426,9 @@ class ExtensionFunction(torch.autograd.Function):
         needs is closed over, and what the messages need besides goes in ``options``. A call
         that records no graph (grad mode off, no input requiring grad) is the plain call.
         """
-        if not wants_graph(*inputs):
+        if not wants_graph(*inputs) or torch._C._are_functorch_transforms_active():
+            # Inside torch.func transforms (vmap, grad, ...) the inner graph's detached aliases
+            # cannot be made: the plain call, whose ops the generic rules carry.
             return cls.keep(fn(*inputs))[0]
         inner = InnerGraph(fn, inputs)
         if inner.escapes:

@@ -204,3 +204,30 @@ def test_llama_and_transformer_encoder_layers_split_by_use() -> None:
         assert split.names == uses
         whole = torch.stack(list(split.values.values())).amax(0)
         torch.testing.assert_close(whole, x.semiring_grad)  # MaxProd: max over the uses
+
+
+def test_a_split_whose_forward_records_no_graph_says_why() -> None:
+    """A reentrant activation checkpoint runs its forward without autograd (and again in the
+    backward, after the block): no use of the split tensor gets an alias there. The split is
+    then an error naming the cause, not an empty ``names`` (a new-user trial met both kinds: a
+    split tensor that requires grad but is used only under no_grad, and a module input made
+    without grad)."""
+    from torch.utils.checkpoint import checkpoint
+
+    net, x = _net(), _x()
+    for p in net.parameters():
+        p.requires_grad_(True)
+    cause = "reentrant activation checkpoint"
+    with semipack.extend(net, semipack.MaxProd()):
+        h = torch.tanh(net.emb(x))
+        unused = pytest.raises(semipack.SemipackError, match=f"used only where.*{cause}")
+        with unused, semipack.branches(net.block):  # h requires grad; its uses record nothing
+            checkpoint(net.block, h, use_reentrant=True)
+        no_grad_input = pytest.raises(
+            semipack.SemipackError, match=f"Linear's input does not.*{cause}"
+        )
+        with no_grad_input, semipack.branches(net.block.v):  # input made in the checkpoint
+            checkpoint(lambda t: net.block.v(t * 2), h, use_reentrant=True)
+        unused = pytest.raises(semipack.SemipackError, match="used only where")
+        with unused, torch.no_grad(), semipack.branches(h):
+            net.block(h)

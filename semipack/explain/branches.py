@@ -120,10 +120,17 @@ class _SplitMode(TorchFunctionMode):
         #: the split tensor and its copies behind module-hook nodes (``_behind_module_hook``)
         self.forms: list[Tensor] = []
         self.counts: dict[str, int] = {}
+        #: whether a use of the split tensor ran without grad mode (no alias, no branch)
+        self.uses_without_grad = False
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if self.target is None or _not_a_use(func) or not torch.is_grad_enabled():
+        if self.target is None or _not_a_use(func):
+            return func(*args, **kwargs)
+        if not torch.is_grad_enabled():
+            if not self.uses_without_grad:
+                every = (*args, *kwargs.values())
+                self.uses_without_grad = any(self._is_split(a) for a in every)
             return func(*args, **kwargs)
         uses = [i for i, a in enumerate(args) if self._is_split(a)]
         named = [k for k, v in kwargs.items() if self._is_split(v)]
@@ -225,7 +232,11 @@ def branches(at: nn.Module | Tensor, inputs: Sequence[Tensor] = ()) -> Iterator[
         if mode.target is not None:
             return
         if not isinstance(tensor, Tensor) or not tensor.requires_grad:
-            raise SemipackError("semipack.branches splits a tensor that requires grad")
+            what = f"{type(at).__name__}'s input" if isinstance(at, nn.Module) else "this tensor"
+            raise SemipackError(
+                f"semipack.branches splits a tensor that requires grad; {what} does not "
+                f"({_NO_GRAPH_CAUSES})"
+            )
         mode.target = result.split = tensor
         mode.forms = [tensor]
         if inputs:
@@ -256,10 +267,23 @@ def branches(at: nn.Module | Tensor, inputs: Sequence[Tensor] = ()) -> Iterator[
             handles[0].remove()
         mode.target = None
         mode.forms = []
+    if result.split is not None and not result.names and mode.uses_without_grad:
+        raise SemipackError(
+            "semipack.branches: the split tensor was used only where autograd records nothing "
+            f"({_NO_GRAPH_CAUSES}), so no branch can be told apart"
+        )
     if result.split is None:
         raise SemipackError(
             f"semipack.branches: {type(at).__name__} was not called inside the block"
         )
+
+
+#: Why a forward inside the block records no graph, for the errors that meet it.
+_NO_GRAPH_CAUSES = (
+    "a forward under torch.no_grad, or inside a reentrant activation checkpoint "
+    "(torch.utils.checkpoint with use_reentrant=True), which records the graph only while "
+    "the backward runs, after this block: use use_reentrant=False"
+)
 
 
 def _read_branch(alias: Tensor, name: str, result: Branches) -> None:

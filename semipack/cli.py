@@ -15,6 +15,7 @@ the model's own use), or one token's output norm (``--target token:3``).
 from __future__ import annotations
 
 import argparse
+import inspect
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -87,6 +88,11 @@ def load(model_dir: str, masked_lm: bool = False) -> tuple[nn.Module, object]:
 
 def _layers(model: nn.Module) -> list[AttentionLayer]:
     """The model's attention layers, or a message naming the families the command takes."""
+    if "input_ids" not in inspect.signature(model.forward).parameters:
+        raise SemipackError(
+            f"{type(model).__name__} is not supported (it takes no text: its forward has no "
+            f"input_ids): semipack explain takes {FAMILIES}"
+        )
     try:
         return attention_layers(model)
     except SemipackError as error:

@@ -219,9 +219,12 @@ def test_unsupported_families_name_the_supported_ones(tiny_model_dir, tmp_path, 
         vocab_size=len(WORDS), embedding_size=8, hidden_size=8, num_hidden_layers=2,
         num_attention_heads=2, intermediate_size=16, max_position_embeddings=16,
     )  # fmt: skip
+    vit = transformers.ViTConfig(hidden_size=8, num_hidden_layers=1, num_attention_heads=2,
+                                 intermediate_size=16, image_size=8, patch_size=4)  # fmt: skip
     for name, cfg, why in (
         ("t5", t5, "T5Model is not supported (no attention layers found)"),
         ("albert", albert, "AlbertModel is not supported (AlbertModel runs one shared layer"),
+        ("vit", vit, "ViTModel is not supported (it takes no text"),  # was a raw traceback
     ):
         folder = _saved(tmp_path / name, transformers.AutoModel.from_config(cfg), tiny_model_dir)
         assert main(["explain", "--model", str(folder)]) == 2

@@ -6,7 +6,7 @@ from __future__ import annotations
 import threading
 import warnings
 from collections.abc import Callable, Iterator
-from contextlib import ExitStack, contextmanager
+from contextlib import AbstractContextManager, ExitStack, contextmanager
 from typing import Any
 
 import torch
@@ -26,7 +26,6 @@ from .transport.per_sample import check_semiring
 _blocks = threading.local()
 
 
-@contextmanager
 def extend(
     model: nn.Module | None,
     semiring: Any,
@@ -36,7 +35,7 @@ def extend(
     drawing: str = "atomic",
     keep_state: bool = False,
     per_sample: bool = False,
-) -> Iterator[nn.Module | None]:
+) -> AbstractContextManager[nn.Module | None]:
     """Run every ``backward()`` inside the block as a semiring backward.
 
     Each leaf tensor reached from the root (parameters and inputs with ``requires_grad``) gets
@@ -79,10 +78,62 @@ def extend(
     train mode, a reduction over the batch, ``x @ x.T``): anything else raises
     ``PerSampleError`` before the pass.
 
-    Blocks do not nest (a second ``extend`` inside a first raises ``SemipackError``). Anything
-    compiled with ``torch.compile`` (the model, or a compiled wrapper of it) runs eagerly inside
-    the block.
+    Blocks do not nest (a second ``extend`` inside a first raises ``SemipackError``); one
+    ``extend(...)`` object may be entered again after its block ended, like ``torch.no_grad()``.
+    Anything compiled with ``torch.compile`` (the model, or a compiled wrapper of it) runs
+    eagerly inside the block.
     """
+    for name, flag in (
+        ("regular_grads", regular_grads),
+        ("extensions", extensions),
+        ("keep_state", keep_state),
+        ("per_sample", per_sample),
+    ):
+        if not isinstance(flag, bool):
+            raise TypeError(f"semipack.extend: {name} must be True or False, got {flag!r}")
+    return _Reusable(
+        lambda: _block(
+            model,
+            semiring,
+            regular_grads=regular_grads,
+            extensions=extensions,
+            drawing=drawing,
+            keep_state=keep_state,
+            per_sample=per_sample,
+        )
+    )
+
+
+class _Reusable(AbstractContextManager):
+    """A context manager made afresh by ``make`` at each entry, so that one ``extend(...)``
+    object can be entered again once its block has ended (a generator-based one cannot)."""
+
+    def __init__(self, make: Callable[[], AbstractContextManager]) -> None:
+        self._make = make
+        self._open: list[AbstractContextManager] = []
+
+    def __enter__(self) -> Any:
+        block = self._make()
+        value = block.__enter__()
+        self._open.append(block)
+        return value
+
+    def __exit__(self, *exc: Any) -> bool | None:
+        return self._open.pop().__exit__(*exc)
+
+
+@contextmanager
+def _block(
+    model: nn.Module | None,
+    semiring: Any,
+    *,
+    regular_grads: bool,
+    extensions: bool,
+    drawing: str,
+    keep_state: bool,
+    per_sample: bool,
+) -> Iterator[nn.Module | None]:
+    """The block ``extend`` describes, entered once."""
     semiring = _bw.require_semiring(semiring)
     drawn = drawing_routes(drawing)
     if model is not None and not isinstance(model, nn.Module):

@@ -252,6 +252,27 @@ def test_extend_rejects_non_semirings() -> None:
         pass
 
 
+def test_extend_rejects_options_that_are_not_flags() -> None:
+    with pytest.raises(TypeError, match="per_sample must be True or False, got 'yes'"):
+        semipack.extend(small_model(), semipack.MaxProd(), per_sample="yes")
+
+
+def test_one_extend_object_enters_again() -> None:
+    """Like ``torch.no_grad()``, one ``extend(...)`` object may be entered again after its
+    block (it failed inside contextlib before); each block gives a fresh semiring pass."""
+    model = small_model()
+    x, _ = data()
+    block = semipack.extend(model, semipack.Real())
+    for _ in range(2):
+        model.zero_grad(set_to_none=True)
+        with block:
+            model(x).sum().backward()
+        for p in model.parameters():
+            torch.testing.assert_close(p.semiring_grad, p.grad)
+    with block, pytest.raises(semipack.SemipackError, match="cannot be nested"), block:
+        pass
+
+
 # --- errors --------------------------------------------------------------------------------------
 
 

@@ -179,28 +179,9 @@ class InnerGraph:
             for e, g in zip(self.edges, grads, strict=False)
             if g is not None and e is not None
         ]
-        unique = [
-            t
-            for t, first in zip(self.inputs, self.first_use, strict=True)
-            if first and t.requires_grad
-        ]
-        if not unique or not pairs:
-            return [None] * len(self.inputs)
-        got = torch.autograd.grad(
-            [e for e, _ in pairs],
-            unique,
-            [g for _, g in pairs],
-            retain_graph=self.retain,
-            allow_unused=True,
+        return self._grads_by_position(
+            pairs, self.inputs, retain_graph=self.retain, create_graph=False
         )
-        found = dict(zip((id(t) for t in unique), got, strict=True))
-        out: list[Tensor | None] = []
-        for t, first in zip(self.inputs, self.first_use, strict=True):
-            g = None if t is None else found.get(id(t))
-            if g is not None and not first:
-                g = torch.zeros_like(g)
-            out.append(g)
-        return out
 
     def differentiable_grads(self, grads: Sequence[Tensor | None]) -> list[Tensor | None]:
         """``regular_grads`` for a backward that records a graph (``create_graph=True``: a
@@ -215,23 +196,32 @@ class InnerGraph:
             for o, g in zip(outs, grads, strict=False)
             if g is not None and isinstance(o, Tensor) and o.requires_grad
         ]
+        return self._grads_by_position(pairs, self.originals, retain_graph=True, create_graph=True)
+
+    def _grads_by_position(
+        self, pairs: list, inputs: Sequence[Tensor | None], retain_graph: bool, create_graph: bool
+    ) -> list[Tensor | None]:
+        """``torch.autograd.grad`` of the (output or edge, gradient) ``pairs`` with respect to
+        ``inputs`` (the aliases or the originals), one per position: a repeated input gets its
+        gradient at its first position and zeros at the others."""
         unique = [
             t
-            for t, first in zip(self.originals, self.first_use, strict=True)
+            for t, first in zip(inputs, self.first_use, strict=True)
             if first and t is not None and t.requires_grad
         ]
         if not unique or not pairs:
-            return [None] * len(self.originals)
+            return [None] * len(inputs)
         got = torch.autograd.grad(
             [o for o, _ in pairs],
             unique,
             [g for _, g in pairs],
-            create_graph=True,
+            retain_graph=retain_graph,
+            create_graph=create_graph,
             allow_unused=True,
         )
         found = dict(zip((id(t) for t in unique), got, strict=True))
         out: list[Tensor | None] = []
-        for t, first in zip(self.originals, self.first_use, strict=True):
+        for t, first in zip(inputs, self.first_use, strict=True):
             g = None if t is None else found.get(id(t))
             out.append(torch.zeros_like(g) if g is not None and not first else g)
         return out

@@ -58,7 +58,11 @@ def run(variant: str, steps: int, folder: str, recording: list[float] | None = N
         every = int(variant.split("=")[1].split()[0])
         entropy = "no entropy" not in variant
         monitor = semipack.Monitor(
-            model, every=every, entropy=entropy, log_dir=f"{folder}/{variant.replace(' ', '_')}"
+            model,
+            every=every,
+            entropy=entropy,
+            log_dir=f"{folder}/{variant.replace(' ', '_')}",
+            overwrite=True,  # each round writes the variant's folder again
         )
         spent = [0.0, 0]  # seconds recording, sampled steps
         record = monitor._record

@@ -109,14 +109,17 @@ def main(argv: Sequence[str] | None = None) -> None:
     torch.manual_seed(0)
     cnn = small_cnn()
     out = Path(args.out)
-    monitor = semipack.Monitor(cnn, every=args.every, log_dir=out / "cnn")
+    # the script rewrites its folder on every run
+    monitor = semipack.Monitor(cnn, every=args.every, log_dir=out / "cnn", overwrite=True)
     accuracy = train(cnn, quadrant_images, monitor, args.steps, 3e-3, desc="CNN")
     monitor.close()
     print(f"CNN: test accuracy {accuracy:.1%}; plots: {len(monitor.plot())} in {out / 'cnn'}")
     torch.manual_seed(0)
     model = SmallTransformer()
     splits = {"encoder.layers.0": model.encoder.layers[0]}
-    monitor = semipack.Monitor(model, every=args.every, log_dir=out / "transformer", splits=splits)
+    monitor = semipack.Monitor(
+        model, every=args.every, log_dir=out / "transformer", splits=splits, overwrite=True
+    )
     accuracy = train(model, repeat_sequences, monitor, 2 * args.steps, 2e-3, desc="transformer")
     monitor.close()
     pictures = monitor.plot()

@@ -7,7 +7,8 @@ loop), or at the batch's end for a batch that does not step (gradient accumulati
 whose ``training_step`` returns None (Lightning's way to skip it: no backward) is left
 unrecorded. One monitor step is one training batch; the records use Lightning's
 ``global_step``. Each fit gets its own ``Monitor`` (``callback.monitors``, the latest as
-``callback.monitor``); a second fit with the same ``log_dir`` writes into ``<log_dir>/fit<k>``.
+``callback.monitor``); a fit whose ``log_dir`` already holds a monitor's files (a second fit,
+another callback, an earlier run) writes into the first free ``<log_dir>/fit<k>``.
 
 Needs ``pytorch_lightning`` (or the ``lightning`` package); ``import semipack`` does not import
 this module.
@@ -63,8 +64,13 @@ class MonitorCallback(Callback):
         if log_dir is None:
             log_dir = Path(trainer.log_dir or trainer.default_root_dir) / "semipack"
         used = {m.log_dir for m in self.monitors}
-        if Path(log_dir) in used:  # the same folder again: keep the earlier fit's files
-            log_dir = Path(log_dir) / f"fit{len(self.monitors)}"
+        base, k = Path(log_dir), 0
+        log_dir = base
+        # the same folder again (another fit, another callback, an earlier run of the script):
+        # keep the earlier files, this fit writes into the first free <log_dir>/fit<k>
+        while log_dir in used or (log_dir / "monitor.csv").exists():
+            k += 1
+            log_dir = base / f"fit{k}"
         self.monitors.append(Monitor(pl_module, every=self.every, log_dir=log_dir, **self.options))
 
     def on_train_batch_start(

@@ -91,6 +91,9 @@ class Monitor:
     The records reach ``monitor.csv`` and TensorBoard every ``flush_secs`` seconds (writing a
     step at a time costs more than the summaries), and all of them on ``flush()``, ``close()``
     (or leaving ``with Monitor(...) as monitor:``), an exception through ``step`` and at exit.
+    A ``log_dir`` that already holds a ``monitor.csv`` (an earlier run's, or another monitor
+    writing there) is refused unless ``overwrite=True``, which replaces that file (TensorBoard
+    keeps every run's event files in the folder).
     """
 
     def __init__(
@@ -103,6 +106,7 @@ class Monitor:
         tensorboard: bool = True,
         distributed: bool | None = None,
         flush_secs: float = 5.0,
+        overwrite: bool = False,
     ) -> None:
         if isinstance(every, bool) or not isinstance(every, int) or every < 1:
             raise ValueError(f"Monitor(every=...) needs a positive integer, got {every!r}")
@@ -120,6 +124,12 @@ class Monitor:
         if self.log_dir is not None:
             if self.log_dir.exists() and not self.log_dir.is_dir():
                 raise SemipackError(f"Monitor(log_dir={str(log_dir)!r}) is a file, not a folder")
+            if (self.log_dir / "monitor.csv").exists() and not overwrite:
+                raise SemipackError(
+                    f"Monitor(log_dir={str(log_dir)!r}): the folder holds a monitor.csv already "
+                    "(an earlier run's records, or another monitor's writing there): pass "
+                    "another log_dir, or overwrite=True to replace it"
+                )
             self.log_dir.mkdir(parents=True, exist_ok=True)
             self._files = _Files(self.log_dir, tensorboard, flush_secs)
             # a monitor dropped, or a run ending, without close() still leaves complete files
@@ -275,15 +285,17 @@ class Monitor:
 
 
 def _layers(model: nn.Module) -> dict[str, nn.Parameter]:
-    """Module name -> the parameter summarised for it (``weight``, else its first own one)."""
+    """Module name -> the parameter summarised for it: its ``weight`` if that trains, else its
+    first own parameter that trains (a frozen weight with a trained bias is read at the bias);
+    modules with no trained parameter of their own are left out."""
     out = {}
     for name, module in model.named_modules():
         own = dict(module.named_parameters(recurse=False))
-        if not own:
-            continue
-        param = own.get("weight", next(iter(own.values())))
-        if param.requires_grad:
-            out[name or "<root module>"] = param
+        trained = [p for key, p in own.items() if p.requires_grad and key != "weight"]
+        if own.get("weight") is not None and own["weight"].requires_grad:
+            trained.insert(0, own["weight"])
+        if trained:
+            out[name or "<root module>"] = trained[0]
     if not out:
         raise SemipackError(f"Monitor: {type(model).__name__} has no trainable parameters")
     return out

@@ -130,3 +130,9 @@ def test_each_fit_gets_its_own_monitor_and_folder(tmp_path) -> None:
         assert sorted({r.step for r in monitor.records}) == [0, 2, 4]
         lines = (tmp_path / folder / "monitor.csv").read_text().count("\n")
         assert lines == len(monitor.records) + 1
+    # another callback (another run of the script) on the same folder keeps both runs' files
+    later = MonitorCallback(every=2, log_dir=tmp_path / "m", tensorboard=False)
+    _fit(_Classifier(), [later], tmp_path / "c")
+    assert later.monitor.log_dir == tmp_path / "m" / "fit2"
+    for folder in ("m", "m/fit1"):
+        assert (tmp_path / folder / "monitor.csv").read_text().count("\n") > 1

@@ -149,6 +149,44 @@ def test_a_log_dir_that_is_a_file_is_refused(tmp_path: Path) -> None:
     assert (tmp_path / "log").read_text() == "kept"
 
 
+def test_a_log_dir_with_a_monitor_csv_is_kept_unless_overwrite(tmp_path: Path) -> None:
+    """A second monitor on the same folder (another run of the script, or a monitor writing
+    there now) used to empty the first one's ``monitor.csv`` without a word."""
+    model, batches = _model(), _batches(2)
+    first = semipack.Monitor(model, every=1, log_dir=tmp_path, tensorboard=False)
+    _train(model, batches, first)
+    first.close()
+    kept = (tmp_path / "monitor.csv").read_text()
+    assert kept.count("\n") > 1
+    with pytest.raises(semipack.SemipackError, match=r"holds a monitor\.csv already.*overwrite"):
+        semipack.Monitor(model, every=1, log_dir=tmp_path, tensorboard=False)
+    assert (tmp_path / "monitor.csv").read_text() == kept
+    again = semipack.Monitor(model, every=1, log_dir=tmp_path, tensorboard=False, overwrite=True)
+    again.close()
+    assert (tmp_path / "monitor.csv").read_text() == "step,layer,quantity,value\n"
+
+
+def test_a_layer_with_a_frozen_weight_is_read_at_its_trained_bias() -> None:
+    """A frozen weight with a trained bias (a head fine-tuned by its bias, bias-only training)
+    used to leave the layer out, and a model training only biases was refused as having no
+    trainable parameters. The layer's values are read at the bias."""
+    model = _model()
+    model[3].weight.requires_grad_(False)
+    monitor = semipack.Monitor(model, every=1, tensorboard=False)
+    assert monitor.layers["3"] is model[3].bias
+    assert monitor.layers["0"] is model[0].weight
+    for name, p in model.named_parameters():
+        p.requires_grad_(name.endswith("bias"))
+    monitor = semipack.Monitor(model, every=1, tensorboard=False)
+    assert list(monitor.layers) == ["0", "2.inner.0", "3"]
+    assert all(p is dict(m.named_parameters())["bias"] for m, p in (
+        (model[0], monitor.layers["0"]), (model[2].inner[0], monitor.layers["2.inner.0"]),
+        (model[3], monitor.layers["3"]),
+    ))  # fmt: skip
+    _train(model, _batches(2), monitor)
+    assert {r.layer for r in monitor.records} == {"0", "2.inner.0", "3"}
+
+
 def test_a_backward_after_the_step_block_is_refused_not_read_stale() -> None:
     """Step 0 records; step 1's backward runs after its block: nothing of step 0 is recorded
     again under step 1, the step raises saying where the backward belongs."""

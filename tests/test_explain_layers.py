@@ -152,6 +152,32 @@ def test_routes_follow_hand_made_paths() -> None:
     assert route.describe(list("abcde")) == (
         f"{route.value:.4g}  from b: L0 key head 1: b -> e, L1 residual, L2 value head 0: e -> a"
     )
+    assert route.example == 0
+
+
+def test_a_route_names_its_example() -> None:
+    """A path of example 1 of a batch: its route says so, takes that example's tokens from a
+    list per example, and cannot be drawn with another example's routes (a new-user trial
+    found routes carried no example, so they were labelled with any sentence's tokens)."""
+    layers = [AttentionLayer(f"enc.layer.{i}.attention", None, None, 2, 4) for i in range(2)]
+
+    def path(example: int) -> SemiringPath:
+        steps = [
+            _step("enc.layer.0.attention.self.query", (example, 2, 5)),  # unit 5: head 1
+            _step("enc.layer.0.output.LayerNorm", (example, 2, 0)),
+            _step("enc.layer.1.output.LayerNorm", (example, 3, 0)),
+        ]
+        return SemiringPath("x", (example, 2, 0), -1.0, steps)
+
+    first, second = layer_routes([path(0), path(1)], layers)
+    assert (first.example, second.example) == (0, 1)
+    tokens = [list("abcd"), list("wxyz")]
+    assert second.describe(tokens) == (
+        f"{second.value:.4g}  from y of example 1: L0 query head 1: y -> y, L1 residual"
+    )
+    assert first.describe(tokens).startswith(f"{first.value:.4g}  from c: ")
+    with pytest.raises(semipack.SemipackError, match=r"come from examples \[0, 1\]"):
+        plot_routes([first, second], tokens, 2)
 
 
 def test_each_tokens_top_path_read_layer_by_layer(tmp_path: Path) -> None:

@@ -613,14 +613,22 @@ class LayerHop:
 
 @dataclass
 class LayerRoute:
-    """A single path (``TopPath.path`` or one of ``KBest.paths``) read layer by layer."""
+    """A single path (``TopPath.path`` or one of ``KBest.paths``) read layer by layer.
+
+    ``example`` is the batch index of the path's entries inside the layers (attention does not
+    mix examples, so a path stays in one), None for a path that passes no layer."""
 
     value: float
     hops: list[LayerHop] = field(default_factory=list)
     rank: int = 0
+    example: int | None = None
 
-    def describe(self, tokens: Sequence[str] | None = None) -> str:
-        """One line: the value, then each hop (runs of residual hops merged), tokens named."""
+    def describe(self, tokens: Sequence[str] | Sequence[Sequence[str]] | None = None) -> str:
+        """One line: the value, then each hop (runs of residual hops merged), tokens named.
+        ``tokens``: one sentence's tokens, or one list per example of the batch (the route's
+        example is then named by its own); a route of an example other than the first says
+        which."""
+        tokens = _tokens_of(tokens, self.example)
 
         def name(t: int) -> str:
             return tokens[t] if tokens is not None else f"token {t}"
@@ -643,7 +651,8 @@ class LayerRoute:
             )
             start += 1
         first = name(hops[0].token_in) if hops else "?"
-        return f"{self.value:.4g}  from {first}: " + ", ".join(parts)
+        where = f" of example {self.example}" if self.example else ""
+        return f"{self.value:.4g}  from {first}{where}: " + ", ".join(parts)
 
     def __str__(self) -> str:
         return self.describe()
@@ -683,8 +692,18 @@ def layer_routes(paths: Sequence[Path], layers: Sequence[AttentionLayer]) -> lis
                 branch, head = _projection(projection, spec)
                 token_in = projection.index[1]
             hops.append(LayerHop(i, int(token_in), int(inside[-1].index[1]), branch, head))
-        routes.append(LayerRoute(path.value, hops, path.rank))
+            example = int(inside[0].index[0])
+        routes.append(LayerRoute(path.value, hops, path.rank, example if hops else None))
     return routes
+
+
+def _tokens_of(
+    tokens: Sequence[str] | Sequence[Sequence[str]] | None, example: int | None
+) -> Sequence[str] | None:
+    """One sentence's tokens from ``tokens`` (one sentence, or one list per example)."""
+    if tokens is None or not tokens or isinstance(tokens[0], str):
+        return tokens  # type: ignore[return-value]
+    return tokens[example or 0]
 
 
 def _projection(step: PathStep, spec: AttentionLayer) -> tuple[str, int] | None:
@@ -704,14 +723,22 @@ BRANCH_COLOURS = {"query": "tab:blue", "key": "tab:orange", "value": "tab:green"
 
 def plot_routes(
     routes: Sequence[LayerRoute],
-    tokens: Sequence[str],
+    tokens: Sequence[str] | Sequence[Sequence[str]],
     layers: int,
     path: str | FilePath | None = None,
     ax=None,
 ):
     """Tokens (rows) x layer boundaries (columns): each route drawn as a line from the token
     where it enters a layer to the token where it leaves, coloured by branch (grey: residual)
-    and labelled with the head; the best route solid and widest."""
+    and labelled with the head; the best route solid and widest. The routes must come from
+    one example; ``tokens`` are its tokens, or one list per example of the batch."""
+    examples = sorted({r.example for r in routes if r.example is not None})
+    if len(examples) > 1:
+        raise SemipackError(
+            f"plot_routes draws one example's routes; these come from examples {examples}: "
+            "plot each example's routes on their own"
+        )
+    tokens = _tokens_of(tokens, examples[0] if examples else None)
     plt = _pyplot()
     fig, ax = _figure(plt, ax, (1.8 + 1.1 * layers, 0.9 + 0.32 * len(tokens)))
     routes = sorted(routes, key=lambda route: -route.value)

@@ -315,10 +315,15 @@ taken there).
   LogSum peak is inside the GELU of the feed-forward block. When it starts, the backward holds
   what a plain backward holds there (54 MB) plus the incoming 1024 x 3072 state (12 MB) and the
   results so far (9.4 MB for the second feed-forward weight, 3 MB for the residual's state); the
-  node then adds the new state and the regular gradient (12 MB each). 1.5x plain would need the
-  new state to overwrite the incoming one, but the autograd engine can hand one gradient object
+  node then adds the new state and the regular gradient (12 MB each). 1.5x plain would need one
+  of them to overwrite an incoming tensor, but the autograd engine can hand one gradient object
   to several consumers (the two branches of an addition), so overwriting it could silently
-  corrupt another message: semipack does not. Entropy carries two state components: about 2x.
+  corrupt another message: semipack does not. Tried on 2026-11-26 and not landed: the C++ use
+  count (`Tensor._use_count()`, which PyTorch reads before `swap_tensors`) tells a message the
+  engine still holds for a second consumer apart (5 against 4 in a calibration probe), but the
+  GELU's incoming regular gradient here is a view (the Linear extension's reshaped matrix
+  product), so writing over it would need views of private bases accepted as well.
+  Entropy carries two state components: about 2x.
 - **Convolutions.** LogSum, LogCount and Entropy run PyTorch's own convolution backward (oneDNN
   direct kernels) on the exponentiated message and |x|, |W|: the same work as the plain backward
   per product (Entropy: three products per message). The other semirings take one kernel tap at

@@ -104,22 +104,52 @@ def extend(
     )
 
 
+#: torch.compile's stance is process-wide while blocks are per thread: the first block to
+#: enter forces eager execution, the last to leave restores the stance (blocks of two threads
+#: that overlap would otherwise leave it forced: each restored what it found on entry).
+_stance_lock = threading.Lock()
+_stance_blocks: list[AbstractContextManager] = []
+_stance_users = 0
+
+
+@contextmanager
+def _compiled_code_runs_eagerly() -> Iterator[None]:
+    """``torch.compiler.set_stance("force_eager")`` for the block, counted across threads."""
+    global _stance_users
+    with _stance_lock:
+        if _stance_users == 0:
+            forced = torch.compiler.set_stance("force_eager")
+            forced.__enter__()
+            _stance_blocks.append(forced)
+        _stance_users += 1
+    try:
+        yield
+    finally:
+        with _stance_lock:
+            _stance_users -= 1
+            if _stance_users == 0:
+                _stance_blocks.pop().__exit__(None, None, None)
+
+
 class _Reusable(AbstractContextManager):
     """A context manager made afresh by ``make`` at each entry, so that one ``extend(...)``
-    object can be entered again once its block has ended (a generator-based one cannot)."""
+    object can be entered again once its block has ended (a generator-based one cannot), also
+    from several threads at once (each thread closes its own block)."""
 
     def __init__(self, make: Callable[[], AbstractContextManager]) -> None:
         self._make = make
-        self._open: list[AbstractContextManager] = []
+        self._local = threading.local()
 
     def __enter__(self) -> Any:
         block = self._make()
         value = block.__enter__()
-        self._open.append(block)
+        if not hasattr(self._local, "open"):
+            self._local.open = []
+        self._local.open.append(block)
         return value
 
     def __exit__(self, *exc: Any) -> bool | None:
-        return self._open.pop().__exit__(*exc)
+        return self._local.open.pop().__exit__(*exc)
 
 
 @contextmanager
@@ -161,7 +191,7 @@ def _block(
         # loss) runs its original Python eagerly in the block, so its ops reach the semiring
         # rules; each semiring pass switches back to the default stance for semipack's own
         # compiled kernels (transport.passes.semiring_pass).
-        stack.enter_context(torch.compiler.set_stance("force_eager"))
+        stack.enter_context(_compiled_code_runs_eagerly())
         stack.enter_context(warnings.catch_warnings())
         # the module tracker's global hooks see the compiled wrapper's call and ignore it
         warnings.filterwarnings("ignore", "Using `torch.compile\\(module\\)` when there are global")

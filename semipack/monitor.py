@@ -124,6 +124,10 @@ class Monitor:
         if self.log_dir is not None:
             if self.log_dir.exists() and not self.log_dir.is_dir():
                 raise SemipackError(f"Monitor(log_dir={str(log_dir)!r}) is a file, not a folder")
+            if (self.log_dir / "monitor.csv").is_dir():
+                raise SemipackError(
+                    f"Monitor(log_dir={str(log_dir)!r}): its monitor.csv is a folder, not a file"
+                )
             if (self.log_dir / "monitor.csv").exists() and not overwrite:
                 raise SemipackError(
                     f"Monitor(log_dir={str(log_dir)!r}): the folder holds a monitor.csv already "

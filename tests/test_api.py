@@ -457,3 +457,38 @@ def test_a_rule_whose_state_has_another_shape_is_named_not_broadcast() -> None:
         "in the rule)."
     )
     assert isinstance(info.value.__cause__, semipack.StateShapeError)
+
+
+def test_one_extend_object_entered_by_two_threads_closes_each_ones_own_block() -> None:
+    """Thread A enters, B enters, A leaves, B runs its backward and leaves: B's block is still
+    a semiring block after A's exit (each thread keeps its own open blocks), and torch.compile's
+    process-wide stance is back to default after both (were each block to restore the stance it
+    found on entry, B would restore A's "force_eager" and compiled code would stay eager)."""
+    import threading
+
+    model = small_model()
+    x, _ = data()
+    block = semipack.extend(model, semipack.Real())
+    b_in, a_out = threading.Event(), threading.Event()
+    seen = {}
+
+    def a() -> None:
+        with block:
+            b_in.wait(10)
+        a_out.set()
+
+    def b() -> None:
+        with block:
+            b_in.set()
+            a_out.wait(10)
+            w = nn.Linear(4, 2).double()
+            w(x).sum().backward()
+            seen["b"] = hasattr(w.weight, "semiring_grad")
+
+    threads = [threading.Thread(target=a), threading.Thread(target=b)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(20)
+    assert seen == {"b": True}
+    assert torch._dynamo.eval_frame._stance.stance == "default"

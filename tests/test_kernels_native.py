@@ -460,3 +460,21 @@ def test_products_with_few_output_columns_are_not_pruned(monkeypatch):
     wide = torch.randn(8192, 300, generator=g) * 8  # 300 columns: the direct orientation is tried
     tropical.maxplus(a, wide)
     assert calls == [torch.Size([8192, 300])]
+
+
+@pytest.mark.parametrize("n", [256, 1500])
+def test_envelope_kernel_keeps_a_tiny_line_where_the_others_cancel(n):
+    """A weight of 1e-30 beside a weight of 1 whose line crosses zero exactly at a query
+    (1 + 0.5 t = 0 at t = -2): the envelopes' double-precision comparisons drop the tiny line,
+    and the maximum there read 0 ("no path", MaxProd -inf) where the definition has 1e-30 (a
+    trial found it). Such columns are recomputed directly; the index names the tiny line."""
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(1, n, generator=gen)
+    a = torch.zeros(1, n)
+    a[0, 0], x[0, 0] = 1.0, 0.5
+    a[0, 1], x[0, 1] = 1e-30, 1.0
+    x[0, 2] = -2.0
+    best, arg = native.norm_sorted_max_f32(a, x, with_index=True)
+    want = (a.double()[0, :, None] * (1 + x.double()[0, :, None] * x.double()[0]).abs()).amax(0)
+    torch.testing.assert_close(best[0].double(), want, rtol=2e-7, atol=0)
+    assert best[0, 2] > 0 and int(arg[0, 2]) == 1

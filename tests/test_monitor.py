@@ -166,6 +166,13 @@ def test_a_log_dir_with_a_monitor_csv_is_kept_unless_overwrite(tmp_path: Path) -
     assert (tmp_path / "monitor.csv").read_text() == "step,layer,quantity,value\n"
 
 
+def test_a_monitor_csv_that_is_a_folder_is_named(tmp_path: Path) -> None:
+    (tmp_path / "monitor.csv").mkdir()
+    for overwrite in (False, True):
+        with pytest.raises(semipack.SemipackError, match=r"monitor\.csv is a folder, not a file"):
+            semipack.Monitor(_model(), log_dir=tmp_path, tensorboard=False, overwrite=overwrite)
+
+
 def test_a_layer_with_a_frozen_weight_is_read_at_its_trained_bias() -> None:
     """A frozen weight with a trained bias (a head fine-tuned by its bias, bias-only training)
     used to leave the layer out, and a model training only biases was refused as having no

@@ -188,8 +188,11 @@ class InnerGraph:
         gradient penalty or double backprop differentiates the gradient again). The inner
         graph hangs off detached aliases, so its gradients would be constants; the call runs
         again on its real inputs and is differentiated with ``create_graph``: the same ops, so
-        the same values, now connected to the inputs and to the incoming gradients."""
-        outs = self.fn(*self.originals)
+        the same values, now connected to the inputs and to the incoming gradients. It runs
+        with torch function modes off, as the forward's call did (``extend``'s mode hands the
+        call over with itself disabled): nested calls must not become extensions of their own."""
+        with torch._C.DisableTorchFunction():
+            outs = self.fn(*self.originals)
         outs = outs if isinstance(outs, tuple) else (outs,)
         pairs = [
             (o, g)

@@ -57,11 +57,12 @@ NO_SUCCESSOR = -1
 SORTED_MIN_ENTRIES = 1024
 SORTED_MIN_ENTRIES_ENTROPY = 512
 #: MaxProd's rows go to the envelope kernel from this many entries: it first tries a set of
-#: candidate lines found by evaluation (no sort; real envelopes hold a few lines), which beat the
-#: all-pairs kernel from about n = 256. At n = 768 (a BERT layer norm's rows, MaxProd messages of
-#: the bert_layer workload) it took 9.9 us per row against 27.8 for all pairs and 35 for the
-#: sorting envelope it replaces, single-thread on the 2-core VM of BENCHMARKS.md.
-SORTED_MIN_ENTRIES_MAX = 256
+#: candidate lines found by evaluation (no sort; real envelopes hold a few lines), then
+#: recomputes directly the rare columns whose maximum is tiny against the row's scale (exact
+#: cancellations, where double-precision comparisons can drop a tiny line). It beats the
+#: all-pairs kernel from about n = 320: at n = 384 (MiniLM) 5.3 us per row against 6.5, at
+#: n = 768 (BERT) 11.2 against 25.4, single-thread on the 2-core VM of BENCHMARKS.md.
+SORTED_MIN_ENTRIES_MAX = 320
 
 
 def _sorted_rows(x_hat: Tensor, min_entries: int) -> bool:

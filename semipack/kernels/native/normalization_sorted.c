@@ -709,6 +709,42 @@ static void row_sums(const float *a, const float *r, const float *x, int64_t n, 
     }
 }
 
+/* Both envelope kernels compare lines in double precision, relative to the lines' own size: a
+   line far below the others (a weight of 1e-30 beside weights of 1) can be dropped where the
+   others cancel exactly (1 + x_i t = 0 at a query), and the maximum there would read 0, "no
+   path", where the definition has one. The dropped line is below the kept ones by at most a
+   few double roundings of the row's scale at t, amax + bmax |t| (amax, bmax the largest a_i and
+   |a_i x_i|), so every maximum above CERTIFY_MAX of that scale is exact to far below float32
+   rounding; the columns below it (exact cancellations: rare on real rows) are recomputed
+   directly, over every line. */
+#define CERTIFY_MAX 9.5367431640625e-07 /* 2^-20 */
+
+static void certify_max_row(const float *a, const float *x, int64_t n, float *out,
+                            int64_t *arg) {
+    float amax = 0.0f, bmax = 0.0f; /* a >= 0 and finite here: plain comparisons vectorise */
+    for (int64_t k = 0; k < n; k++) {
+        const float b = fabsf(a[k] * x[k]);
+        amax = a[k] > amax ? a[k] : amax;
+        bmax = b > bmax ? b : bmax;
+    }
+    const double floor_a = CERTIFY_MAX * (double)amax, floor_b = CERTIFY_MAX * (double)bmax;
+    for (int64_t j = 0; j < n; j++) {
+        const double t = (double)x[j];
+        if ((double)out[j] >= floor_a + floor_b * fabs(t)) continue;
+        double best = 0.0;
+        int64_t where = -1;
+        for (int64_t i = 0; i < n; i++) { /* the kernels' line: a_i + (float32 a_i x_i) t */
+            const double value = fabs((double)a[i] + (double)(a[i] * x[i]) * t);
+            if (value > best) {
+                best = value;
+                where = i;
+            }
+        }
+        out[j] = (float)best;
+        if (arg != NULL) arg[j] = where;
+    }
+}
+
 /* Work doubles per row for row_sums (row_max needs fewer). */
 static size_t work_doubles(int64_t n) { return 8 * (size_t)n + 4; }
 
@@ -731,6 +767,7 @@ int semipack_norm_sorted_max_f32(const float *a, const float *x, int64_t rows, i
                                         row_arg))
                     row_max(a + row * n, x + row * n, n, work, hull, hull + n, ranks,
                             out + row * n, row_arg);
+                certify_max_row(a + row * n, x + row * n, n, out + row * n, row_arg);
             }
         }
         free(work);

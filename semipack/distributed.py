@@ -248,6 +248,12 @@ def _state_problem(name: str, t: Tensor, sr: Semiring) -> str | None:
             f"{name} already holds the reduced state (a second all_reduce would count the "
             "other processes' paths again): run a new backward first"
         )
+    made_by = getattr(state, "semiring_type", None)
+    if made_by is not None and made_by is not type(sr):
+        return (
+            f"{name}'s state was kept by a pass of {made_by.__name__}, not of "
+            f"{type(sr).__name__}: reduce it with the semiring of the pass that kept it"
+        )
     if len(state) != len(sr.components):
         return f"{name}'s state has {len(state)} components, {sr!r} has {len(sr.components)}"
     for c, dtype in zip(state, _dtypes(sr, t), strict=True):
@@ -390,7 +396,9 @@ def _gather_and_fold(sr: Semiring, flat: State, g: _Group) -> _Reduced:
     states = []
     for got in g.all_gather(raw):
         chunks = got.split(sizes)
-        states.append(tuple(b.view(p.dtype) for b, p in zip(chunks, parts, strict=True)))
+        # a chunk can start at any byte (float32 parts before int64 ids): viewing it as a wider
+        # dtype needs an aligned offset, so each chunk is copied to its own memory first
+        states.append(tuple(b.clone().view(p.dtype) for b, p in zip(chunks, parts, strict=True)))
     result = states[0]
     for other in states[1:]:
         result = sr.plus(result, other)

@@ -459,6 +459,27 @@ def test_a_rule_whose_state_has_another_shape_is_named_not_broadcast() -> None:
     assert isinstance(info.value.__cause__, semipack.StateShapeError)
 
 
+def test_a_rule_whose_state_has_another_number_of_components_is_named() -> None:
+    """Three components for MaxProd's one: the extra ones were dropped unseen and the readout
+    came out of the first (a trial found it, with and without regular gradients)."""
+    op = torch.ops.aten.reflection_pad1d_backward.default
+
+    def tripled_rule(call: semipack.OpCall):
+        state = call["grad_output"].parts[0][..., 1:-1].contiguous()  # shaped like the input
+        return call.wrap(call.run_regular(), (state, state, state))
+
+    x = torch.randn(2, 3, requires_grad=True)
+    message = r"3 components, MaxProd\(.*\) has 1"
+    with semipack.scoped_rules():
+        semipack.register_rule(op, replace=True)(tripled_rule)
+        for regular_grads in (True, False):
+            with (
+                pytest.raises(semipack.UnsupportedOpError, match=message),
+                semipack.extend(None, semipack.MaxProd(), regular_grads=regular_grads),
+            ):
+                F.pad(x, (1, 1), mode="reflect").sum().backward()
+
+
 def test_one_extend_object_entered_by_two_threads_closes_each_ones_own_block() -> None:
     """Thread A enters, B enters, A leaves, B runs its backward and leaves: B's block is still
     a semiring block after A's exit (each thread keeps its own open blocks), and torch.compile's

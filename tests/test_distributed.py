@@ -213,7 +213,7 @@ def check_errors(rank: int) -> None:
         sd.all_reduce(model, semipack.MaxProd())
     with semipack.extend(model, semipack.MaxProd(), keep_state=True):
         _loss(model, _half(x, rank), _half(y, rank)).backward()
-    with pytest.raises(semipack.SemipackError, match="components"):
+    with pytest.raises(semipack.SemipackError, match="kept by a pass of MaxProd, not of Entropy"):
         sd.all_reduce(model, semipack.Entropy())
     params = list(model.parameters())
     with pytest.raises(semipack.SemipackError, match=r"tensor counts per process: \[4, 3\]"):
@@ -396,3 +396,43 @@ def test_buckets_split_by_size_and_keep_dtypes_apart() -> None:
     # 12 bytes per entry: 120, 120, 360, 60, 120 bytes against a limit of 250
     assert sd._buckets(states, 250) == [[0, 1], [2], [4], [3]]
     assert sd._buckets(states, 10**6) == [[0, 1, 2, 4], [3]]
+
+
+def test_kbest_states_of_float32_parameters_with_odd_sizes_reduce() -> None:
+    """KBest's float32 values and int64 successor ids travel as one byte buffer: with
+    parameters of 6, 3, 3 and 1 entries and k = 3 a chunk of ids starts at a byte offset that is
+    no multiple of 8, and viewing it as int64 failed (a trial found it). One process: the
+    reduced readouts equal the pass's own."""
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(2, 3), nn.Linear(3, 1))
+        kb = semipack.KBest(3)
+        with semipack.extend(model, kb, keep_state=True):
+            model(torch.randn(4, 2)).sum().backward()
+        before = [p.semiring_grad.clone() for p in model.parameters()]
+        semipack.distributed.all_reduce(model, kb)
+        for want, p in zip(before, model.parameters(), strict=True):
+            assert torch.equal(p.semiring_grad, want)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_a_state_is_reduced_only_with_the_semiring_that_kept_it() -> None:
+    """MaxProd's kept state has LogSum's one float component: read as LogSum's it gave a
+    plausible, wrong semiring_grad (a trial found it). The state names the semiring of its
+    pass, and another one is refused."""
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        model, x, y = _data()
+        with semipack.extend(model, semipack.MaxProd(), keep_state=True):
+            _loss(model, x, y).backward()
+        before = [p.semiring_grad.clone() for p in model.parameters()]
+        message = "state was kept by a pass of MaxProd, not of LogSum"
+        with pytest.raises(semipack.SemipackError, match=message):
+            semipack.distributed.all_reduce(model, semipack.LogSum())
+        for want, p in zip(before, model.parameters(), strict=True):
+            assert torch.equal(p.semiring_grad, want)
+        semipack.distributed.all_reduce(model, semipack.MaxProd(log=True))  # its own class
+    finally:
+        dist.destroy_process_group()

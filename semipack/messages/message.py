@@ -322,7 +322,15 @@ class OpCall:
         """A message output: regular gradient ``regular`` (or None) and state ``parts``, in this
         call's semiring (which, on a path-recording pass, carries the pass's trace). A state
         whose shape is not the gradient's is an error of the rule, named here: broadcast, it
-        would hand one entry's paths to many entries."""
+        would hand one entry's paths to many entries. So is a state with another number of
+        components than the semiring's (the extra ones would be dropped unseen)."""
+        components = len(self.semiring.components)
+        if not isinstance(parts, SparseRows) and len(parts) != components:
+            raise unsupported(
+                self.func,
+                f"its rule returned a state of {len(parts)} components, {self.semiring!r} has "
+                f"{components} (a defect in the rule)",
+            )
         try:
             return Message(regular, parts, self.semiring, self.dtype if regular is None else None)
         except StateShapeError as exc:

@@ -184,6 +184,18 @@ def path_recording(
             h.remove()
 
 
+class KeptState(tuple):
+    """A leaf's state kept by ``keep_state=True``: the tuple of its components, and the class
+    of the semiring whose pass made it (``semipack.distributed.all_reduce`` refuses to read it
+    with another semiring: MaxProd's state read as LogSum's has as many components and would
+    give a plausible, wrong value)."""
+
+    def __new__(cls, parts, semiring_type: type) -> KeptState:
+        kept = super().__new__(cls, parts)
+        kept.semiring_type = semiring_type
+        return kept
+
+
 def store_results(
     t: Tensor, sr: Semiring, msg: Message, fallback_name: str, keep_state: bool = False
 ) -> None:
@@ -197,7 +209,7 @@ def store_results(
         value = sr.readout_sparse(sparse, into=unheld_value(t, SEMIRING_GRAD))
     setattr(t, SEMIRING_GRAD, value)
     if keep_state:
-        setattr(t, SEMIRING_STATE, tuple(msg.parts))
+        setattr(t, SEMIRING_STATE, KeptState(msg.parts, type(sr)))
     elif hasattr(t, SEMIRING_STATE):
         delattr(t, SEMIRING_STATE)
     if sr.trace is not None:

@@ -8,6 +8,7 @@ import threading
 import pytest
 import torch
 from cases_extensions import CASES, weighted_loss
+from torch import nn
 
 import semipack
 
@@ -179,3 +180,42 @@ def test_top_path_through_convolutions_matches_the_window_maps(extensions, monke
             (s.op, s.index, s.module) for s in path_b.steps
         ]
         assert path_a.log_value == pytest.approx(path_b.log_value, rel=1e-12)
+
+
+def test_site_names_that_do_not_fit_the_rank_give_way_to_dim_numbers() -> None:
+    """A layer norm over a 4-D tensor, ids of three dims, per-head attention weights: the
+    extensions' dim names assumed another rank, and a path step was described with another
+    entry's names (a trial found 'feature 3' for the entry whose feature is 0)."""
+    from semipack.graph.sites import Site
+
+    site = Site("m", "output", ("batch", "feature"))
+    assert site.describe((1, 3)) == "m: output [batch 1, feature 3]"
+    assert site.describe((1, 3, 4, 0)) == "m: output [dim0 1, dim1 3, dim2 4, dim3 0]"
+    torch.manual_seed(0)
+    norm, mha = nn.LayerNorm(4), nn.MultiheadAttention(4, 2, batch_first=True)
+    x = torch.randn(2, 3, 5, 4, requires_grad=True)
+    tp = semipack.TopPath()
+    with semipack.extend(nn.ModuleList([norm, mha]), tp):
+        h = norm(x)
+        _, weights = mha(h[:, 0], h[:, 0], h[:, 0], average_attn_weights=False)
+        (h.sum() + weights.sum()).backward()
+    for leaf in (x, norm.weight, mha.in_proj_weight):
+        path = tp.path(leaf, tuple(0 for _ in leaf.shape))
+        for step in path.steps:
+            named = step.description.split("[")[-1].rstrip("]")
+            values = [int(part.split()[-1]) for part in named.split(", ")] if named else []
+            if values:  # every named entry is the step's own index, in order
+                assert tuple(values) == tuple(step.index), step.description
+    steps = tp.path(mha.in_proj_weight, (0, 0)).steps
+    weight_steps = [s for s in steps if "attention weights [" in s.description]
+    assert weight_steps and all("head" in s.description for s in weight_steps)
+
+
+def test_a_zero_width_linear_layer_takes_the_per_op_rules() -> None:
+    """``nn.Linear(5, 0)`` (AdaptiveLogSoftmaxWithLoss builds such layers): the fused
+    extension failed to reshape its empty messages; the per-op rules take it."""
+    model = nn.Sequential(nn.Linear(3, 5), nn.Linear(5, 0))
+    x = torch.randn(2, 3)
+    with semipack.extend(model, semipack.MaxProd()):
+        (model[0](x).sum() + model(x).sum()).backward()
+    assert model[1].weight.grad.shape == (0, 5) and model[0].weight.semiring_grad.shape == (5, 3)

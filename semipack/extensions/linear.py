@@ -92,9 +92,13 @@ class LinearFunction(ExtensionFunction):
 @extends(F.linear)
 def linear(input: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
     """``F.linear`` inside ``extend``: one fused semiring backward, sites named by neuron.
-    Shapes F.linear also takes but the fused messages do not (a 1-D weight, a bias that
-    broadcasts over the outputs) go through the per-op rules."""
-    fused = weight.dim() == 2 and (bias is None or tuple(bias.shape) == (weight.shape[0],))
+    Shapes F.linear also takes but the fused messages do not (a 1-D weight, an empty one, a
+    bias that broadcasts over the outputs) go through the per-op rules."""
+    fused = (
+        weight.dim() == 2
+        and weight.numel() > 0  # a zero-width layer (AdaptiveLogSoftmaxWithLoss makes them)
+        and (bias is None or tuple(bias.shape) == (weight.shape[0],))
+    )
     if not fused:
         return F.linear(input, weight, bias)
     return LinearFunction.run(F.linear, [input, weight, bias])

@@ -92,10 +92,13 @@ class MultiheadAttentionFunction(ExtensionFunction):
 
     @staticmethod
     def sites(out: tuple[Tensor, Tensor | None]) -> Sites:
+        weights = out[1] if isinstance(out, tuple) else None
+        per_head = weights is not None and weights.dim() == 4  # average_attn_weights=False
         return (
             ("attention output", ("token", "batch", "feature")),
-            ("attention weights", ("batch", "query", "key")),
-        )
+            ("attention weights", ("batch", "head", "query", "key") if per_head else
+             ("batch", "query", "key")),
+        )  # fmt: skip
 
 
 def _semiring_messages(call: BackwardCall, per_sample: bool = False) -> list[State | None]:

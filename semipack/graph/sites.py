@@ -22,8 +22,12 @@ class Site:
     dims: tuple[str, ...]
 
     def describe(self, index: tuple[int, ...]) -> str:
-        """A readable name of entry ``index`` of the site's tensor: module, tensor, named dims."""
-        named = ", ".join(f"{d} {i}" for d, i in zip(self.dims, index, strict=False))
+        """A readable name of entry ``index`` of the site's tensor: module, tensor, named dims.
+        Names that do not fit the tensor's rank (a layout the site did not expect: a layer
+        norm over a 4-D tensor, ids of three dims) give way to ``dim0``, ``dim1``, ...: an
+        entry is never described by another entry's names."""
+        dims = self.dims if len(self.dims) == len(index) else [f"dim{k}" for k in range(len(index))]
+        named = ", ".join(f"{d} {i}" for d, i in zip(dims, index, strict=True))
         where = self.module if self.module else "<root module>"
         return f"{where}: {self.tensor} [{named}]"
 

@@ -108,27 +108,27 @@ def extend(
 #: enter forces eager execution, the last to leave restores the stance (blocks of two threads
 #: that overlap would otherwise leave it forced: each restored what it found on entry).
 _stance_lock = threading.Lock()
-_stance_blocks: list[AbstractContextManager] = []
 _stance_users = 0
+_forced_stance: AbstractContextManager | None = None  # set while _stance_users > 0
 
 
 @contextmanager
 def _compiled_code_runs_eagerly() -> Iterator[None]:
     """``torch.compiler.set_stance("force_eager")`` for the block, counted across threads."""
-    global _stance_users
+    global _stance_users, _forced_stance
     with _stance_lock:
         if _stance_users == 0:
-            forced = torch.compiler.set_stance("force_eager")
-            forced.__enter__()
-            _stance_blocks.append(forced)
+            _forced_stance = torch.compiler.set_stance("force_eager")
+            _forced_stance.__enter__()
         _stance_users += 1
     try:
         yield
     finally:
         with _stance_lock:
             _stance_users -= 1
-            if _stance_users == 0:
-                _stance_blocks.pop().__exit__(None, None, None)
+            if _stance_users == 0 and _forced_stance is not None:
+                _forced_stance.__exit__(None, None, None)
+                _forced_stance = None
 
 
 class _Reusable(AbstractContextManager):
@@ -143,9 +143,7 @@ class _Reusable(AbstractContextManager):
     def __enter__(self) -> Any:
         block = self._make()
         value = block.__enter__()
-        if not hasattr(self._local, "open"):
-            self._local.open = []
-        self._local.open.append(block)
+        self._local.__dict__.setdefault("open", []).append(block)
         return value
 
     def __exit__(self, *exc: Any) -> bool | None:

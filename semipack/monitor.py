@@ -295,11 +295,12 @@ def _layers(model: nn.Module) -> dict[str, nn.Parameter]:
     out = {}
     for name, module in model.named_modules():
         own = dict(module.named_parameters(recurse=False))
-        trained = [p for key, p in own.items() if p.requires_grad and key != "weight"]
-        if own.get("weight") is not None and own["weight"].requires_grad:
-            trained.insert(0, own["weight"])
+        trained = [p for p in own.values() if p.requires_grad]
+        weight = own.get("weight")
         if trained:
-            out[name or "<root module>"] = trained[0]
+            out[name or "<root module>"] = (
+                weight if weight is not None and weight.requires_grad else trained[0]
+            )
     if not out:
         raise SemipackError(f"Monitor: {type(model).__name__} has no trainable parameters")
     return out

@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import semipack
+from semipack.messages.message import Message
 
 
 class Block(nn.Module):
@@ -129,3 +130,97 @@ def test_activations_are_released_like_in_a_plain_backward() -> None:
         kept = users_after(lambda loss: loss.backward(retain_graph=True))
     assert plain == freed == 1
     assert kept > 1
+
+
+# --- leaf states are read out as they arrive ----------------------------------------------------
+
+
+def _mlp_and_data(seed: int = 0) -> tuple[nn.Module, torch.Tensor]:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 3)), torch.randn(5, 4)
+
+
+def _node_named(root: torch.Tensor, name: str):
+    stack, seen = [root.grad_fn], set()
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        if node.name() == name:
+            return node
+        seen.add(node)
+        stack.extend(n for n, _ in node.next_functions)
+    raise LookupError(name)
+
+
+@pytest.mark.parametrize("semiring", [semipack.MaxProd, semipack.LogSum, semipack.Entropy])
+def test_a_parameters_state_is_not_held_once_read_out(semiring) -> None:
+    """The head's weight gets its message before the layers below run; from then on no message
+    of that shape is alive (its state was read out on arrival, not kept to the pass's end),
+    and the values equal a pass that keeps the states (keep_state=True)."""
+    model, x = _mlp_and_data()
+    alive: list[int] = []
+
+    def count_head_messages(_grads) -> None:
+        gc.collect()
+        alive.append(sum(1 for o in gc.get_objects() if type(o) is Message and o.shape == (3, 8)))
+
+    for keep_state in (False, True):
+        with semipack.extend(model, semiring(), keep_state=keep_state):
+            loss = model(x).sum()
+            _node_named(loss, "TanhBackward0").register_prehook(count_head_messages)
+            loss.backward()
+        if not keep_state:
+            read_early = [p.semiring_grad.clone() for p in model.parameters()]
+    assert alive == [0, 1]  # keep_state needs each state at the pass's end
+    for p, value in zip(model.parameters(), read_early, strict=True):
+        torch.testing.assert_close(p.semiring_grad, value, rtol=0, atol=0, equal_nan=True)
+
+
+@pytest.mark.parametrize("semiring", [semipack.MaxProd, semipack.Entropy])
+def test_a_readout_reuses_the_memory_of_an_earlier_one_nothing_holds(semiring) -> None:
+    """As PyTorch reuses a gradient's buffer: the second pass writes into the first pass's
+    readouts (same addresses) with the values a fresh model gets; a readout the user holds is
+    left as it was and the new one gets new memory."""
+    model, x = _mlp_and_data()
+    x2 = torch.randn(5, 4)
+    fresh, _ = _mlp_and_data()
+    with semipack.extend(fresh, semiring()):
+        fresh(x2).sum().backward()
+    with semipack.extend(model, semiring()):
+        model(x).sum().backward()
+        addresses = [p.semiring_grad.data_ptr() for p in model.parameters()]
+        model(x2).sum().backward()
+    assert [p.semiring_grad.data_ptr() for p in model.parameters()] == addresses
+    for p, q in zip(model.parameters(), fresh.parameters(), strict=True):
+        torch.testing.assert_close(p.semiring_grad, q.semiring_grad, rtol=0, atol=0)
+    held = model[2].weight.semiring_grad
+    before = held.clone()
+    with semipack.extend(model, semiring()):
+        model(x).sum().backward()
+    assert torch.equal(held, before)
+    assert model[2].weight.semiring_grad.data_ptr() != held.data_ptr()
+
+
+class _SquaresItsGradient(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, t):
+        return t.clone()
+
+    @staticmethod
+    def backward(ctx, g):
+        return g * g  # no semiring meaning: a semiring pass fails here
+
+
+def test_a_failed_pass_leaves_no_half_new_readout() -> None:
+    """The head's readouts are overwritten before the pass fails below them: they are removed;
+    the first layer's, which the pass never reached, keep their earlier values."""
+    model, x = _mlp_and_data()
+    with semipack.extend(model, semipack.MaxProd()):
+        model(x).sum().backward()
+    earlier = [p.semiring_grad.clone() for p in model[0].parameters()]
+    with semipack.extend(model, semipack.MaxProd()), pytest.raises(semipack.UnsupportedOpError):
+        model[2](_SquaresItsGradient.apply(model[1](model[0](x)))).sum().backward()
+    assert not any(hasattr(p, "semiring_grad") for p in model[2].parameters())
+    for p, value in zip(model[0].parameters(), earlier, strict=True):
+        assert torch.equal(p.semiring_grad, value)

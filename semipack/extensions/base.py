@@ -419,9 +419,15 @@ class ExtensionFunction(torch.autograd.Function):
         needs is closed over, and what the messages need besides goes in ``options``. A call
         that records no graph (grad mode off, no input requiring grad) is the plain call.
         """
-        if not wants_graph(*inputs) or torch._C._are_functorch_transforms_active():
+        if (
+            not wants_graph(*inputs)
+            or torch._C._are_functorch_transforms_active()
+            or _autocast_active(inputs)
+        ):
             # Inside torch.func transforms (vmap, grad, ...) the inner graph's detached aliases
-            # cannot be made: the plain call, whose ops the generic rules carry.
+            # cannot be made; under autocast the messages would read the full-precision inputs
+            # instead of the copies the call computes with. The plain call, whose ops (the
+            # casts included) the generic rules carry.
             return cls.keep(fn(*inputs))[0]
         inner = InnerGraph(fn, inputs)
         if inner.escapes:
@@ -487,6 +493,13 @@ class ExtensionFunction(torch.autograd.Function):
         if release:
             ctx.__dict__.clear()
         return (None, None, *out)
+
+
+def _autocast_active(inputs: Sequence[Tensor | None]) -> bool:
+    """Whether autocast is on for the inputs' device: the call then runs in another precision
+    (a float16 copy of an input entry of 1e-9 is exactly 0, no edge), which the extensions'
+    messages, computed from the float32 inputs and weights, would not see."""
+    return any(torch.is_autocast_enabled(t.device.type) for t in inputs if t is not None)
 
 
 def _reached(

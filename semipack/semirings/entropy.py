@@ -9,7 +9,7 @@ from torch import Tensor
 
 from ..kernels.compiled import FUSED_MIN_ELEMENTS, compiled
 from ..kernels.exclusive import exclusive_logsumexp
-from ..kernels.logspace import finite_surprisal, fused_log_add_exp, xlogx
+from ..kernels.logspace import finite_surprisal, fused_log_add_exp, log_magnitude_plus_, xlogx
 from ..kernels.normalization import ENTROPY, CentredPairsKernel
 from ..kernels.shared_shift import ConvolutionSums, global_shift
 from ..kernels.weight_cache import WEIGHTS
@@ -118,7 +118,7 @@ class Entropy(Semiring):
         total = e_dest.index_add(dim, index, e_src)
         weighted = (e_dest * dest[1]).index_add(dim, index, e_src * src[1])
         mean = torch.where(total > 0, weighted / total, torch.zeros_like(total))
-        return (log_magnitude_(total).add_(peak), mean)
+        return (log_magnitude_plus_(total, peak), mean)
 
     # --- fast paths of the message math -------------------------------------------------------
     def lift_is_multiplicative(self) -> bool:
@@ -147,16 +147,19 @@ class Entropy(Semiring):
         if shifted is None:
             return None
         e, e_r, shift = shifted
-        e_t, e_r_t = e.transpose(-1, -2), e_r.transpose(-1, -2)
+        del shifted
         by_right = by_left = total = None
-        if right is not None:
-            by_right = _entropy_product(e, e_r, right, shift)
-        if left is not None:
-            by_left = _entropy_product(e_t, e_r_t, left, shift)
-        if left_log is not None:
-            by_left = _entropy_product_log(e_t, e_r_t, left_log, shift)
         if want_sum:
             total = _entropy_pair(e.sum(-2), e_r.sum(-2), shift)
+        if right is not None:
+            by_right = _entropy_product(e, e_r, right, shift)
+        e_t = e.transpose(-1, -2)
+        if left_log is not None:
+            by_left = _entropy_product_log(e_t, e_r.transpose(-1, -2), left_log, shift)
+        elif left is not None:  # the last product: e·r is freed once read
+            handed_over = [e_r.transpose(-1, -2)]
+            del e_r
+            by_left = _entropy_product_freeing(e_t, handed_over, left, shift)
         return by_right, by_left, total
 
     def shared_shift_conv(
@@ -225,7 +228,7 @@ def _entropy_pair(
     """(log Z, mean surprisal) from the shifted sums Σ e w and Σ e w R (less Σ e w log w when
     given); ``weighted`` may be overwritten, ``total`` is."""
     mean = _mean_surprisal(total, weighted, torch.zeros(()) if less is None else less)
-    return (log_magnitude_(total).add_(shift), mean)
+    return (log_magnitude_plus_(total, shift), mean)
 
 
 def _entropy_product(
@@ -243,7 +246,34 @@ def _entropy_product(
     """
     mag, mag_log_mag = _magnitudes(w)
     total, weighted = contract(e, mag), contract(e_r, mag)
+    if contract is torch.matmul:
+        return _entropy_pair(total, _less_product(weighted, e, mag_log_mag), shift)
     return _entropy_pair(total, weighted, shift, contract(e, mag_log_mag))
+
+
+def _entropy_product_freeing(e: Tensor, e_r: list[Tensor], w: Tensor, shift: Tensor) -> State:
+    """``_entropy_product`` by matmul, given ``e·r`` as the only reference to it (a one-element
+    list, emptied here): it is freed as soon as its product is taken, before the other two.
+    A linear layer's weight message is its backward's last and largest product ([O, N] x
+    [N, I]): a BERT feed-forward layer then holds e, e·r and both weight-sized products at
+    once no more (12 MB less at the peak of its Entropy backward)."""
+    mag, mag_log_mag = _magnitudes(w)
+    weighted = torch.matmul(e_r.pop(), mag)
+    total = torch.matmul(e, mag)
+    return _entropy_pair(total, _less_product(weighted, e, mag_log_mag), shift)
+
+
+def _less_product(weighted: Tensor, e: Tensor, right: Tensor) -> Tensor:
+    """``weighted - e @ right`` written into ``weighted`` (a fresh product): for matrices (and
+    batches of them) BLAS subtracts the product as it accumulates, so no third product-sized
+    tensor is built (a BERT feed-forward weight's 9 MB beside the two others at the peak of its
+    Entropy backward). The sums round in another order than a separate product and subtraction,
+    within float rounding of them."""
+    if weighted.dim() == e.dim() == right.dim() == 2:
+        return weighted.addmm_(e, right, alpha=-1)
+    if weighted.dim() == e.dim() == right.dim() == 3 and e.shape[0] == right.shape[0]:
+        return weighted.baddbmm_(e, right, alpha=-1)
+    return weighted.sub_(torch.matmul(e, right))
 
 
 def _magnitudes(w: Tensor) -> tuple[Tensor, Tensor]:
@@ -263,4 +293,4 @@ def _entropy_product_log(e: Tensor, e_r: Tensor, log_w: Tensor, shift: Tensor) -
     scaled, c = column_scaled(log_w)
     total, weighted = torch.matmul(e, scaled), torch.matmul(e_r, scaled)
     scaled_log = torch.where(scaled > 0, scaled * log_w, 0.0)
-    return _entropy_pair(total, weighted.sub_(torch.matmul(e, scaled_log)), shift + c)
+    return _entropy_pair(total, _less_product(weighted, e, scaled_log), shift + c)

@@ -9,7 +9,7 @@ import torch
 from torch import Tensor
 
 from ..kernels.exclusive import exclusive_logsumexp
-from ..kernels.logspace import log_add_exp
+from ..kernels.logspace import log_add_exp, log_magnitude_plus_
 from ..kernels.native import native_available, softmax_log_sum_f32
 from ..kernels.normalization import LOG_COUNT, LOG_SUM, CentredPairsKernel
 from ..kernels.shared_shift import ConvolutionSums, global_shift
@@ -19,7 +19,9 @@ from .base import (
     Semiring,
     Sign,
     State,
+    fits,
     index_reduce,
+    on_memory_of,
     repair_underflow,
     use_generic,
     uses_methods_of,
@@ -128,11 +130,16 @@ class LogSum(Semiring):
     def readout(self, a: State) -> Tensor:
         return a[0] if self.log else a[0].exp()
 
+    def readout_into(self, a: State, into: Any) -> Any:
+        if self.log or not fits(into, a[0]) or not uses_methods_of(self, LogSum, "readout"):
+            return super().readout_into(a, into)
+        return torch.exp(a[0], out=on_memory_of(into))
+
     def matmul(self, a: State, w: Tensor) -> State:
         # log Σ_k exp(a_k) |w_kj|  =  m + log( exp(a - m) @ |w| ), with m the row max of a.
         e, m = shifted_exp(a[0], -1)
         mag = self.magnitude(w.to(e.dtype))
-        out = (torch.matmul(e, mag).log_().add_(m),)
+        out = (log_magnitude_plus_(torch.matmul(e, mag), m),)
         return repair_underflow(self, a, lambda: (mag.log(),), out, shift=m)
 
     def index_plus(self, dest: State, dim: int, index: Tensor, src: State) -> State:
@@ -140,7 +147,7 @@ class LogSum(Semiring):
         peak = finite_or_zero(peak)
         e_dest = (dest[0] - peak).exp()
         e_src = (src[0] - peak.index_select(dim, index)).exp()
-        return (log_magnitude_(e_dest.index_add(dim, index, e_src)).add_(peak),)
+        return (log_magnitude_plus_(e_dest.index_add(dim, index, e_src), peak),)
 
     # --- fast paths of the message math -------------------------------------------------------
     def lift_is_multiplicative(self) -> bool:
@@ -190,15 +197,15 @@ class LogSum(Semiring):
         e = (m[0] - shift).exp_()
         by_right = by_left = total = None
         if right is not None:
-            by_right = (log_magnitude_(torch.matmul(e, self.magnitude(right))).add_(shift),)
+            by_right = (log_magnitude_plus_(torch.matmul(e, self.magnitude(right)), shift),)
         if left is not None:
             by_left = torch.matmul(e.transpose(-1, -2), self.magnitude(left))
-            by_left = (log_magnitude_(by_left).add_(shift),)
+            by_left = (log_magnitude_plus_(by_left, shift),)
         if left_log is not None:
             scaled, c = column_scaled(self.log_magnitude(left_log))
             by_left = (torch.matmul(e.transpose(-1, -2), scaled).log_().add_(shift).add_(c),)
         if want_sum:
-            total = (e.sum(-2).log_().add_(shift),)
+            total = (log_magnitude_plus_(e.sum(-2), shift),)
         return by_right, by_left, total
 
     def shared_shift_conv(
@@ -210,11 +217,11 @@ class LogSum(Semiring):
         e = (m[0] - shift).exp_()
         to_in = to_w = bias = None
         if mask[0]:
-            to_in = (log_magnitude_(sums.to_input(e, self.magnitude(sums.w))).add_(shift),)
+            to_in = (log_magnitude_plus_(sums.to_input(e, self.magnitude(sums.w)), shift),)
         if mask[1]:
-            to_w = (log_magnitude_(sums.to_weight(e, self.magnitude(sums.x))).add_(shift),)
+            to_w = (log_magnitude_plus_(sums.to_weight(e, self.magnitude(sums.x)), shift),)
         if mask[2]:
-            bias = (e.sum([d for d in range(e.dim()) if d != 1]).log_().add_(shift),)
+            bias = (log_magnitude_plus_(e.sum([d for d in range(e.dim()) if d != 1]), shift),)
         return to_in, to_w, bias
 
 

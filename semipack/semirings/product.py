@@ -107,6 +107,14 @@ class Product(Semiring):
         """One readout per factor, in order."""
         return tuple(s.readout(st) for s, st in zip(self.semirings, self.split(a), strict=True))
 
+    def readout_into(self, a: State, into: Any) -> tuple[Any, ...]:
+        """``readout_into`` factor by factor, ``into`` an earlier readout of this product."""
+        earlier = into if isinstance(into, tuple) and len(into) == len(self.semirings) else None
+        return tuple(
+            s.readout_into(st, None if earlier is None else earlier[i])
+            for i, (s, st) in enumerate(zip(self.semirings, self.split(a), strict=True))
+        )
+
     def readout_sparse(self, a: SparseRows, into: Any = None) -> tuple[Any, ...]:
         """``readout`` of a sparse state, factor by factor (each skips the unreached rows);
         ``into`` is an earlier readout of this product, reused factor by factor."""

@@ -5,9 +5,10 @@ drives the messages through every backward formula. Leaf messages are captured o
 the leaves: the regular gradient continues into ``.grad`` exactly as in a plain backward, the
 semiring readout is stored as ``.semiring_grad``.
 
-A semiring backward either completes or changes nothing: if it fails part-way (an op without a
-rule, say), every ``.grad`` it touched is put back as it was, so a retry does not count
-gradients twice.
+A semiring backward either completes or changes no gradient: if it fails part-way (an op
+without a rule, say), every ``.grad`` it touched is put back as it was, so a retry does not
+count gradients twice; readouts it had already written into earlier ones are removed
+(``LeafCaptures``).
 """
 
 from __future__ import annotations
@@ -218,6 +219,79 @@ def store_results(
         del t.semiring_paths
 
 
+class LeafCaptures:
+    """What the pass's leaf hooks take from the messages that reach the leaves.
+
+    A leaf's state is read out as soon as its message arrives (``read_early``) unless the pass
+    needs the state itself at its end: ``keep_state``, a path trace, or a second engine run
+    that may reach the leaf again (a reentrant checkpoint), whose states are added up. The
+    readout goes into the memory of the leaf's earlier ``semiring_grad`` where nothing else
+    holds it (``transport.reuse``), as PyTorch accumulates into a gradient's buffer; the state
+    is freed with its message. Held until the pass ended, each parameter's state stood beside
+    its regular gradient: a BERT layer's MaxProd pass held 9 MB per feed-forward weight at the
+    peak of its backward, Entropy's two components twice that.
+
+    A pass that fails has overwritten those earlier readouts: ``discard`` removes them.
+    """
+
+    def __init__(self, read_early: bool) -> None:
+        self.read_early = read_early
+        self.states: dict[int, Message] = {}  # leaf id -> its state, kept for the pass's end
+        self.readouts: dict[int, Any] = {}  # leaf id -> its readout, taken on arrival
+        self._overwritten: list[Tensor] = []
+
+    def __contains__(self, leaf_id: int) -> bool:
+        return leaf_id in self.states or leaf_id in self.readouts
+
+    def take(self, leaf: Tensor, msg: Message, sr: Semiring) -> None:
+        """Record ``msg``'s state for ``leaf`` (plus-ed to an earlier one of this pass)."""
+        if self.read_early and msg.sparse is None and id(leaf) not in self.states:
+            earlier = unheld_value(leaf, SEMIRING_GRAD)
+            value = sr.readout_into(msg.parts, earlier)
+            if _written_into(value, earlier):
+                self._overwritten.append(leaf)
+            self.readouts[id(leaf)] = value
+            return
+        # Keep only the semiring state: the regular gradient goes to ``.grad`` (possibly as a
+        # copy), and holding it here too would double the gradients' memory.
+        state = Message(None, msg.stored_state(), msg.semiring, msg.dtype)
+        earlier_state = self.states.get(id(leaf))
+        if earlier_state is not None:  # a second engine run reached it (reentrant checkpoint)
+            state = Message(None, sr.plus(earlier_state.parts, msg.parts), sr, msg.dtype)
+        self.states[id(leaf)] = state
+
+    def store(self, t: Tensor, sr: Semiring, fallback_name: str, keep_state: bool) -> bool:
+        """Store ``t``'s results (``store_results``); False when no message reached it."""
+        if id(t) in self.readouts:
+            setattr(t, SEMIRING_GRAD, self.readouts[id(t)])
+            for name in (SEMIRING_STATE, "semiring_paths"):  # no state kept, no trace
+                if hasattr(t, name):
+                    delattr(t, name)
+            return True
+        msg = self.states.get(id(t))
+        if msg is None:
+            return False
+        store_results(t, sr, msg, fallback_name, keep_state)
+        return True
+
+    def discard(self) -> None:
+        """The pass failed: the earlier readouts it wrote into are gone, not left half new."""
+        for t in self._overwritten:
+            if hasattr(t, SEMIRING_GRAD):
+                delattr(t, SEMIRING_GRAD)
+
+
+def _written_into(value: Any, earlier: Any) -> bool:
+    """Whether a readout (a tensor, or a tuple of them) took memory of ``earlier``'s."""
+    if isinstance(value, tuple) and isinstance(earlier, tuple):
+        return any(_written_into(v, e) for v, e in zip(value, earlier, strict=False))
+    return (
+        isinstance(value, Tensor)
+        and isinstance(earlier, Tensor)
+        and value.untyped_storage().data_ptr() == earlier.untyped_storage().data_ptr()
+    )
+
+
 class RetainedTensors:
     """Non-leaf tensors whose ``retain_grad()`` was called inside ``extend``.
 
@@ -358,14 +432,24 @@ def backward(
     kept = retained.alive() if retained is not None else []
     with path_recording(sr, tensors, leaf_names) as sr:
         ledger = GradLedger([*leaves, *kept], accumulate_in_place) if regular_grads else None
+        read_early = not (keep_state or sr.trace is not None or scan.reentrant_checkpoint)
+        captured = LeafCaptures(read_early)
         try:
             with ExitStack() as collect:
                 if rows is not None:
                     collect.enter_context(collecting(rows))
                     for handle in hook_rules(generic_uses, rows):
                         collect.callback(handle.remove)
-                captured = _run_backward(
-                    tensors, grad_tensors, sr, leaves, regular_grads, retain_graph, inputs, scan
+                _run_backward(
+                    tensors,
+                    grad_tensors,
+                    sr,
+                    leaves,
+                    regular_grads,
+                    retain_graph,
+                    inputs,
+                    scan,
+                    captured,
                 )
             if rows is not None:
                 batched = [t for t in leaves if id(t) in captured and id(t) in per_sample]
@@ -374,6 +458,7 @@ def backward(
         except BaseException:
             if ledger is not None:
                 ledger.roll_back()
+            captured.discard()
             raise
         if ledger is not None:
             ledger.commit()
@@ -382,9 +467,7 @@ def backward(
             for i, (t, msg) in enumerate(retained_messages):
                 store_results(t, sr, msg, f"retained tensor {i}", keep_state)
             for i, leaf in enumerate(leaves):
-                msg = captured.get(id(leaf))
-                if msg is not None:
-                    store_results(leaf, sr, msg, f"leaf {i}", keep_state)
+                if captured.store(leaf, sr, f"leaf {i}", keep_state):
                     reached.append(leaf)
             if rows is not None:
                 rows.store(batched, keep_state)
@@ -404,9 +487,11 @@ def _split_retained(kept: Sequence[Tensor]) -> list[tuple[Tensor, Message]]:
     return out
 
 
-def _run_backward(tensors, grad_tensors, sr, leaves, regular_grads, retain_graph, inputs, scan):
+def _run_backward(
+    tensors, grad_tensors, sr, leaves, regular_grads, retain_graph, inputs, scan, captured
+) -> None:
+    """Run the engine from ``tensors``; each leaf's message goes into ``captured``."""
     seed = seeds(tensors, grad_tensors, sr, regular_grads)
-    captured: dict[int, Message] = {}
     if not regular_grads:
         with semiring_pass(retain_graph):
             got = torch.autograd.grad(
@@ -414,8 +499,8 @@ def _run_backward(tensors, grad_tensors, sr, leaves, regular_grads, retain_graph
             )
         for leaf, msg in zip(leaves, got, strict=True):
             if msg is not None:
-                captured[id(leaf)] = _check(msg, leaf, tensors)
-        return captured
+                captured.take(leaf, _check(msg, leaf, tensors), sr)
+        return
 
     def capture(leaf: Tensor):
         def hook(grad):
@@ -424,13 +509,7 @@ def _run_backward(tensors, grad_tensors, sr, leaves, regular_grads, retain_graph
             if grad is None:  # no gradient reaches the leaf (a Function returned None for it)
                 return None
             msg = _check(grad, leaf, tensors)
-            # Keep only the semiring state: the regular gradient goes to ``.grad`` (possibly
-            # as a copy), and holding it here too would double the gradients' memory.
-            state = Message(None, msg.stored_state(), msg.semiring, msg.dtype)
-            earlier = captured.get(id(leaf))
-            if earlier is not None:  # a second engine run reached it (reentrant checkpoint)
-                state = Message(None, sr.plus(earlier.parts, msg.parts), sr, msg.dtype)
-            captured[id(leaf)] = state
+            captured.take(leaf, msg, sr)
             return msg.regular_grad
 
         return hook

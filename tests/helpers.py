@@ -176,3 +176,17 @@ def tiny_bert_config(**overrides):
         attention_probs_dropout_prob=0.0,
     )  # fmt: skip
     return transformers.BertConfig(**(settings | overrides))
+
+
+class SquaresItsGradient(torch.autograd.Function):
+    """Identity forward; its backward multiplies the gradient by itself, which has no semiring
+    meaning: a semiring backward fails there (``UnsupportedOpError``, "product of two
+    messages"). For tests of what a failed pass leaves behind."""
+
+    @staticmethod
+    def forward(ctx, t: Tensor) -> Tensor:
+        return t.clone()
+
+    @staticmethod
+    def backward(ctx, g: Tensor) -> Tensor:
+        return g * g

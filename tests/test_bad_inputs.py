@@ -15,6 +15,7 @@ import warnings
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers import SquaresItsGradient
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
@@ -585,16 +586,6 @@ def test_top_path_from_a_retained_tensor() -> None:
 
 
 # --- failures change nothing -------------------------------------------------------------------
-
-
-class SquaresItsGradient(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, t):
-        return t.clone()
-
-    @staticmethod
-    def backward(ctx, g):
-        return g * g  # no semiring meaning: the semiring backward fails here
 
 
 @pytest.mark.parametrize("had_grads", [False, True])

@@ -7,6 +7,7 @@ import gc
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers import SquaresItsGradient
 from torch import nn
 
 import semipack
@@ -202,16 +203,6 @@ def test_a_readout_reuses_the_memory_of_an_earlier_one_nothing_holds(semiring) -
     assert model[2].weight.semiring_grad.data_ptr() != held.data_ptr()
 
 
-class _SquaresItsGradient(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, t):
-        return t.clone()
-
-    @staticmethod
-    def backward(ctx, g):
-        return g * g  # no semiring meaning: a semiring pass fails here
-
-
 def test_a_failed_pass_leaves_no_half_new_readout() -> None:
     """The head's readouts are overwritten before the pass fails below them: they are removed;
     the first layer's, which the pass never reached, keep their earlier values."""
@@ -220,7 +211,7 @@ def test_a_failed_pass_leaves_no_half_new_readout() -> None:
         model(x).sum().backward()
     earlier = [p.semiring_grad.clone() for p in model[0].parameters()]
     with semipack.extend(model, semipack.MaxProd()), pytest.raises(semipack.UnsupportedOpError):
-        model[2](_SquaresItsGradient.apply(model[1](model[0](x)))).sum().backward()
+        model[2](SquaresItsGradient.apply(model[1](model[0](x)))).sum().backward()
     assert not any(hasattr(p, "semiring_grad") for p in model[2].parameters())
     for p, value in zip(model[0].parameters(), earlier, strict=True):
         assert torch.equal(p.semiring_grad, value)

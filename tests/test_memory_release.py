@@ -215,3 +215,47 @@ def test_a_failed_pass_leaves_no_half_new_readout() -> None:
     assert not any(hasattr(p, "semiring_grad") for p in model[2].parameters())
     for p, value in zip(model[0].parameters(), earlier, strict=True):
         assert torch.equal(p.semiring_grad, value)
+
+
+def _assert_same_readout(got, want) -> None:
+    if isinstance(want, tuple):
+        assert type(got) is type(want) and len(got) == len(want)
+        for g, w in zip(got, want, strict=True):
+            _assert_same_readout(g, w)
+    else:
+        torch.testing.assert_close(got, want, rtol=0, atol=0, equal_nan=True)
+
+
+@pytest.mark.parametrize(
+    "semiring",
+    [
+        semipack.MaxProd(),
+        semipack.MaxProd(log=True),
+        semipack.LogSum(),
+        semipack.LogSum(log=False),
+        semipack.LogCount(),
+        semipack.Entropy(),
+        semipack.Boolean(),
+        semipack.KBest(2),
+        semipack.SignedMaxProd(),
+        semipack.Product(semipack.MaxProd(), semipack.Entropy(), semipack.LogSum(log=False)),
+    ],
+    ids=repr,
+)
+@pytest.mark.parametrize("n", [50, 1 << 16])  # eager, and compiled kernels
+def test_a_readout_written_into_an_earlier_one_has_the_readouts_bits(semiring, n: int) -> None:
+    torch.manual_seed(3)
+    w = torch.randn(n)
+    w[::5] = 0.0  # no path there
+    state = semiring.plus(semiring.lift(w), semiring.lift(torch.randn(n)))
+    state = semiring.times(state, semiring.lift(w.flip(0)))
+    earlier = semiring.readout(semiring.lift(torch.randn(n)))
+    addresses = [t.data_ptr() for t in (earlier if isinstance(earlier, tuple) else (earlier,))]
+    got = semiring.readout_into(state, earlier)
+    _assert_same_readout(got, semiring.readout(state))
+    log = getattr(semiring, "log", False)
+    writes = {"MaxProd": not log, "LogSum": not log, "Entropy": True}
+    if writes.get(type(semiring).__name__, False):
+        assert got.data_ptr() == addresses[0]
+    if isinstance(semiring, semipack.Product):  # written factor by factor where each writes
+        assert [got[0].data_ptr(), got[1].data_ptr(), got[2].data_ptr()] == addresses

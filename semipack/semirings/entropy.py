@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -14,7 +15,17 @@ from ..kernels.normalization import ENTROPY, CentredPairsKernel
 from ..kernels.shared_shift import ConvolutionSums, global_shift
 from ..kernels.weight_cache import WEIGHTS
 from ._log import can_overwrite, finite_or_zero, log_magnitude_, shifted_exp
-from .base import Products, Semiring, Sign, State, index_reduce, repair_underflow, uses_methods_of
+from .base import (
+    Products,
+    Semiring,
+    Sign,
+    State,
+    fits,
+    index_reduce,
+    on_memory_of,
+    repair_underflow,
+    uses_methods_of,
+)
 from .log_sum import column_scaled
 
 
@@ -102,6 +113,15 @@ class Entropy(Semiring):
 
     def readout(self, a: State) -> Tensor:
         return _entropy_readout(a[0], a[1])
+
+    def readout_into(self, a: State, into: Any) -> Any:
+        if (
+            not fits(into, a[0])
+            or a[1].dtype != a[0].dtype
+            or not uses_methods_of(self, Entropy, "readout")
+        ):
+            return super().readout_into(a, into)
+        return _entropy_readout_into(a[0], a[1], on_memory_of(into))
 
     def matmul(self, a: State, w: Tensor) -> State:
         # Σ_k e_k|w_kj| (R_k - log|w_kj|) = (e∘R) @ |w| - e @ (|w| log|w|): three BLAS calls.
@@ -206,6 +226,21 @@ def _readout_fused(log_z: Tensor, mean: Tensor) -> Tensor:
 
 #: Entropy = log Z + mean surprisal, NaN where no path reaches (one loop over large states).
 _entropy_readout = compiled(_readout_eager, _readout_fused, min_elements=FUSED_MIN_ELEMENTS)
+
+
+def _readout_into_eager(log_z: Tensor, mean: Tensor, out: Tensor) -> Tensor:
+    return torch.add(log_z, mean, out=out).masked_fill_(~torch.isfinite(log_z), float("nan"))
+
+
+def _readout_into_fused(log_z: Tensor, mean: Tensor, out: Tensor) -> Tensor:
+    return out.copy_(torch.where(torch.isfinite(log_z), log_z + mean, float("nan")))
+
+
+#: The readout written into an earlier one's memory (``Semiring.readout_into``): one loop, no
+#: readout-sized temporary and no copy of it.
+_entropy_readout_into = compiled(
+    _readout_into_eager, _readout_into_fused, min_elements=FUSED_MIN_ELEMENTS
+)
 
 
 def _mean_eager(total: Tensor, weighted: Tensor, less: Tensor) -> Tensor:

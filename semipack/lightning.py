@@ -77,7 +77,7 @@ class MonitorCallback(Callback):
         self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int
     ) -> None:
         assert self.monitor is not None, "setup() runs before the first batch"
-        self._open = self.monitor.step(trainer.global_step)
+        self._open = self.monitor.step(trainer.global_step, loss_scale=_loss_scale(trainer))
         self._open.__enter__()
         self._backward_ran = False
 
@@ -111,3 +111,12 @@ class MonitorCallback(Callback):
                 context.__exit__(None, None, None)
             else:
                 context.__exit__(_Skipped, _Skipped(), None)
+
+
+def _loss_scale(trainer: Trainer) -> float | None:
+    """The scale of a mixed-precision fit's ``GradScaler`` (``precision="16-mixed"``), which
+    the batch's backward root carries; None without one."""
+    scaler = getattr(getattr(trainer, "precision_plugin", None), "scaler", None)
+    if scaler is None or not scaler.is_enabled():
+        return None
+    return float(scaler.get_scale())

@@ -144,9 +144,17 @@ class Monitor:
         return step % self.every == 0
 
     @contextmanager
-    def step(self, step: int | None = None) -> Iterator[bool]:
+    def step(self, step: int | None = None, loss_scale: float | None = None) -> Iterator[bool]:
         """The context of one training step (forward and ``backward()`` inside); yields whether
-        the step is sampled. ``step`` defaults to a counter of the calls."""
+        the step is sampled. ``step`` defaults to a counter of the calls.
+
+        ``loss_scale``: the factor the backward's root carries (``scaler.get_scale()`` when the
+        loop runs ``scaler.scale(loss).backward()`` with a ``GradScaler``). Every path product
+        carries it, so ``log_best_path`` and ``log_flow`` are recorded less ``log(loss_scale)``:
+        the loss's own values, which do not jump when the scaler changes its scale. The
+        entropies, dead units, top-path changes and flow shares do not depend on it."""
+        if loss_scale is not None and not (math.isfinite(loss_scale) and loss_scale > 0):
+            raise ValueError(f"loss_scale must be a finite positive number, got {loss_scale!r}")
         step = self._count if step is None else step
         self._count += 1
         try:
@@ -166,7 +174,7 @@ class Monitor:
             self._check_backward(step)
             if combine:  # every process: the whole batch's values (each layer's plus over them)
                 all_reduce(list(self.layers.values()), self.semiring)
-            self._record(step, splits)
+            self._record(step, splits, math.log(loss_scale) if loss_scale is not None else 0.0)
         except BaseException:
             self.flush()  # the run may end here: every earlier record goes to the files
             raise
@@ -209,10 +217,11 @@ class Monitor:
             return False
         return any(isinstance(m, DistributedDataParallel) for m in self.model.modules())
 
-    def _record(self, step: int, splits: dict[str, Branches]) -> None:
+    def _record(self, step: int, splits: dict[str, Branches], log_scale: float = 0.0) -> None:
         """Summarise the step's values and write them out: every layer's summaries come to
         the host in one transfer (``_summaries``), and the files get one CSV write and one
-        TensorBoard event per step (per-value events cost more than the summaries)."""
+        TensorBoard event per step (per-value events cost more than the summaries).
+        ``log_scale``: the log of the root's loss scale, taken off the path products' logs."""
         reached = {}
         for name, param in self.layers.items():
             values = getattr(param, "semiring_grad", None)
@@ -227,6 +236,9 @@ class Monitor:
                 self._best[name] = best
             else:  # in the graph, but no path: only its deadness
                 summary = {"dead_units": 1.0}
+            for quantity in ("log_best_path", "log_flow"):
+                if quantity in summary:
+                    summary[quantity] -= log_scale
             rows += [Record(step, name, q, v) for q, v in summary.items()]
         for name, split in splits.items():
             for use, share in _flow_shares(split).items():

@@ -513,3 +513,19 @@ def test_one_extend_object_entered_by_two_threads_closes_each_ones_own_block() -
         t.join(20)
     assert seen == {"b": True}
     assert torch._dynamo.eval_frame._stance.stance == "default"
+
+
+def test_a_tensor_listed_twice_in_backward_inputs_is_one_input() -> None:
+    """PyTorch accepts ``inputs=[w, w]``: the gradient is accumulated once."""
+    model = small_model()
+    x, y = data()
+    F.cross_entropy(model(x), y).backward(inputs=[model[2].weight, model[2].weight])
+    plain = model[2].weight.grad.clone()
+    model.zero_grad(set_to_none=True)
+    with semipack.extend(model, semipack.MaxProd()):
+        F.cross_entropy(model(x), y).backward(inputs=[model[2].weight, model[2].weight])
+    assert torch.equal(model[2].weight.grad, plain)
+    once = model[2].weight.semiring_grad.clone()
+    with semipack.extend(model, semipack.MaxProd()):
+        F.cross_entropy(model(x), y).backward(inputs=[model[2].weight])
+    assert torch.equal(model[2].weight.semiring_grad, once)

@@ -131,3 +131,59 @@ def test_channels_last_gradients_of_one_by_one_maps_are_bitwise_plain(train: boo
         model(x).pow(2).sum().backward()
     for name, p in model.named_parameters():
         assert torch.equal(p.grad, plain[name]), name
+
+
+@pytest.mark.parametrize(
+    "semiring", [semipack.LogSum(), semipack.Real(), semipack.Entropy()], ids=repr
+)
+def test_a_backward_inside_autocast_keeps_float32_states(semiring) -> None:
+    """``loss.backward()`` written inside an AMP step's autocast block, the model's layer run
+    in float32: `.grad` is PyTorch's own (its formulas run in bfloat16 there), the semiring
+    values are float32 and those of the forward's values (as from a backward outside)."""
+    torch.manual_seed(0)
+    linear = nn.Linear(8, 8)
+    x = torch.randn(3, 5, 8)
+
+    def forward() -> torch.Tensor:
+        with torch.autocast("cpu", enabled=False):
+            return linear(x).tanh().pow(2).sum()
+
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        forward().backward()
+    plain = linear.weight.grad.clone()
+    linear.zero_grad(set_to_none=True)
+    with semipack.extend(linear, semiring):
+        loss = forward()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss.backward()
+        inside = linear.weight.semiring_grad.clone()
+        assert torch.equal(linear.weight.grad, plain)
+        forward().backward()
+    assert inside.dtype == torch.float32
+    torch.testing.assert_close(inside, linear.weight.semiring_grad, rtol=1e-6, atol=1e-6)
+
+
+def test_a_map_used_three_times_sums_its_gradients_in_pytorchs_layouts() -> None:
+    """A sum's gradient passed to two summands is held twice: PyTorch adds into neither
+    (TensorIterator's layout), then into its own result (that layout again)."""
+    torch.manual_seed(0)
+    channels = 32
+    norm, a1, a2 = (
+        nn.BatchNorm2d(channels),
+        nn.Conv2d(channels, channels, 1),
+        nn.Conv2d(channels, channels, 1),
+    )
+    model = nn.ModuleList([norm, a1, a2]).eval().to(memory_format=torch.channels_last)
+    x = torch.randn(4, channels, 1, 1).contiguous(memory_format=torch.channels_last)
+
+    def loss() -> torch.Tensor:
+        h = norm(x)
+        return a2(a1(h) + h * 2 + h.contiguous()).pow(2).sum()
+
+    loss().backward()
+    plain = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad(set_to_none=True)
+    with semipack.extend(model, semipack.MaxProd()):
+        loss().backward()
+    for name, p in model.named_parameters():
+        assert torch.equal(p.grad, plain[name]), name

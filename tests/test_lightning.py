@@ -136,3 +136,18 @@ def test_each_fit_gets_its_own_monitor_and_folder(tmp_path) -> None:
     assert later.monitor.log_dir == tmp_path / "m" / "fit2"
     for folder in ("m", "m/fit1"):
         assert (tmp_path / folder / "monitor.csv").read_text().count("\n") > 1
+
+
+def test_a_mixed_precision_fits_loss_scale_reaches_the_monitor() -> None:
+    """With a GradScaler (``precision="16-mixed"``) each batch's root carries its scale: the
+    callback passes it to the monitor step; without one, none."""
+    from pytorch_lightning.plugins.precision import MixedPrecision
+
+    from semipack.lightning import _loss_scale
+
+    class Fit:
+        precision_plugin = MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu"))
+
+    Fit.precision_plugin.scaler.scale(torch.ones(()))  # the scaler's scale is set lazily
+    assert _loss_scale(Fit()) == 65536.0
+    assert _loss_scale(pl.Trainer(accelerator="cpu", logger=False)) is None

@@ -379,3 +379,26 @@ def test_summaries_equal_the_layer_by_layer_reductions() -> None:
         assert got[name, "entropy_mean"] == float(reached.mean())
         assert got[name, "entropy_max"] == float(reached.max())
     assert model[0].weight.semiring_grad[2].isnan().any()  # the dead unit: NaN entropy
+
+
+def test_a_loss_scale_is_taken_off_the_path_products_logs() -> None:
+    """``scaler.scale(loss).backward()`` multiplies every path by the scale: with
+    ``loss_scale`` the records equal the unscaled loss's (logs less log(scale)); the
+    scale-free quantities are unchanged."""
+    (x, y), scale = _batches(1)[0], 1024.0
+    records = []
+    for factor, given in ((1.0, None), (scale, scale)):
+        monitor = semipack.Monitor(_model(), every=1)
+        with monitor.step(0, loss_scale=given):
+            (factor * nn.functional.cross_entropy(monitor.model(x), y)).backward()
+        records.append({(r.layer, r.quantity): r.value for r in monitor.records})
+    unscaled, scaled = records
+    assert unscaled.keys() == scaled.keys()
+    assert {q for _, q in unscaled} >= {"log_best_path", "log_flow", "entropy_mean"}
+    for key, value in unscaled.items():
+        assert scaled[key] == pytest.approx(value, rel=1e-12, abs=1e-12), key
+    monitor = semipack.Monitor(_model(), every=1)
+    for bad in (0.0, -2.0, math.inf, math.nan):
+        refused = pytest.raises(ValueError, match="loss_scale must be a finite positive number")
+        with refused, monitor.step(0, loss_scale=bad):
+            pass

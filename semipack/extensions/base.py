@@ -22,7 +22,7 @@ call keeps its plain outputs and the generic path carries that tensor's messages
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, replace
 from typing import Any, ClassVar
 
@@ -465,9 +465,10 @@ class ExtensionFunction(torch.autograd.Function):
         inner.check_unmodified(cls.reads)
         values = inner.values()
         needs = tuple(ctx.needs_input_grad[2:])
-        states = _messages_per_factor(
-            cls, BackwardCall(sr, incoming, values, needs, ctx.options, ctx.kept)
-        )
+        with _without_autocast(values):
+            states = _messages_per_factor(
+                cls, BackwardCall(sr, incoming, values, needs, ctx.options, ctx.kept)
+            )
         rows = active_rows()
         if rows is not None and not in_carry_pass():
             # the node has one edge per tensor argument (options too, if one): None has none
@@ -478,7 +479,8 @@ class ExtensionFunction(torch.autograd.Function):
                     p is not None and need for p, need in zip(params, needs, strict=True)
                 )
                 call = BackwardCall(sr, incoming, values, wanted, ctx.options, ctx.kept)
-                per = _messages_per_factor(cls, call, per_sample=True)
+                with _without_autocast(values):
+                    per = _messages_per_factor(cls, call, per_sample=True)
                 for p, state in zip(params, per, strict=True):
                     if p is not None and state is not None:
                         rows.add(p, state)
@@ -493,6 +495,20 @@ class ExtensionFunction(torch.autograd.Function):
         if release:
             ctx.__dict__.clear()
         return (None, None, *out)
+
+
+@contextmanager
+def _without_autocast(values: Sequence[Tensor | None]) -> Iterator[None]:
+    """Autocast off for the messages' own math: a backward run inside an autocast region
+    (PyTorch advises against it, AMP loops do it) would compute the semiring products in
+    bfloat16 and hand back low-precision states (or fail, mixing them with float32 ones). The
+    messages are computed from the call's forward values in the state dtype; the regular
+    gradients, outside this block, run as a plain backward's would."""
+    with ExitStack() as stack:
+        for device in {v.device.type for v in values if v is not None}:
+            if torch.is_autocast_enabled(device):
+                stack.enter_context(torch.autocast(device, enabled=False))
+        yield
 
 
 def _autocast_active(inputs: Sequence[Tensor | None]) -> bool:

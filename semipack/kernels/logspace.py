@@ -65,6 +65,11 @@ def log_magnitude_plus_(mag: Tensor, shift: Tensor | float) -> Tensor:
         or torch.broadcast_shapes(mag.shape, shift.shape) != mag.shape
     ):
         return log_magnitude_(mag).add_(shift)
+    if mag.is_contiguous() and (shift.numel() == 1 or shift.shape == mag.shape):
+        # flat views: one compiled variant per dtype and kind of shift, whatever the rank
+        flat_shift = shift.reshape(()) if shift.numel() == 1 else shift.reshape(-1)
+        _log_plus(mag.view(-1), flat_shift)
+        return mag
     return _log_plus(mag, shift)
 
 

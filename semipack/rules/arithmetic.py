@@ -26,24 +26,43 @@ def add(call: OpCall):
 
 
 def _regular_sum(call: OpCall, a, b) -> Tensor | None:
-    """The regular gradients' sum, laid out as the first one: the engine adds a second gradient
-    into the first one's buffer (``add_``) where it holds the only reference, as in a plain
-    backward, and an out-of-place sum would take TensorIterator's layout instead. Where the two
-    layouts differ only in size-1 dims (a channels_last map of 1 x 1) the next kernel chose by
-    the strides: BatchNorm's backward rounded otherwise. Same values either way."""
+    """The regular gradients' sum, laid out as PyTorch's engine lays it out. Accumulating a
+    second gradient, the engine adds it into the first one's buffer (``add_``, the first
+    one's layout) where it holds the only reference to that gradient and its memory, and
+    otherwise builds ``old + new`` (TensorIterator's layout). Where the two layouts differ only
+    in size-1 dims (a channels_last map of 1 x 1) the next kernel chooses by the strides:
+    BatchNorm's backward rounded otherwise. Same values either way.
+
+    The engine hands both messages to this call the same way, and the new one is held by
+    nothing but the engine: the first message is held as exclusively where its use count is
+    no higher (a message that also waits in another node's buffer, as a sum's gradient passed
+    to both summands does, has one more)."""
     first = a.regular_grad if isinstance(a, Message) else None
     second = b.regular_grad if isinstance(b, Message) else None
     if (
-        first is not None
-        and second is not None
-        and first.shape == second.shape
-        and first.dtype == second.dtype
-        and first.device == second.device
+        first is None
+        or second is None
+        or call.func is not aten.add.Tensor
+        or first.shape != second.shape
+        or first.dtype != second.dtype
+        or first.device != second.device
+        or a._use_count() > b._use_count()
+        or not _only_holder_of_its_memory(first)
     ):
-        out = torch.empty_like(first)  # its strides where they are dense and non-overlapping
-        if out.stride() == first.stride():
-            return torch.add(first, second, out=out)
-    return call.run_regular()
+        return call.run_regular()
+    out = torch.empty_like(first)  # the first one's strides where dense and non-overlapping
+    if out.stride() != first.stride():
+        return call.run_regular()
+    return torch.add(first, second, out=out)
+
+
+def _only_holder_of_its_memory(t: Tensor) -> bool:
+    """Whether ``t`` is the only tensor on its memory and only its message refers to it (the
+    engine's other condition for accumulating in place)."""
+    storage = t.untyped_storage()  # one more owner of the memory while held here
+    return (
+        t._base is None and t._use_count() == 1 and torch._C._storage_Use_Count(storage._cdata) <= 2
+    )
 
 
 @register_rule(aten.sub.Tensor, aten.sub.Scalar)

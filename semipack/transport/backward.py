@@ -406,7 +406,8 @@ def backward(
                 f"element {i} of tensors does not require grad and does not have a grad_fn"
             )
     scan = scan_graph(tensors)
-    leaves = list(inputs) if inputs is not None else scan.leaves
+    # each tensor once: PyTorch accepts one listed twice in ``inputs``
+    leaves = list({id(t): t for t in inputs}.values()) if inputs is not None else scan.leaves
     if scan.reentrant_checkpoint and not regular_grads:
         raise SemipackError(
             "torch.utils.checkpoint(..., use_reentrant=True) runs its own backward, which "

@@ -259,3 +259,16 @@ def test_a_readout_written_into_an_earlier_one_has_the_readouts_bits(semiring, n
         assert got.data_ptr() == addresses[0]
     if isinstance(semiring, semipack.Product):  # written factor by factor where each writes
         assert [got[0].data_ptr(), got[1].data_ptr(), got[2].data_ptr()] == addresses
+
+
+def test_a_second_message_after_a_readout_is_refused_not_dropped() -> None:
+    """Read out on arrival, a leaf's state cannot take a later message's paths: a second one
+    in the same pass (no engine run sends one) raises instead of replacing the first."""
+    from semipack.transport.backward import LeafCaptures
+
+    sr, leaf = semipack.MaxProd(), torch.zeros(3, requires_grad=True)
+    captures = LeafCaptures(read_early=True)
+    msg = Message(torch.ones(3), sr.lift(torch.ones(3)), sr)
+    captures.take(leaf, msg, sr)
+    with pytest.raises(semipack.MessageLostError, match="received a second message in one pass"):
+        captures.take(leaf, msg, sr)

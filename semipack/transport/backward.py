@@ -245,6 +245,11 @@ class LeafCaptures:
 
     def take(self, leaf: Tensor, msg: Message, sr: Semiring) -> None:
         """Record ``msg``'s state for ``leaf`` (plus-ed to an earlier one of this pass)."""
+        if id(leaf) in self.readouts:  # read out already: its paths cannot be added to
+            raise MessageLostError(
+                f"a leaf of shape {tuple(leaf.shape)} received a second message in one pass "
+                "after its first was read out (a semipack bug: please report it with the model)"
+            )
         if self.read_early and msg.sparse is None and id(leaf) not in self.states:
             earlier = unheld_value(leaf, SEMIRING_GRAD)
             value = sr.readout_into(msg.parts, earlier)

@@ -10,6 +10,7 @@ kernel the next backward takes: ``.grad`` must stay bitwise a plain backward's.
 from __future__ import annotations
 
 import math
+from contextlib import nullcontext
 
 import pytest
 import torch
@@ -187,3 +188,96 @@ def test_a_map_used_three_times_sums_its_gradients_in_pytorchs_layouts() -> None
         loss().backward()
     for name, p in model.named_parameters():
         assert torch.equal(p.grad, plain[name]), name
+
+
+def _channels_last_1x1(t: torch.Tensor) -> torch.Tensor:
+    """``t`` [N, C, 1, 1] with channels_last strides (C, 1, C, C), as pooling such a map gives."""
+    out = torch.empty(t.shape, dtype=t.dtype, memory_format=torch.channels_last)
+    return out.copy_(t)
+
+
+def _batch_norm_grads(semiring, loss) -> tuple[list, torch.Tensor, torch.Tensor]:
+    """The strides of the gradient reaching a 1 x 1 batch-norm output ``h`` and the layer's
+    ``.grad``s, after a backward of ``loss(h)`` (plain without ``semiring``)."""
+    torch.manual_seed(0)
+    norm = nn.BatchNorm2d(16)
+    x = torch.randn(64, 16, 1, 1) * 3 + 1
+    seen: list = []
+
+    def backward() -> None:
+        h = norm(x)
+        h.register_hook(lambda g: seen.append(g.stride()))
+        loss(h).backward()
+
+    if semiring is None:
+        backward()
+    else:
+        with semipack.extend(norm, semiring):
+            backward()
+    return seen, norm.weight.grad, norm.bias.grad
+
+
+def _pooled(h: torch.Tensor) -> torch.Tensor:
+    wide = F.interpolate(h, scale_factor=2).contiguous(memory_format=torch.channels_last)
+    return F.adaptive_avg_pool2d(wide, 1)
+
+
+def _weights(like: torch.Tensor) -> torch.Tensor:
+    ramp = torch.arange(like.numel(), dtype=like.dtype).reshape(like.shape)
+    return _channels_last_1x1(ramp.cos())
+
+
+def _pending(h: torch.Tensor) -> torch.Tensor:
+    y = h * 2 + _pooled(h) + h  # the first gradient reaching h waits in h * 2's buffer too
+    return (y * _weights(y)).sum()
+
+
+_STORED: list = []
+
+
+def _stored(h: torch.Tensor) -> torch.Tensor:
+    pooled = _pooled(h)
+    c = h.clone()  # made last, so its gradient reaches h first
+    c.register_hook(_STORED.append)  # keeps the gradient, returns None
+    return (c * _weights(c)).sum() + (pooled * 1.5).sum()
+
+
+@pytest.mark.parametrize("loss", [_pending, _stored], ids=["held by a pending branch", "stored"])
+@pytest.mark.parametrize(
+    "semiring",
+    [
+        semipack.Real(),
+        semipack.MaxProd(),
+        semipack.Entropy(),
+        semipack.TopPath(),
+        semipack.Product(semipack.MaxProd(), semipack.Entropy()),
+    ],
+    ids=repr,
+)
+def test_a_first_gradient_held_elsewhere_is_not_accumulated_into(semiring, loss) -> None:
+    """PyTorch adds out of place when the first gradient is held elsewhere (a branch still to
+    run, a hook that kept it): the sum's layout, and BatchNorm's rounding after it, follow."""
+    _STORED.clear()
+    plain = _batch_norm_grads(None, loss)
+    got = _batch_norm_grads(semiring, loss)
+    assert got[0] == plain[0]
+    assert torch.equal(got[1], plain[1]) and torch.equal(got[2], plain[2])
+
+
+def test_a_retained_gradient_kept_from_an_earlier_backward_keeps_its_values() -> None:
+    """PyTorch's retain hook sets ``grad + new``, a new tensor, on a second backward."""
+    torch.manual_seed(0)
+    linear = nn.Linear(3, 3)
+    x = torch.randn(2, 3)
+    for semiring in (None, semipack.MaxProd()):
+        context = semipack.extend(linear, semiring) if semiring is not None else nullcontext()
+        with context:
+            h = linear(x)
+            h.retain_grad()
+            loss = (h * h).sum()
+            loss.backward(retain_graph=True)
+            first = h.grad
+            kept = first.clone()
+            loss.backward()
+        assert torch.equal(first, kept) and h.grad is not first
+        torch.testing.assert_close(h.grad, 2 * kept, rtol=0, atol=0)

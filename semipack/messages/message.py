@@ -192,19 +192,36 @@ def _first_message(args: tuple, kwargs: dict) -> Message | None:
     return None
 
 
+#: rule -> the function that computes its regular result from the call's whole messages
+#: (``register_regular``); ``dispatch_product`` runs it once instead of in the first factor.
+RULE_REGULAR: dict[Callable[..., Any], Callable[[OpCall], Any]] = {}
+
+
+def register_regular(rule: Callable[..., Any], regular: Callable[[OpCall], Any]) -> None:
+    """Declare that ``rule``'s regular result is ``regular(call)`` and depends on the
+    messages, not only on their regular gradients (the accumulation's layout reads who holds
+    a message): a ``Product`` pass computes it from the undivided messages."""
+    RULE_REGULAR[rule] = regular
+
+
 def dispatch_product(rule, func: OpOverload, args: tuple, kwargs: dict, product: Product) -> Any:
     """Run ``rule`` once per factor of ``product``: each message replaced by its factor's slice
     of the state (the same tensors: an in-place rule writes into the product's state) under the
     factor's semiring, the regular gradient only in the first factor's call. The outputs'
     slices are joined again; the regular result is the first call's."""
+    # A rule whose regular result depends on the messages themselves, not only on their
+    # regular gradients (``RULE_REGULAR``), computes it once from the whole messages; the
+    # factors then run without regular gradients.
+    own_regular = RULE_REGULAR.get(rule)
+    regular = own_regular(OpCall(func, args, kwargs)) if own_regular is not None else None
     results = []
     for i, factor in enumerate(product.semirings):
 
         def narrow(x: Any, i: int = i, factor: Semiring = factor) -> Any:
             if not isinstance(x, Message):
                 return x
-            regular = x.regular_grad if i == 0 else None
-            return Message(regular, product.split(x.parts)[i], factor, x.dtype)
+            carried = x.regular_grad if i == 0 and own_regular is None else None
+            return Message(carried, product.split(x.parts)[i], factor, x.dtype)
 
         call_args, call_kwargs = map_arguments(narrow, args, kwargs)
         results.append(rule(OpCall(func, call_args, call_kwargs)))
@@ -213,7 +230,9 @@ def dispatch_product(rule, func: OpOverload, args: tuple, kwargs: dict, product:
     if isinstance(results[0], Message):  # the common case, without pytree's bookkeeping
         first = results[0]
         states = [first.parts] + [r.parts for r in results[1:]]
-        return Message(first.regular_grad, product.join(states), product, first.dtype)
+        if own_regular is None:
+            regular = first.regular_grad
+        return Message(regular, product.join(states), product, first.dtype)
     flat, spec = tree_flatten(results[0])
     others = [tree_flatten(r)[0] for r in results[1:]]
     joined = []

@@ -5,8 +5,9 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from ..kernels.reuse import held_only_by
 from ..messages import OpCall, register_rule
-from ..messages.message import Message
+from ..messages.message import Message, register_regular
 from ..semirings.base import normalize_dims
 from .exact_products import exact_product
 from .structural import inplace_from
@@ -25,6 +26,10 @@ def add(call: OpCall):
     return call.wrap(_regular_sum(call, a, b), parts)
 
 
+def _regular_sum_of(call: OpCall) -> Tensor | None:
+    return _regular_sum(call, call["self"], call["other"])
+
+
 def _regular_sum(call: OpCall, a, b) -> Tensor | None:
     """The regular gradients' sum, laid out as PyTorch's engine lays it out. Accumulating a
     second gradient, the engine adds it into the first one's buffer (``add_``, the first
@@ -33,22 +38,22 @@ def _regular_sum(call: OpCall, a, b) -> Tensor | None:
     in size-1 dims (a channels_last map of 1 x 1) the next kernel chooses by the strides:
     BatchNorm's backward rounded otherwise. Same values either way.
 
-    The engine hands both messages to this call the same way, and the new one is held by
-    nothing but the engine: the first message is held as exclusively where its use count is
-    no higher (a message that also waits in another node's buffer, as a sum's gradient passed
-    to both summands does, has one more)."""
-    first = a.regular_grad if isinstance(a, Message) else None
-    second = b.regular_grad if isinstance(b, Message) else None
+    The first gradient counts as held elsewhere when anything but its message refers to it
+    (a hook that kept it, ``kernels.reuse``) or when its message does: the engine hands both
+    messages to this call the same way, and the new one is held by nothing but the engine, so
+    a first message with a higher use count also waits in another node's buffer (a sum's
+    gradient passed to both summands)."""
     if (
-        first is None
-        or second is None
-        or call.func is not aten.add.Tensor
-        or first.shape != second.shape
-        or first.dtype != second.dtype
-        or first.device != second.device
+        call.func is not aten.add.Tensor
+        or not isinstance(a, Message)
+        or not isinstance(b, Message)
         or a._use_count() > b._use_count()
-        or not _only_holder_of_its_memory(first)
+        or not held_only_by(a, "regular_grad")
+        or b.regular_grad is None
     ):
+        return call.run_regular()
+    first, second = a.regular_grad, b.regular_grad
+    if first.shape != second.shape or first.dtype != second.dtype or first.device != second.device:
         return call.run_regular()
     out = torch.empty_like(first)  # the first one's strides where dense and non-overlapping
     if out.stride() != first.stride():
@@ -56,13 +61,7 @@ def _regular_sum(call: OpCall, a, b) -> Tensor | None:
     return torch.add(first, second, out=out)
 
 
-def _only_holder_of_its_memory(t: Tensor) -> bool:
-    """Whether ``t`` is the only tensor on its memory and only its message refers to it (the
-    engine's other condition for accumulating in place)."""
-    storage = t.untyped_storage()  # one more owner of the memory while held here
-    return (
-        t._base is None and t._use_count() == 1 and torch._C._storage_Use_Count(storage._cdata) <= 2
-    )
+register_regular(add, _regular_sum_of)
 
 
 @register_rule(aten.sub.Tensor, aten.sub.Scalar)

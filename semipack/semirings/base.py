@@ -234,7 +234,7 @@ class Semiring:
     def readout_into(self, a: State, into: Any) -> Any:
         """``readout(a)`` written into the memory of ``into`` where shape, dtype and device
         agree (else a fresh readout). ``into``: an earlier readout of the same tensor that
-        nothing else holds any more (``transport.reuse``), as PyTorch accumulates into a
+        nothing else holds any more (``kernels.reuse``), as PyTorch accumulates into a
         gradient's buffer: a pass then needs no second weight-sized tensor per parameter.
         The default computes the readout and copies it (built-ins write theirs directly); a
         readout that is the state itself (a log-space readout) is returned as it is: its

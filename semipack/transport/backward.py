@@ -23,13 +23,13 @@ import torch
 from torch import Tensor
 
 from ..errors import MessageLostError, PerSampleError, SemipackError
+from ..kernels.reuse import unheld_value
 from ..messages.message import MODULE_HOOK_NODE, Message
 from ..messages.paths import PathTrace, attach, records_steps
 from ..semirings.base import Semiring, State
 from .hooks import ModuleHookNodes, hooks_need_regular_gradients
 from .passes import carry_pass, in_carry_pass, own_kernels_compiled, semiring_pass
 from .per_sample import PerSampleRows, check_graph, check_semiring, collecting, hook_rules
-from .reuse import unheld_value
 
 SEMIRING_GRAD = "semiring_grad"
 #: Where ``extend(..., keep_state=True)`` keeps a tensor's final semiring state (a tuple of
@@ -226,7 +226,7 @@ class LeafCaptures:
     needs the state itself at its end: ``keep_state``, a path trace, or a second engine run
     that may reach the leaf again (a reentrant checkpoint), whose states are added up. The
     readout goes into the memory of the leaf's earlier ``semiring_grad`` where nothing else
-    holds it (``transport.reuse``), as PyTorch accumulates into a gradient's buffer; the state
+    holds it (``kernels.reuse``), as PyTorch accumulates into a gradient's buffer; the state
     is freed with its message. Held until the pass ended, each parameter's state stood beside
     its regular gradient: a BERT layer's MaxProd pass held 9 MB per feed-forward weight at the
     peak of its backward, Entropy's two components twice that.
@@ -352,16 +352,23 @@ class GradLedger:
                 t.grad = None
 
     def commit(self) -> None:
-        """The pass succeeded: each swapped-out gradient gets the new one added in place."""
+        """The pass succeeded: each swapped-out gradient gets the new one added, in place for
+        a leaf (PyTorch accumulates a leaf's ``.grad`` in place) and into a new tensor for a
+        retained non-leaf (PyTorch's retain hook sets ``grad + new``: a ``.grad`` the user
+        kept from an earlier backward keeps its values)."""
         for t, old, swap in self.before:
             if not swap:
                 continue
             new = t.grad
             if isinstance(new, Message):
                 continue  # split by the caller first
-            if new is not None:
+            if new is None:
+                t.grad = old
+            elif t.is_leaf:
                 old += new
-            t.grad = old
+                t.grad = old
+            else:
+                t.grad = old + new
 
     def roll_back(self) -> None:
         """The pass failed: every ``.grad`` goes back to what it was before it."""

@@ -57,14 +57,15 @@ def _baseline_refs() -> tuple[int, int, int]:
 _ALONE_AS_ATTRIBUTE, _ALONE_AS_ITEM, _ALONE_STORAGE = _baseline_refs()
 
 
-def _alone(value: Any, refs: int, baseline: int) -> bool:
+def _alone(value: Any, refs: int, baseline: int, other_processes: bool = True) -> bool:
     """Whether no one but its holder can reach ``value``: no other Python reference, no other
     owner of the tensor (a view, a graph that saved it), no other owner of its memory (another
-    tensor on it, a holder of its storage object) and no other process (shared memory, as a
-    ``torch.multiprocessing`` queue leaves a tensor it sent)."""
+    tensor on it, a holder of its storage object) and, with ``other_processes``, no other
+    process (shared memory, as a ``torch.multiprocessing`` queue leaves a tensor it sent;
+    PyTorch reports every CUDA tensor as shared)."""
     if type(value) is not Tensor or refs > baseline or value._use_count() != 1:
         return False
-    if value.is_shared():
+    if other_processes and value.is_shared():
         return False
     storage, storage_refs = _storage_refs(value)  # one more owner of the memory while held here
     return storage_refs <= _ALONE_STORAGE and torch._C._storage_Use_Count(storage._cdata) <= 2
@@ -79,3 +80,12 @@ def unheld_value(t: Tensor, name: str) -> Any:
         held = [_item_refs(value, i) for i in range(len(value))]
         return tuple(v if _alone(v, r, _ALONE_AS_ITEM) else None for v, r in held)
     return value if _alone(value, refs, _ALONE_AS_ATTRIBUTE) else None
+
+
+def held_only_by(t: Any, name: str) -> bool:
+    """Whether ``t.<name>`` is a tensor that nothing in this process holds but ``t`` (Python
+    references, other tensors on it or on its memory), as PyTorch's engine asks of a gradient
+    before adding another into its buffer. Other processes are not asked about: only for
+    decisions that write nothing (a layout), never for writing into the memory."""
+    value, refs = _attribute_refs(t, name)
+    return _alone(value, refs, _ALONE_AS_ATTRIBUTE, other_processes=False)

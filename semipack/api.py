@@ -21,6 +21,7 @@ from .transport import backward as _bw
 from .transport.backward import grad
 from .transport.hooks import module_hooks_see_gradients
 from .transport.interception import SemiringMode
+from .transport.passes import user_code_eager
 from .transport.per_sample import check_semiring
 
 _blocks = threading.local()
@@ -104,33 +105,6 @@ def extend(
     )
 
 
-#: torch.compile's stance is process-wide while blocks are per thread: the first block to
-#: enter forces eager execution, the last to leave restores the stance (blocks of two threads
-#: that overlap would otherwise leave it forced: each restored what it found on entry).
-_stance_lock = threading.Lock()
-_stance_users = 0
-_forced_stance: AbstractContextManager | None = None  # set while _stance_users > 0
-
-
-@contextmanager
-def _compiled_code_runs_eagerly() -> Iterator[None]:
-    """``torch.compiler.set_stance("force_eager")`` for the block, counted across threads."""
-    global _stance_users, _forced_stance
-    with _stance_lock:
-        if _stance_users == 0:
-            _forced_stance = torch.compiler.set_stance("force_eager")
-            _forced_stance.__enter__()
-        _stance_users += 1
-    try:
-        yield
-    finally:
-        with _stance_lock:
-            _stance_users -= 1
-            if _stance_users == 0 and _forced_stance is not None:
-                _forced_stance.__exit__(None, None, None)
-                _forced_stance = None
-
-
 class _Reusable(AbstractContextManager):
     """A context manager made afresh by ``make`` at each entry, so that one ``extend(...)``
     object can be entered again once its block has ended (a generator-based one cannot), also
@@ -189,7 +163,7 @@ def _block(
         # loss) runs its original Python eagerly in the block, so its ops reach the semiring
         # rules; each semiring pass switches back to the default stance for semipack's own
         # compiled kernels (transport.passes.semiring_pass).
-        stack.enter_context(_compiled_code_runs_eagerly())
+        stack.enter_context(user_code_eager())
         stack.enter_context(warnings.catch_warnings())
         # the module tracker's global hooks see the compiled wrapper's call and ignore it
         warnings.filterwarnings("ignore", "Using `torch.compile\\(module\\)` when there are global")

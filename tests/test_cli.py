@@ -120,6 +120,7 @@ def test_the_best_branch_per_token_is_the_best_path_to_the_token(
         (["--semirings", "Tropical"], "unknown semiring 'Tropical': choose from MaxProd, Log"),
         (["--target", "cls"], "unknown --target 'cls': use 'norm', 'token:N' or 'mask'"),
         (["--target", "mask", "--text", "the keys"], "--target mask needs a [MASK] token"),
+        (["--target", "token:\u00b2"], "--target 'token:\u00b2': the text has"),  # a digit
     ],
 )
 def test_mistakes_exit_with_a_clear_message(
@@ -268,3 +269,15 @@ def test_mask_target_on_a_model_without_a_trained_head_is_refused(tiny_model_dir
     err = capsys.readouterr().err
     assert "--target mask: " in err and "has no trained masked-language-model head" in err
     assert "cls.predictions" in err
+
+
+def test_a_truncated_weights_file_is_named(tiny_model_dir, tmp_path, capsys) -> None:
+    """safetensors' own error (a file cut short) is reported like transformers' errors."""
+    import shutil
+
+    folder = tmp_path / "cut"
+    shutil.copytree(tiny_model_dir, folder)
+    weights = folder / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:1000])
+    assert main(["explain", "--model", str(folder)]) == 2
+    assert "SafetensorError" in capsys.readouterr().err

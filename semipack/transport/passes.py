@@ -15,7 +15,8 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
+from typing import Any
 
 import torch
 
@@ -50,14 +51,57 @@ def semiring_pass(retain_graph: bool | None) -> Iterator[None]:
             _running[retain] -= 1
 
 
+# torch.compile's stance is process-wide, while blocks and passes run per thread: one place
+# counts both and sets the stance they need (nested ``set_stance`` contexts of two threads
+# restored each other's stances out of order: a compiled model ran compiled inside a block).
+_stance_lock = threading.Lock()
+_stance_counts = {"blocks": 0, "passes": 0}
+_user_stance: list[Any] = []  # the stance before the first block or pass, restored after
+
+
+def _set_stance() -> None:
+    """The stance the open blocks and running passes need (called with ``_stance_lock``)."""
+    blocks, passes = _stance_counts["blocks"], _stance_counts["passes"]
+    if not blocks and not passes:
+        if _user_stance:
+            before = _user_stance.pop()
+            torch.compiler.set_stance(
+                before.stance,
+                skip_guard_eval_unsafe=before.skip_guard_eval_unsafe,
+                force_backend=before.backend,
+            )
+        return
+    if not _user_stance:
+        _user_stance.append(torch._dynamo.eval_frame._stance)
+    torch.compiler.set_stance("default" if passes else "force_eager")
+
+
 @contextmanager
-def own_kernels_compiled() -> Iterator[None]:
-    """torch.compile's default stance for the block: inside ``semipack.extend`` (which forces
-    user code to run eagerly) semipack's own kernels must still run compiled, in a pass and in
-    the readouts after it; under the forced stance a compiled kernel would run its fused source
-    eagerly, which is slower than its eager form."""
-    with torch.compiler.set_stance("default"):
+def _counted(kind: str) -> Iterator[None]:
+    with _stance_lock:
+        _stance_counts[kind] += 1
+        _set_stance()
+    try:
         yield
+    finally:
+        with _stance_lock:
+            _stance_counts[kind] -= 1
+            _set_stance()
+
+
+def user_code_eager() -> AbstractContextManager[None]:
+    """torch.compile's ``force_eager`` stance while an ``extend`` block is open (in any thread):
+    compiled user code then runs its ops one by one, so that they reach the rules; running
+    passes (``own_kernels_compiled``) take precedence."""
+    return _counted("blocks")
+
+
+def own_kernels_compiled() -> AbstractContextManager[None]:
+    """torch.compile's default stance while a pass (or its readouts) runs in any thread: inside
+    ``semipack.extend`` (which forces user code to run eagerly) semipack's own kernels must
+    still run compiled; under the forced stance a compiled kernel would run its fused source
+    eagerly, which is slower than its eager form."""
+    return _counted("passes")
 
 
 def graph_retained() -> bool:
@@ -67,22 +111,36 @@ def graph_retained() -> bool:
 
 
 _carry_depth = [0]
+#: thread ident -> open carry passes started on that thread
+_carry_threads: dict[int, int] = {}
 
 
 @contextmanager
 def carry_pass() -> Iterator[None]:
     """Mark the extra passes that carry one part of a message down the graph while the main
     pass is suspended (``backward.carry_down``): they are not the user's backward, so the main
-    pass's leaf captures and the user's gradient hooks ignore them."""
+    pass's leaf captures and the user's gradient hooks ignore them. Marked per thread: another
+    thread's backward running meanwhile is a user's backward (read as a carry pass, its leaves
+    kept semiring messages in ``.grad``)."""
+    ident = threading.get_ident()
     with _lock:
         _carry_depth[0] += 1
+        _carry_threads[ident] = _carry_threads.get(ident, 0) + 1
     try:
         yield
     finally:
         with _lock:
             _carry_depth[0] -= 1
+            _carry_threads[ident] -= 1
+            if not _carry_threads[ident]:
+                del _carry_threads[ident]
 
 
 def in_carry_pass() -> bool:
-    """True while a ``carry_pass`` runs."""
-    return _carry_depth[0] > 0
+    """True while a ``carry_pass`` runs on this thread. A carry pass runs on the thread that
+    starts it (a reentrant backward stays on its thread); the hooks of a pass started on a
+    device's engine thread (CUDA) run there too, but those threads cannot be told from the
+    ones running another thread's pass, so on them any open carry pass counts."""
+    if threading.get_ident() in _carry_threads:
+        return True
+    return _carry_depth[0] > 0 and isinstance(threading.current_thread(), threading._DummyThread)

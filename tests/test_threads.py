@@ -1,0 +1,102 @@
+"""Passes in several threads at once: each thread's results are those of its passes run alone.
+
+Blocks, passes and branch readouts are per thread; torch.compile's stance is process-wide, so
+semipack sets it from counts of the open blocks and running passes of every thread.
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+
+import torch
+import torch._dynamo.eval_frame as eval_frame
+from torch import nn
+
+import semipack
+
+
+def _stance() -> str:
+    return eval_frame._stance.stance
+
+
+def test_a_branch_readout_in_one_thread_leaves_another_threads_backward_alone() -> None:
+    """Thread A's readouts carry parts of a message down in extra passes; thread B's backwards
+    meanwhile are user backwards: every one fills `.grad` and `.semiring_grad` as when run
+    alone (read as extra passes, B's leaves kept semiring messages in `.grad`)."""
+    torch.manual_seed(0)
+    deep = nn.Sequential(*[nn.Sequential(nn.Linear(32, 32), nn.Tanh()) for _ in range(5)])
+    x = torch.randn(16, 32, requires_grad=True)
+    small = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 3))
+    y = torch.randn(5, 8)
+
+    def readouts(stop: threading.Event) -> None:
+        while not stop.is_set():
+            with semipack.extend(deep, semipack.LogSum()):
+                h = deep[0](x)
+                with semipack.branches(h, inputs=[x]):
+                    out = deep[3](deep[2](deep[1](h))) + deep[4](h)
+                out.sum().backward()
+
+    def backward() -> list[tuple[torch.Tensor, torch.Tensor]]:
+        small.zero_grad(set_to_none=True)
+        with semipack.extend(small, semipack.MaxProd()):
+            small(y).sum().backward()
+        return [(p.grad, p.semiring_grad) for p in small.parameters()]
+
+    alone = backward()
+    stop = threading.Event()
+    reader = threading.Thread(target=readouts, args=(stop,))
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)  # switch threads as often as possible
+    try:
+        reader.start()
+        runs = [backward() for _ in range(40)]
+    finally:
+        stop.set()
+        reader.join()
+        sys.setswitchinterval(interval)
+    for run in runs:
+        for (grad, value), (grad_alone, value_alone) in zip(run, alone, strict=True):
+            assert type(grad) is torch.Tensor and torch.equal(grad, grad_alone)
+            assert torch.equal(value, value_alone)
+
+
+def test_overlapping_passes_leave_compiled_code_eager_while_a_block_is_open() -> None:
+    """Pass A starts, pass B starts, A ends, B ends: both blocks are still open, so compiled
+    user code must still run eagerly (its ops reach the rules); after the blocks, the stance
+    is the one before them."""
+    before = _stance()
+    a_running, b_running, a_done = threading.Event(), threading.Event(), threading.Event()
+    seen: dict[str, str] = {}
+
+    def thread_a() -> None:
+        model = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 1))
+        with semipack.extend(model, semipack.MaxProd()):
+            h = model[0](torch.randn(3, 4))
+            h.register_hook(lambda g: (a_running.set(), b_running.wait(), g)[-1])
+            model[2](model[1](h)).sum().backward()
+            a_done.set()
+            b_finished.wait()
+            seen["A's block after both passes"] = _stance()
+
+    def thread_b() -> None:
+        model = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 1))
+        with semipack.extend(model, semipack.MaxProd()):
+            h = model[0](torch.randn(3, 4))
+            h.register_hook(lambda g: (b_running.set(), a_done.wait(), g)[-1])
+            model[2](model[1](h)).sum().backward()
+            b_finished.set()
+            a_left.wait()
+
+    b_finished, a_left = threading.Event(), threading.Event()
+    first = threading.Thread(target=thread_a)
+    second = threading.Thread(target=thread_b)
+    first.start()
+    a_running.wait()
+    second.start()
+    first.join()
+    a_left.set()
+    second.join()
+    assert seen == {"A's block after both passes": "force_eager"}
+    assert _stance() == before

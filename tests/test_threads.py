@@ -70,24 +70,29 @@ def test_overlapping_passes_leave_compiled_code_eager_while_a_block_is_open() ->
     a_running, b_running, a_done = threading.Event(), threading.Event(), threading.Event()
     seen: dict[str, str] = {}
 
-    def thread_a() -> None:
+    def block(in_hook, after_backward) -> None:
+        """A block whose pass runs ``in_hook`` inside its backward, then ``after_backward``."""
         model = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 1))
         with semipack.extend(model, semipack.MaxProd()):
             h = model[0](torch.randn(3, 4))
-            h.register_hook(lambda g: (a_running.set(), b_running.wait(), g)[-1])
+            h.register_hook(lambda g: (in_hook(), g)[-1])
             model[2](model[1](h)).sum().backward()
-            a_done.set()
-            b_finished.wait()
-            seen["A's block after both passes"] = _stance()
+            after_backward()
+
+    def a_after() -> None:
+        a_done.set()
+        b_finished.wait()
+        seen["A's block after both passes"] = _stance()
+
+    def b_after() -> None:
+        b_finished.set()
+        a_left.wait()
+
+    def thread_a() -> None:
+        block(lambda: (a_running.set(), b_running.wait()), a_after)
 
     def thread_b() -> None:
-        model = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 1))
-        with semipack.extend(model, semipack.MaxProd()):
-            h = model[0](torch.randn(3, 4))
-            h.register_hook(lambda g: (b_running.set(), a_done.wait(), g)[-1])
-            model[2](model[1](h)).sum().backward()
-            b_finished.set()
-            a_left.wait()
+        block(lambda: (b_running.set(), a_done.wait()), b_after)
 
     b_finished, a_left = threading.Event(), threading.Event()
     first = threading.Thread(target=thread_a)

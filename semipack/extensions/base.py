@@ -422,7 +422,7 @@ class ExtensionFunction(torch.autograd.Function):
         if (
             not wants_graph(*inputs)
             or torch._C._are_functorch_transforms_active()
-            or _autocast_active(inputs)
+            or _autocast_devices(inputs)
         ):
             # Inside torch.func transforms (vmap, grad, ...) the inner graph's detached aliases
             # cannot be made; under autocast the messages would read the full-precision inputs
@@ -505,17 +505,19 @@ def _without_autocast(values: Sequence[Tensor | None]) -> Iterator[None]:
     messages are computed from the call's forward values in the state dtype; the regular
     gradients, outside this block, run as a plain backward's would."""
     with ExitStack() as stack:
-        for device in {v.device.type for v in values if v is not None}:
-            if torch.is_autocast_enabled(device):
-                stack.enter_context(torch.autocast(device, enabled=False))
+        for device in _autocast_devices(values):
+            stack.enter_context(torch.autocast(device, enabled=False))
         yield
 
 
-def _autocast_active(inputs: Sequence[Tensor | None]) -> bool:
-    """Whether autocast is on for the inputs' device: the call then runs in another precision
-    (a float16 copy of an input entry of 1e-9 is exactly 0, no edge), which the extensions'
-    messages, computed from the float32 inputs and weights, would not see."""
-    return any(torch.is_autocast_enabled(t.device.type) for t in inputs if t is not None)
+def _autocast_devices(tensors: Sequence[Tensor | None]) -> set[str]:
+    """The device types of ``tensors`` on which autocast is on. In a forward the call then runs
+    in another precision (a float16 copy of an input entry of 1e-9 is exactly 0, no edge),
+    which the extensions' messages, computed from the float32 inputs and weights, would not
+    see (``run`` steps aside); in a backward it would compute the messages' products in low
+    precision (``_without_autocast``)."""
+    devices = {t.device.type for t in tensors if t is not None}
+    return {device for device in devices if torch.is_autocast_enabled(device)}
 
 
 def _reached(

@@ -89,3 +89,13 @@ def held_only_by(t: Any, name: str) -> bool:
     decisions that write nothing (a layout), never for writing into the memory."""
     value, refs = _attribute_refs(t, name)
     return _alone(value, refs, _ALONE_AS_ATTRIBUTE, other_processes=False)
+
+
+def same_memory(a: Any, b: Any) -> bool:
+    """Whether ``a`` and ``b`` are tensors on the same memory (a value written into the other,
+    or one that is the other)."""
+    return (
+        isinstance(a, Tensor)
+        and isinstance(b, Tensor)
+        and a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
+    )

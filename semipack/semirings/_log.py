@@ -2,15 +2,19 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import Tensor
 
 from ..kernels.logspace import finite_or_zero, log_magnitude_, shifted_exp
 from ..kernels.weight_cache import WEIGHTS
+from .base import Semiring, State, fits, on_memory_of, uses_methods_of
 
 __all__ = [
     "add_log_abs_",
     "can_overwrite",
+    "exp_readout_into",
     "finite_or_zero",
     "kept_log_abs",
     "log_abs",
@@ -40,3 +44,13 @@ def add_log_abs_(state: Tensor, w: Tensor) -> Tensor:
     """``state + log|w|`` in the memory of ``w`` (see ``can_overwrite``); bitwise the same as
     ``state + log_abs(w)``."""
     return log_magnitude_(w.abs_()).add_(state)
+
+
+def exp_readout_into(sr: Semiring, owner: type[Semiring], a: State, into: Any) -> Any:
+    """``readout_into`` of the log-space semirings whose readout is ``a[0]`` (``log=True``) or
+    ``exp(a[0])`` (MaxProd, LogSum): the exponential written straight into ``into``; the
+    generic form where ``into`` does not fit, for the log readout (the state itself) and for a
+    subclass with a readout of its own (``owner``'s is the one known here)."""
+    if sr.log or not fits(into, a[0]) or not uses_methods_of(sr, owner, "readout"):
+        return Semiring.readout_into(sr, a, into)
+    return torch.exp(a[0], out=on_memory_of(into))

@@ -30,6 +30,7 @@ from torch import Tensor
 from ..kernels import logspace
 from ..kernels.blocking import BLOCK_ELEMENTS
 from ..kernels.normalization import CentredPairsKernel
+from ..kernels.reuse import same_memory
 from ..kernels.shared_shift import ConvolutionSums
 from ..kernels.weight_cache import WEIGHTS
 
@@ -240,7 +241,11 @@ class Semiring:
         readout that is the state itself (a log-space readout) is returned as it is: its
         memory is no more than the state's, and a copy would cost a pass over it."""
         value = self.readout(a)
-        if isinstance(value, Tensor) and fits(into, value) and not _is_part(value, a):
+        if (
+            isinstance(value, Tensor)
+            and fits(into, value)
+            and not any(same_memory(value, p) for p in a)
+        ):
             return on_memory_of(into).copy_(value)
         return value
 
@@ -596,12 +601,6 @@ def linear_from_log(log_abs: Tensor, sign: Sign) -> Tensor:
     if isinstance(sign, Tensor):
         return w.mul_(sign) if w.shape == torch.broadcast_shapes(w.shape, sign.shape) else w * sign
     return w if sign == 1 else w.mul_(sign)
-
-
-def _is_part(value: Tensor, a: State) -> bool:
-    """Whether ``value`` shares memory with a component of ``a`` (a readout that is the state)."""
-    address = value.untyped_storage().data_ptr()
-    return any(isinstance(p, Tensor) and p.untyped_storage().data_ptr() == address for p in a)
 
 
 def on_memory_of(t: Tensor) -> Tensor:

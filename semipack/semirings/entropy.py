@@ -179,7 +179,7 @@ class Entropy(Semiring):
         elif left is not None:  # the last product: e·r is freed once read
             handed_over = [e_r.transpose(-1, -2)]
             del e_r
-            by_left = _entropy_product_freeing(e_t, handed_over, left, shift)
+            by_left = _entropy_product(e_t, handed_over, left, shift)
         return by_right, by_left, total
 
     def shared_shift_conv(
@@ -268,7 +268,7 @@ def _entropy_pair(
 
 def _entropy_product(
     e: Tensor,
-    e_r: Tensor,
+    e_r: Tensor | list[Tensor],
     w: Tensor,
     shift: Tensor,
     contract: Callable[[Tensor, Tensor], Tensor] = torch.matmul,
@@ -277,25 +277,19 @@ def _entropy_product(
     (a matmul, or a convolution's sums) of the shifted message with |w| and |w| log|w|.
 
     Elementwise steps run in place on fresh tensors (same values as the out-of-place
-    expressions): the temporaries beside the products are one |w| and one |w| log|w|.
+    expressions): the temporaries beside the products are one |w| and one |w| log|w|. By
+    matmul the third product is subtracted as BLAS accumulates (``_less_product``). ``e_r``
+    given as a one-element list hands over the only reference to it: it is freed once its
+    product is taken, before the other two (a linear layer's weight message, its backward's
+    last and largest product: a BERT feed-forward layer then no longer holds e, e·r and both
+    weight-sized products at once, 12 MB less at the peak of its Entropy backward).
     """
     mag, mag_log_mag = _magnitudes(w)
-    total, weighted = contract(e, mag), contract(e_r, mag)
+    weighted = contract(e_r.pop() if isinstance(e_r, list) else e_r, mag)
+    total = contract(e, mag)
     if contract is torch.matmul:
         return _entropy_pair(total, _less_product(weighted, e, mag_log_mag), shift)
     return _entropy_pair(total, weighted, shift, contract(e, mag_log_mag))
-
-
-def _entropy_product_freeing(e: Tensor, e_r: list[Tensor], w: Tensor, shift: Tensor) -> State:
-    """``_entropy_product`` by matmul, given ``e·r`` as the only reference to it (a one-element
-    list, emptied here): it is freed as soon as its product is taken, before the other two.
-    A linear layer's weight message is its backward's last and largest product ([O, N] x
-    [N, I]): a BERT feed-forward layer then holds e, e·r and both weight-sized products at
-    once no more (12 MB less at the peak of its Entropy backward)."""
-    mag, mag_log_mag = _magnitudes(w)
-    weighted = torch.matmul(e_r.pop(), mag)
-    total = torch.matmul(e, mag)
-    return _entropy_pair(total, _less_product(weighted, e, mag_log_mag), shift)
 
 
 def _less_product(weighted: Tensor, e: Tensor, right: Tensor) -> Tensor:

@@ -13,15 +13,20 @@ from ..kernels.logspace import log_add_exp, log_magnitude_plus_
 from ..kernels.native import native_available, softmax_log_sum_f32
 from ..kernels.normalization import LOG_COUNT, LOG_SUM, CentredPairsKernel
 from ..kernels.shared_shift import ConvolutionSums, global_shift
-from ._log import add_log_abs_, can_overwrite, finite_or_zero, log_magnitude_, shifted_exp
+from ._log import (
+    add_log_abs_,
+    can_overwrite,
+    exp_readout_into,
+    finite_or_zero,
+    log_magnitude_,
+    shifted_exp,
+)
 from .base import (
     Products,
     Semiring,
     Sign,
     State,
-    fits,
     index_reduce,
-    on_memory_of,
     repair_underflow,
     use_generic,
     uses_methods_of,
@@ -131,9 +136,7 @@ class LogSum(Semiring):
         return a[0] if self.log else a[0].exp()
 
     def readout_into(self, a: State, into: Any) -> Any:
-        if self.log or not fits(into, a[0]) or not uses_methods_of(self, LogSum, "readout"):
-            return super().readout_into(a, into)
-        return torch.exp(a[0], out=on_memory_of(into))
+        return exp_readout_into(self, LogSum, a, into)
 
     def matmul(self, a: State, w: Tensor) -> State:
         # log Σ_k exp(a_k) |w_kj|  =  m + log( exp(a - m) @ |w| ), with m the row max of a.

@@ -10,8 +10,8 @@ from torch import Tensor
 from ..kernels.exclusive import exclusive_max
 from ..kernels.normalization import MAX_PROD, CentredPairsKernel
 from ..kernels.tropical import maxplus
-from ._log import add_log_abs_, can_overwrite, kept_log_abs, log_abs
-from .base import Semiring, Sign, State, fits, index_reduce, on_memory_of, uses_methods_of
+from ._log import add_log_abs_, can_overwrite, exp_readout_into, kept_log_abs, log_abs
+from .base import Semiring, Sign, State, index_reduce, uses_methods_of
 
 
 class MaxProd(Semiring):
@@ -87,9 +87,7 @@ class MaxProd(Semiring):
         return a[0] if self.log else a[0].exp()
 
     def readout_into(self, a: State, into: Any) -> Any:
-        if self.log or not fits(into, a[0]) or not uses_methods_of(self, MaxProd, "readout"):
-            return super().readout_into(a, into)
-        return torch.exp(a[0], out=on_memory_of(into))
+        return exp_readout_into(self, MaxProd, a, into)
 
     def index_plus(self, dest: State, dim: int, index: Tensor, src: State) -> State:
         return (index_reduce(dest[0], dim, index, src[0], "amax"),)

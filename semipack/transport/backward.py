@@ -23,7 +23,7 @@ import torch
 from torch import Tensor
 
 from ..errors import MessageLostError, PerSampleError, SemipackError
-from ..kernels.reuse import unheld_value
+from ..kernels.reuse import same_memory, unheld_value
 from ..messages.message import MODULE_HOOK_NODE, Message
 from ..messages.paths import PathTrace, attach, records_steps
 from ..semirings.base import Semiring, State
@@ -290,11 +290,7 @@ def _written_into(value: Any, earlier: Any) -> bool:
     """Whether a readout (a tensor, or a tuple of them) took memory of ``earlier``'s."""
     if isinstance(value, tuple) and isinstance(earlier, tuple):
         return any(_written_into(v, e) for v, e in zip(value, earlier, strict=False))
-    return (
-        isinstance(value, Tensor)
-        and isinstance(earlier, Tensor)
-        and value.untyped_storage().data_ptr() == earlier.untyped_storage().data_ptr()
-    )
+    return same_memory(value, earlier)
 
 
 class RetainedTensors:

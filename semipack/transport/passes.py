@@ -110,7 +110,6 @@ def graph_retained() -> bool:
         return _running[True] > 0 or _running[False] == 0
 
 
-_carry_depth = [0]
 #: thread ident -> open carry passes started on that thread
 _carry_threads: dict[int, int] = {}
 
@@ -124,13 +123,11 @@ def carry_pass() -> Iterator[None]:
     kept semiring messages in ``.grad``)."""
     ident = threading.get_ident()
     with _lock:
-        _carry_depth[0] += 1
         _carry_threads[ident] = _carry_threads.get(ident, 0) + 1
     try:
         yield
     finally:
         with _lock:
-            _carry_depth[0] -= 1
             _carry_threads[ident] -= 1
             if not _carry_threads[ident]:
                 del _carry_threads[ident]
@@ -143,4 +140,4 @@ def in_carry_pass() -> bool:
     ones running another thread's pass, so on them any open carry pass counts."""
     if threading.get_ident() in _carry_threads:
         return True
-    return _carry_depth[0] > 0 and isinstance(threading.current_thread(), threading._DummyThread)
+    return bool(_carry_threads) and isinstance(threading.current_thread(), threading._DummyThread)

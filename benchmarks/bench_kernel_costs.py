@@ -22,7 +22,8 @@ Each line is a median of ``--repeats`` timed runs (after a warm-up) on one threa
   table of ``_MaxPlusTaps``, in pairs per second;
 * one 5x5 depthwise layer of 96 channels (MobileNet-like, 14 x 14, batch 2): MaxProd backward
   over a plain one in CPU time, with the native depthwise kernel and with it switched off
-  (medians of ``--repeats`` backward passes, each after an untimed forward).
+  (medians of ``--repeats`` backward passes, each after an untimed forward), and MaxProd's
+  extra time per multiply-add there against a dense 3x3 convolution of 96 channels.
 """
 
 from __future__ import annotations
@@ -138,35 +139,54 @@ def max_plus(repeats: int) -> None:
     print(f"max-plus tap product [64, 6272] x [6272, 64]: {ms:.3f} ms, {rate:.1f} G pairs/s")
 
 
+def backward_ms(
+    conv: nn.Conv2d, x: torch.Tensor, semiring: semipack.Semiring | None, repeats: int
+) -> float:
+    """Median CPU time of ``conv``'s backward alone (the forward runs untimed before each)."""
+    times = []
+    for _ in range(repeats + 1):
+        conv.zero_grad(set_to_none=True)
+        context = semipack.extend(conv, semiring) if semiring else contextlib.nullcontext()
+        with context:
+            loss = conv(x).square().sum()
+            start = time.process_time()
+            loss.backward()
+            times.append(time.process_time() - start)
+    return statistics.median(times[1:]) * 1e3
+
+
 def depthwise(repeats: int) -> None:
+    """The depthwise layer's MaxProd backward over its plain one, with the native kernel and
+    per tap; then the semiring's extra time per multiply-add (the messages' products: one
+    forward's multiply-adds each for the input and the weight) against a dense 3x3
+    convolution of the same channels and size, the issue's "not slower per multiply-add"."""
     torch.manual_seed(0)
-    conv = nn.Conv2d(96, 96, 5, padding=2, groups=96)
     x = torch.randn(2, 96, 14, 14, requires_grad=True)
-
-    def backward_ms(semiring: semipack.Semiring | None) -> float:
-        """Median CPU time of the backward alone (the forward runs untimed before each)."""
-        times = []
-        for _ in range(repeats + 1):
-            conv.zero_grad(set_to_none=True)
-            context = semipack.extend(conv, semiring) if semiring else contextlib.nullcontext()
-            with context:
-                loss = conv(x).square().sum()
-                start = time.process_time()
-                loss.backward()
-                times.append(time.process_time() - start)
-        return statistics.median(times[1:]) * 1e3
-
-    plain = backward_ms(None)
-    native = backward_ms(semipack.MaxProd())
+    conv = nn.Conv2d(96, 96, 5, padding=2, groups=96)
+    plain = backward_ms(conv, x, None, repeats)
+    native = backward_ms(conv, x, semipack.MaxProd(), repeats)
     kernel = convolution.depthwise_max_plus
     convolution.depthwise_max_plus = lambda *args: None  # the per-tap path
     try:
-        per_tap = backward_ms(semipack.MaxProd())
+        per_tap = backward_ms(conv, x, semipack.MaxProd(), repeats)
     finally:
         convolution.depthwise_max_plus = kernel
     print(
         f"depthwise 5x5, 96 channels, 14 x 14, batch 2, backward CPU time: plain {plain:.2f} ms;"
         f" MaxProd {native / plain:.1f}x with the native kernel, {per_tap / plain:.1f}x per tap"
+    )
+    dense = nn.Conv2d(96, 96, 3, padding=1)
+    dense_plain = backward_ms(dense, x, None, repeats)
+    dense_max = backward_ms(dense, x, semipack.MaxProd(), repeats)
+    positions = 2 * 14 * 14
+    per_mac = {
+        "depthwise": (native - plain) / (2 * positions * 96 * 25),
+        "dense": (dense_max - dense_plain) / (2 * positions * 96 * 96 * 9),
+    }
+    print(
+        "MaxProd's extra CPU time per multiply-add of its messages: depthwise 5x5 "
+        f"{per_mac['depthwise'] * 1e6:.2f} ns, dense 3x3 96 -> 96 {per_mac['dense'] * 1e6:.2f} ns "
+        f"(plain {dense_plain:.2f} ms, MaxProd {dense_max / dense_plain:.1f}x)"
     )
 
 

@@ -22,6 +22,7 @@ from .monitor import Monitor
 from .semirings import (
     Boolean,
     Entropy,
+    EntropyFlow,
     Extremes,
     KBest,
     LogCount,
@@ -41,6 +42,7 @@ __all__ = [
     "Boolean",
     "Branches",
     "Entropy",
+    "EntropyFlow",
     "Extremes",
     "KBest",
     "LayerFlow",

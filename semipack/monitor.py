@@ -46,7 +46,7 @@ from .api import extend
 from .distributed import all_reduce
 from .errors import SemipackError
 from .explain.branches import Branches, branches
-from .semirings import Entropy, LogSum, MaxProd, Product
+from .semirings import Entropy, EntropyFlow, LogSum, MaxProd, Product
 
 QUANTITIES = (
     "entropy_mean", "entropy_max", "log_best_path", "log_flow", "dead_units", "top_path_changed",
@@ -87,7 +87,9 @@ class Monitor:
     process records the whole batch's summaries (pass the ``DistributedDataParallel``
     wrapper as ``model``, and sum the loss over examples for the values to be the whole
     batch's); ``splits`` stay per process.
-    ``entropy=False`` leaves out the Entropy factor, the most expensive of the three.
+    The semiring is ``Product(MaxProd(log=True), Entropy(flow=True))``: Entropy's state holds
+    the log total flow as well, so no LogSum factor runs beside it. ``entropy=False``
+    runs ``Product(MaxProd(log=True), LogSum())`` instead, the cheaper pass without entropies.
     The records reach ``monitor.csv`` and TensorBoard every ``flush_secs`` seconds (writing a
     step at a time costs more than the summaries), and all of them on ``flush()``, ``close()``
     (or leaving ``with Monitor(...) as monitor:``), an exception through ``step`` and at exit.
@@ -112,8 +114,8 @@ class Monitor:
             raise ValueError(f"Monitor(every=...) needs a positive integer, got {every!r}")
         self.model, self.every = model, every
         self.splits = dict(splits or {})
-        factors = [MaxProd(log=True), LogSum()] + ([Entropy()] if entropy else [])
-        self.semiring = Product(*factors)
+        flow = Entropy(flow=True) if entropy else LogSum()
+        self.semiring = Product(MaxProd(log=True), flow)
         self.distributed = distributed
         self.layers = _layers(model)
         self.records: list[Record] = []
@@ -318,8 +320,16 @@ def _layers(model: nn.Module) -> dict[str, nn.Parameter]:
     return out
 
 
-def _summaries(values: list[tuple[Tensor, ...]]) -> list[dict[str, float | int] | None]:
-    """Each layer's summaries from its ``(log best path, log flow[, entropy])`` values: None
+def _flow_and_entropy(value: Tensor | EntropyFlow) -> tuple[Tensor, Tensor | None]:
+    """(log flow, entropy or None) from the Product's second readout: LogSum's log flow, or
+    ``Entropy(flow=True)``'s pair."""
+    if isinstance(value, EntropyFlow):
+        return value.log_flow.detach(), value.entropy.detach()
+    return value.detach(), None
+
+
+def _summaries(values: list[tuple[Any, ...]]) -> list[dict[str, float | int] | None]:
+    """Each layer's summaries from its ``(log best path, log flow or EntropyFlow)`` values: None
     for a layer reached without any path, else the recorded quantities in their order and
     ``best``, the flat index of the entry with the best path.
 
@@ -329,7 +339,8 @@ def _summaries(values: list[tuple[Tensor, ...]]) -> list[dict[str, float | int] 
     pending: list[Tensor] = []
     reached_entropy: list[Tensor | None] = []
     for layer in values:
-        log_best, log_flow = layer[0].detach(), layer[1].detach()
+        log_best = layer[0].detach()
+        log_flow, entropy = _flow_and_entropy(layer[1])
         if not log_best.numel():
             reached_entropy.append(None)
             continue  # no entry at all: no path either
@@ -344,8 +355,7 @@ def _summaries(values: list[tuple[Tensor, ...]]) -> list[dict[str, float | int] 
             best,
         ]
         reached = None
-        if len(layer) > 2:  # the entropy of the entries a path reaches (the others are NaN)
-            entropy = layer[2].detach()
+        if entropy is not None:  # the entropy of the entries a path reaches (the others NaN)
             reached = entropy.masked_select(entropy == entropy)
             if reached.numel():
                 pending += [reached.mean(), reached.max()]
@@ -389,10 +399,11 @@ def _to_host(tensors: list[Tensor]) -> list[Any]:
 
 
 def _flow_shares(split: Branches) -> dict[str, float]:
-    """Each use's share of the LogSum flow at the split tensor (the Product's second factor)."""
+    """Each use's share of the total flow at the split tensor (the Product's second factor)."""
     if not split.values:
         return {}
-    sums = [v[1].logsumexp(tuple(range(v[1].dim()))) for v in split.values.values()]
+    flows = [_flow_and_entropy(v[1])[0] for v in split.values.values()]
+    sums = [f.logsumexp(tuple(range(f.dim()))) for f in flows]
     logs = dict(zip(split.values, _to_host(sums), strict=True))
     whole = torch.tensor(list(logs.values()), dtype=torch.float64).logsumexp(0)
     return {use: math.exp(v - float(whole)) for use, v in logs.items()}

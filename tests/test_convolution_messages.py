@@ -124,6 +124,7 @@ def test_grouped_convolution_takes_one_matmul_per_tap(monkeypatch, c_g: int, mat
 DEPTHWISE = {
     "3x3_padded": ((2, 5, 9, 11), (5, 1, 3, 3), (1, 1), (1, 1), (1, 1)),
     "5x5_wide_rows": ((1, 4, 14, 21), (4, 1, 5, 5), (1, 1), (2, 2), (1, 1)),
+    "rows_of_40_multiplier": ((1, 2, 5, 38), (4, 1, 3, 3), (1, 1), (1, 1), (1, 1)),
     "strided": ((2, 3, 13, 12), (3, 1, 3, 3), (2, 2), (1, 1), (1, 1)),
     "dilated_multiplier": ((2, 3, 10, 19), (6, 1, 3, 2), (1, 1), (2, 1), (2, 3)),
     "strided_columns_only": ((1, 2, 8, 17), (4, 1, 2, 3), (1, 2), (0, 1), (1, 1)),

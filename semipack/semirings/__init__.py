@@ -2,7 +2,7 @@
 
 from .base import Semiring, State
 from .boolean import Boolean
-from .entropy import Entropy
+from .entropy import Entropy, EntropyFlow
 from .k_best import KBest
 from .log_sum import LogCount, LogSum
 from .max_prod import MaxProd
@@ -14,6 +14,7 @@ from .top_path import TopPath
 __all__ = [
     "Boolean",
     "Entropy",
+    "EntropyFlow",
     "Extremes",
     "KBest",
     "LogCount",

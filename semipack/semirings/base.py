@@ -261,12 +261,15 @@ class Semiring:
         """
         device = a.rows.device
         zero_row = self.readout(self.zeros((1, *a.shape[1:]), a.grad_dtype, device))
-        if not isinstance(zero_row, Tensor):  # a named tuple (paths): read the dense state
-            return self.readout(a.dense(self))
-        full = zero_row.expand(a.shape[0], *zero_row.shape[1:])  # KBest adds a k axis
-        out = on_memory_of(into).copy_(full) if fits(into, full) else full.clone()
-        out[a.rows] = self.readout(a.parts)
-        return out
+        if isinstance(zero_row, Tensor):
+            return _rows_over(zero_row, a.shape[0], a.rows, self.readout(a.parts), into)
+        if isinstance(zero_row, tuple) and all(isinstance(z, Tensor) for z in zero_row):
+            # a named tuple of tensors (``Entropy(flow=True)``): the same, field by field
+            rows = self.readout(a.parts)
+            earlier = into if type(into) is type(zero_row) else (None,) * len(zero_row)
+            fields = zip(zero_row, rows, earlier, strict=True)
+            return type(zero_row)(*(_rows_over(z, a.shape[0], a.rows, r, e) for z, r, e in fields))
+        return self.readout(a.dense(self))  # nested tuples (paths): read the dense state
 
     # --- dtypes and constants -----------------------------------------------------------------
     def state_dtype(self, grad_dtype: torch.dtype) -> torch.dtype:
@@ -608,6 +611,15 @@ def on_memory_of(t: Tensor) -> Tensor:
     value, so weak references to ``t`` and memos keyed by its identity end with ``t``."""
     fresh = torch.empty(0, dtype=t.dtype, device=t.device)
     return fresh.set_(t.untyped_storage(), t.storage_offset(), t.shape, t.stride())
+
+
+def _rows_over(zero_row: Tensor, n: int, rows: Tensor, values: Tensor, into: Any) -> Tensor:
+    """An ``n``-row readout: ``values`` at ``rows``, the zero's readout ``zero_row`` ([1, ...])
+    elsewhere; written into ``into`` where it fits (see ``Semiring.readout_sparse``)."""
+    full = zero_row.expand(n, *zero_row.shape[1:])  # KBest adds a k axis
+    out = on_memory_of(into).copy_(full) if fits(into, full) else full.clone()
+    out[rows] = values
+    return out
 
 
 def fits(out: Any, like: Tensor) -> bool:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor
@@ -40,6 +40,13 @@ def _shared_shift(m: State) -> tuple[Tensor, Tensor, Tensor] | None:
     return e, e * surprisal, shift
 
 
+class EntropyFlow(NamedTuple):
+    """``Entropy(flow=True)``'s readout: both values its state already holds."""
+
+    entropy: Tensor  #: path entropy in nats, NaN where no path reaches
+    log_flow: Tensor  #: log Z, LogSum's value: log of the sum of the path products, -inf: none
+
+
 class Entropy(Semiring):
     """Shannon entropy (nats) of p(path) ∝ product of |local derivatives| along the path.
 
@@ -47,11 +54,24 @@ class Entropy(Semiring):
     ``L = log Z`` and ``R = Y / Z`` (the mean path surprisal), which turns ``times`` into plain
     addition and keeps every number finite on deep graphs. Entropy is ``R + L``; it is NaN where
     no path exists (the distribution is empty).
+
+    ``L`` is LogSum's value (the same paths, the same weights), so ``flow=True`` reads it out
+    too: ``readout`` then gives ``EntropyFlow(entropy, log_flow)``, and a run that needs both
+    needs no ``Product`` with ``LogSum`` (a second semiring in every product of the pass).
     """
 
     components = ("log_normalizer", "mean_surprisal")
     zero = (float("-inf"), 0.0)
     one = (0.0, 0.0)
+    flow = False  # a class default: a subclass whose __init__ skips ours still reads out
+
+    def __init__(self, flow: bool = False) -> None:
+        if not isinstance(flow, bool):
+            raise TypeError(f"Entropy(flow=...) takes True or False, got {flow!r}")
+        self.flow = flow
+
+    def __repr__(self) -> str:
+        return f"{self.name}(flow=True)" if self.flow else f"{self.name}()"
 
     def lift_cache_key(self) -> tuple | None:
         return (Entropy,) if uses_methods_of(self, Entropy, "lift") else None
@@ -111,12 +131,14 @@ class Entropy(Semiring):
         # Only the normaliser decides: a zero-mass state may carry any mean surprisal.
         return a[0] == float("-inf")
 
-    def readout(self, a: State) -> Tensor:
-        return _entropy_readout(a[0], a[1])
+    def readout(self, a: State) -> Tensor | EntropyFlow:
+        entropy = _entropy_readout(a[0], a[1])
+        return EntropyFlow(entropy, a[0]) if self.flow else entropy
 
     def readout_into(self, a: State, into: Any) -> Any:
         if (
-            not fits(into, a[0])
+            self.flow
+            or not fits(into, a[0])
             or a[1].dtype != a[0].dtype
             or not uses_methods_of(self, Entropy, "readout")
         ):

@@ -21,6 +21,7 @@
    and no +inf in m, lw, lx (the max here does not propagate NaN). */
 
 #include <stdint.h>
+#include <stdlib.h>
 
 #include "vector_math.h"
 
@@ -33,38 +34,116 @@ static inline float hmax8(__m256 v) {
     return _mm_cvtss_f32(x);
 }
 
+/* Stride 1: each input position gathers its candidates instead. With the output plane padded
+   by -inf (no path) on every side, input (ih, iw) reads tap (kh, kw) at padded output
+   (ih - kh*DH + PH, iw - kw*DW + PW), in range for every input position: a block of 8 inputs
+   costs a load, an add and a max per tap in registers and one store, where the scatter loop
+   loads and stores the destination for every tap. Same candidates, so the same maxima. */
+static void input_plane_gather(const float *mo, const float *lwo, float *plane, float *pad,
+                               int first, int64_t ho, int64_t wo, int64_t hp, int64_t wp,
+                               int64_t kh_n, int64_t kw_n, int64_t dh, int64_t dw) {
+    const int64_t ph = (kh_n - 1) * dh, pw = (kw_n - 1) * dw, row = wo + 2 * pw;
+    for (int64_t i = 0; i < (ho + 2 * ph) * row; i++) pad[i] = -__builtin_inff();
+    for (int64_t oh = 0; oh < ho; oh++)
+        for (int64_t ow = 0; ow < wo; ow++) pad[(oh + ph) * row + pw + ow] = mo[oh * wo + ow];
+    for (int64_t ih = 0; ih < hp; ih++) {
+        const float *base = pad + (ih + ph) * row + pw; /* tap (0, 0) of column iw: base + iw */
+        float *dst = plane + ih * wp;
+        int64_t iw = 0;
+        for (; iw + 32 <= wp; iw += 32) { /* four independent chains of maxima */
+            __m256 a[4];
+            for (int j = 0; j < 4; j++)
+                a[j] = first ? _mm256_set1_ps(-__builtin_inff()) : _mm256_loadu_ps(dst + iw + 8 * j);
+            for (int64_t kh = 0; kh < kh_n; kh++) {
+                const float *src = base - kh * dh * row + iw;
+                for (int64_t kw = 0; kw < kw_n; kw++) {
+                    const __m256 w = _mm256_set1_ps(lwo[kh * kw_n + kw]);
+                    for (int j = 0; j < 4; j++)
+                        a[j] = _mm256_max_ps(
+                            a[j], _mm256_add_ps(_mm256_loadu_ps(src - kw * dw + 8 * j), w));
+                }
+            }
+            for (int j = 0; j < 4; j++) _mm256_storeu_ps(dst + iw + 8 * j, a[j]);
+        }
+        /* the last columns: one more block ending at the row's end where the row holds one
+           (it recomputes some columns; a max over the same candidates gives them again) */
+        for (; iw < wp; iw += 8) {
+            if (wp < 8) {
+                for (; iw < wp; iw++) {
+                    float best = first ? -__builtin_inff() : dst[iw];
+                    for (int64_t kh = 0; kh < kh_n; kh++)
+                        for (int64_t kw = 0; kw < kw_n; kw++)
+                            best = max1(best, base[iw - kh * dh * row - kw * dw] +
+                                                  lwo[kh * kw_n + kw]);
+                    dst[iw] = best;
+                }
+                break;
+            }
+            if (iw + 8 > wp) iw = wp - 8;
+            __m256 a = first ? _mm256_set1_ps(-__builtin_inff()) : _mm256_loadu_ps(dst + iw);
+            for (int64_t kh = 0; kh < kh_n; kh++) {
+                const float *src = base - kh * dh * row + iw;
+                for (int64_t kw = 0; kw < kw_n; kw++)
+                    a = _mm256_max_ps(a, _mm256_add_ps(_mm256_loadu_ps(src - kw * dw),
+                                                       _mm256_set1_ps(lwo[kh * kw_n + kw])));
+            }
+            _mm256_storeu_ps(dst + iw, a);
+        }
+    }
+}
+
 void semipack_depthwise_input_f32(const float *m, const float *lw, float *dx, int64_t batch,
                                   int64_t channels, int64_t mult, int64_t ho, int64_t wo,
                                   int64_t hp, int64_t wp, int64_t kh_n, int64_t kw_n, int64_t sh,
                                   int64_t sw, int64_t dh, int64_t dw, int threads) {
-#pragma omp parallel for schedule(static) num_threads(threads)
-    for (int64_t bc = 0; bc < batch * channels; bc++) {
-        const int64_t b = bc / channels, c = bc % channels;
-        float *plane = dx + bc * hp * wp;
-        for (int64_t i = 0; i < hp * wp; i++) plane[i] = -__builtin_inff();
-        for (int64_t u = 0; u < mult; u++) {
-            const int64_t o = c * mult + u;
-            const float *mo = m + (b * channels * mult + o) * ho * wo;
-            for (int64_t kh = 0; kh < kh_n; kh++) {
-                for (int64_t kw = 0; kw < kw_n; kw++) {
-                    const float w = lw[(o * kh_n + kh) * kw_n + kw];
-                    const __m256 wv = _mm256_set1_ps(w);
-                    for (int64_t oh = 0; oh < ho; oh++) {
-                        const float *src = mo + oh * wo;
-                        float *dst = plane + (oh * sh + kh * dh) * wp + kw * dw;
-                        int64_t ow = 0;
-                        if (sw == 1) {
-                            for (; ow + 8 <= wo; ow += 8) {
-                                const __m256 cand = _mm256_add_ps(_mm256_loadu_ps(src + ow), wv);
-                                _mm256_storeu_ps(dst + ow,
-                                                 _mm256_max_ps(_mm256_loadu_ps(dst + ow), cand));
+    /* the gather needs stride 1 and a padded input no larger than the outputs read */
+    const int gather = sh == 1 && sw == 1 && hp == ho + (kh_n - 1) * dh &&
+                       wp == wo + (kw_n - 1) * dw;
+#pragma omp parallel num_threads(threads)
+    {
+        float *pad = gather ? malloc(sizeof(float) * (ho + 2 * (kh_n - 1) * dh) *
+                                     (wo + 2 * (kw_n - 1) * dw))
+                            : 0;
+#pragma omp for schedule(static)
+        for (int64_t bc = 0; bc < batch * channels; bc++) {
+            const int64_t b = bc / channels, c = bc % channels;
+            float *plane = dx + bc * hp * wp;
+            if (pad) {
+                for (int64_t u = 0; u < mult; u++) {
+                    const int64_t o = c * mult + u;
+                    input_plane_gather(m + (b * channels * mult + o) * ho * wo,
+                                       lw + o * kh_n * kw_n, plane, pad, u == 0, ho, wo, hp, wp,
+                                       kh_n, kw_n, dh, dw);
+                }
+                continue;
+            }
+            for (int64_t i = 0; i < hp * wp; i++) plane[i] = -__builtin_inff();
+            for (int64_t u = 0; u < mult; u++) {
+                const int64_t o = c * mult + u;
+                const float *mo = m + (b * channels * mult + o) * ho * wo;
+                for (int64_t kh = 0; kh < kh_n; kh++) {
+                    for (int64_t kw = 0; kw < kw_n; kw++) {
+                        const float w = lw[(o * kh_n + kh) * kw_n + kw];
+                        const __m256 wv = _mm256_set1_ps(w);
+                        for (int64_t oh = 0; oh < ho; oh++) {
+                            const float *src = mo + oh * wo;
+                            float *dst = plane + (oh * sh + kh * dh) * wp + kw * dw;
+                            int64_t ow = 0;
+                            if (sw == 1) {
+                                for (; ow + 8 <= wo; ow += 8) {
+                                    const __m256 cand =
+                                        _mm256_add_ps(_mm256_loadu_ps(src + ow), wv);
+                                    _mm256_storeu_ps(
+                                        dst + ow, _mm256_max_ps(_mm256_loadu_ps(dst + ow), cand));
+                                }
                             }
+                            for (; ow < wo; ow++) dst[ow * sw] = max1(dst[ow * sw], src[ow] + w);
                         }
-                        for (; ow < wo; ow++) dst[ow * sw] = max1(dst[ow * sw], src[ow] + w);
                     }
                 }
             }
         }
+        free(pad);
     }
 }
 

@@ -472,6 +472,74 @@ def test_module_hooks_without_regular_gradients_raise_before_the_pass() -> None:
     assert all(p.grad is None and not hasattr(p, "semiring_grad") for p in model.parameters())
 
 
+@pytest.mark.parametrize("where", ["module", "global"])
+def test_legacy_module_backward_hooks_see_regular_gradients(
+    where: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``register_backward_hook`` (and its global form) runs through PyTorch's ``_WrappedHook``,
+    whose ``functools.update_wrapper`` copies the wrapper's attributes: the user hook must
+    still be handed the regular gradient, and its replacement must leave the semiring alone."""
+    model, x = mlp(), data()
+    seen: list[Tensor] = []
+
+    def hook(m: nn.Module, gi: tuple, go: tuple) -> tuple:
+        seen.append(go[0].norm())  # a message would raise here (no rule for the norm)
+        return tuple(None if g is None else g * 0.0 for g in gi)
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the legacy hook's own deprecation warning
+        if where == "module":
+            handle = model[2].register_backward_hook(hook)
+        else:  # PyTorch keeps the kind of the first global hook registered (a full one above)
+            monkeypatch.setattr(nn.modules.module, "_global_is_full_backward_hook", None)
+            handle = nn.modules.module.register_module_backward_hook(hook)
+        try:
+            expected = plain_grads(model, lambda: model(x).sum())
+            plain = list(seen)
+            seen.clear()
+            with semipack.extend(model, semipack.MaxProd()):
+                model(x).sum().backward()
+        finally:
+            handle.remove()
+    assert_grads_equal(model, expected)
+    assert len(seen) == len(plain) > 0
+    for got, want in zip(seen, plain, strict=True):
+        assert type(got) is torch.Tensor and torch.equal(got, want)
+    clean = mlp()  # hooks change gradients, not the graph (the hook zeroed the gradients)
+    with semipack.extend(clean, semipack.MaxProd()):
+        clean(x).sum().backward()
+    for p, q in zip(model.parameters(), clean.parameters(), strict=True):
+        assert torch.equal(p.semiring_grad, q.semiring_grad)
+        assert (p.semiring_grad > 0).any()
+
+
+def test_parameter_hooks_registered_before_the_block() -> None:
+    """A parameter's own hook (gradient scaling) sees the regular gradient and leaves the
+    semiring value alone; without regular gradients it raises instead of scaling the
+    message (``regular_grads=False`` and ``semipack.grad``)."""
+    model, x = mlp(), data()
+    clean = mlp()
+    with semipack.extend(clean, semipack.MaxProd()):
+        clean(x).sum().backward()
+    model[0].weight.register_hook(lambda g: g * 10.0)
+    expected = plain_grads(model, lambda: model(x).sum())
+    with semipack.extend(model, semipack.MaxProd()):
+        model(x).sum().backward()
+    assert_grads_equal(model, expected)
+    assert torch.equal(model[0].weight.semiring_grad, clean[0].weight.semiring_grad)
+    model.zero_grad()
+    with (
+        semipack.extend(model, semipack.MaxProd(), regular_grads=False),
+        pytest.raises(semipack.SemipackError, match="a tensor hook needs the regular gradient"),
+    ):
+        model(x).sum().backward()
+    assert not hasattr(model[0].weight, "semiring_grad") or torch.equal(
+        model[0].weight.semiring_grad, clean[0].weight.semiring_grad
+    )
+    with pytest.raises(semipack.SemipackError, match="a tensor hook needs the regular gradient"):
+        semipack.grad(model(x).sum(), [model[0].weight], semipack.MaxProd())
+
+
 def test_hooks_are_unwrapped_after_the_block() -> None:
     model = mlp()
 

@@ -27,7 +27,7 @@ from ..kernels.reuse import same_memory, unheld_value
 from ..messages.message import MODULE_HOOK_NODE, Message
 from ..messages.paths import PathTrace, attach, records_steps
 from ..semirings.base import Semiring, State
-from .hooks import ModuleHookNodes, hooks_need_regular_gradients
+from .hooks import ModuleHookNodes, hooks_need_regular_gradients, tensor_hooks_see_gradients
 from .passes import carry_pass, in_carry_pass, own_kernels_compiled, semiring_pass
 from .per_sample import PerSampleRows, check_graph, check_semiring, collecting, hook_rules
 
@@ -445,6 +445,7 @@ def backward(
         captured = LeafCaptures(read_early)
         try:
             with ExitStack() as collect:
+                collect.enter_context(tensor_hooks_see_gradients([*scan.leaves, *leaves]))
                 if rows is not None:
                     collect.enter_context(collecting(rows))
                     for handle in hook_rules(generic_uses, rows):
@@ -589,10 +590,14 @@ def grad(
         grad_outputs = [None] * len(outputs)
     elif isinstance(grad_outputs, Tensor):
         grad_outputs = [grad_outputs]
-    hook_nodes = scan_graph(outputs).module_hook_nodes
-    if hook_nodes:  # the hooks would be handed semiring messages (BackPACK would store them)
-        raise hooks_need_regular_gradients(hook_nodes, "semipack.grad")
-    with path_recording(sr, outputs, None) as sr, semiring_pass(retain_graph):
+    scan = scan_graph(outputs)
+    if scan.module_hook_nodes:  # the hooks would be handed messages (BackPACK would store them)
+        raise hooks_need_regular_gradients(scan.module_hook_nodes, "semipack.grad")
+    with (
+        path_recording(sr, outputs, None) as sr,
+        tensor_hooks_see_gradients([*scan.leaves, *inputs]),
+        semiring_pass(retain_graph),
+    ):
         seed = seeds(outputs, list(grad_outputs), sr, regular=False)
         got = torch.autograd.grad(
             outputs, inputs, seed, retain_graph=retain_graph, allow_unused=True

@@ -45,8 +45,9 @@ from .passes import in_carry_pass
 
 def _no_regular_gradient(what: str) -> SemipackError:
     return SemipackError(
-        f"{what} needs the regular gradient, which semipack.extend(..., regular_grads=False) "
-        "does not compute: pass regular_grads=True, or remove the hook for this block"
+        f"{what} needs the regular gradient, which a pass without regular gradients "
+        "(semipack.extend(..., regular_grads=False), semipack.grad) does not compute: run the "
+        "backward in semipack.extend with regular_grads=True, or remove the hook for this pass"
     )
 
 
@@ -73,19 +74,24 @@ def _restore_original(hook: Callable[..., Any]) -> Callable[..., Any]:
 
 
 class TensorHook:
-    """A tensor hook that receives the regular gradient of a message."""
+    """A tensor hook that receives the regular gradient of a message.
+
+    The user's hook is ``user_hook``, not ``hook``: PyTorch wraps a legacy module backward hook
+    in ``_WrappedHook``, whose ``functools.update_wrapper`` copies the wrapped object's
+    ``__dict__`` over its own, so an attribute named ``hook`` would replace the wrapper by the
+    bare user hook (which then saw messages; the same holds for ``ModuleBackwardHook``)."""
 
     def __init__(self, hook: Callable[[Tensor], Tensor | None]) -> None:
-        self.hook = hook
+        self.user_hook = hook
 
     def __call__(self, grad: Tensor) -> Tensor | None:
         if in_carry_pass():  # not the user's backward: the hook already saw this gradient
             return None
-        result = self.hook(_regular(grad, "a tensor hook"))
+        result = self.user_hook(_regular(grad, "a tensor hook"))
         return _rewrap(grad, result)
 
     def __reduce__(self):
-        return (_restore_original, (self.hook,))
+        return (_restore_original, (self.user_hook,))
 
 
 class ModuleBackwardHook:
@@ -93,13 +99,13 @@ class ModuleBackwardHook:
     ``hook(module, grad_output)``) that receives regular gradients."""
 
     def __init__(self, hook: Callable[..., Any]) -> None:
-        self.hook = hook
+        self.user_hook = hook
 
     def __call__(self, module: nn.Module, *grads: Any) -> Any:
         if in_carry_pass():
             return None
         plain = [_plain_tuple(g) for g in grads]
-        result = self.hook(module, *plain)
+        result = self.user_hook(module, *plain)
         if result is None:
             return None
         first = grads[0]
@@ -108,7 +114,7 @@ class ModuleBackwardHook:
         return _rewrap(first, result)
 
     def __reduce__(self):
-        return (_restore_original, (self.hook,))
+        return (_restore_original, (self.user_hook,))
 
 
 def _plain_tuple(grads: Any) -> Any:
@@ -128,22 +134,39 @@ def module_hooks_see_gradients(modules: Iterable[nn.Module]) -> Iterator[None]:
         for m in modules:
             tables += [m._backward_hooks, m._backward_pre_hooks]
         for table in tables:
-            stack.enter_context(_wrapped_entries(table))
+            stack.enter_context(_wrapped_entries(table, ModuleBackwardHook))
         yield
 
 
 @contextmanager
-def _wrapped_entries(table: MutableMapping[int, Any]) -> Iterator[None]:
+def tensor_hooks_see_gradients(tensors: Iterable[Tensor]) -> Iterator[None]:
+    """Wrap the hooks already registered on ``tensors`` (a pass's leaves: a parameter's
+    gradient scaling, say) for the pass. With regular gradients the pass's own first hook has
+    shown them the regular gradient already; without (``regular_grads=False``,
+    ``semipack.grad``) they would be handed the message, and what they return would replace it
+    (a hook scaling its gradient by 10 scaled MaxProd by 10): wrapped, they raise instead."""
+    with ExitStack() as stack:
+        for t in tensors:
+            table = t._backward_hooks
+            if table:
+                stack.enter_context(_wrapped_entries(table, TensorHook))
+        yield
+
+
+@contextmanager
+def _wrapped_entries(
+    table: MutableMapping[int, Any], wrapper: type[TensorHook | ModuleBackwardHook]
+) -> Iterator[None]:
     wrapped = {}
     for key, hook in list(table.items()):
-        if not isinstance(hook, ModuleBackwardHook):
-            wrapped[key] = table[key] = ModuleBackwardHook(hook)
+        if not isinstance(hook, wrapper):
+            wrapped[key] = table[key] = wrapper(hook)
     try:
         yield
     finally:
-        for key, wrapper in wrapped.items():
-            if table.get(key) is wrapper:  # still registered, not replaced meanwhile
-                table[key] = wrapper.hook
+        for key, kept in wrapped.items():
+            if table.get(key) is kept:  # still registered, not replaced meanwhile
+                table[key] = kept.user_hook
 
 
 class ModuleHookNodes:

@@ -112,6 +112,9 @@ aten = torch.ops.aten
 #: Index and mask tensors for the hand-written backwards.
 INDEX = torch.tensor([2, 0, 2])
 GATHER_INDEX = torch.tensor([[0, 2, 0], [1, 1, 1]])
+#: Distinct targets per row (a scatter's result is defined), and a mask with two zeros.
+SCATTER_INDEX = torch.tensor([[0, 2], [1, 0]])
+TWO_ZEROS = torch.tensor([[0.0, 1.0, 0.0], [1.0, 1.0, 1.0]], dtype=torch.float64)
 SCALES = (2.0, -0.5)
 DOT_WITH = (1.0, -2.0, 0.5)
 
@@ -308,6 +311,15 @@ CASES: dict[str, OpCase] = {
     "triu": OpCase(lambda x: x.triu(1), ((3, 3),)),
     "pixel_unshuffle": OpCase(lambda x: F.pixel_unshuffle(x, 2), ((1, 1, 2, 4),)),
     "scatter_add": OpCase(lambda x, s: x.scatter_add(1, GATHER_INDEX, s), ((2, 3), (2, 3))),
+    # the overwritten entries of x have no path (aten.scatter.value in the backward)
+    "scatter": OpCase(lambda x, s: x.scatter(1, SCATTER_INDEX, s), ((2, 3), (2, 2))),
+    "scatter_reduce_sum_without_self": OpCase(
+        lambda x, s: x.scatter_reduce(1, SCATTER_INDEX, s, "sum", include_self=False),
+        ((2, 3), (2, 2)),
+    ),
+    # PyTorch's backward creates a zero tensor (every partial derivative is 0): no path
+    "prod_over_two_zeros": OpCase(lambda x: (x * TWO_ZEROS).prod() + x[1].sum(), ((2, 3),)),
+    "pow_zero": OpCase(lambda x: x.pow(0) * 2.0 + x, ((2, 3),)),
     "index_put_accumulate": OpCase(
         lambda x, v: x.index_put((torch.tensor([0, 0]),), v, accumulate=True), ((3, 2), (2, 2))
     ),

@@ -358,20 +358,20 @@ def test_plain_gradient_reaching_a_leaf_is_an_error() -> None:
         semipack.grad(Forgetful.apply(x).sum(), x, semipack.MaxProd())
 
 
-def test_a_zero_gradient_pytorch_makes_up_names_its_node() -> None:
+def test_a_zero_gradient_pytorch_makes_up_is_no_path() -> None:
     """copysign's gradient for its sign source is ``zeros_like(other)``, made without the
-    incoming gradient: no message reaches the parameter, and the error names the node."""
+    incoming gradient: every partial derivative is 0, so the source has no path (an edge of
+    weight 0 is no edge), and ``.grad`` is PyTorch's zeros. A made-up tensor that is not all
+    zeros still raises (``test_plain_gradient_reaching_a_leaf_is_an_error``)."""
     sign = nn.Parameter(torch.randn(5))
     a = torch.randn(4, 5, requires_grad=True)
-    with (
-        pytest.raises(semipack.MessageLostError) as info,
-        semipack.extend(nn.Module(), semipack.MaxProd()),
-    ):
-        torch.copysign(a, sign).sum().backward()
-    assert str(info.value).startswith(
-        "a plain gradient reached a leaf of shape (5,) from CopysignBackward0: that backward "
-        "function returned a tensor it created (PyTorch's zero gradient of an argument"
-    )
+    for sr, no_path in ((semipack.MaxProd(), 0.0), (semipack.LogSum(), -math.inf)):
+        sign.grad = a.grad = None
+        with semipack.extend(nn.Module(), sr):
+            torch.copysign(a, sign).sum().backward()
+        assert torch.equal(sign.grad, torch.zeros(5))
+        assert torch.equal(sign.semiring_grad, torch.full((5,), no_path))
+        assert torch.equal(a.grad, torch.sign(a) * torch.sign(sign))
 
 
 def test_user_rule_registration_is_used() -> None:

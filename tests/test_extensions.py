@@ -186,3 +186,31 @@ def test_linear_shapes_the_fused_extension_leaves_to_the_rules(
             got = params[name].semiring_grad
             torch.testing.assert_close(got, want.double(), rtol=1e-12, atol=0, msg=name)
         params.zero_grad()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_a_call_that_uses_an_input_twice_keeps_grad_bitwise(dtype: torch.dtype) -> None:
+    """``F.linear(w, w)`` beside another use of ``w``: a plain backward adds the three
+    gradients of ``w`` in one buffer; an extension would add its two first, in its own
+    backward (a last-bit difference). Such a call runs as the plain call (the generic rules),
+    so ``.grad`` is plain bit for bit and the values are the generic path's."""
+    mismatched = 0
+    for seed in range(20):
+        torch.manual_seed(seed)
+        w = torch.randn(4, 4, dtype=dtype, requires_grad=True)
+
+        def loss(w: torch.Tensor = w) -> torch.Tensor:
+            return torch.nn.functional.linear(w, w).tanh().sum() + (w * 2).sum()
+
+        loss().backward()
+        plain, w.grad = w.grad, None
+        values = {}
+        for extensions in (True, False):
+            with semipack.extend(None, semipack.MaxProd(), extensions=extensions):
+                out = loss()
+                assert out.grad_fn is not None
+                out.backward()
+            mismatched += not torch.equal(w.grad, plain)
+            values[extensions], w.grad = w.semiring_grad, None
+        assert torch.equal(values[True], values[False])
+    assert mismatched == 0

@@ -32,7 +32,9 @@ class Block(nn.Module):
         h = self.norm(h)
         h = h + self.mha(h, h, h)[0]
         q = self.proj(h).reshape(2, 5, 2, 4).transpose(1, 2)
-        h = F.scaled_dot_product_attention(q, q, q).transpose(1, 2).reshape(2, 5, 8)
+        # three distinct tensors: a call that uses one tensor twice runs without its extension
+        h = F.scaled_dot_product_attention(q, q.flip(-1), q.tanh())
+        h = h.transpose(1, 2).reshape(2, 5, 8)
         return self.head(h.tanh())
 
 

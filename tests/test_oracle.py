@@ -598,6 +598,24 @@ def test_semipack_hand_computed(case: HandCase, semiring_name: str) -> None:
     assert_readout_matches(semiring_name, expected, actual, "semipack")
 
 
+@pytest.mark.parametrize("semiring_name", list(SEMIRINGS))
+def test_implicit_broadcast_is_drawn_as_an_expand(semiring_name: str) -> None:
+    """``torch.dist(a, b)`` with ``b`` broadcast reduces over the copies inside one node: its
+    values are the oracle's on ``torch.dist(a, b.expand_as(a))``, each copy a path of its own
+    (README, "Semantics"). By hand, for ``b``: four paths of |±0.5| (MaxProd 0.5, LogCount
+    log 4), where the node's summed partial derivative is -1."""
+    a = torch.tensor([1.0, -1.0, 1.0, 1.0], dtype=DTYPE, requires_grad=True)
+    b = torch.tensor([0.0], dtype=DTYPE, requires_grad=True)
+    want = oracle_readouts(build_graph(torch.dist(a, b.expand_as(a))), [a, b], semiring_name)
+    got = semipack.grad(torch.dist(a, b), [a, b], SEMIRINGS[semiring_name]())
+    for name, exp, act in zip("ab", want, got, strict=True):
+        assert_readout_matches(semiring_name, exp, act, f"dist, {name}")
+    if semiring_name == "max_prod":
+        assert float(got[1]) == pytest.approx(0.5)
+    if semiring_name == "log_count":
+        assert float(got[1]) == pytest.approx(math.log(4))
+
+
 def _as_extremes(readout: Readout) -> object:
     """Give an oracle (largest, smallest) pair the attribute names semipack's Extremes has."""
     if isinstance(readout, tuple):

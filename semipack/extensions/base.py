@@ -93,6 +93,10 @@ class InnerGraph:
     ``escapes`` is True when the recorded graph reaches a tensor that requires grad other than
     the given inputs: an extension built on this graph would treat that tensor as a constant and
     lose its gradient, so the caller must use the plain call (``plain_outputs``) instead.
+    ``reuses_an_input`` is True when the call's ops use one input more than once
+    (``F.linear(w, w)``): the inner backward would add its gradients before the outer one adds
+    the input's other gradients, where a plain backward adds them all in one buffer, in another
+    order (a last-bit difference in ``.grad``); the caller uses the plain call there too.
     """
 
     #: Keep the inner graph's saved tensors after ``regular_grads`` (set per pass by
@@ -122,7 +126,7 @@ class InnerGraph:
         created: list[torch.autograd.graph.Node] = []
         with torch.enable_grad(), torch.autograd.graph.node_creation_hook(created.append):
             self.outputs = fn(*self.inputs)
-        self.escapes = _reaches_outside(self._output_tensors(), self.inputs, created)
+        self.escapes, self.reuses_an_input = _boundary(self._output_tensors(), self.inputs, created)
 
     def plain_outputs(self) -> Any:
         """The call's outputs with its ordinary autograd graph on the real inputs (for a call
@@ -230,12 +234,13 @@ class InnerGraph:
         return out
 
 
-def _reaches_outside(
+def _boundary(
     outputs: Sequence[Tensor | None],
     inputs: Sequence[Tensor | None],
     created: Sequence[torch.autograd.graph.Node],
-) -> bool:
-    """Whether the graph behind ``outputs`` has an edge into anything but ``inputs``.
+) -> tuple[bool, bool]:
+    """Whether the graph behind ``outputs`` has an edge into anything but ``inputs`` (it
+    escapes), and whether it has more than one edge into some input (it reuses one).
 
     Nodes created while the call ran are the call's own; its boundary is the inputs' gradient
     edges. Any other edge (a captured parameter, a tensor computed outside the call) escapes.
@@ -249,6 +254,8 @@ def _reaches_outside(
         if t is not None and t.requires_grad
     ]
     boundary = {(id(e.node), e.output_nr) for e in edges}
+    reached: set[tuple[int, int]] = set()
+    reused = False
     stack = [o.grad_fn for o in outputs if o is not None and o.grad_fn is not None]
     visited: set[int] = set()
     while stack:
@@ -257,13 +264,17 @@ def _reaches_outside(
             continue
         visited.add(id(node))
         for nxt, nr in node.next_functions:
-            if nxt is None or (id(nxt), nr) in boundary:
+            if nxt is None:
+                continue
+            if (id(nxt), nr) in boundary:
+                reused = reused or (id(nxt), nr) in reached
+                reached.add((id(nxt), nr))
                 continue
             # A leaf's accumulator may be created during the call: it is still outside.
             if id(nxt) not in own or hasattr(nxt, "variable"):
-                return True
+                return True, reused
             stack.append(nxt)
-    return False
+    return False, reused
 
 
 # --- the template ------------------------------------------------------------------------------
@@ -430,7 +441,7 @@ class ExtensionFunction(torch.autograd.Function):
             # casts included) the generic rules carry.
             return cls.keep(fn(*inputs))[0]
         inner = InnerGraph(fn, inputs)
-        if inner.escapes:
+        if inner.escapes or inner.reuses_an_input:
             return cls.keep(inner.plain_outputs())[0]
         out = cls.apply(inner, options, *inputs)
         module = current_module()

@@ -177,6 +177,23 @@ def index_fill(call: OpCall):
     return call.wrap(call.run_regular(), parts)
 
 
+@register_rule(aten.scatter.value)
+def scatter_fill(call: OpCall):
+    """``grad.scatter(dim, index, 0)``: the message to ``self`` of ``scatter`` (and of
+    ``scatter_reduce(..., include_self=False)``). The entries the scatter overwrites have no
+    path to ``self``: they get the semiring's zero. Any other value is refused."""
+    value = call["value"]
+    if isinstance(value, Message):
+        raise call.error("a message as the fill value of scatter")
+    if (value.item() if isinstance(value, Tensor) else value) != 0:
+        raise call.error("scatter of a non-zero value into a message")
+    msg, dim, index = call["self"], call["dim"], call["index"]
+    parts = tuple(
+        p.scatter(dim, index, z) for p, z in zip(msg.parts, call.semiring.zero, strict=True)
+    )
+    return call.wrap(call.run_regular(), parts)
+
+
 @register_rule(aten.constant_pad_nd.default)
 def pad(call: OpCall):
     """Zero padding of a message: the padded entries have no path (the semiring's zero)."""

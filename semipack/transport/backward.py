@@ -125,18 +125,25 @@ def seeds(
     return out
 
 
-def _check(leaf_msg: Any, leaf: Tensor, roots: Sequence[Tensor] = ()) -> Message:
-    if not isinstance(leaf_msg, Message):
-        feeders = _nodes_feeding(leaf, roots)
-        origin = f" from {', '.join(feeders)}: that" if feeders else ": a"
-        raise MessageLostError(
-            f"a plain gradient reached a leaf of shape {tuple(leaf.shape)}{origin} "
-            "backward function returned a tensor it created (PyTorch's zero gradient of an "
-            "argument a function is flat in, such as copysign's sign source, or a custom "
-            "autograd.Function's own tensor) instead of one computed from its incoming "
-            "gradient, so semipack cannot tell which paths it carries"
-        )
-    return leaf_msg
+def _check(leaf_msg: Any, leaf: Tensor, sr: Semiring, roots: Sequence[Tensor] = ()) -> Message:
+    """The message a leaf received. A plain tensor of exact zeros is "no path": PyTorch's
+    backward returns a zero tensor it creates where every partial derivative is 0 (``prod``
+    over two zeros, ``pow(x, 0)``), and an edge of weight 0 is no edge. Any other plain tensor
+    raises: the paths it carries are unknown."""
+    if isinstance(leaf_msg, Message):
+        return leaf_msg
+    if isinstance(leaf_msg, Tensor) and bool((leaf_msg == 0).all()):
+        no_path = sr.zeros(leaf_msg.shape, leaf_msg.dtype, leaf_msg.device)
+        return Message(leaf_msg, no_path, sr, leaf_msg.dtype)
+    feeders = _nodes_feeding(leaf, roots)
+    origin = f" from {', '.join(feeders)}: that" if feeders else ": a"
+    raise MessageLostError(
+        f"a plain gradient reached a leaf of shape {tuple(leaf.shape)}{origin} "
+        "backward function returned a tensor it created (PyTorch's zero gradient of an "
+        "argument a function is flat in, such as copysign's sign source, or a custom "
+        "autograd.Function's own tensor) instead of one computed from its incoming "
+        "gradient, so semipack cannot tell which paths it carries"
+    )
 
 
 def _nodes_feeding(leaf: Tensor, roots: Sequence[Tensor]) -> list[str]:
@@ -509,7 +516,7 @@ def _run_backward(
             )
         for leaf, msg in zip(leaves, got, strict=True):
             if msg is not None:
-                captured.take(leaf, _check(msg, leaf, tensors), sr)
+                captured.take(leaf, _check(msg, leaf, sr, tensors), sr)
         return
 
     def capture(leaf: Tensor):
@@ -518,7 +525,7 @@ def _run_backward(
                 return None
             if grad is None:  # no gradient reaches the leaf (a Function returned None for it)
                 return None
-            msg = _check(grad, leaf, tensors)
+            msg = _check(grad, leaf, sr, tensors)
             captured.take(leaf, msg, sr)
             return msg.regular_grad
 
@@ -616,7 +623,7 @@ def grad(
             result.append(None)
             continue
         with own_kernels_compiled():  # inside an extend block too
-            result.append(sr.readout(_check(msg, t, outputs).parts))
+            result.append(sr.readout(_check(msg, t, sr, outputs).parts))
     return tuple(result)
 
 
@@ -637,7 +644,7 @@ def carry_down(
             )
             out.append(
                 [
-                    None if m is None else _check(m, t, [tensor]).parts
+                    None if m is None else _check(m, t, semiring, [tensor]).parts
                     for m, t in zip(got, inputs, strict=True)
                 ]
             )

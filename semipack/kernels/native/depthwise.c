@@ -4,7 +4,9 @@
    Why a kernel: the per-tap path builds, for every tap, the sum of a message and a lifted
    weight or input as a tensor the size of the output and reduces it again; MobileNet's
    depthwise layers then cost 8-15 ns per multiply-add against 0.3 for a dense convolution.
-   Here each plane is swept once per tap, in registers.
+   Here the work stays in registers: at stride 1 each block of 8 input entries gathers every
+   tap's candidates (one store), and a kernel row's taps share the message's loads for the
+   weight message; other strides sweep each plane once per tap.
 
    Shapes (row-major, contiguous): m [B, C*M, Ho, Wo] log-messages of the output (M output
    channels per input channel, channel c*M + u reads input channel c); lw [C*M, KH, KW]
@@ -147,11 +149,57 @@ void semipack_depthwise_input_f32(const float *m, const float *lw, float *dx, in
     }
 }
 
+/* Unit column stride, up to 8 taps per kernel row: the taps of one kernel row share the message's loads
+   (one load of m per 8 outputs feeds every tap's maximum), and a row's last columns are one
+   more vector ending at the row's end (a maximum counts a candidate twice harmlessly). */
+static void weight_row_taps(const float *m, const float *lx, float *out, int64_t batch,
+                            int64_t channels, int64_t mult, int64_t o, int64_t kh, int64_t ho,
+                            int64_t wo, int64_t hp, int64_t wp, int64_t kw_n, int64_t sh,
+                            int64_t dh, int64_t dw) {
+    const int64_t c = o / mult;
+    __m256 acc[8];
+    float best[8];
+    for (int64_t kw = 0; kw < kw_n; kw++) {
+        acc[kw] = _mm256_set1_ps(-__builtin_inff());
+        best[kw] = -__builtin_inff();
+    }
+    for (int64_t b = 0; b < batch; b++) {
+        const float *mo = m + (b * channels * mult + o) * ho * wo;
+        const float *xc = lx + (b * channels + c) * hp * wp + kh * dh * wp;
+        for (int64_t oh = 0; oh < ho; oh++) {
+            const float *src = mo + oh * wo, *in = xc + oh * sh * wp;
+            if (wo < 8) {
+                for (int64_t ow = 0; ow < wo; ow++)
+                    for (int64_t kw = 0; kw < kw_n; kw++)
+                        best[kw] = max1(best[kw], src[ow] + in[ow + kw * dw]);
+                continue;
+            }
+            for (int64_t ow = 0; ow < wo; ow += 8) {
+                if (ow + 8 > wo) ow = wo - 8;
+                const __m256 mv = _mm256_loadu_ps(src + ow);
+                for (int64_t kw = 0; kw < kw_n; kw++)
+                    acc[kw] = _mm256_max_ps(
+                        acc[kw], _mm256_add_ps(mv, _mm256_loadu_ps(in + ow + kw * dw)));
+            }
+        }
+    }
+    for (int64_t kw = 0; kw < kw_n; kw++) out[kh * kw_n + kw] = max1(best[kw], hmax8(acc[kw]));
+}
+
 void semipack_depthwise_weight_f32(const float *m, const float *lx, float *out, int64_t batch,
                                    int64_t channels, int64_t mult, int64_t ho, int64_t wo,
                                    int64_t hp, int64_t wp, int64_t kh_n, int64_t kw_n, int64_t sh,
                                    int64_t sw, int64_t dh, int64_t dw, int threads) {
     const int64_t taps = kh_n * kw_n;
+    if (sw == 1 && kw_n <= 8) {
+#pragma omp parallel for schedule(static) num_threads(threads)
+        for (int64_t t = 0; t < channels * mult * kh_n; t++) {
+            const int64_t o = t / kh_n, kh = t % kh_n;
+            weight_row_taps(m, lx, out + o * taps, batch, channels, mult, o, kh, ho, wo, hp, wp,
+                            kw_n, sh, dh, dw);
+        }
+        return;
+    }
 #pragma omp parallel for schedule(static) num_threads(threads)
     for (int64_t t = 0; t < channels * mult * taps; t++) {
         const int64_t o = t / taps, kh = (t % taps) / kw_n, kw = t % kw_n, c = o / mult;

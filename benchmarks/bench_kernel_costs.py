@@ -23,7 +23,8 @@ Each line is a median of ``--repeats`` timed runs (after a warm-up) on one threa
 * one 5x5 depthwise layer of 96 channels (MobileNet-like, 14 x 14, batch 2): MaxProd backward
   over a plain one in CPU time, with the native depthwise kernel and with it switched off
   (medians of ``--repeats`` backward passes, each after an untimed forward), and MaxProd's
-  extra time per multiply-add there against a dense 3x3 convolution of 96 channels.
+  extra time per multiply-add there against a dense 3x3 convolution of 96 channels, and the
+  depthwise kernel's own rate on a larger layer, in pairs per second like the tap product.
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ import semipack
 import semipack.rules.convolution as convolution
 from semipack.kernels.logspace import finite_or_zero, log_add_exp, log_magnitude_
 from semipack.kernels.native import (
+    depthwise_f32,
     fingerprint,
     maxplus_gather_f32,
     native_available,
@@ -183,6 +185,19 @@ def depthwise(repeats: int) -> None:
         "depthwise": (native - plain) / (2 * positions * 96 * 25),
         "dense": (dense_max - dense_plain) / (2 * positions * 96 * 96 * 9),
     }
+    m, lw, lx = torch.randn(8, 96, 56, 56), torch.randn(96, 5, 5), torch.randn(8, 96, 60, 60)
+    pairs = 8 * 96 * 56 * 56 * 25
+    rates = [
+        pairs
+        / median_ms(lambda i=i: depthwise_f32(m, lw, lx, (1, 1), (1, 1), i, not i), repeats)
+        / 1e6
+        for i in (True, False)
+    ]
+    print(
+        "depthwise kernel alone (5x5, 96 channels, 56 x 56, batch 8): input message "
+        f"{rates[0]:.1f} G pairs/s, weight message {rates[1]:.1f} G pairs/s (the dense tap "
+        "product: the max-plus line above)"
+    )
     print(
         "MaxProd's extra CPU time per multiply-add of its messages: depthwise 5x5 "
         f"{per_mac['depthwise'] * 1e6:.2f} ns, dense 3x3 96 -> 96 {per_mac['dense'] * 1e6:.2f} ns "

@@ -351,9 +351,15 @@ taken there).
   on one sentence, lifting every weight matrix cost as much as its product with the message.
 - **Convolutional models.** ResNet-18 and MobileNetV3 MaxProd pay the convolution max-plus
   products above (per tap, against oneDNN); 2-D depthwise convolutions have a native kernel
-  that sweeps each plane once per tap (`native/depthwise.c`; a 5x5 layer of 96 channels takes
-  about 3x its plain backward with it and about 7x per tap, `bench_kernel_costs.py`; MobileNetV3
-  MaxProd 7.3x -> 6.5x single-thread). PyTorch's vectorised log takes a slow path for every
+  (`native/depthwise.c`: at stride 1 each block of input entries gathers its taps in registers
+  and a kernel row's taps share the message's loads; a 5x5 layer of 96 channels takes about
+  2.7x its plain backward with it and about 6.5x per tap, `bench_kernel_costs.py`; MobileNetV3
+  MaxProd 7.3x -> 6.5x single-thread with the first kernel, about 5.6x -> 5.2x with the
+  gathering one, `bench_cpu_time.py` interleaved against the earlier code). Per multiply-add
+  it is still slower than the dense product: the kernel alone reaches 7-15 G pairs/s for the
+  input message and about 19 for the weight message against 27 for a dense tap product, and
+  a whole 14 x 14 layer pays 0.7-0.8 ns of extra time per multiply-add against 0.07 for a
+  dense 3x3 convolution (the per-node costs of a layer with 25 multiply-adds per output). PyTorch's vectorised log takes a slow path for every
   exact zero (3.9 ms for 430k entries half of them zeros, 0.43 ms without zeros,
   `bench_kernel_costs.py`), and half of a ReLU network's activations are zeros: logarithms of
   magnitudes replace them by 1 and put -inf back (same bits; ResNet-18 eval MaxProd 4.8x ->

@@ -8,6 +8,7 @@ semiring's zero, never with a literal 0.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 from torch import Tensor
@@ -165,16 +166,7 @@ def index_fill(call: OpCall):
     """``grad.index_fill(dim, index, 0)``: the message to ``self`` of ``index_copy`` and
     ``index_fill``. The overwritten slices have no path to ``self``: they get the semiring's
     zero. Filling with any other value has no semiring meaning and is refused."""
-    value = call["value"]
-    if isinstance(value, Message):
-        raise call.error("a message as the fill value of index_fill")
-    if (value.item() if isinstance(value, Tensor) else value) != 0:
-        raise call.error("index_fill of a message with a non-zero value")
-    msg, dim, index = call["self"], call["dim"], call["index"]
-    parts = tuple(
-        p.index_fill(dim, index, z) for p, z in zip(msg.parts, call.semiring.zero, strict=True)
-    )
-    return call.wrap(call.run_regular(), parts)
+    return _zero_filled(call, "index_fill", Tensor.index_fill)
 
 
 @register_rule(aten.scatter.value)
@@ -182,14 +174,19 @@ def scatter_fill(call: OpCall):
     """``grad.scatter(dim, index, 0)``: the message to ``self`` of ``scatter`` (and of
     ``scatter_reduce(..., include_self=False)``). The entries the scatter overwrites have no
     path to ``self``: they get the semiring's zero. Any other value is refused."""
+    return _zero_filled(call, "scatter", Tensor.scatter)
+
+
+def _zero_filled(call: OpCall, name: str, fill: Callable[..., Tensor]):
+    """``fill(grad, dim, index, 0)`` of a message: each component filled with its zero."""
     value = call["value"]
     if isinstance(value, Message):
-        raise call.error("a message as the fill value of scatter")
+        raise call.error(f"a message as the fill value of {name}")
     if (value.item() if isinstance(value, Tensor) else value) != 0:
-        raise call.error("scatter of a non-zero value into a message")
+        raise call.error(f"{name} of a message with a non-zero value")
     msg, dim, index = call["self"], call["dim"], call["index"]
     parts = tuple(
-        p.scatter(dim, index, z) for p, z in zip(msg.parts, call.semiring.zero, strict=True)
+        fill(p, dim, index, z) for p, z in zip(msg.parts, call.semiring.zero, strict=True)
     )
     return call.wrap(call.run_regular(), parts)
 

@@ -139,9 +139,8 @@ def _check(leaf_msg: Any, leaf: Tensor, sr: Semiring, roots: Sequence[Tensor] = 
     origin = f" from {', '.join(feeders)}: that" if feeders else ": a"
     raise MessageLostError(
         f"a plain gradient reached a leaf of shape {tuple(leaf.shape)}{origin} "
-        "backward function returned a tensor it created (PyTorch's zero gradient of an "
-        "argument a function is flat in, such as copysign's sign source, or a custom "
-        "autograd.Function's own tensor) instead of one computed from its incoming "
+        "backward function returned a non-zero tensor it created (a custom "
+        "autograd.Function's own tensor, say) instead of one computed from its incoming "
         "gradient, so semipack cannot tell which paths it carries"
     )
 

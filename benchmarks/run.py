@@ -359,8 +359,9 @@ taken there).
   it is still slower than the dense product: the kernel alone reaches 7-15 G pairs/s for the
   input message and about 19 for the weight message against 27 for a dense tap product, and
   a whole 14 x 14 layer pays 0.7-0.8 ns of extra time per multiply-add against 0.07 for a
-  dense 3x3 convolution (the per-node costs of a layer with 25 multiply-adds per output). PyTorch's vectorised log takes a slow path for every
-  exact zero (3.9 ms for 430k entries half of them zeros, 0.43 ms without zeros,
+  dense 3x3 convolution (the per-node costs of a layer with 25 multiply-adds per output).
+  PyTorch's vectorised log takes a slow path for every exact zero (3.9 ms for 430k entries
+  half of them zeros, 0.43 ms without zeros,
   `bench_kernel_costs.py`), and half of a ReLU network's activations are zeros: logarithms of
   magnitudes replace them by 1 and put -inf back (same bits; ResNet-18 eval MaxProd 4.8x ->
   4.6x). In train mode ResNet-18 adds the

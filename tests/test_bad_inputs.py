@@ -484,7 +484,9 @@ def test_legacy_module_backward_hooks_see_regular_gradients(
 
     def hook(m: nn.Module, gi: tuple, go: tuple) -> tuple:
         seen.append(go[0].norm())  # a message would raise here (no rule for the norm)
-        return tuple(None if g is None else g * 0.0 for g in gi)
+        # a factor per position: the hook must get the last node's gradients in PyTorch's
+        # order (addmm's bias, input, weight.T), not an extension's
+        return tuple(None if g is None else g * (i + 2.0) for i, g in enumerate(gi))
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the legacy hook's own deprecation warning
@@ -505,7 +507,7 @@ def test_legacy_module_backward_hooks_see_regular_gradients(
     assert len(seen) == len(plain) > 0
     for got, want in zip(seen, plain, strict=True):
         assert type(got) is torch.Tensor and torch.equal(got, want)
-    clean = mlp()  # hooks change gradients, not the graph (the hook zeroed the gradients)
+    clean = mlp()  # hooks change gradients, not the graph
     with semipack.extend(clean, semipack.MaxProd()):
         clean(x).sum().backward()
     for p, q in zip(model.parameters(), clean.parameters(), strict=True):

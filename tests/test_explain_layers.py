@@ -328,6 +328,8 @@ def test_product_gives_one_flow_per_factor_equal_to_its_own_pass() -> None:
         (semipack.KBest(2), "KBest reads out several"),
         (semipack.SignedMaxProd(), "SignedMaxProd reads out several"),
         (semipack.Product(semipack.MaxProd(), semipack.SignedMaxProd()), "SignedMaxProd reads"),
+        (semipack.Entropy(flow=True), r"Entropy\(flow=True\) reads out two: pass Entropy\(\)"),
+        (semipack.Product(semipack.MaxProd(), semipack.Entropy(flow=True)), "reads out two"),
         (semipack.MaxProd, "takes a semiring instance: pass MaxProd()"),
     ],
 )

@@ -31,7 +31,7 @@ from torch import Tensor, nn
 from ..api import extend
 from ..errors import SemipackError
 from ..messages.paths import Path, PathStep
-from ..semirings import KBest, Product, Real, Semiring, SignedMaxProd
+from ..semirings import Entropy, KBest, Product, Real, Semiring, SignedMaxProd
 from .branches import Branches, branches
 from .token_types import attention_branch
 
@@ -536,7 +536,8 @@ def _requiring_grad(module: nn.Module, args: tuple, kwargs: dict):
 
 
 def _check_semiring(semiring: Semiring) -> None:
-    """Refuse what has no single value per token: KBest (k values), SignedMaxProd (two)."""
+    """Refuse what has no single value per token: KBest (k values), SignedMaxProd and
+    Entropy(flow=True) (two)."""
     if isinstance(semiring, type):
         raise SemipackError(f"explain_layers takes a semiring instance: pass {semiring.__name__}()")
     if not isinstance(semiring, Semiring):
@@ -548,6 +549,12 @@ def _check_semiring(semiring: Semiring) -> None:
                 f"explain_layers needs one value per token and branch; {factor.name} reads out "
                 "several: use MaxProd, TopPath, LogSum, LogCount, Entropy (or a Product of them), "
                 "and layer_routes for KBest's paths"
+            )
+        if isinstance(factor, Entropy) and factor.flow:
+            raise SemipackError(
+                "explain_layers needs one value per token and branch; Entropy(flow=True) reads "
+                "out two: pass Entropy(), or Product(Entropy(), LogSum()) for both (one "
+                "LayerFlow per factor)"
             )
 
 

@@ -30,7 +30,7 @@ import torch
 from torch import Tensor
 
 from ..errors import MessageLostError, PerSampleError
-from ..graph.provenance import current_module, current_site
+from ..graph.provenance import current_module, current_site, under_legacy_backward_hook
 from ..graph.sites import Site, stamp
 from ..messages.message import Message
 from ..rules.per_sample import register_per_sample
@@ -434,11 +434,13 @@ class ExtensionFunction(torch.autograd.Function):
             not wants_graph(*inputs)
             or torch._C._are_functorch_transforms_active()
             or _autocast_devices(inputs)
+            or under_legacy_backward_hook()
         ):
             # Inside torch.func transforms (vmap, grad, ...) the inner graph's detached aliases
             # cannot be made; under autocast the messages would read the full-precision inputs
-            # instead of the copies the call computes with. The plain call, whose ops (the
-            # casts included) the generic rules carry.
+            # instead of the copies the call computes with; a legacy module backward hook runs
+            # on the module's last node and must find PyTorch's own there. The plain call,
+            # whose ops (the casts included) the generic rules carry.
             return cls.keep(fn(*inputs))[0]
         inner = InnerGraph(fn, inputs)
         if inner.escapes or inner.reuses_an_input:

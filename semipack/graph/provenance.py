@@ -16,6 +16,7 @@ from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
 
 import torch
+import torch.nn.modules.module as module_hooks
 from torch import nn
 from torch.nn.modules.module import (
     register_module_forward_hook,
@@ -32,8 +33,15 @@ class ModuleTracker:
     def __init__(self, model: nn.Module | None) -> None:
         self.model = model
         self.names: dict[int, str] = {}
+        #: modules with legacy backward hooks (``register_backward_hook``) at the block's entry
+        self.legacy_hooked: set[str] = set()
         if model is not None:
             self.names = {id(m): _display_name(n) for n, m in model.named_modules()}
+            self.legacy_hooked = {
+                _display_name(n)
+                for n, m in model.named_modules()
+                if m._backward_hooks and getattr(m, "_is_full_backward_hook", None) is False
+            }
         self._local = threading.local()
 
     @property
@@ -78,6 +86,20 @@ def _display_name(name: str) -> str:
     if name == prefix:
         return ""
     return name.removeprefix(prefix + ".")
+
+
+def under_legacy_backward_hook() -> bool:
+    """Whether a module whose forward is running has a legacy backward hook
+    (``register_backward_hook``, or a global one). PyTorch runs such a hook on the module's last
+    autograd node, with that node's gradients in its order: an extension's node in its place
+    would hand the hook other tensors (for ``nn.Linear``, ``(input, weight, bias)`` where
+    ``addmm`` gives ``(bias, input, weight.T)``)."""
+    if module_hooks._global_backward_hooks and not module_hooks._global_is_full_backward_hook:
+        return True
+    for tracker in reversed(_ACTIVE):
+        if tracker.stack:
+            return any(name in tracker.legacy_hooked for name in tracker.stack)
+    return False
 
 
 def current_site() -> tuple[str | None, str | None]:

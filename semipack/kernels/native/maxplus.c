@@ -135,26 +135,35 @@ static void tile_argmax(const problem *p, const float *a, const float *panel, fl
     tile_argmax_loop(p, a, panel, NULL, out, index, rows, cols);
 }
 
-/* Rows of a are split into blocks of BLOCK_ROWS (a multiple of both tile heights) so that
-   products with few panels still give every thread work. */
+/* Rows of a are split into blocks of at most BLOCK_ROWS (a multiple of both tile heights) so
+   that products with few panels still give every thread work. The blocks are as equal as that
+   multiple allows: under the static schedule a last block of a few rows (98 rows as 96 + 2, a
+   ResNet layer4 tap) left one of two threads almost idle. */
 #define BLOCK_ROWS 96
+
+static int64_t block_rows(int64_t n) {
+    const int64_t blocks = (n + BLOCK_ROWS - 1) / BLOCK_ROWS;
+    const int64_t even = blocks > 0 ? (n + blocks - 1) / blocks : BLOCK_ROWS;
+    return (even + ROWS - 1) / ROWS * ROWS;
+}
 
 void semipack_maxplus_f32(const float *a, int64_t a_s, int64_t a_i, int64_t a_k,
                           const float *panels, float *out, int64_t *index, int64_t o_s,
                           int64_t o_i, int64_t batch, int64_t n, int64_t k, int64_t m,
                           int threads) {
     const problem p = {a, a_s, a_i, a_k, panels, out, index, o_s, o_i, n, k, m};
-    const int64_t panels_n = (m + 15) / 16, blocks = (n + BLOCK_ROWS - 1) / BLOCK_ROWS;
+    const int64_t panels_n = (m + 15) / 16, height = block_rows(n);
+    const int64_t blocks = (n + height - 1) / height;
     const int tile_rows = index ? ARGMAX_ROWS : ROWS;
     /* Task t = (matrix s, row block, panel), panels innermost: a thread's consecutive tasks
        share the row block of a. */
 #pragma omp parallel for schedule(static) num_threads(threads)
     for (int64_t t = 0; t < batch * blocks * panels_n; t++) {
         const int64_t q = t % panels_n, block = t / panels_n % blocks, s = t / panels_n / blocks;
-        const int64_t j = q * 16, i1 = (block + 1) * BLOCK_ROWS < n ? (block + 1) * BLOCK_ROWS : n;
+        const int64_t j = q * 16, i1 = (block + 1) * height < n ? (block + 1) * height : n;
         const int cols = m - j < 16 ? (int)(m - j) : 16;
         const float *panel = panels + (s * panels_n + q) * k * 16;
-        for (int64_t i = block * BLOCK_ROWS; i < i1; i += tile_rows) {
+        for (int64_t i = block * height; i < i1; i += tile_rows) {
             const int rows = i1 - i < tile_rows ? (int)(i1 - i) : tile_rows;
             const float *arow = a + s * a_s + i * a_i;
             float *dst = out + s * o_s + i * o_i + j;
@@ -416,14 +425,15 @@ static void maxplus_tiles(const problem *p, int64_t panel_stride, const int64_t 
                           int64_t *out_ids, int threads) {
     const int64_t n = p->n, m = p->m;
     const int tile_rows = (p->index || ids) ? ARGMAX_ROWS : ROWS;
-    const int64_t panels_n = (m + 15) / 16, blocks = (n + BLOCK_ROWS - 1) / BLOCK_ROWS;
+    const int64_t panels_n = (m + 15) / 16, height = block_rows(n);
+    const int64_t blocks = (n + height - 1) / height;
 #pragma omp parallel for schedule(static) num_threads(threads)
     for (int64_t t = 0; t < blocks * panels_n; t++) {
         const int64_t q = t % panels_n, block = t / panels_n;
-        const int64_t j = q * 16, i1 = (block + 1) * BLOCK_ROWS < n ? (block + 1) * BLOCK_ROWS : n;
+        const int64_t j = q * 16, i1 = (block + 1) * height < n ? (block + 1) * height : n;
         const int cols = m - j < 16 ? (int)(m - j) : 16;
         const float *panel = p->panels + q * panel_stride;
-        for (int64_t i = block * BLOCK_ROWS; i < i1; i += tile_rows) {
+        for (int64_t i = block * height; i < i1; i += tile_rows) {
             const int rows = i1 - i < tile_rows ? (int)(i1 - i) : tile_rows;
             const float *arow = p->a + i * p->a_i;
             if (!rows_of_out) {

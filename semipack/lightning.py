@@ -77,7 +77,8 @@ class MonitorCallback(Callback):
         self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int
     ) -> None:
         assert self.monitor is not None, "setup() runs before the first batch"
-        self._open = self.monitor.step(trainer.global_step, loss_scale=_loss_scale(trainer))
+        scale = _loss_scale(trainer, pl_module)
+        self._open = self.monitor.step(trainer.global_step, loss_scale=scale)
         self._open.__enter__()
         self._backward_ran = False
 
@@ -113,10 +114,14 @@ class MonitorCallback(Callback):
                 context.__exit__(_Skipped, _Skipped(), None)
 
 
-def _loss_scale(trainer: Trainer) -> float | None:
-    """The scale of a mixed-precision fit's ``GradScaler`` (``precision="16-mixed"``), which
-    the batch's backward root carries; None without one."""
+def _loss_scale(trainer: Trainer, pl_module: LightningModule) -> float | None:
+    """The factor the batch's backward root carries: a mixed-precision fit's ``GradScaler``
+    scale (``precision="16-mixed"``), divided by ``accumulate_grad_batches`` where Lightning
+    divides the loss by it (automatic optimization); None where it is 1."""
+    scale = 1.0
     scaler = getattr(getattr(trainer, "precision_plugin", None), "scaler", None)
-    if scaler is None or not scaler.is_enabled():
-        return None
-    return float(scaler.get_scale())
+    if scaler is not None and scaler.is_enabled():
+        scale = float(scaler.get_scale())
+    if pl_module.automatic_optimization:
+        scale /= trainer.accumulate_grad_batches
+    return None if scale == 1.0 else scale

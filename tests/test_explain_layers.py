@@ -630,3 +630,22 @@ def test_tables_of_a_batch_say_which_example_they_show():
         model, semipack.LogSum(), lambda: model(input_ids=ids[:1]).last_hidden_state.sum()
     )
     assert "example" not in single.table() and single.token_table().startswith("       token")
+
+
+def test_a_target_that_runs_the_model_twice_is_refused() -> None:
+    """Two forwards (a sentence pair scored as two calls): each block is split at its first
+    call only, so the second call's paths would be missing from every value; refused, naming
+    the blocks and their number of calls."""
+    model = _bert(layers=1)
+    first, second = IDS, IDS.flip(-1)
+
+    def pair() -> torch.Tensor:
+        a = model(input_ids=first).last_hidden_state[0].mean(0)
+        b = model(input_ids=second).last_hidden_state[0].mean(0)
+        return (a * b).sum()
+
+    with pytest.raises(
+        semipack.SemipackError,
+        match=r"target\(\) called encoder\.layer\.0\.attention \(2 calls\); each block is split",
+    ):
+        semipack.explain_layers(model, semipack.LogSum(), pair)

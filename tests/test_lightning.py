@@ -103,6 +103,18 @@ def test_gradient_accumulation_monitors_each_batch_of_a_sampled_step(tmp_path) -
         r.step for r in callback.monitor.records if r.layer == "net.0" and r.quantity == "log_flow"
     ]
     assert steps == [0, 0, 2]
+    # Lightning divides each batch's loss by 2: the records are the loss's own values, those
+    # of a separate pass of the first batches (the weights of step 0) with the whole loss
+    best = [
+        r.value
+        for r in callback.monitor.records
+        if r.layer == "net.0" and r.quantity == "log_best_path"
+    ]
+    for value, (x, y) in zip(best[:2], _batches()[:2], strict=True):
+        first = _Classifier()
+        with semipack.extend(first, semipack.MaxProd(log=True)):
+            nn.functional.cross_entropy(first(x), y).backward()
+        assert value == pytest.approx(float(first.net[0].weight.semiring_grad.max()), abs=1e-6)
 
 
 class _Skipping(_Classifier):
@@ -147,7 +159,13 @@ def test_a_mixed_precision_fits_loss_scale_reaches_the_monitor() -> None:
 
     class Fit:
         precision_plugin = MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu"))
+        accumulate_grad_batches = 1
 
     Fit.precision_plugin.scaler.scale(torch.ones(()))  # the scaler's scale is set lazily
-    assert _loss_scale(Fit()) == 65536.0
-    assert _loss_scale(pl.Trainer(accelerator="cpu", logger=False)) is None
+    module = _Classifier()
+    assert _loss_scale(Fit(), module) == 65536.0
+    Fit.accumulate_grad_batches = 4  # Lightning divides the loss by it
+    assert _loss_scale(Fit(), module) == 65536.0 / 4
+    module.automatic_optimization = False  # a manual loop's loss is its own
+    assert _loss_scale(Fit(), module) == 65536.0
+    assert _loss_scale(pl.Trainer(accelerator="cpu", logger=False), _Classifier()) is None

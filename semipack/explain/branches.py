@@ -45,10 +45,13 @@ class Branches:
             argument name when a single call uses the tensor more than once (``"...:query"``)
             and ``#2``, ``#3`` for further calls by the same module.
         split: the split tensor.
+        calls: how many times the split module was called in the block (its first call is
+            split; 1 for a split tensor).
     """
 
     names: list[str] = field(default_factory=list)
     split: Tensor | None = None
+    calls: int = 0
     messages: dict[str, Message] = field(default_factory=dict, repr=False)
     input_states: dict[str, list[State | None]] = field(default_factory=dict, repr=False)
 
@@ -229,6 +232,7 @@ def branches(at: nn.Module | Tensor, inputs: Sequence[Tensor] = ()) -> Iterator[
     handles = []
 
     def take(tensor: Tensor) -> None:
+        result.calls += 1
         if mode.target is not None:
             return
         if not isinstance(tensor, Tensor) or not tensor.requires_grad:

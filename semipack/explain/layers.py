@@ -477,8 +477,9 @@ def _check_called(
     splits: Sequence[Branches],
     contexts: Sequence[Branches | None],
 ) -> None:
-    """Every layer's block and heads' module must run in ``target()``: name those that did
-    not (a hand-made ``AttentionLayer`` of another model, a forward run before the call)."""
+    """Every layer's block and heads' module must run in ``target()``, once: name those that
+    did not (a hand-made ``AttentionLayer`` of another model, a forward run before the call)
+    and those that ran more than once (a target that runs the model on two sentences)."""
     missing = [
         f"{spec.name} ({'block' if split.split is None else 'heads_input'})"
         for spec, split, context in zip(layers, splits, contexts, strict=True)
@@ -488,6 +489,18 @@ def _check_called(
         raise SemipackError(
             f"explain_layers: target() did not call {', '.join(missing)}; target must run the "
             "model's forward itself, and each AttentionLayer name modules of that model"
+        )
+    repeated = [
+        f"{spec.name} ({split.calls} calls)"
+        for spec, split in zip(layers, splits, strict=True)
+        if split.calls > 1
+    ]
+    if repeated:  # the split holds the first call only: the others' paths would be missing
+        raise SemipackError(
+            f"explain_layers: target() called {', '.join(repeated)}; each block is split at "
+            "its first call only, so the paths through the later calls (a second sentence, a "
+            "second forward) would be missing: run the model once in target(), on a batch "
+            "holding every input"
         )
 
 

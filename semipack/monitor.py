@@ -46,6 +46,7 @@ from .api import extend
 from .distributed import all_reduce
 from .errors import SemipackError
 from .explain.branches import Branches, branches
+from .graph.provenance import display_name
 from .semirings import Entropy, EntropyFlow, LogSum, MaxProd, Product
 
 QUANTITIES = (
@@ -305,14 +306,15 @@ class Monitor:
 def _layers(model: nn.Module) -> dict[str, nn.Parameter]:
     """Module name -> the parameter summarised for it: its ``weight`` if that trains, else its
     first own parameter that trains (a frozen weight with a trained bias is read at the bias);
-    modules with no trained parameter of their own are left out."""
+    modules with no trained parameter of their own are left out. Names are the model's as
+    written (a ``torch.compile``d model's without its ``_orig_mod.`` prefix)."""
     out = {}
     for name, module in model.named_modules():
         own = dict(module.named_parameters(recurse=False))
         trained = [p for p in own.values() if p.requires_grad]
         weight = own.get("weight")
         if trained:
-            out[name or "<root module>"] = (
+            out[display_name(name) or "<root module>"] = (
                 weight if weight is not None and weight.requires_grad else trained[0]
             )
     if not out:

@@ -649,3 +649,38 @@ def test_a_target_that_runs_the_model_twice_is_refused() -> None:
         match=r"target\(\) called encoder\.layer\.0\.attention \(2 calls\); each block is split",
     ):
         semipack.explain_layers(model, semipack.LogSum(), pair)
+
+
+def test_routes_keep_self_and_cross_attention_apart() -> None:
+    """A BERT decoder layer holds two blocks (attention, crossattention): each hop goes to
+    the block whose modules the path's steps are in. The path to the encoder states passes
+    only the last layer's cross-attention (by its value projection); a path that enters
+    through the last self-attention's value passes that layer's cross-attention by its
+    residual (the steps' own module names are the independent record)."""
+    torch.manual_seed(0)
+    cfg = tiny_bert_config(num_hidden_layers=2, is_decoder=True, add_cross_attention=True)
+    model = transformers.BertModel._from_config(cfg, attn_implementation="eager").eval().double()
+    layers = attention_layers(model)
+    assert [spec.name for spec in layers] == [
+        "encoder.layer.0.attention",
+        "encoder.layer.0.crossattention",
+        "encoder.layer.1.attention",
+        "encoder.layer.1.crossattention",
+    ]
+    encoder = torch.randn(1, 3, cfg.hidden_size, dtype=torch.float64, requires_grad=True)
+    sr = semipack.TopPath()
+    with semipack.extend(model, sr):
+        states = model(input_ids=IDS[:, :4], encoder_hidden_states=encoder).last_hidden_state
+        states[0, 3].sum().backward()
+    path = sr.path(encoder)
+    passed = {s.module.split(".self.")[0] for s in path.steps if s.module and ".self." in s.module}
+    (route,) = layer_routes([path], layers)
+    assert {layers[h.layer].name for h in route.hops} == passed
+    assert passed == {"encoder.layer.1.crossattention"}
+    assert [h.branch for h in route.hops] == ["value"]
+    (through_self,) = layer_routes(
+        [sr.path(model.encoder.layer[1].attention.self.value.weight)], layers
+    )
+    hops = {layers[h.layer].name: h.branch for h in through_self.hops}
+    assert hops["encoder.layer.1.attention"] == "value"
+    assert hops["encoder.layer.1.crossattention"] == "residual"

@@ -402,3 +402,19 @@ def test_a_loss_scale_is_taken_off_the_path_products_logs() -> None:
         refused = pytest.raises(ValueError, match="loss_scale must be a finite positive number")
         with refused, monitor.step(0, loss_scale=bad):
             pass
+
+
+def test_a_compiled_model_records_under_the_models_own_names() -> None:
+    """``torch.compile`` wraps the model (its modules gain an ``_orig_mod.`` prefix); the
+    records keep the names of the model as written, and the values of the uncompiled one."""
+    plain = semipack.Monitor(_model(), every=1, tensorboard=False)
+    _train(plain.model, _batches(2), plain)
+    compiled_model = torch.compile(_model(), backend="eager")
+    compiled = semipack.Monitor(compiled_model, every=1, tensorboard=False)
+    _train(compiled_model, _batches(2), compiled)
+    got = {(r.step, r.layer, r.quantity): r.value for r in compiled.records}
+    want = {(r.step, r.layer, r.quantity): r.value for r in plain.records}
+    assert got.keys() == want.keys()
+    assert {layer for _, layer, _ in got} == {"0", "2.inner.0", "3"}
+    for key, value in want.items():
+        assert got[key] == pytest.approx(value, nan_ok=True, rel=1e-12, abs=1e-12)

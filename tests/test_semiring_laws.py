@@ -91,6 +91,9 @@ def test_sum_is_repeated_plus(sr: Semiring, seed: int) -> None:
     assert_same(sr, sr.sum(a, [1]), folded)
     kept = sr.sum(a, [1], keepdim=True)
     assert kept[0].shape == (3, 1, 5)
+    # a sum over no dim is the state itself, for every semiring (torch's reductions differ)
+    assert_same(sr, sr.sum(a, []), a)
+    assert all(s is not c for s, c in zip(sr.sum(a, []), a, strict=True))
 
 
 @pytest.mark.parametrize("sr", SEMIRINGS, ids=IDS)

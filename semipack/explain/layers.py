@@ -682,7 +682,8 @@ def layer_routes(paths: Sequence[Path], layers: Sequence[AttentionLayer]) -> lis
     """Each path's hops through the attention layers, from its steps' module names and
     entries (``[batch, tokens, ...]`` tensors inside each layer); the head of a query, key or
     value entry is its unit // ``head_dim`` (with grouped-query attention, a key or value
-    entry names its shared key/value head). A layer the path does not pass is left out."""
+    entry names its shared key/value head; in a cross-attention block a key or value hop's
+    ``token_in`` indexes the encoder's sequence). A layer the path does not pass is left out."""
     for spec in layers:
         if isinstance(spec.block, nn.MultiheadAttention):
             raise SemipackError(
@@ -690,13 +691,16 @@ def layer_routes(paths: Sequence[Path], layers: Sequence[AttentionLayer]) -> lis
                 "query, key and value projections are no modules of their own, and its inner "
                 "tensors change layout; read it with explain_layers"
             )
+    owners = [spec.name.rsplit(".", 1)[0] if "." in spec.name else spec.name for spec in layers]
     routes = []
     for path in paths:
         hops = []
         for i, spec in enumerate(layers):
-            owner = spec.name.rsplit(".", 1)[0] if "." in spec.name else spec.name
             # the layer's steps on [batch, tokens, hidden] tensors; the layer's own module
-            # makes the residual adds of Llama- and GPT-2-family layers
+            # makes the residual adds of Llama- and GPT-2-family layers. A layer with two
+            # blocks (self- and cross-attention) keeps each block's steps to that block, which
+            # holds its residual add (BERT's decoder layers)
+            owner = owners[i] if owners.count(owners[i]) == 1 else spec.name
             inside = [
                 s for s in path.steps
                 if s.module and (s.module == owner or s.module.startswith(owner + "."))

@@ -36,9 +36,9 @@ class ModuleTracker:
         #: modules with legacy backward hooks (``register_backward_hook``) at the block's entry
         self.legacy_hooked: set[str] = set()
         if model is not None:
-            self.names = {id(m): _display_name(n) for n, m in model.named_modules()}
+            self.names = {id(m): display_name(n) for n, m in model.named_modules()}
             self.legacy_hooked = {
-                _display_name(n)
+                display_name(n)
                 for n, m in model.named_modules()
                 if m._backward_hooks and getattr(m, "_is_full_backward_hook", None) is False
             }
@@ -80,7 +80,7 @@ class ModuleTracker:
             yield self
 
 
-def _display_name(name: str) -> str:
+def display_name(name: str) -> str:
     """Module paths as the user wrote the model: without torch.compile's wrapper prefix."""
     prefix = "_orig_mod"
     if name == prefix:

@@ -515,7 +515,8 @@ def _state_grad_dtype(a: State) -> torch.dtype:
 
 def _make_total(cls: type) -> None:
     """Wrap the ``sum`` / ``matmul`` / ``matmul_lifted`` that ``cls`` itself defines (empty
-    reductions give the zero) and its log-form operations (``NO_EDGE_LOG`` cuts)."""
+    reductions give the zero, a sum over no dim the state) and its log-form operations
+    (``NO_EDGE_LOG`` cuts)."""
     for name, wrap in (
         ("sum", _empty_sum_is_zero),
         ("matmul", _empty_product_is_zero),
@@ -574,6 +575,8 @@ def _vanishing_weights_cut(position: int, in_place: bool):
 def _empty_sum_is_zero(sum_fn):
     @functools.wraps(sum_fn)
     def total_sum(self: Semiring, a: State, dims: list[int], keepdim: bool = False) -> State:
+        if not dims:  # a sum over no dim is the state itself (torch's reductions read [] as
+            return tuple(c.clone() for c in a)  # every dim, or refuse it, op by op)
         shape = a[0].shape
         if not any(shape[d] == 0 for d in dims):
             return sum_fn(self, a, dims, keepdim)

@@ -113,9 +113,14 @@ def _layers(model: nn.Module) -> list[AttentionLayer]:
 
 
 def _check_length(model: nn.Module, tokenizer, length: int) -> None:
-    """Refuse a text longer than the model's positions (the forward would index past them)."""
-    limits = [getattr(model.config, "max_position_embeddings", None)]
-    limits.append(getattr(tokenizer, "model_max_length", None))
+    """Refuse a text longer than the model's positions (the forward would index past them).
+    RoBERTa-family embeddings (an ``embeddings.padding_idx``) number positions from
+    ``padding_idx + 1``: that many of the table's positions are never a token's."""
+    positions = getattr(model.config, "max_position_embeddings", None)
+    offset = getattr(getattr(model, "embeddings", None), "padding_idx", None)
+    if isinstance(positions, int) and isinstance(offset, int) and offset >= 0:
+        positions -= offset + 1
+    limits = [positions, getattr(tokenizer, "model_max_length", None)]
     limits = [int(n) for n in limits if isinstance(n, int) and 0 < n < 1_000_000]
     if limits and length > min(limits):
         raise SemipackError(
@@ -145,6 +150,8 @@ class Explanation:
     tokens: list[str]
     flows: dict[str, LayerFlow]
     routes: list[LayerRoute]
+    #: the token each route starts from, where the routes are one per token (TopPath's)
+    sources: list[int] | None = None
 
 
 def run(
@@ -180,6 +187,7 @@ def run(
     passes = [*semiring_names, "paths"]
     flows: dict[str, LayerFlow] = {}
     routes: list[LayerRoute] = []
+    sources: list[int] | None = None
     for name in tqdm(passes, desc="semiring passes", disable=not sys.stderr.isatty()):
         if name != "paths":
             flows[name] = explain_layers(
@@ -196,8 +204,9 @@ def run(
         else:  # the best path from each token (its best hidden unit)
             units = words.semiring_grad[0].argmax(-1).tolist()
             found = [finder.path(words, (0, t, u)) for t, u in enumerate(units)]
+            sources = list(range(len(units)))
         routes = layer_routes(found, layers)
-    return Explanation(tokens, flows, routes)
+    return Explanation(tokens, flows, routes, sources)
 
 
 def _check_target(target: str, length: int) -> None:
@@ -226,8 +235,14 @@ def report(result: Explanation, out: Path | None) -> None:
         print("\n" + flow.table())
     if result.routes:
         print("\nbest paths from the input embeddings, layer by layer:")
-        for route in result.routes:
-            print(f"  {route.describe(tokens)}")
+        for i, route in enumerate(result.routes):
+            source = None if result.sources is None else tokens[result.sources[i]]
+            if source is not None and route.value == 0:  # no path from this token at all
+                print(f"  -  from {source}: no path")
+            elif source is not None and not route.hops:
+                print(f"  {route.value:.4g}  from {source}: through no attention layer")
+            else:
+                print(f"  {route.describe(tokens)}")
     if out is None:
         return
     out.mkdir(parents=True, exist_ok=True)

@@ -281,3 +281,34 @@ def test_a_truncated_weights_file_is_named(tiny_model_dir, tmp_path, capsys) -> 
     weights.write_bytes(weights.read_bytes()[:1000])
     assert main(["explain", "--model", str(folder)]) == 2
     assert "SafetensorError" in capsys.readouterr().err
+
+
+def test_roberta_positions_start_after_the_padding_index(tiny_model_dir, tmp_path, capsys):
+    """RoBERTa numbers positions from ``padding_idx + 1``: 16 positions with pad id 1 hold 14
+    tokens. A text of 15 is refused before any pass (it crashed inside the model); 14 run."""
+    cfg = transformers.RobertaConfig(
+        vocab_size=len(WORDS), hidden_size=8, num_hidden_layers=1, num_attention_heads=2,
+        intermediate_size=16, max_position_embeddings=16, pad_token_id=1,
+    )  # fmt: skip
+    folder = _saved(tmp_path / "roberta", transformers.RobertaModel(cfg), tiny_model_dir)
+    too_long = ["explain", "--model", str(folder), "--text", " ".join(["the"] * 13)]
+    assert main([*too_long, "--semirings", "MaxProd"]) == 2
+    assert "the text has 15 tokens, the model takes at most 14" in capsys.readouterr().err
+    fits = ["explain", "--model", str(folder), "--text", " ".join(["the"] * 12)]
+    assert main([*fits, "--semirings", "MaxProd"]) == 0
+
+
+def test_tokens_no_path_reaches_say_so(tiny_model_dir, tmp_path, capsys):
+    """In a causal decoder the tokens after the target have no path to it: each is named, with
+    "no path" (it printed a route of value 0 from "?")."""
+    gpt2 = transformers.GPT2Config(vocab_size=len(WORDS), n_embd=8, n_layer=2, n_head=2)
+    torch.manual_seed(0)
+    folder = _saved(tmp_path / "gpt2", transformers.GPT2Model(gpt2), tiny_model_dir)
+    args = ["explain", "--model", str(folder), "--text", "the keys are", "--target", "token:0"]
+    assert main([*args, "--semirings", "MaxProd"]) == 0
+    out = capsys.readouterr().out
+    routes = out.split("best paths from the input embeddings, layer by layer:\n")[1]
+    lines = routes.strip().splitlines()
+    later = ["the", "keys", "are", "[SEP]"]  # the tokenizer adds [CLS] and [SEP]
+    assert lines[1:] == [f"  -  from {word}: no path" for word in later]
+    assert " from [CLS]: " in lines[0] and not lines[0].startswith("  -")

@@ -165,6 +165,7 @@ class Monitor:
                 yield False
                 return
             combine = self._combines_processes()
+            self._read_layers()
             self._clear()
             with ExitStack() as stack:
                 stack.enter_context(extend(self.model, self.semiring, keep_state=combine))
@@ -181,6 +182,17 @@ class Monitor:
         except BaseException:
             self.flush()  # the run may end here: every earlier record goes to the files
             raise
+
+    def _read_layers(self) -> None:
+        """The layers and the parameter each is read at, as the model is now: a weight frozen
+        (or unfrozen) during training moves its layer to its bias (or back), and a layer with
+        nothing left to train drops out. A layer read at another parameter than before starts
+        its top-path record afresh (an entry index of the other tensor is no comparison)."""
+        layers = _layers(self.model)
+        for name in list(self._best):
+            if layers.get(name) is not self.layers.get(name):
+                del self._best[name]
+        self.layers = layers
 
     def _clear(self) -> None:
         """Drop the values an earlier pass left on the monitored parameters, so that only this

@@ -418,3 +418,28 @@ def test_a_compiled_model_records_under_the_models_own_names() -> None:
     assert {layer for _, layer, _ in got} == {"0", "2.inner.0", "3"}
     for key, value in want.items():
         assert got[key] == pytest.approx(value, nan_ok=True, rel=1e-12, abs=1e-12)
+
+
+def test_a_weight_frozen_during_training_moves_its_layer_to_the_bias() -> None:
+    """Layers are read as the model is at each sampled step: a weight frozen at step 1 is read
+    at its bias from then on (as a layer frozen before the monitor is), with the values of a
+    separate MaxProd pass at the bias and no top-path comparison with the weight's index;
+    unfrozen again, the layer goes back to its weight."""
+    model = _model()
+    monitor = semipack.Monitor(model, every=1, tensorboard=False)
+    x, y = _batches(1)[0]
+    for step, frozen in enumerate([False, True, True, False]):
+        model[0].weight.requires_grad_(not frozen)
+        model.zero_grad()
+        with monitor.step(step):
+            nn.functional.cross_entropy(model(x), y).backward()
+    got = {(r.step, r.layer, r.quantity): r.value for r in monitor.records}
+    assert {layer for (step, layer, _) in got if step == 1} == {"0", "2.inner.0", "3"}
+    twin = _model()
+    twin[0].weight.requires_grad_(False)
+    with semipack.extend(twin, semipack.MaxProd(log=True)):
+        nn.functional.cross_entropy(twin(x), y).backward()
+    assert got[1, "0", "log_best_path"] == float(twin[0].bias.semiring_grad.max())
+    assert (1, "0", "top_path_changed") not in got  # the weight's index is no comparison
+    assert (2, "0", "top_path_changed") in got  # bias against bias
+    assert (3, "0", "top_path_changed") not in got  # back at the weight: starts afresh

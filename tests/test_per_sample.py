@@ -94,6 +94,12 @@ def _tokens():
     return TokenModel(), (ids,)
 
 
+def _one_id_per_example():
+    """Ids [N] (one lookup per example, a bag-of-one classifier), padding among them."""
+    model = nn.Sequential(nn.Embedding(7, 4, padding_idx=0), nn.Tanh(), nn.Linear(4, 2))
+    return model, (torch.tensor([3, 0, 5, 3]),)
+
+
 def _attention():
     padding = torch.tensor([[False, False, True], [False, False, False], [False, True, True]])
     return AttentionModel(), (torch.randn(3, 3, 3), padding)
@@ -123,6 +129,7 @@ MODELS = {
     "conv2d_groups": _conv2d,
     "conv1d": _conv1d,
     "embedding_layernorm": _tokens,
+    "embedding_one_id_per_example": _one_id_per_example,
     "multihead_attention": _attention,
     "encoder_layer": _encoder_layer,
     "hand_written_affine": _affine,

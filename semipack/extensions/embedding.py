@@ -70,7 +70,7 @@ class EmbeddingFunction(ExtensionFunction):
         id`` of one scatter."""
         (weight,), (indices, padding_idx) = call.inputs, call.options
         (m,) = call.incoming
-        if indices.dim() < 2 or m is None:
+        if indices.dim() < 1 or m is None:  # ids [N]: one lookup per example
             raise PerSampleError(
                 "per-sample values: an embedding lookup with ids of shape "
                 f"{tuple(indices.shape)} has no batch dim (the batch must be dim 0 of the ids)"

@@ -50,6 +50,9 @@ class UnsupportedOpError(SemipackError):
         else:
             message = (
                 f"semipack has no semiring rule for {op} {where}{origin}. Register one with {hint}."
+                " (A hook on a tensor created before entering semipack.extend receives semiring "
+                "messages and runs inside that node: if the op is the hook's, set the hook up "
+                "inside the block, where it sees the regular gradient.)"
             )
         super().__init__(message)
 

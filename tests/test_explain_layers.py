@@ -684,3 +684,43 @@ def test_routes_keep_self_and_cross_attention_apart() -> None:
     hops = {layers[h.layer].name: h.branch for h in through_self.hops}
     assert hops["encoder.layer.1.attention"] == "value"
     assert hops["encoder.layer.1.crossattention"] == "residual"
+
+
+def test_deberta_v1_fused_projection_is_the_qkv_branch() -> None:
+    """DeBERTa (v1) makes query, key and value in one ``in_proj``: its branch is ``qkv`` (it
+    read as residual), and a route's hop through it names the part and head that the model's
+    own ``transpose_for_scores(...).chunk(3, -1)`` gives that unit (the independent record)."""
+    torch.manual_seed(0)
+    cfg = transformers.DebertaConfig(
+        vocab_size=20, hidden_size=8, num_hidden_layers=1, num_attention_heads=2,
+        intermediate_size=16, max_position_embeddings=16,
+    )  # fmt: skip
+    model = transformers.DebertaModel(cfg).eval().double()
+    ids = torch.tensor([[2, 5, 7, 3]])
+    layers = attention_layers(model)
+    flow = semipack.explain_layers(
+        model, semipack.LogSum(), lambda: model(input_ids=ids).last_hidden_state[0, 0].sum()
+    )
+    assert set(flow.branches[0]) == {"qkv", "residual"}
+    sr = semipack.TopPath()
+    words = model.get_input_embeddings()(ids).detach().requires_grad_()
+    with semipack.extend(model, sr):
+        model(inputs_embeds=words).last_hidden_state[0, 0].sum().backward()
+    attention = model.encoder.layer[0].attention.self
+    checked = 0
+    for token in range(ids.shape[1]):
+        path = sr.path(words, (0, token, int(words.semiring_grad[0, token].argmax())))
+        (route,) = layer_routes([path], layers)
+        fused = [s for s in path.steps if s.module and s.module.endswith(".in_proj")]
+        if not fused:
+            assert [h.branch for h in route.hops] == ["residual"]
+            continue
+        marker = torch.zeros(1, 1, 3 * cfg.hidden_size)
+        marker[..., int(fused[0].index[-1])] = 1.0
+        parts = attention.transpose_for_scores(marker).chunk(3, dim=-1)
+        (part,) = [i for i, p in enumerate(parts) if p.any()]
+        head = int(torch.nonzero(parts[part])[0, 1])
+        (hop,) = route.hops
+        assert (hop.branch, hop.head) == (("query", "key", "value")[part], head)
+        checked += 1
+    assert checked > 0

@@ -732,12 +732,18 @@ def _tokens_of(
 
 def _projection(step: PathStep, spec: AttentionLayer) -> tuple[str, int] | None:
     """(branch, head) of a step on a query, key or value projection's output, else None.
-    GPT-2's fused ``c_attn`` packs query, key and value side by side: the unit's third."""
+    GPT-2's fused ``c_attn`` packs query, key and value side by side: the unit's third;
+    DeBERTa's (v1) ``in_proj`` packs them per head."""
     name = step.module or ""
     unit = int(step.index[-1])
     if name.endswith(".c_attn") and name.startswith(spec.name + "."):
         width = spec.num_heads * spec.head_dim
         return BRANCH_ORDER[unit // width], (unit % width) // spec.head_dim
+    if name.endswith(".in_proj") and name.startswith(spec.name + "."):
+        # DeBERTa (v1): the output is viewed as [heads, 3 * head_dim] and chunked in three,
+        # so each head's query, key and value units sit together
+        head, part = divmod(unit, 3 * spec.head_dim)
+        return BRANCH_ORDER[part // spec.head_dim], head
     branch = branch_name(name, spec.name)
     return (branch, unit // spec.head_dim) if branch in BRANCH_ORDER[:3] else None
 

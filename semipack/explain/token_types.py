@@ -30,22 +30,22 @@ Reference = Mapping[str, Mapping[str, float]]
 
 
 #: The last part of a projection's module name -> its branch (BERT, Llama, DistilBERT, T5,
-#: DeBERTa;
-#: GPT-2's ``c_attn`` makes query, key and value in one call: one branch, ``qkv``).
+#: DeBERTa-v2; GPT-2's ``c_attn`` and DeBERTa's (v1) ``in_proj`` make query, key and value in
+#: one call: one branch, ``qkv``).
 PROJECTIONS = {
     "query": "query", "key": "key", "value": "value",
     "q_proj": "query", "k_proj": "key", "v_proj": "value",
     "q": "query", "k": "key", "v": "value",
     "q_lin": "query", "k_lin": "key", "v_lin": "value",
     "query_proj": "query", "key_proj": "key", "value_proj": "value",
-    "c_attn": "qkv",
+    "c_attn": "qkv", "in_proj": "qkv",
 }  # fmt: skip
 
 
 def attention_branch(name: str) -> str:
     """The short name of an attention block's branch: ``query``, ``key`` or ``value`` for a
     name ending with that projection (``...self.query``, ``...q_proj``, ``...q``), ``qkv``
-    for GPT-2's fused ``...c_attn``,
+    for GPT-2's fused ``...c_attn`` and DeBERTa's (v1) ``...in_proj``,
     ``residual`` for any other use (in BERT the only other use of the block's input is the
     residual add in ``...attention.output``)."""
     last = name.rsplit(".", 1)[-1]

@@ -3,9 +3,9 @@
 Both train on synthetic data made here (nothing is downloaded): the CNN tells which quadrant of
 a noisy 12 x 12 image holds a bright square, the transformer whether the first token of a
 sequence comes back later. ``semipack.Monitor`` runs every ``--every``-th step's backward as a
-semiring backward (MaxProd, LogSum, Entropy in one pass) and records per-layer path entropy,
-best path, total flow, dead units, top-path changes and, for the transformer, the share of the
-flow through the first layer's residual add against its attention branch.
+semiring backward (MaxProd and Entropy with its log flow, in one pass) and records per-layer
+path entropy, best path, total flow, dead units, top-path changes and, for the transformer, the
+share of the flow through the first layer's residual add against its attention branch.
 
 Run::
 

@@ -7,7 +7,7 @@ it (every path, all hidden units of the token together), and the Entropy semirin
 the paths to each token are. Agreement needs the subject: the question is at which layers the
 subject's share exceeds the attractor's.
 
-Run (offline, about a minute on a 2-core CPU)::
+Run (offline, about 15 s on a 2-core CPU)::
 
     python examples/agreement.py --out docs
 

@@ -159,8 +159,9 @@ def run(
     drawing: str = "atomic", kbest: int = 1,
 ) -> Explanation:  # fmt: skip
     """One ``explain_layers`` pass per semiring, and one pass for paths read layer by layer:
-    TopPath's best path from each token (``kbest`` = 1) or KBest's ``kbest`` best paths from
-    any token (slow on a whole model: about 20 s for k = 2 on MiniLM's sentence)."""
+    TopPath's best path from each token (``kbest`` = 1) or the ``kbest`` best paths of the
+    whole input, every token and unit together, from KBest (slow on a whole model: about 20 s
+    for k = 2 on MiniLM's sentence)."""
     if not text.strip():
         raise SemipackError("the text to explain is empty")
     if isinstance(kbest, bool) or not isinstance(kbest, int) or kbest < 1:
@@ -199,14 +200,30 @@ def run(
         finder = KBest(kbest) if kbest > 1 else TopPath()
         with extend(model, finder, regular_grads=False, drawing=drawing):
             forward(inputs_embeds=words, **others).backward()
-        if kbest > 1:
-            found = finder.paths(words)
+        if kbest > 1:  # the k best paths of the whole input: each entry's k best hold them
+            values = words.semiring_grad  # [1, tokens, units, k], best first per entry
+            ranked = values.reshape(-1).topk(min(kbest, values.numel())).indices.tolist()
+            found = []
+            for flat in ranked:
+                entry, rank = divmod(flat, kbest)
+                index = _unravel(entry, tuple(values.shape[:-1]))
+                if float(values[index][rank]) > 0:  # fewer than k paths in all
+                    found.append(finder.paths(words, index)[rank])
         else:  # the best path from each token (its best hidden unit)
             units = words.semiring_grad[0].argmax(-1).tolist()
             found = [finder.path(words, (0, t, u)) for t, u in enumerate(units)]
             sources = list(range(len(units)))
         routes = layer_routes(found, layers)
     return Explanation(tokens, flows, routes, sources)
+
+
+def _unravel(flat: int, shape: tuple[int, ...]) -> tuple[int, ...]:
+    """The index of entry ``flat`` of a row-major tensor of ``shape``."""
+    index = []
+    for size in reversed(shape):
+        flat, at = divmod(flat, size)
+        index.append(at)
+    return tuple(reversed(index))
 
 
 def _check_target(target: str, length: int) -> None:

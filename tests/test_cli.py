@@ -312,3 +312,30 @@ def test_tokens_no_path_reaches_say_so(tiny_model_dir, tmp_path, capsys):
     later = ["the", "keys", "are", "[SEP]"]  # the tokenizer adds [CLS] and [SEP]
     assert lines[1:] == [f"  -  from {word}: no path" for word in later]
     assert " from [CLS]: " in lines[0] and not lines[0].startswith("  -")
+
+
+def test_kbest_draws_the_best_paths_of_the_whole_input(tiny_model_dir, capsys):
+    """``--kbest 3``: the three best paths of every token and unit together (it drew the best
+    entry's three). Checked against MaxProd, whose per-entry values are each entry's best
+    path: the first printed path is the best of them all, and each later one is at least the
+    next-best entry's best (an entry's own later paths may come first only when larger)."""
+    text = "the keys are on the table"
+    assert main(["explain", "--model", str(tiny_model_dir), "--text", text, "--kbest", "3",
+                 "--semirings", "MaxProd"]) == 0  # fmt: skip
+    out = capsys.readouterr().out
+    lines = out.split("best paths from the input embeddings, layer by layer:\n")[1].splitlines()
+    printed = [float(line.split()[0]) for line in lines[:3]]
+    model = transformers.AutoModel.from_pretrained(str(tiny_model_dir)).eval()
+    tokenizer = transformers.AutoTokenizer.from_pretrained(str(tiny_model_dir))
+    encoded = tokenizer(text, return_tensors="pt")
+    words = model.get_input_embeddings()(encoded["input_ids"]).detach().requires_grad_()
+    with semipack.extend(model, semipack.MaxProd(), regular_grads=False):
+        others = {k: v for k, v in encoded.items() if k != "input_ids"}
+        output = model(inputs_embeds=words, **others).last_hidden_state
+        mask = encoded["attention_mask"]
+        ((output * mask[..., None]).sum(1) / mask.sum(1, keepdim=True)).norm().backward()
+    best = words.semiring_grad.flatten().sort(descending=True).values[:3].tolist()
+    assert printed == sorted(printed, reverse=True)
+    assert printed[0] == pytest.approx(best[0], rel=1e-3)
+    for i in (1, 2):
+        assert printed[i] >= best[i] * (1 - 1e-3)

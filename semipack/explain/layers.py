@@ -283,7 +283,10 @@ class LayerFlow:
         names = [b for b in BRANCH_ORDER if any(b in layer for layer in self.branches)]
         names += sorted({n for layer in self.branches for n in layer} - set(names))
         shares = self.semiring in ("MaxProd", "TopPath", "LogSum")
-        best = "share of tokens whose best path leaves by each branch / runs through each head"
+        best = (
+            "share of tokens whose best path leaves by each branch / per head: of tokens at "
+            "whose attention output the head carries the best path"
+        )
         what = {"MaxProd": best, "TopPath": best, "LogSum": "share of the flow per branch / head"}
         what = what.get(self.semiring, f"mean over tokens of each branch's {self.semiring} value")
         heads = self.heads.shape[-1]

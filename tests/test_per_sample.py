@@ -94,12 +94,6 @@ def _tokens():
     return TokenModel(), (ids,)
 
 
-def _one_id_per_example():
-    """Ids [N] (one lookup per example, a bag-of-one classifier), padding among them."""
-    model = nn.Sequential(nn.Embedding(7, 4, padding_idx=0), nn.Tanh(), nn.Linear(4, 2))
-    return model, (torch.tensor([3, 0, 5, 3]),)
-
-
 def _attention():
     padding = torch.tensor([[False, False, True], [False, False, False], [False, True, True]])
     return AttentionModel(), (torch.randn(3, 3, 3), padding)
@@ -129,7 +123,6 @@ MODELS = {
     "conv2d_groups": _conv2d,
     "conv1d": _conv1d,
     "embedding_layernorm": _tokens,
-    "embedding_one_id_per_example": _one_id_per_example,
     "multihead_attention": _attention,
     "encoder_layer": _encoder_layer,
     "hand_written_affine": _affine,
@@ -635,3 +628,31 @@ def test_an_input_without_a_batch_dim_names_the_layer():
         (torch.randn(3),),
         r"Linear \(module '2'\) was called on an input of shape \(4,\) without a batch dim",
     )
+
+
+class _SharedPositions(nn.Module):
+    """A nanoGPT-style model: token embeddings plus position embeddings looked up with ids
+    ``arange(T)`` shared by the whole batch (1-D ids)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.tok, self.pos, self.head = nn.Embedding(7, 4), nn.Embedding(3, 4), nn.Linear(4, 2)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        return self.head(self.tok(idx) + self.pos(torch.arange(idx.shape[1])))
+
+
+def test_one_dimensional_ids_are_refused_even_when_they_match_the_batch():
+    """Position ids ``arange(T)`` shared by a batch of T examples look like one id per example;
+    taking them so gave every row of the position table wrong values, silently. Ids must be
+    ``[N, ...]``; the error says how to write both cases."""
+    torch.manual_seed(0)
+    model = _SharedPositions()
+    idx = torch.tensor([[1, 2, 3], [4, 5, 6], [0, 1, 2]])  # N = T = 3
+    with (
+        pytest.raises(
+            PerSampleError, match=r"ids of shape \(3,\) has no batch dim.*ids\[:, None\]"
+        ),
+        semipack.extend(model, semipack.MaxProd(), per_sample=True),
+    ):
+        model(idx).sum().backward()

@@ -70,10 +70,14 @@ class EmbeddingFunction(ExtensionFunction):
         id`` of one scatter."""
         (weight,), (indices, padding_idx) = call.inputs, call.options
         (m,) = call.incoming
-        if indices.dim() < 1 or m is None:  # ids [N]: one lookup per example
+        if indices.dim() < 2 or m is None:
+            # ids [T] are refused even where T is the batch size: position ids shared by the
+            # batch (``arange(T)``) look the same, and their rows would be wrong
             raise PerSampleError(
                 "per-sample values: an embedding lookup with ids of shape "
-                f"{tuple(indices.shape)} has no batch dim (the batch must be dim 0 of the ids)"
+                f"{tuple(indices.shape)} has no batch dim: the ids must be [N, ...] with the "
+                "batch first (one id per example: ids[:, None]; ids shared by the batch, such "
+                "as positions arange(T): expand them to [N, T])"
             )
         return [embedding_per_sample(call.semiring, m, indices, weight.shape[0], padding_idx)]
 

@@ -71,9 +71,14 @@ def _set_stance() -> None:
                 force_backend=before.backend,
             )
         return
+    current = torch._dynamo.eval_frame._stance
     if not _user_stance:
-        _user_stance.append(torch._dynamo.eval_frame._stance)
-    torch.compiler.set_stance("default" if passes else "force_eager")
+        _user_stance.append(current)
+    wanted = "default" if passes else "force_eager"
+    # set_stance costs about 0.1 ms: a pass and its nested readouts would set the same stance
+    # again and again (several times per backward, a tenth of a small model's monitor step)
+    if (current.stance, current.skip_guard_eval_unsafe, current.backend) != (wanted, False, None):
+        torch.compiler.set_stance(wanted)
 
 
 @contextmanager

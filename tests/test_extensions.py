@@ -110,19 +110,22 @@ def test_extensions_leave_the_modules_untouched() -> None:
     """Extensions route torch functions; the module objects are never modified, not even inside
     the block (so copies, pickles and patched forwards behave as without semipack)."""
     model = nn.Sequential(nn.Linear(4, 4), nn.LayerNorm(4), nn.Embedding(3, 3)).double()
+    from transformers.modeling_utils import AttentionInterface
+
     before = {n: dict(vars(m)) for n, m in model.named_modules()}
+    registry = dict(AttentionInterface._global_mapping)
+    get_interface = AttentionInterface.get_interface
     with semipack.extend(model, semipack.MaxProd()):
         inside = {n: dict(vars(m)) for n, m in model.named_modules()}
-        from transformers.modeling_utils import AttentionInterface
-
-        assert "eager" in AttentionInterface._global_mapping
+        assert AttentionInterface.get_interface is not get_interface  # eager attention routed
     after = {n: dict(vars(m)) for n, m in model.named_modules()}
     for state in (inside, after):
         assert state.keys() == before.keys()
         for name in before:
             assert state[name].keys() == before[name].keys(), name
             assert "forward" not in state[name]
-    assert "eager" not in AttentionInterface._global_mapping
+    assert AttentionInterface._global_mapping == registry
+    assert AttentionInterface.get_interface is get_interface
 
 
 def test_any_caller_of_an_extended_function_is_extended_with_exact_values() -> None:

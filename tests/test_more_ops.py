@@ -122,3 +122,17 @@ def test_relu_cut_equals_where_bitwise(dtype) -> None:
             assert torch.equal(got.isnan(), want.isnan())
             assert torch.equal(got.nan_to_num(), want.nan_to_num())
             assert torch.equal(got.signbit(), want.signbit()), (threshold, zero)
+
+
+def test_embedding_scaled_by_frequency_is_refused() -> None:
+    """``scale_grad_by_freq`` divides each row's gradient by how often its id occurs: a
+    statistic of the batch, not a local derivative (no edge weight to draw)."""
+    emb = torch.nn.Embedding(5, 3, scale_grad_by_freq=True)
+    for extensions in (True, False):
+        with (
+            pytest.raises(semipack.UnsupportedOpError) as info,
+            semipack.extend(emb, semipack.MaxProd(), extensions=extensions),
+        ):
+            emb(torch.tensor([[0, 1, 1]])).sum().backward()
+        assert info.value.op == "aten.embedding_dense_backward.default"
+        assert "scale_grad_by_freq scales gradients by a statistic" in str(info.value)

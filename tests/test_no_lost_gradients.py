@@ -53,12 +53,14 @@ def _mha(t: dict[str, Tensor]) -> Tensor:
 def _eager_attention(t: dict[str, Tensor]) -> Tensor:
     """Hugging Face eager attention (through transformers' registry) with a learnable mask."""
     from transformers import BertConfig
-    from transformers.models.bert.modeling_bert import BertSelfAttention
+    from transformers.models.bert.modeling_bert import BertSelfAttention, eager_attention_forward
 
     from semipack.extensions.hf import semiring_eager_attention
 
     module = BertSelfAttention(BertConfig(hidden_size=4, num_attention_heads=2)).eval()
-    out, _ = semiring_eager_attention(module, t["q"], t["k"], t["v"], t["mask"], dropout=0.0)
+    out, _ = semiring_eager_attention(
+        module, t["q"], t["k"], t["v"], t["mask"], dropout=0.0, eager=eager_attention_forward
+    )
     return out.sum()
 
 

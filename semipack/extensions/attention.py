@@ -17,13 +17,20 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 from torch.nn.attention import SDPBackend
 
-from ..rules.attention import attention_messages, attention_probs, fold_heads, repeat_heads
+from ..rules.attention import (
+    attention_messages,
+    attention_probs,
+    attention_scores,
+    fold_heads,
+    repeat_heads,
+)
 from ..semirings.base import State
 from .base import BackwardCall, ExtensionFunction, Sites, extends, wants_graph
 
@@ -39,6 +46,9 @@ class AttentionSpec:
     causal: bool = False
     keep: Tensor | None = None  # dropout multipliers (mask / (1 - p)), or None
     kv_groups: int = 1  # query heads per key/value head
+    #: Compare the call's outputs with the decomposition before drawing it (a call whose own
+    #: code may compute something else: Hugging Face eager functions, see ``hf.py``).
+    check_reference: bool = False
 
 
 class AttentionFunction(ExtensionFunction):
@@ -78,6 +88,69 @@ class AttentionFunction(ExtensionFunction):
             ("attention weights", ("batch", "head", "query", "key")),
         )
 
+    @staticmethod
+    def draws(outputs: tuple[Tensor, Tensor | None], inputs: list[Tensor], spec: Any) -> bool:
+        if not spec.check_reference:
+            return True
+        q, k, v = inputs
+        return computes_reference(spec, q, k, v, *outputs)
+
+
+def computes_reference(
+    spec: AttentionSpec, q: Tensor, k: Tensor, v: Tensor, out: Tensor, weights: Tensor | None
+) -> bool:
+    """Whether ``out`` ([batch, heads, queries, dim]) and ``weights`` ([batch, heads, queries,
+    keys]) are softmax(Q Kᵀ·scale + mask) and its product with V, up to rounding.
+
+    Rounding moves a score by a few ulps of the largest score the row can reach (the raw
+    products plus the mask's finite entries; a padding mask's -3.4e38 is no reach), hence a
+    probability by about as much; it moves an output entry, a weighted mean of V, by a few ulps
+    of V's largest entry. The bounds allow 64 ulps of the outputs' dtype (float32's at least,
+    see ``_ulp``). A relative
+    position bias or a soft cap moves the weights by a large fraction of themselves.
+    """
+    if weights is None or weights.shape != (*q.shape[:-1], k.shape[-2]):
+        return False
+    dtype = torch.promote_types(torch.promote_types(q.dtype, weights.dtype), torch.float32)
+    with torch.no_grad():
+        q, k_all = q.to(dtype), repeat_heads(k, spec.kv_groups).to(dtype)
+        v_all = repeat_heads(v, spec.kv_groups).to(dtype)
+        raw = torch.matmul(q, k_all.transpose(-1, -2)) * spec.scale
+        reach = _largest(raw) + _largest_bias(spec.mask)
+        mask = spec.mask
+        if mask is not None and mask.dtype != torch.bool:
+            mask = mask.to(dtype)
+        scores = attention_scores(q, k_all, mask, spec.causal, spec.scale)
+        masked_rows = (scores == float("-inf")).all(-1, keepdim=True)
+        probs = torch.softmax(scores.masked_fill(masked_rows, 0.0), -1).masked_fill(masked_rows, 0)
+        ulp = _ulp(weights.dtype)
+        if not torch.allclose(weights.to(dtype), probs, rtol=0.0, atol=64 * ulp * max(1.0, reach)):
+            return False
+        reference = torch.matmul(weights.to(dtype), v_all)
+        ulp = _ulp(out.dtype)
+        tolerance = 64 * ulp * max(1.0, _largest(v_all))
+        return torch.allclose(out.to(dtype), reference, rtol=0.0, atol=tolerance)
+
+
+def _ulp(dtype: torch.dtype) -> float:
+    """The rounding unit the comparison allows: the dtype's, at least float32's (transformers'
+    eager functions take the softmax in float32 whatever the model's dtype)."""
+    return max(torch.finfo(dtype).eps, torch.finfo(torch.float32).eps)
+
+
+def _largest(t: Tensor) -> float:
+    """The largest finite magnitude in ``t`` (0 for none)."""
+    finite = t[t.isfinite()]
+    return float(finite.abs().max()) if finite.numel() else 0.0
+
+
+def _largest_bias(mask: Tensor | None) -> float:
+    """The largest magnitude an additive mask adds to a score that stays in play: entries
+    beyond -1e4 below are padding (they take a key out of the softmax), not a bias."""
+    if mask is None or mask.dtype == torch.bool:
+        return 0.0
+    return _largest(mask[mask > -1e4])
+
 
 def _runs_math_kernel(q, k, v, mask, dropout_p: float, causal: bool, scale, gqa: bool) -> bool:
     """Whether PyTorch would run its decomposed math kernel for this call."""
@@ -100,6 +173,7 @@ def semiring_sdpa(
     if (
         not wants_graph(query, key, value)
         or query.dim() != 4
+        or not query.shape[0] == key.shape[0] == value.shape[0]  # a broadcast batch
         or (
             dropout_p > 0.0
             and _runs_math_kernel(

@@ -363,6 +363,14 @@ class ExtensionFunction(torch.autograd.Function):
         """(what the call returns, what the messages need besides) from the inner outputs."""
         return outputs, None
 
+    @staticmethod
+    def draws(outputs: Any, inputs: list[Tensor | None], options: Any) -> bool:
+        """Whether ``messages`` describe what the call computed: ``outputs`` of the inner graph
+        from ``inputs`` (detached) under ``options``. An extension whose call runs code it does
+        not own (a model file's attention function) checks it here; a False answer runs the
+        call plainly, through the generic rules. Default: True."""
+        return True
+
     @classmethod
     def per_sample(cls, call: BackwardCall) -> list[State | None]:
         """Per-sample states ``[N, *input.shape]`` of the inputs ``call.needs`` asks for (the
@@ -443,7 +451,11 @@ class ExtensionFunction(torch.autograd.Function):
             # whose ops (the casts included) the generic rules carry.
             return cls.keep(fn(*inputs))[0]
         inner = InnerGraph(fn, inputs)
-        if inner.escapes or inner.reuses_an_input:
+        if (
+            inner.escapes
+            or inner.reuses_an_input
+            or not cls.draws(inner.outputs, inner.values(), options)
+        ):
             return cls.keep(inner.plain_outputs())[0]
         out = cls.apply(inner, options, *inputs)
         module = current_module()

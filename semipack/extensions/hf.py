@@ -1,19 +1,27 @@
 """Hugging Face "eager" attention (QKᵀ / softmax / V by hand) through the fused extension.
 
-transformers resolves attention functions through ``ALL_ATTENTION_FUNCTIONS``; "eager" is not in
-that registry, so each model falls back to the ``eager_attention_forward`` of its own modeling
-file. While ``extend`` is active we register an "eager" entry that runs the model's own eager
-function as the inner graph (exact regular gradients) inside ``AttentionFunction`` (fused
-semiring backward, named heads and tokens). Anything the reference decomposition does not
-describe (attention dropout in training, soft-capping, sliding windows, attention sinks) runs the
-model's own function unchanged, i.e. through the generic per-op path.
+A model resolves its attention function with ``ALL_ATTENTION_FUNCTIONS.get_interface(
+implementation, default)``, where ``default`` is its own modeling file's eager function (most
+are named ``eager_attention_forward``; some files have several, such as a text and a vision
+one). While ``extend`` is active, ``get_interface`` hands out that very function wrapped in
+``semiring_eager_attention``: it runs as the inner graph (exact regular gradients) of
+``AttentionFunction`` (fused semiring backward, named heads and tokens).
+
+The fused backward draws softmax(Q Kᵀ·scale + mask) V. An eager function that computes anything
+else runs unwrapped, i.e. through the generic per-op path, which draws whatever it computes:
+- dropout in training, and any argument of its own beyond the common ones (a T5 relative
+  position bias, soft-capping, a sliding window, attention sinks) given a value;
+- a module with attention sinks (read from the module, not passed);
+- and, as a check on every wrapped call, weights or an output that differ from the reference
+  decomposition computed from the same Q, K, V, scale and mask (beyond rounding).
 """
 
 from __future__ import annotations
 
-import sys
+import functools
+import inspect
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
@@ -21,11 +29,37 @@ from torch import Tensor, nn
 
 from .attention import AttentionFunction, AttentionSpec
 
-_UNSUPPORTED_KWARGS = ("softcap", "sliding_window", "s_aux", "sinks")
+#: The parameters every eager attention function takes; one with any other named parameter
+#: (``position_bias``, ``softcap``, ``sliding_window``, ``sinks``) computes something else
+#: when that parameter has a value.
+_COMMON_PARAMETERS = frozenset(
+    ("module", "query", "key", "value", "attention_mask", "scaling", "dropout")
+)
 
 
-def _own_eager(module: nn.Module):
-    return getattr(sys.modules.get(type(module).__module__), "eager_attention_forward", None)
+@functools.cache
+def _own_parameters(eager: Callable[..., Any]) -> tuple[str, ...]:
+    """The named parameters of ``eager`` beyond the common ones."""
+    try:
+        parameters = inspect.signature(eager).parameters.values()
+    except (TypeError, ValueError):  # no signature to read: treat every keyword as its own
+        return ("*",)
+    return tuple(
+        p.name
+        for p in parameters
+        if p.name not in _COMMON_PARAMETERS
+        and p.kind not in (inspect.Parameter.VAR_KEYWORD, inspect.Parameter.VAR_POSITIONAL)
+    )
+
+
+def _draws_reference(eager: Callable[..., Any], module: nn.Module, kwargs: dict) -> bool:
+    """Whether the call is the reference decomposition as far as its arguments tell."""
+    own = _own_parameters(eager)
+    if "*" in own:
+        return not any(v is not None for v in kwargs.values())
+    if any(kwargs.get(name) is not None for name in own):
+        return False
+    return getattr(module, "sinks", None) is None and kwargs.get("s_aux") is None
 
 
 def semiring_eager_attention(
@@ -36,28 +70,22 @@ def semiring_eager_attention(
     attention_mask: Tensor | None,
     scaling: float | None = None,
     dropout: float = 0.0,
+    *,
+    eager: Callable[..., Any],
     **kwargs: Any,
 ):
-    """transformers' "eager" attention interface inside ``extend``: the model's own
-    ``eager_attention_forward`` runs as the inner graph of one fused attention extension, so a
-    Hugging Face model gives the same values with eager and sdpa attention. query:
-    ``[batch, heads, tokens, head_dim]``; key, value: ``[batch, kv_heads, tokens, head_dim]``
-    (the eager function repeats them for grouped-query attention); returns what the model's
-    eager function returns (output ``[batch, tokens, heads, head_dim]`` and weights). Dropout in
-    training and unsupported keyword arguments run the original function (the generic path)."""
-    original = _own_eager(module)
-    if original is None:
-        raise RuntimeError(
-            f"semipack: {type(module).__name__} resolved 'eager' attention but its modeling "
-            "file has no eager_attention_forward"
-        )
+    """transformers' "eager" attention inside ``extend``: the model's own eager function
+    ``eager`` runs as the inner graph of one fused attention extension, so a Hugging Face model
+    gives the same values with eager and sdpa attention. query: ``[batch, heads, tokens,
+    head_dim]``; key, value: ``[batch, kv_heads, tokens, head_dim]`` (the eager function
+    repeats them for grouped-query attention); returns what ``eager`` returns (output
+    ``[batch, tokens, heads, head_dim]`` and weights). Anything else than the reference
+    decomposition runs ``eager`` itself (the generic path; see the module docstring)."""
 
     def run_original(q: Tensor, k: Tensor, v: Tensor):
-        return original(module, q, k, v, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
+        return eager(module, q, k, v, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
 
-    plain = (dropout > 0.0 and module.training) or any(
-        kwargs.get(name) is not None for name in _UNSUPPORTED_KWARGS
-    )
+    plain = (dropout > 0.0 and module.training) or not _draws_reference(eager, module, kwargs)
     if plain or not any(t.requires_grad for t in (query, key, value)):
         return run_original(query, key, value)
 
@@ -65,8 +93,8 @@ def semiring_eager_attention(
     mask = attention_mask
     if mask is not None and mask.dim() == 4:
         mask = mask[..., : key.shape[-2]]
-    groups = getattr(module, "num_key_value_groups", 1) or 1
-    spec = AttentionSpec(scale=scale, mask=mask, kv_groups=groups)
+    groups = query.shape[-3] // key.shape[-3]
+    spec = AttentionSpec(scale=scale, mask=mask, kv_groups=groups, check_reference=True)
 
     def inner(q: Tensor, k: Tensor, v: Tensor):
         out, weights = run_original(q, k, v)
@@ -77,29 +105,38 @@ def semiring_eager_attention(
 
 
 _routed_blocks = 0
-_previous_eager: Any = None
-_MISSING = object()
+_original_get_interface: Any = None
 _lock = threading.Lock()
+
+
+def _routed_get_interface(self: Any, attn_implementation: str, default: Callable) -> Callable:
+    """``AttentionInterface.get_interface`` while routed: "eager" gives the model's own eager
+    function (``default``) wrapped, unless the registry holds an "eager" entry of its own."""
+    found = _original_get_interface(self, attn_implementation, default)
+    if attn_implementation == "eager" and found is default:
+        return functools.partial(semiring_eager_attention, eager=default)
+    return found
 
 
 @contextmanager
 def eager_attention_routed() -> Iterator[bool]:
-    """Register the semiring eager attention with transformers for the duration of the block.
+    """Route transformers' eager attention through ``semiring_eager_attention`` for the
+    duration of the block.
 
-    The registry is global, so the registration is counted: the first block to enter installs
-    it, the last to leave restores what was there (blocks in other threads may overlap).
+    ``get_interface`` is a class attribute, so the routing is counted: the first block to
+    enter installs it, the last to leave restores the original (blocks in other threads may
+    overlap).
     """
-    global _routed_blocks, _previous_eager
+    global _routed_blocks, _original_get_interface
     try:
         from transformers.modeling_utils import AttentionInterface
     except ImportError:  # transformers is optional
         yield False
         return
-    mapping = AttentionInterface._global_mapping
     with _lock:
         if _routed_blocks == 0:
-            _previous_eager = mapping.get("eager", _MISSING)
-            mapping["eager"] = semiring_eager_attention
+            _original_get_interface = AttentionInterface.get_interface
+            AttentionInterface.get_interface = _routed_get_interface
         _routed_blocks += 1
     try:
         yield True
@@ -107,8 +144,5 @@ def eager_attention_routed() -> Iterator[bool]:
         with _lock:
             _routed_blocks -= 1
             if _routed_blocks == 0:
-                if _previous_eager is _MISSING:
-                    mapping.pop("eager", None)
-                else:
-                    mapping["eager"] = _previous_eager
-                _previous_eager = None
+                AttentionInterface.get_interface = _original_get_interface
+                _original_get_interface = None

@@ -1,0 +1,207 @@
+"""Which attention calls the fused extension draws, and that every other one keeps its values.
+
+The fused backward draws softmax(Q Kᵀ·scale + mask) V. A Hugging Face eager function that adds
+a relative position bias (T5), or any other term, must run through the generic rules instead:
+found by its own arguments or, failing that, by comparing its outputs with the decomposition.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+import transformers
+from helpers import assert_readout_matches, oracle_readouts
+from oracle import build_graph
+from torch import Tensor, nn
+from torch.autograd.graph import Node
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+import semipack
+
+FUSED = "AttentionFunctionBackward"
+
+
+def node_names(root: Node) -> set[str]:
+    seen: dict[Node, None] = {}
+    stack = [root]
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen[node] = None
+        stack.extend(n for n, _ in node.next_functions)
+    return {n.name() for n in seen}
+
+
+def assert_matches_autograd_and_oracle(loss_of, leaf: Tensor) -> None:
+    """Real equals autograd and MaxProd the brute-force oracle on ``loss_of(leaf)``."""
+    x = leaf.detach().clone().requires_grad_()
+    (expected,) = torch.autograd.grad(loss_of(x), x)
+    (max_prod,) = oracle_readouts(build_graph(loss_of(x)), [x], "max_prod")
+    for semiring, want in ((semipack.Real(), expected), (semipack.MaxProd(), max_prod)):
+        x = leaf.detach().clone().requires_grad_()
+        with semipack.extend(None, semiring):
+            loss_of(x).backward()
+        torch.testing.assert_close(x.grad, expected, rtol=0, atol=1e-12)
+        name = "real" if isinstance(semiring, semipack.Real) else "max_prod"
+        assert_readout_matches(name, want, x.semiring_grad, "input")
+
+
+# --- Hugging Face eager attention -------------------------------------------------------------
+
+
+def t5_encoder() -> nn.Module:
+    cfg = transformers.T5Config(
+        vocab_size=30,
+        d_model=8,
+        d_kv=4,
+        d_ff=16,
+        num_layers=1,
+        num_heads=2,
+        relative_attention_num_buckets=4,
+        relative_attention_max_distance=6,
+        decoder_start_token_id=0,
+    )
+    torch.manual_seed(0)
+    model = transformers.T5EncoderModel._from_config(cfg, attn_implementation="eager")
+    return model.double().eval().requires_grad_(False)
+
+
+def test_a_frozen_t5_position_bias_is_drawn() -> None:
+    """T5 adds a relative position bias to the scores; frozen, it used to be left out of the
+    fused backward (Real off autograd by 0.1). It now runs through the generic rules."""
+    model = t5_encoder()
+    embeddings = torch.randn(
+        1, 5, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(1)
+    )
+
+    def loss_of(e: Tensor) -> Tensor:
+        return model(inputs_embeds=e).last_hidden_state[0, 0].sum()
+
+    with semipack.extend(model, semipack.MaxProd()):
+        names = node_names(loss_of(embeddings.clone().requires_grad_()).grad_fn)
+    assert FUSED not in names
+    assert_matches_autograd_and_oracle(loss_of, embeddings)
+
+
+def test_extend_wraps_the_eager_function_the_model_passes() -> None:
+    """A model file may hold several eager functions (text and vision ones): the one the model
+    hands to ``get_interface`` is the one that runs, and the registry is as before after."""
+
+    def my_eager(*args, **kwargs):
+        raise AssertionError("not called")
+
+    with semipack.extend(None, semipack.MaxProd()):
+        routed = ALL_ATTENTION_FUNCTIONS.get_interface("eager", my_eager)
+        assert routed.keywords["eager"] is my_eager
+        assert ALL_ATTENTION_FUNCTIONS.get_interface("sdpa", my_eager) is not routed
+    assert ALL_ATTENTION_FUNCTIONS.get_interface("eager", my_eager) is my_eager
+
+
+def reference_eager(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kw):
+    """A standard eager function under another name than ``eager_attention_forward``."""
+    scores = torch.matmul(query, key.transpose(2, 3)) * scaling
+    if attention_mask is not None:
+        scores = scores + attention_mask
+    weights = torch.softmax(scores, dim=-1)
+    return torch.matmul(weights, value).transpose(1, 2).contiguous(), weights
+
+
+def biased_eager(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kw):
+    """Adds a term of its own to the scores, with no argument that says so."""
+    scores = torch.matmul(query, key.transpose(2, 3)) * scaling
+    lq, lk = scores.shape[-2:]
+    scores = scores + 0.3 * torch.arange(lk, dtype=scores.dtype).expand(lq, lk)
+    weights = torch.softmax(scores, dim=-1)
+    return torch.matmul(weights, value).transpose(1, 2).contiguous(), weights
+
+
+def own_argument_eager(
+    module, query, key, value, attention_mask, scaling=None, dropout=0.0, position_bias=None, **kw
+):
+    """T5's form: a bias of its own, passed as an argument."""
+    scores = torch.matmul(query, key.transpose(2, 3)) * scaling
+    if position_bias is not None:
+        scores = scores + position_bias
+    weights = torch.softmax(scores, dim=-1)
+    return torch.matmul(weights, value).transpose(1, 2).contiguous(), weights
+
+
+class Attention(nn.Module):
+    """One attention layer that resolves its function as transformers' models do."""
+
+    def __init__(self, eager, **kwargs) -> None:
+        super().__init__()
+        self.eager, self.kwargs = eager, kwargs
+        self.training = False
+
+    def forward(self, x: Tensor) -> Tensor:
+        q = k = v = x.unflatten(-1, (2, 3)).transpose(1, 2)  # [batch, heads, tokens, 3]
+        attend = ALL_ATTENTION_FUNCTIONS.get_interface("eager", self.eager)
+        out, _ = attend(self, q, k * 0.7, v * 1.3, None, scaling=0.5, **self.kwargs)
+        return out.flatten(-2)
+
+
+BIAS = torch.linspace(-1.0, 1.0, 16, dtype=torch.float64).reshape(4, 4)
+
+CASES = {
+    "reference under another name": (reference_eager, {}, True),
+    "a term of its own": (biased_eager, {}, False),
+    "an argument of its own": (own_argument_eager, {"position_bias": BIAS}, False),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_only_the_reference_decomposition_is_fused(case: str) -> None:
+    eager, kwargs, fused = CASES[case]
+    layer = Attention(eager, **kwargs)
+    x = torch.randn(2, 4, 6, dtype=torch.float64, generator=torch.Generator().manual_seed(2))
+
+    def loss_of(t: Tensor) -> Tensor:
+        return layer(t).pow(2).sum()
+
+    with semipack.extend(layer, semipack.MaxProd()):
+        names = node_names(loss_of(x.clone().requires_grad_()).grad_fn)
+    assert (FUSED in names) == fused
+    assert_matches_autograd_and_oracle(loss_of, x)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+def test_standard_models_stay_fused_in_every_dtype(dtype: torch.dtype) -> None:
+    """The outputs check must pass the standard eager functions at their own rounding (bf16
+    weights are rounded after a float32 softmax), or the fusion would silently be lost."""
+    cfg = transformers.LlamaConfig(
+        vocab_size=50,
+        hidden_size=16,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=32,
+    )
+    torch.manual_seed(0)
+    model = transformers.LlamaModel._from_config(cfg, attn_implementation="eager").to(dtype).eval()
+    ids = torch.randint(0, 50, (2, 7))
+    mask = torch.ones(2, 7, dtype=torch.long)
+    mask[1, 5:] = 0
+    with semipack.extend(model, semipack.MaxProd()):
+        hidden = model(input_ids=ids, attention_mask=mask).last_hidden_state
+        assert FUSED in node_names(hidden.float().sum().grad_fn)
+
+
+# --- scaled_dot_product_attention --------------------------------------------------------------
+
+
+def test_sdpa_with_a_broadcast_batch_takes_the_generic_path() -> None:
+    """One key/value set for three query batches is legal SDPA; the fused messages assumed
+    equal batches (a StateShapeError)."""
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(3, 2, 3, 4, dtype=torch.float64, generator=g)
+    kv = torch.randn(1, 2, 3, 4, dtype=torch.float64, generator=g)
+
+    def loss_of(k: Tensor) -> Tensor:
+        return F.scaled_dot_product_attention(q, k, k * 0.5, scale=1 / math.sqrt(4)).pow(2).sum()
+
+    assert_matches_autograd_and_oracle(loss_of, kv)

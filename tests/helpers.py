@@ -50,6 +50,19 @@ def all_semirings(*leave_out: str) -> list[semipack.Semiring]:
     return [SEMIRINGS[name]() for name in semiring_names(*leave_out)]
 
 
+def graph_nodes(root: Tensor) -> list:
+    """The autograd nodes reachable from ``root``'s ``grad_fn``, each once."""
+    seen: dict[object, None] = {}
+    stack = [root.grad_fn]
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen[node] = None
+        stack.extend(n for n, _ in node.next_functions)
+    return list(seen)
+
+
 def oracle_readouts(graph: ScalarGraph, leaves: Sequence[Tensor], name: str) -> list[Readout]:
     """The oracle's readouts of the leaves for built-in semiring ``name`` (TopPath: MaxProd's)."""
     return dynamic_programming(graph, leaves, ORACLE_NAME[name])

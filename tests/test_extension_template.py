@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers import graph_nodes
 from torch import Tensor, nn
 from torch.overrides import handle_torch_function, has_torch_function
 
@@ -77,12 +78,7 @@ def _run(semiring: semipack.Semiring | None, extensions: bool):
         semipack.extend(model, semiring, extensions=extensions),
     ):
         loss = (model(x) * weights).sum()
-        names, stack = set(), [loss.grad_fn]
-        while stack:
-            node = stack.pop()
-            if node is not None and node.name() not in names:
-                names.add(node.name())
-                stack.extend(n for n, _ in node.next_functions)
+        names = {n.name() for n in graph_nodes(loss)}
         loss.backward()
     values = {n: t.semiring_grad for n, t in leaves.items()}
     return values, {n: t.grad for n, t in leaves.items()}, names

@@ -12,23 +12,11 @@ import copy
 import pytest
 import torch
 from cases_extensions import CASES, Case, seeded_leaf, weighted_loss
-from helpers import semiring_names
+from helpers import graph_nodes, semiring_names
 from torch import nn
 
 import semipack
 from semipack.graph.sites import SITE_KEY
-
-
-def _graph_nodes(t: torch.Tensor) -> list:
-    seen, stack, out = set(), [t.grad_fn], []
-    while stack:
-        node = stack.pop()
-        if node is None or node in seen:
-            continue
-        seen.add(node)
-        out.append(node)
-        stack.extend(n for n, _ in node.next_functions)
-    return out
 
 
 def _run(case: Case, sr, extensions: bool):
@@ -37,7 +25,7 @@ def _run(case: Case, sr, extensions: bool):
     leaves = [t for t in inputs if t.requires_grad]
     with semipack.extend(model, sr, extensions=extensions):
         loss = weighted_loss(model, inputs)
-        nodes = _graph_nodes(loss)
+        nodes = graph_nodes(loss)
         loss.backward()
     values = {n: getattr(p, "semiring_grad", None) for n, p in model.named_parameters()}
     values.update({f"input{i}": t.semiring_grad for i, t in enumerate(leaves)})
@@ -98,7 +86,7 @@ def test_extension_names_its_sites(case: Case) -> None:
     model = case.build()
     with semipack.extend(model, semipack.MaxProd()):
         loss = weighted_loss(model, case.inputs())
-    stamped = [n for n in _graph_nodes(loss) if n.name() == case.node]
+    stamped = [n for n in graph_nodes(loss) if n.name() == case.node]
     assert stamped
     for node in stamped:
         sites = node.metadata[SITE_KEY]
@@ -140,7 +128,7 @@ def test_any_caller_of_an_extended_function_is_extended_with_exact_values() -> N
     x = seeded_leaf(2, 3)
     with semipack.extend(model, semipack.LogSum()):
         loss = model(x).sum()
-        assert "LinearFunctionBackward" in {n.name() for n in _graph_nodes(loss)}
+        assert "LinearFunctionBackward" in {n.name() for n in graph_nodes(loss)}
         loss.backward()
     # log Σ over the 2 outputs of |2 * W[o, i]|, for each input entry
     expected = (2 * model.weight.abs()).sum(0).log().expand(2, 3)

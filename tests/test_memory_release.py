@@ -7,7 +7,7 @@ import gc
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import SquaresItsGradient
+from helpers import SquaresItsGradient, graph_nodes
 from torch import nn
 
 import semipack
@@ -40,16 +40,7 @@ class Block(nn.Module):
 
 def _extension_nodes(root: torch.Tensor) -> list:
     """The autograd nodes of semipack's extension Functions reachable from ``root``."""
-    found, seen, stack = [], set(), [root.grad_fn]
-    while stack:
-        node = stack.pop()
-        if node is None or node in seen:
-            continue
-        seen.add(node)
-        if type(node).__name__.endswith("FunctionBackward"):
-            found.append(node)
-        stack.extend(n for n, _ in node.next_functions)
-    return found
+    return [n for n in graph_nodes(root) if type(n).__name__.endswith("FunctionBackward")]
 
 
 def _model_and_ids():

@@ -11,7 +11,12 @@ summaries and files, which the difference of two whole runs drowns in the backwa
 the time inside ``Monitor._record`` and ``close`` in the ``every=1`` runs, per sampled step.
 A final line splits a plain step into forward, backward and optimizer step.
 
-Run: ``python benchmarks/bench_monitor.py --steps 100 --rounds 5``.
+``--model resnet18`` trains torchvision's ResNet-18 (train mode, 8 x 3 x 64 x 64 random images,
+random weights) instead: a step of about a hundred milliseconds, where the example CNN's step
+takes about one, so the monitor's fixed costs per node weigh less against the arithmetic.
+
+Run: ``python benchmarks/bench_monitor.py --steps 100 --rounds 5`` (the example CNN) and
+``python benchmarks/bench_monitor.py --model resnet18 --steps 20 --rounds 3``.
 """
 
 from __future__ import annotations
@@ -43,14 +48,37 @@ def _example():
     return module
 
 
-def run(variant: str, steps: int, folder: str, recording: list[float] | None = None) -> float:
+def task(name: str, steps: int) -> tuple[nn.Module, list[tuple[torch.Tensor, torch.Tensor]]]:
+    """The model (seeded) and ``steps`` batches of the task ``name``."""
+    torch.manual_seed(0)
+    generator = torch.Generator().manual_seed(0)
+    if name == "resnet18":
+        import torchvision
+
+        model = torchvision.models.resnet18(weights=None, num_classes=10).train()
+        batches = [
+            (
+                torch.randn(8, 3, 64, 64, generator=generator),
+                torch.randint(0, 10, (8,), generator=generator),
+            )
+            for _ in range(steps)
+        ]
+        return model, batches
+    example = _example()
+    model = example.small_cnn()
+    return model, [example.quadrant_images(32, generator) for _ in range(steps)]
+
+
+def run(
+    variant: str,
+    steps: int,
+    folder: str,
+    recording: list[float] | None = None,
+    model_name: str = "example",
+) -> float:
     """Seconds to train ``steps`` steps in ``variant``; with ``recording``, appends the seconds
     the monitor spent recording (``Monitor._record`` and ``close``) per sampled step."""
-    example = _example()
-    torch.manual_seed(0)
-    model = example.small_cnn()
-    generator = torch.Generator().manual_seed(0)
-    batches = [example.quadrant_images(32, generator) for _ in range(steps)]
+    model, batches = task(model_name, steps)
     optimizer = torch.optim.Adam(model.parameters(), lr=3e-3)
     lossfunc = nn.CrossEntropyLoss()
     monitor = None
@@ -96,13 +124,11 @@ def run(variant: str, steps: int, folder: str, recording: list[float] | None = N
     return time.perf_counter() - start
 
 
-def plain_phases(steps: int) -> tuple[float, float, float]:
+def plain_phases(steps: int, model_name: str = "example") -> tuple[float, float, float]:
     """Median seconds of a plain step's forward, backward and optimizer step: the budget the
     monitor's target leaves, against the semiring products' arithmetic floor."""
-    example = _example()
-    torch.manual_seed(0)
-    model = example.small_cnn()
-    x, y = example.quadrant_images(32, torch.Generator().manual_seed(0))
+    model, batches = task(model_name, 1)
+    x, y = batches[0]
     optimizer = torch.optim.Adam(model.parameters(), lr=3e-3)
     lossfunc = nn.CrossEntropyLoss()
     phases: list[list[float]] = [[], [], []]
@@ -126,16 +152,18 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=100)
     parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--model", choices=["example", "resnet18"], default="example")
     args = parser.parse_args()
     variants = ["plain", "every=10", "every=10 no entropy", "every=1", "semiring backward"]
     times: dict[str, list[float]] = {v: [] for v in variants}
     recording: list[float] = []
     with tempfile.TemporaryDirectory() as folder:
         for v in variants:
-            run(v, 5, folder)  # warm-up
+            run(v, 5, folder, model_name=args.model)  # warm-up
         for _ in range(args.rounds):
             for v in variants:
-                times[v].append(run(v, args.steps, folder, recording if v == "every=1" else None))
+                kept = recording if v == "every=1" else None
+                times[v].append(run(v, args.steps, folder, kept, args.model))
     median = {v: statistics.median(t) for v, t in times.items()}
     for v in variants:
         print(f"{v:>18}: {median[v]:.3f} s ({median[v] / median['plain']:.2f}x no monitor)")
@@ -147,7 +175,7 @@ def main() -> None:
         f"recording at every=1 (Monitor._record and close): "
         f"{statistics.median(recording) * 1e3:.3f} ms per sampled step"
     )
-    forward, backward, step = plain_phases(args.steps)
+    forward, backward, step = plain_phases(args.steps, args.model)
     print(
         f"plain step: forward {forward * 1e3:.2f} ms, backward {backward * 1e3:.2f} ms, "
         f"optimizer {step * 1e3:.2f} ms (medians of {args.steps})"

@@ -363,7 +363,8 @@ def test_a_monitor_dropped_without_close_leaves_complete_files(tmp_path) -> None
 
 
 def test_summaries_equal_the_layer_by_layer_reductions() -> None:
-    """The batched host transfer returns each reduction's own value, bit for bit."""
+    """The summaries' cheap reductions (batched to the host) equal the plain ones: maxima and
+    the dead fraction exactly, sums up to their order."""
     model = _model()
     monitor = semipack.Monitor(model, every=1, tensorboard=False)
     x, y = _batches(1)[0]
@@ -374,9 +375,9 @@ def test_summaries_equal_the_layer_by_layer_reductions() -> None:
         best, (entropy, flow) = model.get_submodule(name).weight.semiring_grad
         reached = entropy[~entropy.isnan()]
         assert got[name, "log_best_path"] == float(best.max())
-        assert got[name, "log_flow"] == float(flow.logsumexp((0, 1)))
+        assert got[name, "log_flow"] == pytest.approx(float(flow.logsumexp((0, 1))), rel=1e-6)
         assert got[name, "dead_units"] == float(best.isneginf().all(1).double().mean())
-        assert got[name, "entropy_mean"] == float(reached.mean())
+        assert got[name, "entropy_mean"] == pytest.approx(float(reached.mean()), rel=1e-6)
         assert got[name, "entropy_max"] == float(reached.max())
     assert model[0].weight.semiring_grad[1].entropy.isnan().any()  # the dead unit: NaN entropy
 

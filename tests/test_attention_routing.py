@@ -160,6 +160,23 @@ def test_only_the_reference_decomposition_is_fused(case: str) -> None:
     assert_matches_autograd_and_oracle(loss_of, x)
 
 
+def test_a_hidden_term_is_found_in_bfloat16_too() -> None:
+    """bfloat16 weights are rounded by 0.4%: the check runs the function again in float32, or
+    a bias of that size (here up to 0.3 x 3 on the scores) would pass as rounding."""
+    layer = Attention(biased_eager)
+    x = torch.randn(2, 4, 6, generator=torch.Generator().manual_seed(2)).bfloat16()
+    values = []
+    for extensions in (True, False):
+        leaf = x.clone().requires_grad_()
+        with semipack.extend(layer, semipack.MaxProd(), extensions=extensions):
+            loss = layer(leaf).float().pow(2).sum()
+            if extensions:
+                assert FUSED not in node_names(loss)
+            loss.backward()
+        values.append(leaf.semiring_grad)
+    assert torch.equal(*values)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
 def test_standard_models_stay_fused_in_every_dtype(dtype: torch.dtype) -> None:
     """The outputs check must pass the standard eager functions at their own rounding (bf16

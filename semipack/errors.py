@@ -22,6 +22,10 @@ class SemipackError(RuntimeError):
     """Base class of semipack's errors."""
 
 
+#: How a reason ends when the rule that ran is at fault, not a missing one.
+RULE_DEFECT = "(a defect in the rule)"
+
+
 class UnsupportedOpError(SemipackError):
     """An aten op reached a semiring message and semipack has no rule for it.
 
@@ -42,7 +46,12 @@ class UnsupportedOpError(SemipackError):
                 ", module unknown (run the forward inside semipack.extend(model, ...) to name it)"
             )
         hint = f"@semipack.register_rule(torch.ops.{op}) (see 'Adding an op rule' in the README)"
-        if reason:
+        if reason.endswith(RULE_DEFECT):  # a rule ran and returned something wrong
+            message = (
+                f"the semiring rule for {op} {where}{origin}: {reason}. Fix that rule (see "
+                "'Adding an op rule' in the README)."
+            )
+        elif reason:
             message = (
                 f"semipack cannot compute semiring messages for {op} {where}{origin}: "
                 f"{reason}. If the op has a semiring meaning here, register a rule with {hint}."

@@ -47,6 +47,7 @@ from .distributed import all_reduce
 from .errors import SemipackError
 from .explain.branches import Branches, branches
 from .graph.provenance import display_name
+from .graph.sites import ROOT_MODULE
 from .semirings import Entropy, EntropyFlow, LogSum, MaxProd, Product
 
 QUANTITIES = (
@@ -326,7 +327,7 @@ def _layers(model: nn.Module) -> dict[str, nn.Parameter]:
         trained = [p for p in own.values() if p.requires_grad]
         weight = own.get("weight")
         if trained:
-            out[display_name(name) or "<root module>"] = (
+            out[display_name(name) or ROOT_MODULE] = (
                 weight if weight is not None and weight.requires_grad else trained[0]
             )
     if not out:

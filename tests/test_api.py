@@ -452,13 +452,41 @@ def test_a_rule_whose_state_has_another_shape_is_named_not_broadcast() -> None:
             semipack.extend(torch.nn.Module(), semipack.LogCount()),
         ):
             F.pad(x, (1, 1), mode="reflect").sum().backward()
-    assert str(info.value).startswith(
-        "semipack cannot compute semiring messages for aten.reflection_pad1d_backward.default in "
-        "the backward of ReflectionPad1DBackward0, created by module '<outside the model>': its "
-        "rule returned a semiring state of shape (1, 1) for a message of shape (2, 3) (a defect "
-        "in the rule)."
+    assert str(info.value) == (
+        "the semiring rule for aten.reflection_pad1d_backward.default in the backward of "
+        "ReflectionPad1DBackward0, created by module '<outside the model>': its rule returned a "
+        "semiring state of shape (1, 1) for a message of shape (2, 3) (a defect in the rule). "
+        "Fix that rule (see 'Adding an op rule' in the README)."
     )
     assert isinstance(info.value.__cause__, semipack.StateShapeError)
+
+
+@pytest.mark.parametrize(
+    ("returns", "message"),
+    [
+        ("tensor", r"gave wrap\(\) a Tensor as the state, not a tuple of 1 tensor\(s\)"),
+        ("none", r"its rule returned None \(a defect in the rule\)\. Fix that rule"),
+        ("bad name", r"has no argument 'gradient'; its arguments: \['grad_output', 'self'"),
+    ],
+)
+def test_a_wrong_rule_is_named_as_the_rules_defect(returns: str, message: str) -> None:
+    """A rule that returns a bare tensor was told "a state of 4 components" (the tensor's
+    length), one that returns None got PyTorch's "Expected a proper Tensor", a wrong argument
+    name a bare KeyError; a rule's defect no longer asks to register a rule."""
+    op = torch.ops.aten.reflection_pad1d_backward.default
+
+    def wrong_rule(call: semipack.OpCall):
+        if returns == "bad name":
+            return call["gradient"]
+        state = call["grad_output"].parts[0][..., 1:-1].contiguous()
+        return None if returns == "none" else call.wrap(call.run_regular(), state)
+
+    x = torch.randn(2, 4, requires_grad=True)
+    error = KeyError if returns == "bad name" else semipack.UnsupportedOpError
+    with semipack.scoped_rules():
+        semipack.register_rule(op, replace=True)(wrong_rule)
+        with pytest.raises(error, match=message), semipack.extend(None, semipack.MaxProd()):
+            F.pad(x, (1, 1), mode="reflect").sum().backward()
 
 
 def test_a_rule_whose_state_has_another_number_of_components_is_named() -> None:

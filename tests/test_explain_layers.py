@@ -461,6 +461,27 @@ def test_a_frozen_model_gives_the_values_of_the_unfrozen_one() -> None:
     assert all(p.grad is None and not p.requires_grad for p in model.parameters())
 
 
+def test_a_bare_encoder_layer_frozen_or_fed_a_plain_tensor_keeps_every_use() -> None:
+    """Passed as the model itself, the layer's attention ``self_attn(x, x, x)`` has no module
+    around it inside the model: the leaf made of a plain input must reach the query, key and
+    value and the residual add (only the query got it: 2% of the best paths were left)."""
+    torch.manual_seed(0)
+    layer = nn.TransformerEncoderLayer(8, 2, 16, dropout=0.0, batch_first=True).double().eval()
+    x = torch.randn(1, 4, 8, dtype=torch.float64)
+    w = torch.randn(1, 4, 8, dtype=torch.float64)
+    leaf = x.clone().requires_grad_()
+    with semipack.extend(layer, semipack.MaxProd()):
+        (layer(leaf) * w).sum().backward()
+    want = leaf.semiring_grad.amax(-1)  # a token's best path: its best unit's
+    for frozen in (False, True):
+        layer.requires_grad_(not frozen)
+        got = semipack.explain_layers(layer, semipack.MaxProd(), lambda: (layer(x) * w).sum())
+        torch.testing.assert_close(got.total[0], want, rtol=1e-12, atol=0)  # [layers, 1, tokens]
+        assert set(got.branches[0]) == {"qkv", "residual"}
+        best = torch.maximum(got.branches[0]["qkv"], got.branches[0]["residual"])
+        torch.testing.assert_close(best, want, rtol=1e-12, atol=0)
+
+
 @pytest.mark.filterwarnings("error::UserWarning")
 def test_common_mistakes_are_named() -> None:
     model = _bert()

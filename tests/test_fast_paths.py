@@ -10,6 +10,8 @@ values instead.
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -18,7 +20,12 @@ import semipack
 from semipack.messages.normalization import normalized_messages
 from semipack.messages.rowwise import has_fast_rowwise, log_softmax_messages, softmax_messages
 from semipack.messages.shared_shift import shared_shift_products
-from semipack.semirings.base import DERIVED_OPERATIONS, Semiring
+from semipack.semirings.base import (
+    DERIVED_OPERATIONS,
+    Semiring,
+    blocked_lifted_matmul,
+    kernel_owner,
+)
 
 F64 = torch.float64
 
@@ -163,3 +170,146 @@ def test_a_new_magnitude_keeps_only_what_is_written_through_it() -> None:
     assert Doubled.shared_shift_products is Semiring.shared_shift_products
     assert not Doubled().lift_is_multiplicative()
     assert Doubled.exclusive_plus is semipack.LogSum.exclusive_plus
+
+
+class LogAddExp:
+    """A mixin with LogSum's plus and sum, listed before MaxProd: the class body is empty."""
+
+    def plus(self, a, b):
+        return (torch.logaddexp(a[0], b[0]),)
+
+    def sum(self, a, dims, keepdim=False):
+        return (a[0].logsumexp(dims, keepdim=keepdim),)
+
+
+class SumThroughMixin(LogAddExp, semipack.MaxProd):
+    """LogSum's algebra in MaxProd's clothes (its readout exponentiates)."""
+
+
+def test_a_mixin_that_changes_the_algebra_drops_the_parents_fast_paths() -> None:
+    """Only the class body was read: MaxProd's kernels ran and gave MaxProd's values."""
+    for name in FAST_PATHS:
+        assert getattr(SumThroughMixin, name) is getattr(Semiring, name), name
+    gen = torch.Generator().manual_seed(4)
+    x = torch.randn(6, 5, generator=gen, dtype=F64, requires_grad=True)
+    w = torch.randn(8, 8, generator=gen, dtype=F64)
+    lin = torch.nn.Linear(5, 8).to(F64)
+    values = []
+    for sr in (SumThroughMixin(), semipack.LogSum(log=False), semipack.MaxProd()):
+        with semipack.extend(lin, sr):
+            (g,) = semipack.grad(_through_fast_path_ops(lin(x), w), x, sr)
+        values.append(g)
+    torch.testing.assert_close(values[0], values[1], rtol=1e-9, atol=0)
+    assert not torch.allclose(values[0], values[2])
+
+
+class Tempered(semipack.LogSum):
+    """LogSum of |w|^(1/t): a setting of the instance that its lift reads."""
+
+    def __init__(self, t: float) -> None:
+        super().__init__()
+        self.t = t
+
+    def magnitude(self, w):
+        return w.abs() ** (1.0 / self.t)
+
+    def log_magnitude(self, log_abs):
+        return log_abs / self.t
+
+    def lift_is_multiplicative(self):
+        return True
+
+
+class EntropyInBits(semipack.Entropy):
+    """Only the readout changes; the constructor takes an argument."""
+
+    def __init__(self, unit: float) -> None:
+        super().__init__()
+        self.unit = unit
+
+    def readout(self, a):
+        return super().readout(a) / self.unit
+
+
+def test_kept_kernels_are_shared_only_where_the_algebra_is_the_classs() -> None:
+    assert kernel_owner(semipack.LogSum(log=False), "compiles_rowwise") is semipack.LogSum
+    assert kernel_owner(EntropyInBits(2.0), "normalization_kernel") is semipack.Entropy
+    tempered = Tempered(2.0)
+    assert kernel_owner(tempered, "compiles_rowwise") is tempered
+
+
+def test_kernels_kept_across_calls_are_built_for_the_instance() -> None:
+    """Softmax rows of 2^18 entries and float32 layer norms run kernels compiled once: built
+    from ``type(sr)()`` they dropped a temperature (8 nats off) or raised a TypeError."""
+    tempered = Tempered(2.0)
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(512, 512, generator=gen)
+    c = torch.randn(512, 512, generator=gen)
+    values = []
+    for dtype in (torch.float32, F64):  # the compiled kernel, then the eager float64 form
+        leaf = x.to(dtype).requires_grad_()
+        (g,) = semipack.grad((leaf.softmax(-1) * c.to(dtype)).sum(), leaf, tempered)
+        values.append(g.double())
+    torch.testing.assert_close(values[0], values[1], rtol=0, atol=1e-4)
+    leaf = torch.randn(4, 64, generator=gen, requires_grad=True)
+    (got,) = semipack.grad(F.layer_norm(leaf, (64,)).sum(), leaf, EntropyInBits(math.log(2)))
+    (want,) = semipack.grad(F.layer_norm(leaf, (64,)).sum(), leaf, semipack.Entropy())
+    torch.testing.assert_close(got, want / math.log(2), rtol=1e-6, atol=0)
+
+
+class MinOfLogs(Semiring):
+    """Shortest path over log|w| (min-plus); its lift reads no setting."""
+
+    zero, one = (math.inf,), (0.0,)
+
+    def lift(self, w):
+        w = w.to(self.state_dtype(w.dtype))
+        return (torch.where(w == 0, math.inf, w.abs().log()),)
+
+    def plus(self, a, b):
+        return (torch.minimum(a[0], b[0]),)
+
+    def times(self, a, b):
+        return (a[0] + b[0],)
+
+    def sum(self, a, dims, keepdim=False):
+        return (a[0].amin(dims, keepdim=keepdim),)
+
+    def lift_cache_key(self):
+        return ()
+
+    def has_lifted_matmul(self):  # a convolution then lifts its weights once, and keeps them
+        return True
+
+    def matmul_lifted(self, a, lifted):
+        return blocked_lifted_matmul(self, a, lifted)
+
+
+class MinOfSurprisals(MinOfLogs):
+    """Shortest path over -log|w|: another lift under the same (empty) key. (A new lift drops
+    the inherited products on lifted weights: it defines them again.)"""
+
+    def lift(self, w):
+        w = w.to(self.state_dtype(w.dtype))
+        return (torch.where(w == 0, math.inf, -w.abs().log()),)
+
+    def lift_cache_key(self):
+        return ()
+
+    has_lifted_matmul = MinOfLogs.has_lifted_matmul
+    matmul_lifted = MinOfLogs.matmul_lifted
+
+
+def test_kept_lifts_of_two_semirings_with_the_same_key_stay_apart() -> None:
+    """Kept lifts were keyed by ``lift_cache_key`` alone: the second semiring read the first
+    one's lifted weights."""
+    conv = torch.nn.Conv1d(2, 3, 3).to(F64)
+    x = torch.randn(1, 2, 7, dtype=F64, generator=torch.Generator().manual_seed(1))
+    values = []
+    for sr in (MinOfSurprisals(), MinOfLogs(), MinOfSurprisals()):
+        leaf = x.clone().requires_grad_()  # its message is the product with the kept lift
+        with semipack.extend(conv, sr):
+            conv(leaf).sum().backward()
+        values.append(leaf.semiring_grad)
+    torch.testing.assert_close(values[2], values[0], rtol=0, atol=0)
+    assert not torch.allclose(values[1], values[0])

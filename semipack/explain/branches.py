@@ -29,6 +29,7 @@ from torch.overrides import TorchFunctionMode
 
 from ..errors import SemipackError
 from ..graph.provenance import current_module
+from ..graph.sites import ROOT_MODULE
 from ..messages.message import MODULE_HOOK_NODE, Message
 from ..semirings.base import State
 from ..transport.backward import carry_down
@@ -162,7 +163,7 @@ class _SplitMode(TorchFunctionMode):
         return False
 
     def _alias(self, of: Tensor, module: str, label: str | None) -> Tensor:
-        module = module or "<root module>"  # the extended model's own forward
+        module = module or ROOT_MODULE  # the extended model's own forward
         name = module if label is None else f"{module}:{label}"
         seen = self.counts.get(name, 0) + 1
         self.counts[name] = seen

@@ -30,6 +30,7 @@ from torch import Tensor, nn
 
 from ..api import extend
 from ..errors import SemipackError
+from ..graph.sites import ROOT_MODULE
 from ..messages.paths import Path, PathStep
 from ..semirings import Entropy, KBest, Product, Real, Semiring, SignedMaxProd
 from .branches import Branches, branches
@@ -144,8 +145,8 @@ def branch_name(consumer: str, layer: str) -> str:
         return short
     if consumer == layer:  # the block's own op takes query, key and value in one use
         return "qkv"
-    if layer.startswith(consumer + "."):  # the enclosing layer adds it back (DistilBERT)
-        return "residual"
+    if layer.startswith(consumer + ".") or consumer == ROOT_MODULE:
+        return "residual"  # the enclosing layer adds it back (DistilBERT, a bare encoder layer)
     relative = consumer[len(layer) + 1 :] if consumer.startswith(layer + ".") else consumer
     return "residual" if relative == "output" else relative
 
@@ -526,7 +527,9 @@ def _entries(model: nn.Module, layers: Sequence[AttentionLayer]) -> list[nn.Modu
     input: DistilBERT, ``nn.TransformerEncoderLayer``)."""
     modules = []
     for spec in layers:
-        if "." in spec.name:
+        if "." not in spec.name:  # a child of the model (a bare nn.TransformerEncoderLayer)
+            modules.append(model)
+        else:
             with suppress(AttributeError):  # a hand-made layer named outside the model
                 modules.append(model.get_submodule(spec.name.rsplit(".", 1)[0]))
         modules.append(spec.block)
@@ -536,19 +539,15 @@ def _entries(model: nn.Module, layers: Sequence[AttentionLayer]) -> list[nn.Modu
 def _requiring_grad(module: nn.Module, args: tuple, kwargs: dict):
     """A frozen model (no parameter requires grad) builds no graph below its first attention
     layer: the first tensor input of that layer (and of its block, the one split) becomes a
-    leaf that requires grad. The values at and above it are those of the same model unfrozen
-    (paths from the root to a tensor do not depend on what lies below it)."""
-    for i, a in enumerate(args):
-        if isinstance(a, Tensor):
-            if not a.requires_grad and a.is_floating_point():
-                return (*args[:i], a.detach().requires_grad_(), *args[i + 1 :]), kwargs
-            return None
-    for k, v in kwargs.items():
-        if isinstance(v, Tensor):
-            if not v.requires_grad and v.is_floating_point():
-                return args, {**kwargs, k: v.detach().requires_grad_()}
-            return None
-    return None
+    leaf that requires grad, in every argument that passes that tensor (``self_attn(x, x, x)``
+    uses it as query, key and value). The values at and above it are those of the same model
+    unfrozen (paths from the root to a tensor do not depend on what lies below it)."""
+    first = next((a for a in (*args, *kwargs.values()) if isinstance(a, Tensor)), None)
+    if first is None or first.requires_grad or not first.is_floating_point():
+        return None
+    leaf = first.detach().requires_grad_()
+    args = tuple(leaf if a is first else a for a in args)
+    return args, {k: leaf if v is first else v for k, v in kwargs.items()}
 
 
 def _check_semiring(semiring: Semiring) -> None:

@@ -11,6 +11,8 @@ from dataclasses import dataclass
 import torch
 
 SITE_KEY = "semipack.sites"
+#: How readouts name the extended model's own forward (its module path is empty).
+ROOT_MODULE = "<root module>"
 
 
 @dataclass(frozen=True)
@@ -28,7 +30,7 @@ class Site:
         entry is never described by another entry's names."""
         dims = self.dims if len(self.dims) == len(index) else [f"dim{k}" for k in range(len(index))]
         named = ", ".join(f"{d} {i}" for d, i in zip(dims, index, strict=True))
-        where = self.module if self.module else "<root module>"
+        where = self.module if self.module else ROOT_MODULE
         return f"{where}: {self.tensor} [{named}]"
 
 

@@ -21,7 +21,13 @@ from torch import Tensor
 from torch._ops import OpOverload
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from ..errors import MessageLostError, SemipackError, StateShapeError, UnsupportedOpError
+from ..errors import (
+    RULE_DEFECT,
+    MessageLostError,
+    SemipackError,
+    StateShapeError,
+    UnsupportedOpError,
+)
 from ..graph.provenance import current_site
 from ..semirings.base import Semiring, SparseRows, State
 from ..semirings.product import Product
@@ -176,7 +182,10 @@ def dispatch(func: OpOverload, args: tuple, kwargs: dict) -> Any:
     first = _first_message(args, kwargs)
     if first is not None and isinstance(first.semiring, Product):
         return dispatch_product(rule, func, args, kwargs, first.semiring)
-    return rule(OpCall(func, args, kwargs))
+    out = rule(OpCall(func, args, kwargs))
+    if out is None and func._schema.returns:
+        raise unsupported(func, f"its rule returned None {RULE_DEFECT}")
+    return out
 
 
 def _first_message(args: tuple, kwargs: dict) -> Message | None:
@@ -286,7 +295,10 @@ class OpCall:
         return self._bound
 
     def __getitem__(self, name: str) -> Any:
-        return self.bound[name]
+        bound = self.bound
+        if name not in bound:
+            raise KeyError(f"{self.func} has no argument {name!r}; its arguments: {list(bound)}")
+        return bound[name]
 
     @property
     def weight_dtype(self) -> torch.dtype:
@@ -344,16 +356,22 @@ class OpCall:
         would hand one entry's paths to many entries. So is a state with another number of
         components than the semiring's (the extra ones would be dropped unseen)."""
         components = len(self.semiring.components)
+        if isinstance(parts, Tensor) or not isinstance(parts, (tuple, list, SparseRows)):
+            raise unsupported(
+                self.func,
+                f"its rule gave wrap() a {type(parts).__name__} as the state, not a tuple of "
+                f"{components} tensor(s), one per component of {self.semiring!r} {RULE_DEFECT}",
+            )
         if not isinstance(parts, SparseRows) and len(parts) != components:
             raise unsupported(
                 self.func,
                 f"its rule returned a state of {len(parts)} components, {self.semiring!r} has "
-                f"{components} (a defect in the rule)",
+                f"{components} {RULE_DEFECT}",
             )
         try:
             return Message(regular, parts, self.semiring, self.dtype if regular is None else None)
         except StateShapeError as exc:
-            raise unsupported(self.func, f"its rule returned {exc} (a defect in the rule)") from exc
+            raise unsupported(self.func, f"its rule returned {exc} {RULE_DEFECT}") from exc
 
     def zeros(self, shape: Sequence[int]) -> State:
         """The semiring's zero ("no path") of ``shape``, in the state dtypes and on the device

@@ -38,6 +38,7 @@ from ..kernels.normalization import (
     pair_magnitudes,
 )
 from ..semirings import Semiring, State
+from ..semirings.base import kernel_owner
 from .jacobian import contract_rows, identity_block
 
 __all__ = [
@@ -69,10 +70,12 @@ def centred_block(x_hat: Tensor) -> Callable[[slice, slice], Tensor]:
 
 
 @functools.cache
-def compiled_normalization(semiring_class: type[Semiring]) -> Callable[..., State]:
-    """The fused kernel of ``semiring_class().normalization_kernel()`` compiled, with the dense
-    contraction of J' as its eager fallback (``kernel.eager``); built once per class."""
-    sr = semiring_class()
+def compiled_normalization(owner: type[Semiring] | Semiring) -> Callable[..., State]:
+    """The fused kernel of the semiring's ``normalization_kernel()`` compiled, with the dense
+    contraction of J' as its eager fallback (``kernel.eager``); built once per
+    ``kernel_owner``: a built-in class (from a fresh instance) or a user's semiring instance."""
+    sr = owner() if isinstance(owner, type) else owner
+    name = type(sr).__name__
     spec = sr.normalization_kernel()
     if spec is None:
         raise ValueError(f"{sr.name} has no normalization kernel")
@@ -83,7 +86,7 @@ def compiled_normalization(semiring_class: type[Semiring]) -> Callable[..., Stat
             m = [m[0] != 0]  # the fused kernel's 0/1 float form back to booleans
         return contract_rows(sr, tuple(m), centred_block(x_hat), x_hat.shape[-1])
 
-    eager.__name__ = eager.__qualname__ = f"dense_{semiring_class.__name__}"
+    eager.__name__ = eager.__qualname__ = f"dense_{name}"
     return compiled(eager, spec.fused)
 
 
@@ -126,7 +129,7 @@ def normalized_messages(
         mode = "compiled"
     if mode not in ("compiled", "eager"):
         raise ValueError(f"mode must be 'auto', 'compiled' or 'eager', got {mode!r}")
-    kernel = compiled_normalization(type(sr))
+    kernel = compiled_normalization(kernel_owner(sr, "normalization_kernel"))
     if gain_per_row:
         row_weight = rstd * gain
     else:

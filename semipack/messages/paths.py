@@ -22,7 +22,7 @@ from torch.autograd.graph import Node
 
 from ..errors import SemipackError
 from ..graph.provenance import MODULE_KEY
-from ..graph.sites import SITE_KEY, Site
+from ..graph.sites import ROOT_MODULE, SITE_KEY, Site
 from ..semirings.base import Semiring, State
 from ..semirings.top_path import NO_SUCCESSOR
 from .message import MODULE_HOOK_NODE, Message
@@ -223,7 +223,7 @@ def attach(trace: PathTrace, roots: Sequence[Tensor]) -> list:
 def _describe(record: TensorRecord, index: tuple[int, ...]) -> str:
     if record.site is not None:
         return record.site.describe(index)
-    where = record.module if record.module not in (None, "") else "<root module>"
+    where = record.module if record.module not in (None, "") else ROOT_MODULE
     if record.module is None:
         where = "<unnamed>"
     return f"{where}: {record.op} output {list(index)}"

@@ -47,6 +47,7 @@ from ..kernels.exclusive import (
     top_two,
 )
 from ..semirings import Semiring, State
+from ..semirings.base import kernel_owner
 
 __all__ = [
     "COMPILE_MIN_ENTRIES",
@@ -99,17 +100,19 @@ def softmax_from_log_probs(sr: Semiring, m: State, log_probs: Tensor) -> State |
 
 
 @functools.cache
-def compiled_softmax(semiring_class: type[Semiring]) -> Callable[..., State]:
-    """``softmax_from_log_probs`` for ``semiring_class()`` as one compiled kernel (inductor fuses
-    the ~20 elementwise passes and row reductions of the eager form into a few loops); built
-    once per class, for the semirings whose ``compiles_rowwise`` says so."""
-    sr = semiring_class()
+def compiled_softmax(owner: type[Semiring] | Semiring) -> Callable[..., State]:
+    """``softmax_from_log_probs`` as one compiled kernel (inductor fuses the ~20 elementwise
+    passes and row reductions of the eager form into a few loops), for the semirings whose
+    ``compiles_rowwise`` says so; built once per ``kernel_owner``: a built-in class (from a
+    fresh instance) or a user's semiring instance."""
+    sr = owner() if isinstance(owner, type) else owner
+    name = type(sr).__name__
 
     def kernel(*args: Tensor) -> State:
         *m, log_probs = args
         return softmax_from_log_probs(sr, tuple(m), log_probs)
 
-    kernel.__name__ = kernel.__qualname__ = f"softmax_{semiring_class.__name__}"
+    kernel.__name__ = kernel.__qualname__ = f"softmax_{name}"
     return compiled(kernel)
 
 
@@ -128,7 +131,7 @@ def softmax_messages(
     log_probs = probs.log() if log_probs is None else log_probs.to(probs.dtype)
     big = log_probs.numel() >= COMPILE_MIN_ENTRIES
     if sr.compiles_rowwise() and compile_enabled() and big:
-        kernel = compiled_softmax(type(sr))
+        kernel = compiled_softmax(kernel_owner(sr, "compiles_rowwise"))
         with torch.no_grad():
             return tuple(kernel(*(c.contiguous() for c in m), log_probs.contiguous()))
     return softmax_from_log_probs(sr, m, log_probs)

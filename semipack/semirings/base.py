@@ -93,6 +93,28 @@ DERIVED_OPERATIONS: dict[str, tuple[str, ...]] = {
 Products = tuple[State | None, State | None, State | None]
 
 
+def _drop_fast_paths_of_another_algebra(cls: type[Semiring]) -> None:
+    """Give ``cls`` the generic version of each derived operation it inherits from a class
+    whose primitives, or whose operations that one relies on (``DERIVED_OPERATIONS``), are not
+    ``cls``'s own, until none is left: the fast version was written for that class's algebra.
+    Whatever class supplies the change counts (the class body or a mixin before the parent);
+    an operation ``cls`` defines itself is its own."""
+    changed = True
+    while changed:
+        changed = False
+        for name, assumes in DERIVED_OPERATIONS.items():
+            generic = Semiring.__dict__[name]
+            owner = next(c for c in cls.__mro__ if name in c.__dict__)
+            if owner is cls or owner.__dict__[name] is generic:
+                continue
+            if any(
+                getattr(cls, r, None) is not getattr(owner, r, None)
+                for r in (*PRIMITIVES, *assumes)
+            ):
+                setattr(cls, name, generic)
+                changed = True
+
+
 def use_generic(cls: type[Semiring], names: Iterable[str]) -> None:
     """Give ``cls`` the generic ``Semiring`` version of each derived operation in ``names`` that
     its own class body does not define, and then of every derived operation relying on one of
@@ -178,11 +200,7 @@ class Semiring:
         an empty sum gives 0, instead of failing inside ``amax`` or a kernel.
         """
         super().__init_subclass__(**kwargs)
-        defined = set(cls.__dict__)
-        if defined & set(PRIMITIVES):
-            use_generic(cls, DERIVED_OPERATIONS)
-        else:
-            use_generic(cls, defined & set(DERIVED_OPERATIONS))
+        _drop_fast_paths_of_another_algebra(cls)
         _make_total(cls)
 
     @property
@@ -210,7 +228,7 @@ class Semiring:
     def kept_lift(self, w: Tensor) -> State:
         """``lift(w)``, kept across passes while ``w`` is a model weight with unchanged contents
         (``kernels.weight_cache``). The state is shared with later passes: only read it."""
-        key = self.lift_cache_key()
+        key = lift_key(self)
         if key is None:
             return self.lift(w)
         return WEIGHTS.derived(w, ("lift", key), lambda: self.lift(w))
@@ -796,6 +814,45 @@ def uses_methods_of(sr: Semiring, cls: type, *methods: str) -> bool:
     return all(getattr(type(sr), name) is getattr(cls, name) for name in methods)
 
 
+def lift_key(sr: Semiring) -> Hashable | None:
+    """The key of ``sr``'s kept lifts: its ``lift_cache_key`` beside the class whose ``lift``
+    it is, so that two semirings with keys of their own (two user classes returning ``()``)
+    never share a lift; None where ``sr`` keeps none."""
+    key = sr.lift_cache_key()
+    if key is None:
+        return None
+    return next(c for c in type(sr).__mro__ if "lift" in c.__dict__), key
+
+
+#: What a class body may define, besides its constructor and special methods, without touching
+#: the algebra: its readouts.
+_READOUT_ONLY = frozenset({"readout", "readout_into", "readout_sparse"})
+
+
+def kernel_owner(sr: Semiring, operation: str) -> type[Semiring] | Semiring:
+    """What a kernel for ``sr``'s fast path ``operation`` is built from, where the kernel is kept
+    across calls (compiled once): ``sr``'s built-in class, whose fresh instance it then serves
+    (a built-in instance's settings, such as ``log``, only change its readout), or ``sr``
+    itself. A user's subclass gets its built-in class only where its own classes change nothing
+    but readouts and leave the built-in settings at their defaults; otherwise the kernel is
+    built from the instance (a temperature read by ``magnitude``, a ``k``), never from a fresh
+    instance that would lack its settings or could not be made (required arguments)."""
+    cls = type(sr)
+    built_in = next(c for c in cls.__mro__ if c.__module__.startswith("semipack."))
+    if built_in is cls:
+        return cls
+    for c in cls.__mro__[: cls.__mro__.index(built_in)]:
+        own = {n for n in c.__dict__ if not (n.startswith("__") and n.endswith("__"))}
+        if operation in c.__dict__ or own - _READOUT_ONLY:
+            return sr
+    try:
+        fresh = built_in()
+    except TypeError:
+        return sr
+    settings = {k: v for k, v in vars(fresh).items() if k != "trace"}
+    return built_in if all(getattr(sr, k, None) == v for k, v in settings.items()) else sr
+
+
 def _none_below(out: Tensor, shift: Tensor | float | None, floor: float) -> bool:
     """Whether no entry of ``out - shift`` is below ``floor``, from one reduction, where
     ``shift`` is one number: rounding ``x - shift`` is monotone in ``x``, so the smallest
@@ -814,7 +871,7 @@ def kept_edge_columns(sr: Semiring, w: Tensor) -> Tensor:
     """Which columns of the weights ``w`` [..., k, m] hold an edge, as ``[..., 1, m]`` bools,
     kept across passes like ``Semiring.kept_lift`` (the check of ``repair_underflow`` then
     reads no weight-sized tensor)."""
-    key = sr.lift_cache_key()
+    key = lift_key(sr)
     if key is None:
         return _edge_columns(sr, sr.lift(w))
     return WEIGHTS.derived(w, ("edge columns", key), lambda: _edge_columns(sr, sr.kept_lift(w)))

@@ -62,9 +62,11 @@ class LogSum(Semiring):
         the kernels written for |w| (``MAGNITUDE_KERNELS``), and one that does so without a
         matching ``log_magnitude`` also loses every log-form operation (``LOG_FORMS``)."""
         super().__init_subclass__(**kwargs)
-        if "magnitude" in cls.__dict__:
+        # the nearest LogSum class above: a mixin listed before it may bring the new magnitude
+        parent = next(c for c in cls.__mro__[1:] if issubclass(c, LogSum))
+        if cls.magnitude is not parent.magnitude:
             use_generic(cls, MAGNITUDE_KERNELS)
-            if "log_magnitude" not in cls.__dict__:
+            if cls.log_magnitude is parent.log_magnitude:
                 use_generic(cls, LOG_FORMS)
 
     def __init__(self, log: bool = True) -> None:

@@ -39,6 +39,7 @@ from torch.utils.hooks import RemovableHandle
 
 from ..errors import SemipackError
 from ..graph.provenance import MODULE_KEY
+from ..graph.sites import ROOT_MODULE
 from ..messages.message import MODULE_HOOK_NODE, Message, unsupported
 from .passes import in_carry_pass
 
@@ -265,7 +266,7 @@ def hooks_need_regular_gradients(nodes: Iterable[Node], computed_by: str) -> Sem
     names: list[str] = []
     for node in nodes:
         name = node.metadata.get(MODULE_KEY)
-        shown = "<root module>" if name == "" else name
+        shown = ROOT_MODULE if name == "" else name
         if shown is not None and repr(shown) not in names:
             names.append(repr(shown))
     where = f" (their hook nodes were made in the forward of {', '.join(names)})" if names else ""

@@ -113,12 +113,13 @@ def computes_reference(
     """Whether ``out`` ([batch, heads, queries, dim]) and ``weights`` ([batch, heads, queries,
     keys]) are softmax(Q Kᵀ·scale + mask) and its product with V, up to rounding.
 
-    Rounding moves a score by a few ulps of the largest score the row can reach (the raw
-    products plus the mask's finite entries; a padding mask's -3.4e38 is no reach), hence a
-    probability by about as much; it moves an output entry, a weighted mean of V, by a few ulps
-    of V's largest entry. The bounds allow 64 ulps of the outputs' dtype (float32's at least,
-    see ``_ulp``). A relative
-    position bias or a soft cap moves the weights by a large fraction of themselves.
+    Rounding moves a score by a few ulps of the largest score a row can reach, at most
+    max|q|·max|k|·scale (Cauchy-Schwarz) plus the largest entry of the mask that keeps a key in
+    play (a padding mask's -3.4e38 takes it out), hence a probability by about as much; it
+    moves an output entry, a weighted mean of V, by a few ulps of V's largest entry. The bounds
+    allow 64 ulps of the outputs' dtype (float32's at least, see ``_ulp``). A relative position
+    bias or a soft cap moves the weights by a large fraction of themselves. Inputs that are not
+    finite prove nothing: False.
     """
     if weights is None or weights.shape != (*q.shape[:-1], k.shape[-2]):
         return False
@@ -126,21 +127,28 @@ def computes_reference(
     with torch.no_grad():
         q, k_all = q.to(dtype), repeat_heads(k, spec.kv_groups).to(dtype)
         v_all = repeat_heads(v, spec.kv_groups).to(dtype)
-        raw = torch.matmul(q, k_all.transpose(-1, -2)) * spec.scale
-        reach = _largest(raw) + _largest_bias(spec.mask)
         mask = spec.mask
         if mask is not None and mask.dtype != torch.bool:
             mask = mask.to(dtype)
+        norms = q.norm(dim=-1).amax() * k_all.norm(dim=-1).amax() * abs(spec.scale)
+        reach = float(norms) + _largest_bias(mask)
+        largest_v = float(v_all.abs().amax()) if v_all.numel() else 0.0
+        if not (math.isfinite(reach) and math.isfinite(largest_v)):
+            return False
         scores = attention_scores(q, k_all, mask, spec.causal, spec.scale)
         masked_rows = (scores == float("-inf")).all(-1, keepdim=True)
-        probs = torch.softmax(scores.masked_fill(masked_rows, 0.0), -1).masked_fill(masked_rows, 0)
-        ulp = _ulp(weights.dtype)
-        if not torch.allclose(weights.to(dtype), probs, rtol=0.0, atol=64 * ulp * max(1.0, reach)):
+        probs = torch.softmax(scores.masked_fill_(masked_rows, 0.0), -1)
+        probs.masked_fill_(masked_rows, 0.0)
+        weights = weights.to(dtype)
+        if not _within(weights, probs, 64 * _ulp(weights.dtype) * max(1.0, reach)):
             return False
-        reference = torch.matmul(weights.to(dtype), v_all)
-        ulp = _ulp(out.dtype)
-        tolerance = 64 * ulp * max(1.0, _largest(v_all))
-        return torch.allclose(out.to(dtype), reference, rtol=0.0, atol=tolerance)
+        reference = torch.matmul(weights, v_all)
+        return _within(out.to(dtype), reference, 64 * _ulp(out.dtype) * max(1.0, largest_v))
+
+
+def _within(a: Tensor, b: Tensor, tolerance: float) -> bool:
+    """Whether every entry of ``a`` is within ``tolerance`` of ``b``'s (NaN never is)."""
+    return a.numel() == 0 or bool((a - b).abs_().amax() <= tolerance)
 
 
 def _ulp(dtype: torch.dtype) -> float:
@@ -149,18 +157,12 @@ def _ulp(dtype: torch.dtype) -> float:
     return max(torch.finfo(dtype).eps, torch.finfo(torch.float32).eps)
 
 
-def _largest(t: Tensor) -> float:
-    """The largest finite magnitude in ``t`` (0 for none)."""
-    finite = t[t.isfinite()]
-    return float(finite.abs().max()) if finite.numel() else 0.0
-
-
 def _largest_bias(mask: Tensor | None) -> float:
     """The largest magnitude an additive mask adds to a score that stays in play: entries
     beyond -1e4 below are padding (they take a key out of the softmax), not a bias."""
-    if mask is None or mask.dtype == torch.bool:
+    if mask is None or mask.dtype == torch.bool or mask.numel() == 0:
         return 0.0
-    return _largest(mask[mask > -1e4])
+    return float(torch.where(mask > -1e4, mask.abs(), 0.0).amax())
 
 
 def _runs_math_kernel(q, k, v, mask, dropout_p: float, causal: bool, scale, gqa: bool) -> bool:

@@ -487,7 +487,8 @@ class Semiring:
 
     def compiles_rowwise(self) -> bool:
         """Whether the generic softmax form may run as one compiled kernel for this semiring on
-        large rows (float components, and ``type(self)()`` builds an equivalent semiring)."""
+        large rows (float components). The kernel is kept across calls, built for
+        ``kernel_owner(self, "compiles_rowwise")``: the built-in class or this instance."""
         return False
 
     def normalization_closed_form(

@@ -396,18 +396,20 @@ def _summaries(values: list[tuple[Any, ...]]) -> list[dict[str, float | int] | N
 
 def _log_sum_exp(log_values: Tensor) -> Tensor:
     """``log Σ exp`` over all entries, shifted by the largest (``logsumexp``'s own method,
-    without its temporaries); -inf when every entry is -inf."""
+    without its temporaries); the largest itself where it is infinite (every entry -inf, or an
+    entry +inf). No value is read on the host (on a GPU that would wait once per layer)."""
     top = log_values.amax()
-    if top == -math.inf:
-        return top
-    return log_values.sub(top).exp_().sum().log_().add_(top)
+    shifted = log_values.sub(top).exp_().sum(dtype=torch.float64).log_().add_(top)
+    return torch.where(top.isinf(), top.double(), shifted)
 
 
 def _mean_and_max_of_numbers(t: Tensor) -> list[Tensor]:
     """[count, sum, max] of the entries of ``t`` that are not NaN, without gathering them
-    (``masked_select`` cost five times more on millions of entries)."""
+    (``masked_select`` cost five times more on millions of entries); the sum in float64 (a
+    16-bit sum of many entries overflows)."""
     numbers = torch.count_nonzero(t == t)
-    return [numbers, t.nan_to_num(nan=0.0).sum(), t.nan_to_num(nan=-math.inf).amax()]
+    total = t.nan_to_num(nan=0.0).sum(dtype=torch.float64)
+    return [numbers, total, t.nan_to_num(nan=-math.inf).amax()]
 
 
 def _to_host(tensors: list[Tensor]) -> list[Any]:

@@ -89,6 +89,7 @@ def test_extend_wraps_the_eager_function_the_model_passes() -> None:
         routed = ALL_ATTENTION_FUNCTIONS.get_interface("eager", my_eager)
         assert routed.keywords["eager"] is my_eager
         assert ALL_ATTENTION_FUNCTIONS.get_interface("sdpa", my_eager) is not routed
+        assert ALL_ATTENTION_FUNCTIONS.get_interface("eager", None) is None  # nothing to wrap
     assert ALL_ATTENTION_FUNCTIONS.get_interface("eager", my_eager) is my_eager
 
 
@@ -124,16 +125,40 @@ def own_argument_eager(
 class Attention(nn.Module):
     """One attention layer that resolves its function as transformers' models do."""
 
-    def __init__(self, eager, **kwargs) -> None:
+    def __init__(self, eager, mask: Tensor | None = None, **kwargs) -> None:
         super().__init__()
-        self.eager, self.kwargs = eager, kwargs
+        self.eager, self.mask, self.kwargs = eager, mask, kwargs
         self.training = False
 
     def forward(self, x: Tensor) -> Tensor:
         q = k = v = x.unflatten(-1, (2, 3)).transpose(1, 2)  # [batch, heads, tokens, 3]
         attend = ALL_ATTENTION_FUNCTIONS.get_interface("eager", self.eager)
-        out, _ = attend(self, q, k * 0.7, v * 1.3, None, scaling=0.5, **self.kwargs)
+        out, _ = attend(self, q, k * 0.7, v * 1.3, self.mask, scaling=0.5, **self.kwargs)
         return out.flatten(-2)
+
+
+def small_weight_eager(module, query, key, value, attention_mask, scaling=None, dropout=0, **kw):
+    """Multiplies the last key's weight by 10 (its mask makes it about 1e-7): within an
+    absolute tolerance of the largest weights, far outside a relative one."""
+    scores = torch.matmul(query, key.transpose(2, 3)) * scaling + attention_mask
+    scores = scores + torch.tensor([0.0, 0.0, 0.0, math.log(10.0)], dtype=scores.dtype)
+    weights = torch.softmax(scores, dim=-1)
+    return torch.matmul(weights, value).transpose(1, 2).contiguous(), weights
+
+
+def straight_through_eager(
+    module, query, key, value, attention_mask, scaling=None, dropout=0, **kw
+):
+    """The reference forward, with scores' gradient 1.5 times theirs: no value shows it."""
+    scores = torch.matmul(query, key.transpose(2, 3)) * scaling
+    scores = scores + 0.5 * (scores - scores.detach())
+    weights = torch.softmax(scores, dim=-1)
+    return torch.matmul(weights, value).transpose(1, 2).contiguous(), weights
+
+
+def detached_key_eager(module, query, key, value, attention_mask, scaling=None, dropout=0, **kw):
+    """The reference forward with no gradient to the keys (it raised "a semipack bug")."""
+    return reference_eager(module, query, key.detach(), value, attention_mask, scaling)
 
 
 BIAS = torch.linspace(-1.0, 1.0, 16, dtype=torch.float64).reshape(4, 4)
@@ -142,6 +167,13 @@ CASES = {
     "reference under another name": (reference_eager, {}, True),
     "a term of its own": (biased_eager, {}, False),
     "an argument of its own": (own_argument_eager, {"position_bias": BIAS}, False),
+    "a small weight scaled": (
+        small_weight_eager,
+        {"mask": torch.tensor([0.0, 0.0, 0.0, -16.0], dtype=torch.float64)},
+        False,
+    ),
+    "a term only the backward sees": (straight_through_eager, {}, False),
+    "a detached key": (detached_key_eager, {}, False),
 }
 
 

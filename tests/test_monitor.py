@@ -444,3 +444,19 @@ def test_a_weight_frozen_during_training_moves_its_layer_to_the_bias() -> None:
     assert (1, "0", "top_path_changed") not in got  # the weight's index is no comparison
     assert (2, "0", "top_path_changed") in got  # bias against bias
     assert (3, "0", "top_path_changed") not in got  # back at the weight: starts afresh
+
+
+def test_summary_reductions_keep_infinities_and_sum_16_bit_values_wide() -> None:
+    """The shifted exp-sum gave NaN for a +inf flow (logsumexp gives inf); a float16 sum of
+    200k entropies of 1.0 overflowed to inf."""
+    from semipack.monitor import _log_sum_exp, _mean_and_max_of_numbers
+
+    inf = math.inf
+    assert float(_log_sum_exp(torch.tensor([0.0, inf]))) == inf
+    assert float(_log_sum_exp(torch.full((3,), -inf))) == -inf
+    x = torch.randn(1000, generator=torch.Generator().manual_seed(0))
+    assert float(_log_sum_exp(x)) == pytest.approx(float(x.logsumexp(0)), rel=1e-6)
+    entropy = torch.ones(200_000, dtype=torch.float16)
+    entropy[:5] = math.nan
+    count, total, top = (float(v) for v in _mean_and_max_of_numbers(entropy))
+    assert (count, total / count, top) == (199_995, 1.0, 1.0)

@@ -364,11 +364,11 @@ class ExtensionFunction(torch.autograd.Function):
         return outputs, None
 
     @staticmethod
-    def draws(outputs: Any, inputs: list[Tensor | None], options: Any) -> bool:
-        """Whether ``messages`` describe what the call computed: ``outputs`` of the inner graph
-        from ``inputs`` (detached) under ``options``. An extension whose call runs code it does
-        not own (a model file's attention function) checks it here; a False answer runs the
-        call plainly, through the generic rules. Default: True."""
+    def draws(inner: InnerGraph, options: Any) -> bool:
+        """Whether ``messages`` describe what the call computed: the recorded ``inner`` graph
+        (its ``outputs`` from its ``inputs``) under ``options``. An extension whose call runs
+        code it does not own (a model file's attention function) checks it here; a False
+        answer runs the call plainly, through the generic rules. Default: True."""
         return True
 
     @classmethod
@@ -451,11 +451,7 @@ class ExtensionFunction(torch.autograd.Function):
             # whose ops (the casts included) the generic rules carry.
             return cls.keep(fn(*inputs))[0]
         inner = InnerGraph(fn, inputs)
-        if (
-            inner.escapes
-            or inner.reuses_an_input
-            or not cls.draws(inner.outputs, inner.values(), options)
-        ):
+        if inner.escapes or inner.reuses_an_input or not cls.draws(inner, options):
             return cls.keep(inner.plain_outputs())[0]
         out = cls.apply(inner, options, *inputs)
         module = current_module()

@@ -114,7 +114,7 @@ def _routed_get_interface(self: Any, attn_implementation: str, default: Callable
     """``AttentionInterface.get_interface`` while routed: "eager" gives the model's own eager
     function (``default``) wrapped, unless the registry holds an "eager" entry of its own."""
     found = _original_get_interface(self, attn_implementation, default)
-    if attn_implementation == "eager" and found is default:
+    if attn_implementation == "eager" and found is default and callable(default):
         return functools.partial(semiring_eager_attention, eager=default)
     return found
 

@@ -69,13 +69,9 @@ def centred_block(x_hat: Tensor) -> Callable[[slice, slice], Tensor]:
     return jac
 
 
-@functools.cache
-def compiled_normalization(owner: type[Semiring] | Semiring) -> Callable[..., State]:
-    """The fused kernel of the semiring's ``normalization_kernel()`` compiled, with the dense
-    contraction of J' as its eager fallback (``kernel.eager``); built once per
-    ``kernel_owner``: a built-in class (from a fresh instance) or a user's semiring instance."""
-    sr = owner() if isinstance(owner, type) else owner
-    name = type(sr).__name__
+def dense_contraction(sr: Semiring) -> Callable[..., State]:
+    """``(*m, x_hat) -> state``: the messages through the rows by the dense contraction of J',
+    the reference the fused kernels of ``sr.normalization_kernel()`` are held to."""
     spec = sr.normalization_kernel()
     if spec is None:
         raise ValueError(f"{sr.name} has no normalization kernel")
@@ -86,8 +82,17 @@ def compiled_normalization(owner: type[Semiring] | Semiring) -> Callable[..., St
             m = [m[0] != 0]  # the fused kernel's 0/1 float form back to booleans
         return contract_rows(sr, tuple(m), centred_block(x_hat), x_hat.shape[-1])
 
-    eager.__name__ = eager.__qualname__ = f"dense_{name}"
-    return compiled(eager, spec.fused)
+    eager.__name__ = eager.__qualname__ = f"dense_{type(sr).__name__}"
+    return eager
+
+
+@functools.cache
+def compiled_normalization(owner: type[Semiring]) -> Callable[..., State]:
+    """The fused kernel of ``owner().normalization_kernel()`` compiled, with the dense
+    contraction of J' as its eager fallback (``kernel.eager``); built once per built-in class
+    (``kernel_owner``)."""
+    sr = owner()
+    return compiled(dense_contraction(sr), sr.normalization_kernel().fused)
 
 
 # --- dispatch ------------------------------------------------------------------------------------
@@ -129,7 +134,9 @@ def normalized_messages(
         mode = "compiled"
     if mode not in ("compiled", "eager"):
         raise ValueError(f"mode must be 'auto', 'compiled' or 'eager', got {mode!r}")
-    kernel = compiled_normalization(kernel_owner(sr, "normalization_kernel"))
+    owner = kernel_owner(sr, "normalization_kernel")
+    # a user's instance gets no kernel compiled and kept for it (one per instance): the dense form
+    kernel = compiled_normalization(owner) if isinstance(owner, type) else dense_contraction(sr)
     if gain_per_row:
         row_weight = rstd * gain
     else:
@@ -142,7 +149,7 @@ def normalized_messages(
     # state whether it is called inside a backward or not (no recompilation).
     with torch.no_grad():
         if mode == "eager":
-            out = kernel.eager(*args)  # type: ignore[attr-defined]
+            out = getattr(kernel, "eager", kernel)(*args)  # the compiled kernel's dense form
         else:
             out = native(*args) if native is not None else kernel(*args)
         if mode == "compiled" and spec.all_pairs:

@@ -100,13 +100,13 @@ def softmax_from_log_probs(sr: Semiring, m: State, log_probs: Tensor) -> State |
 
 
 @functools.cache
-def compiled_softmax(owner: type[Semiring] | Semiring) -> Callable[..., State]:
+def compiled_softmax(owner: type[Semiring]) -> Callable[..., State]:
     """``softmax_from_log_probs`` as one compiled kernel (inductor fuses the ~20 elementwise
     passes and row reductions of the eager form into a few loops), for the semirings whose
-    ``compiles_rowwise`` says so; built once per ``kernel_owner``: a built-in class (from a
-    fresh instance) or a user's semiring instance."""
-    sr = owner() if isinstance(owner, type) else owner
-    name = type(sr).__name__
+    ``compiles_rowwise`` says so; built once per built-in class (``kernel_owner``), from a
+    fresh instance."""
+    sr = owner()
+    name = owner.__name__
 
     def kernel(*args: Tensor) -> State:
         *m, log_probs = args
@@ -130,8 +130,9 @@ def softmax_messages(
         return None
     log_probs = probs.log() if log_probs is None else log_probs.to(probs.dtype)
     big = log_probs.numel() >= COMPILE_MIN_ENTRIES
-    if sr.compiles_rowwise() and compile_enabled() and big:
-        kernel = compiled_softmax(kernel_owner(sr, "compiles_rowwise"))
+    owner = kernel_owner(sr, "compiles_rowwise") if sr.compiles_rowwise() else None
+    if isinstance(owner, type) and compile_enabled() and big:  # none kept for an instance
+        kernel = compiled_softmax(owner)
         with torch.no_grad():
             return tuple(kernel(*(c.contiguous() for c in m), log_probs.contiguous()))
     return softmax_from_log_probs(sr, m, log_probs)

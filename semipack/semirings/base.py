@@ -835,9 +835,10 @@ def kernel_owner(sr: Semiring, operation: str) -> type[Semiring] | Semiring:
     across calls (compiled once): ``sr``'s built-in class, whose fresh instance it then serves
     (a built-in instance's settings, such as ``log``, only change its readout), or ``sr``
     itself. A user's subclass gets its built-in class only where its own classes change nothing
-    but readouts and leave the built-in settings at their defaults; otherwise the kernel is
-    built from the instance (a temperature read by ``magnitude``, a ``k``), never from a fresh
-    instance that would lack its settings or could not be made (required arguments)."""
+    but readouts and leave the built-in settings at their defaults; otherwise the instance,
+    for which callers keep no kernel and run the eager forms, which read its own methods and
+    settings (a temperature read by ``magnitude``, a ``k``): never a fresh instance that would
+    lack its settings or could not be made (required arguments)."""
     cls = type(sr)
     built_in = next(c for c in cls.__mro__ if c.__module__.startswith("semipack."))
     if built_in is cls:

@@ -245,3 +245,24 @@ def test_sdpa_with_a_broadcast_batch_takes_the_generic_path() -> None:
         return F.scaled_dot_product_attention(q, k, k * 0.5, scale=1 / math.sqrt(4)).pow(2).sum()
 
     assert_matches_autograd_and_oracle(loss_of, kv)
+
+
+@pytest.mark.parametrize("heads", [(1, 3), (3, 1)])
+def test_sdpa_with_broadcast_heads(heads: tuple[int, int]) -> None:
+    """Query heads broadcast over key heads (1 against 3) raised inside the fused messages; key
+    heads broadcast over query heads (3 against 1) are grouped-query attention."""
+    g = torch.Generator().manual_seed(1)
+    q = torch.randn(2, heads[0], 3, 4, dtype=torch.float64, generator=g)
+    kv = torch.randn(2, heads[1], 5, 4, dtype=torch.float64, generator=g)
+
+    def loss_of(k: Tensor) -> Tensor:
+        out = F.scaled_dot_product_attention(q, k, k * 0.5, scale=0.5)
+        return (out.pow(2) * torch.linspace(0.5, 1.5, out.shape[1])[:, None, None]).sum()
+
+    x = kv.clone().requires_grad_()
+    (want,) = torch.autograd.grad(loss_of(x), x)
+    for extensions in (True, False):
+        x = kv.clone().requires_grad_()
+        with semipack.extend(None, semipack.Real(), extensions=extensions):
+            loss_of(x).backward()
+        torch.testing.assert_close(x.semiring_grad, want, rtol=1e-10, atol=1e-12)

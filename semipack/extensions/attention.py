@@ -265,6 +265,8 @@ def semiring_sdpa(
         not wants_graph(query, key, value)
         or query.dim() != 4
         or not query.shape[0] == key.shape[0] == value.shape[0]  # a broadcast batch
+        or key.shape[1] != value.shape[1]
+        or query.shape[1] % key.shape[1] != 0  # query heads broadcast over key heads
         or (
             dropout_p > 0.0
             and _runs_math_kernel(

@@ -15,6 +15,7 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers import MinProd
 
 import semipack
 from semipack.messages.normalization import normalized_messages
@@ -257,23 +258,8 @@ def test_kernels_kept_across_calls_are_built_for_the_instance() -> None:
     torch.testing.assert_close(got, want / math.log(2), rtol=1e-6, atol=0)
 
 
-class MinOfLogs(Semiring):
-    """Shortest path over log|w| (min-plus); its lift reads no setting."""
-
-    zero, one = (math.inf,), (0.0,)
-
-    def lift(self, w):
-        w = w.to(self.state_dtype(w.dtype))
-        return (torch.where(w == 0, math.inf, w.abs().log()),)
-
-    def plus(self, a, b):
-        return (torch.minimum(a[0], b[0]),)
-
-    def times(self, a, b):
-        return (a[0] + b[0],)
-
-    def sum(self, a, dims, keepdim=False):
-        return (a[0].amin(dims, keepdim=keepdim),)
+class MinOfLogs(MinProd):
+    """The README's MinProd with a kept lift: its lift reads no setting."""
 
     def lift_cache_key(self):
         return ()
@@ -286,8 +272,8 @@ class MinOfLogs(Semiring):
 
 
 class MinOfSurprisals(MinOfLogs):
-    """Shortest path over -log|w|: another lift under the same (empty) key. (A new lift drops
-    the inherited products on lifted weights: it defines them again.)"""
+    """Shortest path over the surprisals -log|w|: another lift under the same (empty) key. (A
+    new lift drops the inherited products on lifted weights: it defines them again.)"""
 
     def lift(self, w):
         w = w.to(self.state_dtype(w.dtype))

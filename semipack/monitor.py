@@ -408,8 +408,9 @@ def _mean_and_max_of_numbers(t: Tensor) -> list[Tensor]:
     (``masked_select`` cost five times more on millions of entries); the sum in float64 (a
     16-bit sum of many entries overflows)."""
     numbers = torch.count_nonzero(t == t)
-    total = t.nan_to_num(nan=0.0).sum(dtype=torch.float64)
-    return [numbers, total, t.nan_to_num(nan=-math.inf).amax()]
+    inf = math.inf  # nan_to_num replaces the infinities too unless told to keep them
+    total = t.nan_to_num(nan=0.0, posinf=inf, neginf=-inf).sum(dtype=torch.float64)
+    return [numbers, total, t.nan_to_num(nan=-inf, posinf=inf, neginf=-inf).amax()]
 
 
 def _to_host(tensors: list[Tensor]) -> list[Any]:

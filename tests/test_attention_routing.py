@@ -156,6 +156,25 @@ def straight_through_eager(
     return torch.matmul(weights, value).transpose(1, 2).contiguous(), weights
 
 
+def doubled_gradient_eager(
+    module, query, key, value, attention_mask, scaling=None, dropout=0, **kw
+):
+    """``2s - s.detach()``: each result used once, the reference's forward bits, the scores'
+    gradient doubled (no graph check sees it: the backward is probed)."""
+    scores = torch.matmul(query, key.transpose(2, 3)) * scaling
+    scores = scores * 2.0 + (-1.0) * scores.detach()
+    weights = torch.softmax(scores, dim=-1)
+    return torch.matmul(weights, value).transpose(1, 2).contiguous(), weights
+
+
+def partly_stopped_eager(module, query, key, value, attention_mask, scaling=None, dropout=0, **kw):
+    """No gradient through the scores of the upper triangle: ``where(keep, s, s.detach())``."""
+    scores = torch.matmul(query, key.transpose(2, 3)) * scaling
+    keep = torch.ones(scores.shape[-2:], dtype=torch.bool).tril()
+    weights = torch.softmax(torch.where(keep, scores, scores.detach()), dim=-1)
+    return torch.matmul(weights, value).transpose(1, 2).contiguous(), weights
+
+
 def detached_key_eager(module, query, key, value, attention_mask, scaling=None, dropout=0, **kw):
     """The reference forward with no gradient to the keys (it raised "a semipack bug")."""
     return reference_eager(module, query, key.detach(), value, attention_mask, scaling)
@@ -174,6 +193,8 @@ CASES = {
     ),
     "a term only the backward sees": (straight_through_eager, {}, False),
     "a detached key": (detached_key_eager, {}, False),
+    "a doubled gradient, each result used once": (doubled_gradient_eager, {}, False),
+    "a partial stop-gradient": (partly_stopped_eager, {}, False),
 }
 
 
@@ -207,6 +228,25 @@ def test_a_hidden_term_is_found_in_bfloat16_too() -> None:
             loss.backward()
         values.append(leaf.semiring_grad)
     assert torch.equal(*values)
+
+
+def bfloat16_only_eager(module, query, key, value, attention_mask, scaling=None, dropout=0, **kw):
+    """Adds a bias in 16 bits only: the float32 run used for the check is the reference."""
+    scores = torch.matmul(query, key.transpose(2, 3)) * scaling
+    if scores.dtype == torch.bfloat16:
+        scores = scores + torch.linspace(0.0, 2.0, scores.shape[-1], dtype=scores.dtype)
+    weights = torch.softmax(scores, dim=-1)
+    return torch.matmul(weights, value).transpose(1, 2).contiguous(), weights
+
+
+def test_a_term_only_16_bit_runs_add_is_found() -> None:
+    layer = Attention(bfloat16_only_eager)
+    x = torch.randn(2, 4, 6, generator=torch.Generator().manual_seed(2)).bfloat16()
+    with semipack.extend(layer, semipack.MaxProd()):
+        assert FUSED not in node_names(layer(x.clone().requires_grad_()).float().sum())
+    with semipack.extend(layer, semipack.MaxProd()):  # the reference code stays fused in 16 bits
+        layer.eager = reference_eager
+        assert FUSED in node_names(layer(x.clone().requires_grad_()).float().sum())
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])

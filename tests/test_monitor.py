@@ -460,3 +460,5 @@ def test_summary_reductions_keep_infinities_and_sum_16_bit_values_wide() -> None
     entropy[:5] = math.nan
     count, total, top = (float(v) for v in _mean_and_max_of_numbers(entropy))
     assert (count, total / count, top) == (199_995, 1.0, 1.0)
+    infinite = torch.tensor([1.0, inf, math.nan])  # nan_to_num made inf the largest float
+    assert [float(v) for v in _mean_and_max_of_numbers(infinite)] == [2, inf, inf]

@@ -12,8 +12,9 @@ else runs unwrapped, i.e. through the generic per-op path, which draws whatever 
 - dropout in training, and any argument of its own beyond the common ones (a T5 relative
   position bias, soft-capping, a sliding window, attention sinks) given a value;
 - a module with attention sinks (read from the module, not passed);
-- and, as a check on every wrapped call, weights or an output that differ from the reference
-  decomposition computed from the same Q, K, V, scale and mask (beyond rounding).
+- and, as a check on every wrapped call (``reference_check``), a recorded graph of other ops,
+  weights or an output that differ from the reference decomposition computed from the same Q,
+  K, V, scale and mask (beyond rounding), or a backward that differs from its backward.
 """
 
 from __future__ import annotations

@@ -3,9 +3,11 @@
 A Hugging Face eager attention function lives in the model's file: it may add a term of its own
 to the scores (a relative position bias, a cap, a bias read from the module) or change only the
 backward (a straight-through term, a detached key). ``AttentionFunction`` draws such a call only
-when its recorded graph has the decomposition's structure (``reference_structure``) and its
-outputs are the decomposition's values up to rounding (``computes_reference``); any other call
-runs through the generic rules, which draw what it computes.
+when its recorded graph has the decomposition's structure (``reference_structure``), its
+outputs are the decomposition's values up to rounding (``computes_reference``) and so is its
+backward, probed once with random output gradients (``same_backward``); any other call runs
+through the generic rules, which draw what it computes. 16-bit calls are checked through a
+float32 run of the same code, and held to it at their own rounding (``checks_as_reference``).
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ..rules.attention import attention_scores, repeat_heads
+from ..rules.attention import attention_probs, attention_scores, repeat_heads
 
 #: The autograd nodes of attention written op by op (Q Kᵀ, scaling, masks, softmax, dtype
 #: casts, grouped-query repeats, the product with V, layout changes).
@@ -49,9 +51,10 @@ REFERENCE_NODES = frozenset(
 def reference_structure(outputs: tuple[Tensor, Tensor | None], inputs: list[Tensor | None]) -> bool:
     """Whether the recorded graph could be attention drawn as its decomposition: only the ops
     of ``REFERENCE_NODES``, each result used once, and each of Q, K, V that requires grad
-    reached. The values (``computes_reference``) cannot show a term that changes only the
-    backward: a straight-through ``s + c (s - s.detach())`` or a detached key uses a result
-    twice or leaves an input unreached; a gradient of another op is another node."""
+    reached: a quick first filter, before any arithmetic. A straight-through
+    ``s + c (s - s.detach())`` uses a result twice, a detached key leaves an input unreached and
+    another op is another node; forms that pass it (``2s - s.detach()``) change the backward,
+    which ``same_backward`` probes."""
     # node objects are kept alive (``edges``, ``alive``) so that their ids stay theirs
     edges = [
         torch.autograd.graph.get_gradient_edge(t)
@@ -110,8 +113,7 @@ def computes_reference(
         mask = spec.mask
         if mask is not None and mask.dtype != torch.bool:
             mask = mask.to(dtype)
-        norms = q.norm(dim=-1).amax() * k_all.norm(dim=-1).amax() * abs(spec.scale)
-        reach = float(norms) + _largest_bias(mask)
+        reach = _reach(spec, q, k_all)
         largest_v = float(v_all.abs().amax()) if v_all.numel() else 0.0
         if not (math.isfinite(reach) and math.isfinite(largest_v)):
             return False
@@ -149,3 +151,121 @@ def _largest_bias(mask: Tensor | None) -> float:
     if mask is None or mask.dtype == torch.bool or mask.numel() == 0:
         return 0.0
     return float(torch.where(mask > -1e4, mask.abs(), 0.0).amax())
+
+
+def checks_as_reference(spec: Any, outputs: tuple, inputs: list[Tensor | None]) -> bool:
+    """Whether the recorded call (``outputs`` [batch, heads, queries, dim] and weights, from the
+    aliases ``inputs`` Q, K, V) is the decomposition in values and in its backward. A 16-bit
+    call runs again in float32 (``spec.own_code``), which is checked; the 16-bit outputs and
+    backward are then held to the float32 ones at 16-bit rounding (a term the code adds only in
+    16 bits is no rounding)."""
+    out, weights = outputs
+    if out.dtype not in (torch.bfloat16, torch.float16):
+        q, k, v = (None if t is None else t.detach() for t in inputs)
+        return computes_reference(spec, q, k, v, out, weights) and same_backward(
+            spec, outputs, inputs, _reference_backward
+        )
+    leaves = [
+        None if t is None else t.detach().float().requires_grad_(t.requires_grad) for t in inputs
+    ]
+    try:
+        with torch.enable_grad():
+            wide = spec.own_code(*leaves)
+    except (RuntimeError, TypeError):  # code bound to its dtype: unchecked, not drawn
+        return False
+    q, k, v = (t.detach() for t in leaves)
+    if not (
+        computes_reference(spec, q, k, v, *wide)
+        and same_backward(spec, wide, leaves, _reference_backward)
+    ):
+        return False
+    if weights is None or wide[1] is None:
+        return False
+    reach = _reach(spec, q, k_all=repeat_heads(k, spec.kv_groups))
+    rough = 8 * torch.finfo(out.dtype).eps * (1.0 + reach)
+    if not _within(
+        weights.float(), wide[1].detach(), rough * wide[1].detach().abs() + rough * 1e-3
+    ):
+        return False
+
+    def wide_backward(spec: Any, inputs: list, probes: list[Tensor]) -> list[Tensor | None]:
+        return _grads(wide, leaves, [p.float() for p in probes])
+
+    return same_backward(spec, outputs, inputs, wide_backward, rough)
+
+
+def same_backward(
+    spec: Any, outputs: tuple, inputs: list[Tensor | None], reference, relative: float | None = None
+) -> bool:
+    """Whether the recorded backward of ``outputs`` (output, weights) to ``inputs`` (the Q, K,
+    V that require grad) gives what ``reference`` gives for the same random output gradients:
+    the decomposition's, within ``relative`` of the largest entry of each (64 float32 ulps of the
+    largest score a row reaches, by default)."""
+    probes = _probes(outputs)
+    got = _grads(outputs, inputs, probes)
+    want = reference(spec, inputs, probes)
+    if relative is None:
+        q = next(t for t in inputs if t is not None)
+        k = inputs[1] if inputs[1] is not None else q
+        keys = math.sqrt(k.shape[-2])
+        reach = _reach(spec, q.detach().float(), repeat_heads(k.detach(), spec.kv_groups).float())
+        relative = 64 * _ulp(outputs[0].dtype) * (max(1.0, reach) + keys)
+    for g, w in zip(got, want, strict=True):
+        if (g is None) != (w is None):
+            return False
+        if g is not None:
+            scale = float(w.abs().amax()) if w.numel() else 0.0
+            if not math.isfinite(scale) or not _within(
+                g.to(w.dtype), w, relative * max(scale, 1e-30)
+            ):
+                return False
+    return True
+
+
+def _probes(outputs: tuple) -> list[Tensor]:
+    """Random output gradients, the same for every call of a given shape (a fixed seed)."""
+    generator = torch.Generator().manual_seed(0)
+    return [
+        torch.randn(o.shape, generator=generator, dtype=torch.float64).to(o.device, o.dtype)
+        for o in outputs
+        if isinstance(o, Tensor)
+    ]
+
+
+def _grads(
+    outputs: tuple, inputs: list[Tensor | None], probes: list[Tensor]
+) -> list[Tensor | None]:
+    """The gradients of ``outputs`` for ``probes`` at each input that requires grad (None for
+    the others), keeping the graph: the call's backward runs it again."""
+    wanted = [t for t in inputs if t is not None and t.requires_grad]
+    outs = [o for o in outputs if isinstance(o, Tensor) and o.requires_grad]
+    tensors = [o for o in outputs if isinstance(o, Tensor)]
+    used = [p for o, p in zip(tensors, probes, strict=True) if o.requires_grad]
+    got = iter(torch.autograd.grad(outs, wanted, used, retain_graph=True, allow_unused=True))
+    return [next(got) if t is not None and t.requires_grad else None for t in inputs]
+
+
+def _reference_backward(
+    spec: Any, inputs: list[Tensor | None], probes: list[Tensor]
+) -> list[Tensor | None]:
+    """The decomposition's gradients at Q, K, V (those that require grad) for ``probes``."""
+    dtype = torch.promote_types(next(t for t in inputs if t is not None).dtype, torch.float32)
+    leaves = [
+        None if t is None else t.detach().to(dtype).requires_grad_(t.requires_grad) for t in inputs
+    ]
+    q, k, v = leaves
+    mask = spec.mask if spec.mask is None or spec.mask.dtype == torch.bool else spec.mask.to(dtype)
+    with torch.enable_grad():
+        probs = attention_probs(q, repeat_heads(k, spec.kv_groups), mask, spec.causal, spec.scale)
+        out = torch.matmul(probs, repeat_heads(v, spec.kv_groups))
+    return _grads((out, probs), leaves, [p.to(dtype) for p in probes])
+
+
+def _reach(spec: Any, q: Tensor, k_all: Tensor) -> float:
+    """The largest score a row can reach: max|q|·max|k|·scale (Cauchy-Schwarz) plus the mask's
+    largest entry that keeps a key in play."""
+    mask = spec.mask
+    if mask is not None and mask.dtype != torch.bool:
+        mask = mask.to(q.dtype)
+    norms = q.norm(dim=-1).amax() * k_all.norm(dim=-1).amax() * abs(spec.scale)
+    return float(norms) + _largest_bias(mask)

@@ -306,3 +306,74 @@ def test_sdpa_with_broadcast_heads(heads: tuple[int, int]) -> None:
         with semipack.extend(None, semipack.Real(), extensions=extensions):
             loss_of(x).backward()
         torch.testing.assert_close(x.semiring_grad, want, rtol=1e-10, atol=1e-12)
+
+
+def scaled_gradient_eager(module, query, key, value, attention_mask, scaling=None, dropout=0, **kw):
+    """The scores' gradient times 1.1 (``1.1 s - 0.1 s.detach()``), in 16-bit runs only when
+    the module says so."""
+    scores = torch.matmul(query, key.transpose(2, 3)) * scaling
+    if not module.only_16_bit or scores.dtype != torch.float32:
+        scores = scores * module.factor + (1.0 - module.factor) * scores.detach()
+    weights = torch.softmax(scores, dim=-1)
+    return torch.matmul(weights, value).transpose(1, 2).contiguous(), weights
+
+
+class Heads(nn.Module):
+    """Attention on given Q, K, V, resolved as transformers' models do."""
+
+    def __init__(self, eager, factor: float, only_16_bit: bool) -> None:
+        super().__init__()
+        self.eager, self.factor, self.only_16_bit = eager, factor, only_16_bit
+
+    def forward(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        attend = ALL_ATTENTION_FUNCTIONS.get_interface("eager", self.eager)
+        return attend(self, q, k, v, None, scaling=0.5)[0]
+
+
+def _fused(heads: Heads, q: Tensor, k: Tensor, v: Tensor) -> bool:
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    with semipack.extend(heads, semipack.Real()):
+        return FUSED in node_names(heads(*leaves).float().sum())
+
+
+def test_a_gradient_10_percent_off_is_found_beside_outlier_dimensions() -> None:
+    """The scores' bound was max|q|·max|k|·scale: an outlier dimension (300 in different
+    dimensions of q and k, so no score changes) made it 4.5e4 and a 10% larger gradient passed.
+    The bound is now the largest score itself."""
+    gen = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(2, 2, 4, 8, generator=gen) for _ in range(3))
+    q[..., 0], k[..., 0], q[..., 1], k[..., 1] = 300.0, 0.0, 0.0, 300.0
+    assert _fused(Heads(scaled_gradient_eager, 1.0, False), q, k, v)
+    assert not _fused(Heads(scaled_gradient_eager, 1.1, False), q, k, v)
+
+
+def test_a_gradient_changed_only_in_bfloat16_is_found() -> None:
+    """In bfloat16 the backward was held to the float32 run entry by entry at 8 ulps per nat of
+    the largest score: a gradient 25% larger only in 16 bits passed; the norm of the difference
+    is held to 2 ulps per nat."""
+    gen = torch.Generator().manual_seed(4)
+    q, k, v = (torch.randn(2, 2, 4, 8, generator=gen).bfloat16() for _ in range(3))
+    assert _fused(Heads(scaled_gradient_eager, 1.0, True), q, k, v)
+    assert not _fused(Heads(scaled_gradient_eager, 1.25, True), q, k, v)
+
+
+def test_float16_rows_masked_everywhere_stay_fused_and_empty_calls_run() -> None:
+    """In float16 a padding row's -65504 swamps its scores (uniform weights) where the float32
+    run of the check does not: such rows are left out of the comparison. An empty batch runs
+    plainly (the check raised on it)."""
+    layer = transformers.BertModel._from_config(
+        transformers.BertConfig(
+            vocab_size=30, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+            intermediate_size=32,
+        ),
+        attn_implementation="eager",
+    ).half().eval()  # fmt: skip
+    ids = torch.randint(0, 30, (2, 5), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones(2, 5, dtype=torch.long)
+    mask[1] = 0  # a row of padding only
+    with semipack.extend(layer, semipack.MaxProd()):
+        hidden = layer(input_ids=ids, attention_mask=mask).last_hidden_state
+        assert FUSED in node_names(hidden.float().sum())
+    empty = [torch.randn(0, 2, 4, 8, requires_grad=True) for _ in range(3)]
+    with semipack.extend(None, semipack.MaxProd()):
+        assert Heads(reference_eager, 1.0, False)(*empty).shape == (0, 4, 2, 8)

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ..rules.attention import attention_probs, attention_scores, repeat_heads
+from ..rules.attention import attention_probs, masked_scores, repeat_heads
 
 #: The autograd nodes of attention written op by op (Q Kᵀ, scaling, masks, softmax, dtype
 #: casts, grouped-query repeats, the product with V, layout changes).
@@ -95,9 +95,9 @@ def computes_reference(
     keys]) are softmax(Q Kᵀ·scale + mask) and its product with V, up to rounding (``spec``: the
     call's ``AttentionSpec``, its scale, mask, causality and key/value groups).
 
-    Rounding moves a score by a few ulps of the largest score a row can reach, at most
-    max|q|·max|k|·scale (Cauchy-Schwarz) plus the largest entry of the mask that keeps a key in
-    play (a padding mask's -3.4e38 takes it out), hence a probability by about as many ulps of
+    Rounding moves a score by a few ulps of the largest score a row can reach (``_reach``: the
+    largest raw score plus the largest entry of the mask that keeps a key in play; a padding
+    mask's -3.4e38 takes it out), hence a probability by about as many ulps of
     itself (plus about sqrt(keys) from the row's sum); it moves an output entry, a weighted
     mean of V, by a few ulps of V's largest entry per sqrt(keys). The bounds allow 64 times
     that, in ulps of the outputs' dtype (float32's at least, see ``_ulp``), relative to each
@@ -113,11 +113,12 @@ def computes_reference(
         mask = spec.mask
         if mask is not None and mask.dtype != torch.bool:
             mask = mask.to(dtype)
-        reach = _reach(spec, q, k_all)
+        raw = torch.matmul(q, k_all.transpose(-1, -2)) * spec.scale
+        reach = _reach(raw, mask)
         largest_v = float(v_all.abs().amax()) if v_all.numel() else 0.0
         if not (math.isfinite(reach) and math.isfinite(largest_v)):
             return False
-        scores = attention_scores(q, k_all, mask, spec.causal, spec.scale)
+        scores = masked_scores(raw, mask, spec.causal)
         masked_rows = (scores == float("-inf")).all(-1, keepdim=True)
         probs = torch.softmax(scores.masked_fill_(masked_rows, 0.0), -1)
         probs.masked_fill_(masked_rows, 0.0)
@@ -158,58 +159,70 @@ def checks_as_reference(spec: Any, outputs: tuple, inputs: list[Tensor | None]) 
     aliases ``inputs`` Q, K, V) is the decomposition in values and in its backward. A 16-bit
     call runs again in float32 (``spec.own_code``), which is checked; the 16-bit outputs and
     backward are then held to the float32 ones at 16-bit rounding (a term the code adds only in
-    16 bits is no rounding)."""
+    16 bits is found where it exceeds that rounding). Empty calls are not drawn."""
     out, weights = outputs
+    if weights is None or any(t is not None and t.numel() == 0 for t in inputs):
+        return False
+    q, k, v = (t.detach() for t in inputs)
+    k_all = repeat_heads(k, spec.kv_groups)
+    raw = torch.matmul(q.float(), k_all.float().transpose(-1, -2)) * spec.scale
+    reach = _reach(raw, spec.mask)
+    if not math.isfinite(reach):
+        return False
+    probes = _probes(outputs, spec.mask)
     if out.dtype not in (torch.bfloat16, torch.float16):
-        q, k, v = (None if t is None else t.detach() for t in inputs)
         return computes_reference(spec, q, k, v, out, weights) and same_backward(
-            spec, outputs, inputs, _reference_backward
+            _grads(outputs, inputs, probes), _reference_backward(spec, inputs, probes), reach, k
         )
-    leaves = [
-        None if t is None else t.detach().float().requires_grad_(t.requires_grad) for t in inputs
-    ]
+    leaves = [t.detach().float().requires_grad_(t.requires_grad) for t in inputs]
     try:
         with torch.enable_grad():
             wide = spec.own_code(*leaves)
     except (RuntimeError, TypeError):  # code bound to its dtype: unchecked, not drawn
         return False
+    if wide[1] is None:
+        return False
+    wide_grads = _grads(wide, leaves, [p.float() for p in probes])
     q, k, v = (t.detach() for t in leaves)
     if not (
         computes_reference(spec, q, k, v, *wide)
-        and same_backward(spec, wide, leaves, _reference_backward)
+        and same_backward(wide_grads, _reference_backward(spec, leaves, probes), reach, k)
     ):
         return False
-    if weights is None or wide[1] is None:
-        return False
-    reach = _reach(spec, q, k_all=repeat_heads(k, spec.kv_groups))
     rough = 8 * torch.finfo(out.dtype).eps * (1.0 + reach)
-    if not _within(
-        weights.float(), wide[1].detach(), rough * wide[1].detach().abs() + rough * 1e-3
-    ):
+    live = _rows_in_play(spec.mask, wide[1].shape)
+    narrow, wide_w = weights.float(), wide[1].detach()
+    if live is not None:
+        narrow, wide_w = narrow * live, wide_w * live
+    if not _within(narrow, wide_w, rough * wide_w.abs() + rough * 1e-3):
         return False
-
-    def wide_backward(spec: Any, inputs: list, probes: list[Tensor]) -> list[Tensor | None]:
-        return _grads(wide, leaves, [p.float() for p in probes])
-
-    return same_backward(spec, outputs, inputs, wide_backward, rough)
+    # the 16-bit backward against the float32 one: by the norm of the difference, where
+    # rounding averages out and a changed gradient does not (within 2 16-bit ulps per nat)
+    narrow_grads = _grads(outputs, inputs, probes)
+    bound = 2 * torch.finfo(out.dtype).eps * (1.0 + reach)
+    for g, w in zip(narrow_grads, wide_grads, strict=True):
+        if (g is None) != (w is None):
+            return False
+        if g is not None and not bool(
+            torch.linalg.vector_norm(g.float() - w) <= bound * torch.linalg.vector_norm(w)
+        ):
+            return False
+    return True
 
 
 def same_backward(
-    spec: Any, outputs: tuple, inputs: list[Tensor | None], reference, relative: float | None = None
+    got: list[Tensor | None],
+    want: list[Tensor | None],
+    reach: float,
+    k: Tensor,
+    relative: float | None = None,
 ) -> bool:
-    """Whether the recorded backward of ``outputs`` (output, weights) to ``inputs`` (the Q, K,
-    V that require grad) gives what ``reference`` gives for the same random output gradients:
-    the decomposition's, within ``relative`` of the largest entry of each (64 float32 ulps of the
-    largest score a row reaches, by default)."""
-    probes = _probes(outputs)
-    got = _grads(outputs, inputs, probes)
-    want = reference(spec, inputs, probes)
+    """Whether the recorded call's gradients ``got`` at Q, K, V (for the random output
+    gradients of ``_probes``) are ``want``, the decomposition's, within ``relative`` of the
+    largest entry of each (by default 64 float32 ulps times the largest score a row reaches
+    plus sqrt(keys), as for the weights)."""
     if relative is None:
-        q = next(t for t in inputs if t is not None)
-        k = inputs[1] if inputs[1] is not None else q
-        keys = math.sqrt(k.shape[-2])
-        reach = _reach(spec, q.detach().float(), repeat_heads(k.detach(), spec.kv_groups).float())
-        relative = 64 * _ulp(outputs[0].dtype) * (max(1.0, reach) + keys)
+        relative = 64 * _ulp(torch.float32) * (max(1.0, reach) + math.sqrt(k.shape[-2]))
     for g, w in zip(got, want, strict=True):
         if (g is None) != (w is None):
             return False
@@ -222,14 +235,27 @@ def same_backward(
     return True
 
 
-def _probes(outputs: tuple) -> list[Tensor]:
-    """Random output gradients, the same for every call of a given shape (a fixed seed)."""
+def _rows_in_play(mask: Tensor | None, shape: torch.Size) -> Tensor | None:
+    """1.0 on the query rows that keep some key in play, 0.0 on rows masked everywhere (in
+    16 bits Hugging Face's -65504 swamps the scores and the row comes out uniform, in float32
+    not: such rows are no paths the model uses), broadcast to ``shape``; None without a mask."""
+    if mask is None:
+        return None
+    keeps = mask if mask.dtype == torch.bool else mask > -1e4
+    return keeps.any(-1, keepdim=True).to(torch.float32).expand(shape)
+
+
+def _probes(outputs: tuple, mask: Tensor | None) -> list[Tensor]:
+    """Random output gradients, the same for every call of a given shape (a fixed seed), zero
+    on query rows the mask takes out entirely (``_rows_in_play``)."""
     generator = torch.Generator().manual_seed(0)
-    return [
-        torch.randn(o.shape, generator=generator, dtype=torch.float64).to(o.device, o.dtype)
-        for o in outputs
-        if isinstance(o, Tensor)
-    ]
+    probes = []
+    for o in outputs:
+        if isinstance(o, Tensor):
+            probe = torch.randn(o.shape, generator=generator, dtype=torch.float64).to(o.device)
+            live = _rows_in_play(mask, (*o.shape[:-1], 1))
+            probes.append((probe if live is None else probe * live).to(o.dtype))
+    return probes
 
 
 def _grads(
@@ -261,11 +287,12 @@ def _reference_backward(
     return _grads((out, probs), leaves, [p.to(dtype) for p in probes])
 
 
-def _reach(spec: Any, q: Tensor, k_all: Tensor) -> float:
-    """The largest score a row can reach: max|q|·max|k|·scale (Cauchy-Schwarz) plus the mask's
-    largest entry that keeps a key in play."""
-    mask = spec.mask
+def _reach(raw: Tensor, mask: Tensor | None) -> float:
+    """The largest score a row can reach: the largest finite raw score ``Q Kᵀ * scale`` (not a
+    bound from norms: an outlier dimension would make that loose enough to hide a term) plus
+    the mask's largest entry that keeps a key in play."""
+    finite = torch.where(raw.isfinite(), raw.abs(), 0.0)
+    largest = float(finite.amax()) if finite.numel() else 0.0
     if mask is not None and mask.dtype != torch.bool:
-        mask = mask.to(q.dtype)
-    norms = q.norm(dim=-1).amax() * k_all.norm(dim=-1).amax() * abs(spec.scale)
-    return float(norms) + _largest_bias(mask)
+        mask = mask.to(raw.dtype)
+    return largest + _largest_bias(mask)

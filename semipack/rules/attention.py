@@ -34,10 +34,14 @@ def attention_scores(
     q: Tensor, k: Tensor, mask: Tensor | None, causal: bool, scale: float
 ) -> Tensor:
     """``S = Q Kᵀ * scale`` with the masks applied (``-inf`` where a key is masked)."""
-    scores = torch.matmul(q, k.transpose(-1, -2)) * scale
+    return masked_scores(torch.matmul(q, k.transpose(-1, -2)) * scale, mask, causal)
+
+
+def masked_scores(scores: Tensor, mask: Tensor | None, causal: bool) -> Tensor:
+    """Raw scores ``Q Kᵀ * scale`` with the masks applied (``-inf`` where a key is masked)."""
     if causal:
         lq, lk = scores.shape[-2:]
-        keep = torch.ones(lq, lk, dtype=torch.bool, device=q.device).tril()
+        keep = torch.ones(lq, lk, dtype=torch.bool, device=scores.device).tril()
         scores = scores.masked_fill(~keep, float("-inf"))
     if mask is not None:
         if mask.dtype == torch.bool:

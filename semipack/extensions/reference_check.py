@@ -4,7 +4,7 @@ A Hugging Face eager attention function lives in the model's file: it may add a 
 to the scores (a relative position bias, a cap, a bias read from the module) or change only the
 backward (a straight-through term, a detached key). ``AttentionFunction`` draws such a call only
 when its recorded graph has the decomposition's structure (``reference_structure``), its
-outputs are the decomposition's values up to rounding (``computes_reference``) and so is its
+outputs are the decomposition's values up to rounding (``Reference.matches``) and so is its
 backward, probed once with random output gradients (``same_backward``); any other call runs
 through the generic rules, which draw what it computes. 16-bit calls are checked through a
 float32 run of the same code, and held to it at their own rounding (``checks_as_reference``).
@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ..rules.attention import attention_probs, masked_scores, repeat_heads
+from ..rules.attention import masked_scores, probs_of_scores, repeat_heads
 
 #: The autograd nodes of attention written op by op (Q Kᵀ, scaling, masks, softmax, dtype
 #: casts, grouped-query repeats, the product with V, layout changes).
@@ -88,50 +88,59 @@ def reference_structure(outputs: tuple[Tensor, Tensor | None], inputs: list[Tens
     return len(reached) == len(leaves)
 
 
-def computes_reference(
-    spec: Any, q: Tensor, k: Tensor, v: Tensor, out: Tensor, weights: Tensor | None
-) -> bool:
-    """Whether ``out`` ([batch, heads, queries, dim]) and ``weights`` ([batch, heads, queries,
-    keys]) are softmax(Q Kᵀ·scale + mask) and its product with V, up to rounding (``spec``: the
-    call's ``AttentionSpec``, its scale, mask, causality and key/value groups).
+class Reference:
+    """The decomposition softmax(Q Kᵀ·scale + mask) V of a call, computed once on leaves that
+    copy its Q, K, V (at least float32): its raw scores give the bounds (``reach``), its values
+    the forward check (``matches``) and its graph the backward probe (``grads``)."""
 
-    Rounding moves a score by a few ulps of the largest score a row can reach (``_reach``: the
-    largest raw score plus the largest entry of the mask that keeps a key in play; a padding
-    mask's -3.4e38 takes it out), hence a probability by about as many ulps of
-    itself (plus about sqrt(keys) from the row's sum); it moves an output entry, a weighted
-    mean of V, by a few ulps of V's largest entry per sqrt(keys). The bounds allow 64 times
-    that, in ulps of the outputs' dtype (float32's at least, see ``_ulp``), relative to each
-    weight: a relative position bias, a soft cap, or a term that scales one small weight is
-    found. Inputs that are not finite prove nothing: False.
-    """
-    if weights is None or weights.shape != (*q.shape[:-1], k.shape[-2]):
-        return False
-    dtype = torch.promote_types(torch.promote_types(q.dtype, weights.dtype), torch.float32)
-    with torch.no_grad():
-        q, k_all = q.to(dtype), repeat_heads(k, spec.kv_groups).to(dtype)
-        v_all = repeat_heads(v, spec.kv_groups).to(dtype)
+    def __init__(self, spec: Any, inputs: list[Tensor]) -> None:
+        dtype = torch.promote_types(inputs[0].dtype, torch.float32)
+        self.leaves = [t.detach().to(dtype).requires_grad_(t.requires_grad) for t in inputs]
+        q, k, v = self.leaves
+        self.k_all = repeat_heads(k, spec.kv_groups)
+        self.v_all = repeat_heads(v, spec.kv_groups)
         mask = spec.mask
         if mask is not None and mask.dtype != torch.bool:
             mask = mask.to(dtype)
-        raw = torch.matmul(q, k_all.transpose(-1, -2)) * spec.scale
-        reach = _reach(raw, mask)
-        largest_v = float(v_all.abs().amax()) if v_all.numel() else 0.0
-        if not (math.isfinite(reach) and math.isfinite(largest_v)):
+        with torch.enable_grad():
+            raw = torch.matmul(q, self.k_all.transpose(-1, -2)) * spec.scale
+            self.probs = probs_of_scores(masked_scores(raw, mask, spec.causal))
+            self.out = torch.matmul(self.probs, self.v_all)
+        self.reach = _reach(raw.detach(), mask)
+
+    def matches(self, out: Tensor, weights: Tensor) -> bool:
+        """Whether ``out`` ([batch, heads, queries, dim]) and ``weights`` ([batch, heads,
+        queries, keys]) are this decomposition's, up to rounding.
+
+        Rounding moves a score by a few ulps of the largest score a row can reach
+        (``reach``: the largest raw score plus the largest entry of the mask that keeps a key
+        in play; a padding mask's -3.4e38 takes it out), hence a probability by about as many
+        ulps of itself (plus about sqrt(keys) from the row's sum); it moves an output entry, a
+        weighted mean of V, by a few ulps of V's largest entry per sqrt(keys). The bounds allow
+        64 times that, in ulps of the outputs' dtype (float32's at least, see ``_ulp``),
+        relative to each weight: a relative position bias, a soft cap, or a term that scales
+        one small weight is found. Inputs that are not finite prove nothing: False.
+        """
+        probs, v_all = self.probs.detach(), self.v_all.detach()
+        if weights is None or weights.shape != probs.shape:
             return False
-        scores = masked_scores(raw, mask, spec.causal)
-        masked_rows = (scores == float("-inf")).all(-1, keepdim=True)
-        probs = torch.softmax(scores.masked_fill_(masked_rows, 0.0), -1)
-        probs.masked_fill_(masked_rows, 0.0)
-        keys = math.sqrt(k_all.shape[-2])  # a row's sums round by about sqrt(keys) ulps
+        largest_v = float(v_all.abs().amax()) if v_all.numel() else 0.0
+        if not (math.isfinite(self.reach) and math.isfinite(largest_v)):
+            return False
+        keys = math.sqrt(probs.shape[-1])  # a row's sums round by about sqrt(keys) ulps
         # relative per weight: a term that multiplies a small weight by 10 is no rounding
-        relative = 64 * _ulp(weights.dtype) * (max(1.0, reach) + keys)
-        weights = weights.to(dtype)
+        relative = 64 * _ulp(weights.dtype) * (max(1.0, self.reach) + keys)
         floor = 64 * torch.finfo(torch.float32).tiny  # below it float32 weights are subnormal
+        weights = weights.detach().to(probs.dtype)
         if not _within(weights, probs, relative * probs.abs() + floor):
             return False
-        reference = torch.matmul(weights, v_all)
         tolerance = 64 * _ulp(out.dtype) * max(1.0, largest_v) * (1.0 + keys)
-        return _within(out.to(dtype), reference, tolerance)
+        return _within(out.detach().to(probs.dtype), torch.matmul(weights, v_all), tolerance)
+
+    def grads(self, probes: list[Tensor]) -> list[Tensor | None]:
+        """The decomposition's gradients at Q, K, V (those that require grad) for ``probes``."""
+        dtype = self.probs.dtype
+        return _grads((self.out, self.probs), self.leaves, [p.to(dtype) for p in probes])
 
 
 def _within(a: Tensor, b: Tensor, tolerance: Tensor | float) -> bool:
@@ -161,20 +170,18 @@ def checks_as_reference(spec: Any, outputs: tuple, inputs: list[Tensor | None]) 
     backward are then held to the float32 ones at 16-bit rounding (a term the code adds only in
     16 bits is found where it exceeds that rounding). Empty calls are not drawn."""
     out, weights = outputs
-    if weights is None or any(t is not None and t.numel() == 0 for t in inputs):
+    if weights is None or any(t is None or t.numel() == 0 for t in inputs):
         return False
-    q, k, v = (t.detach() for t in inputs)
-    k_all = repeat_heads(k, spec.kv_groups)
-    raw = torch.matmul(q.float(), k_all.float().transpose(-1, -2)) * spec.scale
-    reach = _reach(raw, spec.mask)
-    if not math.isfinite(reach):
+    reference = Reference(spec, inputs)
+    if not math.isfinite(reference.reach):
         return False
     probes = _probes(outputs, spec.mask)
+    keys = inputs[1].shape[-2]
     if out.dtype not in (torch.bfloat16, torch.float16):
-        return computes_reference(spec, q, k, v, out, weights) and same_backward(
-            _grads(outputs, inputs, probes), _reference_backward(spec, inputs, probes), reach, k
+        return reference.matches(out, weights) and same_backward(
+            _grads(outputs, inputs, probes), reference.grads(probes), reference.reach, keys
         )
-    leaves = [t.detach().float().requires_grad_(t.requires_grad) for t in inputs]
+    leaves = reference.leaves  # float32 copies: the same code runs on them
     try:
         with torch.enable_grad():
             wide = spec.own_code(*leaves)
@@ -183,13 +190,12 @@ def checks_as_reference(spec: Any, outputs: tuple, inputs: list[Tensor | None]) 
     if wide[1] is None:
         return False
     wide_grads = _grads(wide, leaves, [p.float() for p in probes])
-    q, k, v = (t.detach() for t in leaves)
     if not (
-        computes_reference(spec, q, k, v, *wide)
-        and same_backward(wide_grads, _reference_backward(spec, leaves, probes), reach, k)
+        reference.matches(*wide)
+        and same_backward(wide_grads, reference.grads(probes), reference.reach, keys)
     ):
         return False
-    rough = 8 * torch.finfo(out.dtype).eps * (1.0 + reach)
+    rough = 8 * torch.finfo(out.dtype).eps * (1.0 + reference.reach)
     live = _rows_in_play(spec.mask, wide[1].shape)
     narrow, wide_w = weights.float(), wide[1].detach()
     if live is not None:
@@ -199,7 +205,7 @@ def checks_as_reference(spec: Any, outputs: tuple, inputs: list[Tensor | None]) 
     # the 16-bit backward against the float32 one: by the norm of the difference, where
     # rounding averages out and a changed gradient does not (within 2 16-bit ulps per nat)
     narrow_grads = _grads(outputs, inputs, probes)
-    bound = 2 * torch.finfo(out.dtype).eps * (1.0 + reach)
+    bound = 2 * torch.finfo(out.dtype).eps * (1.0 + reference.reach)
     for g, w in zip(narrow_grads, wide_grads, strict=True):
         if (g is None) != (w is None):
             return False
@@ -214,7 +220,7 @@ def same_backward(
     got: list[Tensor | None],
     want: list[Tensor | None],
     reach: float,
-    k: Tensor,
+    keys: int,
     relative: float | None = None,
 ) -> bool:
     """Whether the recorded call's gradients ``got`` at Q, K, V (for the random output
@@ -222,7 +228,7 @@ def same_backward(
     largest entry of each (by default 64 float32 ulps times the largest score a row reaches
     plus sqrt(keys), as for the weights)."""
     if relative is None:
-        relative = 64 * _ulp(torch.float32) * (max(1.0, reach) + math.sqrt(k.shape[-2]))
+        relative = 64 * _ulp(torch.float32) * (max(1.0, reach) + math.sqrt(keys))
     for g, w in zip(got, want, strict=True):
         if (g is None) != (w is None):
             return False
@@ -269,22 +275,6 @@ def _grads(
     used = [p for o, p in zip(tensors, probes, strict=True) if o.requires_grad]
     got = iter(torch.autograd.grad(outs, wanted, used, retain_graph=True, allow_unused=True))
     return [next(got) if t is not None and t.requires_grad else None for t in inputs]
-
-
-def _reference_backward(
-    spec: Any, inputs: list[Tensor | None], probes: list[Tensor]
-) -> list[Tensor | None]:
-    """The decomposition's gradients at Q, K, V (those that require grad) for ``probes``."""
-    dtype = torch.promote_types(next(t for t in inputs if t is not None).dtype, torch.float32)
-    leaves = [
-        None if t is None else t.detach().to(dtype).requires_grad_(t.requires_grad) for t in inputs
-    ]
-    q, k, v = leaves
-    mask = spec.mask if spec.mask is None or spec.mask.dtype == torch.bool else spec.mask.to(dtype)
-    with torch.enable_grad():
-        probs = attention_probs(q, repeat_heads(k, spec.kv_groups), mask, spec.causal, spec.scale)
-        out = torch.matmul(probs, repeat_heads(v, spec.kv_groups))
-    return _grads((out, probs), leaves, [p.to(dtype) for p in probes])
 
 
 def _reach(raw: Tensor, mask: Tensor | None) -> float:

@@ -66,7 +66,11 @@ def attention_probs(
 ) -> Tensor:
     """The attention weights ``P = where(all masked, 0, softmax(S))``, differentiable with a
     finite gradient (the softmax of a fully masked row runs on zeros and is not used)."""
-    scores = attention_scores(q, k, mask, causal, scale)
+    return probs_of_scores(attention_scores(q, k, mask, causal, scale))
+
+
+def probs_of_scores(scores: Tensor) -> Tensor:
+    """``attention_probs`` from the masked scores ``S``."""
     with torch.no_grad():
         masked_rows = (scores == float("-inf")).all(-1, keepdim=True)
     probs = torch.softmax(scores.masked_fill(masked_rows, 0.0), -1)

@@ -39,12 +39,13 @@ _COMMON_PARAMETERS = frozenset(
 
 
 @functools.cache
-def _own_parameters(eager: Callable[..., Any]) -> tuple[str, ...]:
-    """The named parameters of ``eager`` beyond the common ones."""
+def _own_parameters(eager: Callable[..., Any]) -> tuple[str, ...] | None:
+    """The named parameters of ``eager`` beyond the common ones; None where it has no signature
+    to read (every keyword may then be one of its own)."""
     try:
         parameters = inspect.signature(eager).parameters.values()
-    except (TypeError, ValueError):  # no signature to read: treat every keyword as its own
-        return ("*",)
+    except (TypeError, ValueError):
+        return None
     return tuple(
         p.name
         for p in parameters
@@ -56,9 +57,8 @@ def _own_parameters(eager: Callable[..., Any]) -> tuple[str, ...]:
 def _draws_reference(eager: Callable[..., Any], module: nn.Module, kwargs: dict) -> bool:
     """Whether the call is the reference decomposition as far as its arguments tell."""
     own = _own_parameters(eager)
-    if "*" in own:
-        return not any(v is not None for v in kwargs.values())
-    if any(kwargs.get(name) is not None for name in own):
+    names = kwargs if own is None else own
+    if any(kwargs.get(name) is not None for name in names):
         return False
     return getattr(module, "sinks", None) is None and kwargs.get("s_aux") is None
 

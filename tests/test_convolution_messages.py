@@ -130,6 +130,17 @@ DEPTHWISE = {
     "strided": ((2, 3, 13, 12), (3, 1, 3, 3), (2, 2), (1, 1), (1, 1)),
     "dilated_multiplier": ((2, 3, 10, 19), (6, 1, 3, 2), (1, 1), (2, 1), (2, 3)),
     "strided_columns_only": ((1, 2, 8, 17), (4, 1, 2, 3), (1, 2), (0, 1), (1, 1)),
+    # rows whose last columns take one to four vectors of the gather (33 = 32 + 1 column:
+    # a single vector ending at the row's end; 9, 17, 25, 31: two, three, four, four)
+    "gather_tail_33": ((2, 3, 6, 31), (3, 1, 3, 3), (1, 1), (1, 1), (1, 1)),
+    "gather_tail_9": ((1, 2, 5, 7), (4, 1, 3, 3), (1, 1), (1, 1), (1, 1)),
+    "gather_tail_17": ((1, 2, 5, 13), (2, 1, 5, 5), (1, 1), (2, 2), (1, 1)),
+    "gather_tail_25_multiplier": ((1, 2, 4, 23), (6, 1, 3, 3), (1, 1), (1, 1), (1, 1)),
+    "gather_tail_31_dilated": ((1, 2, 9, 27), (2, 1, 3, 3), (1, 1), (2, 2), (2, 2)),
+    # every tap count of a kernel row that the weight kernel unrolls, rows of 16+ columns
+    "seven_taps_per_row": ((2, 2, 6, 40), (2, 1, 2, 7), (1, 1), (0, 3), (1, 1)),
+    "eight_taps_per_row": ((1, 3, 5, 37), (3, 1, 1, 8), (1, 1), (0, 0), (1, 1)),
+    "six_taps_dilated": ((1, 2, 5, 50), (2, 1, 2, 6), (1, 1), (0, 5), (1, 2)),
 }
 
 

@@ -24,6 +24,7 @@
 
 #include <stdint.h>
 #include <stdlib.h>
+#include <string.h>
 
 #include "vector_math.h"
 
@@ -36,60 +37,71 @@ static inline float hmax8(__m256 v) {
     return _mm_cvtss_f32(x);
 }
 
+/* Columns at[0..n) (8 each) of one input row of the gather below: every tap's candidates in
+   n independent chains of maxima, one store each. n is a constant where this is inlined. */
+static inline __attribute__((always_inline)) void gather_columns(
+    const float *base, const float *lwo, float *dst, const int64_t *at, const int n, int first,
+    int64_t row, int64_t kh_n, int64_t kw_n, int64_t dh, int64_t dw) {
+    __m256 a[4];
+#pragma GCC unroll 4
+    for (int j = 0; j < n; j++)
+        a[j] = first ? _mm256_set1_ps(-__builtin_inff()) : _mm256_loadu_ps(dst + at[j]);
+    for (int64_t kh = 0; kh < kh_n; kh++) {
+        const float *src = base - kh * dh * row;
+        for (int64_t kw = 0; kw < kw_n; kw++) {
+            const __m256 w = _mm256_set1_ps(lwo[kh * kw_n + kw]);
+#pragma GCC unroll 4
+            for (int j = 0; j < n; j++)
+                a[j] = _mm256_max_ps(a[j], _mm256_add_ps(_mm256_loadu_ps(src - kw * dw + at[j]), w));
+        }
+    }
+#pragma GCC unroll 4
+    for (int j = 0; j < n; j++) _mm256_storeu_ps(dst + at[j], a[j]);
+}
+
 /* Stride 1: each input position gathers its candidates instead. With the output plane padded
    by -inf (no path) on every side, input (ih, iw) reads tap (kh, kw) at padded output
    (ih - kh*DH + PH, iw - kw*DW + PW), in range for every input position: a block of 8 inputs
    costs a load, an add and a max per tap in registers and one store, where the scatter loop
-   loads and stores the destination for every tap. Same candidates, so the same maxima. */
+   loads and stores the destination for every tap. Same candidates, so the same maxima. `pad`
+   is the caller's per-thread buffer, filled with -inf once: only its interior is written here,
+   so its border stays -inf for every plane (filling the whole buffer per plane cost as much as
+   the plane's maxima for a 5x5 kernel). */
 static void input_plane_gather(const float *mo, const float *lwo, float *plane, float *pad,
                                int first, int64_t ho, int64_t wo, int64_t hp, int64_t wp,
                                int64_t kh_n, int64_t kw_n, int64_t dh, int64_t dw) {
     const int64_t ph = (kh_n - 1) * dh, pw = (kw_n - 1) * dw, row = wo + 2 * pw;
-    for (int64_t i = 0; i < (ho + 2 * ph) * row; i++) pad[i] = -__builtin_inff();
     for (int64_t oh = 0; oh < ho; oh++)
-        for (int64_t ow = 0; ow < wo; ow++) pad[(oh + ph) * row + pw + ow] = mo[oh * wo + ow];
+        memcpy(pad + (oh + ph) * row + pw, mo + oh * wo, sizeof(float) * (size_t)wo);
     for (int64_t ih = 0; ih < hp; ih++) {
         const float *base = pad + (ih + ph) * row + pw; /* tap (0, 0) of column iw: base + iw */
         float *dst = plane + ih * wp;
         int64_t iw = 0;
-        for (; iw + 32 <= wp; iw += 32) { /* four independent chains of maxima */
-            __m256 a[4];
-            for (int j = 0; j < 4; j++)
-                a[j] = first ? _mm256_set1_ps(-__builtin_inff()) : _mm256_loadu_ps(dst + iw + 8 * j);
-            for (int64_t kh = 0; kh < kh_n; kh++) {
-                const float *src = base - kh * dh * row + iw;
-                for (int64_t kw = 0; kw < kw_n; kw++) {
-                    const __m256 w = _mm256_set1_ps(lwo[kh * kw_n + kw]);
-                    for (int j = 0; j < 4; j++)
-                        a[j] = _mm256_max_ps(
-                            a[j], _mm256_add_ps(_mm256_loadu_ps(src - kw * dw + 8 * j), w));
-                }
-            }
-            for (int j = 0; j < 4; j++) _mm256_storeu_ps(dst + iw + 8 * j, a[j]);
+        for (; iw + 32 <= wp; iw += 32) {
+            const int64_t at[4] = {iw, iw + 8, iw + 16, iw + 24};
+            gather_columns(base, lwo, dst, at, 4, first, row, kh_n, kw_n, dh, dw);
         }
-        /* the last columns: one more block ending at the row's end where the row holds one
-           (it recomputes some columns; a max over the same candidates gives them again) */
-        for (; iw < wp; iw += 8) {
-            if (wp < 8) {
-                for (; iw < wp; iw++) {
-                    float best = first ? -__builtin_inff() : dst[iw];
-                    for (int64_t kh = 0; kh < kh_n; kh++)
-                        for (int64_t kw = 0; kw < kw_n; kw++)
-                            best = max1(best, base[iw - kh * dh * row - kw * dw] +
-                                                  lwo[kh * kw_n + kw]);
-                    dst[iw] = best;
-                }
-                break;
+        if (iw == wp) continue;
+        if (wp < 8) {
+            for (; iw < wp; iw++) {
+                float best = first ? -__builtin_inff() : dst[iw];
+                for (int64_t kh = 0; kh < kh_n; kh++)
+                    for (int64_t kw = 0; kw < kw_n; kw++)
+                        best = max1(best, base[iw - kh * dh * row - kw * dw] + lwo[kh * kw_n + kw]);
+                dst[iw] = best;
             }
-            if (iw + 8 > wp) iw = wp - 8;
-            __m256 a = first ? _mm256_set1_ps(-__builtin_inff()) : _mm256_loadu_ps(dst + iw);
-            for (int64_t kh = 0; kh < kh_n; kh++) {
-                const float *src = base - kh * dh * row + iw;
-                for (int64_t kw = 0; kw < kw_n; kw++)
-                    a = _mm256_max_ps(a, _mm256_add_ps(_mm256_loadu_ps(src - kw * dw),
-                                                       _mm256_set1_ps(lwo[kh * kw_n + kw])));
-            }
-            _mm256_storeu_ps(dst + iw, a);
+            continue;
+        }
+        /* the last columns: up to four more vectors, the last ending at the row's end (it
+           recomputes some columns; a max over the same candidates gives them again), as
+           independent chains too (one chain of 8 columns waited on each maximum's latency) */
+        const int64_t at[4] = {iw < wp - 8 ? iw : wp - 8, iw + 8 < wp - 8 ? iw + 8 : wp - 8,
+                               iw + 16 < wp - 8 ? iw + 16 : wp - 8, wp - 8};
+        switch ((wp - iw + 7) / 8) {
+        case 1: gather_columns(base, lwo, dst, at, 1, first, row, kh_n, kw_n, dh, dw); break;
+        case 2: gather_columns(base, lwo, dst, at, 2, first, row, kh_n, kw_n, dh, dw); break;
+        case 3: gather_columns(base, lwo, dst, at, 3, first, row, kh_n, kw_n, dh, dw); break;
+        default: gather_columns(base, lwo, dst, at, 4, first, row, kh_n, kw_n, dh, dw);
         }
     }
 }
@@ -103,9 +115,10 @@ void semipack_depthwise_input_f32(const float *m, const float *lw, float *dx, in
                        wp == wo + (kw_n - 1) * dw;
 #pragma omp parallel num_threads(threads)
     {
-        float *pad = gather ? malloc(sizeof(float) * (ho + 2 * (kh_n - 1) * dh) *
-                                     (wo + 2 * (kw_n - 1) * dw))
-                            : 0;
+        const int64_t padded = (ho + 2 * (kh_n - 1) * dh) * (wo + 2 * (kw_n - 1) * dw);
+        float *pad = gather ? malloc(sizeof(float) * padded) : 0;
+        if (pad) /* the border: -inf (no path) for every plane this thread gathers */
+            for (int64_t i = 0; i < padded; i++) pad[i] = -__builtin_inff();
 #pragma omp for schedule(static)
         for (int64_t bc = 0; bc < batch * channels; bc++) {
             const int64_t b = bc / channels, c = bc % channels;
@@ -149,18 +162,22 @@ void semipack_depthwise_input_f32(const float *m, const float *lw, float *dx, in
     }
 }
 
-/* Unit column stride, up to 8 taps per kernel row: the taps of one kernel row share the message's loads
-   (one load of m per 8 outputs feeds every tap's maximum), and a row's last columns are one
-   more vector ending at the row's end (a maximum counts a candidate twice harmlessly). */
-static void weight_row_taps(const float *m, const float *lx, float *out, int64_t batch,
-                            int64_t channels, int64_t mult, int64_t o, int64_t kh, int64_t ho,
-                            int64_t wo, int64_t hp, int64_t wp, int64_t kw_n, int64_t sh,
-                            int64_t dh, int64_t dw) {
+/* Unit column stride, up to 8 taps per kernel row: the taps of one kernel row share the message's
+   loads (one load of m per 8 outputs feeds every tap's maximum), and a row's last columns are
+   one more vector ending at the row's end (a maximum counts a candidate twice harmlessly).
+   Inlined with kw_n a constant (weight_row): with a run-time tap count the compiler kept the
+   accumulators in memory, and each maximum waited on a store and a load (half the dense
+   product's rate). */
+static inline __attribute__((always_inline)) void weight_row_taps(
+    const float *m, const float *lx, float *out, int64_t batch, int64_t channels, int64_t mult,
+    int64_t o, int64_t kh, int64_t ho, int64_t wo, int64_t hp, int64_t wp, const int kw_n,
+    int64_t sh, int64_t dh, int64_t dw) {
     const int64_t c = o / mult;
-    __m256 acc[8];
+    __m256 acc[8], acc2[8];
     float best[8];
-    for (int64_t kw = 0; kw < kw_n; kw++) {
-        acc[kw] = _mm256_set1_ps(-__builtin_inff());
+#pragma GCC unroll 8
+    for (int kw = 0; kw < kw_n; kw++) {
+        acc[kw] = acc2[kw] = _mm256_set1_ps(-__builtin_inff());
         best[kw] = -__builtin_inff();
     }
     for (int64_t b = 0; b < batch; b++) {
@@ -170,20 +187,59 @@ static void weight_row_taps(const float *m, const float *lx, float *out, int64_t
             const float *src = mo + oh * wo, *in = xc + oh * sh * wp;
             if (wo < 8) {
                 for (int64_t ow = 0; ow < wo; ow++)
-                    for (int64_t kw = 0; kw < kw_n; kw++)
+#pragma GCC unroll 8
+                    for (int kw = 0; kw < kw_n; kw++)
                         best[kw] = max1(best[kw], src[ow] + in[ow + kw * dw]);
                 continue;
             }
-            for (int64_t ow = 0; ow < wo; ow += 8) {
+            int64_t ow = 0;
+            if (kw_n <= 5) /* two blocks of 8 at a time: twice the independent chains */
+                for (; ow + 16 <= wo; ow += 16) {
+                    const __m256 mv = _mm256_loadu_ps(src + ow), mv2 = _mm256_loadu_ps(src + ow + 8);
+#pragma GCC unroll 8
+                    for (int kw = 0; kw < kw_n; kw++) {
+                        acc[kw] = _mm256_max_ps(
+                            acc[kw], _mm256_add_ps(mv, _mm256_loadu_ps(in + ow + kw * dw)));
+                        acc2[kw] = _mm256_max_ps(
+                            acc2[kw], _mm256_add_ps(mv2, _mm256_loadu_ps(in + ow + 8 + kw * dw)));
+                    }
+                }
+            for (; ow < wo; ow += 8) {
                 if (ow + 8 > wo) ow = wo - 8;
                 const __m256 mv = _mm256_loadu_ps(src + ow);
-                for (int64_t kw = 0; kw < kw_n; kw++)
+#pragma GCC unroll 8
+                for (int kw = 0; kw < kw_n; kw++)
                     acc[kw] = _mm256_max_ps(
                         acc[kw], _mm256_add_ps(mv, _mm256_loadu_ps(in + ow + kw * dw)));
             }
         }
     }
-    for (int64_t kw = 0; kw < kw_n; kw++) out[kh * kw_n + kw] = max1(best[kw], hmax8(acc[kw]));
+#pragma GCC unroll 8
+    for (int kw = 0; kw < kw_n; kw++)
+        out[kh * kw_n + kw] = max1(best[kw], hmax8(_mm256_max_ps(acc[kw], acc2[kw])));
+}
+
+/* weight_row_taps for 1 to 8 taps per kernel row, each with its tap count a constant. */
+static void weight_row(const float *m, const float *lx, float *out, int64_t batch,
+                       int64_t channels, int64_t mult, int64_t o, int64_t kh, int64_t ho,
+                       int64_t wo, int64_t hp, int64_t wp, int64_t kw_n, int64_t sh, int64_t dh,
+                       int64_t dw) {
+#define SEMIPACK_ROW(n)                                                                        \
+    case n:                                                                                    \
+        weight_row_taps(m, lx, out, batch, channels, mult, o, kh, ho, wo, hp, wp, n, sh, dh,  \
+                        dw);                                                                   \
+        return;
+    switch (kw_n) {
+        SEMIPACK_ROW(1)
+        SEMIPACK_ROW(2)
+        SEMIPACK_ROW(3)
+        SEMIPACK_ROW(4)
+        SEMIPACK_ROW(5)
+        SEMIPACK_ROW(6)
+        SEMIPACK_ROW(7)
+        SEMIPACK_ROW(8)
+    }
+#undef SEMIPACK_ROW
 }
 
 void semipack_depthwise_weight_f32(const float *m, const float *lx, float *out, int64_t batch,
@@ -195,8 +251,8 @@ void semipack_depthwise_weight_f32(const float *m, const float *lx, float *out, 
 #pragma omp parallel for schedule(static) num_threads(threads)
         for (int64_t t = 0; t < channels * mult * kh_n; t++) {
             const int64_t o = t / kh_n, kh = t % kh_n;
-            weight_row_taps(m, lx, out + o * taps, batch, channels, mult, o, kh, ho, wo, hp, wp,
-                            kw_n, sh, dh, dw);
+            weight_row(m, lx, out + o * taps, batch, channels, mult, o, kh, ho, wo, hp, wp, kw_n,
+                       sh, dh, dw);
         }
         return;
     }

@@ -18,13 +18,19 @@ Each line is a median of ``--repeats`` timed runs (after a warm-up) on one threa
   the bool mask against the rule's ``threshold_backward`` and infinite offset (same bits);
 * a fresh 30522 x 384 zero table (MiniLM's vocabulary) against filling one that exists: the
   cost of first touching fresh pages, which the readout reuse avoids;
-* the max-plus kernel on one ResNet-18 convolution tap's weight message, read through the row
-  table of ``_MaxPlusTaps``, in pairs per second;
+* the max-plus kernels of one ResNet-18 layer1 convolution tap (batch 2, 64 -> 64 channels,
+  56 x 56) through the row table of ``_MaxPlusTaps``: its weight message (gather) and its input
+  message (scatter-max), values alone (MaxProd) and with the first argmax (TopPath), in pairs
+  per second;
+* the native depthwise kernels (``kernels/native/depthwise.c``) on depthwise layers of 96
+  channels, batch 2, 3x3 and 5x5 kernels with "same" padding, on 56 x 56 and 14 x 14 planes:
+  the input and weight messages, MaxProd and TopPath, in the same pairs per second as the tap
+  product above (the issue's "not slower per multiply-add than the dense one");
 * one 5x5 depthwise layer of 96 channels (MobileNet-like, 14 x 14, batch 2): MaxProd backward
   over a plain one in CPU time, with the native depthwise kernel and with it switched off
   (medians of ``--repeats`` backward passes, each after an untimed forward), and MaxProd's
-  extra time per multiply-add there against a dense 3x3 convolution of 96 channels, and the
-  depthwise kernel's own rate on a larger layer, in pairs per second like the tap product.
+  extra time per multiply-add of the whole layer there against a dense 3x3 convolution of 96
+  channels (a layer with 25 multiply-adds per output pays its per-node costs over few of them).
 """
 
 from __future__ import annotations
@@ -45,6 +51,7 @@ from semipack.kernels.native import (
     depthwise_f32,
     fingerprint,
     maxplus_gather_f32,
+    maxplus_scatter_max_f32,
     native_available,
     pack_panels_f32,
 )
@@ -126,7 +133,8 @@ def log_plus(repeats: int) -> None:
 
 
 def max_plus(repeats: int) -> None:
-    # ResNet-18 layer1, batch 2: the weight message of one tap, [64, B*L] x window [B*L, 64]
+    # ResNet-18 layer1, batch 2: one tap's weight message [64, B*L] x window [B*L, 64] (gather)
+    # and its input message [B*L, 64] x tap [64, 64] into the window (scatter-max)
     torch.manual_seed(0)
     batch, side, channels = 2, 56, 64
     padded = side + 2
@@ -135,10 +143,61 @@ def max_plus(repeats: int) -> None:
     panels = pack_panels_f32(x)
     b_idx = torch.arange(batch)[:, None, None] * padded * padded
     rows = (b_idx + torch.arange(side)[None, :, None] * padded + torch.arange(side)).reshape(-1)
-    ms = median_ms(lambda: maxplus_gather_f32(a, panels, rows, padded + 1, channels), repeats)
+    rows = rows.contiguous()
+    message = torch.randn(batch * side * side, channels)
+    tap = pack_panels_f32(torch.randn(channels, channels))
+    dest = torch.full((batch * padded * padded, channels), float("-inf"))
+    ids = torch.arange(message.numel()).reshape(message.shape)
+    dest_ids = torch.zeros(dest.shape, dtype=torch.int64)
     pairs = a.shape[0] * a.shape[1] * channels
-    rate = pairs / ms / 1e6
-    print(f"max-plus tap product [64, 6272] x [6272, 64]: {ms:.3f} ms, {rate:.1f} G pairs/s")
+    rates = [
+        pairs / median_ms(run, repeats) / 1e6
+        for run in (
+            lambda: maxplus_gather_f32(a, panels, rows, padded + 1, channels),
+            lambda: maxplus_scatter_max_f32(message, tap, dest, rows, padded + 1),
+            lambda: maxplus_gather_f32(a, panels, rows, padded + 1, channels, with_index=True),
+            lambda: maxplus_scatter_max_f32(message, tap, dest, rows, padded + 1, ids, dest_ids),
+        )
+    ]
+    print(
+        f"max-plus tap products [64, 6272] x [6272, 64] (G pairs/s): MaxProd weight message "
+        f"{rates[0]:.1f}, input message {rates[1]:.1f}; TopPath weight {rates[2]:.1f}, input "
+        f"{rates[3]:.1f}"
+    )
+
+
+def depthwise_rates(repeats: int) -> None:
+    """The depthwise kernels' pairs per second, to read against the tap products above."""
+    torch.manual_seed(0)
+    for kernel, side in ((3, 56), (5, 56), (3, 14), (5, 14)):
+        rates = _depthwise_layer_rates(kernel, side, repeats)
+        print(
+            f"depthwise {kernel}x{kernel}, 96 channels, {side} x {side}, batch 2 (G pairs/s): "
+            f"MaxProd weight message {rates[0]:.1f}, input message {rates[1]:.1f}; TopPath "
+            f"weight {rates[2]:.1f}, input {rates[3]:.1f}"
+        )
+
+
+def _depthwise_layer_rates(kernel: int, side: int, repeats: int) -> list[float]:
+    """G pairs/s of MaxProd's weight and input messages, then TopPath's, of one layer."""
+    pad = (kernel - 1) // 2
+    m = torch.randn(2, 96, side, side)
+    lw = torch.randn(96, kernel, kernel)
+    lx = torch.randn(2, 96, side + 2 * pad, side + 2 * pad)
+    ids = torch.arange(m.numel()).reshape(m.shape)
+    pairs = m.numel() * kernel * kernel
+    return [
+        pairs
+        / median_ms(
+            lambda i=i, want=want: depthwise_f32(
+                m, lw, lx, (1, 1), (1, 1), want, not want, ids=i, padding=(pad, pad)
+            ),
+            repeats,
+        )
+        / 1e6
+        for i in (None, ids)
+        for want in (False, True)
+    ]
 
 
 def backward_ms(
@@ -185,19 +244,6 @@ def depthwise(repeats: int) -> None:
         "depthwise": (native - plain) / (2 * positions * 96 * 25),
         "dense": (dense_max - dense_plain) / (2 * positions * 96 * 96 * 9),
     }
-    m, lw, lx = torch.randn(8, 96, 56, 56), torch.randn(96, 5, 5), torch.randn(8, 96, 60, 60)
-    pairs = 8 * 96 * 56 * 56 * 25
-    rates = [
-        pairs
-        / median_ms(lambda i=i: depthwise_f32(m, lw, lx, (1, 1), (1, 1), i, not i), repeats)
-        / 1e6
-        for i in (True, False)
-    ]
-    print(
-        "depthwise kernel alone (5x5, 96 channels, 56 x 56, batch 8): input message "
-        f"{rates[0]:.1f} G pairs/s, weight message {rates[1]:.1f} G pairs/s (the dense tap "
-        "product: the max-plus line above)"
-    )
     print(
         "MaxProd's extra CPU time per multiply-add of its messages: depthwise 5x5 "
         f"{per_mac['depthwise'] * 1e6:.2f} ns, dense 3x3 96 -> 96 {per_mac['dense'] * 1e6:.2f} ns "
@@ -219,6 +265,7 @@ def main() -> None:
     fused_readout(args.repeats)
     log_plus(args.repeats)
     max_plus(args.repeats)
+    depthwise_rates(args.repeats)
     depthwise(args.repeats)
 
 

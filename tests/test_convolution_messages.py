@@ -144,13 +144,18 @@ DEPTHWISE = {
 }
 
 
+@pytest.mark.parametrize("data", ["random", "ties"])
 @pytest.mark.parametrize("semiring", [semipack.MaxProd(), semipack.TopPath()], ids=repr)
 @pytest.mark.parametrize("mask", [(True, True, True), (True, False, False), (False, True, False)])
 @pytest.mark.parametrize("name", DEPTHWISE)
-def test_native_depthwise_max_plus_equals_the_per_tap_path(name: str, mask, semiring) -> None:
+def test_native_depthwise_max_plus_equals_the_per_tap_path(
+    name: str, mask, semiring, data: str
+) -> None:
     """The native depthwise kernel gives the per-tap path's MaxProd and TopPath messages bit for
-    bit, TopPath's successor ids included (ties between taps and multiplier channels go to the
-    same candidate), with exact zeros in x and w (no edge) and messages without a path (-inf)."""
+    bit, TopPath's successor ids included, with exact zeros in x and w (no edge) and messages
+    without a path (-inf). With "ties", x and w take a few powers of two and m integers, so most
+    maxima are reached by several candidates (taps, multiplier channels, positions): the ids
+    must be those of the first candidate in the per-tap path's order."""
     from semipack.kernels.native import native_available
     from semipack.rules.convolution import depthwise_max_plus
 
@@ -162,6 +167,9 @@ def test_native_depthwise_max_plus_equals_the_per_tap_path(name: str, mask, semi
     x[x.abs() < 0.3] = 0.0
     w = torch.randn(w_shape, generator=gen)
     w.view(-1)[::7] = 0.0
+    if data == "ties":  # |x|, |w| in {0, 1/2, 1, 2}: their logarithms are few, sums tie often
+        x = x.sign() * 2.0 ** torch.randint(-1, 2, x_shape, generator=gen).float()
+        w = w.sign() * 2.0 ** torch.randint(-1, 2, w_shape, generator=gen).float()
     geometry = ConvGeometry.of(2, stride, padding, dilation, x.shape[1])
     out = torch.nn.functional.conv2d(x, w, None, stride, padding, dilation, x.shape[1])
     m = (torch.randn(out.shape, generator=gen) * 3).round()  # ties

@@ -109,6 +109,7 @@ def depthwise_max_plus(
         mask[1],
         ids=m_parts[1] if ids else None,
         no_successor=int(sr.zero[1]) if ids else -1,
+        padding=tuple(geometry.padding),
     )
     grad_in = grad_w = grad_b = None
     if mask[0]:

@@ -67,9 +67,9 @@ _SIGNATURES: dict[str, tuple[str | None, str]] = {
     "semipack_fingerprint": (None, "pqp"),
     "semipack_maxplus_gather_f32": (None, "pqqpqpppqqqqi"),
     "semipack_maxplus_scatter_max_f32": (None, "pqqpppqppqqqi"),
-    "semipack_depthwise_input_f32": (None, "ppp" + "q" * 13 + "i"),
+    "semipack_depthwise_input_f32": (None, "ppp" + "q" * 15 + "i"),
     "semipack_depthwise_weight_f32": (None, "ppp" + "q" * 13 + "i"),
-    "semipack_depthwise_input_ids_f32": (None, "ppppp" + "q" * 14 + "i"),
+    "semipack_depthwise_input_ids_f32": (None, "ppppp" + "q" * 16 + "i"),
     "semipack_depthwise_weight_ids_f32": (None, "ppppp" + "q" * 13 + "i"),
 }
 
@@ -251,13 +251,17 @@ def depthwise_f32(
     want_weight: bool,
     ids: Tensor | None = None,
     no_successor: int = -1,
+    padding: tuple[int, int] = (0, 0),
 ) -> tuple[tuple[Tensor, ...] | None, tuple[Tensor, ...] | None]:
     """MaxProd messages of a 2-D depthwise convolution (see depthwise.c): to the padded input,
     ``[B, C, Hp, Wp]``, and to the weight, ``[C * M, KH, KW]``, each as a 1-tuple. ``m``
     [B, C * M, Ho, Wo], ``lw`` [C * M, KH, KW], ``lx`` [B, C, Hp, Wp] (log|x| of the zero-padded
     input), all float32 CPU; the caller checks that none holds NaN or ``+inf``. With ``ids``
     (int64 like ``m``: TopPath's successor ids) each message is (values, ids), the ids of the
-    first candidates attaining the maxima (``no_successor`` where an input has none)."""
+    first candidates attaining the maxima (``no_successor`` where an input has none).
+    ``padding``: rows and columns on each side of ``lx`` that are the convolution's zero
+    padding, no input; their input message is no value to read (MaxProd's stride-1 kernel
+    leaves it ``-inf`` without computing it), so the caller crops it."""
     lib = _library()
     assert lib is not None and m.dtype == lw.dtype == lx.dtype == torch.float32
     m, lw, lx = m.contiguous(), lw.contiguous(), lx.contiguous()
@@ -279,7 +283,10 @@ def depthwise_f32(
             out.append(torch.empty(out[0].shape, dtype=torch.int64))
         kernel = getattr(lib, "semipack_depthwise_input" + suffix)
         tail = () if ids is None else (out[1].data_ptr(), no_successor)
-        kernel(m.data_ptr(), *with_ids, lw.data_ptr(), out[0].data_ptr(), *tail, *sizes, threads)
+        crop = tuple(padding)
+        kernel(
+            m.data_ptr(), *with_ids, lw.data_ptr(), out[0].data_ptr(), *tail, *sizes, *crop, threads
+        )
         to_input = tuple(out)
     if want_weight:
         out = [torch.empty((channels * mult, kh, kw), dtype=torch.float32)]

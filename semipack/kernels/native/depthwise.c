@@ -37,26 +37,33 @@ static inline float hmax8(__m256 v) {
     return _mm_cvtss_f32(x);
 }
 
-/* Columns at[0..n) (8 each) of one input row of the gather below: every tap's candidates in
-   n independent chains of maxima, one store each. n is a constant where this is inlined. */
+/* Columns at[0..n) (8 each) of `rows` input rows of the gather below, row by row: every tap's
+   candidates in n independent chains of maxima, one store each. n is a constant where this is
+   inlined. The rows loop sits here, inside, so that a row's setup is a pointer step (a 3x3
+   kernel's 56-column rows had spent as long on setup as on their maxima). */
 static inline __attribute__((always_inline)) void gather_columns(
-    const float *base, const float *lwo, float *dst, const int64_t *at, const int n, int first,
-    int64_t row, int64_t kh_n, int64_t kw_n, int64_t dh, int64_t dw) {
-    __m256 a[4];
+    const float *base, const float *lwo, float *dst, int64_t rows, int64_t wp, const int64_t *at,
+    const int n, int first, int64_t row, int64_t kh_n, int64_t kw_n, int64_t dh, int64_t dw) {
+    for (int64_t r = 0; r < rows; r++, base += row, dst += wp) {
+        __m256 a[4];
 #pragma GCC unroll 4
-    for (int j = 0; j < n; j++)
-        a[j] = first ? _mm256_set1_ps(-__builtin_inff()) : _mm256_loadu_ps(dst + at[j]);
-    for (int64_t kh = 0; kh < kh_n; kh++) {
-        const float *src = base - kh * dh * row;
-        for (int64_t kw = 0; kw < kw_n; kw++) {
-            const __m256 w = _mm256_set1_ps(lwo[kh * kw_n + kw]);
+        for (int j = 0; j < n; j++)
+            a[j] = first ? _mm256_set1_ps(-__builtin_inff()) : _mm256_loadu_ps(dst + at[j]);
+#pragma GCC unroll 8
+        for (int64_t kh = 0; kh < kh_n; kh++) {
+            const float *src = base - kh * dh * row;
+#pragma GCC unroll 8
+            for (int64_t kw = 0; kw < kw_n; kw++) {
+                const __m256 w = _mm256_set1_ps(lwo[kh * kw_n + kw]);
 #pragma GCC unroll 4
-            for (int j = 0; j < n; j++)
-                a[j] = _mm256_max_ps(a[j], _mm256_add_ps(_mm256_loadu_ps(src - kw * dw + at[j]), w));
+                for (int j = 0; j < n; j++)
+                    a[j] = _mm256_max_ps(a[j],
+                                         _mm256_add_ps(_mm256_loadu_ps(src - kw * dw + at[j]), w));
+            }
         }
-    }
 #pragma GCC unroll 4
-    for (int j = 0; j < n; j++) _mm256_storeu_ps(dst + at[j], a[j]);
+        for (int j = 0; j < n; j++) _mm256_storeu_ps(dst + at[j], a[j]);
+    }
 }
 
 /* Stride 1: each input position gathers its candidates instead. With the output plane padded
@@ -66,53 +73,86 @@ static inline __attribute__((always_inline)) void gather_columns(
    loads and stores the destination for every tap. Same candidates, so the same maxima. `pad`
    is the caller's per-thread buffer, filled with -inf once: only its interior is written here,
    so its border stays -inf for every plane (filling the whole buffer per plane cost as much as
-   the plane's maxima for a 5x5 kernel). */
-static void input_plane_gather(const float *mo, const float *lwo, float *plane, float *pad,
-                               int first, int64_t ho, int64_t wo, int64_t hp, int64_t wp,
-                               int64_t kh_n, int64_t kw_n, int64_t dh, int64_t dw) {
+   the plane's maxima for a 5x5 kernel). Only the plane's entries that are inputs are gathered:
+   the convolution's zero padding, `ch` rows and `cw` columns on each side, is no input and
+   gets -inf (a 5x5 kernel on a 14 x 14 plane computed 18 x 24 entries for 14 x 14 inputs). */
+static inline __attribute__((always_inline)) void input_plane_gather_k(
+    const float *mo, const float *lwo, float *plane, float *pad, int first, int64_t ho,
+    int64_t wo, int64_t hp, int64_t wp, const int64_t kh_n, const int64_t kw_n, int64_t dh,
+    int64_t dw, int64_t ch, int64_t cw) {
     const int64_t ph = (kh_n - 1) * dh, pw = (kw_n - 1) * dw, row = wo + 2 * pw;
+    const int64_t width = wp - 2 * cw;
     for (int64_t oh = 0; oh < ho; oh++)
         memcpy(pad + (oh + ph) * row + pw, mo + oh * wo, sizeof(float) * (size_t)wo);
-    for (int64_t ih = 0; ih < hp; ih++) {
-        const float *base = pad + (ih + ph) * row + pw; /* tap (0, 0) of column iw: base + iw */
-        float *dst = plane + ih * wp;
-        int64_t iw = 0;
-        for (; iw + 32 <= wp; iw += 32) {
-            const int64_t at[4] = {iw, iw + 8, iw + 16, iw + 24};
-            gather_columns(base, lwo, dst, at, 4, first, row, kh_n, kw_n, dh, dw);
-        }
-        if (iw == wp) continue;
-        if (wp < 8) {
-            for (; iw < wp; iw++) {
-                float best = first ? -__builtin_inff() : dst[iw];
+    if (first) { /* the padding: no input, no message */
+        for (int64_t i = 0; i < ch * wp; i++)
+            plane[i] = plane[(hp - ch) * wp + i] = -__builtin_inff();
+        for (int64_t ih = ch; ih < hp - ch; ih++)
+            for (int64_t j = 0; j < cw; j++)
+                plane[ih * wp + j] = plane[ih * wp + wp - 1 - j] = -__builtin_inff();
+    }
+    /* tap (0, 0) of input column iw of the first input row: base + iw */
+    const float *base = pad + (ch + ph) * row + pw + cw;
+    float *dst = plane + ch * wp + cw;
+    const int64_t rows = hp - 2 * ch;
+    if (width < 8) {
+        for (int64_t ih = 0; ih < rows; ih++)
+            for (int64_t iw = 0; iw < width; iw++) {
+                float best = first ? -__builtin_inff() : dst[ih * wp + iw];
                 for (int64_t kh = 0; kh < kh_n; kh++)
                     for (int64_t kw = 0; kw < kw_n; kw++)
-                        best = max1(best, base[iw - kh * dh * row - kw * dw] + lwo[kh * kw_n + kw]);
-                dst[iw] = best;
+                        best = max1(best, base[ih * row + iw - kh * dh * row - kw * dw] +
+                                              lwo[kh * kw_n + kw]);
+                dst[ih * wp + iw] = best;
             }
-            continue;
-        }
-        /* the last columns: up to four more vectors, the last ending at the row's end (it
-           recomputes some columns; a max over the same candidates gives them again), as
-           independent chains too (one chain of 8 columns waited on each maximum's latency) */
-        const int64_t at[4] = {iw < wp - 8 ? iw : wp - 8, iw + 8 < wp - 8 ? iw + 8 : wp - 8,
-                               iw + 16 < wp - 8 ? iw + 16 : wp - 8, wp - 8};
-        switch ((wp - iw + 7) / 8) {
-        case 1: gather_columns(base, lwo, dst, at, 1, first, row, kh_n, kw_n, dh, dw); break;
-        case 2: gather_columns(base, lwo, dst, at, 2, first, row, kh_n, kw_n, dh, dw); break;
-        case 3: gather_columns(base, lwo, dst, at, 3, first, row, kh_n, kw_n, dh, dw); break;
-        default: gather_columns(base, lwo, dst, at, 4, first, row, kh_n, kw_n, dh, dw);
-        }
+        return;
+    }
+    int64_t iw = 0;
+    for (; iw + 32 <= width; iw += 32) {
+        const int64_t at[4] = {iw, iw + 8, iw + 16, iw + 24};
+        gather_columns(base, lwo, dst, rows, wp, at, 4, first, row, kh_n, kw_n, dh, dw);
+    }
+    if (iw == width) return;
+    /* the last columns: up to four more vectors, the last ending at the row's end (it
+       recomputes some columns; a max over the same candidates gives them again), as
+       independent chains too (one chain of 8 columns waited on each maximum's latency) */
+    const int64_t last = width - 8;
+    const int64_t at[4] = {iw < last ? iw : last, iw + 8 < last ? iw + 8 : last,
+                           iw + 16 < last ? iw + 16 : last, last};
+    switch ((width - iw + 7) / 8) {
+    case 1: gather_columns(base, lwo, dst, rows, wp, at, 1, first, row, kh_n, kw_n, dh, dw); break;
+    case 2: gather_columns(base, lwo, dst, rows, wp, at, 2, first, row, kh_n, kw_n, dh, dw); break;
+    case 3: gather_columns(base, lwo, dst, rows, wp, at, 3, first, row, kh_n, kw_n, dh, dw); break;
+    default: gather_columns(base, lwo, dst, rows, wp, at, 4, first, row, kh_n, kw_n, dh, dw);
     }
 }
 
+/* input_plane_gather_k with the common kernel sizes as constants: their taps unroll and a 3x3
+   kernel's weights stay in registers for the whole plane. */
+static void input_plane_gather(const float *mo, const float *lwo, float *plane, float *pad,
+                               int first, int64_t ho, int64_t wo, int64_t hp, int64_t wp,
+                               int64_t kh_n, int64_t kw_n, int64_t dh, int64_t dw, int64_t ch,
+                               int64_t cw) {
+    if (kh_n == 3 && kw_n == 3)
+        input_plane_gather_k(mo, lwo, plane, pad, first, ho, wo, hp, wp, 3, 3, dh, dw, ch, cw);
+    else if (kh_n == 5 && kw_n == 5)
+        input_plane_gather_k(mo, lwo, plane, pad, first, ho, wo, hp, wp, 5, 5, dh, dw, ch, cw);
+    else
+        input_plane_gather_k(mo, lwo, plane, pad, first, ho, wo, hp, wp, kh_n, kw_n, dh, dw, ch,
+                             cw);
+}
+
+/* ch, cw: the convolution's padding (rows and columns on each side of the padded plane that
+   are no input); the gather leaves them -inf, the other loops compute them too (the caller
+   crops them either way). */
 void semipack_depthwise_input_f32(const float *m, const float *lw, float *dx, int64_t batch,
                                   int64_t channels, int64_t mult, int64_t ho, int64_t wo,
                                   int64_t hp, int64_t wp, int64_t kh_n, int64_t kw_n, int64_t sh,
-                                  int64_t sw, int64_t dh, int64_t dw, int threads) {
+                                  int64_t sw, int64_t dh, int64_t dw, int64_t ch, int64_t cw,
+                                  int threads) {
     /* the gather needs stride 1 and a padded input no larger than the outputs read */
     const int gather = sh == 1 && sw == 1 && hp == ho + (kh_n - 1) * dh &&
-                       wp == wo + (kw_n - 1) * dw;
+                       wp == wo + (kw_n - 1) * dw && 2 * ch < hp && 2 * cw < wp;
 #pragma omp parallel num_threads(threads)
     {
         const int64_t padded = (ho + 2 * (kh_n - 1) * dh) * (wo + 2 * (kw_n - 1) * dw);
@@ -128,7 +168,7 @@ void semipack_depthwise_input_f32(const float *m, const float *lw, float *dx, in
                     const int64_t o = c * mult + u;
                     input_plane_gather(m + (b * channels * mult + o) * ho * wo,
                                        lw + o * kh_n * kw_n, plane, pad, u == 0, ho, wo, hp, wp,
-                                       kh_n, kw_n, dh, dw);
+                                       kh_n, kw_n, dh, dw, ch, cw);
                 }
                 continue;
             }
@@ -242,11 +282,83 @@ static void weight_row(const float *m, const float *lx, float *out, int64_t batc
 #undef SEMIPACK_ROW
 }
 
+/* Stride 1 and undilated rows, KH x KW taps in registers (KH * KW + R + 1 of the 16): R rows
+   of the message at a time, so each load of a row of lx serves every (message row, kernel row)
+   pair that reads it, up to min(R, KH) of them. The load of each tap's input was the limit
+   (loads per candidate: (1 + KW) / (8 KW) row by row, (R + (R + KH - 1) KW) / (8 R KH KW) here),
+   not the adds and maxima. Rows left over (ho not a multiple of R) run with R = 1. */
+static inline __attribute__((always_inline)) void weight_taps_block(
+    const float *mo, const float *xc, int64_t wo, int64_t wp, int64_t dw, const int R,
+    const int KH, const int KW, __m256 *acc, float *best) {
+    if (wo < 8) {
+        for (int i = 0; i < R; i++)
+            for (int64_t ow = 0; ow < wo; ow++)
+                for (int kh = 0; kh < KH; kh++)
+                    for (int kw = 0; kw < KW; kw++)
+                        best[kh * KW + kw] = max1(best[kh * KW + kw],
+                                                  mo[i * wo + ow] + xc[(i + kh) * wp + ow + kw * dw]);
+        return;
+    }
+    for (int64_t ow = 0; ow < wo; ow += 8) {
+        if (ow + 8 > wo) ow = wo - 8;
+        __m256 mv[4];
+#pragma GCC unroll 4
+        for (int i = 0; i < R; i++) mv[i] = _mm256_loadu_ps(mo + i * wo + ow);
+#pragma GCC unroll 8
+        for (int q = 0; q < R + KH - 1; q++) {
+#pragma GCC unroll 8
+            for (int kw = 0; kw < KW; kw++) {
+                const __m256 x = _mm256_loadu_ps(xc + q * wp + ow + kw * dw);
+#pragma GCC unroll 4
+                for (int i = 0; i < R; i++) {
+                    const int kh = q - i;
+                    if (kh >= 0 && kh < KH)
+                        acc[kh * KW + kw] =
+                            _mm256_max_ps(acc[kh * KW + kw], _mm256_add_ps(mv[i], x));
+                }
+            }
+        }
+    }
+}
+
+static inline __attribute__((always_inline)) void weight_all_taps(
+    const float *m, const float *lx, float *out, int64_t batch, int64_t channels, int64_t mult,
+    int64_t o, int64_t ho, int64_t wo, int64_t hp, int64_t wp, int64_t dw, const int KH,
+    const int KW) {
+    enum { R = 3 };
+    const int64_t c = o / mult;
+    __m256 acc[KH * KW];
+    float best[KH * KW];
+#pragma GCC unroll 16
+    for (int t = 0; t < KH * KW; t++) {
+        acc[t] = _mm256_set1_ps(-__builtin_inff());
+        best[t] = -__builtin_inff();
+    }
+    for (int64_t b = 0; b < batch; b++) {
+        const float *mo = m + (b * channels * mult + o) * ho * wo;
+        const float *xc = lx + (b * channels + c) * hp * wp;
+        int64_t oh = 0;
+        for (; oh + R <= ho; oh += R)
+            weight_taps_block(mo + oh * wo, xc + oh * wp, wo, wp, dw, R, KH, KW, acc, best);
+        for (; oh < ho; oh++)
+            weight_taps_block(mo + oh * wo, xc + oh * wp, wo, wp, dw, 1, KH, KW, acc, best);
+    }
+#pragma GCC unroll 16
+    for (int t = 0; t < KH * KW; t++) out[t] = max1(best[t], hmax8(acc[t]));
+}
+
 void semipack_depthwise_weight_f32(const float *m, const float *lx, float *out, int64_t batch,
                                    int64_t channels, int64_t mult, int64_t ho, int64_t wo,
                                    int64_t hp, int64_t wp, int64_t kh_n, int64_t kw_n, int64_t sh,
                                    int64_t sw, int64_t dh, int64_t dw, int threads) {
     const int64_t taps = kh_n * kw_n;
+    if (sw == 1 && sh == 1 && dh == 1 && kh_n == 3 && kw_n == 3) {
+#pragma omp parallel for schedule(static) num_threads(threads)
+        for (int64_t o = 0; o < channels * mult; o++)
+            weight_all_taps(m, lx, out + o * taps, batch, channels, mult, o, ho, wo, hp, wp, dw,
+                            3, 3);
+        return;
+    }
     if (sw == 1 && kw_n <= 8) {
 #pragma omp parallel for schedule(static) num_threads(threads)
         for (int64_t t = 0; t < channels * mult * kh_n; t++) {
@@ -281,45 +393,274 @@ void semipack_depthwise_weight_f32(const float *m, const float *lx, float *out, 
     }
 }
 
+/* TopPath at stride 1, vectorised: the maxima as in the MaxProd kernels, and beside each lane
+   where the first candidate attaining it lies (a strictly larger candidate replaces, as the
+   scalar loops below do), kept as a float (exact below 2^24, which the callers check). The
+   successor id is read once per result from there, not carried through every comparison
+   (decoding a candidate's number into its tap and plane per result took longer than the
+   maxima). */
+
+/* Columns at[0..n) of `rows` input rows, `mult` message planes of one input channel (padded
+   copies `pad`, `psize` floats apart), candidates in the scalar loop's order: taps (kh, kw),
+   then the plane u. */
+static inline __attribute__((always_inline)) void gather_ids_columns(
+    const float *base, int64_t psize, const float *lwc, float *dst, int64_t *dst_ids,
+    const int64_t *ids_c, int64_t no_successor, int64_t rows, int64_t wp, const int64_t *at,
+    const int n, int64_t row, int64_t kh_n, int64_t kw_n, int64_t mult, int64_t dh, int64_t dw,
+    int64_t ih0, int64_t iw0, int64_t ho, int64_t wo) {
+    for (int64_t r = 0; r < rows; r++, base += row, dst += wp, dst_ids += wp) {
+        const int64_t ih = ih0 + r;
+        __m256 a[4], t[4];
+#pragma GCC unroll 4
+        for (int j = 0; j < n; j++) {
+            a[j] = _mm256_set1_ps(-__builtin_inff());
+            /* a lane without a path reads ids_c[0], in bounds, and takes no successor */
+            t[j] = _mm256_sub_ps(_mm256_set1_ps((float)-(ih * wo + iw0 + at[j])),
+                                 _mm256_setr_ps(0, 1, 2, 3, 4, 5, 6, 7));
+        }
+#pragma GCC unroll 8
+        for (int64_t kh = 0; kh < kh_n; kh++) {
+#pragma GCC unroll 8
+            for (int64_t kw = 0; kw < kw_n; kw++) {
+                const float *src = base - kh * dh * row - kw * dw;
+                for (int64_t u = 0; u < mult; u++) {
+                    const __m256 w = _mm256_set1_ps(lwc[(u * kh_n + kh) * kw_n + kw]);
+                    /* where this candidate's id lies from the input's ih * wo + iw */
+                    const __m256 at_order = _mm256_set1_ps((float)(u * ho * wo - kh * dh * wo - kw * dw));
+#pragma GCC unroll 4
+                    for (int j = 0; j < n; j++) {
+                        const __m256 c = _mm256_add_ps(_mm256_loadu_ps(src + u * psize + at[j]), w);
+                        t[j] = _mm256_blendv_ps(t[j], at_order, _mm256_cmp_ps(c, a[j], _CMP_GT_OQ));
+                        a[j] = _mm256_max_ps(a[j], c);
+                    }
+                }
+            }
+        }
+        for (int j = 0; j < n; j++) {
+            _mm256_storeu_ps(dst + at[j], a[j]);
+            /* each lane's id: loaded from where its first best candidate lies, then lanes
+               without a path take no successor by a blend (branches on that, at random,
+               cost more than the maxima; AVX2's gathers were slower than these loads) */
+            const __m256i k = _mm256_cvttps_epi32(t[j]);
+            const __m128i k0 = _mm256_castsi256_si128(k), k1 = _mm256_extracti128_si256(k, 1);
+            const int64_t *at_input = ids_c + ih * wo + iw0 + at[j];
+            const __m256i lo = _mm256_setr_epi64x(
+                at_input[0 + _mm_extract_epi32(k0, 0)], at_input[1 + _mm_extract_epi32(k0, 1)],
+                at_input[2 + _mm_extract_epi32(k0, 2)], at_input[3 + _mm_extract_epi32(k0, 3)]);
+            const __m256i hi = _mm256_setr_epi64x(
+                at_input[4 + _mm_extract_epi32(k1, 0)], at_input[5 + _mm_extract_epi32(k1, 1)],
+                at_input[6 + _mm_extract_epi32(k1, 2)], at_input[7 + _mm_extract_epi32(k1, 3)]);
+            const __m256i none = _mm256_castps_si256(
+                _mm256_cmp_ps(a[j], _mm256_set1_ps(-__builtin_inff()), _CMP_EQ_OQ));
+            const __m256i successor = _mm256_set1_epi64x(no_successor);
+            _mm256_storeu_si256(
+                (__m256i *)(dst_ids + at[j]),
+                _mm256_blendv_epi8(lo, successor, _mm256_cvtepi32_epi64(_mm256_castsi256_si128(none))));
+            _mm256_storeu_si256(
+                (__m256i *)(dst_ids + at[j] + 4),
+                _mm256_blendv_epi8(hi, successor,
+                                   _mm256_cvtepi32_epi64(_mm256_extracti128_si256(none, 1))));
+        }
+    }
+}
+
+/* TopPath's input message of one input channel at stride 1 (see input_plane_gather_k): `pad`
+   holds mult padded planes with a -inf border; only inputs are gathered, the padding gets -inf
+   and no successor. */
+static inline __attribute__((always_inline)) void input_plane_gather_ids_k(
+    const float *m_c, const int64_t *ids_c, const float *lwc, float *plane, int64_t *plane_ids,
+    float *pad, int64_t no_successor, const int64_t mult, int64_t ho, int64_t wo, int64_t hp,
+    int64_t wp, const int64_t kh_n, const int64_t kw_n, int64_t dh, int64_t dw, int64_t ch,
+    int64_t cw) {
+    const int64_t ph = (kh_n - 1) * dh, pw = (kw_n - 1) * dw, row = wo + 2 * pw;
+    const int64_t psize = (ho + 2 * ph) * row, width = wp - 2 * cw;
+    for (int64_t u = 0; u < mult; u++)
+        for (int64_t oh = 0; oh < ho; oh++)
+            memcpy(pad + u * psize + (oh + ph) * row + pw, m_c + (u * ho + oh) * wo,
+                   sizeof(float) * (size_t)wo);
+    for (int64_t ih = 0; ih < hp; ih++) /* the padding: no input, no message */
+        for (int64_t iw = 0; iw < wp; iw++)
+            if (ih < ch || ih >= hp - ch || iw < cw || iw >= wp - cw) {
+                plane[ih * wp + iw] = -__builtin_inff();
+                plane_ids[ih * wp + iw] = no_successor;
+            }
+    const float *base = pad + (ch + ph) * row + pw + cw;
+    float *dst = plane + ch * wp + cw;
+    int64_t *dst_ids = plane_ids + ch * wp + cw;
+    const int64_t rows = hp - 2 * ch;
+    int64_t iw = 0;
+    for (; iw + 32 <= width; iw += 32) {
+        const int64_t at[4] = {iw, iw + 8, iw + 16, iw + 24};
+        gather_ids_columns(base, psize, lwc, dst, dst_ids, ids_c, no_successor, rows, wp, at, 4,
+                           row, kh_n, kw_n, mult, dh, dw, ch, cw, ho, wo);
+    }
+    if (iw == width) return;
+    const int64_t last = width - 8;
+    const int64_t at[4] = {iw < last ? iw : last, iw + 8 < last ? iw + 8 : last,
+                           iw + 16 < last ? iw + 16 : last, last};
+#define SEMIPACK_IDS(n)                                                                        \
+    gather_ids_columns(base, psize, lwc, dst, dst_ids, ids_c, no_successor, rows, wp, at, n,   \
+                       row, kh_n, kw_n, mult, dh, dw, ch, cw, ho, wo)
+    switch ((width - iw + 7) / 8) {
+    case 1: SEMIPACK_IDS(1); break;
+    case 2: SEMIPACK_IDS(2); break;
+    case 3: SEMIPACK_IDS(3); break;
+    default: SEMIPACK_IDS(4);
+    }
+#undef SEMIPACK_IDS
+}
+
+/* input_plane_gather_ids_k with one plane per channel and a 3x3 or 5x5 kernel as constants
+   (MobileNets' depthwise layers): unrolled taps, and fewer values live across them. */
+static void input_plane_gather_ids(const float *m_c, const int64_t *ids_c, const float *lwc,
+                                   float *plane, int64_t *plane_ids, float *pad,
+                                   int64_t no_successor, int64_t mult, int64_t ho, int64_t wo,
+                                   int64_t hp, int64_t wp, int64_t kh_n, int64_t kw_n, int64_t dh,
+                                   int64_t dw, int64_t ch, int64_t cw) {
+#define SEMIPACK_IDS_PLANE(u, kh, kw)                                                          \
+    input_plane_gather_ids_k(m_c, ids_c, lwc, plane, plane_ids, pad, no_successor, u, ho, wo,  \
+                             hp, wp, kh, kw, dh, dw, ch, cw)
+    if (mult == 1 && kh_n == 3 && kw_n == 3)
+        SEMIPACK_IDS_PLANE(1, 3, 3);
+    else if (mult == 1 && kh_n == 5 && kw_n == 5)
+        SEMIPACK_IDS_PLANE(1, 5, 5);
+    else
+        SEMIPACK_IDS_PLANE(mult, kh_n, kw_n);
+#undef SEMIPACK_IDS_PLANE
+}
+
+/* TopPath's weight message of one kernel row of output channel o, unit column stride, at most
+   5 taps per row: as weight_row_taps, with each lane's first position attaining its maximum
+   (position b * ho * wo + oh * wo + ow, the scalar loop's order); the lanes then give the
+   largest value and, among equal ones, the smallest position. */
+static void weight_row_taps_ids(const float *m, const int64_t *ids, const float *lx, float *out,
+                                int64_t *out_ids, int64_t batch, int64_t channels, int64_t mult,
+                                int64_t o, int64_t kh, int64_t ho, int64_t wo, int64_t hp,
+                                int64_t wp, int64_t kw_n, int64_t sh, int64_t dh, int64_t dw) {
+    const int64_t c = o / mult;
+    const __m256 lanes = _mm256_setr_ps(0, 1, 2, 3, 4, 5, 6, 7);
+    __m256 acc[5], pos[5];
+    float best[5], best_at[5];
+    for (int64_t kw = 0; kw < kw_n; kw++) {
+        acc[kw] = _mm256_set1_ps(-__builtin_inff());
+        pos[kw] = _mm256_setzero_ps();
+        best[kw] = -__builtin_inff();
+        best_at[kw] = 0.0f;
+    }
+    for (int64_t b = 0; b < batch; b++) {
+        const float *mo = m + (b * channels * mult + o) * ho * wo;
+        const float *xc = lx + (b * channels + c) * hp * wp + kh * dh * wp;
+        for (int64_t oh = 0; oh < ho; oh++) {
+            const float *src = mo + oh * wo, *in = xc + oh * sh * wp;
+            const int64_t first = (b * ho + oh) * wo;
+            if (wo < 8) {
+                for (int64_t ow = 0; ow < wo; ow++)
+                    for (int64_t kw = 0; kw < kw_n; kw++) {
+                        const float v = src[ow] + in[ow + kw * dw];
+                        if (v > best[kw]) {
+                            best[kw] = v;
+                            best_at[kw] = (float)(first + ow);
+                        }
+                    }
+                continue;
+            }
+            for (int64_t ow = 0; ow < wo; ow += 8) {
+                if (ow + 8 > wo) ow = wo - 8;
+                const __m256 mv = _mm256_loadu_ps(src + ow);
+                const __m256 here = _mm256_add_ps(_mm256_set1_ps((float)(first + ow)), lanes);
+                for (int64_t kw = 0; kw < kw_n; kw++) {
+                    const __m256 v = _mm256_add_ps(mv, _mm256_loadu_ps(in + ow + kw * dw));
+                    pos[kw] = _mm256_blendv_ps(pos[kw], here, _mm256_cmp_ps(v, acc[kw], _CMP_GT_OQ));
+                    acc[kw] = _mm256_max_ps(acc[kw], v);
+                }
+            }
+        }
+    }
+    const int64_t plane = ho * wo;
+    for (int64_t kw = 0; kw < kw_n; kw++) {
+        float v[8], p[8];
+        _mm256_storeu_ps(v, acc[kw]);
+        _mm256_storeu_ps(p, pos[kw]);
+        float top = best[kw], at = best_at[kw];
+        for (int lane = 0; lane < 8; lane++)
+            if (v[lane] > top || (v[lane] == top && p[lane] < at)) {
+                top = v[lane];
+                at = p[lane];
+            }
+        const int64_t k = (int64_t)at, b = k / plane;
+        out[kh * kw_n + kw] = top;
+        out_ids[kh * kw_n + kw] = ids[(b * channels * mult + o) * plane + k % plane];
+    }
+}
+
 /* TopPath's messages: the same maxima and the successor id of the first candidate attaining
    each, in the per-tap path's order (taps in order, then the channel multiplier; a later
    candidate replaces only when strictly larger, as TopPath's plus does). ids [B, C*M, Ho, Wo]
    are the message's successor ids; dx_ids starts at no_successor. The weight message's id is
    the message's id at the first (b, oh, ow) attaining the max (position 0 when no pair has a
-   path, as torch.max gives). Scalar loops: these are rarer than MaxProd's. */
-void semipack_depthwise_input_ids_f32(const float *m, const int64_t *ids, const float *lw,
-                                      float *dx, int64_t *dx_ids, int64_t no_successor,
-                                      int64_t batch, int64_t channels, int64_t mult, int64_t ho,
-                                      int64_t wo, int64_t hp, int64_t wp, int64_t kh_n,
-                                      int64_t kw_n, int64_t sh, int64_t sw, int64_t dh,
-                                      int64_t dw, int threads) {
-#pragma omp parallel for schedule(static) num_threads(threads)
-    for (int64_t bc = 0; bc < batch * channels; bc++) {
-        const int64_t b = bc / channels, c = bc % channels;
-        float *plane = dx + bc * hp * wp;
-        int64_t *plane_ids = dx_ids + bc * hp * wp;
-        for (int64_t i = 0; i < hp * wp; i++) {
-            plane[i] = -__builtin_inff();
-            plane_ids[i] = no_successor;
-        }
-        for (int64_t kh = 0; kh < kh_n; kh++) {
-            for (int64_t kw = 0; kw < kw_n; kw++) {
-                for (int64_t oh = 0; oh < ho; oh++) {
-                    for (int64_t ow = 0; ow < wo; ow++) {
-                        const int64_t at = (oh * sh + kh * dh) * wp + ow * sw + kw * dw;
-                        for (int64_t u = 0; u < mult; u++) {
-                            const int64_t o = c * mult + u;
-                            const int64_t from = ((b * channels * mult + o) * ho + oh) * wo + ow;
-                            const float v = m[from] + lw[(o * kh_n + kh) * kw_n + kw];
-                            if (v > plane[at]) {
-                                plane[at] = v;
-                                plane_ids[at] = ids[from];
-                            }
+   path, as torch.max gives). Stride 1 (rows of at least 8 inputs) and unit column stride (at
+   most 5 taps per kernel row) take the vector kernels above; the rest the scalar loops. */
+static void input_plane_ids_scalar(const float *m, const int64_t *ids, const float *lw,
+                                   float *plane, int64_t *plane_ids, int64_t no_successor,
+                                   int64_t b, int64_t c, int64_t channels, int64_t mult,
+                                   int64_t ho, int64_t wo, int64_t hp, int64_t wp, int64_t kh_n,
+                                   int64_t kw_n, int64_t sh, int64_t sw, int64_t dh, int64_t dw) {
+    for (int64_t i = 0; i < hp * wp; i++) {
+        plane[i] = -__builtin_inff();
+        plane_ids[i] = no_successor;
+    }
+    for (int64_t kh = 0; kh < kh_n; kh++) {
+        for (int64_t kw = 0; kw < kw_n; kw++) {
+            for (int64_t oh = 0; oh < ho; oh++) {
+                for (int64_t ow = 0; ow < wo; ow++) {
+                    const int64_t at = (oh * sh + kh * dh) * wp + ow * sw + kw * dw;
+                    for (int64_t u = 0; u < mult; u++) {
+                        const int64_t o = c * mult + u;
+                        const int64_t from = ((b * channels * mult + o) * ho + oh) * wo + ow;
+                        const float v = m[from] + lw[(o * kh_n + kh) * kw_n + kw];
+                        if (v > plane[at]) {
+                            plane[at] = v;
+                            plane_ids[at] = ids[from];
                         }
                     }
                 }
             }
         }
+    }
+}
+
+void semipack_depthwise_input_ids_f32(const float *m, const int64_t *ids, const float *lw,
+                                      float *dx, int64_t *dx_ids, int64_t no_successor,
+                                      int64_t batch, int64_t channels, int64_t mult, int64_t ho,
+                                      int64_t wo, int64_t hp, int64_t wp, int64_t kh_n,
+                                      int64_t kw_n, int64_t sh, int64_t sw, int64_t dh,
+                                      int64_t dw, int64_t ch, int64_t cw, int threads) {
+    const int gather = sh == 1 && sw == 1 && hp == ho + (kh_n - 1) * dh &&
+                       wp == wo + (kw_n - 1) * dw && 2 * ch < hp && wp - 2 * cw >= 8 &&
+                       mult * ho * wo < ((int64_t)1 << 23); /* id offsets exact as floats */
+    const int64_t psize = (ho + 2 * (kh_n - 1) * dh) * (wo + 2 * (kw_n - 1) * dw);
+#pragma omp parallel num_threads(threads)
+    {
+        float *pad = gather ? malloc(sizeof(float) * psize * mult) : 0;
+        if (pad) /* the border: -inf (no path) for every plane this thread gathers */
+            for (int64_t i = 0; i < psize * mult; i++) pad[i] = -__builtin_inff();
+#pragma omp for schedule(static)
+        for (int64_t bc = 0; bc < batch * channels; bc++) {
+            const int64_t b = bc / channels, c = bc % channels;
+            float *plane = dx + bc * hp * wp;
+            int64_t *plane_ids = dx_ids + bc * hp * wp;
+            if (pad) {
+                const int64_t first = (b * channels + c) * mult * ho * wo;
+                input_plane_gather_ids(m + first, ids + first, lw + c * mult * kh_n * kw_n,
+                                       plane, plane_ids, pad, no_successor, mult, ho, wo, hp,
+                                       wp, kh_n, kw_n, dh, dw, ch, cw);
+            } else {
+                input_plane_ids_scalar(m, ids, lw, plane, plane_ids, no_successor, b, c,
+                                       channels, mult, ho, wo, hp, wp, kh_n, kw_n, sh, sw, dh,
+                                       dw);
+            }
+        }
+        free(pad);
     }
 }
 
@@ -330,6 +671,15 @@ void semipack_depthwise_weight_ids_f32(const float *m, const int64_t *ids, const
                                        int64_t sh, int64_t sw, int64_t dh, int64_t dw,
                                        int threads) {
     const int64_t taps = kh_n * kw_n;
+    if (sw == 1 && kw_n <= 5 && batch * ho * wo < ((int64_t)1 << 24)) {
+#pragma omp parallel for schedule(static) num_threads(threads)
+        for (int64_t t = 0; t < channels * mult * kh_n; t++) {
+            const int64_t o = t / kh_n, kh = t % kh_n;
+            weight_row_taps_ids(m, ids, lx, out + o * taps, out_ids + o * taps, batch, channels,
+                                mult, o, kh, ho, wo, hp, wp, kw_n, sh, dh, dw);
+        }
+        return;
+    }
 #pragma omp parallel for schedule(static) num_threads(threads)
     for (int64_t t = 0; t < channels * mult * taps; t++) {
         const int64_t o = t / taps, kh = (t % taps) / kw_n, kw = t % kw_n, c = o / mult;

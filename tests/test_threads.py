@@ -105,3 +105,101 @@ def test_overlapping_passes_leave_compiled_code_eager_while_a_block_is_open() ->
     second.join()
     assert seen == {"A's block after both passes": "force_eager"}
     assert _stance() == before
+
+
+def test_plain_gradients_of_the_same_model_in_another_thread_are_left_alone() -> None:
+    """Thread B takes plain ``torch.autograd.grad`` of the model while thread A runs semiring
+    passes on it: a CPU parameter's hooks run on the thread that called backward, so A's leaf
+    hook leaves B's gradients to B (it took them as A's own and raised ``MessageLostError`` in
+    a third of B's calls), and A's values stay those of its passes run alone."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 4))
+    xa, xb = torch.randn(32, 16), torch.randn(32, 16)
+    params = list(model.parameters())
+    want_b = torch.autograd.grad(model(xb).pow(2).sum(), params)
+    with semipack.extend(model, semipack.MaxProd()):
+        model(xa).pow(2).sum().backward()
+    want_a = [p.semiring_grad.clone() for p in params]
+    errors: list[BaseException] = []
+    wrong: list[int] = []
+
+    def plain(stop: threading.Event) -> None:
+        while not stop.is_set():
+            try:
+                got = torch.autograd.grad(model(xb).pow(2).sum(), params)
+                wrong.extend(i for i, (g, w) in enumerate(zip(got, want_b)) if not g.equal(w))
+            except BaseException as error:  # noqa: BLE001 - reported by the assertion below
+                errors.append(error)
+
+    stop = threading.Event()
+    other = threading.Thread(target=plain, args=(stop,))
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    try:
+        other.start()
+        values = []
+        for _ in range(60):
+            with semipack.extend(model, semipack.MaxProd()):
+                model(xa).pow(2).sum().backward()
+            values.append([p.semiring_grad.clone() for p in params])
+    finally:
+        stop.set()
+        other.join()
+        sys.setswitchinterval(interval)
+    assert errors == [] and wrong == []
+    for run in values:
+        assert all(v.equal(w) for v, w in zip(run, want_a, strict=True))
+
+
+def test_two_threads_passes_over_a_shared_parameter_are_refused_by_name() -> None:
+    """Two models sharing a layer, each in its own thread's block: a pass that starts while
+    the other thread's pass holds the shared parameters raises a SemipackError naming one,
+    before anything is hooked or swapped; every pass that runs gives its value run alone (the
+    passes had handed each other's messages around, raised MessageLostError and could crash
+    the process)."""
+    torch.manual_seed(0)
+    shared = nn.Linear(16, 16)
+    a = nn.Sequential(nn.Linear(16, 16), shared, nn.Tanh(), nn.Linear(16, 4))
+    b = nn.Sequential(nn.Linear(16, 16), nn.Tanh(), shared, nn.Linear(16, 4))
+    xa, xb = torch.randn(32, 16), torch.randn(32, 16)
+    with semipack.extend(a, semipack.MaxProd()):
+        a(xa).pow(2).sum().backward()
+    want = a[0].weight.semiring_grad.clone()
+    refused: list[str] = []
+    other_errors: list[BaseException] = []
+    values: list[torch.Tensor] = []
+
+    def run(model: nn.Module, x: torch.Tensor, keep: bool, stop: threading.Event) -> None:
+        while not stop.is_set():
+            try:
+                with semipack.extend(model, semipack.MaxProd()):
+                    model(x).pow(2).sum().backward()
+                if keep:
+                    values.append(model[0].weight.semiring_grad.clone())
+            except semipack.SemipackError as error:
+                refused.append(str(error))
+            except BaseException as error:  # noqa: BLE001 - reported by the assertion below
+                other_errors.append(error)
+
+    stop = threading.Event()
+    threads = [
+        threading.Thread(target=run, args=(a, xa, True, stop)),
+        threading.Thread(target=run, args=(b, xb, False, stop)),
+    ]
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    try:
+        for t in threads:
+            t.start()
+        deadline = threading.Event()
+        deadline.wait(2.0)
+    finally:
+        stop.set()
+        for t in threads:
+            t.join()
+        sys.setswitchinterval(interval)
+    assert other_errors == []
+    assert values and all(v.equal(want) for v in values)
+    assert refused, "the two threads' passes never overlapped"
+    assert all("is in a semiring backward running in another thread" in r for r in refused)
+    assert all(("'1." in r or "'2." in r) for r in refused)  # the shared layer's parameters

@@ -13,6 +13,7 @@ count gradients twice; readouts it had already written into earlier ones are rem
 
 from __future__ import annotations
 
+import threading
 import weakref
 from collections.abc import Iterable, Iterator, Sequence
 from contextlib import ExitStack, contextmanager
@@ -27,7 +28,12 @@ from ..kernels.reuse import same_memory, unheld_value
 from ..messages.message import MODULE_HOOK_NODE, Message
 from ..messages.paths import PathTrace, attach, records_steps
 from ..semirings.base import Semiring, State
-from .hooks import ModuleHookNodes, hooks_need_regular_gradients, tensor_hooks_see_gradients
+from .hooks import (
+    ModuleHookNodes,
+    hooks_need_regular_gradients,
+    mark_pass_hook,
+    tensor_hooks_see_gradients,
+)
 from .passes import carry_pass, in_carry_pass, own_kernels_compiled, semiring_pass
 from .per_sample import PerSampleRows, check_graph, check_semiring, collecting, hook_rules
 
@@ -225,6 +231,12 @@ def store_results(
         del t.semiring_paths
 
 
+#: Held while a readout picks the memory it is written into (``LeafCaptures.take``).
+_READOUT_LOCK = threading.Lock()
+#: Held while a pass puts its hook first on a leaf, or removes it (``_first_hook``).
+_HOOK_ORDER_LOCK = threading.Lock()
+
+
 class LeafCaptures:
     """What the pass's leaf hooks take from the messages that reach the leaves.
 
@@ -257,11 +269,14 @@ class LeafCaptures:
                 "after its first was read out (a semipack bug: please report it with the model)"
             )
         if self.read_early and msg.sparse is None and id(leaf) not in self.states:
-            earlier = unheld_value(leaf, SEMIRING_GRAD)
-            value = sr.readout_into(msg.parts, earlier)
-            if _written_into(value, earlier):
-                self._overwritten.append(leaf)
-            self.readouts[id(leaf)] = value
+            # One thread at a time decides whose memory to write into and records it: two
+            # threads' passes on a shared parameter must not both take its earlier readout.
+            with _READOUT_LOCK:
+                earlier = unheld_value(leaf, SEMIRING_GRAD)
+                value = sr.readout_into(msg.parts, earlier)
+                if _written_into(value, earlier):
+                    self._overwritten.append(leaf)
+                self.readouts[id(leaf)] = value
             return
         # Keep only the semiring state: the regular gradient goes to ``.grad`` (possibly as a
         # copy), and holding it here too would double the gradients' memory.
@@ -319,6 +334,45 @@ class RetainedTensors:
         """The remembered tensors still alive."""
         self._refs = [r for r in self._refs if r() is not None]
         return [t for t in (r() for r in self._refs) if t is not None]
+
+
+#: id of a leaf in a running pass -> (the pass's thread, how many of its passes hold it)
+_CLAIMED: dict[int, tuple[int, int]] = {}
+_CLAIM_LOCK = threading.Lock()
+
+
+@contextmanager
+def _claimed(leaves: Sequence[Tensor], names: dict[int, str] | None) -> Iterator[None]:
+    """Hold ``leaves`` for this thread's pass; refuse leaves another thread's pass holds.
+
+    A pass hooks its leaves and swaps their ``.grad`` (``GradLedger``): two threads' passes
+    over one parameter (a module shared by two models) handed each other's messages around and
+    could crash the process. Passes of one thread may nest (a carry pass inside a readout)."""
+    me = threading.get_ident()
+    with _CLAIM_LOCK:
+        for leaf in leaves:
+            holder = _CLAIMED.get(id(leaf))
+            if holder is not None and holder[0] != me:
+                name = (names or {}).get(id(leaf))
+                what = f"'{name}'" if name else f"a tensor of shape {tuple(leaf.shape)}"
+                raise SemipackError(
+                    f"{what} is in a semiring backward running in another thread: two passes "
+                    "at once cannot share a parameter (each hooks it and swaps its .grad). Run "
+                    "them one after the other, or give each thread its own copy of the model"
+                )
+        for leaf in leaves:
+            _, count = _CLAIMED.get(id(leaf), (me, 0))
+            _CLAIMED[id(leaf)] = (me, count + 1)
+    try:
+        yield
+    finally:
+        with _CLAIM_LOCK:
+            for leaf in leaves:
+                _, count = _CLAIMED[id(leaf)]
+                if count == 1:
+                    del _CLAIMED[id(leaf)]
+                else:
+                    _CLAIMED[id(leaf)] = (me, count - 1)
 
 
 class GradLedger:
@@ -445,7 +499,7 @@ def backward(
         generic_uses = check_graph(tensors, per_sample, per_sample_batches)
         rows = PerSampleRows(sr, per_sample)
     kept = retained.alive() if retained is not None else []
-    with path_recording(sr, tensors, leaf_names) as sr:
+    with path_recording(sr, tensors, leaf_names) as sr, _claimed(leaves, leaf_names):
         ledger = GradLedger([*leaves, *kept], accumulate_in_place) if regular_grads else None
         read_early = not (keep_state or sr.trace is not None or scan.reentrant_checkpoint)
         captured = LeafCaptures(read_early)
@@ -518,17 +572,25 @@ def _run_backward(
                 captured.take(leaf, _check(msg, leaf, sr, tensors), sr)
         return
 
+    owner = threading.get_ident()
+
     def capture(leaf: Tensor):
         def hook(grad):
             if in_carry_pass():  # a branch carried down by an explain readout, not this pass
                 return None
             if grad is None:  # no gradient reaches the leaf (a Function returned None for it)
                 return None
+            if not leaf.is_cuda and threading.get_ident() != owner:
+                # Another thread's backward reaching a parameter shared with this pass: the
+                # engine runs a CPU leaf's hooks on the thread that called backward, so this is
+                # not this pass's gradient (as a message, it is that thread's own pass's).
+                # Leaves on a GPU run on the engine's device threads: every call is taken.
+                return None
             msg = _check(grad, leaf, sr, tensors)
             captured.take(leaf, msg, sr)
             return msg.regular_grad
 
-        return hook
+        return mark_pass_hook(hook)
 
     with ExitStack() as stack:
         for leaf in leaves:
@@ -555,18 +617,21 @@ def _run_backward(
 def _first_hook(leaf: Tensor, hook) -> Iterator[None]:
     """Register ``hook`` on ``leaf`` ahead of the user's own hooks: they then see the regular
     gradient the hook returns, as in a plain backward."""
-    handle = leaf.register_hook(hook)
-    # The engine walks the hook dict in its storage order, which ``move_to_end`` does not change:
-    # re-insert the others after ours (same dict object, same keys, so their handles still work).
-    hooks = leaf._backward_hooks
-    others = [(k, v) for k, v in hooks.items() if k != handle.id]
-    for k, _ in others:
-        del hooks[k]
-    hooks.update(others)
+    with _HOOK_ORDER_LOCK:  # another thread's pass may reorder a shared parameter's hooks
+        handle = leaf.register_hook(hook)
+        # The engine walks the hook dict in its storage order, which ``move_to_end`` does not
+        # change: re-insert the others after ours (same dict object, same keys, so their
+        # handles still work).
+        hooks = leaf._backward_hooks
+        others = [(k, v) for k, v in hooks.items() if k != handle.id]
+        for k, _ in others:
+            del hooks[k]
+        hooks.update(others)
     try:
         yield
     finally:
-        handle.remove()
+        with _HOOK_ORDER_LOCK:  # not between another pass's removal and re-insertion
+            handle.remove()
 
 
 def grad(

@@ -154,13 +154,25 @@ def tensor_hooks_see_gradients(tensors: Iterable[Tensor]) -> Iterator[None]:
         yield
 
 
+#: The attribute that marks a semiring pass's own leaf hook (``mark_pass_hook``).
+PASS_HOOK = "semipack_pass_hook"
+
+
+def mark_pass_hook(hook: Callable[[Any], Any]) -> Callable[[Any], Any]:
+    """Mark ``hook`` as a pass's own leaf hook, which takes messages: another pass running
+    meanwhile on the same parameter (another thread's) must not wrap it as a user's hook (it
+    then saw that pass's regular gradients and raised that its message was lost)."""
+    setattr(hook, PASS_HOOK, True)
+    return hook
+
+
 @contextmanager
 def _wrapped_entries(
     table: MutableMapping[int, Any], wrapper: type[TensorHook | ModuleBackwardHook]
 ) -> Iterator[None]:
     wrapped = {}
     for key, hook in list(table.items()):
-        if not isinstance(hook, wrapper):
+        if not isinstance(hook, wrapper) and not getattr(hook, PASS_HOOK, False):
             wrapped[key] = table[key] = wrapper(hook)
     try:
         yield

@@ -19,7 +19,7 @@ from .graph.provenance import ModuleTracker
 from .rules import FORWARD_ROUTES, drawing_routes
 from .transport import backward as _bw
 from .transport.backward import grad
-from .transport.hooks import module_hooks_see_gradients
+from .transport.hooks import BlockPreHook, module_hooks_see_gradients
 from .transport.interception import SemiringMode
 from .transport.passes import user_code_eager
 from .transport.per_sample import check_semiring
@@ -188,7 +188,8 @@ def _block(
             per_sample,
         )
         if per_sample:
-            handle = model.register_forward_pre_hook(_batch_recorder(mode), with_kwargs=True)
+            recorder = BlockPreHook(_batch_recorder(mode))
+            handle = model.register_forward_pre_hook(recorder, with_kwargs=True)
             stack.callback(handle.remove)
         stack.enter_context(mode)
         yield model

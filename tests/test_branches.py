@@ -9,6 +9,8 @@ the model in which only use b reads ``h(x)`` and the other uses read a constant 
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 from helpers import assert_readout_matches, oracle_readouts, tiny_bert_config
@@ -231,3 +233,42 @@ def test_a_split_whose_forward_records_no_graph_says_why() -> None:
         unused = pytest.raises(semipack.SemipackError, match="used only where")
         with unused, torch.no_grad(), semipack.branches(h):
             net.block(h)
+
+
+@pytest.mark.parametrize("where", ["branches", "per_sample"])
+def test_a_copy_or_checkpoint_made_inside_the_block_carries_no_live_hook(where: str) -> None:
+    """``branches(module)`` and ``extend(..., per_sample=True)`` put a forward pre-hook on a
+    module for the block. A deepcopy (an EMA copy) or ``torch.save`` made inside the block
+    copies the hook table: the copy's hook does nothing and is gone after the copy's first
+    call (a copied closure kept splitting for the block, so the copy's no-grad evaluation
+    raised; a local function could not be pickled at all)."""
+    import copy
+    import io
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 4), nn.Sequential(nn.Linear(4, 4), nn.Tanh()))
+    x = torch.randn(2, 3)
+    hooked = model[1] if where == "branches" else model
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(
+            semipack.extend(model, semipack.MaxProd(), per_sample=where == "per_sample")
+        )
+        split = stack.enter_context(semipack.branches(model[1])) if where == "branches" else None
+        out = model(x)
+        ema = copy.deepcopy(model)
+        buffer = io.BytesIO()
+        torch.save(model, buffer)
+        out.pow(2).sum().backward()
+    assert len(hooked._forward_pre_hooks) == 0  # the block removed its own
+    buffer.seek(0)
+    loaded = torch.load(buffer, weights_only=False)
+    for copied in (ema, loaded):
+        target = copied[1] if where == "branches" else copied
+        assert len(target._forward_pre_hooks) == 1
+        with torch.no_grad():
+            got = copied(x)
+        assert torch.equal(got, model(x).detach())
+        assert len(target._forward_pre_hooks) == 0
+        assert len(target._forward_pre_hooks_with_kwargs) == 0
+    if split is not None:
+        assert split.calls == 1  # the copies' calls are not the block's

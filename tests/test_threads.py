@@ -127,8 +127,9 @@ def test_plain_gradients_of_the_same_model_in_another_thread_are_left_alone() ->
         while not stop.is_set():
             try:
                 got = torch.autograd.grad(model(xb).pow(2).sum(), params)
-                wrong.extend(i for i, (g, w) in enumerate(zip(got, want_b)) if not g.equal(w))
-            except BaseException as error:  # noqa: BLE001 - reported by the assertion below
+                pairs = zip(got, want_b, strict=True)
+                wrong.extend(i for i, (g, w) in enumerate(pairs) if not g.equal(w))
+            except BaseException as error:
                 errors.append(error)
 
     stop = threading.Event()
@@ -178,7 +179,7 @@ def test_two_threads_passes_over_a_shared_parameter_are_refused_by_name() -> Non
                     values.append(model[0].weight.semiring_grad.clone())
             except semipack.SemipackError as error:
                 refused.append(str(error))
-            except BaseException as error:  # noqa: BLE001 - reported by the assertion below
+            except BaseException as error:
                 other_errors.append(error)
 
     stop = threading.Event()

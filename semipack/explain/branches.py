@@ -33,6 +33,7 @@ from ..graph.sites import ROOT_MODULE
 from ..messages.message import MODULE_HOOK_NODE, Message
 from ..semirings.base import State
 from ..transport.backward import carry_down
+from ..transport.hooks import BlockPreHook
 
 
 @dataclass
@@ -259,7 +260,7 @@ def branches(at: nn.Module | Tensor, inputs: Sequence[Tensor] = ()) -> Iterator[
             if first is not None:
                 take(first)
 
-        handles.append(at.register_forward_pre_hook(pre_hook, with_kwargs=True))
+        handles.append(at.register_forward_pre_hook(BlockPreHook(pre_hook), with_kwargs=True))
     elif isinstance(at, Tensor):
         take(at)
     else:

@@ -289,3 +289,35 @@ def hooks_need_regular_gradients(nodes: Iterable[Node], computed_by: str) -> Sem
         "semipack.extend(model, semiring) with regular_grads=True (the default), or remove "
         "the hooks for this pass"
     )
+
+
+class BlockPreHook:
+    """A forward pre-hook (``with_kwargs=True``) that a block puts on a module for its duration
+    (``semipack.branches`` on a module, ``extend(..., per_sample=True)`` on the model), and that
+    leaves nothing behind in copies: ``copy.deepcopy`` or pickling the module inside the block
+    (an EMA copy, ``torch.save`` of a checkpoint) copies the hook table, and a copy of the hook
+    is ``_SpentHook``, which does nothing and removes itself at the copy's first call (a copied
+    closure had kept splitting for the block, and a local function could not be pickled)."""
+
+    def __init__(self, hook: Callable[[nn.Module, tuple, dict], Any]) -> None:
+        self.hook = hook
+
+    def __call__(self, module: nn.Module, args: tuple, kwargs: dict) -> Any:
+        return self.hook(module, args, kwargs)
+
+    def __deepcopy__(self, memo: dict) -> _SpentHook:
+        return _SpentHook()
+
+    def __reduce__(self):
+        return (_SpentHook, ())
+
+
+class _SpentHook:
+    """A copied ``BlockPreHook``: removes itself from the module it is called for."""
+
+    def __call__(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        for key, hook in list(module._forward_pre_hooks.items()):
+            if hook is self:
+                del module._forward_pre_hooks[key]
+                module._forward_pre_hooks_with_kwargs.pop(key, None)
+        return None

@@ -559,3 +559,24 @@ def test_a_tensor_listed_twice_in_backward_inputs_is_one_input() -> None:
     with semipack.extend(model, semipack.MaxProd()):
         F.cross_entropy(model(x), y).backward(inputs=[model[2].weight])
     assert torch.equal(model[2].weight.semiring_grad, once)
+
+
+def test_a_checkpoint_with_kept_states_loads_and_copies() -> None:
+    """``keep_state=True`` leaves each parameter's state as ``semiring_state``: ``torch.save``
+    of the model wrote it, and loading it raised (``KeptState.__new__`` missing an argument),
+    as did ``copy.deepcopy`` of the state. Both now give the same components and semiring."""
+    import io
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2))
+    with semipack.extend(model, semipack.Entropy(), keep_state=True):
+        model(torch.randn(2, 3)).pow(2).sum().backward()
+    state = model[0].weight.semiring_state
+    buffer = io.BytesIO()
+    torch.save(model, buffer)
+    buffer.seek(0)
+    loaded = torch.load(buffer, weights_only=False)
+    for got in (loaded[0].weight.semiring_state, copy.deepcopy(state)):
+        assert type(got) is type(state) and got.semiring_type is semipack.Entropy
+        assert len(got) == len(state) == 2
+        assert all(torch.equal(a, b) for a, b in zip(got, state, strict=True))

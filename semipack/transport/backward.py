@@ -13,6 +13,7 @@ count gradients twice; readouts it had already written into earlier ones are rem
 
 from __future__ import annotations
 
+import copy
 import threading
 import weakref
 from collections.abc import Iterable, Iterator, Sequence
@@ -207,6 +208,14 @@ class KeptState(tuple):
         kept = super().__new__(cls, parts)
         kept.semiring_type = semiring_type
         return kept
+
+    def __reduce__(self):
+        # a tuple subclass pickles as ``cls.__new__(cls, *())`` by default, which lacks both
+        # arguments: a checkpoint of a model with kept states was written but could not be read
+        return (KeptState, (tuple(self), self.semiring_type))
+
+    def __deepcopy__(self, memo: dict) -> KeptState:
+        return KeptState(copy.deepcopy(tuple(self), memo), self.semiring_type)
 
 
 def store_results(

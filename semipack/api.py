@@ -186,6 +186,7 @@ def _block(
             keep_state,
             data_parallel,
             per_sample,
+            _parameters_now(model) if model is not None else None,
         )
         if per_sample:
             recorder = BlockPreHook(_batch_recorder(mode))
@@ -224,6 +225,16 @@ def _batch_recorder(mode: SemiringMode) -> Callable[..., None]:
                 return
 
     return record
+
+
+def _parameters_now(model: nn.Module) -> Callable[[], tuple[list[torch.Tensor], dict[int, str]]]:
+    """The model's parameters and their names, as a pass sees them (asked at each pass)."""
+
+    def now() -> tuple[list[torch.Tensor], dict[int, str]]:
+        named = list(model.named_parameters())
+        return [p for _, p in named], {id(p): _leaf_name(n) for n, p in named}
+
+    return now
 
 
 def _leaf_name(name: str) -> str:

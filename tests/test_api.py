@@ -580,3 +580,66 @@ def test_a_checkpoint_with_kept_states_loads_and_copies() -> None:
         assert type(got) is type(state) and got.semiring_type is semipack.Entropy
         assert len(got) == len(state) == 2
         assert all(torch.equal(a, b) for a, b in zip(got, state, strict=True))
+
+
+def test_a_second_backward_through_a_freed_graph_raises_as_in_pytorch() -> None:
+    """Module extensions keep their state on the node's context, which the engine does not
+    free: a second backward without ``retain_graph`` ran again (``.grad`` doubled) where
+    PyTorch raises. It now raises PyTorch's own error, after a plain backward outside the
+    block or a plain ``torch.autograd.grad`` inside it; with ``retain_graph=True`` both run."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 4), nn.Linear(4, 2))
+    x = torch.randn(2, 3)
+    with semipack.extend(model, semipack.MaxProd()):
+        loss = model(x).sum()
+    loss.backward()
+    with pytest.raises(RuntimeError, match="backward through the graph a second time"):
+        loss.backward()
+    with semipack.extend(model, semipack.MaxProd()):
+        loss = model(x).sum()
+        torch.autograd.grad(loss, list(model.parameters()))
+        with pytest.raises(RuntimeError, match="backward through the graph a second time"):
+            loss.backward()
+    model.zero_grad(set_to_none=True)
+    with semipack.extend(model, semipack.MaxProd()):
+        loss = model(x).sum()
+        torch.autograd.grad(loss, list(model.parameters()), retain_graph=True)
+        loss.backward()
+    plain = nn.Sequential(nn.Linear(3, 4), nn.Linear(4, 2))
+    plain.load_state_dict(model.state_dict())
+    plain(x).sum().backward()
+    assert all(
+        torch.equal(p.grad, q.grad)
+        for p, q in zip(model.parameters(), plain.parameters(), strict=True)
+    )
+
+
+@pytest.mark.parametrize("per_sample", [False, True])
+def test_a_parameter_unfrozen_or_frozen_inside_the_block_is_seen_at_each_pass(
+    per_sample: bool,
+) -> None:
+    """The block asks the model for its parameters at each pass: a weight unfrozen inside the
+    block (a fine-tuning schedule) gets its value, and its per-sample rows, equal to a block
+    entered with it trainable; a later pass that does not reach it removes that value (it had
+    kept the stale one); freezing it again inside the block removes it too."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2))
+    x = torch.randn(5, 3)
+    with semipack.extend(model, semipack.MaxProd(), per_sample=per_sample):
+        model(x).pow(2).sum().backward()
+    want = model[0].weight.semiring_grad.clone()
+    want_rows = model[0].weight.semiring_grad_batch.clone() if per_sample else None
+    model[0].weight.requires_grad_(False)
+    del model[0].weight.semiring_grad
+    with semipack.extend(model, semipack.MaxProd(), per_sample=per_sample):
+        model[0].weight.requires_grad_(True)
+        model(x).pow(2).sum().backward()
+        assert torch.equal(model[0].weight.semiring_grad, want)
+        if per_sample:
+            assert torch.equal(model[0].weight.semiring_grad_batch, want_rows)
+        model[2](torch.tanh(model[0](x)).detach()).pow(2).sum().backward()
+        assert not hasattr(model[0].weight, "semiring_grad")
+        model(x).pow(2).sum().backward()
+        model[0].weight.requires_grad_(False)
+        model(x).pow(2).sum().backward()
+        assert not hasattr(model[0].weight, "semiring_grad")

@@ -303,6 +303,10 @@ class BackwardCall:
     kept: Any
 
 
+#: The tensor every extension node saves for backward (see ``ExtensionFunction.forward``).
+_GRAPH_TOKEN = torch.empty(0)
+
+
 class ExtensionFunction(torch.autograd.Function):
     """Template of an extension: one autograd Function per extended call, backward written once.
 
@@ -463,10 +467,18 @@ class ExtensionFunction(torch.autograd.Function):
         ctx.set_materialize_grads(False)
         returned, ctx.kept = ctx._forward_cls.keep(inner.take_outputs())
         ctx.inner, ctx.options = inner, options
+        # The node's state lives on ctx, which the engine does not free; a saved tensor it
+        # does free after a backward without retain_graph, so a second one raises PyTorch's
+        # own error, as the module's native ops would (it ran again: .grad came out doubled).
+        # Not under saved-tensor hooks: a non-reentrant checkpoint counts the saved tensors
+        # and its recomputation, which runs no extension, would save one fewer.
+        if torch._C._autograd._top_saved_tensors_default_hooks(False) is None:
+            ctx.save_for_backward(_GRAPH_TOKEN)
         return returned
 
     @staticmethod
     def backward(ctx, *grads: Tensor | None) -> tuple[Tensor | None, ...]:
+        ctx.saved_tensors  # noqa: B018 - raises where the graph was freed, as PyTorch does
         inner: InnerGraph | None = getattr(ctx, "inner", None)
         if inner is None:
             raise RuntimeError(

@@ -37,8 +37,14 @@ class SemiringMode(TorchFunctionMode):
         keep_state: bool = False,
         accumulate_in_place: Iterable[Tensor] = (),
         per_sample: bool = False,
+        parameters: Callable[[], tuple[list[Tensor], dict[int, str]]] | None = None,
     ) -> None:
         super().__init__()
+        #: the model's parameters and their names as they are now, asked again at each pass
+        #: (a parameter unfrozen or replaced inside the block was not watched: it kept a stale
+        #: value, and got no per-sample rows)
+        self.parameters = parameters
+        self.all_parameters: list[Tensor] = list(watched)
         self.per_sample = per_sample
         #: dim-0 sizes of the model's inputs in this block (``api.extend`` records them)
         self.input_batches: set[int] = set()
@@ -98,6 +104,9 @@ class SemiringMode(TorchFunctionMode):
             inputs = [inputs]
         elif inputs is not None:
             inputs = list(inputs)
+        if self.parameters is not None:
+            self.all_parameters, self.leaf_names = self.parameters()
+            self.watched = [p for p in self.all_parameters if p.requires_grad]
         # the parameters' lifted forms may be kept for the next pass (kernels.weight_cache)
         with WEIGHTS.watching(self.watched):
             reached = bw.backward(
@@ -120,9 +129,9 @@ class SemiringMode(TorchFunctionMode):
                 ),
                 per_sample_batches=frozenset(self.input_batches),
             )
-        # A watched parameter this backward did not reach must not keep a stale value.
+        # A parameter this backward did not reach (frozen ones too) must not keep a stale value.
         reached_ids = {id(t) for t in reached}
-        for p in self.watched:
+        for p in self.all_parameters:
             if id(p) not in reached_ids:
                 for name in (bw.SEMIRING_GRAD, bw.SEMIRING_STATE):
                     if hasattr(p, name):

@@ -1133,3 +1133,31 @@ def test_a_kernel_called_under_the_forced_eager_stance_runs_its_eager_form() -> 
     with semipack.extend(None, semipack.MaxProd()):
         kernel(x)
     assert ran == ["eager", "eager"]
+
+
+def test_reentrant_checkpoints_nested_past_the_engines_depth_limit_keep_their_messages() -> None:
+    """Past 60 nested reentrant backwards the engine runs the deeper ones on its pool threads:
+    the messages reaching the parameters there are this pass's (a thread check had dropped
+    them as another thread's: the deepest layers' .grad stayed a message, with no value)."""
+    depth = 62
+    torch.manual_seed(0)
+    layers = nn.ModuleList([nn.Linear(4, 4) for _ in range(depth)])
+    x = torch.randn(3, 4)
+
+    def nested(i: int, t: torch.Tensor) -> torch.Tensor:
+        if i == depth:
+            return t
+        return torch.utils.checkpoint.checkpoint(
+            lambda u: nested(i + 1, torch.tanh(layers[i](u))), t, use_reentrant=True
+        )
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # inputs without grad: checkpoint warns
+        nested(0, x.clone().requires_grad_(True)).pow(2).sum().backward()
+        want = [p.grad.clone() for p in layers.parameters()]
+        layers.zero_grad(set_to_none=True)
+        with semipack.extend(layers, semipack.MaxProd()):
+            nested(0, x.clone().requires_grad_(True)).pow(2).sum().backward()
+    for p, g in zip(layers.parameters(), want, strict=True):
+        assert type(p.grad) is torch.Tensor and torch.allclose(p.grad, g)
+        assert torch.isfinite(p.semiring_grad).all()

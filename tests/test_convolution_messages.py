@@ -7,6 +7,7 @@ import math
 import pytest
 import torch
 from conv_reference import window_map_messages
+from torch import nn
 
 import semipack
 from semipack.messages.windows import ConvGeometry
@@ -263,3 +264,47 @@ def test_max_plus_taps_without_copies_equal_the_per_tap_products(
 def _ids(shape) -> torch.Tensor:
     """Distinct successor ids for a message of ``shape`` (TopPath's second component)."""
     return torch.arange(math.prod(shape), dtype=torch.int64).reshape(shape) + 100
+
+
+def test_native_depthwise_top_path_ids_stay_exact_on_very_wide_rows() -> None:
+    """The TopPath input kernel keeps where each lane's id lies as a float: a tall dilated
+    kernel over a row of a million outputs puts those offsets past 2^24, where floats skip
+    integers. Such a layer takes the scalar loop, and every id equals the per-tap path's
+    (364k of 19M had come from the neighbouring position, one read past the ids)."""
+    from semipack.kernels.native import native_available, set_native
+    from semipack.rules.convolution import depthwise_max_plus
+
+    if not native_available():
+        pytest.skip("no native kernels here")
+    wo, kh, kw, dh = 1_000_001, 7, 2, 3
+    gen = torch.Generator().manual_seed(0)
+    x = torch.ones(1, 1, 1 + (kh - 1) * dh, wo + kw - 1)
+    w = 2.0 ** torch.randint(-1, 2, (1, 1, kh, kw), generator=gen).float()
+    geometry = ConvGeometry.of(2, 1, 0, (dh, 1), 1)
+    m = torch.randn(1, 1, 1, wo, generator=gen).round()
+    state = (m, torch.arange(m.numel()).reshape(m.shape) + 100)
+    sr = semipack.TopPath()
+    got = depthwise_max_plus(sr, state, x, w, geometry, (True, False, False))[0]
+    set_native(False)
+    try:
+        want = per_tap_messages(sr, state, x, w, geometry, (True, False, False))[0]
+    finally:
+        set_native(True)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
+@pytest.mark.parametrize("semiring", [semipack.MaxProd(), semipack.TopPath()], ids=repr)
+def test_a_depthwise_convolution_of_an_empty_batch_runs(semiring) -> None:
+    """An empty batch through a depthwise convolution: the weight message has no path (TopPath's
+    native kernel read the id of an empty message and killed the process)."""
+    conv = nn.Conv2d(2, 2, 3, padding=1, groups=2)
+    x = torch.randn(0, 2, 6, 20)
+    with semipack.extend(conv, semiring):
+        conv(x).sum().backward()
+    generic = nn.Conv2d(2, 2, 3, padding=1, groups=2)
+    generic.load_state_dict(conv.state_dict())
+    with semipack.extend(generic, semiring, extensions=False):
+        generic(x).sum().backward()
+    for p, q in zip(conv.parameters(), generic.parameters(), strict=True):
+        assert torch.equal(p.semiring_grad, q.semiring_grad)
+        assert torch.equal(p.grad, torch.zeros_like(p)) and torch.equal(q.grad, p.grad)

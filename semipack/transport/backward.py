@@ -589,11 +589,16 @@ def _run_backward(
                 return None
             if grad is None:  # no gradient reaches the leaf (a Function returned None for it)
                 return None
-            if not leaf.is_cuda and threading.get_ident() != owner:
-                # Another thread's backward reaching a parameter shared with this pass: the
-                # engine runs a CPU leaf's hooks on the thread that called backward, so this is
-                # not this pass's gradient (as a message, it is that thread's own pass's).
-                # Leaves on a GPU run on the engine's device threads: every call is taken.
+            if (
+                not isinstance(grad, Message)
+                and leaf.device.type == "cpu"
+                and threading.get_ident() != owner
+            ):
+                # Another thread's plain backward reaching a parameter shared with this pass:
+                # the engine runs a CPU leaf's hooks on the thread that called backward. (A
+                # message on another thread is this pass's: the engine runs reentrant backwards
+                # nested over 60 deep on its pool threads, and two threads' passes cannot share
+                # a parameter, ``_claimed``. Leaves on an accelerator run on its device threads.)
                 return None
             msg = _check(grad, leaf, sr, tensors)
             captured.take(leaf, msg, sr)

@@ -637,7 +637,9 @@ void semipack_depthwise_input_ids_f32(const float *m, const int64_t *ids, const 
                                       int64_t dw, int64_t ch, int64_t cw, int threads) {
     const int gather = sh == 1 && sw == 1 && hp == ho + (kh_n - 1) * dh &&
                        wp == wo + (kw_n - 1) * dw && 2 * ch < hp && wp - 2 * cw >= 8 &&
-                       mult * ho * wo < ((int64_t)1 << 23); /* id offsets exact as floats */
+                       /* the lanes' id offsets (at most ih * wo + iw, or a candidate's
+                          u * ho * wo - kh * dh * wo - kw * dw) exact as floats */
+                       (mult * ho + hp + (kh_n - 1) * dh) * wo + 2 * wp < ((int64_t)1 << 23);
     const int64_t psize = (ho + 2 * (kh_n - 1) * dh) * (wo + 2 * (kw_n - 1) * dw);
 #pragma omp parallel num_threads(threads)
     {

@@ -350,16 +350,24 @@ taken there).
   kept across passes while a fingerprint of their bytes is unchanged (`kernels/weight_cache.py`):
   on one sentence, lifting every weight matrix cost as much as its product with the message.
 - **Convolutional models.** ResNet-18 and MobileNetV3 MaxProd pay the convolution max-plus
-  products above (per tap, against oneDNN); 2-D depthwise convolutions have a native kernel
-  (`native/depthwise.c`: at stride 1 each block of input entries gathers its taps in registers
-  and a kernel row's taps share the message's loads; a 5x5 layer of 96 channels takes about
-  2.7x its plain backward with it and about 6.5x per tap, `bench_kernel_costs.py`; MobileNetV3
-  MaxProd 7.3x -> 6.5x single-thread with the first kernel, about 5.6x -> 5.2x with the
-  gathering one, `bench_cpu_time.py` interleaved against the earlier code). Per multiply-add
-  it is still slower than the dense product: the kernel alone reaches 7-15 G pairs/s for the
-  input message and about 19 for the weight message against 27 for a dense tap product, and
-  a whole 14 x 14 layer pays 0.7-0.8 ns of extra time per multiply-add against 0.07 for a
-  dense 3x3 convolution (the per-node costs of a layer with 25 multiply-adds per output).
+  products above (per tap, against oneDNN); 2-D depthwise convolutions have native MaxProd and
+  TopPath kernels (`native/depthwise.c`: at stride 1 each block of input entries gathers its
+  taps in registers from a padded copy of the message plane, only for the entries that are
+  inputs, and the weight message's taps share the loads of the message and, for 3x3 kernels,
+  of the input rows; TopPath keeps, per lane, where its first best candidate lies and reads the
+  successor id once per result). Against the dense tap product of a ResNet layer1 convolution
+  (`bench_kernel_costs.py`, one thread, 2026-11-26: MaxProd 27.9 G pairs/s for the weight
+  message and 26.0 for the input message, TopPath 14.6 and 11.8), a 96-channel depthwise layer
+  on 56 x 56 planes (batch 2) reaches 26.4 (3x3) and 26.6 (5x5) for MaxProd's weight message,
+  15.3 and 19.1 for its input message, and 9.5 and 12.6 (weight), 2.9 and 5.9 (input) for
+  TopPath. On 14 x 14 planes per-plane costs (the padded copy, the call) halve those rates.
+  The TopPath input message writes and reads 8-byte successor ids per entry: on large planes
+  it is bound by memory. Rows narrower than 8 inputs (MobileNetV3's 7 x 7 stages) and strided
+  layers take scalar loops for TopPath, and for MaxProd's input message; they are 6% of a
+  MobileNetV3-small TopPath backward. A 5x5 layer of 96 channels on 14 x 14 takes about 2.6x
+  its plain backward with the kernels and 7.0x per tap; its extra time per multiply-add is
+  0.7 ns against 0.08 for a dense 3x3 convolution (a layer with 25 multiply-adds per output
+  pays its per-node costs over few of them).
   PyTorch's vectorised log takes a slow path for every exact zero (3.9 ms for 430k entries
   half of them zeros, 0.43 ms without zeros,
   `bench_kernel_costs.py`), and half of a ReLU network's activations are zeros: logarithms of

@@ -11,6 +11,7 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
+import torchvision
 from cases_ops import FUNCTIONS, function_leaf
 from helpers import SEMIRINGS, assert_readout_matches, oracle_readouts
 from oracle import build_graph
@@ -59,6 +60,28 @@ UNSUPPORTED = {
     "aten.abs.default": lambda x: torch.logcumsumexp(x, -1),
     "aten.ones_like.default": lambda x: torch.zeros(3, dtype=torch.float64).scatter_reduce(
         0, torch.tensor([0, 1, 0]), x.reshape(-1)[:3], "mean"
+    ),
+}
+
+
+_BOXES = [torch.tensor([[0.0, 0.0, 2.0, 2.0]], dtype=torch.float64)]
+
+#: torchvision's detection ops: their backward kernels have no rule
+UNSUPPORTED |= {
+    "torchvision._roi_align_backward.default": lambda x: torchvision.ops.roi_align(
+        x, _BOXES, output_size=2
+    ),
+    "torchvision._roi_pool_backward.default": lambda x: torchvision.ops.roi_pool(
+        x, _BOXES, output_size=2
+    ),
+    "torchvision._ps_roi_align_backward.default": lambda x: torchvision.ops.ps_roi_align(
+        x.repeat(1, 2, 1, 1), _BOXES, output_size=2
+    ),
+    "torchvision._deform_conv2d_backward.default": lambda x: torchvision.ops.deform_conv2d(
+        x,
+        torch.zeros(1, 18, 3, 3, dtype=torch.float64),
+        torch.ones(2, 2, 3, 3, dtype=torch.float64),
+        padding=1,
     ),
 }
 

@@ -153,8 +153,6 @@ def _block(
         )
     if per_sample:
         _check_per_sample(model, semiring, extensions)
-    watched = [p for p in model.parameters() if p.requires_grad] if model is not None else []
-    names = {id(p): _leaf_name(n) for n, p in model.named_parameters()} if model is not None else {}
     data_parallel = _data_parallel_parameters(model)
     with ExitStack() as stack:
         _blocks.semiring = semiring
@@ -180,13 +178,11 @@ def _block(
         mode = SemiringMode(
             semiring,
             regular_grads,
-            watched,
+            _parameters_now(model),
             reroute,
-            names,
             keep_state,
             data_parallel,
             per_sample,
-            _parameters_now(model) if model is not None else None,
         )
         if per_sample:
             recorder = BlockPreHook(_batch_recorder(mode))
@@ -227,11 +223,13 @@ def _batch_recorder(mode: SemiringMode) -> Callable[..., None]:
     return record
 
 
-def _parameters_now(model: nn.Module) -> Callable[[], tuple[list[torch.Tensor], dict[int, str]]]:
+def _parameters_now(
+    model: nn.Module | None,
+) -> Callable[[], tuple[list[torch.Tensor], dict[int, str]]]:
     """The model's parameters and their names, as a pass sees them (asked at each pass)."""
 
     def now() -> tuple[list[torch.Tensor], dict[int, str]]:
-        named = list(model.named_parameters())
+        named = list(model.named_parameters()) if model is not None else []
         return [p for _, p in named], {id(p): _leaf_name(n) for n, p in named}
 
     return now

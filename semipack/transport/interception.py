@@ -31,20 +31,17 @@ class SemiringMode(TorchFunctionMode):
         self,
         sr: Semiring,
         regular_grads: bool,
-        watched: Iterable[Tensor] = (),
+        parameters: Callable[[], tuple[list[Tensor], dict[int, str]]] = lambda: ([], {}),
         reroute: Mapping[Callable, Callable] | None = None,
-        leaf_names: dict[int, str] | None = None,
         keep_state: bool = False,
         accumulate_in_place: Iterable[Tensor] = (),
         per_sample: bool = False,
-        parameters: Callable[[], tuple[list[Tensor], dict[int, str]]] | None = None,
     ) -> None:
         super().__init__()
-        #: the model's parameters and their names as they are now, asked again at each pass
-        #: (a parameter unfrozen or replaced inside the block was not watched: it kept a stale
-        #: value, and got no per-sample rows)
+        #: the model's parameters and their names as they are now, asked at each pass (a
+        #: parameter unfrozen or replaced inside the block, fixed at its entry, was not
+        #: watched: it kept a stale value, and got no per-sample rows)
         self.parameters = parameters
-        self.all_parameters: list[Tensor] = list(watched)
         self.per_sample = per_sample
         #: dim-0 sizes of the model's inputs in this block (``api.extend`` records them)
         self.input_batches: set[int] = set()
@@ -52,9 +49,7 @@ class SemiringMode(TorchFunctionMode):
         self.regular_grads = regular_grads
         self.keep_state = keep_state
         self.accumulate_in_place = list(accumulate_in_place)
-        self.watched = list(watched)
         self.reroute = dict(reroute or {})
-        self.leaf_names = leaf_names
         self.retained = bw.RetainedTensors()
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
@@ -104,11 +99,10 @@ class SemiringMode(TorchFunctionMode):
             inputs = [inputs]
         elif inputs is not None:
             inputs = list(inputs)
-        if self.parameters is not None:
-            self.all_parameters, self.leaf_names = self.parameters()
-            self.watched = [p for p in self.all_parameters if p.requires_grad]
+        parameters, names = self.parameters()
+        watched = [p for p in parameters if p.requires_grad]
         # the parameters' lifted forms may be kept for the next pass (kernels.weight_cache)
-        with WEIGHTS.watching(self.watched):
+        with WEIGHTS.watching(watched):
             reached = bw.backward(
                 tensors,
                 grads,
@@ -117,21 +111,19 @@ class SemiringMode(TorchFunctionMode):
                 retain_graph=retain_graph,
                 create_graph=create_graph,
                 inputs=inputs,
-                leaf_names=self.leaf_names,
-                watched=self.watched,
+                leaf_names=names,
+                watched=watched,
                 retained=self.retained,
                 keep_state=self.keep_state,
                 accumulate_in_place=self.accumulate_in_place,
                 per_sample=(
-                    {id(p): (self.leaf_names or {}).get(id(p), "?") for p in self.watched}
-                    if self.per_sample
-                    else None
+                    {id(p): names.get(id(p), "?") for p in watched} if self.per_sample else None
                 ),
                 per_sample_batches=frozenset(self.input_batches),
             )
         # A parameter this backward did not reach (frozen ones too) must not keep a stale value.
         reached_ids = {id(t) for t in reached}
-        for p in self.all_parameters:
+        for p in parameters:
             if id(p) not in reached_ids:
                 for name in (bw.SEMIRING_GRAD, bw.SEMIRING_STATE):
                     if hasattr(p, name):

@@ -37,6 +37,16 @@ static inline float hmax8(__m256 v) {
     return _mm_cvtss_f32(x);
 }
 
+/* A row's last columns after the blocks of 32 that start at 0, from column iw (iw < width,
+   width >= 8): up to four more vectors, the last ending at the row's end (it recomputes some
+   columns; a max over the same candidates gives them again), run as independent chains (one
+   chain of 8 columns waited on each maximum's latency). Fills at[] and returns how many. */
+static inline int last_columns(int64_t iw, int64_t width, int64_t at[4]) {
+    const int64_t last = width - 8;
+    for (int j = 0; j < 4; j++) at[j] = iw + 8 * j < last ? iw + 8 * j : last;
+    return (int)((width - iw + 7) / 8);
+}
+
 /* Columns at[0..n) (8 each) of `rows` input rows of the gather below, row by row: every tap's
    candidates in n independent chains of maxima, one store each. n is a constant where this is
    inlined. The rows loop sits here, inside, so that a row's setup is a pointer step (a 3x3
@@ -113,13 +123,8 @@ static inline __attribute__((always_inline)) void input_plane_gather_k(
         gather_columns(base, lwo, dst, rows, wp, at, 4, first, row, kh_n, kw_n, dh, dw);
     }
     if (iw == width) return;
-    /* the last columns: up to four more vectors, the last ending at the row's end (it
-       recomputes some columns; a max over the same candidates gives them again), as
-       independent chains too (one chain of 8 columns waited on each maximum's latency) */
-    const int64_t last = width - 8;
-    const int64_t at[4] = {iw < last ? iw : last, iw + 8 < last ? iw + 8 : last,
-                           iw + 16 < last ? iw + 16 : last, last};
-    switch ((width - iw + 7) / 8) {
+    int64_t at[4];
+    switch (last_columns(iw, width, at)) {
     case 1: gather_columns(base, lwo, dst, rows, wp, at, 1, first, row, kh_n, kw_n, dh, dw); break;
     case 2: gather_columns(base, lwo, dst, rows, wp, at, 2, first, row, kh_n, kw_n, dh, dw); break;
     case 3: gather_columns(base, lwo, dst, rows, wp, at, 3, first, row, kh_n, kw_n, dh, dw); break;
@@ -495,13 +500,11 @@ static inline __attribute__((always_inline)) void input_plane_gather_ids_k(
                            row, kh_n, kw_n, mult, dh, dw, ch, cw, ho, wo);
     }
     if (iw == width) return;
-    const int64_t last = width - 8;
-    const int64_t at[4] = {iw < last ? iw : last, iw + 8 < last ? iw + 8 : last,
-                           iw + 16 < last ? iw + 16 : last, last};
+    int64_t at[4];
 #define SEMIPACK_IDS(n)                                                                        \
     gather_ids_columns(base, psize, lwc, dst, dst_ids, ids_c, no_successor, rows, wp, at, n,   \
                        row, kh_n, kw_n, mult, dh, dw, ch, cw, ho, wo)
-    switch ((width - iw + 7) / 8) {
+    switch (last_columns(iw, width, at)) {
     case 1: SEMIPACK_IDS(1); break;
     case 2: SEMIPACK_IDS(2); break;
     case 3: SEMIPACK_IDS(3); break;

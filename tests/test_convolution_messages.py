@@ -142,6 +142,26 @@ DEPTHWISE = {
     "seven_taps_per_row": ((2, 2, 6, 40), (2, 1, 2, 7), (1, 1), (0, 3), (1, 1)),
     "eight_taps_per_row": ((1, 3, 5, 37), (3, 1, 1, 8), (1, 1), (0, 0), (1, 1)),
     "six_taps_dilated": ((1, 2, 5, 50), (2, 1, 2, 6), (1, 1), (0, 5), (1, 2)),
+    # strided layers run as stride-1 problems, one per phase (rules/depthwise.py): phases with
+    # rows of 8+ columns, unused last rows and columns, more phases than kernel taps (the 1 x 1
+    # and 2 x 1 kernels at stride 2 and 3 leave phases no tap reads), odd and even kernels
+    "strided_5x5_wide": ((2, 3, 29, 37), (3, 1, 5, 5), (2, 2), (2, 2), (1, 1)),
+    "strided_3x3_wide_multiplier": ((1, 2, 20, 41), (4, 1, 3, 3), (2, 2), (1, 1), (1, 1)),
+    "strided_3x3_unused_edge": ((2, 3, 12, 36), (3, 1, 3, 3), (2, 2), (0, 0), (1, 1)),
+    "strided_1x1": ((1, 3, 9, 34), (3, 1, 1, 1), (2, 2), (0, 0), (1, 1)),
+    "stride_3_kernel_2x1": ((1, 2, 13, 52), (2, 1, 2, 1), (3, 3), (1, 0), (1, 1)),
+    "stride_3_by_2_kernel_4x4": ((1, 2, 17, 45), (2, 1, 4, 4), (3, 2), (1, 2), (1, 1)),
+    "strided_dilated": ((1, 2, 15, 40), (2, 1, 3, 3), (2, 2), (2, 2), (2, 2)),
+    "strided_one_row": ((2, 2, 1, 30), (2, 1, 3, 3), (2, 2), (1, 1), (1, 1)),
+    # small planes with whole vectors of channels take the channels-last kernel
+    # (depthwise_channels.c): two vectors at a time and a last single one (24 channels),
+    # strides, dilations, eight taps in a row, a tall kernel
+    "channels_7x7_5x5": ((2, 24, 7, 7), (24, 1, 5, 5), (1, 1), (2, 2), (1, 1)),
+    "channels_strided": ((2, 16, 9, 11), (16, 1, 3, 3), (2, 2), (1, 1), (1, 1)),
+    "channels_dilated_strided": ((1, 8, 10, 6), (8, 1, 3, 2), (2, 1), (2, 1), (2, 3)),
+    "channels_eight_taps": ((2, 32, 5, 12), (32, 1, 1, 8), (1, 1), (0, 3), (1, 1)),
+    "channels_tall_kernel": ((1, 40, 13, 4), (40, 1, 7, 1), (1, 1), (3, 0), (1, 1)),
+    "channels_with_multiplier": ((1, 8, 6, 6), (16, 1, 3, 3), (1, 1), (1, 1), (1, 1)),
 }
 
 
@@ -171,6 +191,7 @@ def test_native_depthwise_max_plus_equals_the_per_tap_path(
     if data == "ties":  # |x|, |w| in {0, 1/2, 1, 2}: their logarithms are few, sums tie often
         x = x.sign() * 2.0 ** torch.randint(-1, 2, x_shape, generator=gen).float()
         w = w.sign() * 2.0 ** torch.randint(-1, 2, w_shape, generator=gen).float()
+    x[:, -1] = 0.0  # a channel without edges: its weight taps have no path (TopPath: id at 0)
     geometry = ConvGeometry.of(2, stride, padding, dilation, x.shape[1])
     out = torch.nn.functional.conv2d(x, w, None, stride, padding, dilation, x.shape[1])
     m = (torch.randn(out.shape, generator=gen) * 3).round()  # ties
@@ -185,6 +206,35 @@ def test_native_depthwise_max_plus_equals_the_per_tap_path(
         if got is not None:
             assert len(got) == len(want)
             assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+
+
+def test_small_planes_with_whole_vectors_of_channels_take_the_channels_last_kernel(
+    monkeypatch,
+) -> None:
+    """Which depthwise layers reach the channels-last kernel: small planes whose channels fill
+    vectors, one output channel per input channel (the values are compared above)."""
+    import semipack.rules.depthwise as depthwise
+    from semipack.kernels.native import native_available
+
+    if not native_available():
+        pytest.skip("no native kernels here")
+    calls: list[tuple[int, ...]] = []
+    kernel = depthwise.depthwise_channels_f32
+    monkeypatch.setattr(
+        depthwise,
+        "depthwise_channels_f32",
+        lambda m, *rest: (calls.append(tuple(m.shape)), kernel(m, *rest))[1],
+    )
+    mask = (True, True, False)
+    for name in ("channels_7x7_5x5", "channels_with_multiplier", "3x3_padded", "5x5_wide_rows"):
+        x_shape, w_shape, stride, padding, dilation = DEPTHWISE[name]
+        x, w = torch.randn(x_shape), torch.randn(w_shape)
+        geometry = ConvGeometry.of(2, stride, padding, dilation, x.shape[1])
+        out = torch.nn.functional.conv2d(x, w, None, stride, padding, dilation, x.shape[1])
+        depthwise.depthwise_max_plus(
+            semipack.MaxProd(), (torch.randn(out.shape),), x, w, geometry, mask
+        )
+    assert calls == [(2, 24, 7, 7), (2, 24, 7, 7)]  # the input and the weight message
 
 
 def test_native_depthwise_declines_what_it_does_not_cover() -> None:

@@ -25,7 +25,6 @@ import torch
 from torch import Tensor
 
 from ..kernels.native import (
-    depthwise_f32,
     maxplus_gather_f32,
     maxplus_scatter_max_f32,
     native_available,
@@ -37,8 +36,8 @@ from ..kernels.weight_cache import WEIGHTS
 from ..messages import OpCall, register_rule
 from ..messages.shared_shift import shared_shift_conv
 from ..messages.windows import ConvGeometry
-from ..semirings._log import log_abs
 from ..semirings.base import Semiring, State
+from .depthwise import depthwise_max_plus
 
 aten = torch.ops.aten
 
@@ -68,60 +67,6 @@ def conv_messages(
         if geometry.transposed:
             return transposed_per_tap_messages(sr, m_parts, x, w, geometry, mask)
         return per_tap_messages(sr, m_parts, x, w, geometry, mask)
-
-
-def depthwise_max_plus(
-    sr: Semiring, m_parts: State, x: Tensor, w: Tensor, geometry: ConvGeometry, mask: Sequence[bool]
-) -> Messages | None:
-    """The messages of a 2-D depthwise convolution (one input channel per group) in MaxProd's
-    algebra, and TopPath's with its successor ids, from the native kernel
-    (``kernels/native/depthwise.c``: every tap swept once, where the per-tap path builds and
-    reduces an output-sized sum per tap), or None where it does not apply: another algebra, not
-    2-D depthwise, not float32 on the CPU, no native library, or a NaN or +inf among the
-    operands. Same values and ids as ``per_tap_messages``, bit for bit (max does not round, and
-    ties go to the same candidate)."""
-    groups = geometry.groups
-    ids = sr.is_max_plus_with_ids()
-    if not (
-        (sr.is_max_plus() or ids)
-        and x.dim() == 4
-        and groups == x.shape[1]
-        and w.shape[1] == 1
-        and x.dtype == w.dtype == m_parts[0].dtype == torch.float32
-        and x.device.type == "cpu"
-        and native_available()
-        and x.numel() > 0  # an empty batch: no message to read (TopPath's ids had none)
-    ):
-        return None
-    pad = [p for pair in reversed(geometry.padding) for p in (pair, pair)]
-    x_pad = torch.nn.functional.pad(x, pad) if any(geometry.padding) else x
-    m = m_parts[0]
-    lx = log_abs(x_pad, torch.float32)  # the padding lifts to -inf: no edge
-    lw = sr.kept_lift(w)[0].reshape(w.shape[0], *w.shape[2:])
-    if not no_nan_or_posinf(m, lw, lx):
-        return None  # the kernel's max would not propagate a NaN
-    to_input, to_weight = depthwise_f32(
-        m,
-        lw,
-        lx,
-        tuple(geometry.stride),
-        tuple(geometry.dilation),
-        mask[0],
-        mask[1],
-        ids=m_parts[1] if ids else None,
-        no_successor=int(sr.zero[1]) if ids else -1,
-        padding=tuple(geometry.padding),
-    )
-    grad_in = grad_w = grad_b = None
-    if mask[0]:
-        crop = tuple(slice(p, p + n) for p, n in zip(geometry.padding, x.shape[2:], strict=True))
-        grad_in = tuple(p[(slice(None), slice(None), *crop)].contiguous() for p in to_input)
-    if mask[1]:
-        grad_w = tuple(p.reshape(w.shape) for p in to_weight)
-    if mask[2]:
-        rows = tuple(p.expand(m.shape).reshape(m.shape[0], m.shape[1], -1) for p in m_parts)
-        grad_b = sr.sum(rows, [0, 2])
-    return grad_in, grad_w, grad_b
 
 
 def per_tap_messages(

@@ -36,6 +36,7 @@ _SOURCES = tuple(
         "softmax.c",
         "fingerprint.c",
         "depthwise.c",
+        "depthwise_channels.c",
     )
 )
 #: Headers the sources include (part of the build's cache key).
@@ -71,6 +72,8 @@ _SIGNATURES: dict[str, tuple[str | None, str]] = {
     "semipack_depthwise_weight_f32": (None, "ppp" + "q" * 13 + "i"),
     "semipack_depthwise_input_ids_f32": (None, "ppppp" + "q" * 16 + "i"),
     "semipack_depthwise_weight_ids_f32": (None, "ppppp" + "q" * 13 + "i"),
+    "semipack_depthwise_channels_input_f32": (None, "ppppp" + "q" * 15 + "i"),
+    "semipack_depthwise_channels_weight_f32": (None, "ppppp" + "q" * 12 + "i"),
 }
 
 _state = {"enabled": os.environ.get("SEMIPACK_NATIVE", "1") not in ("0", "false", "no")}
@@ -261,10 +264,14 @@ def depthwise_f32(
     first candidates attaining the maxima (``no_successor`` where an input has none).
     ``padding``: rows and columns on each side of ``lx`` that are the convolution's zero
     padding, no input; their input message is no value to read (MaxProd's stride-1 kernel
-    leaves it ``-inf`` without computing it), so the caller crops it."""
+    leaves it ``-inf`` without computing it), so the caller crops it. Only the messages asked
+    for read their operand: ``lw`` only for the input message, ``lx`` only for the weight
+    message; the other counts for its shape alone (an expanded tensor will do)."""
     lib = _library()
     assert lib is not None and m.dtype == lw.dtype == lx.dtype == torch.float32
-    m, lw, lx = m.contiguous(), lw.contiguous(), lx.contiguous()
+    m = m.contiguous()
+    lw = lw.contiguous() if want_input else lw
+    lx = lx.contiguous() if want_weight else lx
     batch, channels, hp, wp = lx.shape
     mult = m.shape[1] // channels
     ho, wo = m.shape[2:]
@@ -296,6 +303,82 @@ def depthwise_f32(
         tail = () if ids is None else (out[1].data_ptr(),)
         kernel(m.data_ptr(), *with_ids, lx.data_ptr(), out[0].data_ptr(), *tail, *sizes, threads)
         to_weight = tuple(out)
+    return to_input, to_weight
+
+
+#: Most taps the channels-last kernel takes (its per-position tap list lives on the stack).
+CHANNELS_MAX_TAPS = 64
+
+
+def channels_kernel_fits(m: Tensor, lw: Tensor, planes: int) -> bool:
+    """Whether ``depthwise_channels_f32`` takes a depthwise convolution with output message
+    ``m`` [B, C * M, Ho, Wo], lifted weight ``lw`` [C * M, KH, KW] over ``planes`` input
+    channels: one output channel per input channel, whole vectors of channels, few enough taps
+    (at most 8 per kernel row) and positions exact as floats."""
+    batch, outputs, ho, wo = m.shape
+    kh, kw = lw.shape[1:]
+    return (
+        outputs == planes
+        and planes % 8 == 0
+        and kh * kw <= CHANNELS_MAX_TAPS
+        and kw <= 8
+        and batch * ho * wo < 2**24
+    )
+
+
+def depthwise_channels_f32(
+    m: Tensor,
+    lw: Tensor,
+    lx: Tensor,
+    stride: tuple[int, int],
+    dilation: tuple[int, int],
+    padding: tuple[int, int],
+    want_input: bool,
+    want_weight: bool,
+    ids: Tensor | None = None,
+    no_successor: int = -1,
+) -> tuple[tuple[Tensor, ...] | None, tuple[Tensor, ...] | None]:
+    """``depthwise_f32``'s messages from the channels-last kernel (depthwise_channels.c), which
+    vectorises over channels instead of a plane's columns: the kernel for small planes. Same
+    operands and results, except that the input message is of the unpadded input
+    [B, C, H, W] (``padding`` is taken off ``lx``'s plane). ``channels_kernel_fits`` says
+    which convolutions it takes. The channels-last copies in and out are the price: for a
+    7 x 7 plane they cost less than the scalar loops the plane kernels take there."""
+    lib = _library()
+    assert lib is not None and m.dtype == lw.dtype == lx.dtype == torch.float32
+    batch, channels, ho, wo = m.shape
+    kh, kw = lw.shape[1:]
+    hp, wp = lx.shape[2:]
+    ph, pw = padding
+    last = (0, 2, 3, 1)
+    m_last = m.permute(last).contiguous()
+    ids_last = None if ids is None else ids.expand(m.shape).permute(last).contiguous()
+    ids_ptr = None if ids_last is None else ids_last.data_ptr()
+    geometry = (kh, kw, *stride, *dilation)
+    threads = _threads(m.numel() * kh * kw * 16)
+    to_input = to_weight = None
+    if want_input:
+        height, width = hp - 2 * ph, wp - 2 * pw
+        values = torch.empty((batch, height, width, channels))
+        found = None if ids is None else torch.empty(values.shape, dtype=torch.int64)
+        lw_last = lw.permute(1, 2, 0).contiguous()  # held: the kernel reads its memory
+        lib.semipack_depthwise_channels_input_f32(
+            m_last.data_ptr(), ids_ptr, lw_last.data_ptr(),
+            values.data_ptr(), None if found is None else found.data_ptr(), no_successor,
+            batch, channels, ho, wo, height, width, *geometry, ph, pw, threads,
+        )  # fmt: skip
+        first = (0, 3, 1, 2)
+        to_input = tuple(t.permute(first).contiguous() for t in (values, found) if t is not None)
+    if want_weight:
+        values = torch.empty((kh, kw, channels))
+        found = None if ids is None else torch.empty(values.shape, dtype=torch.int64)
+        lx_last = lx.permute(last).contiguous()
+        lib.semipack_depthwise_channels_weight_f32(
+            m_last.data_ptr(), ids_ptr, lx_last.data_ptr(),
+            values.data_ptr(), None if found is None else found.data_ptr(),
+            batch, channels, ho, wo, hp, wp, *geometry, threads,
+        )  # fmt: skip
+        to_weight = tuple(t.permute(2, 0, 1).contiguous() for t in (values, found) if t is not None)
     return to_input, to_weight
 
 

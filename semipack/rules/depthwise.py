@@ -1,0 +1,197 @@
+"""MaxProd and TopPath messages of a 2-D depthwise convolution from the native kernels.
+
+The native kernels (``kernels/native/depthwise.c``) vectorise stride 1: eight neighbouring
+results read eight neighbouring entries. A strided layer (MobileNet's downsampling blocks) is
+rewritten here as stride-1 problems, one per *phase*, so it takes the same vectorised loops.
+At dilation 1 and stride (SH, SW), padded input row ``ih = oh * SH + kh``. Write
+``ih = SH * p + s`` with the phase ``s = ih mod SH``: row ``ih`` is read by the taps
+``kh = s + SH * j`` only, from output row ``oh = p - j``. So:
+
+- the input message at the entries ``[s::SH, r::SW]`` of the padded input is the stride-1
+  input message of the sub-kernel ``w[..., s::SH, r::SW]`` over the same output message;
+- the weight message of the taps ``kw = r + SW * j`` is a message of row stride SH and column
+  stride 1 over the columns ``r::SW`` of the padded input (tap ``kw`` reads column
+  ``SW * ow + kw = SW * (ow + j) + r``, the phase's column ``ow + j``).
+
+Every result gets the same candidates as in the strided form, in the same order (taps by
+(kh, kw), then positions), so the maxima are the same floats and TopPath's first candidates,
+hence its successor ids, are the same (tests/test_convolution_messages.py compares both with
+the per-tap path bit for bit).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor
+
+from ..kernels.native import (
+    channels_kernel_fits,
+    depthwise_channels_f32,
+    depthwise_f32,
+    native_available,
+    no_nan_or_posinf,
+)
+from ..messages.windows import ConvGeometry
+from ..semirings._log import log_abs
+from ..semirings.base import Semiring, State
+
+Messages = tuple[State | None, State | None, State | None]
+
+#: Planes with fewer columns than this (output or input) take the channels-last kernel where
+#: it fits: the plane kernels' vectors hold a row's columns, and short rows leave them empty.
+SMALL_PLANE = 8
+
+
+def depthwise_max_plus(
+    sr: Semiring, m_parts: State, x: Tensor, w: Tensor, geometry: ConvGeometry, mask: Sequence[bool]
+) -> Messages | None:
+    """The messages of a 2-D depthwise convolution (one input channel per group) in MaxProd's
+    algebra, and TopPath's with its successor ids, from the native kernel (every tap swept
+    once, where the per-tap path builds and reduces an output-sized sum per tap), or None where
+    it does not apply: another algebra, not 2-D depthwise, not float32 on the CPU, no native
+    library, or a NaN or +inf among the operands. Same values and ids as ``per_tap_messages``,
+    bit for bit (max does not round, and ties go to the same candidate)."""
+    groups = geometry.groups
+    ids = sr.is_max_plus_with_ids()
+    if not (
+        (sr.is_max_plus() or ids)
+        and x.dim() == 4
+        and groups == x.shape[1]
+        and w.shape[1] == 1
+        and x.dtype == w.dtype == m_parts[0].dtype == torch.float32
+        and x.device.type == "cpu"
+        and native_available()
+        and x.numel() > 0  # an empty batch: no message to read (TopPath's ids had none)
+    ):
+        return None
+    m = m_parts[0]
+    lw = sr.kept_lift(w)[0].reshape(w.shape[0], *w.shape[2:])
+    (pad_h, pad_w), (height, width) = geometry.padding, x.shape[2:]
+    padded = (*x.shape[:2], height + 2 * pad_h, width + 2 * pad_w)
+    lx = None
+    if mask[1]:  # log|x| of the padded input: the padding is -inf, no edge (the log of the
+        # unpadded x: a log that meets zeros takes a slower path)
+        pads = (pad_w, pad_w, pad_h, pad_h)
+        lx = torch.nn.functional.pad(log_abs(x, torch.float32), pads, value=float("-inf"))
+    if not no_nan_or_posinf(m, lw, *([] if lx is None else [lx])):
+        return None  # the kernel's max would not propagate a NaN
+    successors = m_parts[1].expand(m.shape).contiguous() if ids else None
+    no_successor = int(sr.zero[1]) if ids else -1
+    stride, dilation = tuple(geometry.stride), tuple(geometry.dilation)
+    by_phases = stride != (1, 1) and dilation == (1, 1)
+    small = min(m.shape[3], width) < SMALL_PLANE and channels_kernel_fits(m, lw, x.shape[1])
+    grad_in = grad_w = grad_b = None
+    if mask[0] and small:
+        grad_in = depthwise_channels_f32(
+            m, lw, _shape_only(padded), stride, dilation, tuple(geometry.padding), True, False,
+            successors, no_successor,
+        )[0]  # fmt: skip
+    elif mask[0] and by_phases:
+        grad_in = _input_by_phases(
+            m, lw, x.shape, geometry.padding, stride, successors, no_successor
+        )
+    elif mask[0]:
+        planes = depthwise_f32(
+            m, lw, _shape_only(padded), stride, dilation, True, False, successors,
+            no_successor, tuple(geometry.padding),
+        )[0]  # fmt: skip
+        crop = (slice(None), slice(None), slice(pad_h, pad_h + height), slice(pad_w, pad_w + width))
+        grad_in = tuple(p[crop].contiguous() for p in planes)
+    if mask[1] and small:
+        grad_w = depthwise_channels_f32(
+            m, lw, lx, stride, dilation, tuple(geometry.padding), False, True, successors
+        )[1]
+    elif mask[1] and by_phases:
+        grad_w = _weight_by_phases(m, lw.shape, lx, stride, successors)
+    elif mask[1]:
+        grad_w = depthwise_f32(m, lw, lx, stride, dilation, False, True, successors)[1]
+    if mask[1]:
+        grad_w = tuple(p.reshape(w.shape) for p in grad_w)
+    if mask[2]:
+        rows = tuple(p.expand(m.shape).reshape(m.shape[0], m.shape[1], -1) for p in m_parts)
+        grad_b = sr.sum(rows, [0, 2])
+    return grad_in, grad_w, grad_b
+
+
+def _shape_only(shape: Sequence[int]) -> Tensor:
+    """A float32 tensor of ``shape`` without memory, for an operand the kernel does not read."""
+    return torch.empty(1).expand(*shape)
+
+
+def _input_by_phases(
+    m: Tensor,
+    lw: Tensor,
+    planes: Sequence[int],
+    padding: Sequence[int],
+    stride: tuple[int, int],
+    successors: Tensor | None,
+    no_successor: int,
+) -> tuple[Tensor, ...]:
+    """The input message [B, C, H, W] (``planes``, the unpadded input's shape), phase by phase
+    (see the module's docstring): each phase's stride-1 message covers its entries of the
+    padded input, and those inside the ``padding`` are written to their place. ``m``
+    [B, C * M, Ho, Wo], ``lw`` [C * M, KH, KW]. Entries no tap reads (a kernel smaller than
+    the stride, rows past the last window) get no message."""
+    (sh, sw), (ho, wo) = stride, m.shape[2:]
+    values = torch.full(tuple(planes), float("-inf"))
+    ids = None if successors is None else torch.full(tuple(planes), no_successor)
+    for s in range(sh):
+        for r in range(sw):
+            sub = lw[:, s::sh, r::sw]
+            if sub.numel() == 0:
+                continue  # no tap reads these entries
+            rows, cols = ho + sub.shape[1] - 1, wo + sub.shape[2] - 1
+            at_rows = _inside(s, sh, rows, padding[0], planes[2])
+            at_cols = _inside(r, sw, cols, padding[1], planes[3])
+            if at_rows is None or at_cols is None:
+                continue  # the phase's entries are all padding
+            phase = _shape_only((*planes[:2], rows, cols))
+            got = depthwise_f32(
+                m, sub, phase, (1, 1), (1, 1), True, False, successors, no_successor
+            )
+            source = (slice(None), slice(None), at_rows[0], at_cols[0])
+            target = (slice(None), slice(None), at_rows[1], at_cols[1])
+            values[target] = got[0][0][source]
+            if ids is not None:
+                ids[target] = got[0][1][source]
+    return (values,) if ids is None else (values, ids)
+
+
+def _inside(phase: int, stride: int, count: int, pad: int, size: int) -> tuple[slice, slice] | None:
+    """Of a phase's ``count`` entries along one axis (padded index ``phase + stride * p``), those
+    that are inputs (padded index in ``[pad, pad + size)``): their slice among the phase's
+    entries and their slice of the unpadded axis; None if there are none."""
+    first = max(0, -(-(pad - phase) // stride))
+    last = min(count - 1, (pad + size - 1 - phase) // stride)
+    if last < first:
+        return None
+    start = phase + stride * first - pad
+    return slice(first, last + 1), slice(start, start + stride * (last - first) + 1, stride)
+
+
+def _weight_by_phases(
+    m: Tensor,
+    kernel: Sequence[int],
+    lx: Tensor,
+    stride: tuple[int, int],
+    successors: Tensor | None,
+) -> tuple[Tensor, ...]:
+    """The weight message ``[C * M, KH, KW]`` (``kernel``), the taps of each column phase from
+    the padded input's columns of that phase at column stride 1 (see the module's docstring).
+    ``m`` [B, C * M, Ho, Wo], ``lx`` [B, C, Hp, Wp]."""
+    sh, sw = stride
+    outputs, kh, kw = kernel
+    values = torch.empty((outputs, kh, kw))
+    ids = None if successors is None else torch.empty((outputs, kh, kw), dtype=torch.int64)
+    for r in range(min(sw, kw)):
+        taps = len(range(r, kw, sw))
+        columns = lx[..., r::sw]
+        got = depthwise_f32(
+            m, _shape_only((outputs, kh, taps)), columns, (sh, 1), (1, 1), False, True, successors
+        )
+        values[:, :, r::sw] = got[1][0]
+        if ids is not None:
+            ids[:, :, r::sw] = got[1][1]
+    return (values,) if ids is None else (values, ids)

@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 from helpers import SEMIRINGS, assert_readout_matches, semiring_names, tiny_bert_config
 from torch import nn
+from torch.nn.utils import prune
 
 import semipack
 from semipack import PerSampleError
@@ -109,6 +110,22 @@ def _affine():
     return model, (torch.randn(3, 5, 3),)
 
 
+class InputGain(nn.Module):
+    """A gain on the model's raw input: the mul's other factor is the input itself."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.gain = nn.Parameter(torch.randn(width))
+
+    def forward(self, x):
+        return x * self.gain
+
+
+def _gain_on_the_input():
+    model = nn.Sequential(InputGain(3), nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2))
+    return model, (torch.randn(3, 5, 3),)
+
+
 def _batch_norm_eval():
     model = nn.Sequential(
         nn.Conv2d(2, 3, 2), nn.BatchNorm2d(3), nn.Tanh(), nn.Flatten(), nn.Linear(27, 2)
@@ -126,6 +143,7 @@ MODELS = {
     "multihead_attention": _attention,
     "encoder_layer": _encoder_layer,
     "hand_written_affine": _affine,
+    "gain_on_the_input": _gain_on_the_input,
     "batch_norm_eval": _batch_norm_eval,
 }
 
@@ -470,6 +488,47 @@ def test_parameter_spanning_the_batch_refused():
         nn.Sequential(nn.Linear(3, 4), PerRow()),
         (torch.randn(5, 3),),
         r"a parameter of shape \(5, 4\) spans the batch dim of an output of shape \(5, 4\)",
+    )
+
+
+class BufferTimesGain(nn.Module):
+    """A weight computed from a fixed buffer and a trainable gain, ``proj * gain``."""
+
+    def __init__(self, inputs: int, outputs: int) -> None:
+        super().__init__()
+        self.register_buffer("proj", torch.randn(outputs, inputs))
+        self.gain = nn.Parameter(torch.rand(inputs) + 0.5)
+
+    def forward(self, x):
+        return F.linear(x, self.proj * self.gain)
+
+
+def test_a_weight_computed_from_a_buffer_is_refused_even_when_its_rows_match_the_batch():
+    """``proj * gain`` meets the gain with a buffer of shape [O, I]: the generic mul rule would
+    read O as the batch. With O equal to the batch size it did, and gave each "example" an
+    output unit's paths (rows 0 and 2 of 3 were wrong); now the pass is refused, naming the
+    parameter, the op, the module and the factor, for any batch size."""
+    for batch in (3, 5):
+        model = nn.Sequential(BufferTimesGain(4, 3), nn.Tanh())
+        _refused(
+            model,
+            (torch.randn(batch, 4),),
+            r"parameter '0.gain' is used by MulBackward0, created by module '0', with a factor "
+            r"of shape \(3, 4\), neither the model's input nor computed: that operand need not "
+            r"carry the batch",
+        )
+
+
+def test_a_pruned_weight_is_refused_by_name():
+    """``torch.nn.utils.prune`` multiplies ``weight_orig`` by a mask buffer: the same refusal,
+    not a complaint about a batch dim the mask does not have."""
+    model = nn.Sequential(nn.Linear(4, 5), nn.Tanh(), nn.Linear(5, 2))
+    prune.l1_unstructured(model[0], "weight", 0.5)
+    _refused(
+        model,
+        (torch.randn(3, 4),),
+        r"parameter '0.weight_orig' is used by MulBackward0, created by module '0', with a "
+        r"factor of shape \(5, 4\)",
     )
 
 

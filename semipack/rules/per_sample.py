@@ -127,6 +127,33 @@ def _batch_norm_eval_rows(sr: Semiring, node, state: State, input_nr: int) -> St
     return tuple(p.reshape(n, c) for p in rows)
 
 
+#: The generic rules that read the parameter's use off a product or sum with another operand:
+#: their rows are right only when that operand carries the batch.
+_BROADCAST_NODES = ("MulBackward0", "AddBackward0", "SubBackward0")
+
+
+def unbatched_operand(node, input_nr: int, inputs: Sequence[Tensor]) -> str | None:
+    """Why the other operand of ``x * p``, ``x + p`` or ``x - p`` (``node``, the parameter at
+    ``input_nr``) may not carry the batch, or None when it does: a value computed in the
+    graph (a node feeds it), or one of the model's ``inputs``. A parameter, a buffer or a
+    constant does not, and the rule would read its dim 0 as the batch: ``proj * gain`` with
+    a buffer ``proj`` of shape [O, I] gave O "rows" where O equalled the batch size. An
+    add's operand is not saved, so only a computed one is known to be batched."""
+    if node.name() not in _BROADCAST_NODES:
+        return None
+    other, _ = node.next_functions[1 - input_nr]
+    if other is not None and getattr(other, "variable", None) is None:
+        return None  # a computed value (a weight computed from leaves starts at a leaf's node)
+    if other is not None:
+        return "another parameter or leaf"
+    if node.name() == "MulBackward0":
+        factor = node._saved_other if input_nr == 0 else node._saved_self
+        if any(factor is t for t in inputs):
+            return None
+        return f"a factor of shape {tuple(factor.shape)}, neither the model's input nor computed"
+    return "an operand not computed in the graph"
+
+
 register_per_sample("MulBackward0", _mul_rows)
 register_per_sample("AddBackward0", _add_rows(1.0))
 register_per_sample("SubBackward0", _add_rows(-1.0))
@@ -277,4 +304,5 @@ __all__ = [
     "mixing_reason",
     "register_per_sample",
     "row_rule",
+    "unbatched_operand",
 ]

@@ -458,6 +458,7 @@ def backward(
     accumulate_in_place: Sequence[Tensor] = (),
     per_sample: dict[int, str] | None = None,
     per_sample_batches: frozenset[int] = frozenset(),
+    per_sample_inputs: Sequence[Tensor] = (),
 ) -> list[Tensor]:
     """``torch.autograd.backward`` that also sets ``leaf.semiring_grad``; returns the leaves
     that received a message.
@@ -465,7 +466,8 @@ def backward(
     ``per_sample`` (tensor id -> name, the model's parameters) also sets
     ``semiring_grad_batch`` on each of them the pass reaches (``transport.per_sample``); the
     graph is checked for ops without per-sample rules and for mixing before anything runs;
-    ``per_sample_batches`` are the dim-0 sizes of the model's inputs, when known.
+    ``per_sample_batches`` are the dim-0 sizes of the model's inputs, when known, and
+    ``per_sample_inputs`` those inputs.
 
     ``watched`` are tensors (the model's parameters) whose messages are captured even when the
     graph walk cannot see them beforehand (a reentrant checkpoint recomputes its graph inside
@@ -505,7 +507,7 @@ def backward(
                 "per-sample values cannot see inside a reentrant checkpoint (its graph is built "
                 "during the backward): use torch.utils.checkpoint(..., use_reentrant=False)"
             )
-        generic_uses = check_graph(tensors, per_sample, per_sample_batches)
+        generic_uses = check_graph(tensors, per_sample, per_sample_batches, per_sample_inputs)
         rows = PerSampleRows(sr, per_sample)
     kept = retained.alive() if retained is not None else []
     with path_recording(sr, tensors, leaf_names) as sr, _claimed(leaves, leaf_names):

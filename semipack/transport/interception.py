@@ -10,6 +10,7 @@ that have extensions to them.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable, Iterable, Mapping
 
 import torch
@@ -45,6 +46,9 @@ class SemiringMode(TorchFunctionMode):
         self.per_sample = per_sample
         #: dim-0 sizes of the model's inputs in this block (``api.extend`` records them)
         self.input_batches: set[int] = set()
+        #: the model's batched inputs themselves, held weakly: a per-sample row rule asks
+        #: whether a factor is one of them (a buffer of the same dim-0 size is not)
+        self.input_tensors: weakref.WeakSet[Tensor] = weakref.WeakSet()
         self.sr = sr
         self.regular_grads = regular_grads
         self.keep_state = keep_state
@@ -120,6 +124,7 @@ class SemiringMode(TorchFunctionMode):
                     {id(p): names.get(id(p), "?") for p in watched} if self.per_sample else None
                 ),
                 per_sample_batches=frozenset(self.input_batches),
+                per_sample_inputs=tuple(self.input_tensors),
             )
         # A parameter this backward did not reach (frozen ones too) must not keep a stale value.
         reached_ids = {id(t) for t in reached}

@@ -21,7 +21,7 @@ from torch import Tensor
 from ..errors import PerSampleError
 from ..graph.provenance import MODULE_KEY, OUTSIDE_MODEL
 from ..messages.message import Message
-from ..rules.per_sample import has_per_sample_rule, mixing_reason, row_rule
+from ..rules.per_sample import has_per_sample_rule, mixing_reason, row_rule, unbatched_operand
 from ..semirings.base import Semiring, State
 from ..semirings.k_best import KBest
 from ..semirings.product import Product
@@ -52,13 +52,17 @@ def _module_of(node) -> str | None:
 
 
 def check_graph(
-    roots: Sequence[Tensor], params: dict[int, str], batches: frozenset[int] = frozenset()
+    roots: Sequence[Tensor],
+    params: dict[int, str],
+    batches: frozenset[int] = frozenset(),
+    inputs: Sequence[Tensor] = (),
 ) -> list[tuple[Any, int, Tensor]]:
     """Raise ``PerSampleError`` before the pass if a node without a per-sample rule feeds a
-    parameter in ``params`` (id -> name), or a node inside the model mixes examples
-    (``batches``: the dim-0 sizes of the model's inputs, when the forward ran in the block).
-    Returns ``(node, input_nr, parameter)`` for the uses a generic row rule handles
-    (``hook_rules``)."""
+    parameter in ``params`` (id -> name), a generic row rule's node meets the parameter with
+    a factor that does not carry the batch (``rules.per_sample.unbatched_operand``; ``inputs``
+    are the model's inputs), or a node inside the model mixes examples (``batches``: the
+    dim-0 sizes of the model's inputs, when the forward ran in the block). Returns
+    ``(node, input_nr, parameter)`` for the uses a generic row rule handles (``hook_rules``)."""
     generic: list[tuple[Any, int, Tensor]] = []
     seen: set[int] = set()
     stack = [t.grad_fn for t in roots if t.grad_fn is not None]
@@ -82,6 +86,16 @@ def check_graph(
             variable = getattr(nxt, "variable", None)
             known = variable is not None and id(variable) in params
             if known and row_rule(node.name()) is not None:
+                operand = unbatched_operand(node, input_nr, inputs)
+                if operand is not None:
+                    where = f", created by {module}," if module else ""
+                    raise PerSampleError(
+                        f"per-sample values: parameter '{params[id(variable)]}' is used by "
+                        f"{node.name()}{where} with {operand}: that operand need not carry "
+                        "the batch, so the use is not split by example (a weight computed from "
+                        "parameters and buffers, a pruned or masked weight say, has no "
+                        "per-sample rows); see 'Per-sample values' in the README"
+                    )
                 generic.append((node, input_nr, variable))
             if known and not has_per_sample_rule(node.name()):
                 if MODULE_KEY not in node.metadata:

@@ -1161,3 +1161,26 @@ def test_reentrant_checkpoints_nested_past_the_engines_depth_limit_keep_their_me
     for p, g in zip(layers.parameters(), want, strict=True):
         assert type(p.grad) is torch.Tensor and torch.allclose(p.grad, g)
         assert torch.isfinite(p.semiring_grad).all()
+
+
+@pytest.mark.parametrize("transform", ["grad", "vmap"])
+def test_semipack_grad_inside_a_torch_func_transform_is_refused_by_name(transform: str) -> None:
+    """torch.func's wrapped tensors hide their storage from the rules: semipack.grad inside
+    a transform failed with PyTorch's "Cannot access storage of TensorWrapper" from a rule;
+    it now says where it cannot run. Outside the transform it gives the value."""
+    weight = torch.randn(3, 4, dtype=torch.float64)
+
+    def semiring_value(x: Tensor) -> Tensor:
+        out = torch.tanh(weight @ x).sum()
+        semipack.grad(out, [x], semipack.MaxProd())
+        return out
+
+    x = torch.randn(4, dtype=torch.float64, requires_grad=True)
+    run = (
+        torch.func.grad(semiring_value) if transform == "grad" else torch.func.vmap(semiring_value)
+    )
+    with pytest.raises(semipack.SemipackError, match=r"cannot run inside a torch.func transform"):
+        run(x.detach() if transform == "grad" else x.detach().expand(2, 4))
+    (value,) = semipack.grad(torch.tanh(weight @ x).sum(), [x], semipack.MaxProd())
+    want = ((1 - torch.tanh(weight @ x) ** 2)[:, None] * weight.abs()).amax(0)
+    torch.testing.assert_close(value, want, rtol=1e-12, atol=0)

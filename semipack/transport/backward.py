@@ -677,6 +677,14 @@ def grad(
         grad_outputs = [None] * len(outputs)
     elif isinstance(grad_outputs, Tensor):
         grad_outputs = [grad_outputs]
+    if any(torch._C._functorch.is_functorch_wrapped_tensor(t) for t in (*outputs, *inputs)):
+        # torch.func's wrappers hide their storage from the rules, which failed deep inside
+        # with "Cannot access storage of TensorWrapper"
+        raise SemipackError(
+            "semipack.grad cannot run inside a torch.func transform (grad, vmap, jacrev, ...): "
+            "the tensors there are torch.func's wrappers. Call it "
+            "outside the transform, on tensors the transform does not wrap"
+        )
     scan = scan_graph(outputs)
     if scan.module_hook_nodes:  # the hooks would be handed messages (BackPACK would store them)
         raise hooks_need_regular_gradients(scan.module_hook_nodes, "semipack.grad")

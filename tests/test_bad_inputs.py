@@ -1184,3 +1184,30 @@ def test_semipack_grad_inside_a_torch_func_transform_is_refused_by_name(transfor
     (value,) = semipack.grad(torch.tanh(weight @ x).sum(), [x], semipack.MaxProd())
     want = ((1 - torch.tanh(weight @ x) ** 2)[:, None] * weight.abs()).amax(0)
     torch.testing.assert_close(value, want, rtol=1e-12, atol=0)
+
+
+def test_a_hook_on_an_autograd_node_receives_the_message_as_documented() -> None:
+    """A known gap (README, "Usage"): PyTorch keeps node hooks out of reach, so a prehook on a
+    ``grad_fn`` gets the semiring Message, and ``g * 2`` there doubles the MaxProd value (one
+    edge of weight 2 on every path through that node) while ``.grad`` is a plain run's."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 2))
+    x = torch.randn(3, 4)
+    seen: list[type] = []
+
+    def run(hooked: bool) -> tuple[Tensor, Tensor]:
+        model.zero_grad(set_to_none=True)
+        h = model[0](x)
+        if hooked:
+            h.grad_fn.register_prehook(lambda go: (seen.append(type(go[0])), (go[0] * 2,))[1])
+        model[2](model[1](h)).pow(2).sum().backward()
+        return model[0].weight.grad.clone(), getattr(model[0].weight, "semiring_grad", None)
+
+    plain_hooked, _ = run(True)
+    with semipack.extend(model, semipack.MaxProd()):
+        _, value = run(False)
+        value = value.clone()
+        grad_hooked, value_hooked = run(True)
+    assert seen[0] is torch.Tensor and seen[1] is semipack.Message
+    assert torch.equal(grad_hooked, plain_hooked)
+    torch.testing.assert_close(value_hooked, 2 * value, rtol=1e-6, atol=0)

@@ -26,6 +26,9 @@ Each line is a median of ``--repeats`` timed runs (after a warm-up) on one threa
   channels, batch 2, 3x3 and 5x5 kernels with "same" padding, on 56 x 56 and 14 x 14 planes:
   the input and weight messages, MaxProd and TopPath, in the same pairs per second as the tap
   product above (the issue's "not slower per multiply-add than the dense one");
+* MobileNetV3-small's depthwise layers (strided, 7 x 7 planes) through the rule
+  (``rules/depthwise.py``: phases for the strided ones, the channels-last kernel for planes
+  under 8 columns, lifts and copies included), both messages, MaxProd and TopPath;
 * one 5x5 depthwise layer of 96 channels (MobileNet-like, 14 x 14, batch 2): MaxProd backward
   over a plain one in CPU time, with the native depthwise kernel and with it switched off
   (medians of ``--repeats`` backward passes, each after an untimed forward), and MaxProd's
@@ -56,6 +59,8 @@ from semipack.kernels.native import (
     pack_panels_f32,
 )
 from semipack.kernels.tropical import maxplus
+from semipack.messages.windows import ConvGeometry
+from semipack.rules import depthwise as depthwise_rule
 from semipack.rules.pointwise import _ReluCut
 from semipack.semirings._log import log_abs
 from semipack.semirings.entropy import _entropy_readout
@@ -200,6 +205,52 @@ def _depthwise_layer_rates(kernel: int, side: int, repeats: int) -> list[float]:
     ]
 
 
+#: MobileNetV3-small's depthwise layers at 224 x 224, batch 2: (channels, input side, kernel,
+#: stride); torchvision's blocks in order, repeated shapes once.
+MOBILENET_DEPTHWISE = (
+    (16, 112, 3, 2),
+    (72, 56, 3, 2),
+    (88, 28, 3, 1),
+    (96, 28, 5, 2),
+    (240, 14, 5, 1),
+    (288, 14, 5, 2),
+    (576, 7, 5, 1),
+)
+
+
+def mobilenet_depthwise_rates(repeats: int) -> None:
+    """Both messages of each MobileNetV3-small depthwise layer through the rule
+    (``rules.depthwise.depthwise_max_plus``: the lifts, checks and layout copies included, as a
+    backward pays them), MaxProd and TopPath, in G pairs/s (one forward's multiply-adds per
+    message), to read against the dense tap product's rate above."""
+    torch.manual_seed(0)
+    mask = (True, True, False)
+    for channels, side, kernel, stride in MOBILENET_DEPTHWISE:
+        pad = (kernel - 1) // 2
+        x = torch.randn(2, channels, side, side)
+        w = torch.randn(channels, 1, kernel, kernel)
+        geometry = ConvGeometry.of(2, (stride, stride), (pad, pad), (1, 1), channels)
+        out = torch.nn.functional.conv2d(x, w, None, stride, pad, 1, channels)
+        m = torch.randn(out.shape)
+        ids = torch.arange(m.numel()).reshape(m.shape)
+        pairs = 2 * m.numel() * kernel * kernel
+        line = []
+        for name, state in (("MaxProd", (m,)), ("TopPath", (m, ids))):
+            semiring = semipack.MaxProd() if name == "MaxProd" else semipack.TopPath()
+            ms = median_ms(
+                lambda s=state, sr=semiring, x=x, w=w, g=geometry: (
+                    depthwise_rule.depthwise_max_plus(sr, s, x, w, g, mask)
+                ),
+                repeats,
+            )
+            line.append(f"{name} {pairs / ms / 1e6:.1f}")
+        print(
+            f"MobileNetV3-small depthwise {kernel}x{kernel} stride {stride}, {channels} channels, "
+            f"{side} x {side}, batch 2, both messages through the rule (G pairs/s): "
+            + ", ".join(line)
+        )
+
+
 def backward_ms(
     conv: nn.Conv2d, x: torch.Tensor, semiring: semipack.Semiring | None, repeats: int
 ) -> float:
@@ -266,6 +317,7 @@ def main() -> None:
     log_plus(args.repeats)
     max_plus(args.repeats)
     depthwise_rates(args.repeats)
+    mobilenet_depthwise_rates(args.repeats)
     depthwise(args.repeats)
 
 

@@ -68,51 +68,86 @@ def depthwise_max_plus(
         return None
     m = m_parts[0]
     lw = sr.kept_lift(w)[0].reshape(w.shape[0], *w.shape[2:])
-    (pad_h, pad_w), (height, width) = geometry.padding, x.shape[2:]
-    padded = (*x.shape[:2], height + 2 * pad_h, width + 2 * pad_w)
     lx = None
     if mask[1]:  # log|x| of the padded input: the padding is -inf, no edge (the log of the
         # unpadded x: a log that meets zeros takes a slower path)
+        (pad_h, pad_w) = geometry.padding
         pads = (pad_w, pad_w, pad_h, pad_h)
         lx = torch.nn.functional.pad(log_abs(x, torch.float32), pads, value=float("-inf"))
     if not no_nan_or_posinf(m, lw, *([] if lx is None else [lx])):
         return None  # the kernel's max would not propagate a NaN
     successors = m_parts[1].expand(m.shape).contiguous() if ids else None
     no_successor = int(sr.zero[1]) if ids else -1
-    stride, dilation = tuple(geometry.stride), tuple(geometry.dilation)
-    by_phases = stride != (1, 1) and dilation == (1, 1)
-    small = min(m.shape[3], width) < SMALL_PLANE and channels_kernel_fits(m, lw, x.shape[1])
+    kernel = _kernel_for(m, lw, x, geometry)
     grad_in = grad_w = grad_b = None
-    if mask[0] and small:
-        grad_in = depthwise_channels_f32(
-            m, lw, _shape_only(padded), stride, dilation, tuple(geometry.padding), True, False,
-            successors, no_successor,
-        )[0]  # fmt: skip
-    elif mask[0] and by_phases:
-        grad_in = _input_by_phases(
-            m, lw, x.shape, geometry.padding, stride, successors, no_successor
-        )
-    elif mask[0]:
-        planes = depthwise_f32(
-            m, lw, _shape_only(padded), stride, dilation, True, False, successors,
-            no_successor, tuple(geometry.padding),
-        )[0]  # fmt: skip
-        crop = (slice(None), slice(None), slice(pad_h, pad_h + height), slice(pad_w, pad_w + width))
-        grad_in = tuple(p[crop].contiguous() for p in planes)
-    if mask[1] and small:
-        grad_w = depthwise_channels_f32(
-            m, lw, lx, stride, dilation, tuple(geometry.padding), False, True, successors
-        )[1]
-    elif mask[1] and by_phases:
-        grad_w = _weight_by_phases(m, lw.shape, lx, stride, successors)
-    elif mask[1]:
-        grad_w = depthwise_f32(m, lw, lx, stride, dilation, False, True, successors)[1]
+    if mask[0]:
+        grad_in = _input_message(kernel, m, lw, x.shape, geometry, successors, no_successor)
     if mask[1]:
+        grad_w = _weight_message(kernel, m, lw, lx, geometry, successors)
         grad_w = tuple(p.reshape(w.shape) for p in grad_w)
     if mask[2]:
         rows = tuple(p.expand(m.shape).reshape(m.shape[0], m.shape[1], -1) for p in m_parts)
         grad_b = sr.sum(rows, [0, 2])
     return grad_in, grad_w, grad_b
+
+
+def _kernel_for(m: Tensor, lw: Tensor, x: Tensor, geometry: ConvGeometry) -> str:
+    """Which kernel computes the messages: "channels" (the channels-last kernel, for planes
+    under ``SMALL_PLANE`` columns it takes), "phases" (a strided layer as stride-1 ones) or
+    "planes" (the plane kernels as they are)."""
+    if min(m.shape[3], x.shape[3]) < SMALL_PLANE and channels_kernel_fits(m, lw, x.shape[1]):
+        return "channels"
+    if tuple(geometry.stride) != (1, 1) and tuple(geometry.dilation) == (1, 1):
+        return "phases"
+    return "planes"
+
+
+def _input_message(
+    kernel: str,
+    m: Tensor,
+    lw: Tensor,
+    shape: Sequence[int],
+    geometry: ConvGeometry,
+    successors: Tensor | None,
+    no_successor: int,
+) -> tuple[Tensor, ...]:
+    """The input message [B, C, H, W] (``shape``, the input's) by ``kernel``."""
+    stride, dilation = tuple(geometry.stride), tuple(geometry.dilation)
+    padding = tuple(geometry.padding)
+    if kernel == "phases":
+        return _input_by_phases(m, lw, shape, padding, stride, successors, no_successor)
+    (pad_h, pad_w), (height, width) = padding, shape[2:]
+    padded = _shape_only((*shape[:2], height + 2 * pad_h, width + 2 * pad_w))
+    if kernel == "channels":
+        return depthwise_channels_f32(
+            m, lw, padded, stride, dilation, padding, True, False, successors, no_successor
+        )[0]
+    planes = depthwise_f32(
+        m, lw, padded, stride, dilation, True, False, successors, no_successor, padding
+    )[0]
+    crop = (slice(None), slice(None), slice(pad_h, pad_h + height), slice(pad_w, pad_w + width))
+    return tuple(p[crop].contiguous() for p in planes)
+
+
+def _weight_message(
+    kernel: str,
+    m: Tensor,
+    lw: Tensor,
+    lx: Tensor,
+    geometry: ConvGeometry,
+    successors: Tensor | None,
+) -> tuple[Tensor, ...]:
+    """The weight message [C * M, KH, KW] (``lw``'s shape) by ``kernel``; ``lx`` is log|x| of
+    the padded input."""
+    stride, dilation = tuple(geometry.stride), tuple(geometry.dilation)
+    if kernel == "phases":
+        return _weight_by_phases(m, lw.shape, lx, stride, successors)
+    if kernel == "channels":
+        padding = tuple(geometry.padding)
+        return depthwise_channels_f32(
+            m, lw, lx, stride, dilation, padding, False, True, successors
+        )[1]
+    return depthwise_f32(m, lw, lx, stride, dilation, False, True, successors)[1]
 
 
 def _shape_only(shape: Sequence[int]) -> Tensor:

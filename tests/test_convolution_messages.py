@@ -208,6 +208,55 @@ def test_native_depthwise_max_plus_equals_the_per_tap_path(
             assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
 
 
+#: name -> (x shape, w shape, stride, padding, dilation) of dense convolutions over few input
+#: channels, which take the depthwise kernels with a channel multiplier
+FEW_CHANNELS = {
+    "rgb_stem_7x7_strided": ((2, 3, 20, 22), (8, 3, 7, 7), (2, 2), (3, 3), (1, 1)),
+    "two_channels_3x3": ((1, 2, 9, 17), (5, 2, 3, 3), (1, 1), (1, 1), (1, 1)),
+    "four_channels_dilated": ((2, 4, 11, 12), (3, 4, 3, 2), (1, 2), (2, 1), (2, 2)),
+    "three_channels_narrow_plane": ((1, 3, 6, 6), (16, 3, 3, 3), (1, 1), (1, 1), (1, 1)),
+}
+
+
+@pytest.mark.parametrize("data", ["random", "ties"])
+@pytest.mark.parametrize("semiring", [semipack.MaxProd(), semipack.TopPath()], ids=repr)
+@pytest.mark.parametrize("mask", [(True, True, True), (False, True, False), (True, False, True)])
+@pytest.mark.parametrize("name", FEW_CHANNELS)
+def test_dense_convolutions_over_few_channels_equal_the_per_tap_path(
+    name: str, mask, semiring, data: str
+) -> None:
+    """A dense convolution over up to four input channels (an image stem) runs as a depthwise
+    one with a channel multiplier: the same values and TopPath ids as the per-tap products,
+    bit for bit, with ties, exact zeros and messages without a path."""
+    from semipack.kernels.native import native_available
+    from semipack.rules.depthwise import few_channels_max_plus
+
+    if not native_available():
+        pytest.skip("no native kernels here")
+    x_shape, w_shape, stride, padding, dilation = FEW_CHANNELS[name]
+    gen = torch.Generator().manual_seed(7)
+    x = torch.randn(x_shape, generator=gen)
+    x[x.abs() < 0.3] = 0.0
+    w = torch.randn(w_shape, generator=gen)
+    w.view(-1)[::5] = 0.0
+    if data == "ties":
+        x = x.sign() * 2.0 ** torch.randint(-1, 2, x_shape, generator=gen).float()
+        w = w.sign() * 2.0 ** torch.randint(-1, 2, w_shape, generator=gen).float()
+    x[:, -1] = 0.0  # a channel without edges
+    geometry = ConvGeometry.of(2, stride, padding, dilation, 1)
+    out = torch.nn.functional.conv2d(x, w, None, stride, padding, dilation)
+    m = (torch.randn(out.shape, generator=gen) * 3).round()
+    m[m < -2.5] = float("-inf")
+    state = (m, _ids(m.shape)) if isinstance(semiring, semipack.TopPath) else (m,)
+    native = few_channels_max_plus(semiring, state, x, w, geometry, mask)
+    assert native is not None
+    reference = per_tap_messages(semiring, state, x, w, geometry, mask)
+    for got, want in zip(native, reference, strict=True):
+        assert (got is None) == (want is None)
+        if got is not None:
+            assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+
+
 def test_small_planes_with_whole_vectors_of_channels_take_the_channels_last_kernel(
     monkeypatch,
 ) -> None:

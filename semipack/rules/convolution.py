@@ -37,7 +37,7 @@ from ..messages import OpCall, register_rule
 from ..messages.shared_shift import shared_shift_conv
 from ..messages.windows import ConvGeometry
 from ..semirings.base import Semiring, State
-from .depthwise import depthwise_max_plus
+from .depthwise import depthwise_max_plus, few_channels_max_plus
 
 aten = torch.ops.aten
 
@@ -60,6 +60,8 @@ def conv_messages(
         return fast
     if not geometry.transposed:
         native = depthwise_max_plus(sr, m_parts, x, w, geometry, mask)
+        if native is None:
+            native = few_channels_max_plus(sr, m_parts, x, w, geometry, mask)
         if native is not None:
             return native
     # The taps' products share shapes and nearly their data: one pruning estimate for all.

@@ -218,7 +218,7 @@ def _batch_recorder(mode: SemiringMode) -> Callable[..., None]:
         for value in (*args, *kwargs.values()):
             if isinstance(value, torch.Tensor) and value.dim() > 0:
                 mode.input_batches.add(int(value.shape[0]))
-                mode.input_tensors.add(value)
+                mode.input_tensors[id(value)] = value
                 return
 
     return record

@@ -46,9 +46,10 @@ class SemiringMode(TorchFunctionMode):
         self.per_sample = per_sample
         #: dim-0 sizes of the model's inputs in this block (``api.extend`` records them)
         self.input_batches: set[int] = set()
-        #: the model's batched inputs themselves, held weakly: a per-sample row rule asks
-        #: whether a factor is one of them (a buffer of the same dim-0 size is not)
-        self.input_tensors: weakref.WeakSet[Tensor] = weakref.WeakSet()
+        #: the model's batched inputs themselves by id, held weakly: a per-sample row rule
+        #: asks whether a factor is one of them (a buffer of the same dim-0 size is not).
+        #: (Not a WeakSet: its membership test compares tensors with ``==``.)
+        self.input_tensors: weakref.WeakValueDictionary[int, Tensor] = weakref.WeakValueDictionary()
         self.sr = sr
         self.regular_grads = regular_grads
         self.keep_state = keep_state
@@ -124,7 +125,7 @@ class SemiringMode(TorchFunctionMode):
                     {id(p): names.get(id(p), "?") for p in watched} if self.per_sample else None
                 ),
                 per_sample_batches=frozenset(self.input_batches),
-                per_sample_inputs=tuple(self.input_tensors),
+                per_sample_inputs=tuple(self.input_tensors.values()),
             )
         # A parameter this backward did not reach (frozen ones too) must not keep a stale value.
         reached_ids = {id(t) for t in reached}

@@ -407,3 +407,42 @@ def test_a_depthwise_convolution_of_an_empty_batch_runs(semiring) -> None:
     for p, q in zip(conv.parameters(), generic.parameters(), strict=True):
         assert torch.equal(p.semiring_grad, q.semiring_grad)
         assert torch.equal(p.grad, torch.zeros_like(p)) and torch.equal(q.grad, p.grad)
+
+
+@pytest.mark.parametrize("default", ["float64 dtype", "meta device"])
+@pytest.mark.parametrize(
+    "name", ["channels_7x7_5x5", "strided_5x5_wide", "3x3_padded", "rgb_stem_7x7_strided"]
+)
+def test_native_messages_ignore_the_default_dtype_and_device(name: str, default: str) -> None:
+    """Every buffer the native paths allocate is float32 on the CPU, whatever
+    ``torch.set_default_dtype`` or ``set_default_device`` say: under a float64 default the
+    shape-only operands failed an assert and the channels-last weight message came back as
+    float64 holding float32 bits (trial 30)."""
+    from semipack.kernels.native import native_available
+    from semipack.rules.depthwise import depthwise_max_plus, few_channels_max_plus
+
+    if not native_available():
+        pytest.skip("no native kernels here")
+    few = name in FEW_CHANNELS
+    x_shape, w_shape, stride, padding, dilation = (FEW_CHANNELS if few else DEPTHWISE)[name]
+    groups = 1 if few else x_shape[1]
+    gen = torch.Generator().manual_seed(3)
+    x, w = torch.randn(x_shape, generator=gen), torch.randn(w_shape, generator=gen)
+    geometry = ConvGeometry.of(2, stride, padding, dilation, groups)
+    out = torch.nn.functional.conv2d(x, w, None, stride, padding, dilation, groups)
+    m = torch.randn(out.shape, generator=gen)
+    mask = (True, True, False)
+    rule = few_channels_max_plus if few else depthwise_max_plus
+    for sr, state in ((semipack.MaxProd(), (m,)), (semipack.TopPath(), (m, _ids(m.shape)))):
+        want = per_tap_messages(sr, state, x, w, geometry, mask)
+        if default == "float64 dtype":
+            torch.set_default_dtype(torch.float64)
+        else:
+            torch.set_default_device("meta")
+        try:
+            got = rule(sr, state, x, w, geometry, mask)
+        finally:
+            torch.set_default_dtype(torch.float32)
+            torch.set_default_device(None)
+        for message, expected in zip(got[:2], want[:2], strict=True):
+            assert all(torch.equal(a, b) for a, b in zip(message, expected, strict=True))

@@ -75,7 +75,7 @@ def depthwise_max_plus(
         (pad_h, pad_w) = geometry.padding
         pads = (pad_w, pad_w, pad_h, pad_h)
         lx = torch.nn.functional.pad(log_abs(x, torch.float32), pads, value=float("-inf"))
-    if not no_nan_or_posinf(m, lw, *([] if lx is None else [lx])):
+    if not no_nan_or_posinf(m, *([lw] if mask[0] else []), *([] if lx is None else [lx])):
         return None  # the kernel's max would not propagate a NaN
     successors = m_parts[1].expand(m.shape).contiguous() if ids else None
     no_successor = int(sr.zero[1]) if ids else -1
@@ -198,7 +198,7 @@ def _weight_message(
 
 def _shape_only(shape: Sequence[int]) -> Tensor:
     """A float32 tensor of ``shape`` without memory, for an operand the kernel does not read."""
-    return torch.empty(1).expand(*shape)
+    return torch.empty(1, dtype=torch.float32, device="cpu").expand(*shape)
 
 
 def _input_by_phases(
@@ -216,8 +216,10 @@ def _input_by_phases(
     [B, C * M, Ho, Wo], ``lw`` [C * M, KH, KW]. Entries no tap reads (a kernel smaller than
     the stride, rows past the last window) get no message."""
     (sh, sw), (ho, wo) = stride, m.shape[2:]
-    values = torch.full(tuple(planes), float("-inf"))
-    ids = None if successors is None else torch.full(tuple(planes), no_successor)
+    values = torch.full(tuple(planes), float("-inf"), dtype=torch.float32, device="cpu")
+    ids = None
+    if successors is not None:
+        ids = torch.full(tuple(planes), no_successor, dtype=torch.int64, device="cpu")
     for s in range(sh):
         for r in range(sw):
             sub = lw[:, s::sh, r::sw]
@@ -264,8 +266,10 @@ def _weight_by_phases(
     ``m`` [B, C * M, Ho, Wo], ``lx`` [B, C, Hp, Wp]."""
     sh, sw = stride
     outputs, kh, kw = kernel
-    values = torch.empty((outputs, kh, kw))
-    ids = None if successors is None else torch.empty((outputs, kh, kw), dtype=torch.int64)
+    values = torch.empty((outputs, kh, kw), dtype=torch.float32, device="cpu")
+    ids = None
+    if successors is not None:
+        ids = torch.empty((outputs, kh, kw), dtype=torch.int64, device="cpu")
     for r in range(min(sw, kw)):
         taps = len(range(r, kw, sw))
         columns = lx[..., r::sw]

@@ -181,8 +181,8 @@ def maxplus_gather_f32(
     n, k = a.shape
     if with_index and k >= MAX_INDEX_K:
         raise ValueError(f"maxplus_gather_f32: argmax needs k < 2**24, got {k}")
-    out = torch.empty((n, m), dtype=torch.float32)
-    index = torch.empty((n, m), dtype=torch.int64) if with_index else None
+    out = torch.empty((n, m), dtype=torch.float32, device="cpu")
+    index = torch.empty((n, m), dtype=torch.int64, device="cpu") if with_index else None
     lib.semipack_maxplus_gather_f32(
         a.data_ptr(),
         a.stride(0),
@@ -285,9 +285,9 @@ def depthwise_f32(
     with_ids = () if ids is None else (ids.data_ptr(),)
     suffix = "_f32" if ids is None else "_ids_f32"
     if want_input:
-        out = [torch.empty((batch, channels, hp, wp), dtype=torch.float32)]
+        out = [torch.empty((batch, channels, hp, wp), dtype=torch.float32, device="cpu")]
         if ids is not None:
-            out.append(torch.empty(out[0].shape, dtype=torch.int64))
+            out.append(torch.empty(out[0].shape, dtype=torch.int64, device="cpu"))
         kernel = getattr(lib, "semipack_depthwise_input" + suffix)
         tail = () if ids is None else (out[1].data_ptr(), no_successor)
         crop = tuple(padding)
@@ -296,9 +296,9 @@ def depthwise_f32(
         )
         to_input = tuple(out)
     if want_weight:
-        out = [torch.empty((channels * mult, kh, kw), dtype=torch.float32)]
+        out = [torch.empty((channels * mult, kh, kw), dtype=torch.float32, device="cpu")]
         if ids is not None:
-            out.append(torch.empty(out[0].shape, dtype=torch.int64))
+            out.append(torch.empty(out[0].shape, dtype=torch.int64, device="cpu"))
         kernel = getattr(lib, "semipack_depthwise_weight" + suffix)
         tail = () if ids is None else (out[1].data_ptr(),)
         kernel(m.data_ptr(), *with_ids, lx.data_ptr(), out[0].data_ptr(), *tail, *sizes, threads)
@@ -346,6 +346,8 @@ def depthwise_channels_f32(
     7 x 7 plane they cost less than the scalar loops the plane kernels take there."""
     lib = _library()
     assert lib is not None and m.dtype == lw.dtype == lx.dtype == torch.float32
+    # the kernel reads whole vectors of channels and keeps the taps on its stack
+    assert channels_kernel_fits(m, lw, lx.shape[1]), "outside the channels-last kernel's range"
     batch, channels, ho, wo = m.shape
     kh, kw = lw.shape[1:]
     hp, wp = lx.shape[2:]
@@ -359,8 +361,8 @@ def depthwise_channels_f32(
     to_input = to_weight = None
     if want_input:
         height, width = hp - 2 * ph, wp - 2 * pw
-        values = torch.empty((batch, height, width, channels))
-        found = None if ids is None else torch.empty(values.shape, dtype=torch.int64)
+        values = torch.empty((batch, height, width, channels), dtype=torch.float32, device="cpu")
+        found = None if ids is None else torch.empty(values.shape, dtype=torch.int64, device="cpu")
         lw_last = lw.permute(1, 2, 0).contiguous()  # held: the kernel reads its memory
         lib.semipack_depthwise_channels_input_f32(
             m_last.data_ptr(), ids_ptr, lw_last.data_ptr(),
@@ -370,8 +372,8 @@ def depthwise_channels_f32(
         first = (0, 3, 1, 2)
         to_input = tuple(t.permute(first).contiguous() for t in (values, found) if t is not None)
     if want_weight:
-        values = torch.empty((kh, kw, channels))
-        found = None if ids is None else torch.empty(values.shape, dtype=torch.int64)
+        values = torch.empty((kh, kw, channels), dtype=torch.float32, device="cpu")
+        found = None if ids is None else torch.empty(values.shape, dtype=torch.int64, device="cpu")
         lx_last = lx.permute(last).contiguous()
         lib.semipack_depthwise_channels_weight_f32(
             m_last.data_ptr(), ids_ptr, lx_last.data_ptr(),
@@ -389,7 +391,7 @@ def _threads(pairs: int) -> int:
 def _panels(b: Tensor) -> Tensor:
     """``b`` [S, k, m] (any strides) as [S, panels, k, 16] column panels, ``-inf`` padded."""
     s, k, m = b.shape
-    panels = torch.empty((s, -(-m // PANEL_COLS), k, PANEL_COLS), dtype=torch.float32)
+    panels = torch.empty((s, -(-m // PANEL_COLS), k, PANEL_COLS), dtype=torch.float32, device="cpu")
     lib = _library()
     assert lib is not None
     lib.semipack_pack_panels_f32(
@@ -418,8 +420,8 @@ def maxplus_f32(a: Tensor, b: Tensor, with_index: bool) -> tuple[Tensor, Tensor 
     if with_index and k >= MAX_INDEX_K:
         raise ValueError(f"maxplus_f32: argmax needs k < 2**24, got {k}")
     panels = _panels(b)
-    out = torch.empty((s, n, m), dtype=torch.float32)
-    index = torch.empty((s, n, m), dtype=torch.int64) if with_index else None
+    out = torch.empty((s, n, m), dtype=torch.float32, device="cpu")
+    index = torch.empty((s, n, m), dtype=torch.int64, device="cpu") if with_index else None
     lib.semipack_maxplus_f32(
         a.data_ptr(),
         *a.stride(),
@@ -454,8 +456,8 @@ def maxplus_pruned_f32(
     a = a.contiguous()
     panels = _panels(b[None])[0]
     bound = b.amax(1).contiguous()
-    out = torch.empty((n, m), dtype=torch.float32)
-    index = torch.empty((n, m), dtype=torch.int64) if with_index else None
+    out = torch.empty((n, m), dtype=torch.float32, device="cpu")
+    index = torch.empty((n, m), dtype=torch.int64, device="cpu") if with_index else None
     kept = lib.semipack_maxplus_pruned_f32(
         a.data_ptr(),
         a.stride(0),
@@ -483,7 +485,7 @@ def norm_entropy_sums_f32(a: Tensor, r: Tensor, x_hat: Tensor) -> tuple[Tensor, 
     assert lib is not None
     a, r, x_hat = (t.to(torch.float32).contiguous() for t in (a, r, x_hat))
     rows, n = x_hat.shape
-    s, t, u = (torch.empty((rows, n), dtype=torch.float32) for _ in range(3))
+    s, t, u = (torch.empty((rows, n), dtype=torch.float32, device="cpu") for _ in range(3))
     status = lib.semipack_norm_entropy_sums_f32(
         a.data_ptr(),
         r.data_ptr(),
@@ -508,7 +510,7 @@ def norm_abs_reduce_f32(a: Tensor, x_hat: Tensor, reduce_max: bool) -> Tensor:
     assert lib is not None
     a, x_hat = (t.to(torch.float32).contiguous() for t in (a, x_hat))
     rows, n = x_hat.shape
-    out = torch.empty((rows, n), dtype=torch.float32)
+    out = torch.empty((rows, n), dtype=torch.float32, device="cpu")
     lib.semipack_norm_abs_reduce_f32(
         a.data_ptr(),
         x_hat.data_ptr(),
@@ -533,8 +535,8 @@ def norm_sorted_max_f32(
     assert lib is not None
     a, x_hat = (t.to(torch.float32).contiguous() for t in (a, x_hat))
     rows, n = x_hat.shape
-    out = torch.empty((rows, n), dtype=torch.float32)
-    index = torch.empty((rows, n), dtype=torch.int64) if with_index else None
+    out = torch.empty((rows, n), dtype=torch.float32, device="cpu")
+    index = torch.empty((rows, n), dtype=torch.int64, device="cpu") if with_index else None
     status = lib.semipack_norm_sorted_max_f32(
         a.data_ptr(),
         x_hat.data_ptr(),
@@ -562,9 +564,9 @@ def norm_sorted_sums_f32(
     a, x_hat = (t.to(torch.float32).contiguous() for t in (a, x_hat))
     rows, n = x_hat.shape
     r = r.to(torch.float32).contiguous() if r is not None else None
-    s = torch.empty((rows, n), dtype=torch.float32)
-    t = torch.empty((rows, n), dtype=torch.float32) if r is not None else None
-    u = torch.empty((rows, n), dtype=torch.float32) if with_log else None
+    s = torch.empty((rows, n), dtype=torch.float32, device="cpu")
+    t = torch.empty((rows, n), dtype=torch.float32, device="cpu") if r is not None else None
+    u = torch.empty((rows, n), dtype=torch.float32, device="cpu") if with_log else None
     status = lib.semipack_norm_sorted_sums_f32(
         a.data_ptr(),
         r.data_ptr() if r is not None else None,
@@ -589,7 +591,7 @@ def softmax_log_sum_f32(m: Tensor, log_probs: Tensor) -> Tensor:
     assert lib is not None
     m, log_probs = (t.to(torch.float32).contiguous() for t in (m, log_probs))
     rows, n = log_probs.shape
-    out = torch.empty((rows, n), dtype=torch.float32)
+    out = torch.empty((rows, n), dtype=torch.float32, device="cpu")
     status = lib.semipack_softmax_log_sum_f32(
         m.data_ptr(), log_probs.data_ptr(), rows, n, out.data_ptr(), _threads(rows * n * 64)
     )

@@ -1,6 +1,6 @@
 """The single-operation costs that semipack's speed work rests on, measured on this machine.
 
-    OMP_NUM_THREADS=1 python benchmarks/bench_kernel_costs.py [--repeats 15]
+    OMP_NUM_THREADS=1 python benchmarks/bench_kernel_costs.py [--repeats 15] [--only SECTION ...]
 
 Each line is a median of ``--repeats`` timed runs (after a warm-up) on one thread:
 
@@ -26,9 +26,11 @@ Each line is a median of ``--repeats`` timed runs (after a warm-up) on one threa
   channels, batch 2, 3x3 and 5x5 kernels with "same" padding, on 56 x 56 and 14 x 14 planes:
   the input and weight messages, MaxProd and TopPath, in the same pairs per second as the tap
   product above (the issue's "not slower per multiply-add than the dense one");
-* MobileNetV3-small's depthwise layers (strided, 7 x 7 planes) through the rule
-  (``rules/depthwise.py``: phases for the strided ones, the channels-last kernel for planes
-  under 8 columns, lifts and copies included), both messages, MaxProd and TopPath;
+* MobileNetV3-small's depthwise layers and two image stems (3 input channels) through the
+  convolution rule's entry (``rules/depthwise.py`` since 2026-11-26: phases for strided layers,
+  the channels-last kernel for planes under 8 columns, stems as depthwise layers with a
+  channel multiplier; lifts and copies included), MaxProd and TopPath, in CPU milliseconds
+  and pairs per second (the same script runs on earlier trees for an A/B);
 * one 5x5 depthwise layer of 96 channels (MobileNet-like, 14 x 14, batch 2): MaxProd backward
   over a plain one in CPU time, with the native depthwise kernel and with it switched off
   (medians of ``--repeats`` backward passes, each after an untimed forward), and MaxProd's
@@ -60,7 +62,6 @@ from semipack.kernels.native import (
 )
 from semipack.kernels.tropical import maxplus
 from semipack.messages.windows import ConvGeometry
-from semipack.rules import depthwise as depthwise_rule
 from semipack.rules.pointwise import _ReluCut
 from semipack.semirings._log import log_abs
 from semipack.semirings.entropy import _entropy_readout
@@ -205,49 +206,55 @@ def _depthwise_layer_rates(kernel: int, side: int, repeats: int) -> list[float]:
     ]
 
 
-#: MobileNetV3-small's depthwise layers at 224 x 224, batch 2: (channels, input side, kernel,
-#: stride); torchvision's blocks in order, repeated shapes once.
-MOBILENET_DEPTHWISE = (
-    (16, 112, 3, 2),
-    (72, 56, 3, 2),
-    (88, 28, 3, 1),
-    (96, 28, 5, 2),
-    (240, 14, 5, 1),
-    (288, 14, 5, 2),
-    (576, 7, 5, 1),
+#: Convolutions the depthwise kernels take, at 224 x 224, batch 2: MobileNetV3-small's
+#: depthwise layers (torchvision's blocks in order, repeated shapes once) and two image stems
+#: (dense over 3 input channels, weight message only: the input needs none).
+#: (input channels, output channels, input side, kernel, stride, groups)
+CONV_LAYERS = (
+    (16, 16, 112, 3, 2, 16),
+    (72, 72, 56, 3, 2, 72),
+    (88, 88, 28, 3, 1, 88),
+    (96, 96, 28, 5, 2, 96),
+    (240, 240, 14, 5, 1, 240),
+    (288, 288, 14, 5, 2, 288),
+    (576, 576, 7, 5, 1, 576),
+    (3, 16, 224, 3, 2, 1),
+    (3, 64, 224, 7, 2, 1),
 )
 
 
-def mobilenet_depthwise_rates(repeats: int) -> None:
-    """Both messages of each MobileNetV3-small depthwise layer through the rule
-    (``rules.depthwise.depthwise_max_plus``: the lifts, checks and layout copies included, as a
-    backward pays them), MaxProd and TopPath, in G pairs/s (one forward's multiply-adds per
-    message), to read against the dense tap product's rate above."""
+def conv_layer_costs(repeats: int) -> None:
+    """The messages of each layer in ``CONV_LAYERS`` through the rule's entry
+    (``rules.convolution.conv_messages``: the lifts, checks and layout copies included, as a
+    backward pays them), MaxProd and TopPath: milliseconds of CPU time, and G pairs/s (one
+    forward's multiply-adds per message) to read against the dense tap product above."""
     torch.manual_seed(0)
-    mask = (True, True, False)
-    for channels, side, kernel, stride in MOBILENET_DEPTHWISE:
+    for c_in, c_out, side, kernel, stride, groups in CONV_LAYERS:
         pad = (kernel - 1) // 2
-        x = torch.randn(2, channels, side, side)
-        w = torch.randn(channels, 1, kernel, kernel)
-        geometry = ConvGeometry.of(2, (stride, stride), (pad, pad), (1, 1), channels)
-        out = torch.nn.functional.conv2d(x, w, None, stride, pad, 1, channels)
+        x = torch.randn(2, c_in, side, side)
+        w = torch.randn(c_out, c_in // groups, kernel, kernel)
+        geometry = ConvGeometry.of(2, (stride, stride), (pad, pad), (1, 1), groups)
+        out = torch.nn.functional.conv2d(x, w, None, stride, pad, 1, groups)
         m = torch.randn(out.shape)
         ids = torch.arange(m.numel()).reshape(m.shape)
-        pairs = 2 * m.numel() * kernel * kernel
+        mask = (groups > 1, True, False)
+        pairs = m.numel() * w[0].numel() * (2 if mask[0] else 1)
         line = []
         for name, state in (("MaxProd", (m,)), ("TopPath", (m, ids))):
             semiring = semipack.MaxProd() if name == "MaxProd" else semipack.TopPath()
             ms = median_ms(
-                lambda s=state, sr=semiring, x=x, w=w, g=geometry: (
-                    depthwise_rule.depthwise_max_plus(sr, s, x, w, g, mask)
+                lambda s=state, sr=semiring, x=x, w=w, g=geometry, mask=mask: (
+                    convolution.conv_messages(sr, s, x, w, g, mask)
                 ),
                 repeats,
+                clock=time.process_time,
             )
-            line.append(f"{name} {pairs / ms / 1e6:.1f}")
+            line.append(f"{name} {ms:.2f} ms ({pairs / ms / 1e6:.1f})")
+        kind = "depthwise" if groups > 1 else "dense stem"
         print(
-            f"MobileNetV3-small depthwise {kernel}x{kernel} stride {stride}, {channels} channels, "
-            f"{side} x {side}, batch 2, both messages through the rule (G pairs/s): "
-            + ", ".join(line)
+            f"{kind} {kernel}x{kernel} stride {stride}, {c_in} -> {c_out} channels, {side} x "
+            f"{side}, batch 2, {'both messages' if mask[0] else 'weight message'} "
+            "(CPU time, G pairs/s): " + ", ".join(line)
         )
 
 
@@ -302,23 +309,35 @@ def depthwise(repeats: int) -> None:
     )
 
 
+#: The sections, in order; those after the first need the native kernels.
+SECTIONS: dict[str, Callable[[int], None]] = {
+    "elementwise": elementwise,
+    "memory": memory,
+    "weight_forms": weight_forms,
+    "fused_readout": fused_readout,
+    "log_plus": log_plus,
+    "max_plus": max_plus,
+    "depthwise_rates": depthwise_rates,
+    "conv_layer_costs": conv_layer_costs,
+    "depthwise": depthwise,
+}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=15)
+    parser.add_argument(
+        "--only", nargs="+", choices=list(SECTIONS), default=None, help="run these sections"
+    )
     args = parser.parse_args()
     torch.set_num_threads(1)
-    elementwise(args.repeats)
-    if not native_available():
-        print("native kernels not available here: the remaining lines need them")
-        return
-    memory(args.repeats)
-    weight_forms(args.repeats)
-    fused_readout(args.repeats)
-    log_plus(args.repeats)
-    max_plus(args.repeats)
-    depthwise_rates(args.repeats)
-    mobilenet_depthwise_rates(args.repeats)
-    depthwise(args.repeats)
+    for name, section in SECTIONS.items():
+        if args.only is not None and name not in args.only:
+            continue
+        if name != "elementwise" and not native_available():
+            print("native kernels not available here: the remaining lines need them")
+            return
+        section(args.repeats)
 
 
 if __name__ == "__main__":

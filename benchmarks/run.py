@@ -349,6 +349,10 @@ taken there).
   47 MB table costs 20 ms of page faults). The weights' lifted forms (log|W|, |W| log|W|) are
   kept across passes while a fingerprint of their bytes is unchanged (`kernels/weight_cache.py`):
   on one sentence, lifting every weight matrix cost as much as its product with the message.
+  The sentence's plain backward takes 19-28 ms, and the fastest of its rounds moves its ratios
+  most: the two runs of 2026-11-26's tenth session gave MaxProd 4.13x and 6.74x, LogSum 3.97x
+  and 6.96x, Entropy 6.30x and 10.96x, with MaxProd's own time 0.116 s and 0.126 s (the table
+  is the second run; the first run's plain round was 28 ms, the second's 19 ms).
 - **Convolutional models.** ResNet-18 and MobileNetV3 MaxProd pay the convolution max-plus
   products above (per tap, against oneDNN); 2-D depthwise convolutions have native MaxProd and
   TopPath kernels (`native/depthwise.c`: at stride 1 each block of input entries gathers its
@@ -362,12 +366,28 @@ taken there).
   15.3 and 19.1 for its input message, and 9.5 and 12.6 (weight), 2.9 and 5.9 (input) for
   TopPath. On 14 x 14 planes per-plane costs (the padded copy, the call) halve those rates.
   The TopPath input message writes and reads 8-byte successor ids per entry: on large planes
-  it is bound by memory. Rows narrower than 8 inputs (MobileNetV3's 7 x 7 stages) and strided
-  layers take scalar loops for TopPath, and for MaxProd's input message; they are 6% of a
-  MobileNetV3-small TopPath backward. A 5x5 layer of 96 channels on 14 x 14 takes about 2.6x
-  its plain backward with the kernels and 7.0x per tap; its extra time per multiply-add is
-  0.7 ns against 0.08 for a dense 3x3 convolution (a layer with 25 multiply-adds per output
-  pays its per-node costs over few of them).
+  it is bound by memory. A strided layer runs as one stride-1 problem per phase of its stride
+  (`rules/depthwise.py`), planes under 8 columns (MobileNetV3's 7 x 7 stages) take a
+  channels-last kernel with 8 channels per vector (`native/depthwise_channels.c`), and a dense
+  convolution over at most 4 input channels (an image stem) runs as a depthwise one with a
+  channel multiplier; before, strided layers and narrow rows took scalar loops for TopPath and
+  for MaxProd's input message, and stems one product per tap whose output was 64 x 3. Both
+  messages through the rule's entry, lifts and layout copies included (`bench_kernel_costs.py
+  --only conv_layer_costs --repeats 9`, one thread, CPU ms, b07011d -> the tenth session's
+  code, two runs each in turns, 2026-11-26): MobileNetV3-small's strided depthwise layers
+  MaxProd 1.5-6.9 -> 0.6-2.5, TopPath 5.9-16.3 -> 0.9-3.9; its 7 x 7 stage (576 channels)
+  MaxProd 2.1-2.2 -> 0.63, TopPath 9.2-9.5 -> 1.0; its 3x3 stem's weight message MaxProd 9.0
+  -> 2.0-2.4, TopPath 21.4-21.8 -> 4.0-6.1; ResNet-18's 7 x 7 stem MaxProd 71.5-73.4 ->
+  14.7-18.0, TopPath 138-141 -> 48-56. Whole models move less (`bench_cpu_time.py`, same
+  trees in turns, CPU time over a plain backward): MobileNetV3-small MaxProd 5.5-6.0x ->
+  5.2-5.4x, ResNet-18 eval 3.8-3.9x -> 3.6-3.7x. Those layers still run at 0.6-16 G pairs/s
+  through the rule against the dense tap product's 26-28 (the issue's "not slower per
+  multiply-add than the dense one" is not met): on planes this small the work outside the
+  kernels (the log of x, its padding, the layout copies, TopPath's ids) costs as much as the
+  maxima. A 5x5 layer of 96 channels on 14 x 14 takes about 2.6x its plain backward with the
+  kernels and 7.0x per tap; its extra time per multiply-add is 0.7 ns against 0.08 for a
+  dense 3x3 convolution (a layer with 25 multiply-adds per output pays its per-node costs over
+  few of them).
   PyTorch's vectorised log takes a slow path for every exact zero (3.9 ms for 430k entries
   half of them zeros, 0.43 ms without zeros,
   `bench_kernel_costs.py`), and half of a ReLU network's activations are zeros: logarithms of

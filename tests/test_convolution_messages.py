@@ -182,25 +182,39 @@ def test_native_depthwise_max_plus_equals_the_per_tap_path(
 
     if not native_available():
         pytest.skip("no native kernels here")
-    x_shape, w_shape, stride, padding, dilation = DEPTHWISE[name]
-    gen = torch.Generator().manual_seed(5)
+    x, w, geometry, state = _native_case(DEPTHWISE[name], True, data, semiring, seed=5)
+    native = depthwise_max_plus(semiring, state, x, w, geometry, mask)
+    _assert_same_messages(native, per_tap_messages(semiring, state, x, w, geometry, mask))
+
+
+def _native_case(case, depthwise: bool, data: str, semiring, seed: int):
+    """x, w, geometry and an output state of one convolution ``case`` (x shape, w shape,
+    stride, padding, dilation) for the native paths' tests: exact zeros in x and w (no edge),
+    a channel of x without edges (its weight taps have no path: TopPath's id at position 0),
+    integer messages (ties) with some -inf (no path). With "ties", x and w take a few powers
+    of two, so their logarithms are few and sums tie often."""
+    x_shape, w_shape, stride, padding, dilation = case
+    gen = torch.Generator().manual_seed(seed)
     x = torch.randn(x_shape, generator=gen)
     x[x.abs() < 0.3] = 0.0
     w = torch.randn(w_shape, generator=gen)
-    w.view(-1)[::7] = 0.0
-    if data == "ties":  # |x|, |w| in {0, 1/2, 1, 2}: their logarithms are few, sums tie often
+    w.view(-1)[:: 7 if depthwise else 5] = 0.0
+    if data == "ties":
         x = x.sign() * 2.0 ** torch.randint(-1, 2, x_shape, generator=gen).float()
         w = w.sign() * 2.0 ** torch.randint(-1, 2, w_shape, generator=gen).float()
-    x[:, -1] = 0.0  # a channel without edges: its weight taps have no path (TopPath: id at 0)
-    geometry = ConvGeometry.of(2, stride, padding, dilation, x.shape[1])
-    out = torch.nn.functional.conv2d(x, w, None, stride, padding, dilation, x.shape[1])
-    m = (torch.randn(out.shape, generator=gen) * 3).round()  # ties
+    x[:, -1] = 0.0
+    groups = x.shape[1] if depthwise else 1
+    geometry = ConvGeometry.of(2, stride, padding, dilation, groups)
+    out = torch.nn.functional.conv2d(x, w, None, stride, padding, dilation, groups)
+    m = (torch.randn(out.shape, generator=gen) * 3).round()
     m[m < -2.5] = float("-inf")
-    sr = semiring
-    state = (m, _ids(m.shape)) if isinstance(sr, semipack.TopPath) else (m,)
-    native = depthwise_max_plus(sr, state, x, w, geometry, mask)
+    state = (m, _ids(m.shape)) if isinstance(semiring, semipack.TopPath) else (m,)
+    return x, w, geometry, state
+
+
+def _assert_same_messages(native, reference) -> None:
+    """The native path's (input, weight, bias) messages equal the reference's, bit for bit."""
     assert native is not None
-    reference = per_tap_messages(sr, state, x, w, geometry, mask)
     for got, want in zip(native, reference, strict=True):
         assert (got is None) == (want is None)
         if got is not None:
@@ -233,28 +247,9 @@ def test_dense_convolutions_over_few_channels_equal_the_per_tap_path(
 
     if not native_available():
         pytest.skip("no native kernels here")
-    x_shape, w_shape, stride, padding, dilation = FEW_CHANNELS[name]
-    gen = torch.Generator().manual_seed(7)
-    x = torch.randn(x_shape, generator=gen)
-    x[x.abs() < 0.3] = 0.0
-    w = torch.randn(w_shape, generator=gen)
-    w.view(-1)[::5] = 0.0
-    if data == "ties":
-        x = x.sign() * 2.0 ** torch.randint(-1, 2, x_shape, generator=gen).float()
-        w = w.sign() * 2.0 ** torch.randint(-1, 2, w_shape, generator=gen).float()
-    x[:, -1] = 0.0  # a channel without edges
-    geometry = ConvGeometry.of(2, stride, padding, dilation, 1)
-    out = torch.nn.functional.conv2d(x, w, None, stride, padding, dilation)
-    m = (torch.randn(out.shape, generator=gen) * 3).round()
-    m[m < -2.5] = float("-inf")
-    state = (m, _ids(m.shape)) if isinstance(semiring, semipack.TopPath) else (m,)
+    x, w, geometry, state = _native_case(FEW_CHANNELS[name], False, data, semiring, seed=7)
     native = few_channels_max_plus(semiring, state, x, w, geometry, mask)
-    assert native is not None
-    reference = per_tap_messages(semiring, state, x, w, geometry, mask)
-    for got, want in zip(native, reference, strict=True):
-        assert (got is None) == (want is None)
-        if got is not None:
-            assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+    _assert_same_messages(native, per_tap_messages(semiring, state, x, w, geometry, mask))
 
 
 def test_small_planes_with_whole_vectors_of_channels_take_the_channels_last_kernel(

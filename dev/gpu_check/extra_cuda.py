@@ -1,4 +1,5 @@
-"""CUDA checks of the ninth session's (2026-11-26) trust fixes, which have CPU tests only.
+"""CUDA checks of the ninth and tenth sessions' (2026-11-26) trust fixes, which have CPU tests
+only.
 
 Each listed test function runs with CUDA as the default device, so its models and inputs live
 on the GPU (where the engine runs hooks on its device threads, not the caller's). Run by
@@ -48,6 +49,25 @@ CHECKS = [
         "test_a_copy_or_checkpoint_made_inside_the_block_carries_no_live_hook",
         ("per_sample",),
     ),
+    # the tenth session's
+    (
+        "test_per_sample",
+        "test_a_weight_computed_from_a_buffer_is_refused_even_when_its_rows_match_the_batch",
+        (),
+    ),
+    ("test_per_sample", "test_a_pruned_weight_is_refused_by_name", ()),
+    ("test_per_sample", "test_rows_equal_single_examples", ("gain_on_the_input", "max_prod")),
+    (
+        "test_bad_inputs",
+        "test_semipack_grad_inside_a_torch_func_transform_is_refused_by_name",
+        ("grad",),
+    ),
+    (
+        "test_bad_inputs",
+        "test_semipack_grad_inside_a_torch_func_transform_is_refused_by_name",
+        ("vmap",),
+    ),
+    ("test_bad_inputs", "test_a_hook_on_an_autograd_node_receives_the_message_as_documented", ()),
 ]
 
 torch.set_default_device("cuda")

@@ -227,7 +227,8 @@ def _assert_same_messages(native, reference) -> None:
 FEW_CHANNELS = {
     "rgb_stem_7x7_strided": ((2, 3, 20, 22), (8, 3, 7, 7), (2, 2), (3, 3), (1, 1)),
     "two_channels_3x3": ((1, 2, 9, 17), (5, 2, 3, 3), (1, 1), (1, 1), (1, 1)),
-    "four_channels_dilated": ((2, 4, 11, 12), (3, 4, 3, 2), (1, 2), (2, 1), (2, 2)),
+    "four_channels_dilated": ((2, 4, 11, 12), (3, 4, 3, 2), (1, 1), (2, 1), (2, 2)),
+    "patches_4x4": ((1, 3, 16, 20), (6, 3, 4, 4), (4, 4), (0, 0), (1, 1)),
     "three_channels_narrow_plane": ((1, 3, 6, 6), (16, 3, 3, 3), (1, 1), (1, 1), (1, 1)),
 }
 
@@ -250,6 +251,28 @@ def test_dense_convolutions_over_few_channels_equal_the_per_tap_path(
     x, w, geometry, state = _native_case(FEW_CHANNELS[name], False, data, semiring, seed=7)
     native = few_channels_max_plus(semiring, state, x, w, geometry, mask)
     _assert_same_messages(native, per_tap_messages(semiring, state, x, w, geometry, mask))
+
+
+def test_dense_convolutions_the_few_channels_route_declines() -> None:
+    """Where the per-tap products are the better route (or the only one): more than four
+    input channels, groups, a stride of more than 16 phases (a ViT's 16 x 16 patches), a
+    stride with dilation (no phases), another algebra."""
+    from semipack.rules.depthwise import few_channels_max_plus
+
+    def declined(x_shape, w_shape, stride, dilation, groups=1, sr=None) -> bool:
+        x, w = torch.randn(x_shape), torch.randn(w_shape)
+        geometry = ConvGeometry.of(2, stride, 0, dilation, groups)
+        out = torch.nn.functional.conv2d(x, w, None, stride, 0, dilation, groups)
+        state = (torch.randn(out.shape),)
+        mask = (True, True, False)
+        return few_channels_max_plus(sr or semipack.MaxProd(), state, x, w, geometry, mask) is None
+
+    assert declined((1, 5, 8, 8), (4, 5, 3, 3), 1, 1)
+    assert declined((1, 4, 8, 8), (4, 2, 3, 3), 1, 1, groups=2)
+    assert declined((1, 3, 32, 32), (8, 3, 16, 16), 16, 1)
+    assert declined((1, 3, 12, 12), (4, 3, 3, 3), 2, 2)
+    assert declined((1, 3, 8, 8), (4, 3, 3, 3), 1, 1, sr=semipack.LogSum())
+    assert not declined((1, 3, 16, 16), (4, 3, 4, 4), 4, 1)
 
 
 def test_small_planes_with_whole_vectors_of_channels_take_the_channels_last_kernel(

@@ -95,6 +95,10 @@ def depthwise_max_plus(
 #: Dense convolutions over at most this many input channels (an RGB or grey stem) take the
 #: depthwise kernels: the tap products' panels of 16 columns held 3 of them.
 FEW_CHANNELS = 4
+#: ... when their stride has at most this many phases: a ViT's 16 x 16 patch embedding (256
+#: phases of one tap each) took longer that way than per tap (TopPath's weight message 185 ->
+#: 243 ms), a 4 x 4 one (16 phases) less (20 -> 15 ms).
+FEW_CHANNELS_MAX_PHASES = 16
 
 
 def few_channels_max_plus(
@@ -110,10 +114,13 @@ def few_channels_max_plus(
     TopPath's ids are the per-tap path's. ResNet-18's 7 x 7 stem on 3 channels took 1.7 G
     pairs/s per tap (its products' output is 64 x 3)."""
     channels = x.shape[1] if x.dim() == 4 else 0
+    (sh, sw), strided = geometry.stride, tuple(geometry.stride) != (1, 1)
     if not (
         geometry.groups == 1
         and not geometry.transposed
         and 1 < channels <= FEW_CHANNELS
+        and sh * sw <= FEW_CHANNELS_MAX_PHASES
+        and not (strided and tuple(geometry.dilation) != (1, 1))  # no phases: scalar loops
         and w.dim() == 4
         and w.shape[1] == channels
     ):

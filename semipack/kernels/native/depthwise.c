@@ -1,12 +1,14 @@
 /* MaxProd messages of a 2-D depthwise convolution (each output channel reads one input
-   channel), called through ctypes (see __init__.py and rules/convolution.py).
+   channel), called through ctypes (see __init__.py and rules/depthwise.py).
 
    Why a kernel: the per-tap path builds, for every tap, the sum of a message and a lifted
    weight or input as a tensor the size of the output and reduces it again; MobileNet's
    depthwise layers then cost 8-15 ns per multiply-add against 0.3 for a dense convolution.
    Here the work stays in registers: at stride 1 each block of 8 input entries gathers every
    tap's candidates (one store), and a kernel row's taps share the message's loads for the
-   weight message; other strides sweep each plane once per tap.
+   weight message; other strides sweep each plane once per tap (rules/depthwise.py gives
+   these loops strided layers only with a dilation: at dilation 1 it splits a stride into
+   stride-1 problems, one per phase).
 
    Shapes (row-major, contiguous): m [B, C*M, Ho, Wo] log-messages of the output (M output
    channels per input channel, channel c*M + u reads input channel c); lw [C*M, KH, KW]

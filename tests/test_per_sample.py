@@ -715,3 +715,18 @@ def test_one_dimensional_ids_are_refused_even_when_they_match_the_batch():
         semipack.extend(model, semipack.MaxProd(), per_sample=True),
     ):
         model(idx).sum().backward()
+
+
+def test_a_gain_on_an_input_that_requires_grad_keeps_its_rows():
+    """The raw input asked for its own ``semiring_grad`` is a leaf of the graph, not a saved
+    factor: still the batch (it was refused as "another parameter or leaf", trial 31)."""
+    model, inputs = _build("gain_on_the_input")
+    x = inputs[0].clone().requires_grad_()
+    sr = semipack.MaxProd()
+    rows = _per_sample(model, (x,), sr)["0.gain"].semiring_grad_batch
+    assert x.semiring_grad.shape == x.shape
+    for i in range(x.shape[0]):
+        model.zero_grad(set_to_none=True)
+        with semipack.extend(model, sr):
+            _loss(model(x[i : i + 1].detach())).backward()
+        torch.testing.assert_close(rows[i], model[0].gain.semiring_grad, rtol=1e-12, atol=0)

@@ -135,16 +135,20 @@ _BROADCAST_NODES = ("MulBackward0", "AddBackward0", "SubBackward0")
 def unbatched_operand(node, input_nr: int, inputs: Sequence[Tensor]) -> str | None:
     """Why the other operand of ``x * p``, ``x + p`` or ``x - p`` (``node``, the parameter at
     ``input_nr``) may not carry the batch, or None when it does: a value computed in the
-    graph (a node feeds it), or one of the model's ``inputs``. A parameter, a buffer or a
+    graph (a node feeds it), or one of the model's ``inputs`` (as a saved factor, or as a
+    leaf that requires grad). A parameter, a buffer or a
     constant does not, and the rule would read its dim 0 as the batch: ``proj * gain`` with
     a buffer ``proj`` of shape [O, I] gave O "rows" where O equalled the batch size. An
     add's operand is not saved, so only a computed one is known to be batched."""
     if node.name() not in _BROADCAST_NODES:
         return None
     other, _ = node.next_functions[1 - input_nr]
-    if other is not None and getattr(other, "variable", None) is None:
-        return None  # a computed value (a weight computed from leaves starts at a leaf's node)
     if other is not None:
+        leaf = getattr(other, "variable", None)
+        if leaf is None:
+            return None  # a computed value (a weight computed from leaves starts at a leaf's)
+        if any(leaf is t for t in inputs):
+            return None  # the model's input, asked for its own semiring_grad
         return "another parameter or leaf"
     if node.name() == "MulBackward0":
         factor = node._saved_other if input_nr == 0 else node._saved_self

@@ -1211,3 +1211,19 @@ def test_a_hook_on_an_autograd_node_receives_the_message_as_documented() -> None
     assert seen[0] is torch.Tensor and seen[1] is semipack.Message
     assert torch.equal(grad_hooked, plain_hooked)
     torch.testing.assert_close(value_hooked, 2 * value, rtol=1e-6, atol=0)
+
+
+def test_a_model_on_the_meta_device_runs_shapes_only() -> None:
+    """A model built on the meta device (before ``load_state_dict(assign=True)``, say) runs a
+    semiring pass of shapes as a plain backward does; the extensions asked autocast about the
+    meta device, which raised "unknown device type for autocast" (trial 31)."""
+    with torch.device("meta"):
+        model = nn.Sequential(
+            nn.Conv2d(3, 8, 3, stride=2), nn.ReLU(), nn.Flatten(), nn.Linear(8 * 4 * 4, 3)
+        )
+    x = torch.randn(2, 3, 9, 9, device="meta")
+    with semipack.extend(model, semipack.MaxProd()):
+        model(x).pow(2).sum().backward()
+    for p in model.parameters():
+        assert p.grad.device.type == "meta" and p.grad.shape == p.shape
+        assert p.semiring_grad.device.type == "meta" and p.semiring_grad.shape == p.shape

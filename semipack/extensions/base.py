@@ -550,7 +550,16 @@ def _autocast_devices(tensors: Sequence[Tensor | None]) -> set[str]:
     see (``run`` steps aside); in a backward it would compute the messages' products in low
     precision (``_without_autocast``)."""
     devices = {t.device.type for t in tensors if t is not None}
-    return {device for device in devices if torch.is_autocast_enabled(device)}
+    return {device for device in devices if _autocast_on(device)}
+
+
+def _autocast_on(device: str) -> bool:
+    """``torch.is_autocast_enabled(device)``, False for a device type autocast does not know
+    (the meta device: PyTorch raises "unknown device type for autocast" there)."""
+    try:
+        return torch.is_autocast_enabled(device)
+    except RuntimeError:
+        return False
 
 
 def _reached(

@@ -12,6 +12,7 @@ from typing import Any
 import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
+from torch.utils._pytree import tree_leaves
 
 from .errors import PerSampleError, SemipackError
 from .extensions import FUNCTION_EXTENSIONS, eager_attention_routed
@@ -212,14 +213,18 @@ def _check_per_sample(model: nn.Module | None, semiring: Any, extensions: bool) 
 
 def _batch_recorder(mode: SemiringMode) -> Callable[..., None]:
     """A forward pre-hook for the model: the dim-0 size of its first tensor input (positional,
-    else keyword), the batch that per-sample rows must have."""
+    else keyword, looking into lists, tuples and dicts), the batch that per-sample rows must
+    have; every tensor input with that dim 0 is batched (``mode.batched``)."""
 
     def record(module: nn.Module, args: tuple, kwargs: dict) -> None:
-        for value in (*args, *kwargs.values()):
-            if isinstance(value, torch.Tensor) and value.dim() > 0:
-                mode.input_batches.add(int(value.shape[0]))
-                mode.input_tensors[id(value)] = value
-                return
+        tensors = [v for v in tree_leaves((args, kwargs)) if isinstance(v, torch.Tensor)]
+        sizes = [int(t.shape[0]) for t in tensors if t.dim() > 0]
+        if not sizes:
+            return
+        mode.input_batches.add(sizes[0])
+        for t in tensors:
+            if t.dim() > 0 and t.shape[0] == sizes[0]:
+                mode.batched.add(t)
 
     return record
 

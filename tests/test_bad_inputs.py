@@ -14,6 +14,7 @@ import warnings
 
 import pytest
 import torch
+import torch.autograd.forward_ad as forward_ad
 import torch.nn.functional as F
 from helpers import SquaresItsGradient
 from torch import Tensor, nn
@@ -1227,3 +1228,23 @@ def test_a_model_on_the_meta_device_runs_shapes_only() -> None:
     for p in model.parameters():
         assert p.grad.device.type == "meta" and p.grad.shape == p.shape
         assert p.semiring_grad.device.type == "meta" and p.semiring_grad.shape == p.shape
+
+
+def test_a_semiring_pass_inside_a_forward_ad_level_is_refused_by_name() -> None:
+    """Forward-mode dual tensors carry tangents no rule follows: semipack.grad and a block's
+    backward inside ``forward_ad.dual_level()`` raise SemipackError saying so (it was an
+    UnsupportedOpError on an internal ``aten.to`` advising to register a rule, trial 31). The
+    module extensions have no forward-mode derivative, so the block's forward runs the
+    generic path."""
+    a = torch.randn(3, requires_grad=True)
+    model = nn.Linear(3, 2)
+    with forward_ad.dual_level():
+        dual = forward_ad.make_dual(torch.randn(3), torch.randn(3))
+        with pytest.raises(semipack.SemipackError, match=r"inside torch.autograd.forward_ad"):
+            semipack.grad((a * a * dual).sum(), [a], semipack.MaxProd())
+        with semipack.extend(model, semipack.MaxProd(), extensions=False):
+            loss = model(dual).sum()
+            with pytest.raises(semipack.SemipackError, match=r"A semiring backward cannot run"):
+                loss.backward()
+    (value,) = semipack.grad((a * a).sum(), [a], semipack.MaxProd())
+    torch.testing.assert_close(value, a.detach().abs())  # two edges of weight |a|: the max

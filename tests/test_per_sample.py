@@ -514,7 +514,7 @@ def test_a_weight_computed_from_a_buffer_is_refused_even_when_its_rows_match_the
             model,
             (torch.randn(batch, 4),),
             r"parameter '0.gain' is used by MulBackward0, created by module '0', with a factor "
-            r"of shape \(3, 4\), neither the model's input nor computed: that operand need not "
+            r"of shape \(3, 4\) not computed from the model's input: that operand need not "
             r"carry the batch",
         )
 
@@ -730,3 +730,57 @@ def test_a_gain_on_an_input_that_requires_grad_keeps_its_rows():
         with semipack.extend(model, sr):
             _loss(model(x[i : i + 1].detach())).backward()
         torch.testing.assert_close(rows[i], model[0].gain.semiring_grad, rtol=1e-12, atol=0)
+
+
+class TableFromBuffer(nn.Module):
+    """Activations plus a [T, D] table computed from a buffer, a gain and a bias."""
+
+    def __init__(self, tokens: int, width: int) -> None:
+        super().__init__()
+        self.lin = nn.Linear(width, width)
+        self.register_buffer("table", torch.randn(tokens, width))
+        self.gain = nn.Parameter(torch.rand(width) + 0.5)
+        self.bias = nn.Parameter(torch.randn(width))
+
+    def forward(self, x):
+        return self.lin(x) + (self.table * self.gain + self.bias)
+
+
+def test_a_value_computed_from_a_buffer_alone_is_not_batched():
+    """``h + (table * gain + bias)`` with the table's T equal to the batch size N: the add's
+    other operand is computed, but from a buffer and parameters alone, so its dim 0 is not
+    the batch. Rows had been returned, wrong (trial 31); the pass is refused, naming the
+    parameter and what it meets."""
+    _refused(
+        TableFromBuffer(5, 4),
+        (torch.randn(5, 4),),
+        r"parameter '(bias|gain)' is used by (AddBackward0|MulBackward0), created by the root "
+        r"module, with (a value MulBackward0 computed without the model's input|a factor of "
+        r"shape \(5, 4\) not computed from the model's input)",
+    )
+
+
+class GainOnAKeyedInput(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.scale = nn.Parameter(torch.randn(4))
+        self.lin = nn.Linear(4, 3)
+
+    def forward(self, batch: dict):
+        return self.lin(batch["x"] * self.scale)
+
+
+def test_an_input_inside_a_dict_is_the_batch():
+    """The model's input found inside a dict argument carries the batch (``batch["x"] * p``
+    was refused as not the model's input, trial 31): rows equal single-example runs."""
+    torch.manual_seed(0)
+    model = GainOnAKeyedInput().double()
+    x = torch.randn(5, 4, dtype=torch.float64)
+    sr = semipack.MaxProd()
+    with semipack.extend(model, sr, per_sample=True):
+        _loss(model({"x": x})).backward()
+    rows = model.scale.semiring_grad_batch
+    for i in range(5):
+        with semipack.extend(model, sr):
+            _loss(model({"x": x[i : i + 1]})).backward()
+        torch.testing.assert_close(rows[i], model.scale.semiring_grad, rtol=1e-12, atol=0)

@@ -22,6 +22,7 @@ the per-tap path bit for bit).
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Sequence
 
 import torch
@@ -113,15 +114,16 @@ def few_channels_max_plus(
     entry the candidates of every tap and output channel, taps first as there, so values and
     TopPath's ids are the per-tap path's. ResNet-18's 7 x 7 stem on 3 channels took 1.7 G
     pairs/s per tap (its products' output is 64 x 3)."""
-    channels = x.shape[1] if x.dim() == 4 else 0
-    (sh, sw), strided = geometry.stride, tuple(geometry.stride) != (1, 1)
+    if x.dim() != 4 or w.dim() != 4:
+        return None  # 2-D convolutions only
+    channels, phases = x.shape[1], math.prod(geometry.stride)
+    strided = phases > 1
     if not (
         geometry.groups == 1
         and not geometry.transposed
         and 1 < channels <= FEW_CHANNELS
-        and sh * sw <= FEW_CHANNELS_MAX_PHASES
+        and phases <= FEW_CHANNELS_MAX_PHASES
         and not (strided and tuple(geometry.dilation) != (1, 1))  # no phases: scalar loops
-        and w.dim() == 4
         and w.shape[1] == channels
     ):
         return None

@@ -127,34 +127,41 @@ def _batch_norm_eval_rows(sr: Semiring, node, state: State, input_nr: int) -> St
     return tuple(p.reshape(n, c) for p in rows)
 
 
+#: Autograd node metadata: the node's output was computed from the model's input in a
+#: per-sample block (``transport.per_sample.BatchedTensors`` marks it during the forward).
+BATCHED_KEY = "semipack_batched"
+
 #: The generic rules that read the parameter's use off a product or sum with another operand:
 #: their rows are right only when that operand carries the batch.
 _BROADCAST_NODES = ("MulBackward0", "AddBackward0", "SubBackward0")
 
 
-def unbatched_operand(node, input_nr: int, inputs: Sequence[Tensor]) -> str | None:
+def unbatched_operand(node, input_nr: int, batched: Sequence[Tensor]) -> str | None:
     """Why the other operand of ``x * p``, ``x + p`` or ``x - p`` (``node``, the parameter at
-    ``input_nr``) may not carry the batch, or None when it does: a value computed in the
-    graph (a node feeds it), or one of the model's ``inputs`` (as a saved factor, or as a
-    leaf that requires grad). A parameter, a buffer or a
-    constant does not, and the rule would read its dim 0 as the batch: ``proj * gain`` with
-    a buffer ``proj`` of shape [O, I] gave O "rows" where O equalled the batch size. An
-    add's operand is not saved, so only a computed one is known to be batched."""
+    ``input_nr``) may not carry the batch, or None when it does: the model's input or a value
+    computed from it in the block (``batched``, and nodes marked ``BATCHED_KEY``). A
+    parameter, a buffer, a constant or a value computed from those alone does not, and the
+    rule would read its dim 0 as the batch: ``proj * gain`` with a buffer ``proj`` of shape
+    [O, I] gave O "rows" where O equalled the batch size, and so did a positional table
+    computed from a buffer and added to the activations. An add's operand is not saved: one
+    that no node feeds is not known to be batched."""
     if node.name() not in _BROADCAST_NODES:
         return None
     other, _ = node.next_functions[1 - input_nr]
     if other is not None:
         leaf = getattr(other, "variable", None)
         if leaf is None:
-            return None  # a computed value (a weight computed from leaves starts at a leaf's)
-        if any(leaf is t for t in inputs):
+            if other.metadata.get(BATCHED_KEY, False):
+                return None
+            return f"a value {other.name()} computed without the model's input"
+        if any(leaf is t for t in batched):
             return None  # the model's input, asked for its own semiring_grad
         return "another parameter or leaf"
     if node.name() == "MulBackward0":
         factor = node._saved_other if input_nr == 0 else node._saved_self
-        if any(factor is t for t in inputs):
+        if any(factor is t for t in batched):
             return None
-        return f"a factor of shape {tuple(factor.shape)}, neither the model's input nor computed"
+        return f"a factor of shape {tuple(factor.shape)} not computed from the model's input"
     return "an operand not computed in the graph"
 
 
@@ -302,6 +309,7 @@ def mixing_reason(node, is_root: bool = False, batches: frozenset[int] = frozens
 
 
 __all__ = [
+    "BATCHED_KEY",
     "PER_SAMPLE_NODES",
     "RowRule",
     "has_per_sample_rule",

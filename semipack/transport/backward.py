@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+import torch.autograd.forward_ad as forward_ad
 from torch import Tensor
 
 from ..errors import MessageLostError, PerSampleError, SemipackError
@@ -458,7 +459,7 @@ def backward(
     accumulate_in_place: Sequence[Tensor] = (),
     per_sample: dict[int, str] | None = None,
     per_sample_batches: frozenset[int] = frozenset(),
-    per_sample_inputs: Sequence[Tensor] = (),
+    per_sample_batched: Sequence[Tensor] = (),
 ) -> list[Tensor]:
     """``torch.autograd.backward`` that also sets ``leaf.semiring_grad``; returns the leaves
     that received a message.
@@ -467,7 +468,7 @@ def backward(
     ``semiring_grad_batch`` on each of them the pass reaches (``transport.per_sample``); the
     graph is checked for ops without per-sample rules and for mixing before anything runs;
     ``per_sample_batches`` are the dim-0 sizes of the model's inputs, when known, and
-    ``per_sample_inputs`` those inputs.
+    ``per_sample_batched`` those inputs and the tensors computed from them.
 
     ``watched`` are tensors (the model's parameters) whose messages are captured even when the
     graph walk cannot see them beforehand (a reentrant checkpoint recomputes its graph inside
@@ -477,6 +478,7 @@ def backward(
     """
     if create_graph:
         raise NotImplementedError("semipack does not support create_graph=True yet")
+    _refuse_transforms(tensors, "A semiring backward")
     if inputs is not None and len(inputs) == 0:
         raise RuntimeError("`inputs` argument to `backward()` cannot be empty.")
     for i, t in enumerate(tensors):
@@ -507,7 +509,7 @@ def backward(
                 "per-sample values cannot see inside a reentrant checkpoint (its graph is built "
                 "during the backward): use torch.utils.checkpoint(..., use_reentrant=False)"
             )
-        generic_uses = check_graph(tensors, per_sample, per_sample_batches, per_sample_inputs)
+        generic_uses = check_graph(tensors, per_sample, per_sample_batches, per_sample_batched)
         rows = PerSampleRows(sr, per_sample)
     kept = retained.alive() if retained is not None else []
     with path_recording(sr, tensors, leaf_names) as sr, _claimed(leaves, leaf_names):
@@ -650,6 +652,26 @@ def _first_hook(leaf: Tensor, hook) -> Iterator[None]:
             handle.remove()
 
 
+def _refuse_transforms(tensors: Sequence[Tensor], what: str) -> None:
+    """Raise ``SemipackError`` inside a torch.func transform or a forward-mode AD level: the
+    transforms' wrapped tensors hide their storage from the rules ("Cannot access storage of
+    TensorWrapper" from inside one), and a dual tensor's tangent meets ops no rule knows
+    (an ``UnsupportedOpError`` naming an internal ``aten.to``, whose advice to register a
+    rule was wrong)."""
+    if any(torch._C._functorch.is_functorch_wrapped_tensor(t) for t in tensors):
+        raise SemipackError(
+            f"{what} cannot run inside a torch.func transform (grad, vmap, jacrev, ...): the "
+            "tensors there are torch.func's wrappers. Run it outside the transform, on "
+            "tensors the transform does not wrap"
+        )
+    if forward_ad._current_level >= 0:
+        raise SemipackError(
+            f"{what} cannot run inside torch.autograd.forward_ad.dual_level(): forward-mode "
+            "dual tensors carry tangents the semiring rules do not follow. Run it outside "
+            "the dual level"
+        )
+
+
 def grad(
     outputs: Tensor | Sequence[Tensor],
     inputs: Tensor | Sequence[Tensor],
@@ -677,14 +699,7 @@ def grad(
         grad_outputs = [None] * len(outputs)
     elif isinstance(grad_outputs, Tensor):
         grad_outputs = [grad_outputs]
-    if any(torch._C._functorch.is_functorch_wrapped_tensor(t) for t in (*outputs, *inputs)):
-        # torch.func's wrappers hide their storage from the rules, which failed deep inside
-        # with "Cannot access storage of TensorWrapper"
-        raise SemipackError(
-            "semipack.grad cannot run inside a torch.func transform (grad, vmap, jacrev, ...): "
-            "the tensors there are torch.func's wrappers. Call it "
-            "outside the transform, on tensors the transform does not wrap"
-        )
+    _refuse_transforms([*outputs, *inputs], "semipack.grad")
     scan = scan_graph(outputs)
     if scan.module_hook_nodes:  # the hooks would be handed messages (BackPACK would store them)
         raise hooks_need_regular_gradients(scan.module_hook_nodes, "semipack.grad")

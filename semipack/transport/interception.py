@@ -10,7 +10,6 @@ that have extensions to them.
 
 from __future__ import annotations
 
-import weakref
 from collections.abc import Callable, Iterable, Mapping
 
 import torch
@@ -23,6 +22,7 @@ from ..semirings.base import Semiring
 from . import backward as bw
 from . import per_sample
 from .hooks import TensorHook
+from .per_sample import BatchedTensors
 
 
 class SemiringMode(TorchFunctionMode):
@@ -46,10 +46,9 @@ class SemiringMode(TorchFunctionMode):
         self.per_sample = per_sample
         #: dim-0 sizes of the model's inputs in this block (``api.extend`` records them)
         self.input_batches: set[int] = set()
-        #: the model's batched inputs themselves by id, held weakly: a per-sample row rule
-        #: asks whether a factor is one of them (a buffer of the same dim-0 size is not).
-        #: (Not a WeakSet: its membership test compares tensors with ``==``.)
-        self.input_tensors: weakref.WeakValueDictionary[int, Tensor] = weakref.WeakValueDictionary()
+        #: with ``per_sample``: the model's batched inputs and what the block computes from
+        #: them (a per-sample row rule asks whether its other operand is one)
+        self.batched = BatchedTensors()
         self.sr = sr
         self.regular_grads = regular_grads
         self.keep_state = keep_state
@@ -71,8 +70,12 @@ class SemiringMode(TorchFunctionMode):
             return result
         replacement = self.reroute.get(func)
         if replacement is not None:
-            return replacement(*args, **kwargs)
-        return run_recording_inputs(func, args, kwargs)  # exact derivatives of tanh, softmax...
+            result = replacement(*args, **kwargs)
+        else:  # exact derivatives of tanh, softmax...
+            result = run_recording_inputs(func, args, kwargs)
+        if self.per_sample:
+            self.batched.follow(args, kwargs, result)
+        return result
 
     @staticmethod
     def _register_hook(tensor: Tensor, hook: Callable):
@@ -125,7 +128,7 @@ class SemiringMode(TorchFunctionMode):
                     {id(p): names.get(id(p), "?") for p in watched} if self.per_sample else None
                 ),
                 per_sample_batches=frozenset(self.input_batches),
-                per_sample_inputs=tuple(self.input_tensors.values()),
+                per_sample_batched=self.batched.tensors(),
             )
         # A parameter this backward did not reach (frozen ones too) must not keep a stale value.
         reached_ids = {id(t) for t in reached}

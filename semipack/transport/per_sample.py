@@ -10,6 +10,7 @@ semiring sum over the rows is the parameter's ``semiring_grad``.
 from __future__ import annotations
 
 import threading
+import weakref
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
@@ -17,11 +18,18 @@ from typing import Any
 import torch
 import torch.utils.hooks
 from torch import Tensor
+from torch.utils._pytree import tree_leaves
 
 from ..errors import PerSampleError
 from ..graph.provenance import MODULE_KEY, OUTSIDE_MODEL
 from ..messages.message import Message
-from ..rules.per_sample import has_per_sample_rule, mixing_reason, row_rule, unbatched_operand
+from ..rules.per_sample import (
+    BATCHED_KEY,
+    has_per_sample_rule,
+    mixing_reason,
+    row_rule,
+    unbatched_operand,
+)
 from ..semirings.base import Semiring, State
 from ..semirings.k_best import KBest
 from ..semirings.product import Product
@@ -44,6 +52,37 @@ def check_semiring(sr: Semiring) -> None:
             )
 
 
+class BatchedTensors:
+    """The model's batched inputs in a per-sample block and the tensors computed from them,
+    held weakly, with their autograd nodes marked ``BATCHED_KEY``: a generic row rule
+    (``x * p``) is right only when ``x`` carries the batch, and a value computed from
+    buffers and parameters alone, whose dim 0 may equal the batch size, does not. Kept by id
+    (a WeakSet's membership test compares tensors with ``==``)."""
+
+    def __init__(self) -> None:
+        self._tensors: weakref.WeakValueDictionary[int, Tensor] = weakref.WeakValueDictionary()
+
+    def add(self, tensor: Tensor) -> None:
+        self._tensors[id(tensor)] = tensor
+        if tensor.grad_fn is not None:
+            tensor.grad_fn.metadata[BATCHED_KEY] = True
+
+    def holds(self, tensor: Tensor) -> bool:
+        return self._tensors.get(id(tensor)) is tensor
+
+    def follow(self, args: tuple, kwargs: dict, result: Any) -> None:
+        """After a call in the block: its results are batched if an argument is."""
+        if not self._tensors:
+            return
+        if any(isinstance(t, Tensor) and self.holds(t) for t in tree_leaves((args, kwargs))):
+            for t in tree_leaves(result):
+                if isinstance(t, Tensor):
+                    self.add(t)
+
+    def tensors(self) -> tuple[Tensor, ...]:
+        return tuple(self._tensors.values())
+
+
 def _module_of(node) -> str | None:
     module = node.metadata.get(MODULE_KEY)
     if module is None or module == OUTSIDE_MODEL:
@@ -55,14 +94,15 @@ def check_graph(
     roots: Sequence[Tensor],
     params: dict[int, str],
     batches: frozenset[int] = frozenset(),
-    inputs: Sequence[Tensor] = (),
+    batched: Sequence[Tensor] = (),
 ) -> list[tuple[Any, int, Tensor]]:
     """Raise ``PerSampleError`` before the pass if a node without a per-sample rule feeds a
     parameter in ``params`` (id -> name), a generic row rule's node meets the parameter with
-    a factor that does not carry the batch (``rules.per_sample.unbatched_operand``; ``inputs``
-    are the model's inputs), or a node inside the model mixes examples (``batches``: the
-    dim-0 sizes of the model's inputs, when the forward ran in the block). Returns
-    ``(node, input_nr, parameter)`` for the uses a generic row rule handles (``hook_rules``)."""
+    a factor that does not carry the batch (``rules.per_sample.unbatched_operand``;
+    ``batched`` are the model's inputs and the tensors computed from them), or a node inside
+    the model mixes examples (``batches``: the dim-0 sizes of the model's inputs, when the
+    forward ran in the block). Returns ``(node, input_nr, parameter)`` for the uses a generic
+    row rule handles (``hook_rules``)."""
     generic: list[tuple[Any, int, Tensor]] = []
     seen: set[int] = set()
     stack = [t.grad_fn for t in roots if t.grad_fn is not None]
@@ -86,7 +126,7 @@ def check_graph(
             variable = getattr(nxt, "variable", None)
             known = variable is not None and id(variable) in params
             if known and row_rule(node.name()) is not None:
-                operand = unbatched_operand(node, input_nr, inputs)
+                operand = unbatched_operand(node, input_nr, batched)
                 if operand is not None:
                     where = f", created by {module}," if module else ""
                     raise PerSampleError(
@@ -249,6 +289,7 @@ def active_rows() -> PerSampleRows | None:
 __all__ = [
     "SEMIRING_GRAD_BATCH",
     "SEMIRING_STATE_BATCH",
+    "BatchedTensors",
     "PerSampleRows",
     "active_rows",
     "check_graph",

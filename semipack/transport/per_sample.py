@@ -63,11 +63,13 @@ class BatchedTensors:
         self._tensors: weakref.WeakValueDictionary[int, Tensor] = weakref.WeakValueDictionary()
 
     def add(self, tensor: Tensor) -> None:
+        """Count ``tensor`` as batched, and mark its autograd node."""
         self._tensors[id(tensor)] = tensor
         if tensor.grad_fn is not None:
             tensor.grad_fn.metadata[BATCHED_KEY] = True
 
     def holds(self, tensor: Tensor) -> bool:
+        """Whether ``tensor`` itself (not an equal one) was counted as batched."""
         return self._tensors.get(id(tensor)) is tensor
 
     def follow(self, args: tuple, kwargs: dict, result: Any) -> None:
@@ -80,6 +82,7 @@ class BatchedTensors:
                     self.add(t)
 
     def tensors(self) -> tuple[Tensor, ...]:
+        """The batched tensors still alive."""
         return tuple(self._tensors.values())
 
 

@@ -212,19 +212,17 @@ def _check_per_sample(model: nn.Module | None, semiring: Any, extensions: bool) 
 
 
 def _batch_recorder(mode: SemiringMode) -> Callable[..., None]:
-    """A forward pre-hook for the model: the dim-0 size of its first tensor input (positional,
-    else keyword, looking into lists, tuples and dicts), the batch that per-sample rows must
-    have; every tensor input with that dim 0 is batched (``mode.batched``)."""
+    """A forward pre-hook for the model: its first tensor input with a dim (positional, else
+    keyword, looking into lists, tuples and dicts) is the batch, and its dim-0 size the one
+    per-sample rows must have. Only that tensor counts as batched (``mode.batched``): a
+    second argument of the same dim-0 size, a shared table of classes say, need not be."""
 
     def record(module: nn.Module, args: tuple, kwargs: dict) -> None:
-        tensors = [v for v in tree_leaves((args, kwargs)) if isinstance(v, torch.Tensor)]
-        sizes = [int(t.shape[0]) for t in tensors if t.dim() > 0]
-        if not sizes:
-            return
-        mode.input_batches.add(sizes[0])
-        for t in tensors:
-            if t.dim() > 0 and t.shape[0] == sizes[0]:
-                mode.batched.add(t)
+        for value in tree_leaves((args, kwargs)):
+            if isinstance(value, torch.Tensor) and value.dim() > 0:
+                mode.input_batches.add(int(value.shape[0]))
+                mode.batched.add(value)
+                return
 
     return record
 

@@ -784,3 +784,56 @@ def test_an_input_inside_a_dict_is_the_batch():
         with semipack.extend(model, sr):
             _loss(model({"x": x[i : i + 1]})).backward()
         torch.testing.assert_close(rows[i], model.scale.semiring_grad, rtol=1e-12, atol=0)
+
+
+class TableCast(TableFromBuffer):
+    """``table.to(x)`` hands the buffer back unchanged: still not the batch."""
+
+    def forward(self, x):
+        return self.lin(x) + (self.table.to(x) * self.gain + self.bias)
+
+
+class SharedClasses(nn.Module):
+    """Scores against a table of classes passed in beside the batch, as many as examples."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.g = nn.Parameter(torch.rand(4) + 0.5)
+
+    def forward(self, x, classes):
+        return self.lin(x) @ (classes * self.g).T
+
+
+def test_a_buffer_handed_back_or_a_second_argument_of_the_batch_size_is_not_the_batch():
+    """Two ways trial 32 found to make a non-batched value look batched, each giving wrong
+    rows: a no-op ``.to(x)`` returning the buffer itself, and a second model argument whose
+    dim 0 happened to equal the batch size. Both are refused."""
+    _refused(TableCast(5, 4), (torch.randn(5, 4),), r"parameter '(gain|bias)'")
+    _refused(SharedClasses(), (torch.randn(5, 4), torch.randn(5, 4)), r"parameter 'g'")
+
+
+class SliceAssigned(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.g = nn.Parameter(torch.rand(4) + 0.5)
+
+    def forward(self, x):
+        out = torch.zeros_like(x)
+        out[:, :2] = self.lin(x)[:, :2]
+        return out * self.g
+
+
+def test_a_slice_assignment_carries_the_batch_into_its_target():
+    """``out[:, :2] = f(x)`` writes the batch into ``out`` (its ``__setitem__`` returns
+    None): rows equal single-example runs."""
+    torch.manual_seed(0)
+    model = SliceAssigned().double()
+    x = torch.randn(3, 4, dtype=torch.float64)
+    sr = semipack.MaxProd()
+    rows = _per_sample(model, (x,), sr)["g"].semiring_grad_batch
+    for i in range(3):
+        with semipack.extend(model, sr):
+            _loss(model(x[i : i + 1])).backward()
+        torch.testing.assert_close(rows[i], model.g.semiring_grad, rtol=1e-12, atol=0)

@@ -153,7 +153,11 @@ def unbatched_operand(node, input_nr: int, batched: Sequence[Tensor]) -> str | N
         if leaf is None:
             if other.metadata.get(BATCHED_KEY, False):
                 return None
-            return f"a value {other.name()} computed without the model's input"
+            return (
+                f"a value {other.name()} computed without the model's input, as far as the "
+                "block saw (a custom autograd.Function, a scripted function or a forward "
+                "called without the module's __call__ hide it)"
+            )
         if any(leaf is t for t in batched):
             return None  # the model's input, asked for its own semiring_grad
         return "another parameter or leaf"

@@ -74,7 +74,7 @@ class SemiringMode(TorchFunctionMode):
         else:  # exact derivatives of tanh, softmax...
             result = run_recording_inputs(func, args, kwargs)
         if self.per_sample:
-            self.batched.follow(args, kwargs, result)
+            self.batched.follow(func, args, kwargs, result)
         return result
 
     @staticmethod

@@ -72,18 +72,41 @@ class BatchedTensors:
         """Whether ``tensor`` itself (not an equal one) was counted as batched."""
         return self._tensors.get(id(tensor)) is tensor
 
-    def follow(self, args: tuple, kwargs: dict, result: Any) -> None:
-        """After a call in the block: its results are batched if an argument is."""
+    def follow(self, func: Any, args: tuple, kwargs: dict, result: Any) -> None:
+        """After a call ``func`` in the block: its results are batched if an argument is. A
+        result that is an unbatched argument itself stays unbatched unless the call wrote
+        into it (``buffer.to(x)`` returns the buffer unchanged, and counting it batched gave
+        a buffer's dim 0 as the batch); a slice assignment marks the tensor it writes."""
         if not self._tensors:
             return
-        if any(isinstance(t, Tensor) and self.holds(t) for t in tree_leaves((args, kwargs))):
-            for t in tree_leaves(result):
-                if isinstance(t, Tensor):
-                    self.add(t)
+        given = [t for t in tree_leaves((args, kwargs)) if isinstance(t, Tensor)]
+        if not any(self.holds(t) for t in given):
+            return
+        writes = _writes_into_first(func)
+        if func is Tensor.__setitem__ and given:
+            self.add(given[0])
+        for t in tree_leaves(result):
+            if not isinstance(t, Tensor) or self.holds(t):
+                continue
+            if not writes and any(t is a for a in given):
+                continue  # an argument handed back unchanged
+            self.add(t)
 
     def tensors(self) -> tuple[Tensor, ...]:
         """The batched tensors still alive."""
         return tuple(self._tensors.values())
+
+
+def _writes_into_first(func: Any) -> bool:
+    """Whether ``func`` is an in-place call (``add_``, ``__iadd__``, ``copy_``, ...): its
+    result is its first argument, changed."""
+    name = getattr(func, "__name__", "")
+    return (name.endswith("_") and not name.endswith("__")) or name in _IN_PLACE_DUNDERS
+
+
+_IN_PLACE_DUNDERS = frozenset(
+    f"__i{op}__" for op in ("add", "sub", "mul", "truediv", "floordiv", "pow", "and", "or", "xor")
+)
 
 
 def _module_of(node) -> str | None:

@@ -17,6 +17,11 @@ Every result gets the same candidates as in the strided form, in the same order 
 (kh, kw), then positions), so the maxima are the same floats and TopPath's first candidates,
 hence its successor ids, are the same (tests/test_convolution_messages.py compares both with
 the per-tap path bit for bit).
+
+Two more routes live here: planes under ``SMALL_PLANE`` columns take the channels-last kernel
+(``kernels/native/depthwise_channels.c``: 8 channels per vector, any stride), and a dense
+convolution over at most ``FEW_CHANNELS`` input channels (an image stem) runs as a depthwise
+one with a channel multiplier (``few_channels_max_plus``).
 """
 
 from __future__ import annotations

@@ -93,8 +93,7 @@ def depthwise_max_plus(
         grad_w = _weight_message(kernel, m, lw, lx, geometry, successors)
         grad_w = tuple(p.reshape(w.shape) for p in grad_w)
     if mask[2]:
-        rows = tuple(p.expand(m.shape).reshape(m.shape[0], m.shape[1], -1) for p in m_parts)
-        grad_b = sr.sum(rows, [0, 2])
+        grad_b = _bias_message(sr, m_parts)
     return grad_in, grad_w, grad_b
 
 
@@ -143,12 +142,14 @@ def few_channels_max_plus(
     if grad_w is not None:
         shape = (channels, outputs, *w.shape[2:])
         grad_w = tuple(p.reshape(shape).transpose(0, 1).contiguous() for p in grad_w)
-    grad_b = None
-    if mask[2]:
-        m = m_parts[0]
-        rows = tuple(p.expand(m.shape).reshape(m.shape[0], m.shape[1], -1) for p in m_parts)
-        grad_b = sr.sum(rows, [0, 2])
-    return grad_in, grad_w, grad_b
+    return grad_in, grad_w, _bias_message(sr, m_parts) if mask[2] else None
+
+
+def _bias_message(sr: Semiring, m_parts: State) -> State:
+    """The bias message [O]: the output message [B, O, Ho, Wo] summed over batch and plane."""
+    shape = m_parts[0].shape
+    rows = tuple(p.expand(shape).reshape(shape[0], shape[1], -1) for p in m_parts)
+    return sr.sum(rows, [0, 2])
 
 
 def _kernel_for(m: Tensor, lw: Tensor, x: Tensor, geometry: ConvGeometry) -> str:

@@ -136,10 +136,10 @@ BATCHED_KEY = "semipack_batched"
 _BROADCAST_NODES = ("MulBackward0", "AddBackward0", "SubBackward0")
 
 
-def unbatched_operand(node, input_nr: int, batched: Sequence[Tensor]) -> str | None:
+def unbatched_operand(node, input_nr: int, is_batched: Callable[[Tensor], bool]) -> str | None:
     """Why the other operand of ``x * p``, ``x + p`` or ``x - p`` (``node``, the parameter at
     ``input_nr``) may not carry the batch, or None when it does: the model's input or a value
-    computed from it in the block (``batched``, and nodes marked ``BATCHED_KEY``). A
+    computed from it in the block (``is_batched``, and nodes marked ``BATCHED_KEY``). A
     parameter, a buffer, a constant or a value computed from those alone does not, and the
     rule would read its dim 0 as the batch: ``proj * gain`` with a buffer ``proj`` of shape
     [O, I] gave O "rows" where O equalled the batch size, and so did a positional table
@@ -158,12 +158,12 @@ def unbatched_operand(node, input_nr: int, batched: Sequence[Tensor]) -> str | N
                 "block saw (a custom autograd.Function, a scripted function or a forward "
                 "called without the module's __call__ hide it)"
             )
-        if any(leaf is t for t in batched):
+        if is_batched(leaf):
             return None  # the model's input, asked for its own semiring_grad
         return "another parameter or leaf"
     if node.name() == "MulBackward0":
         factor = node._saved_other if input_nr == 0 else node._saved_self
-        if any(factor is t for t in batched):
+        if is_batched(factor):
             return None
         return f"a factor of shape {tuple(factor.shape)} not computed from the model's input"
     return "an operand not computed in the graph"

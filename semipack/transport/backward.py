@@ -16,7 +16,7 @@ from __future__ import annotations
 import copy
 import threading
 import weakref
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -459,7 +459,7 @@ def backward(
     accumulate_in_place: Sequence[Tensor] = (),
     per_sample: dict[int, str] | None = None,
     per_sample_batches: frozenset[int] = frozenset(),
-    per_sample_batched: Sequence[Tensor] = (),
+    per_sample_batched: Callable[[Tensor], bool] = lambda t: False,
 ) -> list[Tensor]:
     """``torch.autograd.backward`` that also sets ``leaf.semiring_grad``; returns the leaves
     that received a message.
@@ -468,7 +468,7 @@ def backward(
     ``semiring_grad_batch`` on each of them the pass reaches (``transport.per_sample``); the
     graph is checked for ops without per-sample rules and for mixing before anything runs;
     ``per_sample_batches`` are the dim-0 sizes of the model's inputs, when known, and
-    ``per_sample_batched`` those inputs and the tensors computed from them.
+    ``per_sample_batched`` says whether a tensor is such an input or computed from one.
 
     ``watched`` are tensors (the model's parameters) whose messages are captured even when the
     graph walk cannot see them beforehand (a reentrant checkpoint recomputes its graph inside

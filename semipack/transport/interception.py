@@ -128,7 +128,7 @@ class SemiringMode(TorchFunctionMode):
                     {id(p): names.get(id(p), "?") for p in watched} if self.per_sample else None
                 ),
                 per_sample_batches=frozenset(self.input_batches),
-                per_sample_batched=self.batched.tensors(),
+                per_sample_batched=self.batched.holds,
             )
         # A parameter this backward did not reach (frozen ones too) must not keep a stale value.
         reached_ids = {id(t) for t in reached}

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import threading
 import weakref
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
@@ -92,10 +92,6 @@ class BatchedTensors:
                 continue  # an argument handed back unchanged
             self.add(t)
 
-    def tensors(self) -> tuple[Tensor, ...]:
-        """The batched tensors still alive."""
-        return tuple(self._tensors.values())
-
 
 def _writes_into_first(func: Any) -> bool:
     """Whether ``func`` is an in-place call (``add_``, ``__iadd__``, ``copy_``, ...): its
@@ -120,12 +116,13 @@ def check_graph(
     roots: Sequence[Tensor],
     params: dict[int, str],
     batches: frozenset[int] = frozenset(),
-    batched: Sequence[Tensor] = (),
+    is_batched: Callable[[Tensor], bool] = lambda t: False,
 ) -> list[tuple[Any, int, Tensor]]:
     """Raise ``PerSampleError`` before the pass if a node without a per-sample rule feeds a
     parameter in ``params`` (id -> name), a generic row rule's node meets the parameter with
     a factor that does not carry the batch (``rules.per_sample.unbatched_operand``;
-    ``batched`` are the model's inputs and the tensors computed from them), or a node inside
+    ``is_batched`` says whether a tensor is the model's input or computed from it in the
+    block, ``BatchedTensors.holds``), or a node inside
     the model mixes examples (``batches``: the dim-0 sizes of the model's inputs, when the
     forward ran in the block). Returns ``(node, input_nr, parameter)`` for the uses a generic
     row rule handles (``hook_rules``)."""
@@ -152,7 +149,7 @@ def check_graph(
             variable = getattr(nxt, "variable", None)
             known = variable is not None and id(variable) in params
             if known and row_rule(node.name()) is not None:
-                operand = unbatched_operand(node, input_nr, batched)
+                operand = unbatched_operand(node, input_nr, is_batched)
                 if operand is not None:
                     where = f", created by {module}," if module else ""
                     raise PerSampleError(

@@ -285,9 +285,7 @@ def depthwise_f32(
     with_ids = () if ids is None else (ids.data_ptr(),)
     suffix = "_f32" if ids is None else "_ids_f32"
     if want_input:
-        out = [torch.empty((batch, channels, hp, wp), dtype=torch.float32, device="cpu")]
-        if ids is not None:
-            out.append(torch.empty(out[0].shape, dtype=torch.int64, device="cpu"))
+        out = _message_buffers((batch, channels, hp, wp), ids is not None)
         kernel = getattr(lib, "semipack_depthwise_input" + suffix)
         tail = () if ids is None else (out[1].data_ptr(), no_successor)
         crop = tuple(padding)
@@ -296,14 +294,21 @@ def depthwise_f32(
         )
         to_input = tuple(out)
     if want_weight:
-        out = [torch.empty((channels * mult, kh, kw), dtype=torch.float32, device="cpu")]
-        if ids is not None:
-            out.append(torch.empty(out[0].shape, dtype=torch.int64, device="cpu"))
+        out = _message_buffers((channels * mult, kh, kw), ids is not None)
         kernel = getattr(lib, "semipack_depthwise_weight" + suffix)
         tail = () if ids is None else (out[1].data_ptr(),)
         kernel(m.data_ptr(), *with_ids, lx.data_ptr(), out[0].data_ptr(), *tail, *sizes, threads)
         to_weight = tuple(out)
     return to_input, to_weight
+
+
+def _message_buffers(shape: tuple[int, ...], with_ids: bool) -> list[Tensor]:
+    """A kernel's result buffers: float32 values and, for TopPath, int64 successor ids, on the
+    CPU whatever the default dtype and device."""
+    out = [torch.empty(shape, dtype=torch.float32, device="cpu")]
+    if with_ids:
+        out.append(torch.empty(shape, dtype=torch.int64, device="cpu"))
+    return out
 
 
 #: Most taps the channels-last kernel takes (its per-position tap list lives on the stack).
@@ -361,26 +366,23 @@ def depthwise_channels_f32(
     to_input = to_weight = None
     if want_input:
         height, width = hp - 2 * ph, wp - 2 * pw
-        values = torch.empty((batch, height, width, channels), dtype=torch.float32, device="cpu")
-        found = None if ids is None else torch.empty(values.shape, dtype=torch.int64, device="cpu")
+        out = _message_buffers((batch, height, width, channels), ids is not None)
         lw_last = lw.permute(1, 2, 0).contiguous()  # held: the kernel reads its memory
         lib.semipack_depthwise_channels_input_f32(
             m_last.data_ptr(), ids_ptr, lw_last.data_ptr(),
-            values.data_ptr(), None if found is None else found.data_ptr(), no_successor,
+            out[0].data_ptr(), out[1].data_ptr() if ids is not None else None, no_successor,
             batch, channels, ho, wo, height, width, *geometry, ph, pw, threads,
         )  # fmt: skip
-        first = (0, 3, 1, 2)
-        to_input = tuple(t.permute(first).contiguous() for t in (values, found) if t is not None)
+        to_input = tuple(t.permute(0, 3, 1, 2).contiguous() for t in out)
     if want_weight:
-        values = torch.empty((kh, kw, channels), dtype=torch.float32, device="cpu")
-        found = None if ids is None else torch.empty(values.shape, dtype=torch.int64, device="cpu")
+        out = _message_buffers((kh, kw, channels), ids is not None)
         lx_last = lx.permute(last).contiguous()
         lib.semipack_depthwise_channels_weight_f32(
             m_last.data_ptr(), ids_ptr, lx_last.data_ptr(),
-            values.data_ptr(), None if found is None else found.data_ptr(),
+            out[0].data_ptr(), out[1].data_ptr() if ids is not None else None,
             batch, channels, ho, wo, hp, wp, *geometry, threads,
         )  # fmt: skip
-        to_weight = tuple(t.permute(2, 0, 1).contiguous() for t in (values, found) if t is not None)
+        to_weight = tuple(t.permute(2, 0, 1).contiguous() for t in out)
     return to_input, to_weight
 
 

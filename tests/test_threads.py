@@ -204,3 +204,55 @@ def test_two_threads_passes_over_a_shared_parameter_are_refused_by_name() -> Non
     assert refused, "the two threads' passes never overlapped"
     assert all("is in a semiring backward running in another thread" in r for r in refused)
     assert all(("'1." in r or "'2." in r) for r in refused)  # the shared layer's parameters
+
+
+def test_plain_gradients_that_look_like_the_pass_own_thread_fail_loudly(monkeypatch) -> None:
+    """On a GPU the engine runs every thread's hooks of a CUDA parameter on its device thread,
+    so the pass's leaf hook cannot leave another thread's plain gradients alone (README,
+    "Threads"). Seen from the hook as a device thread sees it (every thread the owner), those
+    gradients must fail with MessageLostError in the other thread, never come back wrong, and
+    the pass's own values must stay those of a pass run alone."""
+    import semipack.transport.backward as backward
+
+    monkeypatch.setattr(
+        backward, "threading", type("OneThread", (), {"get_ident": staticmethod(lambda: 0)})
+    )
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 4))
+    xa, xb = torch.randn(32, 16), torch.randn(32, 16)
+    params = list(model.parameters())
+    want_b = torch.autograd.grad(model(xb).pow(2).sum(), params)
+    with semipack.extend(model, semipack.MaxProd()):
+        model(xa).pow(2).sum().backward()
+    want_a = [p.semiring_grad.clone() for p in params]
+    raised: list[str] = []
+    wrong: list[int] = []
+
+    def plain(stop: threading.Event) -> None:
+        while not stop.is_set():
+            try:
+                got = torch.autograd.grad(model(xb).pow(2).sum(), params)
+                wrong.extend(
+                    i for i, (g, w) in enumerate(zip(got, want_b, strict=True)) if not g.equal(w)
+                )
+            except semipack.MessageLostError:
+                raised.append("MessageLostError")
+
+    stop = threading.Event()
+    other = threading.Thread(target=plain, args=(stop,))
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    try:
+        other.start()
+        values = []
+        while len(values) < 60 or (not raised and len(values) < 1000):  # until they overlap
+            with semipack.extend(model, semipack.MaxProd()):
+                model(xa).pow(2).sum().backward()
+            values.append([p.semiring_grad.clone() for p in params])
+    finally:
+        stop.set()
+        other.join()
+        sys.setswitchinterval(interval)
+    assert raised and wrong == []
+    for run in values:
+        assert all(v.equal(w) for v, w in zip(run, want_a, strict=True))

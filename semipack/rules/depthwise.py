@@ -101,8 +101,8 @@ def depthwise_max_plus(
 #: depthwise kernels: the tap products' panels of 16 columns held 3 of them.
 FEW_CHANNELS = 4
 #: ... when their stride has at most this many phases: a ViT's 16 x 16 patch embedding (256
-#: phases of one tap each) took longer that way than per tap (TopPath's weight message 185 ->
-#: 243 ms), a 4 x 4 one (16 phases) less (20 -> 15 ms).
+#: phases of one tap each, 16 calls for the weight message alone) ran slower that way than per
+#: tap, a 4 x 4 one (16 phases) faster.
 FEW_CHANNELS_MAX_PHASES = 16
 
 

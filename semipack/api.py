@@ -221,7 +221,7 @@ def _batch_recorder(mode: SemiringMode) -> Callable[..., None]:
         for value in tree_leaves((args, kwargs)):
             if isinstance(value, torch.Tensor) and value.dim() > 0:
                 mode.input_batches.add(int(value.shape[0]))
-                mode.batched.add(value)
+                mode.batched.add_input(value)
                 return
 
     return record

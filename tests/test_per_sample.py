@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from helpers import SEMIRINGS, assert_readout_matches, semiring_names, tiny_bert_config
 from torch import nn
 from torch.nn.utils import prune
+from torch.utils.checkpoint import checkpoint
 
 import semipack
 from semipack import PerSampleError
@@ -436,8 +437,8 @@ def test_reduction_over_the_batch_refused():
     _refused(
         model,
         (torch.randn(5, 3),),
-        r"MeanBackward1 \(created by module '1'\) mixes them: it reduces over dim 0 \(the "
-        r"batch\) of a tensor of shape \(5, 4\)",
+        r"Linear \(module '2'\) on an input of shape \(5, 4\) computed from the model's input "
+        r"in which no dim holds one example per index \('mean' mixed, split or picked",
     )
 
 
@@ -451,8 +452,7 @@ def test_gram_matrix_over_the_batch_refused():
     _refused(
         model,
         (torch.randn(5, 3),),
-        r"MmBackward0 \(created by module '1'\) mixes them: it multiplies a batch by its own "
-        r"transpose \(x @ x.T\)",
+        r"Linear \(module '2'\) on an input .* \('matmul' mixed, split or picked",
     )
 
 
@@ -514,8 +514,8 @@ def test_a_weight_computed_from_a_buffer_is_refused_even_when_its_rows_match_the
             model,
             (torch.randn(batch, 4),),
             r"parameter '0.gain' is used by MulBackward0, created by module '0', with a factor "
-            r"of shape \(3, 4\) not computed from the model's input: that operand need not "
-            r"carry the batch",
+            r"of shape \(3, 4\) whose dim 0 is not the batch \(not computed from the model's "
+            r"input, or with its batch moved off dim 0\): that operand need not carry the batch",
         )
 
 
@@ -660,11 +660,13 @@ def test_a_layer_whose_dim_0_is_not_the_batch_is_refused():
         def forward(self, x):
             return self.l(x.transpose(0, 1)).transpose(0, 1)
 
-    _refused(
-        SequenceFirst(),
-        (torch.randn(2, 5, 3),),
-        r"the parameters saw a batch of 5 rows, but the model's input has 2 examples",
-    )
+    for tokens in (5, 2):  # with 2 tokens, dim 0 has the batch's size
+        _refused(
+            SequenceFirst(),
+            (torch.randn(2, tokens, 3),),
+            rf"Linear \(module 'l'\) on an input of shape \({tokens}, 2, 3\) computed from the "
+            r"model's input in which the batch is on dim 1",
+        )
     flattened = nn.Sequential(nn.Flatten(0, 1), nn.Linear(3, 4))
     _refused(flattened, (torch.randn(2, 5, 3),), r"batch of 10 rows, but the model's input has 2")
 
@@ -837,3 +839,135 @@ def test_a_slice_assignment_carries_the_batch_into_its_target():
         with semipack.extend(model, sr):
             _loss(model(x[i : i + 1])).backward()
         torch.testing.assert_close(rows[i], model.g.semiring_grad, rtol=1e-12, atol=0)
+
+
+class TransposedGain(nn.Module):
+    """A gain written on a sequence-first view, ``(h.transpose(0, 1) * g).transpose(0, 1)``:
+    the generic rule reads dim 0 of ``h.transpose(0, 1)``, which is the token."""
+
+    def __init__(self, width: int, computed: bool) -> None:
+        super().__init__()
+        self.lin = nn.Linear(width, width)
+        self.g = nn.Parameter(torch.rand(width) + 0.5)
+        self.computed = computed
+
+    def forward(self, x):
+        h = self.lin(x) if self.computed else x
+        return (h.transpose(0, 1) * self.g).transpose(0, 1)
+
+
+def test_a_gain_on_a_transposed_operand_is_refused_when_tokens_match_examples():
+    """With as many tokens as examples the rows came back wrong, silently (a README limit
+    since trial 32): the block now follows the batch to dim 1 and refuses the use."""
+    for computed in (False, True):
+        _refused(
+            TransposedGain(4, computed),
+            (torch.randn(3, 3, 4),),
+            r"parameter 'g' is used by MulBackward0, created by the root module, with (a "
+            r"factor of shape \(3, 3, 4\) whose dim 0 is not the batch|a value "
+            r"TransposeBackward0 computed from the model's input with the batch on dim 1)",
+        )
+
+
+class SequenceFirstRoundTrip(nn.Module):
+    """A batch-first model that runs a token mixer sequence-first and comes back: layers
+    see the batch on dim 0 again, and the roll along dim 0 is along the tokens."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp, self.out = nn.Linear(3, 4), nn.Linear(4, 2)
+        self.g = nn.Parameter(torch.rand(4) + 0.5)
+
+    def forward(self, x):
+        s = self.inp(x).transpose(0, 1)  # [T, N, d]
+        s = torch.tanh(s + s.roll(1, 0).cumsum(0)).softmax(0)
+        return self.out(s.transpose(0, 1) * self.g)
+
+
+def test_a_sequence_first_round_trip_with_as_many_tokens_as_examples_keeps_its_rows():
+    """T == N: dim 0 has the batch's size all along. The roll, cumsum and softmax along the
+    tokens were refused as mixing the batch (dim 0); the block follows the batch to dim 1
+    and back, and every row equals a run of that example alone."""
+    torch.manual_seed(0)
+    model = SequenceFirstRoundTrip().double()
+    x = torch.randn(3, 3, 3, dtype=torch.float64)
+    sr = semipack.MaxProd()
+    rows = {n: p.semiring_grad_batch.clone() for n, p in _per_sample(model, (x,), sr).items()}
+    for i in range(3):
+        with semipack.extend(model, sr):
+            _loss(model(x[i : i + 1])).backward()
+        for name, p in model.named_parameters():
+            torch.testing.assert_close(rows[name][i], p.semiring_grad, rtol=1e-12, atol=0)
+
+
+PERM = torch.tensor([2, 0, 1, 4, 3])
+#: mixing the node types of ``mixing_reason`` do not show; each gave rows silently.
+UNSEEN_MIXING = {
+    "h @ (h.T @ h)": lambda h: h @ (h.T @ h),
+    "ones(N, N) @ h": lambda h: torch.ones(5, 5, dtype=h.dtype) @ h,
+    "einsum bi,bj->ij": lambda h: h @ torch.einsum("bi,bj->ij", h, h),
+    "h[perm]": lambda h: h[PERM],
+    "cat of swapped slices": lambda h: torch.cat([h[1:], h[:1]]),
+    "unbind reversed": lambda h: torch.stack(h.unbind(0)[::-1]),
+    "h.t().mean(-1)": lambda h: h - h.t().mean(-1),
+    "softmax(h.t(), -1)": lambda h: torch.softmax(h.t(), -1).t(),
+    "layer_norm(h.t(), (N,))": lambda h: F.layer_norm(h.t(), (5,)).t(),
+    "reshape(-1, d).mean(0)": lambda h: h - h.reshape(-1, 2).mean(0).repeat(2),
+    "einsum nd->d": lambda h: h - torch.einsum("nd->d", h),
+    "diff(dim=0)": lambda h: torch.cat([h[:1], h.diff(dim=0)]),
+    "quantile over the batch": lambda h: h - h.quantile(0.5, dim=0),
+    "attention over a 2-D input": lambda h: F.scaled_dot_product_attention(h, h, h),
+}
+
+
+@pytest.mark.parametrize("mix", list(UNSEEN_MIXING))
+def test_mixing_the_node_types_miss_is_refused(mix):
+    """The README listed these as mixing nobody detected: the rows had no per-example
+    meaning, silently. The block follows the batch through each call and refuses a value
+    inside the model in which no dim holds one example per index, naming the call."""
+    _refused(
+        _Mixer(UNSEEN_MIXING[mix]),
+        (torch.randn(5, 3),),
+        r"need examples that do not mix, but \w+ \(created by the root module.*\) (computes a "
+        r"value in which no dim holds one example per index: '\w+' mixed, split or picked|"
+        r"mixes them: it reduces over dim 1 \(the batch\))",
+    )
+
+
+def test_mixing_on_the_raw_input_is_refused():
+    """``x - x.mean(0)`` on an input that needs no grad makes no node; the layer after it
+    reads rows off a mixed value. Refused, naming the layer and the call."""
+    model = nn.Sequential(Centred(), nn.Linear(3, 2))
+    _refused(
+        model,
+        (torch.randn(5, 3),),
+        r"parameter '1.weight' is used by Linear \(module '1'\) on an input of shape \(5, 3\) "
+        r"computed from the model's input in which no dim holds one example per index "
+        r"\('mean' mixed",
+    )
+
+
+class CheckpointedGain(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin, self.out = nn.Linear(3, 4), nn.Linear(4, 2)
+        self.g = nn.Parameter(torch.rand(4) + 0.5)
+
+    def forward(self, x):
+        return self.out(checkpoint(lambda h: self.lin(h) * self.g, x, use_reentrant=False))
+
+
+def test_a_gain_inside_a_non_reentrant_checkpoint_keeps_its_rows():
+    """The row rule read the node's saved factor, and the node's own backward unpacked it
+    again: PyTorch's CheckpointError (a README limit). The block keeps the factors of
+    ``x * p`` itself; rows equal single-example runs."""
+    torch.manual_seed(0)
+    model = CheckpointedGain().double()
+    x = torch.randn(5, 3, dtype=torch.float64)
+    sr = semipack.MaxProd()
+    rows = {n: p.semiring_grad_batch.clone() for n, p in _per_sample(model, (x,), sr).items()}
+    for i in range(5):
+        with semipack.extend(model, sr):
+            _loss(model(x[i : i + 1])).backward()
+        for name, p in model.named_parameters():
+            torch.testing.assert_close(rows[name][i], p.semiring_grad, rtol=1e-12, atol=0)

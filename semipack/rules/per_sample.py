@@ -85,9 +85,24 @@ def _param_shape(node, input_nr: int) -> torch.Size:
     return node.next_functions[input_nr][0].variable.shape
 
 
+#: Autograd node metadata of ``x * p`` with a leaf ``p``: the two factors, kept by the
+#: per-sample block's forward (``transport.per_sample.BatchedTensors``). Reading the node's
+#: saved factor instead unpacks it, and inside a non-reentrant checkpoint a saved tensor may
+#: be unpacked once: the node's own backward then raised ``CheckpointError``.
+FACTORS_KEY = "semipack_factors"
+
+
+def _mul_factor(node, input_nr: int) -> Tensor:
+    """The factor of ``MulBackward0`` that multiplies its input ``input_nr``'s entries."""
+    factors = node.metadata.get(FACTORS_KEY)
+    if factors is not None:
+        return factors[1 - input_nr]
+    return node._saved_other if input_nr == 0 else node._saved_self
+
+
 def _mul_rows(sr: Semiring, node, state: State, input_nr: int) -> State:
     """``x * p``: the edge from p[j] to out[n, ...] weighs the other factor there."""
-    other = node._saved_other if input_nr == 0 else node._saved_self
+    other = _mul_factor(node, input_nr)
     weighted = sr.scale(state, other.expand(state[0].shape).to(state[0].dtype))
     return _broadcast_rows(sr, weighted, _param_shape(node, input_nr))
 
@@ -128,7 +143,8 @@ def _batch_norm_eval_rows(sr: Semiring, node, state: State, input_nr: int) -> St
 
 
 #: Autograd node metadata: the node's output was computed from the model's input in a
-#: per-sample block (``transport.per_sample.BatchedTensors`` marks it during the forward).
+#: per-sample block, its batch on the dim this key holds (None: no dim holds one example
+#: per index); ``transport.per_sample.BatchedTensors`` marks it during the forward.
 BATCHED_KEY = "semipack_batched"
 
 #: The generic rules that read the parameter's use off a product or sum with another operand:
@@ -138,8 +154,9 @@ _BROADCAST_NODES = ("MulBackward0", "AddBackward0", "SubBackward0")
 
 def unbatched_operand(node, input_nr: int, is_batched: Callable[[Tensor], bool]) -> str | None:
     """Why the other operand of ``x * p``, ``x + p`` or ``x - p`` (``node``, the parameter at
-    ``input_nr``) may not carry the batch, or None when it does: the model's input or a value
-    computed from it in the block (``is_batched``, and nodes marked ``BATCHED_KEY``). A
+    ``input_nr``) may not carry the batch on dim 0, or None when it does: the model's input or
+    a value computed from it in the block with the batch kept on dim 0 (``is_batched``, and
+    nodes marked ``BATCHED_KEY``). A
     parameter, a buffer, a constant or a value computed from those alone does not, and the
     rule would read its dim 0 as the batch: ``proj * gain`` with a buffer ``proj`` of shape
     [O, I] gave O "rows" where O equalled the batch size, and so did a positional table
@@ -151,21 +168,35 @@ def unbatched_operand(node, input_nr: int, is_batched: Callable[[Tensor], bool])
     if other is not None:
         leaf = getattr(other, "variable", None)
         if leaf is None:
-            if other.metadata.get(BATCHED_KEY, False):
+            if BATCHED_KEY not in other.metadata:
+                return (
+                    f"a value {other.name()} computed without the model's input, as far as the "
+                    "block saw (a custom autograd.Function, a scripted function or a forward "
+                    "called without the module's __call__ hide it)"
+                )
+            dim = other.metadata[BATCHED_KEY]
+            if dim == 0:
                 return None
+            if dim is None:
+                return (
+                    f"a value {other.name()} computed from the model's input in which no dim "
+                    "holds one example per index (the examples were mixed, split or picked)"
+                )
             return (
-                f"a value {other.name()} computed without the model's input, as far as the "
-                "block saw (a custom autograd.Function, a scripted function or a forward "
-                "called without the module's __call__ hide it)"
+                f"a value {other.name()} computed from the model's input with the batch on dim "
+                f"{dim}, not dim 0 (a transpose, say)"
             )
         if is_batched(leaf):
             return None  # the model's input, asked for its own semiring_grad
         return "another parameter or leaf"
     if node.name() == "MulBackward0":
-        factor = node._saved_other if input_nr == 0 else node._saved_self
+        factor = _mul_factor(node, input_nr)
         if is_batched(factor):
             return None
-        return f"a factor of shape {tuple(factor.shape)} not computed from the model's input"
+        return (
+            f"a factor of shape {tuple(factor.shape)} whose dim 0 is not the batch (not computed "
+            "from the model's input, or with its batch moved off dim 0)"
+        )
     return "an operand not computed in the graph"
 
 
@@ -250,31 +281,45 @@ def _input_shape(node, op: str) -> tuple[int, ...] | None:
     return None
 
 
+def _batch_dim_in(node) -> int | None:
+    """The dim the batch is on in ``node``'s first input, as the per-sample block followed it
+    (``BATCHED_KEY`` on the input's node): 0 when the block did not (a raw input, a leaf),
+    None when no dim holds one example per index (``transport.per_sample`` refuses that)."""
+    nxt = node.next_functions[0][0] if node.next_functions else None
+    if nxt is None or BATCHED_KEY not in nxt.metadata:
+        return 0
+    return nxt.metadata[BATCHED_KEY]
+
+
 def _exchange_reason(node, batches: frozenset[int]) -> str | None:
-    """``flip`` or ``roll`` along dim 0 (``roll`` without dims flattens first): each example's
-    output holds another example's entries."""
+    """``flip`` or ``roll`` along the batch dim (``roll`` without dims flattens first): each
+    example's output holds another example's entries."""
     shape = tuple(node._input_metadata[0].shape)
-    if len(shape) < 1 or shape[0] <= 1 or (batches and shape[0] not in batches):
+    batch = _batch_dim_in(node)
+    if batch is None or len(shape) <= batch or shape[batch] <= 1:
+        return None
+    if batches and shape[batch] not in batches:
         return None
     dims = list(node._saved_dims)
     if (not dims and node.name() == "RollBackward0") or any(
-        _signed(d) % len(shape) == 0 for d in dims
+        _signed(d) % len(shape) == batch for d in dims
     ):
-        return f"it moves entries along dim 0 (the batch) of a tensor of shape {shape}"
+        return f"it moves entries along dim {batch} (the batch) of a tensor of shape {shape}"
     return None
 
 
 def mixing_reason(node, is_root: bool = False, batches: frozenset[int] = frozenset()) -> str | None:
     """Why ``node`` (an autograd node inside the model) mixes the examples of the batch, or
     None. Batch norm in train mode normalises over the batch; a reduction, scan, softmax or
-    sort over dim 0 of a tensor with more than one row combines examples before the loss, and
-    so does a reduction over every dim unless it is the root itself (a loss computed by the
-    model); so do ``flip`` and ``roll`` along dim 0 and ``x @ x.T`` on a [batch, features]
-    matrix. ``batches`` holds the dim-0
-    sizes of the model's inputs when known: a reduction of a tensor whose dim 0 is none of
-    them (a weight's norm computed in the forward) is not over the batch. Other mixing (a
-    matrix product with another example's features, an exchange written by indexing) is not
-    recognised."""
+    sort over the batch dim (dim 0, or where the block followed it, ``BATCHED_KEY``) of a
+    tensor with more than one row combines examples before the loss, and so does a reduction
+    over every dim unless it is the root itself (a loss computed by the model); so do
+    ``flip`` and ``roll`` along the batch and ``x @ x.T`` on a [batch, features] matrix.
+    ``batches`` holds the dim-0 sizes of the model's inputs when known: a reduction of a
+    tensor whose batch dim has none of them (a weight's norm computed in the forward) is not
+    over the batch. Other mixing (a matrix product with another example's features, an
+    exchange written by indexing) is refused by ``transport.per_sample.check_graph`` from the
+    batch dims the block followed."""
     name = node.name()
     if "BatchNorm" in name and not hasattr(node, "_saved_training"):
         return (
@@ -295,9 +340,10 @@ def mixing_reason(node, is_root: bool = False, batches: frozenset[int] = frozens
     if match is None or match.group("op") not in _REDUCTIONS:
         return None
     sizes = _input_shape(node, match.group("op"))
-    if sizes is None or len(sizes) < 1 or sizes[0] <= 1:
+    batch = _batch_dim_in(node)
+    if sizes is None or batch is None or len(sizes) <= batch or sizes[batch] <= 1:
         return None
-    if batches and sizes[0] not in batches:
+    if batches and sizes[batch] not in batches:
         return None
     dims = getattr(node, "_saved_dim", None)
     dims = [] if dims is None else [dims] if isinstance(dims, int) else list(dims)
@@ -307,13 +353,14 @@ def mixing_reason(node, is_root: bool = False, batches: frozenset[int] = frozens
         return f"it reduces over every dim, the batch included, of a tensor of shape {sizes}"
     if len(sizes) < 2:
         return None
-    if any(_signed(d) % len(sizes) == 0 for d in dims):
-        return f"it reduces over dim 0 (the batch) of a tensor of shape {sizes}"
+    if any(_signed(d) % len(sizes) == batch for d in dims):
+        return f"it reduces over dim {batch} (the batch) of a tensor of shape {sizes}"
     return None
 
 
 __all__ = [
     "BATCHED_KEY",
+    "FACTORS_KEY",
     "PER_SAMPLE_NODES",
     "RowRule",
     "has_per_sample_rule",

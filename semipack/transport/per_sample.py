@@ -16,15 +16,18 @@ from contextlib import contextmanager
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 import torch.utils.hooks
 from torch import Tensor
 from torch.utils._pytree import tree_leaves
 
 from ..errors import PerSampleError
-from ..graph.provenance import MODULE_KEY, OUTSIDE_MODEL
+from ..graph.batch_dims import batch_dim_after, call_name
+from ..graph.provenance import MODULE_KEY, OUTSIDE_MODEL, current_module
 from ..messages.message import Message
 from ..rules.per_sample import (
     BATCHED_KEY,
+    FACTORS_KEY,
     has_per_sample_rule,
     mixing_reason,
     row_rule,
@@ -54,43 +57,190 @@ def check_semiring(sr: Semiring) -> None:
 
 class BatchedTensors:
     """The model's batched inputs in a per-sample block and the tensors computed from them,
-    held weakly, with their autograd nodes marked ``BATCHED_KEY``: a generic row rule
-    (``x * p``) is right only when ``x`` carries the batch, and a value computed from
-    buffers and parameters alone, whose dim 0 may equal the batch size, does not. Kept by id
-    (a WeakSet's membership test compares tensors with ``==``)."""
+    held weakly with the dim their batch is on (``graph.batch_dims``; None where the call
+    mixed or split the examples), their autograd nodes marked ``BATCHED_KEY`` with it. Rows
+    are right only where the batch is dim 0: a layer's input, or the other operand of a
+    generic row rule (``x * p``); a value computed from buffers and parameters alone, whose
+    dim 0 may equal the batch size, is not held at all. Kept by id (a WeakSet's membership
+    test compares tensors with ``==``)."""
 
     def __init__(self) -> None:
         self._tensors: weakref.WeakValueDictionary[int, Tensor] = weakref.WeakValueDictionary()
+        #: id -> (batch dim, the call that lost it when the dim is None)
+        self._dims: dict[int, tuple[int | None, str]] = {}
+        #: dim-0 sizes of the model's inputs
+        self.sizes: set[int] = set()
 
-    def add(self, tensor: Tensor) -> None:
-        """Count ``tensor`` as batched, and mark its autograd node."""
+    def add_input(self, tensor: Tensor) -> None:
+        """Hold a model input: its dim 0 is the batch."""
+        self.sizes.add(int(tensor.shape[0]))
+        self.add(tensor)
+
+    def add(self, tensor: Tensor, dim: int | None = 0, lost_by: str = "") -> None:
+        """Hold ``tensor`` with its batch on ``dim`` (None: no dim holds one example per
+        index, since the call ``lost_by``), and mark its autograd node."""
+        if len(self._dims) > 2 * len(self._tensors) + 1024:  # ids of tensors gone
+            self._dims = {k: self._dims[k] for k in list(self._tensors) if k in self._dims}
         self._tensors[id(tensor)] = tensor
+        self._dims[id(tensor)] = (dim, lost_by)
         if tensor.grad_fn is not None:
-            tensor.grad_fn.metadata[BATCHED_KEY] = True
+            tensor.grad_fn.metadata[BATCHED_KEY] = dim
+            tensor.grad_fn.metadata[LOST_BY_KEY] = lost_by
+
+    def lost_by(self, tensor: Tensor) -> str:
+        """The call after which a held ``tensor``'s examples have no dim of their own."""
+        return self._dims.get(id(tensor), (None, ""))[1]
+
+    def batch_dim(self, tensor: Tensor) -> int | NotHeld | None:
+        """The dim ``tensor`` (itself, not an equal one) has its batch on, None if it has
+        none, ``NOT_HELD`` if it was not computed from the model's input in the block."""
+        if self._tensors.get(id(tensor)) is not tensor:
+            return NOT_HELD
+        return self._dims.get(id(tensor), (None, ""))[0]
 
     def holds(self, tensor: Tensor) -> bool:
-        """Whether ``tensor`` itself (not an equal one) was counted as batched."""
-        return self._tensors.get(id(tensor)) is tensor
+        """Whether ``tensor`` has the batch on dim 0."""
+        return self.batch_dim(tensor) == 0
 
     def follow(self, func: Any, args: tuple, kwargs: dict, result: Any) -> None:
-        """After a call ``func`` in the block: its results are batched if an argument is. A
-        result that is an unbatched argument itself stays unbatched unless the call wrote
-        into it (``buffer.to(x)`` returns the buffer unchanged, and counting it batched gave
-        a buffer's dim 0 as the batch); a slice assignment marks the tensor it writes."""
+        """After a call ``func`` in the block: hold each result computed from a held
+        argument, with the dim its batch went to; raise ``PerSampleError`` if a layer that
+        computes rows got an input whose dim 0 is not the batch (its node is marked
+        ``MISPLACED_KEY``, for ``check_graph`` to refuse). A result that is an
+        unheld argument itself stays unheld unless the call wrote into it (``buffer.to(x)``
+        returns the buffer unchanged, and holding it gave a buffer's dim 0 as the batch); a
+        slice assignment writes the batch into its target."""
         if not self._tensors:
             return
         given = [t for t in tree_leaves((args, kwargs)) if isinstance(t, Tensor)]
-        if not any(self.holds(t) for t in given):
+        held = [(t, self.batch_dim(t)) for t in given]
+        held = [(t, d) for t, d in held if d is not NOT_HELD]
+        if not held:
             return
-        writes = _writes_into_first(func)
+        problem = misplaced_batch(func, args, kwargs, self)
+        if problem is not None:  # refused if the backward reaches one of its parameters
+            for t in tree_leaves(result):
+                if isinstance(t, Tensor) and t.grad_fn is not None:
+                    t.grad_fn.metadata[MISPLACED_KEY] = problem
         if func is Tensor.__setitem__ and given:
-            self.add(given[0])
+            self._follow_assignment(args)
+            return
+        _keep_factors(func, args, result)
+        writes = _writes_into_first(func)
         for t in tree_leaves(result):
-            if not isinstance(t, Tensor) or self.holds(t):
-                continue
-            if not writes and any(t is a for a in given):
+            if not isinstance(t, Tensor) or (not writes and any(t is a for a in given)):
                 continue  # an argument handed back unchanged
-            self.add(t)
+            dim = _combined(func, args, kwargs, held, t)
+            lost = next((self.lost_by(s) for s, d in held if d is None), None)
+            self.add(t, dim, lost or call_name(func))
+
+    def _follow_assignment(self, args: tuple) -> None:
+        """``target[index] = value``: the target's batch, or the value's where the target's
+        dims line up with it from the back (``out[:, :2] = f(x)``, ``buf[0] = f(x)``)."""
+        target, value = args[0], args[2] if len(args) > 2 else None
+        dims = []
+        if (d := self.batch_dim(target)) is not NOT_HELD:
+            dims.append(d)
+        if isinstance(value, Tensor) and (d := self.batch_dim(value)) is not NOT_HELD:
+            at = None if d is None else d + target.dim() - value.dim()
+            fits = at is not None and 0 <= at < target.dim()
+            dims.append(at if fits and target.shape[at] == value.shape[d] else None)
+        if dims:
+            self.add(target, dims[0] if len(set(dims)) == 1 else None)
+
+
+def _keep_factors(func: Any, args: tuple, result: Any) -> None:
+    """``x * p`` with a leaf ``p`` (a gain): keep both factors on the node for the row rule
+    (``rules.per_sample.FACTORS_KEY``). The node saved ``x`` anyway; inside a checkpoint
+    this keeps it alive until the row rule has run (``hook_rules`` lets it go)."""
+    if call_name(func) not in _PRODUCTS or len(args) != 2 or not isinstance(result, Tensor):
+        return
+    if result.grad_fn is None or result.grad_fn.name() != "MulBackward0":
+        return
+    if not all(isinstance(a, Tensor) for a in args):
+        return
+    if any(a.requires_grad and a.grad_fn is None for a in args):
+        first, second = args if call_name(func) != "__rmul__" else args[::-1]
+        result.grad_fn.metadata[FACTORS_KEY] = (first, second)
+
+
+_PRODUCTS = frozenset(("mul", "multiply", "__mul__", "__rmul__"))
+
+
+class NotHeld:
+    """``BatchedTensors.batch_dim`` of a tensor not computed from the model's input."""
+
+    def __repr__(self) -> str:
+        return "NOT_HELD"
+
+
+NOT_HELD = NotHeld()
+
+
+def _combined(
+    func: Any, args: tuple, kwargs: dict, sources: list[tuple[Tensor, int | None]], out: Tensor
+) -> int | None:
+    """The batch dim of ``out`` that every held argument agrees on (None if any disagrees,
+    or came in without one)."""
+    dims = {
+        None if d is None else batch_dim_after(func, args, kwargs, s, d, out) for s, d in sources
+    }
+    return dims.pop() if len(dims) == 1 else None
+
+
+#: Autograd node metadata: with ``BATCHED_KEY`` None, the call after which the node's value
+#: had no dim holding one example per index.
+LOST_BY_KEY = "semipack_batch_lost_by"
+
+#: Autograd node metadata: why the layer call that made the node cannot compute per-sample
+#: rows (``misplaced_batch``); ``check_graph`` raises it when the node feeds a parameter.
+MISPLACED_KEY = "semipack_misplaced_batch"
+
+#: Calls whose backward computes per-sample rows from one input's dim (``extensions``,
+#: batch norm's generic rule): the input's position in the call and its batch dim (inside
+#: ``F.multi_head_attention_forward`` the layout is sequence-first).
+LAYER_INPUTS: dict[Any, tuple[str, int]] = {
+    F.linear: ("Linear", 0),
+    torch.conv1d: ("Conv1d", 0),
+    torch.conv2d: ("Conv2d", 0),
+    F.layer_norm: ("LayerNorm", 0),
+    F.embedding: ("Embedding", 0),
+    F.batch_norm: ("BatchNorm", 0),
+    F.multi_head_attention_forward: ("MultiheadAttention", 1),
+}
+
+
+def misplaced_batch(func: Any, args: tuple, kwargs: dict, batched: BatchedTensors) -> str | None:
+    """Why ``func`` (one of ``LAYER_INPUTS``) cannot compute rows from its input, or None:
+    an input computed from the model's input whose batch is not where the layer's rows read
+    it, because it moved to another dim or was lost while that dim kept a batch's size. Its
+    rows would be one per token (``x.transpose(0, 1)`` with as many tokens as examples),
+    silently."""
+    layer = LAYER_INPUTS.get(func)
+    if layer is None:
+        return None
+    name, want = layer
+    x = args[0] if args else kwargs.get("input", kwargs.get("query"))
+    if not isinstance(x, Tensor) or x.dim() <= want:
+        return None
+    dim = batched.batch_dim(x)
+    if dim is NOT_HELD or dim == want:
+        return None
+    if dim is None and x.shape[want] not in batched.sizes - {1}:
+        return None  # not taken for examples: the rows' own checks name what went wrong
+    where = (
+        f"no dim holds one example per index ('{batched.lost_by(x)}' mixed, split or picked "
+        "the examples)"
+        if dim is None
+        else f"the batch is on dim {dim}"
+    )
+    module = _module_name(current_module())
+    return (
+        f"{name}{f' ({module})' if module else ''} on an input of shape {tuple(x.shape)} "
+        f"computed from the model's input in which {where}: its rows would not be examples. "
+        f"Keep the batch in dim {want} of every layer's input (a sequence-first layout such "
+        "as x.transpose(0, 1) gives one row per token)"
+    )
 
 
 def _writes_into_first(func: Any) -> bool:
@@ -106,7 +256,10 @@ _IN_PLACE_DUNDERS = frozenset(
 
 
 def _module_of(node) -> str | None:
-    module = node.metadata.get(MODULE_KEY)
+    return _module_name(node.metadata.get(MODULE_KEY))
+
+
+def _module_name(module: str | None) -> str | None:
     if module is None or module == OUTSIDE_MODEL:
         return None
     return "the root module" if module == "" else f"module '{module}'"
@@ -130,6 +283,7 @@ def check_graph(
     seen: set[int] = set()
     stack = [t.grad_fn for t in roots if t.grad_fn is not None]
     root_ids = {id(node) for node in stack}
+    unbatched: list[Any] = []  # nodes inside the model whose values lost the batch
     while stack:
         node = stack.pop()
         if node is None or id(node) in seen:
@@ -143,11 +297,19 @@ def check_graph(
                     f"per-sample values need examples that do not mix, but {node.name()} "
                     f"(created by {module}) mixes them: {reason}"
                 )
+            lost = node.metadata.get(BATCHED_KEY, 0) is None and id(node) not in root_ids
+            if lost and _first_size(node) in batches - {1}:
+                unbatched.append(node)
         for input_nr, (nxt, _) in enumerate(node.next_functions):
             if nxt is None:
                 continue
             variable = getattr(nxt, "variable", None)
             known = variable is not None and id(variable) in params
+            if known and MISPLACED_KEY in node.metadata:
+                raise PerSampleError(
+                    f"per-sample values: parameter '{params[id(variable)]}' is used by "
+                    f"{node.metadata[MISPLACED_KEY]}"
+                )
             if known and row_rule(node.name()) is not None:
                 operand = unbatched_operand(node, input_nr, is_batched)
                 if operand is not None:
@@ -177,7 +339,44 @@ def check_graph(
                     "extensions=True); see 'Per-sample values' in the README"
                 )
             stack.append(nxt)
+    if batches - {1}:
+        _refuse_lost_batch(unbatched, params)
     return generic
+
+
+def _first_size(node) -> int | None:
+    """Dim 0 of ``node``'s (first) output, as autograd recorded it; None when unknown."""
+    try:
+        shape = node._input_metadata[0].shape
+    except (AttributeError, IndexError, RuntimeError):
+        return None
+    return int(shape[0]) if len(shape) else None
+
+
+def _refuse_lost_batch(nodes: Sequence[Any], params: dict[int, str]) -> None:
+    """Raise for the first of ``nodes`` (inside the model, their values without a dim that
+    holds one example per index while dim 0 has a batch's size) that a parameter in
+    ``params`` feeds: a row would hold other examples' paths (``h @ (h.T @ h)``,
+    ``h[perm]``, ``h.t().mean(-1)``). Checked after the node types ``mixing_reason`` names,
+    whose messages say more; a value whose dim 0 is no batch size is left to the rows'
+    own checks, which name the layer."""
+    for node in nodes:
+        reach, seen = [node], set()
+        while reach:
+            n = reach.pop()
+            if n is None or id(n) in seen:
+                continue
+            seen.add(id(n))
+            variable = getattr(n, "variable", None)
+            if variable is not None and id(variable) in params:
+                raise PerSampleError(
+                    f"per-sample values need examples that do not mix, but {node.name()} "
+                    f"(created by {_module_of(node)}, from parameter "
+                    f"'{params[id(variable)]}') computes a value in which no dim holds one "
+                    f"example per index: '{node.metadata.get(LOST_BY_KEY, '?')}' mixed, "
+                    "split or picked the examples"
+                )
+            reach.extend(nxt for nxt, _ in n.next_functions)
 
 
 def hook_rules(
@@ -198,6 +397,7 @@ def hook_rules(
                 return None
             for input_nr, param in params:
                 rows.add(param, rule(msg.semiring, node, msg.parts, input_nr))
+            node.metadata.pop(FACTORS_KEY, None)  # a later pass reads the saved factor
             return None
 
         handles.append(node.register_prehook(prehook))

@@ -194,6 +194,21 @@ COMBINES: dict[str, Callable[[Tensor], Tensor]] = {
     "conv1d": lambda x: F.conv1d(x, torch.ones(2, T, 2, dtype=x.dtype)),
     "unfold": lambda x: F.unfold(x[:, None], (2, 2)),
     "softmax of scores": lambda x: (x @ x.mT).softmax(-1) @ x,
+    "conv1d along the batch": lambda x: F.conv1d(
+        x.permute(1, 2, 0), torch.ones(2, D, 2, dtype=x.dtype), padding=1
+    ).permute(2, 0, 1),
+    "conv1d over channels that are the batch": lambda x: F.conv1d(
+        x.transpose(0, 1), torch.ones(N, N, 1, dtype=x.dtype)
+    ).transpose(0, 1),
+    "max_pool1d along the batch": lambda x: F.max_pool1d(x.transpose(0, 2), 2, 1, 1)[
+        ..., :N
+    ].transpose(0, 2),
+    "max_pool1d along the tokens": lambda x: F.max_pool1d(x.transpose(1, 2), 2, 1, 1)[..., :T],
+    "linear over the batch": lambda x: F.linear(x.transpose(0, 2), _SQ),
+    "group_norm over the batch": lambda x: F.group_norm(x.transpose(0, 1), 1),
+    "group_norm per example": lambda x: F.group_norm(x, 1),
+    "interpolate along the batch": lambda x: F.interpolate(x.transpose(0, 2), size=N),
+    "interpolate along the tokens": lambda x: F.interpolate(x.transpose(1, 2), size=T),
 }
 
 
@@ -223,7 +238,18 @@ def test_where_the_common_cases_put_the_batch() -> None:
     }
     for name, dim in expected.items():
         assert _followed(MOVES[name], x)[1] == dim, name
-    for name, dim in {"x @ W": 0, "sum(1)": 0, "sum(0)": None, "x @ x.mT": 0}.items():
+    combining = {
+        "x @ W": 0,
+        "sum(1)": 0,
+        "sum(0)": None,
+        "x @ x.mT": 0,
+        "conv1d along the batch": None,
+        "max_pool1d along the tokens": 0,
+        "linear over the batch": None,
+        "group_norm per example": 0,
+        "interpolate along the tokens": 0,
+    }
+    for name, dim in combining.items():
         assert _followed(COMBINES[name], x)[1] == dim, name
 
 

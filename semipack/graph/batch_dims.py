@@ -329,6 +329,45 @@ def _attention(func, args, kwargs, source, dim, out) -> int | None:
     return dim + out.dim() - source.dim()
 
 
+def _spatial(rank: int, mixes_channels: bool) -> Handler:
+    """Convolutions (``mixes_channels``) and pools, interpolations, pads over ``rank``
+    spatial dims: each output entry reads a window of the spatial dims (and for a
+    convolution every channel). The batch kept is dim 0 of a batched input
+    (``[N, C, *spatial]``); on a window dim, or on the channels of a convolution, the
+    examples mix."""
+
+    def handler(func, args, kwargs, source, dim, out) -> int | None:
+        if not args or args[0] is not source:
+            return None  # a weight, a grid, an offset computed from the batch
+        if dim >= source.dim() - rank:
+            return None
+        if mixes_channels and not (dim == 0 and source.dim() == rank + 2):
+            return None
+        return dim + out.dim() - source.dim()
+
+    return handler
+
+
+def _leading(kept: int) -> Handler:
+    """``group_norm`` (``kept`` 1: each example's channels and positions together),
+    ``instance_norm`` and ``interpolate`` (``kept`` 2: the spatial dims after ``[N, C]``):
+    the batch must be one of the first ``kept`` dims."""
+
+    def handler(func, args, kwargs, source, dim, out) -> int | None:
+        if not args or args[0] is not source:
+            return None
+        return dim if dim < kept else None
+
+    return handler
+
+
+def _features_last(func, args, kwargs, source, dim, out) -> int | None:
+    """``F.linear(x, W)``, ``F.bilinear``: each output entry sums over ``x``'s last dim."""
+    if not args or args[0] is not source or dim == source.dim() - 1:
+        return None
+    return dim
+
+
 _HANDLERS: dict[str, Handler] = {
     **dict.fromkeys(
         ("transpose", "swapaxes", "swapdims", "permute", "movedim", "moveaxis", "t"), _permuted
@@ -362,6 +401,17 @@ _HANDLERS: dict[str, Handler] = {
     "einsum": _einsum,
     **dict.fromkeys(("layer_norm", "rms_norm"), _normalised),
     "scaled_dot_product_attention": _attention,
+    **dict.fromkeys(("linear", "bilinear"), _features_last),
+    **{f"conv{n}d": _spatial(n, True) for n in (1, 2, 3)},
+    **{f"conv_transpose{n}d": _spatial(n, True) for n in (1, 2, 3)},
+    **{
+        f"{kind}{n}d": _spatial(n, False)
+        for n in (1, 2, 3)
+        for kind in ("avg_pool", "max_pool", "adaptive_avg_pool", "adaptive_max_pool", "lp_pool")
+    },
+    **{f"max_pool{n}d_with_indices": _spatial(n, False) for n in (1, 2, 3)},
+    "group_norm": _leading(1),
+    **dict.fromkeys(("instance_norm", "interpolate", "upsample"), _leading(2)),
     # along a dim, same shape (a scan, a softmax, a sort, an exchange of entries)
     **dict.fromkeys(
         ("cumsum", "cumprod", "cummax", "cummin", "logcumsumexp", "softmax", "log_softmax"),

@@ -971,3 +971,55 @@ def test_a_gain_inside_a_non_reentrant_checkpoint_keeps_its_rows():
             _loss(model(x[i : i + 1])).backward()
         for name, p in model.named_parameters():
             torch.testing.assert_close(rows[name][i], p.semiring_grad, rtol=1e-12, atol=0)
+
+
+class _Tanh(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        ctx.save_for_backward(x)
+        return x.tanh()
+
+    @staticmethod
+    def backward(ctx, g):
+        (x,) = ctx.saved_tensors
+        return g * (1 - x.tanh() ** 2)
+
+
+class _Centre(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x - x.mean(0)
+
+    @staticmethod
+    def backward(ctx, g):
+        return g - g.mean(0)
+
+
+class CustomThenGain(nn.Module):
+    def __init__(self, function) -> None:
+        super().__init__()
+        self.lin, self.function = nn.Linear(3, 4), function
+        self.g = nn.Parameter(torch.rand(4) + 0.5)
+
+    def forward(self, x):
+        return self.function.apply(self.lin(x)) * self.g
+
+
+def test_a_custom_function_is_followed_through_the_calls_of_its_forward():
+    """A custom ``autograd.Function`` returns the tensor its forward computed; the block
+    followed the calls inside. An activation keeps the batch, so a gain after it has rows
+    (it was refused as "computed without the model's input"); a forward that centres over
+    the batch is refused as mixing."""
+    torch.manual_seed(0)
+    model, x = CustomThenGain(_Tanh).double(), torch.randn(5, 3, dtype=torch.float64)
+    with semipack.extend(model, semipack.Real(), per_sample=True):
+        _loss(model(x)).backward()
+    for i in range(5):
+        expected = torch.autograd.grad(_loss(model(x[i : i + 1])), model.g)[0]
+        torch.testing.assert_close(model.g.semiring_grad_batch[i], expected)
+    _refused(
+        CustomThenGain(_Centre),
+        (torch.randn(5, 3),),
+        r"parameter 'g' is used by MulBackward0, created by the root module, with a value "
+        r"_CentreBackward computed from the model's input in which no dim holds one example",
+    )

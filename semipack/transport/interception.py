@@ -109,6 +109,8 @@ class SemiringMode(TorchFunctionMode):
             inputs = list(inputs)
         parameters, names = self.parameters()
         watched = [p for p in parameters if p.requires_grad]
+        if self.per_sample:
+            self.batched.mark_nodes()
         # the parameters' lifted forms may be kept for the next pass (kernels.weight_cache)
         with WEIGHTS.watching(watched):
             reached = bw.backward(

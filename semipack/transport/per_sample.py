@@ -87,6 +87,17 @@ class BatchedTensors:
             tensor.grad_fn.metadata[BATCHED_KEY] = dim
             tensor.grad_fn.metadata[LOST_BY_KEY] = lost_by
 
+    def mark_nodes(self) -> None:
+        """Mark the autograd nodes of held tensors that got theirs after the call the block
+        saw: a custom ``autograd.Function``'s output is the tensor its forward computed (the
+        block followed the calls inside), its node set by ``apply`` afterwards."""
+        for key, tensor in list(self._tensors.items()):
+            node = tensor.grad_fn
+            if node is not None and BATCHED_KEY not in node.metadata:
+                dim, lost_by = self._dims.get(key, (None, ""))
+                node.metadata[BATCHED_KEY] = dim
+                node.metadata[LOST_BY_KEY] = lost_by
+
     def lost_by(self, tensor: Tensor) -> str:
         """The call after which a held ``tensor``'s examples have no dim of their own."""
         return self._dims.get(id(tensor), (None, ""))[1]

@@ -150,8 +150,63 @@ MOVES: dict[str, Callable[[Tensor], Tensor]] = {
     "sort(-1)": lambda x: x.sort(-1).values,
 }
 
+torch.manual_seed(0)
+_GRU_FIRST = torch.nn.GRU(D, 2, batch_first=True).double().requires_grad_(False)
+_GRU_SEQUENCE_FIRST = torch.nn.GRU(D, 2).double().requires_grad_(False)
+_ATTENTION = torch.nn.MultiheadAttention(D, 2, batch_first=True).double().requires_grad_(False)
+
+
+def _scattered(x: Tensor, index: Tensor) -> Tensor:
+    out = torch.zeros_like(x)
+    out[index] = x
+    return out
+
+
+def _cls_written(x: Tensor) -> Tensor:
+    out = torch.zeros(N, T, D, dtype=x.dtype)
+    out[:, 0] = x[:, 0] * 2
+    return out
+
+
+def _through_a_view(x: Tensor) -> Tensor:
+    h = x * 1
+    h.narrow(0, 0, 1).add_(h.narrow(0, 1, 1))
+    return h
+
+
+def _last_token(x: Tensor) -> Tensor:
+    last = (x[:, :, 0] > 0).long().sum(1).clamp(max=T - 1)
+    return x[torch.arange(N), last]
+
+
 #: calls that combine entries: a claimed dim must pass the oracle.
 COMBINES: dict[str, Callable[[Tensor], Tensor]] = {
+    "diagonal(0, 1, 2)": lambda x: x[:, :, :T].diagonal(0, 1, 2),
+    "diagonal(0, 0, 1)": lambda x: x.diagonal(0, 0, 1),
+    "tensordot over the batch": lambda x: torch.tensordot(_SQ, x[:, :, 0], dims=([1], [0])),
+    "tensordot over features": lambda x: torch.tensordot(x, _W, dims=1),
+    "linalg.matmul over the batch": lambda x: torch.linalg.matmul(_SQ, x[:, :, 0]),
+    "linalg.matmul": lambda x: torch.linalg.matmul(x, _W),
+    "mv over the batch": lambda x: torch.mv(_SQ, x[:, 0, 0]),
+    "as_strided transpose": lambda x: x.as_strided((T, N, D), (D, T * D, 1)),
+    "negative pad on the batch": lambda x: F.pad(x, (0, 0, 0, 0, 1, -1)),
+    "pad of the features": lambda x: F.pad(x, (1, 1)),
+    "diff with prepend": lambda x: torch.diff(x, dim=0, prepend=torch.zeros(1, T, D)),
+    "diff along tokens": lambda x: torch.diff(x, dim=1),
+    "written at permuted places": lambda x: _scattered(x, torch.tensor([2, 0, 1])),
+    "index_put at permuted places": lambda x: torch.zeros_like(x).index_put(
+        (torch.tensor([2, 0, 1]),), x
+    ),
+    "a class token written in": _cls_written,
+    "written through a view": _through_a_view,
+    "the last token of each": _last_token,
+    "gather by a batched index": lambda x: x.gather(1, (x[:, :1, :1] > 0).long().expand(N, 1, D)),
+    "GRU batch first": lambda x: _GRU_FIRST(x)[0],
+    "GRU batch first, last state": lambda x: _GRU_FIRST(x)[1].transpose(0, 1),
+    "GRU sequence first on a batch-first input": lambda x: _GRU_SEQUENCE_FIRST(x)[0],
+    "attention, batch first": lambda x: _ATTENTION(x, x, x)[0],
+    "attention weights": lambda x: _ATTENTION(x, x, x)[1],
+    "attention over the batch": lambda x: _ATTENTION(x.transpose(0, 1), x, x)[0],
     "cat(dim=0)": lambda x: torch.cat([x, x[:0]], dim=0),
     "x @ x": lambda x: x[:, :, :T] @ x[:, :, :T],
     "matmul of one matrix with itself": lambda x: x[:, 0, :N] @ x[:, 0, :N],
@@ -248,6 +303,18 @@ def test_where_the_common_cases_put_the_batch() -> None:
         "linear over the batch": None,
         "group_norm per example": 0,
         "interpolate along the tokens": 0,
+        "tensordot over features": 0,
+        "diagonal(0, 1, 2)": 0,
+        "linalg.matmul": 0,
+        "pad of the features": 0,
+        "diff along tokens": 0,
+        "a class token written in": 0,
+        "the last token of each": 0,
+        "gather by a batched index": 0,
+        "GRU batch first": 0,
+        "GRU batch first, last state": 0,
+        "attention, batch first": 0,
+        "attention weights": 0,
     }
     for name, dim in combining.items():
         assert _followed(COMBINES[name], x)[1] == dim, name

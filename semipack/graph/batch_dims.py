@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 from torch import Tensor
+from torch.utils._pytree import tree_leaves
 
 #: ``batch_dim_after``'s arguments: the call, its arguments, the batched argument, its batch
 #: dim and one result tensor.
@@ -41,37 +42,129 @@ def call_name(func: Any) -> str:
 
 
 def batch_dim_after(
-    func: Any, args: tuple, kwargs: dict, source: Tensor, dim: int, out: Tensor
+    func: Any, args: tuple, kwargs: dict, source: Tensor, dim: int, out: Tensor, position: int = 0
 ) -> int | None:
-    """The batch dim of ``out`` (a result of ``func(*args, **kwargs)``) given that argument
-    ``source`` has its ``source.shape[dim]`` examples on ``dim``; None if ``out`` has no dim
-    that holds exactly those examples, one per index, as far as the call's shapes tell."""
+    """The batch dim of ``out`` (the result at ``position`` among the tensors
+    ``func(*args, **kwargs)`` returned) given that argument ``source`` has its
+    ``source.shape[dim]`` examples on ``dim``; None if ``out`` has no dim that holds exactly
+    those examples, one per index, as far as the call's name and shapes tell."""
     if out.dim() == 0 or source.dim() == 0:
         return None
-    handler = _HANDLERS.get(call_name(func), _by_shape)
-    found = handler(func, args, kwargs, source, dim % source.dim(), out)
+    if func is Tensor.unfold:  # Tensor.unfold(dim, size, step), not F.unfold
+        return (
+            _keeps_place(func, args, kwargs, source, dim, out)
+            if args[1] % source.dim() != dim % source.dim()
+            else None
+        )
+    handler = _HANDLERS.get(call_name(func), _pointwise)
+    if handler is _recurrent:
+        found = _recurrent(func, args, kwargs, source, dim % source.dim(), out, position)
+    elif handler is _attention_forward:
+        found = _attention_forward(func, args, kwargs, source, dim % source.dim(), out, position)
+    else:
+        found = handler(func, args, kwargs, source, dim % source.dim(), out)
     if found is None or not 0 <= found < out.dim():
         return None
     return found if out.shape[found] == source.shape[dim] else None
 
 
-# --- the default: the result's shape --------------------------------------------------------
+# --- the default: elementwise calls --------------------------------------------------------
 
 
-def _by_shape(func, args, kwargs, source, dim, out) -> int | None:
-    """A call not named below: the batch stays at its dim counted from the front (a layer, an
-    elementwise op, a reduction of later dims, dims appended) or from the back (a broadcast
-    against an operand with more dims), wherever exactly one of the two has the batch's
-    size. Both can (``[N, D] * [N, N, D]``): not known."""
-    shift = out.dim() - source.dim()
-    n = source.shape[dim]
-    places = {c for c in (dim, dim + shift) if 0 <= c < out.dim() and out.shape[c] == n}
-    return places.pop() if len(places) == 1 else None
+def _pointwise(func, args, kwargs, source, dim, out) -> int | None:
+    """A call not named below: an elementwise one (its ATen op tagged pointwise, or a cast,
+    copy or dropout in ``_LAYOUT_KEEPING``) whose result has the broadcast shape of its tensor
+    arguments keeps the batch at its dim counted from the back, as broadcasting lines dims
+    up. Any other call is not known (None): its result's shape alone cannot tell a
+    contraction over the batch from an elementwise op (``torch.tensordot(A, h, 1)`` of two
+    square matrices keeps the shape and mixes every example)."""
+    if not _is_elementwise(call_name(func)):
+        return None
+    shapes = [t.shape for t in tree_leaves((args, kwargs)) if isinstance(t, Tensor)]
+    try:
+        broadcast = torch.broadcast_shapes(*shapes)
+    except RuntimeError:
+        return None
+    if tuple(broadcast) != tuple(out.shape):
+        return None
+    return dim + out.dim() - source.dim()
+
+
+#: Elementwise calls that are no ATen op tagged pointwise (casts, copies, dropout, Python
+#: activations of ``torch.nn.functional``), and the ``*_like`` constructors, whose result is
+#: laid out as their argument.
+_LAYOUT_KEEPING = frozenset(
+    (
+        "to", "type", "type_as", "float", "double", "half", "bfloat16", "int", "long", "bool",
+        "cpu", "cuda", "contiguous", "detach", "copy", "fill", "zero", "requires_grad",
+        "dropout", "alpha_dropout", "feature_alpha_dropout", "native_dropout", "hardswish",
+        "softsign", "tanhshrink", "logsigmoid", "rrelu", "tril", "triu", "bernoulli",
+        "zeros_like", "ones_like", "empty_like", "full_like", "rand_like", "randn_like",
+        "randint_like", "positive", "conj", "resolve_conj", "resolve_neg", "data", "real",
+        "imag",
+    )
+)  # fmt: skip
+
+#: Operators whose ATen op has another name.
+_OPERATORS = {
+    "truediv": "div", "floordiv": "floor_divide", "mod": "remainder", "invert": "bitwise_not",
+    "and": "bitwise_and", "or": "bitwise_or", "xor": "bitwise_xor", "pos": "positive",
+}  # fmt: skip
+
+_ELEMENTWISE: dict[str, bool] = {}
+
+
+def _is_elementwise(name: str) -> bool:
+    """Whether the call ``name`` (``add``, ``__radd__``, ``gelu``) is elementwise: in
+    ``_LAYOUT_KEEPING``, or an ATen op whose overloads carry the pointwise tag."""
+    known = _ELEMENTWISE.get(name)
+    if known is None:
+        core = name.strip("_") if name.startswith("__") else name
+        candidates = [core]
+        if name.startswith("__") and core[:1] in ("r", "i"):
+            candidates.append(core[1:])  # __radd__, __iadd__
+        candidates = [_OPERATORS.get(c, c) for c in candidates]
+        known = any(c in _LAYOUT_KEEPING or _tagged_pointwise(c) for c in candidates)
+        _ELEMENTWISE[name] = known
+    return known
+
+
+def _tagged_pointwise(name: str) -> bool:
+    packet = getattr(torch.ops.aten, name, None)
+    if packet is None or not hasattr(packet, "overloads"):
+        return False
+    return any(torch.Tag.pointwise in getattr(packet, o).tags for o in packet.overloads())
+
+
+def _unknown(func, args, kwargs, source, dim, out) -> int | None:
+    """Calls whose result's layout the shapes cannot tell (``as_strided``)."""
+    return None
+
+
+def _first_input_layout(func, args, kwargs, source, dim, out) -> int | None:
+    """Per-channel calls whose result is laid out as their first input (``prelu``, batch
+    norm in eval mode, channel dropout): the batch keeps its dim unless it is the channels
+    (dim 1). Batch norm in train mode normalises over the batch."""
+    if not args or args[0] is not source or (dim == 1 and source.dim() > 1):
+        return None
+    if call_name(func) == "batch_norm":
+        training = kwargs.get("training", args[5] if len(args) > 5 else False)
+        if training:
+            return None
+    return dim
 
 
 def _keeps_place(func, args, kwargs, source, dim, out) -> int | None:
-    """Dims appended after the input's (``F.embedding``, ``one_hot``, ``unfold``)."""
+    """Dims appended after the input's (``F.embedding``, ``one_hot``)."""
     return dim
+
+
+def _unfolded(func, args, kwargs, source, dim, out) -> int | None:
+    """``Tensor.unfold(dim, size, step)`` windows one dim (along the batch, examples mix) and
+    appends the window dim; ``F.unfold`` (im2col) keeps only dim 0 of ``[N, C, H, W]``."""
+    if func is Tensor.unfold:
+        return None if args[1] % source.dim() == dim else dim
+    return 0 if dim == 0 and args[0] is source else None
 
 
 # --- calls that only move dims ------------------------------------------------------------
@@ -121,10 +214,42 @@ def _indexed(func, args, kwargs, source, dim, out) -> int | None:
     slice of the batch changes its size, which the caller's check sees). An index tensor on
     the batch picks examples; index tensors on other dims leave one block of dims, in their
     place when they are adjacent and in front otherwise (PyTorch's rule, integers not
-    counting as index tensors)."""
+    counting as index tensors). An index tensor on the batch that takes every example in
+    order (``h[torch.arange(N), last]``, the last-token pooling of Hugging Face's sequence
+    classifiers) puts the batch where that block goes, when the block is one dim."""
     if args[0] is not source:
+        return _index_tensor_place(args[0], args[1], source, dim, out)
+    return _index_place(source, args[1], dim, out)
+
+
+def _index_tensor_place(
+    indexed: Tensor, index: Any, source: Tensor, dim: int, out: Tensor
+) -> int | None:
+    """Where an index tensor's dim ``dim`` goes in ``indexed[index]``: the index tensors
+    broadcast to one block of dims (in place when adjacent, else in front), their dims
+    right-aligned in it (``h[arange(N), last]`` with ``last`` computed from the batch)."""
+    index = index if isinstance(index, tuple) else (index,)
+    if not any(i is source for i in index) or source.dtype == torch.bool:
         return None
-    index = args[1] if isinstance(args[1], tuple) else (args[1],)
+    if any(i is Ellipsis for i in index):
+        rest = sum(_dims_consumed(i) for i in index)
+        at = next(k for k, i in enumerate(index) if i is Ellipsis)
+        index = index[:at] + (slice(None),) * (indexed.dim() - rest) + index[at + 1 :]
+    position, out_dim, blocks = 0, 0, []
+    for i in index:
+        if i is None or isinstance(i, slice):
+            out_dim += 1
+        elif _is_advanced(i) and (not blocks or blocks[-1] != out_dim):
+            blocks.append(out_dim)
+        position += 0 if i is None else _dims_consumed(i)
+    width = out.dim() - (out_dim + indexed.dim() - position)
+    start = 0 if len(blocks) > 1 else blocks[0]
+    return start + width - source.dim() + dim
+
+
+def _index_place(source: Tensor, index: Any, dim: int, out: Tensor) -> int | None:
+    """Where ``source[index]`` (``out``) has ``source``'s dim ``dim`` (see ``_indexed``)."""
+    index = index if isinstance(index, tuple) else (index,)
     ellipses = [k for k, i in enumerate(index) if i is Ellipsis]
     if len(ellipses) > 1:
         return None
@@ -132,14 +257,16 @@ def _indexed(func, args, kwargs, source, dim, out) -> int | None:
         rest = sum(_dims_consumed(i) for i in index)
         at = ellipses[0]
         index = index[:at] + (slice(None),) * (source.dim() - rest) + index[at + 1 :]
-    placed, position, out_dim, blocks = None, 0, 0, []
+    placed, position, out_dim, blocks, in_block = None, 0, 0, [], False
     for i in index:
         if i is None:
             out_dim += 1
             continue
         width = _dims_consumed(i)
         if position <= dim < position + width and not isinstance(i, slice):
-            return None  # one example, or examples picked by an index tensor or mask
+            if not _every_example_in_order(i, source.shape[dim]):
+                return None  # one example, or examples picked by an index tensor or mask
+            in_block = True
         if _is_advanced(i):
             if not blocks or blocks[-1] != out_dim:
                 blocks.append(out_dim)
@@ -148,14 +275,53 @@ def _indexed(func, args, kwargs, source, dim, out) -> int | None:
                 placed = out_dim
             out_dim += 1
         position += width
+    block = out.dim() - (out_dim + source.dim() - position)
+    if in_block:
+        if block != 1:
+            return None
+        return 0 if len(blocks) > 1 else blocks[0]
     if placed is None:  # the batch is after every index entry
         placed = out_dim + dim - position
     if not blocks:
         return placed
-    block = out.dim() - (out_dim + source.dim() - position)
     if len(blocks) > 1 or blocks[0] <= placed:  # in front, or in place before the batch
         return placed + block
     return placed
+
+
+def _every_example_in_order(i: Any, n: int) -> bool:
+    """Whether an index on the batch dim is ``arange(n)``: a 1-D integer tensor or list."""
+    if isinstance(i, list):
+        return i == list(range(n))
+    if not isinstance(i, Tensor) or i.dim() != 1 or i.dtype in (torch.bool, torch.uint8):
+        return False
+    if i.is_floating_point() or i.is_complex() or i.device.type == "meta":
+        return False
+    return i.numel() == n and torch.equal(i, torch.arange(n, device=i.device, dtype=i.dtype))
+
+
+def dim_after_index(source: Tensor, index: Any, dim: int, out: Tensor) -> int | None:
+    """The dim of ``out = source[index]`` that holds ``source``'s dim ``dim`` (its size
+    checked), or None: an indexed assignment's value lines up with the target through it."""
+    found = _index_place(source, index, dim % source.dim(), out)
+    if found is None or not 0 <= found < out.dim() or out.shape[found] != source.shape[dim]:
+        return None
+    return found
+
+
+def _index_put(func, args, kwargs, source, dim, out) -> int | None:
+    """``index_put(target, indices, values)``: an index tensor on the target's batch dim
+    writes examples into other examples' places; values written through indices are not
+    followed."""
+    if not args or args[0] is not source:
+        return None
+    position = 0
+    for i in args[1]:
+        width = 1 if i is None else _dims_consumed(i)
+        if i is not None and position <= dim < position + width:
+            return None
+        position += width
+    return dim
 
 
 def _dims_consumed(i: Any) -> int:
@@ -206,13 +372,13 @@ def _along(position: int, default: Any = 0, *, removes: bool = False) -> Handler
 
     def handler(func, args, kwargs, source, dim, out) -> int | None:
         if args and args[0] is not source:
-            return _by_shape(func, args, kwargs, source, dim, out)
+            return _pointwise(func, args, kwargs, source, dim, out)
         value = _dim_argument(args, kwargs, position, default)
         if isinstance(value, Tensor):  # torch.max(a, b): elementwise
-            return _by_shape(func, args, kwargs, source, dim, out)
+            return _pointwise(func, args, kwargs, source, dim, out)
         dims = _as_dims(value, source.dim())
         if dims is None:
-            return _by_shape(func, args, kwargs, source, dim, out)
+            return _pointwise(func, args, kwargs, source, dim, out)
         if dim in dims:
             return None
         if removes and out.dim() < source.dim():
@@ -220,6 +386,31 @@ def _along(position: int, default: Any = 0, *, removes: bool = False) -> Handler
         return dim
 
     return handler
+
+
+def _picked_by(position: int) -> Handler:
+    """``gather(input, dim, index)``, ``take_along_dim(input, index, dim)`` (``position``:
+    where ``dim`` is), ``scatter(input, dim, index, src)``: along the input's batch the
+    examples mix; an index or source computed from the batch has the result's layout, its
+    batch kept unless it is on the dim picked along."""
+    along = _along(position, None)
+
+    def handler(func, args, kwargs, source, dim, out) -> int | None:
+        if args and args[0] is source:
+            return along(func, args, kwargs, source, dim, out)
+        picked = _as_dims(_dim_argument(args, kwargs, position, None), source.dim())
+        return None if picked is None or dim in picked else dim
+
+    return handler
+
+
+def _diagonal(func, args, kwargs, source, dim, out) -> int | None:
+    """``diagonal(offset, dim1, dim2)``: the two dims go, their diagonal is appended last."""
+    first = kwargs.get("dim1", args[2] if len(args) > 2 else 0) % source.dim()
+    second = kwargs.get("dim2", args[3] if len(args) > 3 else 1) % source.dim()
+    if dim in (first, second):
+        return None
+    return dim - (first < dim) - (second < dim)
 
 
 def _select(func, args, kwargs, source, dim, out) -> int | None:
@@ -270,6 +461,32 @@ def _product_place(k: int, operands: list[Tensor], dim: int, out: Tensor) -> int
     return dim + (out.dim() - matrix_dims) - (nd - 2)
 
 
+def _tensordot(func, args, kwargs, source, dim, out) -> int | None:
+    """``tensordot(a, b, dims)``: the free dims of ``a`` then those of ``b``; a contracted
+    batch is summed over."""
+    a, b = args[0], args[1]
+    dims = args[2] if len(args) > 2 else kwargs.get("dims", 2)
+    if isinstance(dims, int):
+        contracted = (list(range(a.dim() - dims, a.dim())), list(range(dims)))
+    elif isinstance(dims, Tensor) or not isinstance(dims, Sequence) or len(dims) != 2:
+        return None
+    else:
+        first, second = dims
+        first = [first] if isinstance(first, int) else list(first)
+        second = [second] if isinstance(second, int) else list(second)
+        contracted = ([d % a.dim() for d in first], [d % b.dim() for d in second])
+    places = set()
+    for k, operand in enumerate((a, b)):
+        if operand is not source:
+            continue
+        if dim in contracted[k]:
+            return None
+        free = [d for d in range(operand.dim()) if d not in contracted[k]]
+        offset = 0 if k == 0 else a.dim() - len(contracted[0])
+        places.add(offset + free.index(dim))
+    return places.pop() if len(places) == 1 else None
+
+
 def _einsum(func, args, kwargs, source, dim, out) -> int | None:
     """``einsum(equation, *operands)``: where the output puts the batch's subscript (an
     ellipsis's dims right-aligned across operands, as einsum broadcasts them)."""
@@ -315,7 +532,7 @@ def _normalised(func, args, kwargs, source, dim, out) -> int | None:
     """``layer_norm(x, shape)``, ``rms_norm``: each entry depends on the last
     ``len(shape)`` dims; with the batch among them the examples mix."""
     if not args or args[0] is not source:
-        return _by_shape(func, args, kwargs, source, dim, out)
+        return _pointwise(func, args, kwargs, source, dim, out)
     shape = args[1] if len(args) > 1 else kwargs.get("normalized_shape")
     width = 1 if isinstance(shape, int) else len(shape) if shape is not None else 0
     return None if dim >= source.dim() - width else dim
@@ -346,6 +563,44 @@ def _spatial(rank: int, mixes_channels: bool) -> Handler:
         return dim + out.dim() - source.dim()
 
     return handler
+
+
+def _padded(func, args, kwargs, source, dim, out) -> int | None:
+    """``F.pad(x, pad)``: ``pad`` holds (before, after) pairs from the last dim backwards;
+    padding or cropping the batch's dim shifts examples (a negative pad drops one)."""
+    if not args or args[0] is not source:
+        return None
+    pad = args[1] if len(args) > 1 else kwargs.get("pad")
+    pairs = len(pad) // 2
+    from_back = source.dim() - 1 - dim
+    if from_back < pairs and (pad[2 * from_back] != 0 or pad[2 * from_back + 1] != 0):
+        return None
+    return dim
+
+
+def _recurrent(func, args, kwargs, source, dim, out, position) -> int | None:
+    """``_VF.lstm``/``gru``/``rnn_tanh``/``rnn_relu`` (input, hx, weights, ..., batch_first):
+    the recurrence runs along the time dim, so the batch must be the input's batch dim (0
+    with ``batch_first``, else 1); the output keeps it, the hidden states have it on dim 1.
+    A packed sequence's call (its batch sizes as second argument) is not followed."""
+    if len(args) < 9 or not isinstance(args[8], bool) or not isinstance(args[0], Tensor):
+        return None
+    wanted = 0 if args[8] else 1
+    if args[0] is source:
+        if source.dim() != 3 or dim != wanted:
+            return None  # the recurrence would run across examples
+    elif dim != 1:  # a hidden state computed from the batch: [layers, N, H]
+        return None
+    return wanted if position == 0 else 1
+
+
+def _attention_forward(func, args, kwargs, source, dim, out, position) -> int | None:
+    """``F.multi_head_attention_forward(query, key, value, ...)`` is sequence-first: the
+    batch must be dim 1 of a 3-D query, key or value (dim 0 is the sequence every query
+    attends over); the output keeps it on dim 1, the attention weights on dim 0."""
+    if not any(source is a for a in args[:3]) or source.dim() != 3 or dim != 1:
+        return None
+    return 1 if position == 0 else 0
 
 
 def _leading(kept: int) -> Handler:
@@ -390,15 +645,44 @@ _HANDLERS: dict[str, Handler] = {
         _reshaped,
     ),
     **dict.fromkeys(("expand", "expand_as", "broadcast_to", "repeat", "tile"), _prepends),
-    **dict.fromkeys(("embedding", "one_hot", "unfold"), _keeps_place),
+    **dict.fromkeys(("embedding", "one_hot"), _keeps_place),
+    "unfold": _unfolded,
     "__getitem__": _indexed,
     **dict.fromkeys(("select", "unbind"), _select),
     **dict.fromkeys(("cat", "concat", "concatenate", "stack"), _joined),
     **dict.fromkeys(
-        ("matmul", "__matmul__", "__rmatmul__", "mm", "bmm", "addmm", "baddbmm", "addbmm"),
+        (
+            "matmul",
+            "linalg_matmul",
+            "__matmul__",
+            "__rmatmul__",
+            "mm",
+            "bmm",
+            "addmm",
+            "baddbmm",
+            "addbmm",
+        ),
         _matrix_product,
     ),
     "einsum": _einsum,
+    "tensordot": _tensordot,
+    "as_strided": _unknown,
+    "diagonal": _diagonal,
+    "index_put": _index_put,
+    "pad": _padded,
+    "diff": _along(2, -1),
+    **dict.fromkeys(("lstm", "gru", "rnn_tanh", "rnn_relu"), _recurrent),
+    "multi_head_attention_forward": _attention_forward,
+    **dict.fromkeys(
+        ("prelu", "batch_norm", "dropout1d", "dropout2d", "dropout3d", "feature_alpha_dropout"),
+        _first_input_layout,
+    ),
+    **dict.fromkeys(
+        ("grid_sample", "affine_grid", "pixel_shuffle", "pixel_unshuffle"), _leading(1)
+    ),
+    **dict.fromkeys(("channel_shuffle", "fold", "local_response_norm"), _leading(1)),
+    **dict.fromkeys(("cosine_similarity",), _along(2, 1, removes=True)),
+    "pairwise_distance": _along(2, -1, removes=True),
     **dict.fromkeys(("layer_norm", "rms_norm"), _normalised),
     "scaled_dot_product_attention": _attention,
     **dict.fromkeys(("linear", "bilinear"), _features_last),
@@ -429,10 +713,6 @@ _HANDLERS: dict[str, Handler] = {
         (
             "narrow",
             "index_select",
-            "gather",
-            "scatter",
-            "scatter_add",
-            "scatter_reduce",
             "index_add",
             "index_copy",
             "index_fill",
@@ -440,7 +720,9 @@ _HANDLERS: dict[str, Handler] = {
         ),
         _along(1, None),
     ),
-    **dict.fromkeys(("take_along_dim", "repeat_interleave"), _along(2, None)),
+    "repeat_interleave": _along(2, None),
+    "take_along_dim": _picked_by(2),
+    **dict.fromkeys(("gather", "scatter", "scatter_add", "scatter_reduce"), _picked_by(1)),
     **dict.fromkeys(("split", "chunk", "tensor_split", "split_with_sizes"), _along(2)),
     # reductions (no dim: every dim)
     **dict.fromkeys(
@@ -472,8 +754,13 @@ _HANDLERS: dict[str, Handler] = {
     ),
     "mode": _along(1, -1, removes=True),
     **dict.fromkeys(("quantile", "nanquantile"), _along(2, None, removes=True)),
-    **dict.fromkeys(("norm", "vector_norm", "linalg_vector_norm"), _along(2, None, removes=True)),
+    **dict.fromkeys(
+        ("norm", "vector_norm", "linalg_vector_norm", "linalg_norm"), _along(2, None, removes=True)
+    ),
 }
 
 
-__all__ = ["batch_dim_after", "call_name"]
+#: Handlers told which of the call's results they place (``position``).
+_BY_POSITION = (_recurrent, _attention_forward)
+
+__all__ = ["batch_dim_after", "call_name", "dim_after_index"]

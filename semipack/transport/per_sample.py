@@ -22,7 +22,7 @@ from torch import Tensor
 from torch.utils._pytree import tree_leaves
 
 from ..errors import PerSampleError
-from ..graph.batch_dims import batch_dim_after, call_name
+from ..graph.batch_dims import batch_dim_after, call_name, dim_after_index
 from ..graph.provenance import MODULE_KEY, OUTSIDE_MODEL, current_module
 from ..messages.message import Message
 from ..rules.per_sample import (
@@ -136,28 +136,65 @@ class BatchedTensors:
         if func is Tensor.__setitem__ and given:
             self._follow_assignment(args)
             return
+        name = call_name(func)
+        if name in _SHAPED_BY_ARGUMENTS:
+            return  # x.new_zeros(shape): nothing of the batch, in a layout of its own
         _keep_factors(func, args, result)
         writes = _writes_into_first(func)
-        for t in tree_leaves(result):
-            if not isinstance(t, Tensor) or (not writes and any(t is a for a in given)):
+        results = [t for t in tree_leaves(result) if isinstance(t, Tensor)]
+        for position, t in enumerate(results):
+            if not writes and any(t is a for a in given):
                 continue  # an argument handed back unchanged
-            dim = _combined(func, args, kwargs, held, t)
-            lost = next((self.lost_by(s) for s, d in held if d is None), None)
-            self.add(t, dim, lost or call_name(func))
+            dim = _combined(func, args, kwargs, held, t, position)
+            lost = next((self.lost_by(s) for s, d in held if d is None), None) or name
+            self.add(t, dim, lost)
+            base = t._base if writes else None
+            if dim is None and base is not None and self.batch_dim(base) is not NOT_HELD:
+                self.add(base, None, lost)  # written through a view: the base changed too
 
     def _follow_assignment(self, args: tuple) -> None:
-        """``target[index] = value``: the target's batch, or the value's where the target's
-        dims line up with it from the back (``out[:, :2] = f(x)``, ``buf[0] = f(x)``)."""
-        target, value = args[0], args[2] if len(args) > 2 else None
-        dims = []
-        if (d := self.batch_dim(target)) is not NOT_HELD:
-            dims.append(d)
-        if isinstance(value, Tensor) and (d := self.batch_dim(value)) is not NOT_HELD:
-            at = None if d is None else d + target.dim() - value.dim()
-            fits = at is not None and 0 <= at < target.dim()
-            dims.append(at if fits and target.shape[at] == value.shape[d] else None)
-        if dims:
-            self.add(target, dims[0] if len(set(dims)) == 1 else None)
+        """``target[index] = value``: where the value's batch lands in the target, through
+        the index (``out[:, 0] = h[:, 0]``, ``buf[0] = h``); an index tensor on the batch
+        (``out[perm] = h``) moves examples, and a target whose own batch is elsewhere mixes
+        them. A value that is not the batch's leaves the target as it was."""
+        target, index = args[0], args[1]
+        value = args[2] if len(args) > 2 else None
+        written = self.batch_dim(value) if isinstance(value, Tensor) else NOT_HELD
+        if written is NOT_HELD:
+            return
+        own = self.batch_dim(target)
+        place = None
+        if written is not None:
+            view = target[index]
+            at = written + view.dim() - value.dim()
+            if 0 <= at < view.dim() and view.shape[at] == value.shape[written]:
+                for t in range(target.dim()):
+                    if dim_after_index(target, index, t, view) == at:
+                        place = t
+                        break
+        dim = place if own is NOT_HELD or own == place else None
+        lost = self.lost_by(value) if written is None else "an indexed assignment"
+        self.add(target, dim, lost)
+
+
+#: Calls whose result's shape comes from their arguments, not from the tensor they are
+#: called on (``x.new_zeros(n, d)``): the result holds nothing of the batch.
+_SHAPED_BY_ARGUMENTS = frozenset(("new_zeros", "new_ones", "new_empty", "new_full", "new_tensor"))
+
+
+def how_lost(call: str) -> str:
+    """What the call ``call`` (a ``graph.batch_dims.call_name``) did to the batch, in words."""
+    if call in _MERGING:
+        return (
+            f"'{call}' merged the batch with other dims (x.reshape(N * T, -1)): every layer "
+            "must see the batch as a dim of its own"
+        )
+    if call == "__getitem__":
+        return "indexing picked or reordered examples"
+    return f"'{call}' mixed, split or picked the examples"
+
+
+_MERGING = frozenset(("view", "reshape", "flatten", "unflatten", "view_as", "reshape_as", "ravel"))
 
 
 def _keep_factors(func: Any, args: tuple, result: Any) -> None:
@@ -189,12 +226,18 @@ NOT_HELD = NotHeld()
 
 
 def _combined(
-    func: Any, args: tuple, kwargs: dict, sources: list[tuple[Tensor, int | None]], out: Tensor
+    func: Any,
+    args: tuple,
+    kwargs: dict,
+    sources: list[tuple[Tensor, int | None]],
+    out: Tensor,
+    position: int,
 ) -> int | None:
-    """The batch dim of ``out`` that every held argument agrees on (None if any disagrees,
-    or came in without one)."""
+    """The batch dim of ``out`` (result ``position``) that every held argument agrees on
+    (None if any disagrees, or came in without one)."""
     dims = {
-        None if d is None else batch_dim_after(func, args, kwargs, s, d, out) for s, d in sources
+        None if d is None else batch_dim_after(func, args, kwargs, s, d, out, position)
+        for s, d in sources
     }
     return dims.pop() if len(dims) == 1 else None
 
@@ -240,8 +283,7 @@ def misplaced_batch(func: Any, args: tuple, kwargs: dict, batched: BatchedTensor
     if dim is None and x.shape[want] not in batched.sizes - {1}:
         return None  # not taken for examples: the rows' own checks name what went wrong
     where = (
-        f"no dim holds one example per index ('{batched.lost_by(x)}' mixed, split or picked "
-        "the examples)"
+        f"no dim holds one example per index ({how_lost(batched.lost_by(x))})"
         if dim is None
         else f"the batch is on dim {dim}"
     )
@@ -295,6 +337,7 @@ def check_graph(
     stack = [t.grad_fn for t in roots if t.grad_fn is not None]
     root_ids = {id(node) for node in stack}
     unbatched: list[Any] = []  # nodes inside the model whose values lost the batch
+    misplaced: list[str] = []  # layers whose input has the batch elsewhere
     while stack:
         node = stack.pop()
         if node is None or id(node) in seen:
@@ -317,7 +360,7 @@ def check_graph(
             variable = getattr(nxt, "variable", None)
             known = variable is not None and id(variable) in params
             if known and MISPLACED_KEY in node.metadata:
-                raise PerSampleError(
+                misplaced.append(
                     f"per-sample values: parameter '{params[id(variable)]}' is used by "
                     f"{node.metadata[MISPLACED_KEY]}"
                 )
@@ -350,6 +393,8 @@ def check_graph(
                     "extensions=True); see 'Per-sample values' in the README"
                 )
             stack.append(nxt)
+    if misplaced:  # after the checks above, whose messages name a cause the layer follows from
+        raise PerSampleError(misplaced[0])
     if batches - {1}:
         _refuse_lost_batch(unbatched, params)
     return generic
@@ -384,8 +429,7 @@ def _refuse_lost_batch(nodes: Sequence[Any], params: dict[int, str]) -> None:
                     f"per-sample values need examples that do not mix, but {node.name()} "
                     f"(created by {_module_of(node)}, from parameter "
                     f"'{params[id(variable)]}') computes a value in which no dim holds one "
-                    f"example per index: '{node.metadata.get(LOST_BY_KEY, '?')}' mixed, "
-                    "split or picked the examples"
+                    f"example per index: {how_lost(node.metadata.get(LOST_BY_KEY, '?'))}"
                 )
             reach.extend(nxt for nxt, _ in n.next_functions)
 

@@ -215,14 +215,16 @@ def _batch_recorder(mode: SemiringMode) -> Callable[..., None]:
     """A forward pre-hook for the model: its first tensor input with a dim (positional, else
     keyword, looking into lists, tuples and dicts) is the batch, and its dim-0 size the one
     per-sample rows must have. Only that tensor counts as batched (``mode.batched``): a
-    second argument of the same dim-0 size, a shared table of classes say, need not be."""
+    second argument of the same dim-0 size (position ids, a shared table of classes) gets a
+    provisional mark, confirmed where it meets the batch on its dim
+    (``transport.batch_following``)."""
 
     def record(module: nn.Module, args: tuple, kwargs: dict) -> None:
-        for value in tree_leaves((args, kwargs)):
-            if isinstance(value, torch.Tensor) and value.dim() > 0:
-                mode.input_batches.add(int(value.shape[0]))
-                mode.batched.add_input(value)
-                return
+        tensors = [v for v in tree_leaves((args, kwargs)) if isinstance(v, torch.Tensor)]
+        tensors = [t for t in tensors if t.dim() > 0]
+        if tensors:
+            mode.input_batches.add(int(tensors[0].shape[0]))
+            mode.batched.add_inputs(tensors)
 
     return record
 

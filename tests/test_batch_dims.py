@@ -1,5 +1,5 @@
 """Following the batch dim through a per-sample block's forward (``graph.batch_dims`` and
-``transport.per_sample.BatchedTensors``).
+``transport.batch_following.BatchedTensors``).
 
 Oracle, independent of the code: a result dim ``c`` holds the batch when changing example
 ``m`` of the input (a random perturbation of its entries) changes only entries whose index
@@ -21,7 +21,7 @@ from torch import Tensor
 from torch.overrides import TorchFunctionMode
 
 from semipack.graph.batch_dims import batch_dim_after, call_name
-from semipack.transport.per_sample import NOT_HELD, BatchedTensors
+from semipack.transport.batch_following import NOT_HELD, BatchedTensors
 
 
 class _Following(TorchFunctionMode):
@@ -39,7 +39,7 @@ class _Following(TorchFunctionMode):
 def _followed(fn: Callable[[Tensor], Tensor], x: Tensor) -> tuple[Tensor, object]:
     """``fn(x)`` with ``x`` held as batched on dim 0, and the batch dim the block gives."""
     batched = BatchedTensors()
-    batched.add_input(x)
+    batched.add_inputs([x])
     with _Following(batched):
         out = fn(x)
     return out, batched.batch_dim(out)
@@ -174,6 +174,13 @@ def _through_a_view(x: Tensor) -> Tensor:
     return h
 
 
+def _written_through_a_view(x: Tensor) -> Tensor:
+    h = x * 1
+    v = h.transpose(0, 1)
+    v[:, 0] = v[:, 1]
+    return h
+
+
 def _last_token(x: Tensor) -> Tensor:
     last = (x[:, :, 0] > 0).long().sum(1).clamp(max=T - 1)
     return x[torch.arange(N), last]
@@ -182,6 +189,10 @@ def _last_token(x: Tensor) -> Tensor:
 #: calls that combine entries: a claimed dim must pass the oracle.
 COMBINES: dict[str, Callable[[Tensor], Tensor]] = {
     "diagonal(0, 1, 2)": lambda x: x[:, :, :T].diagonal(0, 1, 2),
+    "tril of the last dims": lambda x: x.tril(),
+    "tril with the batch in the last dims": lambda x: x.transpose(0, 2).tril().transpose(0, 2),
+    "embedding of a batched table": lambda x: F.embedding(torch.tensor([1, 0, 2]), x[:, 0]),
+    "written through a transposed view": _written_through_a_view,
     "diagonal(0, 0, 1)": lambda x: x.diagonal(0, 0, 1),
     "tensordot over the batch": lambda x: torch.tensordot(_SQ, x[:, :, 0], dims=([1], [0])),
     "tensordot over features": lambda x: torch.tensordot(x, _W, dims=1),
@@ -305,6 +316,7 @@ def test_where_the_common_cases_put_the_batch() -> None:
         "interpolate along the tokens": 0,
         "tensordot over features": 0,
         "diagonal(0, 1, 2)": 0,
+        "tril of the last dims": 0,
         "linalg.matmul": 0,
         "pad of the features": 0,
         "diff along tokens": 0,

@@ -98,7 +98,7 @@ _LAYOUT_KEEPING = frozenset(
         "to", "type", "type_as", "float", "double", "half", "bfloat16", "int", "long", "bool",
         "cpu", "cuda", "contiguous", "detach", "copy", "fill", "zero", "requires_grad",
         "dropout", "alpha_dropout", "feature_alpha_dropout", "native_dropout", "hardswish",
-        "softsign", "tanhshrink", "logsigmoid", "rrelu", "tril", "triu", "bernoulli",
+        "softsign", "tanhshrink", "logsigmoid", "rrelu", "bernoulli",
         "zeros_like", "ones_like", "empty_like", "full_like", "rand_like", "randn_like",
         "randint_like", "positive", "conj", "resolve_conj", "resolve_neg", "data", "real",
         "imag",
@@ -155,7 +155,16 @@ def _first_input_layout(func, args, kwargs, source, dim, out) -> int | None:
 
 
 def _keeps_place(func, args, kwargs, source, dim, out) -> int | None:
-    """Dims appended after the input's (``F.embedding``, ``one_hot``)."""
+    """Dims appended after the input's (``F.embedding``, ``one_hot``): the ids' dims stay;
+    a table computed from the batch and looked up by other ids moves rows between examples."""
+    return dim if args and args[0] is source else None
+
+
+def _triangle(func, args, kwargs, source, dim, out) -> int | None:
+    """``tril``/``triu`` zero entries by their (row, column) place in the last two dims: with
+    the batch there, each example would be masked by its index in the batch."""
+    if not args or args[0] is not source or dim >= source.dim() - 2:
+        return None
     return dim
 
 
@@ -667,6 +676,7 @@ _HANDLERS: dict[str, Handler] = {
     "einsum": _einsum,
     "tensordot": _tensordot,
     "as_strided": _unknown,
+    **dict.fromkeys(("tril", "triu"), _triangle),
     "diagonal": _diagonal,
     "index_put": _index_put,
     "pad": _padded,

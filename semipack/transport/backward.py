@@ -16,7 +16,7 @@ from __future__ import annotations
 import copy
 import threading
 import weakref
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -30,6 +30,7 @@ from ..kernels.reuse import same_memory, unheld_value
 from ..messages.message import MODULE_HOOK_NODE, Message
 from ..messages.paths import PathTrace, attach, records_steps
 from ..semirings.base import Semiring, State
+from .batch_following import BatchedTensors
 from .hooks import (
     ModuleHookNodes,
     hooks_need_regular_gradients,
@@ -459,7 +460,7 @@ def backward(
     accumulate_in_place: Sequence[Tensor] = (),
     per_sample: dict[int, str] | None = None,
     per_sample_batches: frozenset[int] = frozenset(),
-    per_sample_batched: Callable[[Tensor], bool] = lambda t: False,
+    per_sample_following: BatchedTensors | None = None,
 ) -> list[Tensor]:
     """``torch.autograd.backward`` that also sets ``leaf.semiring_grad``; returns the leaves
     that received a message.
@@ -468,7 +469,7 @@ def backward(
     ``semiring_grad_batch`` on each of them the pass reaches (``transport.per_sample``); the
     graph is checked for ops without per-sample rules and for mixing before anything runs;
     ``per_sample_batches`` are the dim-0 sizes of the model's inputs, when known, and
-    ``per_sample_batched`` says whether a tensor is such an input or computed from one.
+    ``per_sample_following`` is the block's batch following (``batch_following``).
 
     ``watched`` are tensors (the model's parameters) whose messages are captured even when the
     graph walk cannot see them beforehand (a reentrant checkpoint recomputes its graph inside
@@ -509,7 +510,7 @@ def backward(
                 "per-sample values cannot see inside a reentrant checkpoint (its graph is built "
                 "during the backward): use torch.utils.checkpoint(..., use_reentrant=False)"
             )
-        generic_uses = check_graph(tensors, per_sample, per_sample_batches, per_sample_batched)
+        generic_uses = check_graph(tensors, per_sample, per_sample_batches, per_sample_following)
         rows = PerSampleRows(sr, per_sample)
     kept = retained.alive() if retained is not None else []
     with path_recording(sr, tensors, leaf_names) as sr, _claimed(leaves, leaf_names):

@@ -21,8 +21,8 @@ from ..kernels.weight_cache import WEIGHTS
 from ..semirings.base import Semiring
 from . import backward as bw
 from . import per_sample
+from .batch_following import BatchedTensors
 from .hooks import TensorHook
-from .per_sample import BatchedTensors
 
 
 class SemiringMode(TorchFunctionMode):
@@ -130,7 +130,7 @@ class SemiringMode(TorchFunctionMode):
                     {id(p): names.get(id(p), "?") for p in watched} if self.per_sample else None
                 ),
                 per_sample_batches=frozenset(self.input_batches),
-                per_sample_batched=self.batched.holds,
+                per_sample_following=self.batched,
             )
         # A parameter this backward did not reach (frozen ones too) must not keep a stale value.
         reached_ids = {id(t) for t in reached}

@@ -1,0 +1,452 @@
+"""Following the batch through a per-sample block's forward (``extend(..., per_sample=True)``).
+
+Per-sample rows read the batch off dim 0 of a layer's input (and of a hand-written ``x * p``'s
+other operand). That is right only where dim 0 holds one example per index. The block's
+torch-function mode hands every call to ``BatchedTensors.follow``, which keeps, for each tensor
+computed from the model's first input, the dim its batch is on (``graph.batch_dims`` works it
+out call by call), and marks the autograd nodes with it for the pass's checks
+(``per_sample.check_graph``).
+
+A layer's input need not come from the batch: position ids passed beside it, a buffer expanded
+to the batch's size (BERT's default token types), a table of relative-position buckets (T5). Its
+rows are examples only if its dim 0 later meets the batch on the batch's own dim. So such an
+input gets a provisional mark on that dim, followed like the batch; where a marked value meets
+the batch, the mark is confirmed or refuted, and a layer whose mark was refuted (T5's bucket
+table lands on the query dim of the attention scores) is refused when the pass reaches its
+parameters.
+"""
+
+from __future__ import annotations
+
+import itertools
+import weakref
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+from torch.utils._pytree import tree_leaves
+
+from ..graph.batch_dims import batch_dim_after, call_name, dim_after_index
+from ..graph.provenance import OUTSIDE_MODEL, current_module
+from ..rules.per_sample import BATCHED_KEY, FACTORS_KEY
+
+#: Autograd node metadata: with ``BATCHED_KEY`` None, the call after which the node's value
+#: had no dim holding one example per index.
+LOST_BY_KEY = "semipack_batch_lost_by"
+
+#: Autograd node metadata: why the layer call that made the node cannot compute per-sample
+#: rows (``misplaced_batch``, or a refuted mark); ``check_graph`` raises it when the node feeds
+#: a parameter.
+MISPLACED_KEY = "semipack_misplaced_batch"
+
+#: Calls whose backward computes per-sample rows from one input's dim (``extensions``,
+#: batch norm's generic rule): the layer's name and its input's batch dim (inside
+#: ``F.multi_head_attention_forward`` the layout is sequence-first).
+LAYER_INPUTS: dict[Any, tuple[str, int]] = {
+    F.linear: ("Linear", 0),
+    torch.conv1d: ("Conv1d", 0),
+    torch.conv2d: ("Conv2d", 0),
+    F.layer_norm: ("LayerNorm", 0),
+    F.embedding: ("Embedding", 0),
+    F.batch_norm: ("BatchNorm", 0),
+    F.multi_head_attention_forward: ("MultiheadAttention", 1),
+}
+
+
+class NotHeld:
+    """``BatchedTensors.batch_dim`` of a tensor not computed from the model's input."""
+
+    def __repr__(self) -> str:
+        return "NOT_HELD"
+
+
+NOT_HELD = NotHeld()
+
+#: A provisional mark: (mark id, the dim it is on in the tensor that carries it, or None).
+Mark = tuple[int, "int | None"]
+
+
+class BatchedTensors:
+    """The tensors of a per-sample block computed from the model's first input, with the dim
+    their batch is on (None where a call mixed, split or merged the examples), and the
+    tensors carrying provisional marks (module docstring). Held weakly, by id: a WeakSet's
+    membership test compares tensors with ``==``."""
+
+    def __init__(self) -> None:
+        self._tensors: weakref.WeakValueDictionary[int, Tensor] = weakref.WeakValueDictionary()
+        #: id -> (batch dim, the call that lost it when the dim is None)
+        self._dims: dict[int, tuple[int | None, str]] = {}
+        self._marked: weakref.WeakValueDictionary[int, Tensor] = weakref.WeakValueDictionary()
+        self._marks: dict[int, tuple[Mark, ...]] = {}
+        self._new_mark = itertools.count()
+        #: marks confirmed where they met the batch; refuted ones with the reason
+        self.confirmed: set[int] = set()
+        self.refuted: dict[int, str] = {}
+        #: mark -> what made it, for messages ("Embedding (module 'x')")
+        self._mark_names: dict[int, str] = {}
+        #: the metadata of autograd nodes whose values carry marks (the values themselves
+        #: may be gone by the pass: only autograd keeps them), with the marks
+        self._marked_nodes: list[tuple[dict, tuple[Mark, ...]]] = []
+        #: dim-0 sizes of the model's inputs
+        self.sizes: set[int] = set()
+
+    # --- what is held -------------------------------------------------------------------------
+
+    def add_inputs(self, tensors: list[Tensor]) -> None:
+        """The model's tensor arguments: the first is the batch (dim 0); each other one whose
+        dim 0 has the batch's size gets a provisional mark on dim 0 (position ids, decoder
+        ids; a table of as many classes as examples must not count as examples)."""
+        first, *others = tensors
+        self.sizes.add(int(first.shape[0]))
+        self.add(first)
+        for t in others:
+            if t.dim() > 0 and t.shape[0] == first.shape[0] and self.batch_dim(t) is NOT_HELD:
+                self._mark(t, "a model argument beside the batch")
+
+    def add(self, tensor: Tensor, dim: int | None = 0, lost_by: str = "") -> None:
+        """Hold ``tensor`` with its batch on ``dim`` (None: no dim holds one example per
+        index, since the call ``lost_by``), and mark its autograd node."""
+        if len(self._dims) > 2 * len(self._tensors) + 1024:  # ids of tensors gone
+            self._dims = {k: self._dims[k] for k in list(self._tensors) if k in self._dims}
+        self._tensors[id(tensor)] = tensor
+        self._dims[id(tensor)] = (dim, lost_by)
+        self._marked.pop(id(tensor), None)  # the batch itself: no provisional layout
+        if tensor.grad_fn is not None:
+            tensor.grad_fn.metadata[BATCHED_KEY] = dim
+            tensor.grad_fn.metadata[LOST_BY_KEY] = lost_by
+
+    def batch_dim(self, tensor: Tensor) -> int | NotHeld | None:
+        """The dim ``tensor`` (itself, not an equal one) has its batch on, None if it has
+        none, ``NOT_HELD`` if it was not computed from the model's input in the block."""
+        if self._tensors.get(id(tensor)) is not tensor:
+            return NOT_HELD
+        return self._dims.get(id(tensor), (None, ""))[0]
+
+    def lost_by(self, tensor: Tensor) -> str:
+        """The call after which a held ``tensor``'s examples have no dim of their own."""
+        return self._dims.get(id(tensor), (None, ""))[1]
+
+    def marks(self, tensor: Tensor) -> tuple[Mark, ...]:
+        """The provisional marks ``tensor`` (itself) carries."""
+        if self._marked.get(id(tensor)) is not tensor:
+            return ()
+        return self._marks.get(id(tensor), ())
+
+    def holds(self, tensor: Tensor) -> bool:
+        """Whether ``tensor`` has the batch on dim 0: computed from the model's input, or
+        carrying a mark on dim 0 that met the batch there (a decoder's hidden states)."""
+        dim = self.batch_dim(tensor)
+        if dim is not NOT_HELD:
+            return dim == 0
+        return self._confirmed_on_dim_0(self.marks(tensor))
+
+    def _mark(self, tensor: Tensor, name: str, dim: int = 0) -> int:
+        mark = next(self._new_mark)
+        self._mark_names[mark] = name
+        self._set_marks(tensor, ((mark, dim),))
+        return mark
+
+    def _set_marks(self, tensor: Tensor, marks: tuple[Mark, ...]) -> None:
+        if len(self._marks) > 2 * len(self._marked) + 1024:
+            self._marks = {k: self._marks[k] for k in list(self._marked) if k in self._marks}
+        self._marked[id(tensor)] = tensor
+        self._marks[id(tensor)] = marks
+
+    # --- following calls ----------------------------------------------------------------------
+
+    def follow(self, func: Any, args: tuple, kwargs: dict, result: Any) -> None:
+        """After a call ``func`` in the block: hold each result computed from a held
+        argument, with the dim its batch went to; carry provisional marks along, and judge
+        them where they meet the batch; mark the nodes of a layer whose input has the batch
+        off its dim (``MISPLACED_KEY``, for ``check_graph``). A result that is an unheld
+        argument itself stays unheld unless the call wrote into it (``buffer.to(x)`` returns
+        the buffer unchanged); an indexed assignment writes the batch into its target."""
+        if not self._tensors:
+            return
+        given = [t for t in tree_leaves((args, kwargs)) if isinstance(t, Tensor)]
+        held = [(t, d) for t in given if (d := self.batch_dim(t)) is not NOT_HELD]
+        marked = [(t, m) for t in given if (m := self.marks(t))]
+        if not held and not marked:
+            self._mark_layer_input(func, args, kwargs, result)
+            return
+        problem = misplaced_batch(func, args, kwargs, self) if held else None
+        if problem is not None:  # refused if the backward reaches one of its parameters
+            _mark_nodes(result, problem)
+        if func is Tensor.__setitem__ and given:
+            if held:
+                self._follow_assignment(args)
+            return
+        name = call_name(func)
+        if name in _SHAPED_BY_ARGUMENTS:
+            return  # x.new_zeros(shape): nothing of the batch, in a layout of its own
+        _keep_factors(func, args, result)
+        writes = _writes_into_first(func)
+        results = [t for t in tree_leaves(result) if isinstance(t, Tensor)]
+        for position, t in enumerate(results):
+            if not writes and any(t is a for a in given):
+                continue  # an argument handed back unchanged
+            if held:
+                dim = _combined(func, args, kwargs, held, t, position)
+                lost = next((self.lost_by(s) for s, d in held if d is None), None) or name
+                self.add(t, dim, lost)
+                self._judge(func, args, kwargs, marked, t, position, dim)
+                base = t._base if writes else None
+                if dim is None and base is not None and self.batch_dim(base) is not NOT_HELD:
+                    self.add(base, None, lost)  # written through a view: the base changed too
+            else:
+                self._carry(func, args, kwargs, marked, t, position)
+        if not held:
+            self._mark_layer_input(func, args, kwargs, result)
+
+    def _carry(self, func, args, kwargs, marked, out: Tensor, position: int) -> None:
+        """Marks of the arguments, placed in ``out`` as the batch would be."""
+        carried = tuple(
+            (mark, None if d is None else batch_dim_after(func, args, kwargs, s, d, out, position))
+            for s, marks in marked
+            for mark, d in marks
+        )
+        self._set_marks(out, carried)
+        if out.grad_fn is not None:  # judged at the pass's start (``mark_nodes``)
+            self._marked_nodes.append((out.grad_fn.metadata, carried))
+
+    def _judge(self, func, args, kwargs, marked, out: Tensor, position: int, dim) -> None:
+        """A marked value meets the batch in ``out`` (on ``dim``): its mark is confirmed where
+        it lands on that dim, refuted where it lands elsewhere (or nowhere)."""
+        if dim is None:
+            return  # the batch is lost here already: the lost-batch check speaks
+        for s, marks in marked:
+            for mark, d in marks:
+                place = (
+                    None if d is None else batch_dim_after(func, args, kwargs, s, d, out, position)
+                )
+                if place == dim:
+                    self.confirmed.add(mark)
+                elif mark not in self.refuted:
+                    self.refuted[mark] = (
+                        f"{self._mark_names[mark]}, whose input's dim 0 has the batch's size "
+                        f"but was not computed from the model's input: its rows would be "
+                        f"examples only if that dim met the batch on the batch's dim, and in "
+                        f"'{call_name(func)}' it lands "
+                        + ("nowhere" if place is None else f"on dim {place}")
+                        + f" where the batch is on dim {dim} (a table shared by the batch, "
+                        "T5's relative position buckets say, has no per-example rows)"
+                    )
+
+    def _mark_layer_input(self, func, args, kwargs, result) -> None:
+        """A layer that computes rows (``LAYER_INPUTS``) called on an input not computed
+        from the batch, whose batch dim has the batch's size: its rows are examples only
+        if that dim meets the batch on the batch's dim later. Mark its output."""
+        layer = LAYER_INPUTS.get(func)
+        if layer is None:
+            return
+        name, want = layer
+        x = args[0] if args else kwargs.get("input", kwargs.get("query"))
+        if not isinstance(x, Tensor) or x.dim() <= want or x.shape[want] not in self.sizes - {1}:
+            return
+        if name == "Embedding" and x.dim() == 1:
+            return  # 1-D ids have no batch dim: the extension refuses them, saying how to fix
+        marks = self.marks(x)
+        module = _module_name(current_module())
+        label = f"{name}{f' ({module})' if module else ''}"
+        if marks:  # a model argument beside the batch, or a value computed from one
+            mark_ids = tuple(m for m, _ in marks)
+            for m in mark_ids:
+                self._mark_names[m] = label
+        else:
+            out = next((t for t in tree_leaves(result) if isinstance(t, Tensor)), None)
+            if out is None:
+                return
+            mark_ids = (self._mark(out, label, 0 if name != "MultiheadAttention" else 1),)
+        for t in tree_leaves(result):
+            if isinstance(t, Tensor) and t.grad_fn is not None:
+                t.grad_fn.metadata[LAYER_MARKS_KEY] = mark_ids
+
+    def _follow_assignment(self, args: tuple) -> None:
+        """``target[index] = value``: where the value's batch lands in the target, through
+        the index (``out[:, 0] = h[:, 0]``, ``buf[0] = h``); an index tensor on the batch
+        (``out[perm] = h``) moves examples, and a target whose own batch is elsewhere mixes
+        them. A value that is not the batch's leaves the target as it was. A target that is
+        a view writes its base."""
+        target, index = args[0], args[1]
+        value = args[2] if len(args) > 2 else None
+        written = self.batch_dim(value) if isinstance(value, Tensor) else NOT_HELD
+        if written is NOT_HELD:
+            return
+        own = self.batch_dim(target)
+        place = None
+        if written is not None:
+            view = target[index]
+            at = written + view.dim() - value.dim()
+            if 0 <= at < view.dim() and view.shape[at] == value.shape[written]:
+                for t in range(target.dim()):
+                    if dim_after_index(target, index, t, view) == at:
+                        place = t
+                        break
+        dim = place if own is NOT_HELD or own == place else None
+        lost = self.lost_by(value) if written is None else "__setitem__"
+        self.add(target, dim, lost)
+        if target._base is not None:  # v = h.T; v[:, 0] = ...: the base is written too
+            self.add(target._base, None, lost)
+
+    def mark_nodes(self) -> None:
+        """At the pass's start: mark the autograd nodes of held tensors that got theirs after
+        the call the block saw (a custom ``autograd.Function``'s output is the tensor its
+        forward computed, its node set by ``apply`` afterwards), and of marked tensors whose
+        marks all met the batch on dim 0 (``holds``)."""
+        for key, tensor in list(self._tensors.items()):
+            node = tensor.grad_fn
+            if node is not None and BATCHED_KEY not in node.metadata:
+                dim, lost_by = self._dims.get(key, (None, ""))
+                node.metadata[BATCHED_KEY] = dim
+                node.metadata[LOST_BY_KEY] = lost_by
+        for metadata, marks in self._marked_nodes:
+            if BATCHED_KEY not in metadata and self._confirmed_on_dim_0(marks):
+                metadata[BATCHED_KEY] = 0
+        self._marked_nodes = []
+
+    def _confirmed_on_dim_0(self, marks: tuple[Mark, ...]) -> bool:
+        """Whether dim 0 of a value with ``marks`` is the batch: a mark on dim 0 met the
+        batch there, and none on dim 0 was refuted (marks on other dims concern their own
+        layers, which ``refutation`` answers for)."""
+        on_dim_0 = [m for m, d in marks if d == 0]
+        return any(m in self.confirmed for m in on_dim_0) and not any(
+            m in self.refuted for m in on_dim_0
+        )
+
+    def refutation(self, node: Any) -> str | None:
+        """Why the layer call that made ``node`` has no per-sample rows: its input's dim 0
+        was marked and the mark was refuted, or never met the batch while a refuted mark
+        rode along."""
+        for mark in node.metadata.get(LAYER_MARKS_KEY, ()):
+            if mark in self.refuted:
+                return self.refuted[mark]
+        return None
+
+
+#: Autograd node metadata: the provisional marks of a layer call's input (``LAYER_INPUTS``).
+LAYER_MARKS_KEY = "semipack_layer_marks"
+
+
+def _mark_nodes(result: Any, problem: str) -> None:
+    for t in tree_leaves(result):
+        if isinstance(t, Tensor) and t.grad_fn is not None:
+            t.grad_fn.metadata[MISPLACED_KEY] = problem
+
+
+def _combined(
+    func: Any,
+    args: tuple,
+    kwargs: dict,
+    sources: list[tuple[Tensor, int | None]],
+    out: Tensor,
+    position: int,
+) -> int | None:
+    """The batch dim of ``out`` (result ``position``) that every held argument agrees on
+    (None if any disagrees, or came in without one)."""
+    dims = {
+        None if d is None else batch_dim_after(func, args, kwargs, s, d, out, position)
+        for s, d in sources
+    }
+    return dims.pop() if len(dims) == 1 else None
+
+
+def misplaced_batch(func: Any, args: tuple, kwargs: dict, batched: BatchedTensors) -> str | None:
+    """Why ``func`` (one of ``LAYER_INPUTS``) cannot compute rows from its input, or None:
+    an input computed from the model's input whose batch is not where the layer's rows read
+    it, because it moved to another dim or was lost while that dim kept a batch's size. Its
+    rows would be one per token (``x.transpose(0, 1)`` with as many tokens as examples),
+    silently."""
+    layer = LAYER_INPUTS.get(func)
+    if layer is None:
+        return None
+    name, want = layer
+    x = args[0] if args else kwargs.get("input", kwargs.get("query"))
+    if not isinstance(x, Tensor) or x.dim() <= want:
+        return None
+    dim = batched.batch_dim(x)
+    if dim is NOT_HELD or dim == want:
+        return None
+    if dim is None and x.shape[want] not in batched.sizes - {1}:
+        return None  # not taken for examples: the rows' own checks name what went wrong
+    where = (
+        f"no dim holds one example per index ({how_lost(batched.lost_by(x))})"
+        if dim is None
+        else f"the batch is on dim {dim}"
+    )
+    module = _module_name(current_module())
+    return (
+        f"{name}{f' ({module})' if module else ''} on an input of shape {tuple(x.shape)} "
+        f"computed from the model's input in which {where}: its rows would not be examples. "
+        f"Keep the batch in dim {want} of every layer's input (a sequence-first layout such "
+        "as x.transpose(0, 1) gives one row per token)"
+    )
+
+
+def how_lost(call: str) -> str:
+    """What the call ``call`` (a ``graph.batch_dims.call_name``) did to the batch, in words."""
+    if call in _MERGING:
+        return (
+            f"'{call}' merged the batch with other dims (x.reshape(N * T, -1)): every layer "
+            "must see the batch as a dim of its own"
+        )
+    if call == "__getitem__":
+        return "indexing picked or reordered examples"
+    if call == "__setitem__":
+        return "an indexed assignment wrote examples into other places"
+    return f"'{call}' mixed, split or picked the examples"
+
+
+_MERGING = frozenset(("view", "reshape", "flatten", "unflatten", "view_as", "reshape_as", "ravel"))
+
+#: Calls whose result's shape comes from their arguments, not from the tensor they are
+#: called on (``x.new_zeros(n, d)``): the result holds nothing of the batch.
+_SHAPED_BY_ARGUMENTS = frozenset(("new_zeros", "new_ones", "new_empty", "new_full", "new_tensor"))
+
+
+def _keep_factors(func: Any, args: tuple, result: Any) -> None:
+    """``x * p`` with a leaf ``p`` (a gain): keep both factors on the node for the row rule
+    (``rules.per_sample.FACTORS_KEY``). The node saved ``x`` anyway; inside a checkpoint
+    this keeps it alive until the row rule has run (``hook_rules`` lets it go)."""
+    if call_name(func) not in _PRODUCTS or len(args) != 2 or not isinstance(result, Tensor):
+        return
+    if result.grad_fn is None or result.grad_fn.name() != "MulBackward0":
+        return
+    if not all(isinstance(a, Tensor) for a in args):
+        return
+    if any(a.requires_grad and a.grad_fn is None for a in args):
+        first, second = args if call_name(func) != "__rmul__" else args[::-1]
+        result.grad_fn.metadata[FACTORS_KEY] = (first, second)
+
+
+_PRODUCTS = frozenset(("mul", "multiply", "__mul__", "__rmul__"))
+
+
+def _writes_into_first(func: Any) -> bool:
+    """Whether ``func`` is an in-place call (``add_``, ``__iadd__``, ``copy_``, ...): its
+    result is its first argument, changed."""
+    name = getattr(func, "__name__", "")
+    return (name.endswith("_") and not name.endswith("__")) or name in _IN_PLACE_DUNDERS
+
+
+_IN_PLACE_DUNDERS = frozenset(
+    f"__i{op}__" for op in ("add", "sub", "mul", "truediv", "floordiv", "pow", "and", "or", "xor")
+)
+
+
+def _module_name(module: str | None) -> str | None:
+    if module is None or module == OUTSIDE_MODEL:
+        return None
+    return "the root module" if module == "" else f"module '{module}'"
+
+
+__all__ = [
+    "LAYER_INPUTS",
+    "LAYER_MARKS_KEY",
+    "LOST_BY_KEY",
+    "MISPLACED_KEY",
+    "NOT_HELD",
+    "BatchedTensors",
+    "how_lost",
+    "misplaced_batch",
+]

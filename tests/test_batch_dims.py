@@ -42,6 +42,8 @@ def _followed(fn: Callable[[Tensor], Tensor], x: Tensor) -> tuple[Tensor, object
     batched.add_inputs([x])
     with _Following(batched):
         out = fn(x)
+    if batched.merged(out):  # the examples share a dim with other entries: none of its own
+        return out, None
     return out, batched.batch_dim(out)
 
 
@@ -104,6 +106,9 @@ MOVES: dict[str, Callable[[Tensor], Tensor]] = {
     "reshape(N, -1)": lambda x: x.reshape(N, -1),
     "flatten(1)": lambda x: x.flatten(1),
     "flatten(0, 1)": lambda x: x.flatten(0, 1),
+    "merged and split again": lambda x: x.flatten(0, 1).unflatten(0, (N, T)),
+    "merged, scaled and viewed back": lambda x: (x.reshape(N * T, D) * 2).view(N, T, D),
+    "merged then split elsewhere": lambda x: x.flatten(0, 1).unflatten(0, (T, N)),
     "unflatten": lambda x: x.unflatten(-1, (2, 2)),
     "unsqueeze(0)": lambda x: x.unsqueeze(0),
     "view(1, N, -1)": lambda x: x.view(1, N, -1),
@@ -194,6 +199,16 @@ COMBINES: dict[str, Callable[[Tensor], Tensor]] = {
     "embedding of a batched table": lambda x: F.embedding(torch.tensor([1, 0, 2]), x[:, 0]),
     "written through a transposed view": _written_through_a_view,
     "diagonal(0, 0, 1)": lambda x: x.diagonal(0, 0, 1),
+    "a product over merged heads": lambda x: (
+        x.reshape(N * T, 1, D) @ x.reshape(N * T, D, 1)
+    ).reshape(N, T),
+    "a sum over the merged dim": lambda x: x.flatten(0, 1).sum(0),
+    "baddbmm by keyword over merged heads": lambda x: (
+        torch.ones(N * T, 1, 1, dtype=x.dtype)
+        .baddbmm(batch1=x.reshape(N * T, 1, D), batch2=x.reshape(N * T, D, 1))
+        .reshape(N, T)
+    ),
+    "addbmm sums the batch": lambda x: torch.addbmm(torch.zeros(T, T, dtype=x.dtype), x, x.mT),
     "tensordot over the batch": lambda x: torch.tensordot(_SQ, x[:, :, 0], dims=([1], [0])),
     "tensordot over features": lambda x: torch.tensordot(x, _W, dims=1),
     "linalg.matmul over the batch": lambda x: torch.linalg.matmul(_SQ, x[:, :, 0]),
@@ -296,6 +311,8 @@ def test_where_the_common_cases_put_the_batch() -> None:
     expected = {
         "transpose(0, 1)": 1,
         "transpose there and back": 0,
+        "merged and split again": 0,
+        "merged, scaled and viewed back": 0,
         "einsum n...->...n": 2,
         "x[idx, :, idx] (separated)": 1,
         "stack(dim=0)": 1,
@@ -317,6 +334,8 @@ def test_where_the_common_cases_put_the_batch() -> None:
         "tensordot over features": 0,
         "diagonal(0, 1, 2)": 0,
         "tril of the last dims": 0,
+        "a product over merged heads": 0,
+        "baddbmm by keyword over merged heads": 0,
         "linalg.matmul": 0,
         "pad of the features": 0,
         "diff along tokens": 0,

@@ -42,29 +42,36 @@ def call_name(func: Any) -> str:
 
 
 def batch_dim_after(
-    func: Any, args: tuple, kwargs: dict, source: Tensor, dim: int, out: Tensor, position: int = 0
+    func: Any,
+    args: tuple,
+    kwargs: dict,
+    source: Tensor,
+    dim: int,
+    out: Tensor,
+    position: int = 0,
+    examples: int | None = None,
 ) -> int | None:
     """The batch dim of ``out`` (the result at ``position`` among the tensors
-    ``func(*args, **kwargs)`` returned) given that argument ``source`` has its
-    ``source.shape[dim]`` examples on ``dim``; None if ``out`` has no dim that holds exactly
-    those examples, one per index, as far as the call's name and shapes tell."""
+    ``func(*args, **kwargs)`` returned) given that argument ``source`` has the examples on
+    ``dim``; None if ``out`` has no dim that holds them, as far as the call's name and shapes
+    tell. ``examples`` is their number where ``dim`` holds more entries (a batch merged with
+    the dims after it, ``[N * H, T, d]``: each example a block of ``source.shape[dim] /
+    examples`` indices); a reshape may merge or split it, every other call keeps the dim's
+    size."""
     if out.dim() == 0 or source.dim() == 0:
         return None
-    if func is Tensor.unfold:  # Tensor.unfold(dim, size, step), not F.unfold
-        return (
-            _keeps_place(func, args, kwargs, source, dim, out)
-            if args[1] % source.dim() != dim % source.dim()
-            else None
-        )
+    dim %= source.dim()
     handler = _HANDLERS.get(call_name(func), _pointwise)
-    if handler is _recurrent:
-        found = _recurrent(func, args, kwargs, source, dim % source.dim(), out, position)
-    elif handler is _attention_forward:
-        found = _attention_forward(func, args, kwargs, source, dim % source.dim(), out, position)
+    if handler in _BY_POSITION:  # results of different layouts
+        found = handler(func, args, kwargs, source, dim, out, position)
+    elif handler is _reshaped:
+        found = _reshaped(func, args, kwargs, source, dim, out, examples)
     else:
-        found = handler(func, args, kwargs, source, dim % source.dim(), out)
+        found = handler(func, args, kwargs, source, dim, out)
     if found is None or not 0 <= found < out.dim():
         return None
+    if handler is _reshaped:
+        return found
     return found if out.shape[found] == source.shape[dim] else None
 
 
@@ -201,14 +208,19 @@ def _replace_kw(kwargs: dict, old: Tensor, new: Tensor) -> dict:
     return {k: new if v is old else v for k, v in kwargs.items()}
 
 
-def _reshaped(func, args, kwargs, source, dim, out) -> int | None:
-    """A reshape keeps entries in row-major order, so the batch stays a dim of its own
-    exactly where the result has a dim of the batch's size whose preceding dims hold as many
-    entries as the source's did before the batch."""
+def _reshaped(func, args, kwargs, source, dim, out, examples: int | None = None) -> int | None:
+    """A reshape keeps entries in row-major order. The examples, the outermost factor of the
+    source's ``dim``, stay the outermost factor of the result's dim ``c`` exactly when the
+    dims before ``c`` hold as many entries as those before ``dim`` and ``c``'s size is a
+    multiple of their number: ``[N, T, D] -> [N, T * D]`` keeps them alone on dim 0,
+    ``[N, H, T, d] -> [N * H, T, d]`` merges them with the heads, and the reverse splits
+    them out again."""
     before = math.prod(source.shape[:dim])
-    n = source.shape[dim]
+    n = examples or source.shape[dim]
     for c in range(out.dim()):
-        if out.shape[c] == n and math.prod(out.shape[:c]) == before:
+        if out.shape[c] % n or (out.shape[c] == 1 and n != 1):
+            continue
+        if math.prod(out.shape[:c]) == before:
             return c
     return None
 
@@ -443,16 +455,28 @@ def _joined(func, args, kwargs, source, dim, out) -> int | None:
 
 
 def _matrix_product(func, args, kwargs, source, dim, out) -> int | None:
-    """``a @ b`` (``matmul``, ``mm``, ``bmm``, ``addmm``, ``baddbmm``): the batch is a row of
-    ``a``, a column of ``b`` or a broadcast batch dim of either; on the contracted dim it
-    is summed over."""
+    """``a @ b`` (``matmul``, ``mm``, ``bmm``; ``addmm``, ``baddbmm``, ``addbmm`` with their
+    added input, positional or by keyword as Bloom's ``alibi.baddbmm(batch1=q, batch2=k)``):
+    the batch is a row of ``a``, a column of ``b`` or a broadcast batch dim of either; on the
+    contracted dim (or ``addbmm``'s summed batch) it is summed over; the added input is
+    broadcast into the result."""
     name = call_name(func)
-    operands = list(args[1:3]) if name in ("addmm", "baddbmm", "addbmm") else list(args[:2])
+    if name in ("addmm", "baddbmm", "addbmm"):
+        added = args[0] if args else kwargs.get("input")
+        first = args[1] if len(args) > 1 else kwargs.get("mat1", kwargs.get("batch1"))
+        second = args[2] if len(args) > 2 else kwargs.get("mat2", kwargs.get("batch2"))
+    else:
+        added = None
+        first = args[0] if args else kwargs.get("input")
+        second = args[1] if len(args) > 1 else kwargs.get("other", kwargs.get("mat2"))
+    operands = [first, second]
     if name == "__rmatmul__":
         operands.reverse()
-    if len(operands) != 2 or not all(isinstance(op, Tensor) for op in operands):
+    if not all(isinstance(op, Tensor) for op in operands):
         return None
     places = {_product_place(k, operands, dim, out) for k in (0, 1) if operands[k] is source}
+    if added is source:
+        places.add(dim + out.dim() - source.dim())
     return places.pop() if len(places) == 1 else None  # x @ x: the batch on rows and columns
 
 

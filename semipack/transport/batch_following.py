@@ -75,8 +75,10 @@ class BatchedTensors:
 
     def __init__(self) -> None:
         self._tensors: weakref.WeakValueDictionary[int, Tensor] = weakref.WeakValueDictionary()
-        #: id -> (batch dim, the call that lost it when the dim is None)
-        self._dims: dict[int, tuple[int | None, str]] = {}
+        #: id -> (batch dim, the call that lost it when the dim is None, the number of
+        #: examples: fewer than the dim's size where a reshape merged the batch with the
+        #: dims after it, ``[N * H, T, d]``)
+        self._dims: dict[int, tuple[int | None, str, int]] = {}
         self._marked: weakref.WeakValueDictionary[int, Tensor] = weakref.WeakValueDictionary()
         self._marks: dict[int, tuple[Mark, ...]] = {}
         self._new_mark = itertools.count()
@@ -104,28 +106,42 @@ class BatchedTensors:
             if t.dim() > 0 and t.shape[0] == first.shape[0] and self.batch_dim(t) is NOT_HELD:
                 self._mark(t, "a model argument beside the batch")
 
-    def add(self, tensor: Tensor, dim: int | None = 0, lost_by: str = "") -> None:
+    def add(
+        self, tensor: Tensor, dim: int | None = 0, lost_by: str = "", examples: int = 0
+    ) -> None:
         """Hold ``tensor`` with its batch on ``dim`` (None: no dim holds one example per
-        index, since the call ``lost_by``), and mark its autograd node."""
+        index, since the call ``lost_by``), ``examples`` of them there (0: the dim's size),
+        and mark its autograd node (a merged batch as no batch: no layer may read it)."""
         if len(self._dims) > 2 * len(self._tensors) + 1024:  # ids of tensors gone
             self._dims = {k: self._dims[k] for k in list(self._tensors) if k in self._dims}
+        examples = examples or (tensor.shape[dim] if dim is not None else 0)
         self._tensors[id(tensor)] = tensor
-        self._dims[id(tensor)] = (dim, lost_by)
+        self._dims[id(tensor)] = (dim, lost_by, examples)
         self._marked.pop(id(tensor), None)  # the batch itself: no provisional layout
         if tensor.grad_fn is not None:
-            tensor.grad_fn.metadata[BATCHED_KEY] = dim
-            tensor.grad_fn.metadata[LOST_BY_KEY] = lost_by
+            merged = dim is not None and tensor.shape[dim] != examples
+            tensor.grad_fn.metadata[BATCHED_KEY] = None if merged else dim
+            tensor.grad_fn.metadata[LOST_BY_KEY] = "reshape" if merged else lost_by
 
     def batch_dim(self, tensor: Tensor) -> int | NotHeld | None:
         """The dim ``tensor`` (itself, not an equal one) has its batch on, None if it has
         none, ``NOT_HELD`` if it was not computed from the model's input in the block."""
         if self._tensors.get(id(tensor)) is not tensor:
             return NOT_HELD
-        return self._dims.get(id(tensor), (None, ""))[0]
+        return self._dims.get(id(tensor), (None, "", 0))[0]
 
     def lost_by(self, tensor: Tensor) -> str:
         """The call after which a held ``tensor``'s examples have no dim of their own."""
-        return self._dims.get(id(tensor), (None, ""))[1]
+        return self._dims.get(id(tensor), (None, "", 0))[1]
+
+    def examples(self, tensor: Tensor) -> int:
+        """How many examples a held ``tensor``'s batch dim holds (0 if it has none)."""
+        return self._dims.get(id(tensor), (None, "", 0))[2]
+
+    def merged(self, tensor: Tensor) -> bool:
+        """Whether a held ``tensor``'s batch is merged with the dims after it."""
+        dim = self.batch_dim(tensor)
+        return isinstance(dim, int) and tensor.shape[dim] != self.examples(tensor)
 
     def marks(self, tensor: Tensor) -> tuple[Mark, ...]:
         """The provisional marks ``tensor`` (itself) carries."""
@@ -138,7 +154,7 @@ class BatchedTensors:
         carrying a mark on dim 0 that met the batch there (a decoder's hidden states)."""
         dim = self.batch_dim(tensor)
         if dim is not NOT_HELD:
-            return dim == 0
+            return dim == 0 and not self.merged(tensor)
         return self._confirmed_on_dim_0(self.marks(tensor))
 
     def _mark(self, tensor: Tensor, name: str, dim: int = 0) -> int:
@@ -187,10 +203,11 @@ class BatchedTensors:
             if not writes and any(t is a for a in given):
                 continue  # an argument handed back unchanged
             if held:
-                dim = _combined(func, args, kwargs, held, t, position)
+                dim, examples = self._combined(func, args, kwargs, held, t, position)
                 lost = next((self.lost_by(s) for s, d in held if d is None), None) or name
-                self.add(t, dim, lost)
-                self._judge(func, args, kwargs, marked, t, position, dim)
+                self.add(t, dim, lost, examples)
+                if dim is not None and t.shape[dim] == examples:
+                    self._judge(func, args, kwargs, marked, t, position, dim)
                 base = t._base if writes else None
                 if dim is None and base is not None and self.batch_dim(base) is not NOT_HELD:
                     self.add(base, None, lost)  # written through a view: the base changed too
@@ -199,10 +216,25 @@ class BatchedTensors:
         if not held:
             self._mark_layer_input(func, args, kwargs, result)
 
+    def _combined(
+        self, func, args, kwargs, sources: list[tuple[Tensor, int | None]], out, position: int
+    ) -> tuple[int | None, int]:
+        """The batch dim of ``out`` (result ``position``) that every held argument agrees on
+        (None if any disagrees, or came in without one), and its number of examples."""
+        places = set()
+        for s, d in sources:
+            examples = self.examples(s)
+            if d is None:
+                places.add((None, 0))
+                continue
+            place = batch_dim_after(func, args, kwargs, s, d, out, position, examples)
+            places.add((place, examples if place is not None else 0))
+        return places.pop() if len(places) == 1 else (None, 0)
+
     def _carry(self, func, args, kwargs, marked, out: Tensor, position: int) -> None:
         """Marks of the arguments, placed in ``out`` as the batch would be."""
         carried = tuple(
-            (mark, None if d is None else batch_dim_after(func, args, kwargs, s, d, out, position))
+            (mark, _place(func, args, kwargs, s, d, out, position))
             for s, marks in marked
             for mark, d in marks
         )
@@ -217,9 +249,7 @@ class BatchedTensors:
             return  # the batch is lost here already: the lost-batch check speaks
         for s, marks in marked:
             for mark, d in marks:
-                place = (
-                    None if d is None else batch_dim_after(func, args, kwargs, s, d, out, position)
-                )
+                place = _place(func, args, kwargs, s, d, out, position)
                 if place == dim:
                     self.confirmed.add(mark)
                 elif mark not in self.refuted:
@@ -273,6 +303,8 @@ class BatchedTensors:
         written = self.batch_dim(value) if isinstance(value, Tensor) else NOT_HELD
         if written is NOT_HELD:
             return
+        if self.merged(value) or self.merged(target):
+            written = None  # not followed through an index
         own = self.batch_dim(target)
         place = None
         if written is not None:
@@ -297,9 +329,10 @@ class BatchedTensors:
         for key, tensor in list(self._tensors.items()):
             node = tensor.grad_fn
             if node is not None and BATCHED_KEY not in node.metadata:
-                dim, lost_by = self._dims.get(key, (None, ""))
-                node.metadata[BATCHED_KEY] = dim
-                node.metadata[LOST_BY_KEY] = lost_by
+                dim, lost_by, examples = self._dims.get(key, (None, "", 0))
+                merged = dim is not None and tensor.shape[dim] != examples
+                node.metadata[BATCHED_KEY] = None if merged else dim
+                node.metadata[LOST_BY_KEY] = "reshape" if merged else lost_by
         for metadata, marks in self._marked_nodes:
             if BATCHED_KEY not in metadata and self._confirmed_on_dim_0(marks):
                 metadata[BATCHED_KEY] = 0
@@ -334,21 +367,13 @@ def _mark_nodes(result: Any, problem: str) -> None:
             t.grad_fn.metadata[MISPLACED_KEY] = problem
 
 
-def _combined(
-    func: Any,
-    args: tuple,
-    kwargs: dict,
-    sources: list[tuple[Tensor, int | None]],
-    out: Tensor,
-    position: int,
-) -> int | None:
-    """The batch dim of ``out`` (result ``position``) that every held argument agrees on
-    (None if any disagrees, or came in without one)."""
-    dims = {
-        None if d is None else batch_dim_after(func, args, kwargs, s, d, out, position)
-        for s, d in sources
-    }
-    return dims.pop() if len(dims) == 1 else None
+def _place(func, args, kwargs, source: Tensor, dim, out: Tensor, position: int) -> int | None:
+    """Where a mark on ``dim`` of ``source`` goes in ``out``: a dim of the same size (a mark
+    merged with other dims by a reshape is lost)."""
+    if dim is None:
+        return None
+    place = batch_dim_after(func, args, kwargs, source, dim, out, position)
+    return place if place is not None and out.shape[place] == source.shape[dim] else None
 
 
 def misplaced_batch(func: Any, args: tuple, kwargs: dict, batched: BatchedTensors) -> str | None:
@@ -365,12 +390,14 @@ def misplaced_batch(func: Any, args: tuple, kwargs: dict, batched: BatchedTensor
     if not isinstance(x, Tensor) or x.dim() <= want:
         return None
     dim = batched.batch_dim(x)
-    if dim is NOT_HELD or dim == want:
+    if dim is NOT_HELD or (dim == want and not batched.merged(x)):
         return None
+    if batched.merged(x):
+        dim = None
     if dim is None and x.shape[want] not in batched.sizes - {1}:
         return None  # not taken for examples: the rows' own checks name what went wrong
     where = (
-        f"no dim holds one example per index ({how_lost(batched.lost_by(x))})"
+        f"no dim holds one example per index ({how_lost(batched.lost_by(x) or 'reshape')})"
         if dim is None
         else f"the batch is on dim {dim}"
     )

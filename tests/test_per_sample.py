@@ -1128,3 +1128,117 @@ def test_calls_that_keep_each_example_on_its_row_have_its_rows(case):
         for i in range(4):
             expected = torch.autograd.grad(_loss(model(x[i : i + 1])), p)[0]
             torch.testing.assert_close(p.semiring_grad_batch[i], expected, msg=f"{name} {i}")
+
+
+class BucketBias(nn.Module):
+    """Self-attention scores plus a bias looked up in a table by relative-position buckets
+    of shape [T, T] (T5's and MPNet's relative attention bias), then a Linear."""
+
+    def __init__(self, tokens: int) -> None:
+        super().__init__()
+        self.inp, self.out = nn.Linear(3, 4), nn.Linear(4, 2)
+        self.bias = nn.Embedding(2 * tokens, 1)
+        self.tokens = tokens
+
+    def forward(self, x):
+        h = self.inp(x)
+        t = torch.arange(self.tokens)
+        buckets = t[None, :] - t[:, None] + self.tokens  # [T, T], not from the batch
+        scores = h @ h.transpose(1, 2) + self.bias(buckets)[..., 0]
+        return self.out(scores.softmax(-1) @ h)
+
+
+def test_a_table_looked_up_by_buckets_is_refused_when_its_size_is_the_batchs():
+    """T = N: the bucket table's dim 0 has the batch's size, and the Embedding's rows were
+    taken for examples, silently (T5 and MPNet, trial 34). Its dim 0 lands on the query dim
+    of the scores, not the batch's: refused, naming the table."""
+    _refused(
+        BucketBias(4).double(),
+        (torch.randn(4, 4, 3, dtype=torch.float64),),
+        r"parameter 'bias.weight' is used by Embedding \(module 'bias'\), whose input's dim 0 "
+        r"has the batch's size but was not computed from the model's input: .* lands on dim 1 "
+        r"where the batch is on dim 0",
+    )
+
+
+class EncoderDecoder(nn.Module):
+    """A decoder input beside the batch (ids [N, S]) attending to an encoded batch."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.enc, self.emb = nn.Linear(3, 4), nn.Embedding(9, 4)
+        self.norm, self.out = nn.LayerNorm(4), nn.Linear(4, 2)
+        self.gain = nn.Parameter(torch.rand(4) + 0.5)
+
+    def forward(self, x, decoder_ids):
+        memory = self.enc(x)  # [N, T, 4]
+        d = self.emb(decoder_ids) * self.gain  # [N, S, 4]
+        attended = (d @ memory.transpose(1, 2)).softmax(-1) @ memory
+        return self.out(self.norm(d + attended))
+
+
+def test_a_decoder_input_beside_the_batch_has_rows_where_it_meets_the_batch():
+    """The second argument's dim 0 has the batch's size and meets the encoded batch on it
+    (cross-attention): its Embedding, the gain on it and the layers after have rows equal
+    to single examples (the gain was refused as "computed without the model's input")."""
+    torch.manual_seed(0)
+    model = EncoderDecoder().double()
+    x, ids = torch.randn(3, 3, 3, dtype=torch.float64), torch.randint(0, 9, (3, 3))
+    with semipack.extend(model, semipack.Real(), per_sample=True):
+        _loss(model(x, ids)).backward()
+    for name, p in model.named_parameters():
+        for i in range(3):
+            expected = torch.autograd.grad(_loss(model(x[i : i + 1], ids[i : i + 1])), p)[0]
+            torch.testing.assert_close(p.semiring_grad_batch[i], expected, msg=f"{name} {i}")
+
+
+class ClassTable(nn.Module):
+    """Features scored against a table of classes passed beside the batch, projected by a
+    Linear: the table's rows are classes, not examples."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.feat, self.proj = nn.Linear(4, 4), nn.Linear(4, 4)
+
+    def forward(self, x, classes):
+        return self.feat(x) @ self.proj(classes).T
+
+
+def test_a_table_of_as_many_classes_as_examples_gets_no_rows():
+    """``proj(classes)`` with as many classes as examples: its rows would be classes. The
+    projected table meets the batch on the columns of the scores: refused."""
+    _refused(
+        ClassTable().double(),
+        (torch.randn(5, 4, dtype=torch.float64), torch.randn(5, 4, dtype=torch.float64)),
+        r"parameter 'proj\.(weight|bias)' is used by Linear \(module 'proj'\), whose input's dim 0 "
+        r"has the batch's size but was not computed from the model's input",
+    )
+
+
+class MergedHeads(nn.Module):
+    """Attention with the heads merged into the batch for ``bmm`` and split out again."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.qkv, self.out = nn.Linear(4, 12), nn.Linear(4, 2)
+
+    def forward(self, x):
+        n, t, _ = x.shape
+        q, k, v = self.qkv(x).view(n, t, 3, 2, 2).permute(2, 0, 3, 1, 4)  # [n, heads, t, 2]
+        q, k, v = (a.reshape(n * 2, t, 2) for a in (q, k, v))
+        o = torch.bmm(torch.bmm(q, k.transpose(1, 2)).softmax(-1), v)
+        return self.out(o.view(n, 2, t, 2).transpose(1, 2).reshape(n, t, 4))
+
+
+def test_a_batch_merged_with_the_heads_and_split_out_again_has_rows():
+    """Bloom's layout (``[N * H, T, d]`` for ``bmm``): the batch is followed through the
+    merge and the split, and every row equals a single example's (it was refused)."""
+    torch.manual_seed(0)
+    model = MergedHeads().double()
+    x = torch.randn(4, 4, 4, dtype=torch.float64)
+    with semipack.extend(model, semipack.Real(), per_sample=True):
+        _loss(model(x)).backward()
+    for name, p in model.named_parameters():
+        for i in range(4):
+            expected = torch.autograd.grad(_loss(model(x[i : i + 1])), p)[0]
+            torch.testing.assert_close(p.semiring_grad_batch[i], expected, msg=f"{name} {i}")

@@ -164,6 +164,20 @@ def _example(inputs, i):
     return tuple(x[i : i + 1] for x in inputs)
 
 
+def _assert_real_rows_are_per_example_gradients(model, inputs) -> None:
+    """``per_sample=True`` under Real: every trainable parameter's row ``i`` equals the
+    autograd gradient of example ``i``'s loss alone."""
+    with semipack.extend(model, semipack.Real(), per_sample=True):
+        _loss(model(*inputs)).backward()
+    for name, p in model.named_parameters():
+        if not p.requires_grad:
+            continue
+        for i in range(inputs[0].shape[0]):
+            alone = tuple(t[i : i + 1] for t in inputs)
+            expected = torch.autograd.grad(_loss(model(*alone)), p)[0]
+            torch.testing.assert_close(p.semiring_grad_batch[i], expected, msg=f"{name} {i}")
+
+
 def _per_sample(model, inputs, sr, **kwargs):
     for p in model.parameters():
         p.grad = None
@@ -1013,12 +1027,8 @@ def test_a_custom_function_is_followed_through_the_calls_of_its_forward():
     (it was refused as "computed without the model's input"); a forward that centres over
     the batch is refused as mixing."""
     torch.manual_seed(0)
-    model, x = CustomThenGain(_Tanh).double(), torch.randn(5, 3, dtype=torch.float64)
-    with semipack.extend(model, semipack.Real(), per_sample=True):
-        _loss(model(x)).backward()
-    for i in range(5):
-        expected = torch.autograd.grad(_loss(model(x[i : i + 1])), model.g)[0]
-        torch.testing.assert_close(model.g.semiring_grad_batch[i], expected)
+    model = CustomThenGain(_Tanh).double()
+    _assert_real_rows_are_per_example_gradients(model, (torch.randn(5, 3, dtype=torch.float64),))
     _refused(
         CustomThenGain(_Centre),
         (torch.randn(5, 3),),
@@ -1119,15 +1129,7 @@ def test_calls_that_keep_each_example_on_its_row_have_its_rows(case):
     (each was refused, or would be refused, by a batch following that lost the batch)."""
     torch.manual_seed(0)
     model = _Between(KEPT_BETWEEN[case]).double()
-    x = torch.randn(4, 4, 4, dtype=torch.float64)
-    with semipack.extend(model, semipack.Real(), per_sample=True):
-        _loss(model(x)).backward()
-    for name, p in model.named_parameters():
-        if not p.requires_grad:
-            continue
-        for i in range(4):
-            expected = torch.autograd.grad(_loss(model(x[i : i + 1])), p)[0]
-            torch.testing.assert_close(p.semiring_grad_batch[i], expected, msg=f"{name} {i}")
+    _assert_real_rows_are_per_example_gradients(model, (torch.randn(4, 4, 4, dtype=torch.float64),))
 
 
 class BucketBias(nn.Module):
@@ -1183,13 +1185,8 @@ def test_a_decoder_input_beside_the_batch_has_rows_where_it_meets_the_batch():
     to single examples (the gain was refused as "computed without the model's input")."""
     torch.manual_seed(0)
     model = EncoderDecoder().double()
-    x, ids = torch.randn(3, 3, 3, dtype=torch.float64), torch.randint(0, 9, (3, 3))
-    with semipack.extend(model, semipack.Real(), per_sample=True):
-        _loss(model(x, ids)).backward()
-    for name, p in model.named_parameters():
-        for i in range(3):
-            expected = torch.autograd.grad(_loss(model(x[i : i + 1], ids[i : i + 1])), p)[0]
-            torch.testing.assert_close(p.semiring_grad_batch[i], expected, msg=f"{name} {i}")
+    inputs = (torch.randn(3, 3, 3, dtype=torch.float64), torch.randint(0, 9, (3, 3)))
+    _assert_real_rows_are_per_example_gradients(model, inputs)
 
 
 class ClassTable(nn.Module):
@@ -1235,10 +1232,4 @@ def test_a_batch_merged_with_the_heads_and_split_out_again_has_rows():
     merge and the split, and every row equals a single example's (it was refused)."""
     torch.manual_seed(0)
     model = MergedHeads().double()
-    x = torch.randn(4, 4, 4, dtype=torch.float64)
-    with semipack.extend(model, semipack.Real(), per_sample=True):
-        _loss(model(x)).backward()
-    for name, p in model.named_parameters():
-        for i in range(4):
-            expected = torch.autograd.grad(_loss(model(x[i : i + 1])), p)[0]
-            torch.testing.assert_close(p.semiring_grad_batch[i], expected, msg=f"{name} {i}")
+    _assert_real_rows_are_per_example_gradients(model, (torch.randn(4, 4, 4, dtype=torch.float64),))

@@ -1157,8 +1157,8 @@ def test_a_table_looked_up_by_buckets_is_refused_when_its_size_is_the_batchs():
     _refused(
         BucketBias(4).double(),
         (torch.randn(4, 4, 3, dtype=torch.float64),),
-        r"parameter 'bias.weight' is used by Embedding \(module 'bias'\), whose input's dim 0 "
-        r"has the batch's size but was not computed from the model's input: .* lands on dim 1 "
+        r"parameter 'bias.weight' is used by Embedding \(module 'bias'\), whose input's batch "
+        r"dim has the batch's size but was not computed from the model's input: .* lands on dim 1 "
         r"where the batch is on dim 0",
     )
 
@@ -1207,8 +1207,8 @@ def test_a_table_of_as_many_classes_as_examples_gets_no_rows():
     _refused(
         ClassTable().double(),
         (torch.randn(5, 4, dtype=torch.float64), torch.randn(5, 4, dtype=torch.float64)),
-        r"parameter 'proj\.(weight|bias)' is used by Linear \(module 'proj'\), whose input's dim 0 "
-        r"has the batch's size but was not computed from the model's input",
+        r"parameter 'proj\.(weight|bias)' is used by Linear \(module 'proj'\), whose input's "
+        r"batch dim has the batch's size but was not computed from the model's input",
     )
 
 
@@ -1233,3 +1233,81 @@ def test_a_batch_merged_with_the_heads_and_split_out_again_has_rows():
     torch.manual_seed(0)
     model = MergedHeads().double()
     _assert_real_rows_are_per_example_gradients(model, (torch.randn(4, 4, 4, dtype=torch.float64),))
+
+
+class _Beside(nn.Module):
+    """``x`` [N, H, D] and a second argument ``y`` [N, D] combined by ``how`` (N = H)."""
+
+    def __init__(self, how) -> None:
+        super().__init__()
+        self.a, self.b, self.how = nn.Linear(3, 3), nn.Linear(3, 3), how
+
+    def forward(self, x, y):
+        return self.a(self.how(self, x, y))
+
+
+def _into_a_buffer(m, x, y):
+    buf = torch.zeros(x.shape[0], 3, dtype=x.dtype)
+    buf[:] = m.b(y)
+    return x + buf.unsqueeze(0)  # y's dim 0 lands on H
+
+
+def _one_example_overwritten(m, x, y):
+    h = x.clone()
+    h[0] = 0.0  # a pass over any example alone overwrites that example
+    return h + m.b(y).unsqueeze(1)
+
+
+#: trial 35: each gave wrong rows silently
+REFUSED_BESIDE = {
+    "a mark meeting only a merged batch": lambda m, x, y: (
+        x.reshape(-1, 3) + m.b(y).repeat(x.shape[1], 1)
+    ).reshape(x.shape),
+    "a mark written into a buffer": _into_a_buffer,
+    "an example overwritten by index": _one_example_overwritten,
+    "a layer reading a mark moved off its dim": lambda m, x, y: (
+        x + m.b(y[:, None].expand(-1, 3, -1).transpose(0, 1)).transpose(0, 1)
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(REFUSED_BESIDE))
+def test_second_arguments_that_do_not_meet_the_batch_on_its_dim_are_refused(case):
+    _refused(
+        _Beside(REFUSED_BESIDE[case]).double(),
+        (torch.randn(3, 3, 3, dtype=torch.float64), torch.randn(3, 3, dtype=torch.float64)),
+        r"per-sample values(: parameter '(a|b)\.| need examples)",
+    )
+
+
+def test_a_second_argument_added_on_the_batchs_dim_has_rows():
+    """The aligned form of the cases above: ``b(y)`` broadcast over H on the batch's dim."""
+    torch.manual_seed(0)
+    model = _Beside(lambda m, x, y: x + m.b(y).unsqueeze(1)).double()
+    inputs = (torch.randn(3, 3, 3, dtype=torch.float64), torch.randn(3, 3, dtype=torch.float64))
+    _assert_real_rows_are_per_example_gradients(model, inputs)
+
+
+def test_a_scripted_transpose_before_a_layer_is_refused():
+    """The block cannot see inside ``torch.jit.script``: a layer whose input was computed
+    from the batch there (a transpose, with as many tokens as examples) gave one row per
+    token; the graph shows the unseen node between two seen ones."""
+
+    @torch.jit.script
+    def swap(h):
+        return h.transpose(0, 1)
+
+    class Scripted(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.first, self.second = nn.Linear(3, 3), nn.Linear(3, 2)
+
+        def forward(self, x):
+            return self.second(swap(self.first(x)))
+
+    _refused(
+        Scripted().double(),
+        (torch.randn(3, 3, 3, dtype=torch.float64),),
+        r"parameter 'second\.(weight|bias)' is used by LinearFunctionBackward on an input "
+        r"\(TransposeBackward0\) computed from the model's input by calls the block did not see",
+    )

@@ -18,6 +18,7 @@ parameters.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import weakref
 from typing import Any
@@ -186,12 +187,14 @@ class BatchedTensors:
         if not held and not marked:
             self._mark_layer_input(func, args, kwargs, result)
             return
+        for t, d in held:  # a custom Function's output: its node came after its forward's calls
+            if t.grad_fn is not None and BATCHED_KEY not in t.grad_fn.metadata:
+                self.add(t, d, self.lost_by(t), self.examples(t))
         problem = misplaced_batch(func, args, kwargs, self) if held else None
         if problem is not None:  # refused if the backward reaches one of its parameters
             _mark_nodes(result, problem)
         if func is Tensor.__setitem__ and given:
-            if held:
-                self._follow_assignment(args)
+            self._follow_assignment(args)
             return
         name = call_name(func)
         if name in _SHAPED_BY_ARGUMENTS:
@@ -206,8 +209,7 @@ class BatchedTensors:
                 dim, examples = self._combined(func, args, kwargs, held, t, position)
                 lost = next((self.lost_by(s) for s, d in held if d is None), None) or name
                 self.add(t, dim, lost, examples)
-                if dim is not None and t.shape[dim] == examples:
-                    self._judge(func, args, kwargs, marked, t, position, dim)
+                self._judge(func, args, kwargs, marked, t, position, dim)
                 base = t._base if writes else None
                 if dim is None and base is not None and self.batch_dim(base) is not NOT_HELD:
                     self.add(base, None, lost)  # written through a view: the base changed too
@@ -243,25 +245,31 @@ class BatchedTensors:
             self._marked_nodes.append((out.grad_fn.metadata, carried))
 
     def _judge(self, func, args, kwargs, marked, out: Tensor, position: int, dim) -> None:
-        """A marked value meets the batch in ``out`` (on ``dim``): its mark is confirmed where
-        it lands on that dim, refuted where it lands elsewhere (or nowhere)."""
+        """Marked values meet the batch in ``out`` (on ``dim``, None where it is lost, merged
+        where ``out``'s dim holds more than the examples)."""
         if dim is None:
             return  # the batch is lost here already: the lost-batch check speaks
         for s, marks in marked:
-            for mark, d in marks:
-                place = _place(func, args, kwargs, s, d, out, position)
-                if place == dim:
-                    self.confirmed.add(mark)
-                elif mark not in self.refuted:
-                    self.refuted[mark] = (
-                        f"{self._mark_names[mark]}, whose input's dim 0 has the batch's size "
-                        f"but was not computed from the model's input: its rows would be "
-                        f"examples only if that dim met the batch on the batch's dim, and in "
-                        f"'{call_name(func)}' it lands "
-                        + ("nowhere" if place is None else f"on dim {place}")
-                        + f" where the batch is on dim {dim} (a table shared by the batch, "
-                        "T5's relative position buckets say, has no per-example rows)"
-                    )
+            lands = functools.partial(_place, func, args, kwargs, s, out=out, position=position)
+            merged = out.shape[dim] != self.examples(out)
+            self._judge_marks(marks, (lambda d: None) if merged else lands, dim, call_name(func))
+
+    def _judge_marks(self, marks, lands, dim: int, call: str) -> None:
+        """Each mark is confirmed where it ``lands`` on the batch's ``dim``, refuted where it
+        lands elsewhere, nowhere, or on a batch merged with other dims."""
+        for mark, d in marks:
+            place = lands(d)
+            if place == dim:
+                self.confirmed.add(mark)
+            elif mark not in self.refuted:
+                self.refuted[mark] = (
+                    f"{self._mark_names[mark]}, whose input's batch dim has the batch's size but "
+                    f"was not computed from the model's input: its rows would be examples only "
+                    f"if that dim met the batch on the batch's dim, and in '{call}' it lands "
+                    + ("nowhere" if place is None else f"on dim {place}")
+                    + f" where the batch is on dim {dim} (a table shared by the batch, T5's "
+                    "relative position buckets say, has no per-example rows)"
+                )
 
     def _mark_layer_input(self, func, args, kwargs, result) -> None:
         """A layer that computes rows (``LAYER_INPUTS``) called on an input not computed
@@ -280,6 +288,15 @@ class BatchedTensors:
         module = _module_name(current_module())
         label = f"{name}{f' ({module})' if module else ''}"
         if marks:  # a model argument beside the batch, or a value computed from one
+            off = [d for _, d in marks if d != want]
+            if off:  # the layer's rows would read another dim than the mark's
+                _mark_nodes(
+                    result,
+                    f"{label} on an input whose dim {want} has the batch's size but was not "
+                    "computed from the model's input, and whose rows come from a model "
+                    f"argument's dim 0 now on dim {off[0]}: its rows would not be examples",
+                )
+                return
             mark_ids = tuple(m for m, _ in marks)
             for m in mark_ids:
                 self._mark_names[m] = label
@@ -293,33 +310,66 @@ class BatchedTensors:
                 t.grad_fn.metadata[LAYER_MARKS_KEY] = mark_ids
 
     def _follow_assignment(self, args: tuple) -> None:
-        """``target[index] = value``: where the value's batch lands in the target, through
-        the index (``out[:, 0] = h[:, 0]``, ``buf[0] = h``); an index tensor on the batch
-        (``out[perm] = h``) moves examples, and a target whose own batch is elsewhere mixes
-        them. A value that is not the batch's leaves the target as it was. A target that is
-        a view writes its base."""
+        """``target[index] = value``. The value's batch lands in the target through the index
+        (``out[:, 0] = h[:, 0]``, ``buf[0] = h``); an index tensor on it (``out[perm] = h``)
+        moves examples. A write into part of the target's batch dim (``h[0] = 0``: the batch
+        overwrites one example, a pass over that example alone would overwrite it) or of
+        another batch mixes them; an elementwise mask computed from the batch (``h[h < 0] =
+        0``) does not. Marks on the value are carried into the target, or judged where the
+        target holds the batch. A target that is a view writes its base."""
         target, index = args[0], args[1]
         value = args[2] if len(args) > 2 else None
-        written = self.batch_dim(value) if isinstance(value, Tensor) else NOT_HELD
-        if written is NOT_HELD:
-            return
-        if self.merged(value) or self.merged(target):
-            written = None  # not followed through an index
         own = self.batch_dim(target)
-        place = None
-        if written is not None:
-            view = target[index]
-            at = written + view.dim() - value.dim()
-            if 0 <= at < view.dim() and view.shape[at] == value.shape[written]:
-                for t in range(target.dim()):
-                    if dim_after_index(target, index, t, view) == at:
-                        place = t
-                        break
-        dim = place if own is NOT_HELD or own == place else None
+        written = self.batch_dim(value) if isinstance(value, Tensor) else NOT_HELD
+        value_marks = self.marks(value) if isinstance(value, Tensor) else ()
+        if own is NOT_HELD and written is NOT_HELD:
+            if value_marks:
+                lands = _landing(target, index, value)
+                carried = tuple((m, lands(d)) for m, d in value_marks) + self.marks(target)
+                self._set_marks(target, carried)
+            return
+        merged = (written is not NOT_HELD and self.merged(value)) or (
+            own is not NOT_HELD and self.merged(target)
+        )
+        lands = _landing(target, index, value) if isinstance(value, Tensor) else None
+        place = None if merged or not isinstance(written, int) else lands(written)
+        if own is NOT_HELD:
+            dim = place
+        elif own is None or merged or not self._writes_whole(target, index, own):
+            dim = None
+        elif written is NOT_HELD:
+            dim = own
+        else:
+            dim = own if place == own else None
         lost = self.lost_by(value) if written is None else "__setitem__"
         self.add(target, dim, lost)
-        if target._base is not None:  # v = h.T; v[:, 0] = ...: the base is written too
+        if dim is not None and value_marks:
+            self._judge_marks(value_marks, lands, dim, "__setitem__")
+        if target._base is not None and dim is None:  # written through a view: its base too
             self.add(target._base, None, lost)
+
+    def _writes_whole(self, target: Tensor, index: Any, dim: int) -> bool:
+        """Whether ``target[index] = ...`` writes every example alike: the index takes all of
+        ``dim``, or is an elementwise mask computed from the batch (on the same dim)."""
+        if isinstance(index, Tensor):
+            return (
+                index.dtype == torch.bool
+                and index.shape == target.shape
+                and self.batch_dim(index) == dim
+            )
+        entries = index if isinstance(index, tuple) else (index,)
+        if any(e is Ellipsis for e in entries):
+            rest = sum(e is not None for e in entries) - 1
+            at = next(k for k, e in enumerate(entries) if e is Ellipsis)
+            entries = entries[:at] + (slice(None),) * (target.dim() - rest) + entries[at + 1 :]
+        position = 0
+        for e in entries:
+            if e is None:
+                continue
+            if position == dim:
+                return isinstance(e, slice) and e == slice(None)
+            position += 1
+        return True  # the index stops before the batch dim: all of it is written
 
     def mark_nodes(self) -> None:
         """At the pass's start: mark the autograd nodes of held tensors that got theirs after
@@ -365,6 +415,25 @@ def _mark_nodes(result: Any, problem: str) -> None:
     for t in tree_leaves(result):
         if isinstance(t, Tensor) and t.grad_fn is not None:
             t.grad_fn.metadata[MISPLACED_KEY] = problem
+
+
+def _landing(target: Tensor, index: Any, value: Tensor):
+    """Where a dim of ``value`` lands in ``target`` by ``target[index] = value`` (the value
+    broadcast into the indexed view from the back)."""
+    view = target[index]
+
+    def lands(d: int | None) -> int | None:
+        if d is None:
+            return None
+        at = d + view.dim() - value.dim()
+        if not 0 <= at < view.dim() or view.shape[at] != value.shape[d]:
+            return None
+        for t in range(target.dim()):
+            if dim_after_index(target, index, t, view) == at:
+                return t
+        return None
+
+    return lands
 
 
 def _place(func, args, kwargs, source: Tensor, dim, out: Tensor, position: int) -> int | None:

@@ -109,6 +109,15 @@ def check_graph(
                     f"per-sample values: parameter '{params[id(variable)]}' is used by "
                     f"{node.metadata[MISPLACED_KEY]}"
                 )
+            if known and has_per_sample_rule(node.name()) and following is not None:
+                unseen = _unseen_input(node)
+                if unseen is not None:
+                    misplaced.append(
+                        f"per-sample values: parameter '{params[id(variable)]}' is used by "
+                        f"{node.name()} on an input ({unseen}) computed from the model's input "
+                        "by calls the block did not see (a torch.jit.script function, code "
+                        "below Python): where its batch is cannot be known"
+                    )
             refuted = following.refutation(node) if known and following is not None else None
             if refuted is not None:
                 misplaced.append(
@@ -148,6 +157,26 @@ def check_graph(
     if batches - {1}:
         _refuse_lost_batch(unbatched, params)
     return generic
+
+
+def _unseen_input(node) -> str | None:
+    """The name of an input node of ``node`` (a layer with per-sample rows) that the block did
+    not see made (no ``BATCHED_KEY``) but that was computed from a node it did see from the
+    model's input; None when there is none."""
+    for nxt, _ in node.next_functions:
+        if nxt is None or hasattr(nxt, "variable") or BATCHED_KEY in nxt.metadata:
+            continue
+        seen: set[int] = set()
+        stack = [nxt]
+        while stack:
+            n = stack.pop()
+            if n is None or id(n) in seen or hasattr(n, "variable"):
+                continue
+            seen.add(id(n))
+            if BATCHED_KEY in n.metadata:
+                return nxt.name()
+            stack.extend(m for m, _ in n.next_functions)
+    return None
 
 
 def _first_size(node) -> int | None:

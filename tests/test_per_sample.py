@@ -1311,3 +1311,30 @@ def test_a_scripted_transpose_before_a_layer_is_refused():
         r"parameter 'second\.(weight|bias)' is used by LinearFunctionBackward on an input "
         r"\(TransposeBackward0\) computed from the model's input by calls the block did not see",
     )
+
+
+class TableBranch(nn.Module):
+    """A Linear on a buffer of as many rows as examples, returned beside the output."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin, self.proj = nn.Linear(3, 2), nn.Linear(3, 2)
+        self.register_buffer("table", torch.randn(4, 3))
+
+    def forward(self, x):
+        return self.lin(x), self.proj(self.table)
+
+
+def test_a_table_branch_that_never_meets_the_batch_is_refused():
+    """The table's rows are summed into the loss apart from the examples: a pass over one
+    example takes the whole table, so no row of ``proj`` is an example's."""
+    model = TableBranch().double()
+    x = torch.randn(4, 3, dtype=torch.float64)
+    with (
+        pytest.raises(
+            PerSampleError, match=r"parameter 'proj\.(weight|bias)' .* never met the batch"
+        ),
+        semipack.extend(model, semipack.Real(), per_sample=True),
+    ):
+        out, table = model(x)
+        (_loss(out) + table.sum()).backward()

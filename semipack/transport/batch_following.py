@@ -88,6 +88,8 @@ class BatchedTensors:
         self.refuted: dict[int, str] = {}
         #: mark -> what made it, for messages ("Embedding (module 'x')")
         self._mark_names: dict[int, str] = {}
+        #: marks of model arguments (the others mark layer inputs built in the block)
+        self._of_arguments: set[int] = set()
         #: the metadata of autograd nodes whose values carry marks (the values themselves
         #: may be gone by the pass: only autograd keeps them), with the marks
         self._marked_nodes: list[tuple[dict, tuple[Mark, ...]]] = []
@@ -105,7 +107,7 @@ class BatchedTensors:
         self.add(first)
         for t in others:
             if t.dim() > 0 and t.shape[0] == first.shape[0] and self.batch_dim(t) is NOT_HELD:
-                self._mark(t, "a model argument beside the batch")
+                self._of_arguments.add(self._mark(t, "a model argument beside the batch"))
 
     def add(
         self, tensor: Tensor, dim: int | None = 0, lost_by: str = "", examples: int = 0
@@ -398,12 +400,19 @@ class BatchedTensors:
         )
 
     def refutation(self, node: Any) -> str | None:
-        """Why the layer call that made ``node`` has no per-sample rows: its input's dim 0
-        was marked and the mark was refuted, or never met the batch while a refuted mark
-        rode along."""
+        """Why the layer call that made ``node`` has no per-sample rows: the mark on its
+        input's batch dim was refuted, or, for an input built in the block (not a model
+        argument, which a pass over one example slices too), never met the batch (a table's
+        branch summed into the loss apart from the examples)."""
         for mark in node.metadata.get(LAYER_MARKS_KEY, ()):
             if mark in self.refuted:
                 return self.refuted[mark]
+            if mark not in self.confirmed and mark not in self._of_arguments:
+                return (
+                    f"{self._mark_names[mark]}, whose input's batch dim has the batch's size "
+                    "but was not computed from the model's input, and never met the batch: "
+                    "its rows would not be examples"
+                )
         return None
 
 

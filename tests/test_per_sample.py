@@ -1338,3 +1338,35 @@ def test_a_table_branch_that_never_meets_the_batch_is_refused():
     ):
         out, table = model(x)
         (_loss(out) + table.sum()).backward()
+
+
+def _marked_partly_written(m, x, y):
+    y2 = y.clone()
+    y2[0] = 0.0  # a pass over any example alone writes that example
+    return x + m.b(y2).unsqueeze(1)
+
+
+def _written_through_an_alias(m, x, y):
+    h = x * 1
+    alias = h.detach()
+    alias.copy_(alias.flip(0))  # h's memory: examples exchanged
+    return h + m.b(y).unsqueeze(1)
+
+
+#: trial 36: each gave wrong rows silently
+REFUSED_BESIDE_TOO = {
+    "a second argument mixed over its dim 0": lambda m, x, y: (
+        x + m.b(y.flip(0)).unsqueeze(1) + y.flip(0).unsqueeze(1)
+    ),
+    "a second argument written at one example": _marked_partly_written,
+    "a write through a detached alias": _written_through_an_alias,
+}
+
+
+@pytest.mark.parametrize("case", list(REFUSED_BESIDE_TOO))
+def test_second_arguments_and_writes_that_mix_examples_are_refused(case):
+    _refused(
+        _Beside(REFUSED_BESIDE_TOO[case]).double(),
+        (torch.randn(3, 3, 3, dtype=torch.float64), torch.randn(3, 3, dtype=torch.float64)),
+        r"per-sample values(: parameter '(a|b)\.| need examples)",
+    )

@@ -278,16 +278,17 @@ def _index_place(source: Tensor, index: Any, dim: int, out: Tensor) -> int | Non
         rest = sum(_dims_consumed(i) for i in index)
         at = ellipses[0]
         index = index[:at] + (slice(None),) * (source.dim() - rest) + index[at + 1 :]
-    placed, position, out_dim, blocks, in_block = None, 0, 0, [], False
+    placed, position, out_dim, blocks, in_block = None, 0, 0, [], None
     for i in index:
         if i is None:
             out_dim += 1
             continue
         width = _dims_consumed(i)
         if position <= dim < position + width and not isinstance(i, slice):
-            if not _every_example_in_order(i, source.shape[dim]):
+            in_block = _every_example_in_order(i, source.shape[dim])
+            if in_block is None:
                 return None  # one example, or examples picked by an index tensor or mask
-            in_block = True
+            in_block -= i.dim()  # its place counted from the block's end
         if _is_advanced(i):
             if not blocks or blocks[-1] != out_dim:
                 blocks.append(out_dim)
@@ -297,10 +298,8 @@ def _index_place(source: Tensor, index: Any, dim: int, out: Tensor) -> int | Non
             out_dim += 1
         position += width
     block = out.dim() - (out_dim + source.dim() - position)
-    if in_block:
-        if block != 1:
-            return None
-        return 0 if len(blocks) > 1 else blocks[0]
+    if in_block is not None:  # index tensors broadcast right-aligned into the block
+        return (0 if len(blocks) > 1 else blocks[0]) + block + in_block
     if placed is None:  # the batch is after every index entry
         placed = out_dim + dim - position
     if not blocks:
@@ -310,15 +309,23 @@ def _index_place(source: Tensor, index: Any, dim: int, out: Tensor) -> int | Non
     return placed
 
 
-def _every_example_in_order(i: Any, n: int) -> bool:
-    """Whether an index on the batch dim is ``arange(n)``: a 1-D integer tensor or list."""
+def _every_example_in_order(i: Any, n: int) -> int | None:
+    """The dim along which an index on the batch dim is ``arange(n)``, broadcast along its
+    other dims (size 1): ``arange(N)``, or ``arange(N)[:, None, None, None]`` as Hugging
+    Face's mask functions index a padding mask; None for any other index."""
     if isinstance(i, list):
-        return i == list(range(n))
-    if not isinstance(i, Tensor) or i.dim() != 1 or i.dtype in (torch.bool, torch.uint8):
-        return False
+        return 0 if i == list(range(n)) else None
+    if not isinstance(i, Tensor) or i.dtype in (torch.bool, torch.uint8) or i.dim() == 0:
+        return None
     if i.is_floating_point() or i.is_complex() or i.device.type == "meta":
-        return False
-    return i.numel() == n and torch.equal(i, torch.arange(n, device=i.device, dtype=i.dtype))
+        return None
+    varying = [k for k, size in enumerate(i.shape) if size != 1]
+    if len(varying) != 1 or i.shape[varying[0]] != n:
+        return 0 if n == 1 and i.numel() == 1 and int(i.reshape(())) == 0 else None
+    line = i.reshape(-1)
+    if not torch.equal(line, torch.arange(n, device=i.device, dtype=i.dtype)):
+        return None
+    return varying[0]
 
 
 def dim_after_index(source: Tensor, index: Any, dim: int, out: Tensor) -> int | None:
@@ -630,7 +637,11 @@ def _recurrent(func, args, kwargs, source, dim, out, position) -> int | None:
 def _attention_forward(func, args, kwargs, source, dim, out, position) -> int | None:
     """``F.multi_head_attention_forward(query, key, value, ...)`` is sequence-first: the
     batch must be dim 1 of a 3-D query, key or value (dim 0 is the sequence every query
-    attends over); the output keeps it on dim 1, the attention weights on dim 0."""
+    attends over), or dim 0 of the ``key_padding_mask`` ([N, S]); the output keeps it on
+    dim 1, the attention weights on dim 0."""
+    padding = kwargs.get("key_padding_mask", args[14] if len(args) > 14 else None)
+    if source is padding and source.dim() == 2 and dim == 0:
+        return 1 if position == 0 else 0
     if not any(source is a for a in args[:3]) or source.dim() != 3 or dim != 1:
         return None
     return 1 if position == 0 else 0

@@ -189,9 +189,11 @@ class BatchedTensors:
         if not held and not marked:
             self._mark_layer_input(func, args, kwargs, result)
             return
-        for t, d in held:  # a custom Function's output: its node came after its forward's calls
-            if t.grad_fn is not None and BATCHED_KEY not in t.grad_fn.metadata:
-                self.add(t, d, self.lost_by(t), self.examples(t))
+        written = args[0] if func is Tensor.__setitem__ or _writes_into_first(func) else None
+        for t, d in held:  # a node made after the call the block saw (not by this very call)
+            node = t.grad_fn
+            if node is not None and BATCHED_KEY not in node.metadata and t is not written:
+                self._stamp_late_node(t, d)
         problem = misplaced_batch(func, args, kwargs, self) if held else None
         if problem is not None:  # refused if the backward reaches one of its parameters
             _mark_nodes(result, problem)
@@ -212,9 +214,8 @@ class BatchedTensors:
                 lost = next((self.lost_by(s) for s, d in held if d is None), None) or name
                 self.add(t, dim, lost, examples)
                 self._judge(func, args, kwargs, marked, t, position, dim)
-                base = t._base if writes else None
-                if dim is None and base is not None and self.batch_dim(base) is not NOT_HELD:
-                    self.add(base, None, lost)  # written through a view: the base changed too
+                if writes and dim is None:  # a view, a detached alias: their memory changed
+                    self._lose(t, lost)
             else:
                 self._carry(func, args, kwargs, marked, t, position)
         if not held:
@@ -245,25 +246,39 @@ class BatchedTensors:
         self._set_marks(out, carried)
         if out.grad_fn is not None:  # judged at the pass's start (``mark_nodes``)
             self._marked_nodes.append((out.grad_fn.metadata, carried))
+        if _writes_into_first(func) and any(d is None for _, d in carried):
+            self._lose(out, call_name(func))  # y[:1].mul_(2): the rest of y's memory too
 
     def _judge(self, func, args, kwargs, marked, out: Tensor, position: int, dim) -> None:
         """Marked values meet the batch in ``out`` (on ``dim``, None where it is lost, merged
         where ``out``'s dim holds more than the examples)."""
         if dim is None:
             return  # the batch is lost here already: the lost-batch check speaks
+        mixed = False
         for s, marks in marked:
             lands = functools.partial(_place, func, args, kwargs, s, out=out, position=position)
             merged = out.shape[dim] != self.examples(out)
-            self._judge_marks(marks, (lambda d: None) if merged else lands, dim, call_name(func))
+            call = call_name(func)
+            mixed |= self._judge_marks(marks, (lambda d: None) if merged else lands, dim, call)
+        if mixed:
+            self.add(out, None, call_name(func))
+            self._lose(out, call_name(func))
 
-    def _judge_marks(self, marks, lands, dim: int, call: str) -> None:
+    def _judge_marks(self, marks, lands, dim: int, call: str) -> bool:
         """Each mark is confirmed where it ``lands`` on the batch's ``dim``, refuted where it
-        lands elsewhere, nowhere, or on a batch merged with other dims."""
+        lands elsewhere, nowhere, or on a batch merged with other dims. Returns whether a
+        model argument's mark was refuted: its entries, one per example (a pass over one
+        example slices it too), met other examples' (``x + y.flip(0)``), so the result's
+        examples are mixed. A table built in the block is shared by every example: meeting
+        it off its dim refutes only its own layer's rows."""
+        mixed = False
         for mark, d in marks:
             place = lands(d)
             if place == dim:
                 self.confirmed.add(mark)
-            elif mark not in self.refuted:
+                continue
+            mixed = mixed or mark in self._of_arguments
+            if mark not in self.refuted:
                 self.refuted[mark] = (
                     f"{self._mark_names[mark]}, whose input's batch dim has the batch's size but "
                     f"was not computed from the model's input: its rows would be examples only "
@@ -272,6 +287,7 @@ class BatchedTensors:
                     + f" where the batch is on dim {dim} (a table shared by the batch, T5's "
                     "relative position buckets say, has no per-example rows)"
                 )
+        return mixed
 
     def _mark_layer_input(self, func, args, kwargs, result) -> None:
         """A layer that computes rows (``LAYER_INPUTS``) called on an input not computed
@@ -311,6 +327,20 @@ class BatchedTensors:
             if isinstance(t, Tensor) and t.grad_fn is not None:
                 t.grad_fn.metadata[LAYER_MARKS_KEY] = mark_ids
 
+    def _lose(self, tensor: Tensor, call: str) -> None:
+        """A write left ``tensor`` without a batch dim of its own: so is every held or
+        marked tensor sharing its memory (its base, a ``detach()`` or ``.data`` alias)."""
+        try:
+            memory = tensor.untyped_storage().data_ptr()
+        except (RuntimeError, NotImplementedError):
+            return
+        for t in list(self._tensors.values()):
+            if t is not tensor and _memory(t) == memory:
+                self.add(t, None, call)
+        for key, t in list(self._marked.items()):
+            if _memory(t) == memory:
+                self._marks[key] = tuple((m, None) for m, _ in self._marks.get(key, ()))
+
     def _follow_assignment(self, args: tuple) -> None:
         """``target[index] = value``. The value's batch lands in the target through the index
         (``out[:, 0] = h[:, 0]``, ``buf[0] = h``); an index tensor on it (``out[perm] = h``)
@@ -325,10 +355,18 @@ class BatchedTensors:
         written = self.batch_dim(value) if isinstance(value, Tensor) else NOT_HELD
         value_marks = self.marks(value) if isinstance(value, Tensor) else ()
         if own is NOT_HELD and written is NOT_HELD:
+            # a marked target keeps a mark only on a dim written whole
+            kept = tuple(
+                (m, d if d is not None and self._writes_whole(target, index, d) else None)
+                for m, d in self.marks(target)
+            )
             if value_marks:
                 lands = _landing(target, index, value)
-                carried = tuple((m, lands(d)) for m, d in value_marks) + self.marks(target)
-                self._set_marks(target, carried)
+                kept = tuple((m, lands(d)) for m, d in value_marks) + kept
+            if kept:
+                self._set_marks(target, kept)
+                if any(d is None for _, d in kept):
+                    self._lose(target, "__setitem__")
             return
         merged = (written is not NOT_HELD and self.merged(value)) or (
             own is not NOT_HELD and self.merged(target)
@@ -345,10 +383,15 @@ class BatchedTensors:
             dim = own if place == own else None
         lost = self.lost_by(value) if written is None else "__setitem__"
         self.add(target, dim, lost)
-        if dim is not None and value_marks:
-            self._judge_marks(value_marks, lands, dim, "__setitem__")
-        if target._base is not None and dim is None:  # written through a view: its base too
-            self.add(target._base, None, lost)
+        if (
+            dim is not None
+            and value_marks
+            and self._judge_marks(value_marks, lands, dim, "__setitem__")
+        ):
+            dim = None
+            self.add(target, None, "__setitem__")
+        if dim is None:  # written through a view or an alias: what shares its memory too
+            self._lose(target, lost)
 
     def _writes_whole(self, target: Tensor, index: Any, dim: int) -> bool:
         """Whether ``target[index] = ...`` writes every example alike: the index takes all of
@@ -378,13 +421,9 @@ class BatchedTensors:
         the call the block saw (a custom ``autograd.Function``'s output is the tensor its
         forward computed, its node set by ``apply`` afterwards), and of marked tensors whose
         marks all met the batch on dim 0 (``holds``)."""
-        for key, tensor in list(self._tensors.items()):
-            node = tensor.grad_fn
-            if node is not None and BATCHED_KEY not in node.metadata:
-                dim, lost_by, examples = self._dims.get(key, (None, "", 0))
-                merged = dim is not None and tensor.shape[dim] != examples
-                node.metadata[BATCHED_KEY] = None if merged else dim
-                node.metadata[LOST_BY_KEY] = "reshape" if merged else lost_by
+        for tensor in list(self._tensors.values()):
+            if tensor.grad_fn is not None and BATCHED_KEY not in tensor.grad_fn.metadata:
+                self._stamp_late_node(tensor, self.batch_dim(tensor))
         for metadata, marks in self._marked_nodes:
             if BATCHED_KEY not in metadata and self._confirmed_on_dim_0(marks):
                 metadata[BATCHED_KEY] = 0
@@ -398,6 +437,14 @@ class BatchedTensors:
         return any(m in self.confirmed for m in on_dim_0) and not any(
             m in self.refuted for m in on_dim_0
         )
+
+    def _stamp_late_node(self, tensor: Tensor, dim: int | None) -> None:
+        """``tensor`` got its autograd node after the call the block followed: a custom
+        ``autograd.Function``'s output (the tensor its forward computed, its node set by
+        ``apply``), or a view's node made again after a write to its base. It keeps its
+        batch dim. (A write the block did not see, a scripted ``h.copy_(...)``, looks the
+        same: README, limits.)"""
+        self.add(tensor, dim, self.lost_by(tensor), self.examples(tensor))
 
     def refutation(self, node: Any) -> str | None:
         """Why the layer call that made ``node`` has no per-sample rows: the mark on its
@@ -424,6 +471,13 @@ def _mark_nodes(result: Any, problem: str) -> None:
     for t in tree_leaves(result):
         if isinstance(t, Tensor) and t.grad_fn is not None:
             t.grad_fn.metadata[MISPLACED_KEY] = problem
+
+
+def _memory(t: Tensor) -> int | None:
+    try:
+        return t.untyped_storage().data_ptr()
+    except (RuntimeError, NotImplementedError):
+        return None
 
 
 def _landing(target: Tensor, index: Any, value: Tensor):

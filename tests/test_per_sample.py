@@ -1099,6 +1099,12 @@ def test_calls_that_move_or_mix_examples_without_a_node_type_are_refused(case):
     )
 
 
+def _relu_view_in_place(h):
+    h = h * 1
+    F.relu(h[:, 1:], inplace=True)  # a seen write: h's node is made again, its batch kept
+    return h
+
+
 def _last_token(m, h, x):
     last = (x[:, :, 0] > 0).long().sum(1).clamp(max=3)
     return h[torch.arange(h.shape[0]), last]
@@ -1116,6 +1122,7 @@ KEPT_BETWEEN = {
         1, (x[:, :1, :1] > 0).long().expand(-1, 1, 4)
     ),
     "a batch-first GRU": lambda m, h, x: m.batch_first(h)[0],
+    "an in-place ReLU on a view": lambda m, h, x: _relu_view_in_place(h),
     "out[:, 0] = 2 * h[:, 0]": _class_token_doubled,
     "tensordot over the features": lambda m, h, x: torch.tensordot(h, SQUARE, dims=1),
     "diagonal of the last dims": lambda m, h, x: h.diagonal(0, 1, 2)[:, None].expand(-1, 4, -1),
@@ -1353,8 +1360,20 @@ def _written_through_an_alias(m, x, y):
     return h + m.b(y).unsqueeze(1)
 
 
+def _scripted_write(m, x, y):
+    h = m.b(x)
+    _flip_in_place(h)  # the block does not see it; h's version counter moved
+    return h
+
+
+@torch.jit.script
+def _flip_in_place(h: torch.Tensor) -> None:
+    h.copy_(h.detach().flip(0))
+
+
 #: trial 36: each gave wrong rows silently
 REFUSED_BESIDE_TOO = {
+    "a write the block did not see": _scripted_write,
     "a second argument mixed over its dim 0": lambda m, x, y: (
         x + m.b(y.flip(0)).unsqueeze(1) + y.flip(0).unsqueeze(1)
     ),

@@ -95,6 +95,8 @@ class BatchedTensors:
         self._marked_nodes: list[tuple[dict, tuple[Mark, ...]]] = []
         #: dim-0 sizes of the model's inputs
         self.sizes: set[int] = set()
+        #: id -> the version counter a held tensor had when its writes were last seen
+        self._versions: dict[int, int] = {}
 
     # --- what is held -------------------------------------------------------------------------
 
@@ -116,10 +118,13 @@ class BatchedTensors:
         index, since the call ``lost_by``), ``examples`` of them there (0: the dim's size),
         and mark its autograd node (a merged batch as no batch: no layer may read it)."""
         if len(self._dims) > 2 * len(self._tensors) + 1024:  # ids of tensors gone
-            self._dims = {k: self._dims[k] for k in list(self._tensors) if k in self._dims}
+            alive = list(self._tensors)
+            self._dims = {k: self._dims[k] for k in alive if k in self._dims}
+            self._versions = {k: self._versions[k] for k in alive if k in self._versions}
         examples = examples or (tensor.shape[dim] if dim is not None else 0)
         self._tensors[id(tensor)] = tensor
         self._dims[id(tensor)] = (dim, lost_by, examples)
+        self._versions[id(tensor)] = tensor._version
         self._marked.pop(id(tensor), None)  # the batch itself: no provisional layout
         if tensor.grad_fn is not None:
             merged = dim is not None and tensor.shape[dim] != examples
@@ -189,7 +194,8 @@ class BatchedTensors:
         if not held and not marked:
             self._mark_layer_input(func, args, kwargs, result)
             return
-        written = args[0] if func is Tensor.__setitem__ or _writes_into_first(func) else None
+        in_place = func is Tensor.__setitem__ or _writes_into_first(func, kwargs)
+        written = args[0] if in_place else None
         for t, d in held:  # a node made after the call the block saw (not by this very call)
             node = t.grad_fn
             if node is not None and BATCHED_KEY not in node.metadata and t is not written:
@@ -199,12 +205,13 @@ class BatchedTensors:
             _mark_nodes(result, problem)
         if func is Tensor.__setitem__ and given:
             self._follow_assignment(args)
+            self._saw_write(args[0])
             return
         name = call_name(func)
         if name in _SHAPED_BY_ARGUMENTS:
             return  # x.new_zeros(shape): nothing of the batch, in a layout of its own
         _keep_factors(func, args, result)
-        writes = _writes_into_first(func)
+        writes = _writes_into_first(func, kwargs)
         results = [t for t in tree_leaves(result) if isinstance(t, Tensor)]
         for position, t in enumerate(results):
             if not writes and any(t is a for a in given):
@@ -218,6 +225,8 @@ class BatchedTensors:
                     self._lose(t, lost)
             else:
                 self._carry(func, args, kwargs, marked, t, position)
+            if writes:
+                self._saw_write(t)
         if not held:
             self._mark_layer_input(func, args, kwargs, result)
 
@@ -246,7 +255,7 @@ class BatchedTensors:
         self._set_marks(out, carried)
         if out.grad_fn is not None:  # judged at the pass's start (``mark_nodes``)
             self._marked_nodes.append((out.grad_fn.metadata, carried))
-        if _writes_into_first(func) and any(d is None for _, d in carried):
+        if _writes_into_first(func, kwargs) and any(d is None for _, d in carried):
             self._lose(out, call_name(func))  # y[:1].mul_(2): the rest of y's memory too
 
     def _judge(self, func, args, kwargs, marked, out: Tensor, position: int, dim) -> None:
@@ -441,10 +450,24 @@ class BatchedTensors:
     def _stamp_late_node(self, tensor: Tensor, dim: int | None) -> None:
         """``tensor`` got its autograd node after the call the block followed: a custom
         ``autograd.Function``'s output (the tensor its forward computed, its node set by
-        ``apply``), or a view's node made again after a write to its base. It keeps its
-        batch dim. (A write the block did not see, a scripted ``h.copy_(...)``, looks the
-        same: README, limits.)"""
-        self.add(tensor, dim, self.lost_by(tensor), self.examples(tensor))
+        ``apply``) or a view's node made again after a seen write to its memory keep their
+        batch dim; a write the block did not see (a scripted ``h.copy_(...)``: the version
+        counter moved since the last write the block saw) leaves it unknown."""
+        custom = isinstance(tensor.grad_fn, torch.autograd.function.BackwardCFunction)
+        if not custom and tensor._version != self._versions.get(id(tensor), tensor._version):
+            self.add(tensor, None, "a write the block did not see")
+        else:
+            self.add(tensor, dim, self.lost_by(tensor), self.examples(tensor))
+
+    def _saw_write(self, tensor: Tensor) -> None:
+        """A write the block followed: every held tensor sharing ``tensor``'s memory (views,
+        aliases: one version counter) is at its new version."""
+        memory = _memory(tensor)
+        if memory is None:
+            return
+        for key, t in list(self._tensors.items()):
+            if _memory(t) == memory:
+                self._versions[key] = t._version
 
     def refutation(self, node: Any) -> str | None:
         """Why the layer call that made ``node`` has no per-sample rows: the mark on its
@@ -581,10 +604,12 @@ def _keep_factors(func: Any, args: tuple, result: Any) -> None:
 _PRODUCTS = frozenset(("mul", "multiply", "__mul__", "__rmul__"))
 
 
-def _writes_into_first(func: Any) -> bool:
-    """Whether ``func`` is an in-place call (``add_``, ``__iadd__``, ``copy_``, ...): its
-    result is its first argument, changed."""
+def _writes_into_first(func: Any, kwargs: dict | None = None) -> bool:
+    """Whether ``func`` is an in-place call (``add_``, ``__iadd__``, ``copy_``, ``F.relu(x,
+    inplace=True)``, ...): its result is its first argument, changed."""
     name = getattr(func, "__name__", "")
+    if kwargs and kwargs.get("inplace") is True:
+        return True
     return (name.endswith("_") and not name.endswith("__")) or name in _IN_PLACE_DUNDERS
 
 

@@ -78,7 +78,9 @@ def extend(
     ``batch_first=True``) or by a generic row rule (``x * p``, ``x + p``, ``x - p``, batch norm
     in eval mode; ``rules.per_sample``), and the model must not mix examples (batch norm in
     train mode, a reduction over the batch, ``x @ x.T``): anything else raises
-    ``PerSampleError`` before the pass.
+    ``PerSampleError`` before the pass. The block follows the batch's dim through every call
+    of the forward (``transport.batch_following``), so a layer whose input has the batch off
+    dim 0, or a table whose rows are not examples, is refused by name too.
 
     Blocks do not nest (a second ``extend`` inside a first raises ``SemipackError``); one
     ``extend(...)`` object may be entered again after its block ended, like ``torch.no_grad()``.

@@ -1389,3 +1389,33 @@ def test_second_arguments_and_writes_that_mix_examples_are_refused(case):
         (torch.randn(3, 3, 3, dtype=torch.float64), torch.randn(3, 3, dtype=torch.float64)),
         r"per-sample values(: parameter '(a|b)\.| need examples)",
     )
+
+
+class InPlaceScale(nn.Module):
+    """timm's ``LayerScale(inplace=True)``: ``h.mul_(gamma)``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin, self.out = nn.Linear(3, 4), nn.Linear(4, 2)
+        self.gamma = nn.Parameter(torch.rand(4) + 0.5)
+
+    def forward(self, x):
+        return self.out(self.lin(x).mul_(self.gamma))
+
+
+def test_an_in_place_gain_has_its_rows():
+    """The row rule read the factor kept from the forward, which the in-place product had
+    overwritten with itself times the gain: rows off by the gain, silently (trial 37)."""
+    torch.manual_seed(0)
+    model = InPlaceScale().double()
+    _assert_real_rows_are_per_example_gradients(model, (torch.randn(5, 3, dtype=torch.float64),))
+
+
+def test_a_transformer_with_a_target_beside_the_batch_has_rows():
+    """``nn.Transformer(src, tgt)``: the target is a model argument beside the batch, marked
+    and confirmed where its queries meet the encoded batch; its transposes inside the
+    attention were taken for calls the block did not see (trial 37)."""
+    torch.manual_seed(0)
+    model = nn.Transformer(4, 2, 1, 1, 8, dropout=0.0, batch_first=True).double().eval()
+    inputs = (torch.randn(3, 3, 4, dtype=torch.float64), torch.randn(3, 3, 4, dtype=torch.float64))
+    _assert_real_rows_are_per_example_gradients(model, inputs)

@@ -255,6 +255,7 @@ class BatchedTensors:
         self._set_marks(out, carried)
         if out.grad_fn is not None:  # judged at the pass's start (``mark_nodes``)
             self._marked_nodes.append((out.grad_fn.metadata, carried))
+            out.grad_fn.metadata[SEEN_KEY] = True
         if _writes_into_first(func, kwargs) and any(d is None for _, d in carried):
             self._lose(out, call_name(func))  # y[:1].mul_(2): the rest of y's memory too
 
@@ -314,24 +315,26 @@ class BatchedTensors:
         marks = self.marks(x)
         module = _module_name(current_module())
         label = f"{name}{f' ({module})' if module else ''}"
-        if marks:  # a model argument beside the batch, or a value computed from one
-            off = [d for _, d in marks if d != want]
-            if off:  # the layer's rows would read another dim than the mark's
-                _mark_nodes(
-                    result,
-                    f"{label} on an input whose dim {want} has the batch's size but was not "
-                    "computed from the model's input, and whose rows come from a model "
-                    f"argument's dim 0 now on dim {off[0]}: its rows would not be examples",
-                )
-                return
-            mark_ids = tuple(m for m, _ in marks)
+        on_dim = tuple(m for m, d in marks if d == want)
+        elsewhere = [d for m, d in marks if d != want and m in self._of_arguments]
+        if on_dim:  # a model argument's dim 0, or a table's, on the layer's batch dim
+            mark_ids = on_dim
             for m in mark_ids:
                 self._mark_names[m] = label
-        else:
+        elif elsewhere:  # the rows would read another dim than the argument's examples
+            where = "lost" if elsewhere[0] is None else f"now on dim {elsewhere[0]}"
+            _mark_nodes(
+                result,
+                f"{label} on an input whose dim {want} has the batch's size but was not "
+                "computed from the model's input, and whose examples (a model argument's "
+                f"dim 0) are {where}: its rows would not be examples",
+            )
+            return
+        else:  # built in the block (marks of tables on other dims ride along): its own mark
             out = next((t for t in tree_leaves(result) if isinstance(t, Tensor)), None)
             if out is None:
                 return
-            mark_ids = (self._mark(out, label, 0 if name != "MultiheadAttention" else 1),)
+            mark_ids = (self._mark(out, label, want),)
         for t in tree_leaves(result):
             if isinstance(t, Tensor) and t.grad_fn is not None:
                 t.grad_fn.metadata[LAYER_MARKS_KEY] = mark_ids
@@ -486,6 +489,9 @@ class BatchedTensors:
         return None
 
 
+#: Autograd node metadata: a node the block saw made from a marked value (not the batch's).
+SEEN_KEY = "semipack_seen"
+
 #: Autograd node metadata: the provisional marks of a layer call's input (``LAYER_INPUTS``).
 LAYER_MARKS_KEY = "semipack_layer_marks"
 
@@ -592,6 +598,8 @@ def _keep_factors(func: Any, args: tuple, result: Any) -> None:
     this keeps it alive until the row rule has run (``hook_rules`` lets it go)."""
     if call_name(func) not in _PRODUCTS or len(args) != 2 or not isinstance(result, Tensor):
         return
+    if _writes_into_first(func):  # h.mul_(g): h is the product now; autograd saved the factor
+        return
     if result.grad_fn is None or result.grad_fn.name() != "MulBackward0":
         return
     if not all(isinstance(a, Tensor) for a in args):
@@ -630,6 +638,7 @@ __all__ = [
     "LOST_BY_KEY",
     "MISPLACED_KEY",
     "NOT_HELD",
+    "SEEN_KEY",
     "BatchedTensors",
     "how_lost",
     "misplaced_batch",

@@ -35,6 +35,7 @@ from ..semirings.product import Product
 from .batch_following import (
     LOST_BY_KEY,
     MISPLACED_KEY,
+    SEEN_KEY,
     BatchedTensors,
     _module_name,
     how_lost,
@@ -159,12 +160,16 @@ def check_graph(
     return generic
 
 
+def _seen(node) -> bool:
+    return BATCHED_KEY in node.metadata or SEEN_KEY in node.metadata
+
+
 def _unseen_input(node) -> str | None:
     """The name of an input node of ``node`` (a layer with per-sample rows) that the block did
     not see made (no ``BATCHED_KEY``) but that was computed from a node it did see from the
     model's input; None when there is none."""
     for nxt, _ in node.next_functions:
-        if nxt is None or hasattr(nxt, "variable") or BATCHED_KEY in nxt.metadata:
+        if nxt is None or hasattr(nxt, "variable") or _seen(nxt):
             continue
         seen: set[int] = set()
         stack = [nxt]

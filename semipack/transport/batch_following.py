@@ -13,7 +13,12 @@ rows are examples only if its dim 0 later meets the batch on the batch's own dim
 input gets a provisional mark on that dim, followed like the batch; where a marked value meets
 the batch, the mark is confirmed or refuted, and a layer whose mark was refuted (T5's bucket
 table lands on the query dim of the attention scores) is refused when the pass reaches its
-parameters.
+parameters. A model argument's entries belong to its examples (a pass over one example slices
+it too): where its mark is refuted, the examples of the result are mixed (``x + y.flip(0)``).
+
+Writes are followed too: an indexed assignment through its index, an in-place call through the
+memory it shares with views and aliases, and a write the block did not see by the version
+counter it moved.
 """
 
 from __future__ import annotations

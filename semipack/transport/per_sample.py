@@ -4,7 +4,9 @@ pass, the rows the nodes report during it, and ``p.semiring_grad_batch`` after i
 Row ``n`` of a parameter is the semiring sum over the paths that pass through example ``n``'s
 entries (the batch is dim 0 of the model input). Nodes registered in ``rules.per_sample`` (the
 module extensions) compute their parameters' rows in their backward and ``add`` them here; the
-semiring sum over the rows is the parameter's ``semiring_grad``.
+semiring sum over the rows is the parameter's ``semiring_grad``. Where the batch is in each
+tensor of the forward, and which layers' dim 0 holds examples, ``batch_following`` records;
+``check_graph`` reads it.
 """
 
 from __future__ import annotations

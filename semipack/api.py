@@ -225,7 +225,6 @@ def _batch_recorder(mode: SemiringMode) -> Callable[..., None]:
         tensors = [v for v in tree_leaves((args, kwargs)) if isinstance(v, torch.Tensor)]
         tensors = [t for t in tensors if t.dim() > 0]
         if tensors:
-            mode.input_batches.add(int(tensors[0].shape[0]))
             mode.batched.add_inputs(tensors)
 
     return record

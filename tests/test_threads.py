@@ -112,41 +112,7 @@ def test_plain_gradients_of_the_same_model_in_another_thread_are_left_alone() ->
     passes on it: a CPU parameter's hooks run on the thread that called backward, so A's leaf
     hook leaves B's gradients to B (it took them as A's own and raised ``MessageLostError`` in
     a third of B's calls), and A's values stay those of its passes run alone."""
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 4))
-    xa, xb = torch.randn(32, 16), torch.randn(32, 16)
-    params = list(model.parameters())
-    want_b = torch.autograd.grad(model(xb).pow(2).sum(), params)
-    with semipack.extend(model, semipack.MaxProd()):
-        model(xa).pow(2).sum().backward()
-    want_a = [p.semiring_grad.clone() for p in params]
-    errors: list[BaseException] = []
-    wrong: list[int] = []
-
-    def plain(stop: threading.Event) -> None:
-        while not stop.is_set():
-            try:
-                got = torch.autograd.grad(model(xb).pow(2).sum(), params)
-                pairs = zip(got, want_b, strict=True)
-                wrong.extend(i for i, (g, w) in enumerate(pairs) if not g.equal(w))
-            except BaseException as error:
-                errors.append(error)
-
-    stop = threading.Event()
-    other = threading.Thread(target=plain, args=(stop,))
-    interval = sys.getswitchinterval()
-    sys.setswitchinterval(1e-6)
-    try:
-        other.start()
-        values = []
-        for _ in range(60):
-            with semipack.extend(model, semipack.MaxProd()):
-                model(xa).pow(2).sum().backward()
-            values.append([p.semiring_grad.clone() for p in params])
-    finally:
-        stop.set()
-        other.join()
-        sys.setswitchinterval(interval)
+    errors, wrong, values, want_a = _passes_beside_plain_gradients(BaseException, False)
     assert errors == [] and wrong == []
     for run in values:
         assert all(v.equal(w) for v, w in zip(run, want_a, strict=True))
@@ -217,6 +183,21 @@ def test_plain_gradients_that_look_like_the_pass_own_thread_fail_loudly(monkeypa
     monkeypatch.setattr(
         backward, "threading", type("OneThread", (), {"get_ident": staticmethod(lambda: 0)})
     )
+    raised, wrong, values, want_a = _passes_beside_plain_gradients(
+        semipack.MessageLostError, until_caught=True
+    )
+    assert raised and wrong == []
+    for run in values:
+        assert all(v.equal(w) for v, w in zip(run, want_a, strict=True))
+
+
+def _passes_beside_plain_gradients(
+    catch: type[BaseException], until_caught: bool
+) -> tuple[list[BaseException], list[int], list[list[torch.Tensor]], list[torch.Tensor]]:
+    """Thread B takes plain ``torch.autograd.grad`` of a small model in a loop while this
+    thread runs MaxProd passes on it (60, or with ``until_caught`` until B caught ``catch``,
+    at most 1000). Returns B's caught errors, the indices of B's gradients that differed from
+    a plain run's, each pass's ``semiring_grad`` values and those of a pass run alone."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 4))
     xa, xb = torch.randn(32, 16), torch.randn(32, 16)
@@ -225,27 +206,26 @@ def test_plain_gradients_that_look_like_the_pass_own_thread_fail_loudly(monkeypa
     with semipack.extend(model, semipack.MaxProd()):
         model(xa).pow(2).sum().backward()
     want_a = [p.semiring_grad.clone() for p in params]
-    raised: list[str] = []
+    caught: list[BaseException] = []
     wrong: list[int] = []
 
     def plain(stop: threading.Event) -> None:
         while not stop.is_set():
             try:
                 got = torch.autograd.grad(model(xb).pow(2).sum(), params)
-                wrong.extend(
-                    i for i, (g, w) in enumerate(zip(got, want_b, strict=True)) if not g.equal(w)
-                )
-            except semipack.MessageLostError:
-                raised.append("MessageLostError")
+                pairs = zip(got, want_b, strict=True)
+                wrong.extend(i for i, (g, w) in enumerate(pairs) if not g.equal(w))
+            except catch as error:
+                caught.append(error)
 
     stop = threading.Event()
     other = threading.Thread(target=plain, args=(stop,))
     interval = sys.getswitchinterval()
     sys.setswitchinterval(1e-6)
+    values: list[list[torch.Tensor]] = []
     try:
         other.start()
-        values = []
-        while len(values) < 60 or (not raised and len(values) < 1000):  # until they overlap
+        while len(values) < 60 or (until_caught and not caught and len(values) < 1000):
             with semipack.extend(model, semipack.MaxProd()):
                 model(xa).pow(2).sum().backward()
             values.append([p.semiring_grad.clone() for p in params])
@@ -253,6 +233,4 @@ def test_plain_gradients_that_look_like_the_pass_own_thread_fail_loudly(monkeypa
         stop.set()
         other.join()
         sys.setswitchinterval(interval)
-    assert raised and wrong == []
-    for run in values:
-        assert all(v.equal(w) for v, w in zip(run, want_a, strict=True))
+    return caught, wrong, values, want_a

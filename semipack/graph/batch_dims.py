@@ -143,11 +143,6 @@ def _tagged_pointwise(name: str) -> bool:
     return any(torch.Tag.pointwise in getattr(packet, o).tags for o in packet.overloads())
 
 
-def _unknown(func, args, kwargs, source, dim, out) -> int | None:
-    """Calls whose result's layout the shapes cannot tell (``as_strided``)."""
-    return None
-
-
 def _first_input_layout(func, args, kwargs, source, dim, out) -> int | None:
     """Per-channel calls whose result is laid out as their first input (``prelu``, batch
     norm in eval mode, channel dropout): the batch keeps its dim unless it is the channels
@@ -710,7 +705,6 @@ _HANDLERS: dict[str, Handler] = {
     ),
     "einsum": _einsum,
     "tensordot": _tensordot,
-    "as_strided": _unknown,
     **dict.fromkeys(("tril", "triu"), _triangle),
     "diagonal": _diagonal,
     "index_put": _index_put,

@@ -26,7 +26,7 @@ from __future__ import annotations
 import functools
 import itertools
 import weakref
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -81,10 +81,9 @@ class BatchedTensors:
 
     def __init__(self) -> None:
         self._tensors: weakref.WeakValueDictionary[int, Tensor] = weakref.WeakValueDictionary()
-        #: id -> (batch dim, the call that lost it when the dim is None, the number of
-        #: examples: fewer than the dim's size where a reshape merged the batch with the
-        #: dims after it, ``[N * H, T, d]``)
-        self._dims: dict[int, tuple[int | None, str, int]] = {}
+        self._held: dict[int, _Held] = {}
+        #: storage address -> ids of held tensors there (views and aliases share one)
+        self._by_memory: dict[int, set[int]] = {}
         self._marked: weakref.WeakValueDictionary[int, Tensor] = weakref.WeakValueDictionary()
         self._marks: dict[int, tuple[Mark, ...]] = {}
         self._new_mark = itertools.count()
@@ -100,8 +99,6 @@ class BatchedTensors:
         self._marked_nodes: list[tuple[dict, tuple[Mark, ...]]] = []
         #: dim-0 sizes of the model's inputs
         self.sizes: set[int] = set()
-        #: id -> the version counter a held tensor had when its writes were last seen
-        self._versions: dict[int, int] = {}
 
     # --- what is held -------------------------------------------------------------------------
 
@@ -122,14 +119,16 @@ class BatchedTensors:
         """Hold ``tensor`` with its batch on ``dim`` (None: no dim holds one example per
         index, since the call ``lost_by``), ``examples`` of them there (0: the dim's size),
         and mark its autograd node (a merged batch as no batch: no layer may read it)."""
-        if len(self._dims) > 2 * len(self._tensors) + 1024:  # ids of tensors gone
-            alive = list(self._tensors)
-            self._dims = {k: self._dims[k] for k in alive if k in self._dims}
-            self._versions = {k: self._versions[k] for k in alive if k in self._versions}
+        if len(self._held) > 2 * len(self._tensors) + 1024:  # ids of tensors gone
+            self._held = {k: self._held[k] for k in list(self._tensors) if k in self._held}
+            self._by_memory = {}
+            for k, record in self._held.items():
+                self._by_memory.setdefault(record.memory, set()).add(k)
         examples = examples or (tensor.shape[dim] if dim is not None else 0)
+        memory = _memory(tensor)
         self._tensors[id(tensor)] = tensor
-        self._dims[id(tensor)] = (dim, lost_by, examples)
-        self._versions[id(tensor)] = tensor._version
+        self._held[id(tensor)] = _Held(dim, lost_by, examples, tensor._version, memory)
+        self._by_memory.setdefault(memory, set()).add(id(tensor))
         self._marked.pop(id(tensor), None)  # the batch itself: no provisional layout
         if tensor.grad_fn is not None:
             merged = dim is not None and tensor.shape[dim] != examples
@@ -141,15 +140,24 @@ class BatchedTensors:
         none, ``NOT_HELD`` if it was not computed from the model's input in the block."""
         if self._tensors.get(id(tensor)) is not tensor:
             return NOT_HELD
-        return self._dims.get(id(tensor), (None, "", 0))[0]
+        return self._record(tensor).dim
 
     def lost_by(self, tensor: Tensor) -> str:
         """The call after which a held ``tensor``'s examples have no dim of their own."""
-        return self._dims.get(id(tensor), (None, "", 0))[1]
+        return self._record(tensor).lost_by
 
     def examples(self, tensor: Tensor) -> int:
         """How many examples a held ``tensor``'s batch dim holds (0 if it has none)."""
-        return self._dims.get(id(tensor), (None, "", 0))[2]
+        return self._record(tensor).examples
+
+    def _record(self, tensor: Tensor) -> _Held:
+        return self._held.get(id(tensor), _NOT_KNOWN)
+
+    def _sharing_memory(self, tensor: Tensor) -> list[Tensor]:
+        """The held tensors with ``tensor``'s storage (itself included, when held)."""
+        memory = _memory(tensor)
+        found = [self._tensors.get(k) for k in list(self._by_memory.get(memory, ()))]
+        return [t for t in found if t is not None and _memory(t) == memory]
 
     def merged(self, tensor: Tensor) -> bool:
         """Whether a held ``tensor``'s batch is merged with the dims after it."""
@@ -347,12 +355,11 @@ class BatchedTensors:
     def _lose(self, tensor: Tensor, call: str) -> None:
         """A write left ``tensor`` without a batch dim of its own: so is every held or
         marked tensor sharing its memory (its base, a ``detach()`` or ``.data`` alias)."""
-        try:
-            memory = tensor.untyped_storage().data_ptr()
-        except (RuntimeError, NotImplementedError):
+        memory = _memory(tensor)
+        if memory is None:
             return
-        for t in list(self._tensors.values()):
-            if t is not tensor and _memory(t) == memory:
+        for t in self._sharing_memory(tensor):
+            if t is not tensor:
                 self.add(t, None, call)
         for key, t in list(self._marked.items()):
             if _memory(t) == memory:
@@ -462,7 +469,7 @@ class BatchedTensors:
         batch dim; a write the block did not see (a scripted ``h.copy_(...)``: the version
         counter moved since the last write the block saw) leaves it unknown."""
         custom = isinstance(tensor.grad_fn, torch.autograd.function.BackwardCFunction)
-        if not custom and tensor._version != self._versions.get(id(tensor), tensor._version):
+        if not custom and tensor._version != self._record(tensor).version:
             self.add(tensor, None, "a write the block did not see")
         else:
             self.add(tensor, dim, self.lost_by(tensor), self.examples(tensor))
@@ -470,12 +477,8 @@ class BatchedTensors:
     def _saw_write(self, tensor: Tensor) -> None:
         """A write the block followed: every held tensor sharing ``tensor``'s memory (views,
         aliases: one version counter) is at its new version."""
-        memory = _memory(tensor)
-        if memory is None:
-            return
-        for key, t in list(self._tensors.items()):
-            if _memory(t) == memory:
-                self._versions[key] = t._version
+        for t in self._sharing_memory(tensor):
+            self._held[id(t)] = self._record(t)._replace(version=t._version)
 
     def refutation(self, node: Any) -> str | None:
         """Why the layer call that made ``node`` has no per-sample rows: the mark on its
@@ -505,6 +508,25 @@ def _mark_nodes(result: Any, problem: str) -> None:
     for t in tree_leaves(result):
         if isinstance(t, Tensor) and t.grad_fn is not None:
             t.grad_fn.metadata[MISPLACED_KEY] = problem
+
+
+class _Held(NamedTuple):
+    """What the block knows of a held tensor."""
+
+    #: the batch's dim (None: no dim holds one example per index)
+    dim: int | None
+    #: the call after which the dim was None
+    lost_by: str
+    #: the examples on ``dim``: fewer than its size where a reshape merged the batch with
+    #: the dims after it (``[N * H, T, d]``)
+    examples: int
+    #: the version counter when the block last saw a write to the tensor's memory
+    version: int
+    #: the storage's address (views and aliases share it)
+    memory: int | None
+
+
+_NOT_KNOWN = _Held(None, "", 0, -1, None)
 
 
 def _memory(t: Tensor) -> int | None:

@@ -44,8 +44,6 @@ class SemiringMode(TorchFunctionMode):
         #: watched: it kept a stale value, and got no per-sample rows)
         self.parameters = parameters
         self.per_sample = per_sample
-        #: dim-0 sizes of the model's inputs in this block (``api.extend`` records them)
-        self.input_batches: set[int] = set()
         #: with ``per_sample``: the model's batched inputs and what the block computes from
         #: them (a per-sample row rule asks whether its other operand is one)
         self.batched = BatchedTensors()
@@ -129,7 +127,7 @@ class SemiringMode(TorchFunctionMode):
                 per_sample=(
                     {id(p): names.get(id(p), "?") for p in watched} if self.per_sample else None
                 ),
-                per_sample_batches=frozenset(self.input_batches),
+                per_sample_batches=frozenset(self.batched.sizes),
                 per_sample_following=self.batched,
             )
         # A parameter this backward did not reach (frozen ones too) must not keep a stale value.

@@ -12,7 +12,7 @@ tensor of the forward, and which layers' dim 0 holds examples, ``batch_following
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
@@ -173,16 +173,23 @@ def _unseen_input(node) -> str | None:
     for nxt, _ in node.next_functions:
         if nxt is None or hasattr(nxt, "variable") or _seen(nxt):
             continue
-        seen: set[int] = set()
-        stack = [nxt]
-        while stack:
-            n = stack.pop()
-            if n is None or id(n) in seen or hasattr(n, "variable"):
-                continue
-            seen.add(id(n))
-            if BATCHED_KEY in n.metadata:
-                return nxt.name()
-            stack.extend(m for m, _ in n.next_functions)
+        if _upstream(nxt, lambda n: BATCHED_KEY in n.metadata) is not None:
+            return nxt.name()
+    return None
+
+
+def _upstream(node, found: Callable[[Any], bool]) -> Any:
+    """The first node ``found`` accepts among ``node`` and the nodes it was computed from
+    (a depth-first walk of ``next_functions``), or None."""
+    stack, visited = [node], set()
+    while stack:
+        n = stack.pop()
+        if n is None or id(n) in visited:
+            continue
+        visited.add(id(n))
+        if found(n):
+            return n
+        stack.extend(m for m, _ in n.next_functions)
     return None
 
 
@@ -203,21 +210,14 @@ def _refuse_lost_batch(nodes: Sequence[Any], params: dict[int, str]) -> None:
     whose messages say more; a value whose dim 0 is no batch size is left to the rows'
     own checks, which name the layer."""
     for node in nodes:
-        reach, seen = [node], set()
-        while reach:
-            n = reach.pop()
-            if n is None or id(n) in seen:
-                continue
-            seen.add(id(n))
-            variable = getattr(n, "variable", None)
-            if variable is not None and id(variable) in params:
-                raise PerSampleError(
-                    f"per-sample values need examples that do not mix, but {node.name()} "
-                    f"(created by {_module_of(node)}, from parameter "
-                    f"'{params[id(variable)]}') computes a value in which no dim holds one "
-                    f"example per index: {how_lost(node.metadata.get(LOST_BY_KEY, '?'))}"
-                )
-            reach.extend(nxt for nxt, _ in n.next_functions)
+        leaf = _upstream(node, lambda n: id(getattr(n, "variable", None)) in params)
+        if leaf is not None:
+            raise PerSampleError(
+                f"per-sample values need examples that do not mix, but {node.name()} "
+                f"(created by {_module_of(node)}, from parameter "
+                f"'{params[id(leaf.variable)]}') computes a value in which no dim holds one "
+                f"example per index: {how_lost(node.metadata.get(LOST_BY_KEY, '?'))}"
+            )
 
 
 def hook_rules(

@@ -156,8 +156,9 @@ def test_the_one_reduction_check_finds_exactly_the_low_entries() -> None:
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
 def test_the_zero_safe_logarithm_gives_torchs_bits(dtype) -> None:
-    """``log_magnitude_`` keeps exact zeros away from torch's log (a slow path there) and must
-    give the same bits as ``log_``: zeros, NaN, infinity, subnormals, ordinary values."""
+    """``log_magnitude_`` keeps exact zeros away from torch's log (a slow path there) and, below
+    ``SPECIAL_SAFE_MIN_ELEMENTS`` entries (eager), gives the same bits as ``log_``: zeros, NaN,
+    infinity, subnormals, ordinary values."""
     from semipack.kernels.logspace import ZERO_SAFE_MIN_ELEMENTS, log_magnitude_
 
     torch.manual_seed(0)
@@ -170,6 +171,96 @@ def test_the_zero_safe_logarithm_gives_torchs_bits(dtype) -> None:
     assert torch.equal(got.isnan(), want.isnan())
     assert torch.equal(got.nan_to_num(), want.nan_to_num())
     assert got[2].item() == got[3].item() == float("-inf")
+
+
+def _special_values_and_range(n: int, dtype: torch.dtype) -> torch.Tensor:
+    """n entries: every special value of a log-space state, exponents whose exp is subnormal or
+    underflows, and ordinary ones of both signs."""
+    torch.manual_seed(5)
+    x = torch.randn(n, dtype=torch.float64) * 40
+    x[1::4] = -80.0 - 30.0 * torch.rand(len(x[1::4]), dtype=torch.float64)  # exp subnormal or 0
+    x[2::7] = float("-inf")  # no path
+    special = [float("nan"), float("inf"), float("-inf"), 0.0, -0.0, 88.5, -87.5, -103.9, -104.5]
+    x[: len(special)] = torch.tensor(special, dtype=torch.float64)
+    return x.to(dtype)
+
+
+def _assert_within_one_ulp(got: torch.Tensor, exact: torch.Tensor) -> None:
+    """Same NaN, infinities and zeros as ``exact`` rounded; finite values within one unit in the
+    last place (for subnormals: one step of the subnormal grid)."""
+    rounded = exact.to(got.dtype)
+    for same in (torch.isnan, torch.isposinf, torch.isneginf):
+        assert torch.equal(same(got), same(rounded))
+    finite = torch.isfinite(rounded)
+    info = torch.finfo(got.dtype)
+    step = torch.maximum(rounded.abs() * info.eps, torch.tensor(info.smallest_normal * info.eps))
+    error = (got.double() - exact).abs()
+    assert bool((error[finite] <= step[finite].double()).all())
+    assert torch.equal(got[rounded == 0] == 0, torch.ones_like(got[rounded == 0], dtype=torch.bool))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("layout", ["contiguous", "channels_last", "transposed"])
+def test_the_special_safe_exp_and_log_keep_every_value(dtype, layout) -> None:
+    """``exp_``, ``exp_into``, ``exp`` and ``log_magnitude_`` run compiled on the CPU from
+    ``SPECIAL_SAFE_MIN_ELEMENTS`` entries (ATen's exp and log take a scalar slow path on -inf,
+    underflow and 0). Against a float64 reference: -inf -> 0 (no path) and log 0 -> -inf exactly,
+    NaN and infinities kept, subnormal results kept (no path cut by the kernel), every finite
+    value within one ulp; in place where asked, whatever the dims' order in memory."""
+    from semipack.kernels import logspace
+
+    n = logspace.SPECIAL_SAFE_MIN_ELEMENTS * 2
+    x = _special_values_and_range(n * 3, dtype).reshape(6, n // 2)
+    if layout == "channels_last":
+        x = x.reshape(2, 3, 32, -1).contiguous(memory_format=torch.channels_last)
+    elif layout == "transposed":
+        x = x.t().contiguous().t()
+    exact = x.double().exp()
+
+    given = x.clone()
+    assert given.stride() == x.stride()
+    got = logspace.exp_(given)
+    assert got is given
+    _assert_within_one_ulp(got, exact)
+    into = torch.empty_like(x)
+    assert logspace.exp_into(x, into) is into
+    _assert_within_one_ulp(into, exact)
+    readout = logspace.exp(x)  # a readout, and one written into memory: the same bits
+    assert torch.equal(readout.isnan(), into.isnan())
+    assert torch.equal(readout.nan_to_num(), into.nan_to_num())
+
+    mag = x.abs()
+    exact_log = mag.double().log()
+    given = mag.clone()
+    assert logspace.log_magnitude_(given) is given
+    _assert_within_one_ulp(given, exact_log)
+    assert bool(given[mag == 0].eq(float("-inf")).all())
+
+
+def test_the_special_safe_forms_leave_other_tensors_to_torch(monkeypatch) -> None:
+    """The compiled forms see only what they can run over flat: CPU float32/float64 tensors of
+    one dense block; an expanded (overlapping) tensor, bfloat16, or two layouts go to torch's
+    own op, with torch's bits."""
+    from semipack.kernels import logspace
+
+    calls: list[str] = []
+    monkeypatch.setattr(logspace, "_exp_in_place", lambda x: calls.append("exp_") or x.exp_())
+    monkeypatch.setattr(
+        logspace, "_exp_into", lambda x, out: calls.append("exp_into") or torch.exp(x, out=out)
+    )
+    n = logspace.SPECIAL_SAFE_MIN_ELEMENTS
+    dense = torch.randn(4, n).t()  # transposed: one dense block
+    logspace.exp_(dense.clone())
+    assert calls == ["exp_"]
+    row = torch.randn(1, n)
+    overlapping = row.expand(4, n)
+    with pytest.raises(RuntimeError):  # torch refuses an in-place op on overlapping memory too
+        logspace.exp_(overlapping)
+    half = torch.randn(4, n, dtype=torch.bfloat16)
+    assert torch.equal(logspace.exp_(half.clone()), half.exp())
+    out = torch.empty(n, 4)  # contiguous: another layout than dense's
+    assert torch.equal(logspace.exp_into(dense, out), torch.exp(dense))
+    assert calls == ["exp_"]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])

@@ -7,7 +7,7 @@ import math
 import torch
 from torch import Tensor
 
-from .compiled import FUSED_MIN_ELEMENTS, compiled
+from .compiled import FUSED_MIN_ELEMENTS, compile_enabled, compiled
 
 #: From this many entries a logarithm of magnitudes looks for exact zeros first: torch's
 #: vectorised log takes a slow path for each 0 it meets (430k entries, half of them zeros: 3.9 ms
@@ -24,12 +24,116 @@ def checks_on_host(t: Tensor) -> bool:
     return t.device.type == "cpu"
 
 
+#: From this many entries ``exp_``, ``exp_into`` and ``log_magnitude_`` run compiled on the CPU.
+#: ATen's CPU exp and log leave their vectorised loop for a scalar one on each group of 8 or 16
+#: entries that holds a special value, and log-space states are full of them: exp(-inf) (a
+#: state's "no path"), an exp that underflows (an entry far below its row's shift), log(0).
+#: Two million float32 entries, one core: exp 1.3 ms on ordinary numbers, 9.4 ms with half of
+#: them -inf, 41 ms all near -90; log 1.6 ms, 16 ms with half zeros. Inductor's loops stay
+#: vectorised on every input (0.5-1.8 ms; ``benchmarks/bench_kernel_costs.py``), within one
+#: ulp of the exact value as torch's are. Below this size a compiled call's guards cost more.
+SPECIAL_SAFE_MIN_ELEMENTS = 1 << 14
+
+
+def _exp_eager(x: Tensor) -> Tensor:
+    return x.exp_()
+
+
+def _exp_fused(x: Tensor) -> Tensor:
+    return x.copy_(torch.exp(x))  # inductor writes it in place, in one loop
+
+
+def _exp_into_eager(x: Tensor, out: Tensor) -> Tensor:
+    return torch.exp(x, out=out)
+
+
+def _exp_into_fused(x: Tensor, out: Tensor) -> Tensor:
+    return out.copy_(torch.exp(x))
+
+
+def _log_eager(x: Tensor) -> Tensor:
+    return x.log_()
+
+
+def _log_fused(x: Tensor) -> Tensor:
+    return x.copy_(torch.log(x))
+
+
+_exp_in_place = compiled(_exp_eager, _exp_fused, min_elements=SPECIAL_SAFE_MIN_ELEMENTS)
+_exp_into = compiled(_exp_into_eager, _exp_into_fused, min_elements=SPECIAL_SAFE_MIN_ELEMENTS)
+_log_in_place = compiled(_log_eager, _log_fused, min_elements=SPECIAL_SAFE_MIN_ELEMENTS)
+
+
+def _flat(t: Tensor) -> Tensor | None:
+    """``t``'s entries as a 1-D view in memory order, or None where its memory is not one dense
+    block (overlapping or with gaps): an elementwise kernel may then run over the view, whatever
+    the dims' order (a convolution's channels-last messages, a transposed state)."""
+    if t.is_contiguous():
+        return t.view(-1)
+    order = sorted(range(t.dim()), key=lambda d: (t.stride(d), t.shape[d]), reverse=True)
+    permuted = t.permute(order)
+    return permuted.view(-1) if permuted.is_contiguous() else None
+
+
+def _flat_on_host(*tensors: Tensor) -> list[Tensor] | None:
+    """The 1-D views (``_flat``) the compiled elementwise forms run over, or None where they do
+    not apply: CPU float32 or float64 tensors of one shape and layout, each one dense block."""
+    first = tensors[0]
+    if not all(
+        checks_on_host(t)
+        and t.dtype in (torch.float32, torch.float64)
+        and t.shape == first.shape
+        and t.dtype == first.dtype
+        and t.stride() == first.stride()
+        for t in tensors
+    ):
+        return None
+    flat = [_flat(t) for t in tensors]
+    return None if any(f is None for f in flat) else flat
+
+
+def exp_(x: Tensor) -> Tensor:
+    """``x.exp_()``, in place, without ATen's scalar slow path on -inf and underflow (see
+    ``SPECIAL_SAFE_MIN_ELEMENTS``): the exponential of a log-space state or of its shifted
+    entries. An accelerator's tensor (no slow path there) or one whose memory is not one dense
+    block takes torch's."""
+    flat = _flat_on_host(x)
+    if flat is None:
+        return x.exp_()
+    _exp_in_place(*flat)
+    return x
+
+
+def exp_into(x: Tensor, out: Tensor) -> Tensor:
+    """``torch.exp(x, out=out)`` (a readout into the memory of ``p.semiring_grad``), vectorised
+    on every input like ``exp_``."""
+    flat = _flat_on_host(x, out)
+    if flat is None:
+        return torch.exp(x, out=out)
+    _exp_into(*flat)
+    return out
+
+
+def exp(x: Tensor) -> Tensor:
+    """``torch.exp(x)`` in a new tensor: ``exp_into`` a fresh one, so a readout and a readout
+    written into earlier memory have the same bits."""
+    return exp_into(x, torch.empty_like(x))
+
+
 def log_magnitude_(mag: Tensor) -> Tensor:
-    """``mag.log_()`` for magnitudes (entries >= 0, or NaN), in place, with the same bits: exact
-    zeros (``-inf``, no path) never reach torch's log. One reduction finds whether there are
-    any; if so each zero is replaced by 1 before the log and the result gets ``-inf`` there.
-    (A GPU's log has no slow path for zeros: there it is the plain log.)"""
-    if mag.numel() < ZERO_SAFE_MIN_ELEMENTS or not checks_on_host(mag) or not bool(mag.amin() == 0):
+    """``mag.log_()`` for magnitudes (entries >= 0, or NaN), in place: exact zeros (``-inf``,
+    no path) never reach ATen's scalar slow path. On the CPU from ``SPECIAL_SAFE_MIN_ELEMENTS``
+    entries it is the compiled log (vectorised on zeros too); where compiling is switched off,
+    one reduction finds whether there are zeros, and if so each is replaced by 1 before torch's
+    log and the result gets ``-inf`` there (the same bits as ``mag.log_()``). (A GPU's log has
+    no slow path for zeros: there it is the plain log.)"""
+    if mag.numel() < ZERO_SAFE_MIN_ELEMENTS or not checks_on_host(mag):
+        return mag.log_()
+    flat = _flat_on_host(mag) if compile_enabled() else None
+    if flat is not None and mag.numel() >= SPECIAL_SAFE_MIN_ELEMENTS:
+        _log_in_place(*flat)
+        return mag
+    if not bool(mag.amin() == 0):
         return mag.log_()
     zero = torch.sign(mag).neg_().add_(1.0)  # 1 at a zero, 0 elsewhere, NaN at NaN
     mag.add_(zero).log_()  # log 1 = 0 at the zeros
@@ -79,14 +183,29 @@ def finite_surprisal(log_w: Tensor) -> Tensor:
     return log_w.neg().nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0)
 
 
-def xlogx(mag: Tensor) -> Tensor:
-    """``mag log mag`` for magnitudes (>= 0 or NaN) in one new tensor, with 0 log 0 = 0 and 0 at
-    NaN: the same bits as ``mag.log() * mag`` masked where ``mag > 0`` fails, without a zero
-    reaching torch's log (see ``log_magnitude_``) or a bool mask."""
+def _xlogx_eager(mag: Tensor) -> Tensor:
     out = torch.sign(mag).neg_().add_(1.0)  # 1 at a zero, 0 elsewhere, NaN at NaN
     out.add_(mag).log_()  # log 1 = 0 at the zeros
     out.mul_(mag).add_(0.0)  # + 0.0: a -0.0 magnitude gives +0.0, as the masked form does
     return out.nan_to_num_(nan=0.0, posinf=float("inf"), neginf=float("-inf"))
+
+
+def _xlogx_fused(mag: Tensor) -> Tensor:
+    return torch.where(mag > 0, mag * torch.log(mag), 0.0)
+
+
+_xlogx = compiled(_xlogx_eager, _xlogx_fused, min_elements=SPECIAL_SAFE_MIN_ELEMENTS)
+
+
+def xlogx(mag: Tensor) -> Tensor:
+    """``mag log mag`` for magnitudes (>= 0 or NaN) in one new tensor, with 0 log 0 = 0 and 0 at
+    NaN: ``mag.log() * mag`` masked where ``mag > 0`` fails. Eagerly (small or strided tensors,
+    an accelerator's) with those bits and without a zero reaching torch's log (see
+    ``log_magnitude_``) or a bool mask; on the CPU from ``SPECIAL_SAFE_MIN_ELEMENTS`` entries
+    the compiled form in one loop, with a log within float rounding of torch's."""
+    if not mag.is_contiguous() or _flat_on_host(mag) is None:
+        return _xlogx_eager(mag)
+    return _xlogx(mag.view(-1)).view(mag.shape)
 
 
 def finite_or_zero(x: Tensor) -> Tensor:
@@ -98,7 +217,7 @@ def finite_or_zero(x: Tensor) -> Tensor:
 def shifted_exp(a: Tensor, dim: int) -> tuple[Tensor, Tensor]:
     """Return ``(exp(a - m), m)`` with ``m`` the finite max of ``a`` along ``dim`` (kept)."""
     m = finite_or_zero(a.amax(dim, keepdim=True))
-    return (a - m).exp(), m
+    return exp_(a - m), m
 
 
 def _log_add_exp_eager(a: Tensor, b: Tensor) -> Tensor:

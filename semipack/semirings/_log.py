@@ -7,7 +7,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ..kernels.logspace import finite_or_zero, log_magnitude_, shifted_exp
+from ..kernels.logspace import exp_into, finite_or_zero, log_magnitude_, shifted_exp
 from ..kernels.weight_cache import WEIGHTS
 from .base import Semiring, State, fits, on_memory_of, uses_methods_of
 
@@ -53,4 +53,4 @@ def exp_readout_into(sr: Semiring, owner: type[Semiring], a: State, into: Any) -
     subclass with a readout of its own (``owner``'s is the one known here)."""
     if sr.log or not fits(into, a[0]) or not uses_methods_of(sr, owner, "readout"):
         return Semiring.readout_into(sr, a, into)
-    return torch.exp(a[0], out=on_memory_of(into))
+    return exp_into(a[0], on_memory_of(into))

@@ -10,7 +10,13 @@ from torch import Tensor
 
 from ..kernels.compiled import FUSED_MIN_ELEMENTS, compiled
 from ..kernels.exclusive import exclusive_logsumexp
-from ..kernels.logspace import finite_surprisal, fused_log_add_exp, log_magnitude_plus_, xlogx
+from ..kernels.logspace import (
+    exp_,
+    finite_surprisal,
+    fused_log_add_exp,
+    log_magnitude_plus_,
+    xlogx,
+)
 from ..kernels.normalization import ENTROPY, CentredPairsKernel
 from ..kernels.shared_shift import ConvolutionSums, global_shift
 from ..kernels.weight_cache import WEIGHTS
@@ -36,7 +42,7 @@ def _shared_shift(m: State) -> tuple[Tensor, Tensor, Tensor] | None:
     shift = global_shift(log_z)
     if shift is None:
         return None
-    e = (log_z - shift).exp_()
+    e = exp_(log_z - shift)
     return e, e * surprisal, shift
 
 
@@ -123,7 +129,7 @@ class Entropy(Semiring):
 
     def sum(self, a: State, dims: list[int], keepdim: bool = False) -> State:
         big = torch.logsumexp(a[0], dims, keepdim=True)
-        weights = (a[0] - finite_or_zero(big)).exp()
+        weights = exp_(a[0] - finite_or_zero(big))
         mean = (weights * a[1]).sum(dims, keepdim=keepdim)
         return (big if keepdim else big.squeeze(dims), mean)
 
@@ -155,8 +161,8 @@ class Entropy(Semiring):
 
     def index_plus(self, dest: State, dim: int, index: Tensor, src: State) -> State:
         peak = finite_or_zero(index_reduce(dest[0], dim, index, src[0], "amax"))
-        e_dest = (dest[0] - peak).exp()
-        e_src = (src[0] - peak.index_select(dim, index)).exp()
+        e_dest = exp_(dest[0] - peak)
+        e_src = exp_(src[0] - peak.index_select(dim, index))
         total = e_dest.index_add(dim, index, e_src)
         weighted = (e_dest * dest[1]).index_add(dim, index, e_src * src[1])
         mean = torch.where(total > 0, weighted / total, torch.zeros_like(total))

@@ -9,7 +9,7 @@ import torch
 from torch import Tensor
 
 from ..kernels.exclusive import exclusive_logsumexp
-from ..kernels.logspace import log_add_exp, log_magnitude_plus_
+from ..kernels.logspace import exp, exp_, log_add_exp, log_magnitude_plus_
 from ..kernels.native import native_available, softmax_log_sum_f32
 from ..kernels.normalization import LOG_COUNT, LOG_SUM, CentredPairsKernel
 from ..kernels.shared_shift import ConvolutionSums, global_shift
@@ -135,7 +135,7 @@ class LogSum(Semiring):
         return (torch.logsumexp(a[0], dims, keepdim=keepdim),)
 
     def readout(self, a: State) -> Tensor:
-        return a[0] if self.log else a[0].exp()
+        return a[0] if self.log else exp(a[0])
 
     def readout_into(self, a: State, into: Any) -> Any:
         return exp_readout_into(self, LogSum, a, into)
@@ -150,8 +150,8 @@ class LogSum(Semiring):
     def index_plus(self, dest: State, dim: int, index: Tensor, src: State) -> State:
         peak = index_reduce(dest[0], dim, index, src[0], "amax")
         peak = finite_or_zero(peak)
-        e_dest = (dest[0] - peak).exp()
-        e_src = (src[0] - peak.index_select(dim, index)).exp()
+        e_dest = exp_(dest[0] - peak)
+        e_src = exp_(src[0] - peak.index_select(dim, index))
         return (log_magnitude_plus_(e_dest.index_add(dim, index, e_src), peak),)
 
     # --- fast paths of the message math -------------------------------------------------------
@@ -199,7 +199,7 @@ class LogSum(Semiring):
         shift = global_shift(m[0])
         if shift is None:
             return None
-        e = (m[0] - shift).exp_()
+        e = exp_(m[0] - shift)
         by_right = by_left = total = None
         if right is not None:
             by_right = (log_magnitude_plus_(torch.matmul(e, self.magnitude(right)), shift),)
@@ -219,7 +219,7 @@ class LogSum(Semiring):
         shift = global_shift(m[0])
         if shift is None:
             return None
-        e = (m[0] - shift).exp_()
+        e = exp_(m[0] - shift)
         to_in = to_w = bias = None
         if mask[0]:
             to_in = (log_magnitude_plus_(sums.to_input(e, self.magnitude(sums.w)), shift),)
@@ -251,4 +251,4 @@ def column_scaled(log_w: Tensor) -> tuple[Tensor, Tensor]:
     """``(exp(log_w - c), c)`` with ``c`` the finite maximum of each column of ``log_w``
     ([..., k, j] -> c [..., 1, j]): the largest weight of a column becomes 1."""
     c = finite_or_zero(log_w.amax(-2, keepdim=True))
-    return (log_w - c).exp_(), c
+    return exp_(log_w - c), c

@@ -8,6 +8,7 @@ import torch
 from torch import Tensor
 
 from ..kernels.exclusive import exclusive_max
+from ..kernels.logspace import exp
 from ..kernels.normalization import MAX_PROD, CentredPairsKernel
 from ..kernels.tropical import maxplus
 from ._log import add_log_abs_, can_overwrite, exp_readout_into, kept_log_abs, log_abs
@@ -84,7 +85,7 @@ class MaxProd(Semiring):
         return (maxplus(a[0], lifted[0]),)
 
     def readout(self, a: State) -> Tensor:
-        return a[0] if self.log else a[0].exp()
+        return a[0] if self.log else exp(a[0])
 
     def readout_into(self, a: State, into: Any) -> Any:
         return exp_readout_into(self, MaxProd, a, into)

@@ -7,6 +7,9 @@ Each line is a median of ``--repeats`` timed runs (after a warm-up) on one threa
 * PyTorch's ``log`` of 430k entries without zeros, with half of them exact zeros (a ReLU
   network's activations), and ``log_magnitude_`` on the half-zero tensor (the same bits);
 * ``torch.where`` on a boolean mask against ``finite_or_zero``'s float op (the same bits);
+* torch's exp and log on 2M entries, ordinary ones, half of them -inf (or 0 for the log) and
+  all of them with subnormal exponentials, against the compiled ``exp_`` and
+  ``log_magnitude_`` (``SPECIAL_SAFE_MIN_ELEMENTS``);
 * the weight fingerprint's read speed (``kernels/native/fingerprint.c``) on 40 MB, and for one
   MiniLM feed-forward weight (384 x 1536): its fingerprint, its log|W| and its max-plus product
   with a 20-token message (what the weight cache saves on one sentence);
@@ -51,7 +54,7 @@ from torch import nn
 
 import semipack
 import semipack.rules.convolution as convolution
-from semipack.kernels.logspace import finite_or_zero, log_add_exp, log_magnitude_
+from semipack.kernels.logspace import exp_, finite_or_zero, log_add_exp, log_magnitude_
 from semipack.kernels.native import (
     depthwise_f32,
     fingerprint,
@@ -92,6 +95,33 @@ def elementwise(repeats: int) -> None:
     print("select 430k entries (ms):")
     print(f"  torch.where(bool mask) {median_ms(lambda: torch.where(mask, x, zero), repeats):7.3f}")
     print(f"  finite_or_zero         {median_ms(lambda: finite_or_zero(x), repeats):7.3f}")
+    special_values(repeats)
+
+
+def special_values(repeats: int) -> None:
+    """torch's exp and log against the compiled ``exp_`` / ``log_magnitude_`` on 2M entries: on
+    ordinary numbers, with half of them a log-space zero (-inf; 0 for the log), and all of
+    them with a subnormal exp (near -90)."""
+    torch.manual_seed(0)
+    n = 2_000_000
+    ordinary = torch.randn(n)
+    half = torch.rand(n) < 0.5
+    inputs = {
+        "ordinary": ordinary,
+        "half -inf": torch.where(half, float("-inf"), ordinary),
+        "all near -90": -90.0 - torch.rand(n),
+    }
+    print("exp of 2M entries (ms): torch.exp | exp_ (compiled, clone included)")
+    for name, v in inputs.items():
+        eager = median_ms(lambda v=v: v.exp(), repeats)
+        fast = median_ms(lambda v=v: exp_(v.clone()), repeats)
+        print(f"  {name:14s} {eager:8.3f} {fast:8.3f}")
+    positive = torch.rand(n) + 0.1
+    print("log of 2M entries (ms): torch.log | log_magnitude_ (compiled, clone included)")
+    for name, v in {"ordinary": positive, "half zeros": torch.where(half, 0.0, positive)}.items():
+        eager = median_ms(lambda v=v: v.log(), repeats)
+        fast = median_ms(lambda v=v: log_magnitude_(v.clone()), repeats)
+        print(f"  {name:14s} {eager:8.3f} {fast:8.3f}")
 
 
 def memory(repeats: int) -> None:

@@ -28,10 +28,11 @@ def checks_on_host(t: Tensor) -> bool:
 #: ATen's CPU exp and log leave their vectorised loop for a scalar one on each group of 8 or 16
 #: entries that holds a special value, and log-space states are full of them: exp(-inf) (a
 #: state's "no path"), an exp that underflows (an entry far below its row's shift), log(0).
-#: Two million float32 entries, one core: exp 1.3 ms on ordinary numbers, 9.4 ms with half of
-#: them -inf, 41 ms all near -90; log 1.6 ms, 16 ms with half zeros. Inductor's loops stay
-#: vectorised on every input (0.5-1.8 ms; ``benchmarks/bench_kernel_costs.py``), within one
-#: ulp of the exact value as torch's are. Below this size a compiled call's guards cost more.
+#: Two million float32 entries, one core: exp 1.2 ms on ordinary numbers, 8.6 ms with half of
+#: them -inf, 38 ms all near -90; log 1.5 ms, 15 ms with half zeros. Inductor's loops stay
+#: vectorised on every input (0.7-1.8 ms with a copy of the input; ``benchmarks/
+#: bench_kernel_costs.py --only elementwise``), within one ulp of the exact value as torch's
+#: are. Below this size a compiled call's guards cost more.
 SPECIAL_SAFE_MIN_ELEMENTS = 1 << 14
 
 

@@ -78,9 +78,10 @@ def _flat(t: Tensor) -> Tensor | None:
 
 def _flat_on_host(*tensors: Tensor) -> list[Tensor] | None:
     """The 1-D views (``_flat``) the compiled elementwise forms run over, or None where they do
-    not apply: CPU float32 or float64 tensors of one shape and layout, each one dense block."""
+    not apply: CPU float32 or float64 tensors of one shape and layout, each one dense block, of
+    at least ``SPECIAL_SAFE_MIN_ELEMENTS`` entries."""
     first = tensors[0]
-    if not all(
+    if first.numel() < SPECIAL_SAFE_MIN_ELEMENTS or not all(
         checks_on_host(t)
         and t.dtype in (torch.float32, torch.float64)
         and t.shape == first.shape
@@ -131,7 +132,7 @@ def log_magnitude_(mag: Tensor) -> Tensor:
     if mag.numel() < ZERO_SAFE_MIN_ELEMENTS or not checks_on_host(mag):
         return mag.log_()
     flat = _flat_on_host(mag) if compile_enabled() else None
-    if flat is not None and mag.numel() >= SPECIAL_SAFE_MIN_ELEMENTS:
+    if flat is not None:
         _log_in_place(*flat)
         return mag
     if not bool(mag.amin() == 0):

@@ -96,6 +96,22 @@ def test_each_factor_equals_its_own_pass(build: str, extensions: bool) -> None:
             assert torch.equal(a, b)  # .grad is the plain backward's in both passes
 
 
+@pytest.mark.parametrize("extensions", [True, False])
+def test_a_product_led_by_boolean_reads_out_a_float64_embedding_table(extensions: bool) -> None:
+    """The embedding table's state is kept as its reached rows; the others get each factor's
+    zero in the table's gradient dtype. Taken from the first component, Boolean's bool, it
+    was float32 beside float64 rows: the readout failed (trial 38)."""
+    model, run = _bert("eager")
+    factors = [semipack.Boolean, semipack.MaxProd, semipack.Entropy, semipack.LogSum]
+    got, grads = _readouts(model, run, semipack.Product(*(f() for f in factors)), extensions)
+    for i, make in enumerate(factors):
+        want, want_grads = _readouts(model, run, make(), extensions)
+        for n, (a, b) in enumerate(zip(got, want, strict=True)):
+            _same(a[i], b, f"leaf {n}, {make.__name__}")
+        for a, b in zip(grads, want_grads, strict=True):
+            assert torch.equal(a, b)
+
+
 def test_regular_gradient_is_autograd_and_branches_split_a_product() -> None:
     model, _run = _mlp()
     with semipack.extend(model, semipack.Product(semipack.MaxProd(), semipack.LogSum())):

@@ -19,13 +19,15 @@ from .base import (
 
 
 def embedding_messages(
-    sr: Semiring, m: State, indices: Tensor, num_weights: int, padding_idx: int | None
+    sr: Semiring, m: State, indices: Tensor, weight: Tensor, padding_idx: int | None
 ) -> SparseRows:
     """Weight state of ``weight[indices]``: an edge of weight 1 per lookup, none for padding;
     kept as the rows a lookup reached (``SparseRows``): the table's full state is built only if
     an op needs it, and the readout skips the other rows.
 
     m's parts: [*indices.shape, dim]; the state comes shaped like the weight [num_weights, dim].
+    The table's gradient dtype is the weight's: a ``Product``'s first component may be another
+    dtype (``Boolean``'s bool), and the unreached rows' zeros must match the reached ones'.
     """
     dim = m[0].shape[-1]
     flat_ids = indices.reshape(-1)
@@ -33,22 +35,22 @@ def embedding_messages(
     if padding_idx is not None and padding_idx >= 0:
         keep = flat_ids != padding_idx
         flat_ids, src = flat_ids[keep], tuple(p[keep] for p in src)
-    return sparse_rows(sr, (num_weights, dim), flat_ids, src, m[0].dtype)
+    return sparse_rows(sr, (weight.shape[0], dim), flat_ids, src, weight.dtype)
 
 
 def embedding_per_sample(
-    sr: Semiring, m: State, indices: Tensor, num_weights: int, padding_idx: int | None
+    sr: Semiring, m: State, indices: Tensor, weight: Tensor, padding_idx: int | None
 ) -> State:
     """Per-sample weight state ``[N, num_weights, dim]`` of ``weight[indices]`` (indices
     ``[N, ...]``): example n's lookups go to rows ``n * num_weights + id`` of one scatter."""
-    n, dim = indices.shape[0], m[0].shape[-1]
+    n, dim, num_weights = indices.shape[0], m[0].shape[-1], weight.shape[0]
     offsets = torch.arange(n, device=indices.device).reshape(n, *[1] * (indices.dim() - 1))
     flat_ids = (indices + offsets * num_weights).reshape(-1)
     src = tuple(p.reshape(-1, dim) for p in m)
     if padding_idx is not None and padding_idx >= 0:
         keep = (indices != padding_idx).reshape(-1)
         flat_ids, src = flat_ids[keep], tuple(p[keep] for p in src)
-    rows = scatter_into_zeros(sr, (n * num_weights, dim), 0, flat_ids, src, m[0].dtype)
+    rows = scatter_into_zeros(sr, (n * num_weights, dim), 0, flat_ids, src, weight.dtype)
     return tuple(p.reshape(n, num_weights, dim) for p in rows)
 
 
@@ -62,7 +64,7 @@ class EmbeddingFunction(ExtensionFunction):
     def messages(call: BackwardCall) -> tuple[State]:
         (weight,), (indices, padding_idx) = call.inputs, call.options
         sr, (m,) = call.semiring, call.incoming
-        return (embedding_messages(sr, m, indices, weight.shape[0], padding_idx),)
+        return (embedding_messages(sr, m, indices, weight, padding_idx),)
 
     @classmethod
     def per_sample(cls, call: BackwardCall) -> list[State | None]:
@@ -79,7 +81,7 @@ class EmbeddingFunction(ExtensionFunction):
                 "batch first (one id per example: ids[:, None]; ids shared by the batch, such "
                 "as positions arange(T): expand them to [N, T])"
             )
-        return [embedding_per_sample(call.semiring, m, indices, weight.shape[0], padding_idx)]
+        return [embedding_per_sample(call.semiring, m, indices, weight, padding_idx)]
 
     @staticmethod
     def sites(out: Tensor) -> Sites:

@@ -210,6 +210,59 @@ def test_a_failed_pass_leaves_no_half_new_readout() -> None:
         assert torch.equal(p.semiring_grad, value)
 
 
+class _FailsOnTableReadout(semipack.MaxProd):
+    """MaxProd whose readout fails on a state of ``rows`` rows: an embedding table's, kept as
+    its reached rows and read out after the pass (any failure there: a dtype, memory)."""
+
+    def __init__(self, rows: int) -> None:
+        super().__init__()
+        self.rows = rows
+
+    def readout_sparse(self, a, into=None):
+        if a.shape[0] == self.rows:
+            raise RuntimeError("the table's readout failed")
+        return super().readout_sparse(a, into)
+
+
+def _embedding_model() -> tuple[nn.Module, torch.Tensor]:
+    torch.manual_seed(4)
+    model = nn.Sequential(nn.Embedding(10, 4), nn.Tanh(), nn.Linear(4, 3)).double()
+    return model, torch.tensor([[1, 2, 2], [3, 4, 1]])
+
+
+@pytest.mark.parametrize("earlier_pass", [False, True])
+def test_a_pass_that_fails_in_its_readouts_changes_no_gradient(earlier_pass: bool) -> None:
+    """The table's readout runs after the engine; when it fails, every ``.grad`` is the one
+    before the pass (it was committed first and came out doubled, trial 38), no readout of the
+    pass is left, and each earlier one is kept unless the pass took its memory (then it is
+    removed, not left half new)."""
+    model, ids = _embedding_model()
+    if earlier_pass:
+        with semipack.extend(model, semipack.MaxProd()):
+            model(ids).sum().backward()
+    else:
+        model(ids).sum().backward()
+    grads = [p.grad.clone() for p in model.parameters()]
+    earlier = {n: p.semiring_grad.clone() for n, p in model.named_parameters() if earlier_pass}
+    failing = semipack.extend(model, _FailsOnTableReadout(rows=10))
+    with failing, pytest.raises(RuntimeError, match="the table's readout failed"):
+        model(ids).sum().backward()
+    for p, g in zip(model.parameters(), grads, strict=True):
+        assert torch.equal(p.grad, g)
+    for name, p in model.named_parameters():
+        if name not in earlier:
+            assert not hasattr(p, "semiring_grad")
+        elif hasattr(p, "semiring_grad"):  # the table's memory was handed to its readout
+            assert torch.equal(p.semiring_grad, earlier[name]), name
+    if earlier_pass:  # the Linear layer's readouts were taken early, into their memory
+        assert not hasattr(model[2].weight, "semiring_grad")
+    # and a retry counts the gradient once
+    with semipack.extend(model, semipack.MaxProd()):
+        model(ids).sum().backward()
+    for p, g in zip(model.parameters(), grads, strict=True):
+        torch.testing.assert_close(p.grad, 2 * g, rtol=0, atol=0)
+
+
 def _assert_same_readout(got, want) -> None:
     if isinstance(want, tuple):
         assert type(got) is type(want) and len(got) == len(want)

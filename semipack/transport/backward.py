@@ -38,7 +38,15 @@ from .hooks import (
     tensor_hooks_see_gradients,
 )
 from .passes import carry_pass, in_carry_pass, own_kernels_compiled, semiring_pass
-from .per_sample import PerSampleRows, check_graph, check_semiring, collecting, hook_rules
+from .per_sample import (
+    SEMIRING_GRAD_BATCH,
+    SEMIRING_STATE_BATCH,
+    PerSampleRows,
+    check_graph,
+    check_semiring,
+    collecting,
+    hook_rules,
+)
 
 SEMIRING_GRAD = "semiring_grad"
 #: Where ``extend(..., keep_state=True)`` keeps a tensor's final semiring state (a tuple of
@@ -221,16 +229,26 @@ class KeptState(tuple):
 
 
 def store_results(
-    t: Tensor, sr: Semiring, msg: Message, fallback_name: str, keep_state: bool = False
+    t: Tensor,
+    sr: Semiring,
+    msg: Message,
+    fallback_name: str,
+    keep_state: bool = False,
+    overwritten: list[Tensor] | None = None,
 ) -> None:
     """``t.semiring_grad`` (the readout), with ``keep_state`` ``t.semiring_state`` (the state
     itself) and, after a path-recording pass, ``t.semiring_paths``; a pass without them removes
-    what an earlier pass left, so the three always describe the same pass."""
+    what an earlier pass left, so the three always describe the same pass. A sparse state's
+    readout may be written into the memory of ``t``'s earlier one: ``t`` is then added to
+    ``overwritten`` first (a failure after the write must not leave that value half new)."""
     sparse = msg.sparse  # kept as its reached rows: read without building the full state
     if sparse is None:
         value = sr.readout(msg.parts)
     else:
-        value = sr.readout_sparse(sparse, into=unheld_value(t, SEMIRING_GRAD))
+        earlier = unheld_value(t, SEMIRING_GRAD)
+        if earlier is not None and overwritten is not None:
+            overwritten.append(t)
+        value = sr.readout_sparse(sparse, into=earlier)
     setattr(t, SEMIRING_GRAD, value)
     if keep_state:
         setattr(t, SEMIRING_STATE, KeptState(msg.parts, type(sr)))
@@ -308,14 +326,51 @@ class LeafCaptures:
         msg = self.states.get(id(t))
         if msg is None:
             return False
-        store_results(t, sr, msg, fallback_name, keep_state)
+        store_results(t, sr, msg, fallback_name, keep_state, self._overwritten)
         return True
+
+    def store_retained(self, t: Tensor, sr: Semiring, msg: Message, name: str, keep: bool) -> None:
+        """``store_results`` for a retained non-leaf tensor's message."""
+        store_results(t, sr, msg, name, keep, self._overwritten)
 
     def discard(self) -> None:
         """The pass failed: the earlier readouts it wrote into are gone, not left half new."""
         for t in self._overwritten:
             if hasattr(t, SEMIRING_GRAD):
                 delattr(t, SEMIRING_GRAD)
+
+
+#: The attributes a pass stores its results in (``store_results``, ``PerSampleRows.store``).
+RESULT_ATTRIBUTES = (
+    SEMIRING_GRAD,
+    SEMIRING_STATE,
+    "semiring_paths",
+    SEMIRING_GRAD_BATCH,
+    SEMIRING_STATE_BATCH,
+)
+
+
+class EarlierResults:
+    """The result attributes of the tensors a pass stores on, as they were before it stored
+    any. Storing reads states out (a readout can fail: a semiring's own code, a dtype, memory),
+    so it runs before the regular gradients are committed; if it fails, ``restore`` puts every
+    attribute back (then ``LeafCaptures.discard`` removes the values whose memory a readout
+    took), and the pass changes nothing, as one that fails inside the engine."""
+
+    def __init__(self, tensors: Iterable[Tensor]) -> None:
+        self.before = [
+            (t, {name: getattr(t, name) for name in RESULT_ATTRIBUTES if hasattr(t, name)})
+            for t in tensors
+        ]
+
+    def restore(self) -> None:
+        """Every stored attribute back as it was; one that did not exist is removed."""
+        for t, old in self.before:
+            for name in RESULT_ATTRIBUTES:
+                if name in old:
+                    setattr(t, name, old[name])
+                elif hasattr(t, name):
+                    delattr(t, name)
 
 
 def _written_into(value: Any, earlier: Any) -> bool:
@@ -517,6 +572,7 @@ def backward(
         ledger = GradLedger([*leaves, *kept], accumulate_in_place) if regular_grads else None
         read_early = not (keep_state or sr.trace is not None or scan.reentrant_checkpoint)
         captured = LeafCaptures(read_early)
+        earlier: EarlierResults | None = None
         try:
             with ExitStack() as collect:
                 collect.enter_context(tensor_hooks_see_gradients([*scan.leaves, *leaves]))
@@ -539,22 +595,40 @@ def backward(
                 batched = [t for t in leaves if id(t) in captured and id(t) in per_sample]
                 rows.check(batched, per_sample_batches)
             retained_messages = _split_retained(kept)
+            # the readouts can still fail: the regular gradients are committed after them
+            earlier = EarlierResults([*(t for t, _ in retained_messages), *leaves])
+            reached = _store(sr, captured, retained_messages, leaves, keep_state)
+            if rows is not None:
+                with own_kernels_compiled():
+                    rows.store(batched, keep_state)
         except BaseException:
+            if earlier is not None:
+                earlier.restore()
             if ledger is not None:
                 ledger.roll_back()
             captured.discard()
             raise
         if ledger is not None:
             ledger.commit()
-        reached = []
-        with own_kernels_compiled():  # the readouts (Entropy's is a fused kernel)
-            for i, (t, msg) in enumerate(retained_messages):
-                store_results(t, sr, msg, f"retained tensor {i}", keep_state)
-            for i, leaf in enumerate(leaves):
-                if captured.store(leaf, sr, f"leaf {i}", keep_state):
-                    reached.append(leaf)
-            if rows is not None:
-                rows.store(batched, keep_state)
+    return reached
+
+
+def _store(
+    sr: Semiring,
+    captured: LeafCaptures,
+    retained_messages: Sequence[tuple[Tensor, Message]],
+    leaves: Sequence[Tensor],
+    keep_state: bool,
+) -> list[Tensor]:
+    """Store the pass's results on the retained tensors and the leaves; returns the leaves
+    that received a message."""
+    reached = []
+    with own_kernels_compiled():  # the readouts (Entropy's is a fused kernel)
+        for i, (t, msg) in enumerate(retained_messages):
+            captured.store_retained(t, sr, msg, f"retained tensor {i}", keep_state)
+        for i, leaf in enumerate(leaves):
+            if captured.store(leaf, sr, f"leaf {i}", keep_state):
+                reached.append(leaf)
     return reached
 
 

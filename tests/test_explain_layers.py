@@ -224,6 +224,37 @@ def test_llama_layers_and_unknown_models() -> None:
         semipack.explain_layers(llama, semipack.MaxProd(), lambda: llama(input_ids=IDS)[0])
 
 
+def test_swin_stages_have_their_own_heads_and_unequal_shapes_are_named() -> None:
+    """Swin's attention modules have q_proj/o_proj, and its config holds one head count per
+    stage (a list): each layer takes its own module's count. Its stages see different
+    [windows, tokens]: explain_layers names them instead of failing in a stack (trial 38)."""
+    cfg = transformers.SwinConfig(
+        image_size=32, patch_size=4, embed_dim=16, depths=[1, 1], num_heads=[2, 4],
+        window_size=4, num_labels=3,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    swin = transformers.SwinForImageClassification._from_config(cfg, attn_implementation="eager")
+    swin = swin.double().eval()
+    found = attention_layers(swin)
+    assert [(a.num_heads, a.head_dim) for a in found] == [(2, 8), (4, 8)]
+    pixels = torch.randn(1, 3, 32, 32, dtype=torch.float64)
+    with pytest.raises(semipack.SemipackError, match="must see the same \\[batch, tokens\\]"):
+        semipack.explain_layers(
+            swin, semipack.LogSum(), lambda: swin(pixel_values=pixels).logits[0, 1]
+        )
+
+
+def test_an_attention_module_without_a_head_count_is_named() -> None:
+    class Attention(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.q_proj, self.o_proj = nn.Linear(4, 4), nn.Linear(4, 4)
+            self.num_heads = [2, 2]
+
+    with pytest.raises(semipack.SemipackError, match="'0' \\(Attention\\) names no number of"):
+        attention_layers(nn.Sequential(Attention()))
+
+
 def _hand_flow(semiring: str, branches: dict[str, list[float]], **options) -> semipack.LayerFlow:
     """One layer, one example: the branch values given, the total their max, two heads that
     copy the first two branches."""

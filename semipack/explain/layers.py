@@ -91,10 +91,9 @@ def attention_layers(model: nn.Module) -> list[AttentionLayer]:
             continue
         o_proj = getattr(module, "o_proj", None)
         if isinstance(o_proj, nn.Linear) and hasattr(module, "q_proj"):
-            cfg = getattr(module, "config", None)
-            heads = getattr(cfg, "num_attention_heads", None) or getattr(module, "num_heads", 0)
+            heads = _head_count(name, module)
             width = getattr(module, "head_dim", None) or o_proj.in_features // heads
-            found.append(AttentionLayer(name, module, o_proj, int(heads), int(width)))
+            found.append(AttentionLayer(name, module, o_proj, heads, int(width)))
             continue
         c_proj = getattr(module, "c_proj", None)
         if _is_gpt2_attention(module) and c_proj is not None:
@@ -122,6 +121,23 @@ def attention_layers(model: nn.Module) -> list[AttentionLayer]:
             "pass layers=[AttentionLayer(...), ...] for others"
         )
     return found
+
+
+def _head_count(name: str, module: nn.Module) -> int:
+    """The number of heads of a ``q_proj``/``o_proj`` attention module: its own attribute
+    first (Swin's stages differ, and its config holds a list), else its config's."""
+    cfg = getattr(module, "config", None)
+    for heads in (
+        getattr(module, "num_attention_heads", None),
+        getattr(module, "num_heads", None),
+        getattr(cfg, "num_attention_heads", None),
+    ):
+        if isinstance(heads, int) and not isinstance(heads, bool) and heads > 0:
+            return heads
+    raise SemipackError(
+        f"attention module '{name}' ({type(module).__name__}) names no number of heads that "
+        f"semipack can read; pass layers=[AttentionLayer(...), ...]"
+    )
 
 
 def _is_gpt2_attention(module: nn.Module) -> bool:
@@ -610,6 +626,13 @@ def _flow(
         batch, length, _ = context.split.shape
         view = (batch, length, spec.num_heads, spec.head_dim)
         heads.append(pick(context.total(-1, view=view), view[:-1]))
+    shapes = {a.name: tuple(t.shape) for a, t in zip(layers, totals, strict=True)}
+    if len(set(shapes.values())) > 1:
+        raise SemipackError(
+            "explain_layers compares layers token by token, so every attention layer must see "
+            "the same [batch, tokens]; these differ (windowed attention, or stages that merge "
+            f"tokens, as Swin's): {shapes}. Pass layers=[...] with layers of one shape"
+        )
     return LayerFlow(
         type(semiring).__name__,
         [a.name for a in layers],

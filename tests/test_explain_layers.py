@@ -244,6 +244,29 @@ def test_swin_stages_have_their_own_heads_and_unequal_shapes_are_named() -> None
         )
 
 
+def test_a_branch_beside_the_attention_has_one_name_in_every_layer() -> None:
+    """Phi runs its MLP beside the attention on the same normed input: the MLP's branch is
+    named relative to the layer's parent (``mlp.fc1``), so each layer's share of it lands in
+    one column of the table, not one column per layer with 0.0% elsewhere (trial 38)."""
+    cfg = transformers.PhiConfig(
+        vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+        intermediate_size=48,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    phi = transformers.PhiForCausalLM._from_config(cfg, attn_implementation="eager").double()
+    layers = [
+        AttentionLayer(f"model.layers.{i}.self_attn", layer.self_attn, layer.self_attn.dense, 2, 16)
+        for i, layer in enumerate(phi.model.layers)
+    ]
+    ids = torch.randint(0, 64, (1, 6))
+    flow = semipack.explain_layers(
+        phi.eval(), semipack.LogSum(), lambda: phi(input_ids=ids).logits[0, -1, 3], layers=layers
+    )
+    assert [set(b) for b in flow.branches] == [{"query", "key", "value", "mlp.fc1"}] * 2
+    header = flow.table().splitlines()[1].split()
+    assert header.count("mlp.fc1") == 1
+
+
 def test_an_attention_module_without_a_head_count_is_named() -> None:
     class Attention(nn.Module):
         def __init__(self) -> None:

@@ -155,7 +155,8 @@ def branch_name(consumer: str, layer: str) -> str:
     """Short name of a consumer of an attention layer's input: query, key or value for the
     projections (``attention_branch``), residual for BERT's attention output or a module
     enclosing the layer (where the residual add is), else its module name relative to the
-    layer."""
+    layer, or to the module holding the layer (Phi's MLP beside its attention: ``mlp.fc1`` in
+    every layer, one column of a table)."""
     short = attention_branch(consumer)
     if short != "residual":
         return short
@@ -163,7 +164,13 @@ def branch_name(consumer: str, layer: str) -> str:
         return "qkv"
     if layer.startswith(consumer + ".") or consumer == ROOT_MODULE:
         return "residual"  # the enclosing layer adds it back (DistilBERT, a bare encoder layer)
-    relative = consumer[len(layer) + 1 :] if consumer.startswith(layer + ".") else consumer
+    parent = layer.rpartition(".")[0]
+    if consumer.startswith(layer + "."):
+        relative = consumer[len(layer) + 1 :]
+    elif parent and consumer.startswith(parent + "."):
+        relative = consumer[len(parent) + 1 :]
+    else:
+        relative = consumer
     return "residual" if relative == "output" else relative
 
 

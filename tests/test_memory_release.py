@@ -230,6 +230,25 @@ def _embedding_model() -> tuple[nn.Module, torch.Tensor]:
     return model, torch.tensor([[1, 2, 2], [3, 4, 1]])
 
 
+def test_an_embedding_tables_readout_reuses_its_earlier_memory() -> None:
+    """The table's state is kept as its reached rows and read out after the engine ran, into
+    the memory of its earlier readout (a 30k-row table is fresh memory from the OS otherwise):
+    the same address, the values of a fresh model's pass."""
+    model, ids = _embedding_model()
+    fresh, _ = _embedding_model()
+    other = torch.tensor([[5, 6, 7], [8, 9, 5]])
+    with semipack.extend(fresh, semipack.MaxProd()):
+        fresh(other).sum().backward()
+    with semipack.extend(model, semipack.MaxProd()):
+        model(ids).sum().backward()
+        address = model[0].weight.semiring_grad.data_ptr()
+        model(other).sum().backward()
+    assert model[0].weight.semiring_grad.data_ptr() == address
+    torch.testing.assert_close(
+        model[0].weight.semiring_grad, fresh[0].weight.semiring_grad, rtol=0, atol=0
+    )
+
+
 @pytest.mark.parametrize("earlier_pass", [False, True])
 def test_a_pass_that_fails_in_its_readouts_changes_no_gradient(earlier_pass: bool) -> None:
     """The table's readout runs after the engine; when it fails, every ``.grad`` is the one

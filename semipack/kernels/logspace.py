@@ -69,11 +69,14 @@ def _flat(t: Tensor) -> Tensor | None:
     """``t``'s entries as a 1-D view in memory order, or None where its memory is not one dense
     block (overlapping or with gaps): an elementwise kernel may then run over the view, whatever
     the dims' order (a convolution's channels-last messages, a transposed state)."""
-    if t.is_contiguous():
-        return t.view(-1)
-    order = sorted(range(t.dim()), key=lambda d: (t.stride(d), t.shape[d]), reverse=True)
-    permuted = t.permute(order)
-    return permuted.view(-1) if permuted.is_contiguous() else None
+    if not t.is_contiguous():
+        order = sorted(range(t.dim()), key=lambda d: (t.stride(d), t.shape[d]), reverse=True)
+        if not t.permute(order).is_contiguous():
+            return None
+    # A new tensor on the memory, not a view: a view carries its base, and torch.compile
+    # guards on the base's sizes and strides (one recompilation per layout, up to its limit).
+    flat = torch.empty(0, dtype=t.dtype, device=t.device)
+    return flat.set_(t.untyped_storage(), t.storage_offset(), (t.numel(),), (1,))
 
 
 def _flat_on_host(*tensors: Tensor) -> list[Tensor] | None:

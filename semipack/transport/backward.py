@@ -38,15 +38,7 @@ from .hooks import (
     tensor_hooks_see_gradients,
 )
 from .passes import carry_pass, in_carry_pass, own_kernels_compiled, semiring_pass
-from .per_sample import (
-    SEMIRING_GRAD_BATCH,
-    SEMIRING_STATE_BATCH,
-    PerSampleRows,
-    check_graph,
-    check_semiring,
-    collecting,
-    hook_rules,
-)
+from .per_sample import PerSampleRows, check_graph, check_semiring, collecting, hook_rules
 
 SEMIRING_GRAD = "semiring_grad"
 #: Where ``extend(..., keep_state=True)`` keeps a tensor's final semiring state (a tuple of
@@ -228,36 +220,49 @@ class KeptState(tuple):
         return KeptState(copy.deepcopy(tuple(self), memo), self.semiring_type)
 
 
-def store_results(
+#: What a pass stores on one tensor: attribute name -> value, None to remove what an earlier
+#: pass left there (``set_results``).
+Results = dict[str, Any]
+
+
+def read_results(
     t: Tensor,
     sr: Semiring,
     msg: Message,
     fallback_name: str,
-    keep_state: bool = False,
-    overwritten: list[Tensor] | None = None,
-) -> None:
-    """``t.semiring_grad`` (the readout), with ``keep_state`` ``t.semiring_state`` (the state
-    itself) and, after a path-recording pass, ``t.semiring_paths``; a pass without them removes
-    what an earlier pass left, so the three always describe the same pass. A sparse state's
-    readout may be written into the memory of ``t``'s earlier one: ``t`` is then added to
-    ``overwritten`` first (a failure after the write must not leave that value half new)."""
+    keep_state: bool,
+    overwritten: list[Tensor],
+) -> Results:
+    """``t``'s results, set on nothing yet: ``semiring_grad`` (the readout), with
+    ``keep_state`` ``semiring_state`` (the state itself) and, after a path-recording pass,
+    ``semiring_paths``; a pass without them removes what an earlier pass left, so the three
+    always describe the same pass. A sparse state's readout may be written into the memory of
+    ``t``'s earlier one: ``t`` is then added to ``overwritten`` first (if a later readout of
+    the pass fails, that value must not stay half new)."""
     sparse = msg.sparse  # kept as its reached rows: read without building the full state
     if sparse is None:
         value = sr.readout(msg.parts)
     else:
         earlier = unheld_value(t, SEMIRING_GRAD)
-        if earlier is not None and overwritten is not None:
+        if earlier is not None:
             overwritten.append(t)
         value = sr.readout_sparse(sparse, into=earlier)
-    setattr(t, SEMIRING_GRAD, value)
-    if keep_state:
-        setattr(t, SEMIRING_STATE, KeptState(msg.parts, type(sr)))
-    elif hasattr(t, SEMIRING_STATE):
-        delattr(t, SEMIRING_STATE)
-    if sr.trace is not None:
-        t.semiring_paths = sr.trace.capture_leaf(t, msg, fallback_name)
-    elif hasattr(t, "semiring_paths"):
-        del t.semiring_paths
+    return {
+        SEMIRING_GRAD: value,
+        SEMIRING_STATE: KeptState(msg.parts, type(sr)) if keep_state else None,
+        "semiring_paths": (
+            sr.trace.capture_leaf(t, msg, fallback_name) if sr.trace is not None else None
+        ),
+    }
+
+
+def set_results(t: Tensor, results: Results) -> None:
+    """Set ``results`` on ``t`` (``read_results``); a None removes the attribute."""
+    for name, value in results.items():
+        if value is not None:
+            setattr(t, name, value)
+        elif hasattr(t, name):
+            delattr(t, name)
 
 
 #: Held while a readout picks the memory it is written into (``LeafCaptures.take``).
@@ -315,62 +320,32 @@ class LeafCaptures:
             state = Message(None, sr.plus(earlier_state.parts, msg.parts), sr, msg.dtype)
         self.states[id(leaf)] = state
 
-    def store(self, t: Tensor, sr: Semiring, fallback_name: str, keep_state: bool) -> bool:
-        """Store ``t``'s results (``store_results``); False when no message reached it."""
-        if id(t) in self.readouts:
-            setattr(t, SEMIRING_GRAD, self.readouts[id(t)])
-            for name in (SEMIRING_STATE, "semiring_paths"):  # no state kept, no trace
-                if hasattr(t, name):
-                    delattr(t, name)
-            return True
+    def results(
+        self, t: Tensor, sr: Semiring, fallback_name: str, keep_state: bool
+    ) -> Results | None:
+        """``t``'s results (``read_results``), or None when no message reached it."""
+        if id(t) in self.readouts:  # read out on arrival: no state kept, no trace
+            return {
+                SEMIRING_GRAD: self.readouts[id(t)],
+                SEMIRING_STATE: None,
+                "semiring_paths": None,
+            }
         msg = self.states.get(id(t))
         if msg is None:
-            return False
-        store_results(t, sr, msg, fallback_name, keep_state, self._overwritten)
-        return True
+            return None
+        return read_results(t, sr, msg, fallback_name, keep_state, self._overwritten)
 
-    def store_retained(self, t: Tensor, sr: Semiring, msg: Message, name: str, keep: bool) -> None:
-        """``store_results`` for a retained non-leaf tensor's message."""
-        store_results(t, sr, msg, name, keep, self._overwritten)
+    def retained_results(
+        self, t: Tensor, sr: Semiring, msg: Message, name: str, keep: bool
+    ) -> Results:
+        """``read_results`` of a retained non-leaf tensor's message."""
+        return read_results(t, sr, msg, name, keep, self._overwritten)
 
     def discard(self) -> None:
         """The pass failed: the earlier readouts it wrote into are gone, not left half new."""
         for t in self._overwritten:
             if hasattr(t, SEMIRING_GRAD):
                 delattr(t, SEMIRING_GRAD)
-
-
-#: The attributes a pass stores its results in (``store_results``, ``PerSampleRows.store``).
-RESULT_ATTRIBUTES = (
-    SEMIRING_GRAD,
-    SEMIRING_STATE,
-    "semiring_paths",
-    SEMIRING_GRAD_BATCH,
-    SEMIRING_STATE_BATCH,
-)
-
-
-class EarlierResults:
-    """The result attributes of the tensors a pass stores on, as they were before it stored
-    any. Storing reads states out (a readout can fail: a semiring's own code, a dtype, memory),
-    so it runs before the regular gradients are committed; if it fails, ``restore`` puts every
-    attribute back (then ``LeafCaptures.discard`` removes the values whose memory a readout
-    took), and the pass changes nothing, as one that fails inside the engine."""
-
-    def __init__(self, tensors: Iterable[Tensor]) -> None:
-        self.before = [
-            (t, {name: getattr(t, name) for name in RESULT_ATTRIBUTES if hasattr(t, name)})
-            for t in tensors
-        ]
-
-    def restore(self) -> None:
-        """Every stored attribute back as it was; one that did not exist is removed."""
-        for t, old in self.before:
-            for name in RESULT_ATTRIBUTES:
-                if name in old:
-                    setattr(t, name, old[name])
-                elif hasattr(t, name):
-                    delattr(t, name)
 
 
 def _written_into(value: Any, earlier: Any) -> bool:
@@ -572,7 +547,6 @@ def backward(
         ledger = GradLedger([*leaves, *kept], accumulate_in_place) if regular_grads else None
         read_early = not (keep_state or sr.trace is not None or scan.reentrant_checkpoint)
         captured = LeafCaptures(read_early)
-        earlier: EarlierResults | None = None
         try:
             with ExitStack() as collect:
                 collect.enter_context(tensor_hooks_see_gradients([*scan.leaves, *leaves]))
@@ -595,41 +569,41 @@ def backward(
                 batched = [t for t in leaves if id(t) in captured and id(t) in per_sample]
                 rows.check(batched, per_sample_batches)
             retained_messages = _split_retained(kept)
-            # the readouts can still fail: the regular gradients are committed after them
-            earlier = EarlierResults([*(t for t, _ in retained_messages), *leaves])
-            reached = _store(sr, captured, retained_messages, leaves, keep_state)
-            if rows is not None:
-                with own_kernels_compiled():
-                    rows.store(batched, keep_state)
+            # Every readout before anything is stored or committed: one can still fail.
+            with own_kernels_compiled():  # the readouts (Entropy's is a fused kernel)
+                results = _read_all(sr, captured, retained_messages, leaves, keep_state)
+                if rows is not None:
+                    results += rows.results(batched, keep_state)
         except BaseException:
-            if earlier is not None:
-                earlier.restore()
             if ledger is not None:
                 ledger.roll_back()
             captured.discard()
             raise
+        for t, stored in results:
+            set_results(t, stored)
         if ledger is not None:
             ledger.commit()
-    return reached
+    reached = {id(t) for t, _ in results}
+    return [leaf for leaf in leaves if id(leaf) in reached]
 
 
-def _store(
+def _read_all(
     sr: Semiring,
     captured: LeafCaptures,
     retained_messages: Sequence[tuple[Tensor, Message]],
     leaves: Sequence[Tensor],
     keep_state: bool,
-) -> list[Tensor]:
-    """Store the pass's results on the retained tensors and the leaves; returns the leaves
-    that received a message."""
-    reached = []
-    with own_kernels_compiled():  # the readouts (Entropy's is a fused kernel)
-        for i, (t, msg) in enumerate(retained_messages):
-            captured.store_retained(t, sr, msg, f"retained tensor {i}", keep_state)
-        for i, leaf in enumerate(leaves):
-            if captured.store(leaf, sr, f"leaf {i}", keep_state):
-                reached.append(leaf)
-    return reached
+) -> list[tuple[Tensor, Results]]:
+    """The results of the retained tensors and of the leaves a message reached."""
+    out = [
+        (t, captured.retained_results(t, sr, msg, f"retained tensor {i}", keep_state))
+        for i, (t, msg) in enumerate(retained_messages)
+    ]
+    for i, leaf in enumerate(leaves):
+        results = captured.results(leaf, sr, f"leaf {i}", keep_state)
+        if results is not None:
+            out.append((leaf, results))
+    return out
 
 
 def _split_retained(kept: Sequence[Tensor]) -> list[tuple[Tensor, Message]]:

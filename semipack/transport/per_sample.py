@@ -301,16 +301,18 @@ class PerSampleRows:
                 "0 of every layer's input"
             )
 
-    def store(self, params: Sequence[Tensor], keep_state: bool) -> None:
-        """``semiring_grad_batch`` (and with ``keep_state`` ``semiring_state_batch``) on each
-        parameter in ``params`` (``check`` first)."""
+    def results(self, params: Sequence[Tensor], keep_state: bool) -> list[tuple[Tensor, dict]]:
+        """``semiring_grad_batch`` (and with ``keep_state`` ``semiring_state_batch``, else None:
+        removed) of each parameter in ``params`` (``check`` first), for the pass to set once
+        every readout succeeded."""
+        out = []
         for p in params:
             rows = self.rows[id(p)]
-            setattr(p, SEMIRING_GRAD_BATCH, self.sr.readout(rows))
-            if keep_state:
-                setattr(p, SEMIRING_STATE_BATCH, tuple(rows))
-            elif hasattr(p, SEMIRING_STATE_BATCH):
-                delattr(p, SEMIRING_STATE_BATCH)
+            state = tuple(rows) if keep_state else None
+            out.append(
+                (p, {SEMIRING_GRAD_BATCH: self.sr.readout(rows), SEMIRING_STATE_BATCH: state})
+            )
+        return out
 
 
 def _disagree(name: str, a: int, b: int) -> PerSampleError:

@@ -127,6 +127,31 @@ def _gain_on_the_input():
     return model, (torch.randn(3, 5, 3),)
 
 
+class ComputedFromParameters(nn.Module):
+    """Parameters used through values computed from them alone: a gain ``1 + w.clone()`` (as
+    Gemma's RMSNorm's ``1 + w.float()``, without its rounding to float32), a transposed,
+    negated, reshaped and scaled shift, a pruned weight (``weight_orig * mask``, a forward
+    pre-hook) and a weight used transposed by F.linear."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(3, 4)
+        prune.l1_unstructured(self.inp, "weight", 0.5)
+        self.gain = nn.Parameter(0.3 * torch.randn(4))
+        self.shift = nn.Parameter(torch.randn(4, 1))
+        self.tied = nn.Parameter(torch.randn(4, 5))
+        self.out = nn.Linear(5, 2)
+
+    def forward(self, x):
+        h = self.inp(x) * (1.0 + self.gain.clone())
+        h = torch.tanh(h - (-self.shift.t()).reshape(4) / 3)
+        return self.out(torch.tanh(F.linear(h, self.tied.t())))
+
+
+def _computed_from_parameters():
+    return ComputedFromParameters(), (torch.randn(3, 5, 3),)
+
+
 def _batch_norm_eval():
     model = nn.Sequential(
         nn.Conv2d(2, 3, 2), nn.BatchNorm2d(3), nn.Tanh(), nn.Flatten(), nn.Linear(27, 2)
@@ -146,6 +171,7 @@ MODELS = {
     "hand_written_affine": _affine,
     "gain_on_the_input": _gain_on_the_input,
     "batch_norm_eval": _batch_norm_eval,
+    "computed_from_parameters": _computed_from_parameters,
 }
 
 
@@ -534,31 +560,54 @@ def test_a_weight_computed_from_a_buffer_is_refused_even_when_its_rows_match_the
         )
 
 
-def test_a_pruned_weight_is_refused_by_name():
-    """``torch.nn.utils.prune`` multiplies ``weight_orig`` by a mask buffer: the same refusal,
-    not a complaint about a batch dim the mask does not have."""
-    model = nn.Sequential(nn.Linear(4, 5), nn.Tanh(), nn.Linear(5, 2))
-    prune.l1_unstructured(model[0], "weight", 0.5)
-    _refused(
-        model,
-        (torch.randn(3, 4),),
-        r"parameter '0.weight_orig' is used by MulBackward0, created by module '0', with a "
-        r"factor of shape \(5, 4\)",
-    )
+class GemmaGain(nn.Module):
+    """Gemma's RMSNorm gain ``x * (1 + w.float())`` in a float64 model: the gain is rounded to
+    float32 on the way, and the rows round where the pass's messages do."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp, self.out = nn.Linear(3, 4), nn.Linear(4, 2)
+        self.weight = nn.Parameter(0.3 * torch.randn(4))
+
+    def forward(self, x):
+        return self.out(torch.tanh(self.inp(x) * (1.0 + self.weight.float())))
 
 
-def test_weight_through_an_op_refused():
-    """A weight reaching F.linear through another op (here a transpose) is not used directly."""
+@pytest.mark.parametrize("semiring_name", ["real", "max_prod", "log_sum", "entropy"])
+def test_a_gain_computed_through_a_cast_has_each_examples_rows(semiring_name):
+    """Refused before (trial 38: Gemma's per-sample values): the rows of ``1 + w.float()`` go
+    back to ``w`` through the add and the cast, and each equals a pass on its example alone."""
+    torch.manual_seed(3)
+    model, x = GemmaGain().double(), torch.randn(4, 3, dtype=torch.float64)
+    sr = SEMIRINGS[semiring_name]()
+    rows = {n: p.semiring_grad_batch.clone() for n, p in _per_sample(model, (x,), sr).items()}
+    for i in range(4):
+        with semipack.extend(model, sr):
+            _loss(model(x[i : i + 1])).backward()
+        for name, p in model.named_parameters():
+            assert_readout_matches(semiring_name, rows[name][i], p.semiring_grad, f"{name} {i}")
 
-    class Tied(nn.Module):
+
+def test_a_value_computed_from_a_parameter_is_refused_where_a_use_has_no_rule():
+    """Every use of a value computed from a parameter alone must be a rule's: one matmul
+    beside the gain would leave its share out of the rows."""
+
+    class TwoUses(nn.Module):
         def __init__(self) -> None:
             super().__init__()
-            self.w = nn.Parameter(torch.randn(3, 4))
+            self.inp = nn.Linear(3, 4)
+            self.w = nn.Parameter(torch.randn(4))
 
         def forward(self, x):
-            return F.linear(F.linear(x, self.w.t()), self.w)
+            g = 1.0 + self.w
+            return self.inp(x) * g + self.inp(x) @ torch.diag(g)
 
-    _refused(Tied(), (torch.randn(2, 3),), r"parameter 'w' is used by TBackward0")
+    _refused(
+        TwoUses(),
+        (torch.randn(2, 3),),
+        r"parameter 'w' goes through AddBackward0, and the value computed from it is used by "
+        r"DiagEmbedBackward0, which has no per-sample rule",
+    )
 
 
 def _refused_at_entry(model, sr, match, **kwargs):

@@ -82,7 +82,18 @@ def _broadcast_rows(sr: Semiring, state: State, param_shape: Sequence[int]) -> S
 
 
 def _param_shape(node, input_nr: int) -> torch.Size:
-    return node.next_functions[input_nr][0].variable.shape
+    """The shape of ``node``'s input ``input_nr``: a parameter, or a value computed from one
+    alone (``parameter_step``: ``1 + w``, ``w.float()``, ``w.t()``)."""
+    return input_shape(node.next_functions[input_nr][0])
+
+
+def input_shape(nxt) -> torch.Size:
+    """The shape of the value an input edge's node ``nxt`` receives the gradient of: the leaf's
+    (``AccumulateGrad``) or the node's own output's."""
+    variable = getattr(nxt, "variable", None)
+    if variable is not None:
+        return variable.shape
+    return torch.Size(nxt._input_metadata[0].shape)
 
 
 #: Autograd node metadata of ``x * p`` with a leaf ``p``: the two factors, kept by the
@@ -198,6 +209,126 @@ def unbatched_operand(node, input_nr: int, is_batched: Callable[[Tensor], bool])
             "from the model's input, or with its batch moved off dim 0)"
         )
     return "an operand not computed in the graph"
+
+
+# --- values computed from a parameter alone ---------------------------------------------------
+# Gemma's RMSNorm scales by ``1 + w.float()``, other code by ``w.t()`` or ``2 * w``: the row
+# rule's input there is not the parameter but a value computed from it alone, the same for every
+# example. Its rows ``[N, *value.shape]`` become the parameter's through that value's own ops,
+# each taken back as the generic op rules draw it: an edge of weight 1 for a cast or an added
+# constant, of the constant for a product, a move of the entries for a transpose or a view.
+#: node name -> ``step(sr, node, rows, input_nr)``: the rows of the node's input ``input_nr``
+#: from the rows of its output (both ``[N, ...]``).
+ParameterStep = Callable[[Semiring, object, State, int], State]
+
+
+def _scaled(sr: Semiring, rows: State, weight: float | Tensor) -> State:
+    if not isinstance(weight, Tensor) and weight == 1.0:
+        return rows
+    return sr.scale(rows, torch.as_tensor(weight, dtype=rows[0].dtype).to(rows[0].device))
+
+
+def _same(sr: Semiring, node, rows: State, input_nr: int) -> State:
+    return rows
+
+
+def _add_step(sign: float) -> ParameterStep:
+    def step(sr: Semiring, node, rows: State, input_nr: int) -> State:
+        return _scaled(sr, rows, 1.0 if input_nr == 0 else sign * float(node._saved_alpha))
+
+    return step
+
+
+def _rsub_step(sr: Semiring, node, rows: State, input_nr: int) -> State:
+    return _scaled(sr, rows, -float(node._saved_alpha))  # other - alpha * self
+
+
+def _neg_step(sr: Semiring, node, rows: State, input_nr: int) -> State:
+    return _scaled(sr, rows, -1.0)
+
+
+def _mul_step(sr: Semiring, node, rows: State, input_nr: int) -> State:
+    factor = _mul_factor(node, input_nr).to(rows[0].dtype)
+    return _scaled(sr, rows, factor.expand(rows[0].shape[1:]))
+
+
+def _div_step(sr: Semiring, node, rows: State, input_nr: int) -> State:
+    return _scaled(
+        sr, rows, node._saved_other.to(rows[0].dtype).reciprocal().expand(rows[0].shape[1:])
+    )
+
+
+def _t_step(sr: Semiring, node, rows: State, input_nr: int) -> State:
+    return tuple(p.transpose(1, 2) if p.dim() == 3 else p for p in rows)
+
+
+def _transpose_step(sr: Semiring, node, rows: State, input_nr: int) -> State:
+    rank = rows[0].dim() - 1
+    d0, d1 = (int(d) % rank for d in (node._saved_dim0, node._saved_dim1))
+    return tuple(p.transpose(d0 + 1, d1 + 1) for p in rows)
+
+
+def _permute_step(sr: Semiring, node, rows: State, input_nr: int) -> State:
+    rank = rows[0].dim() - 1
+    dims = [int(d) % rank for d in node._saved_dims]
+    inverse = [dims.index(i) for i in range(rank)]
+    return tuple(p.permute(0, *(i + 1 for i in inverse)) for p in rows)
+
+
+def _view_step(sr: Semiring, node, rows: State, input_nr: int) -> State:
+    shape = tuple(node._saved_self_sym_sizes)
+    return tuple(p.reshape(p.shape[0], *shape) for p in rows)
+
+
+def _unsqueeze_step(sr: Semiring, node, rows: State, input_nr: int) -> State:
+    rank = rows[0].dim() - 1
+    return tuple(p.squeeze(int(node._saved_dim) % rank + 1) for p in rows)
+
+
+#: The ops a value computed from one parameter alone may pass through on its way to a row rule.
+PARAMETER_STEPS: dict[str, ParameterStep] = {
+    "ToCopyBackward0": _same,
+    "AliasBackward0": _same,
+    "CloneBackward0": _same,
+    "AddBackward0": _add_step(1.0),
+    "SubBackward0": _add_step(-1.0),
+    "RsubBackward1": _rsub_step,
+    "NegBackward0": _neg_step,
+    "MulBackward0": _mul_step,
+    "DivBackward0": _div_step,
+    "TBackward0": _t_step,
+    "TransposeBackward0": _transpose_step,
+    "PermuteBackward0": _permute_step,
+    "ViewBackward0": _view_step,
+    "UnsafeViewBackward0": _view_step,
+    "UnsqueezeBackward0": _unsqueeze_step,
+}
+_ELEMENTWISE_STEPS = {
+    "AddBackward0",
+    "SubBackward0",
+    "RsubBackward1",
+    "MulBackward0",
+    "DivBackward0",
+}
+
+
+def parameter_step(node, input_nr: int) -> ParameterStep | None:
+    """How rows go back through ``node`` to its input ``input_nr``, where ``node`` computes a
+    value from that input alone (every other input a constant: no gradient edge, no batch in
+    the block's batch following) entry by entry or by moving entries; None otherwise. A value
+    computed from the model's input is never one: its node carries the batch (``BATCHED_KEY``)."""
+    step = PARAMETER_STEPS.get(node.name())
+    if step is None or BATCHED_KEY in node.metadata:
+        return None
+    edges = node.next_functions
+    if any(other is not None for i, (other, _) in enumerate(edges) if i != input_nr):
+        return None
+    if node.name() in _ELEMENTWISE_STEPS:  # no broadcast: one output entry per input entry
+        if input_shape(edges[input_nr][0]) != torch.Size(node._input_metadata[0].shape):
+            return None
+        if node.name() == "DivBackward0" and input_nr != 0:
+            return None
+    return step
 
 
 register_per_sample("MulBackward0", _mul_rows)
@@ -361,10 +492,14 @@ def mixing_reason(node, is_root: bool = False, batches: frozenset[int] = frozens
 __all__ = [
     "BATCHED_KEY",
     "FACTORS_KEY",
+    "PARAMETER_STEPS",
     "PER_SAMPLE_NODES",
+    "ParameterStep",
     "RowRule",
     "has_per_sample_rule",
+    "input_shape",
     "mixing_reason",
+    "parameter_step",
     "register_per_sample",
     "row_rule",
     "unbatched_operand",

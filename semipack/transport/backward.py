@@ -540,8 +540,10 @@ def backward(
                 "per-sample values cannot see inside a reentrant checkpoint (its graph is built "
                 "during the backward): use torch.utils.checkpoint(..., use_reentrant=False)"
             )
-        generic_uses = check_graph(tensors, per_sample, per_sample_batches, per_sample_following)
-        rows = PerSampleRows(sr, per_sample)
+        generic_uses, computed_inputs = check_graph(
+            tensors, per_sample, per_sample_batches, per_sample_following
+        )
+        rows = PerSampleRows(sr, per_sample, computed_inputs)
     kept = retained.alive() if retained is not None else []
     with path_recording(sr, tensors, leaf_names) as sr, _claimed(leaves, leaf_names):
         ledger = GradLedger([*leaves, *kept], accumulate_in_place) if regular_grads else None

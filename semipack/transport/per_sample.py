@@ -14,6 +14,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -26,8 +27,10 @@ from ..messages.message import Message
 from ..rules.per_sample import (
     BATCHED_KEY,
     FACTORS_KEY,
+    PARAMETER_STEPS,
     has_per_sample_rule,
     mixing_reason,
+    parameter_step,
     row_rule,
     unbatched_operand,
 )
@@ -70,15 +73,17 @@ def check_graph(
     params: dict[int, str],
     batches: frozenset[int] = frozenset(),
     following: BatchedTensors | None = None,
-) -> list[tuple[Any, int, Tensor]]:
+) -> tuple[list[tuple], dict[int, tuple[Tensor, tuple]]]:
     """Raise ``PerSampleError`` before the pass if a node without a per-sample rule feeds a
     parameter in ``params`` (id -> name), a generic row rule's node meets the parameter with
     a factor that does not carry the batch (``rules.per_sample.unbatched_operand``, asking
     ``following.holds``: the block's batch following, ``batch_following``), a layer's input
     has the batch off its dim or a dim 0 that never became the batch's, or a node inside the
     model mixes examples (``batches``: the dim-0 sizes of the model's inputs, when the
-    forward ran in the block). Returns ``(node, input_nr, parameter)`` for the uses a generic
-    row rule handles (``hook_rules``)."""
+    forward ran in the block). Returns the uses a generic row rule handles, ``(node, input_nr,
+    parameter)`` or with the steps of a value computed from the parameter alone
+    (``hook_rules``), and the layer inputs computed from a parameter alone, by their node's id
+    (``PerSampleRows``)."""
     is_batched = following.holds if following is not None else (lambda t: False)
     generic: list[tuple[Any, int, Tensor]] = []
     seen: set[int] = set()
@@ -86,6 +91,9 @@ def check_graph(
     root_ids = {id(node) for node in stack}
     unbatched: list[Any] = []  # nodes inside the model whose values lost the batch
     misplaced: list[str] = []  # layers whose input has the batch elsewhere
+    consumers: dict[int, list[tuple[Any, int]]] = {}  # node id -> (node, input_nr) using it
+    computed: list[tuple[Any, int, Tensor]] = []  # a value computed from a parameter alone
+    computed_inputs: dict[int, tuple[Tensor, tuple]] = {}  # a layer's input computed alone
     while stack:
         node = stack.pop()
         if node is None or id(node) in seen:
@@ -105,27 +113,23 @@ def check_graph(
         for input_nr, (nxt, _) in enumerate(node.next_functions):
             if nxt is None:
                 continue
+            consumers.setdefault(id(nxt), []).append((node, input_nr))
             variable = getattr(nxt, "variable", None)
             known = variable is not None and id(variable) in params
-            if known and MISPLACED_KEY in node.metadata:
-                misplaced.append(
-                    f"per-sample values: parameter '{params[id(variable)]}' is used by "
-                    f"{node.metadata[MISPLACED_KEY]}"
+            if (
+                known
+                and MODULE_KEY in node.metadata
+                and parameter_step(node, input_nr) is not None
+                and (
+                    row_rule(node.name()) is None
+                    or unbatched_operand(node, input_nr, is_batched) is not None
                 )
-            if known and has_per_sample_rule(node.name()) and following is not None:
-                unseen = _unseen_input(node)
-                if unseen is not None:
-                    misplaced.append(
-                        f"per-sample values: parameter '{params[id(variable)]}' is used by "
-                        f"{node.name()} on an input ({unseen}) computed from the model's input "
-                        "by calls the block did not see (a torch.jit.script function, code "
-                        "below Python): where its batch is cannot be known"
-                    )
-            refuted = following.refutation(node) if known and following is not None else None
-            if refuted is not None:
-                misplaced.append(
-                    f"per-sample values: parameter '{params[id(variable)]}' is used by {refuted}"
-                )
+            ):  # ``1 + w``, ``w.float()``, ``w.t()``: followed to its uses after the walk
+                computed.append((node, input_nr, variable))
+                stack.append(nxt)
+                continue
+            if known:
+                misplaced += _layer_input_problems(node, params[id(variable)], following)
             if known and row_rule(node.name()) is not None:
                 operand = unbatched_operand(node, input_nr, is_batched)
                 if operand is not None:
@@ -152,14 +156,91 @@ def check_graph(
                     f"{node.name()}{where}, which has no per-sample rule. Supported: "
                     "parameters used directly by F.linear, conv1d/conv2d, F.layer_norm, "
                     "F.embedding and nn.MultiheadAttention (the module extensions, with "
-                    "extensions=True); see 'Per-sample values' in the README"
+                    "extensions=True), or by x * p, x + p, x - p, or through casts, "
+                    "transposes, views and constant factors on the way there; see "
+                    "'Per-sample values' in the README"
                 )
             stack.append(nxt)
+    for node, input_nr, variable in computed:
+        for use in _uses_of_computed(node, input_nr, variable, params, consumers, is_batched):
+            user, user_nr, _, steps = use
+            misplaced += _layer_input_problems(user, params[id(variable)], following)
+            if row_rule(user.name()) is not None:
+                generic.append(use)
+            else:  # a module extension: it reports the rows of the value it was given
+                computed_inputs[id(user.next_functions[user_nr][0])] = (variable, steps)
     if misplaced:  # after the checks above, whose messages name a cause the layer follows from
         raise PerSampleError(misplaced[0])
     if batches - {1}:
         _refuse_lost_batch(unbatched, params)
-    return generic
+    return generic, computed_inputs
+
+
+def _uses_of_computed(
+    start: Any,
+    input_nr: int,
+    variable: Tensor,
+    params: dict[int, str],
+    consumers: dict[int, list[tuple[Any, int]]],
+    is_batched: Callable[[Tensor], bool],
+) -> list[tuple[Any, int, Tensor, tuple[Any, ...]]]:
+    """The row-rule uses of a value computed from ``variable`` alone, starting at ``start``:
+    each with the steps (``parameter_step``, outermost first) that take its rows back to the
+    parameter. Every use of every value on the way must be such a step or a generic row rule
+    whose other operand carries the batch: one use anywhere else (``x @ (1 + w)``) would leave
+    its share out of the rows, and is refused."""
+    found = []
+    frontier: list[tuple[Any, tuple[tuple[Any, int], ...]]] = [(start, ((start, input_nr),))]
+    while frontier:
+        node, steps = frontier.pop()
+        uses = consumers.get(id(node), [])
+        if not uses:
+            raise _computed_refused(params[id(variable)], steps, "reaches the loss itself")
+        for user, user_nr in uses:
+            rule = row_rule(user.name())
+            if (rule is not None and unbatched_operand(user, user_nr, is_batched) is None) or (
+                rule is None and has_per_sample_rule(user.name())
+            ):
+                found.append((user, user_nr, variable, steps))
+            elif MODULE_KEY in user.metadata and parameter_step(user, user_nr) is not None:
+                frontier.append((user, ((user, user_nr), *steps)))
+            else:
+                raise _computed_refused(params[id(variable)], steps, f"is used by {user.name()}")
+    return found
+
+
+def _layer_input_problems(node: Any, name: str, following: BatchedTensors | None) -> list[str]:
+    """Why ``node``'s use of parameter ``name`` (or of a value computed from it alone) has no
+    per-sample rows: its input has the batch elsewhere, was computed by calls the block did
+    not see, or met a provisional mark that the batch refuted."""
+    problems = []
+    if MISPLACED_KEY in node.metadata:
+        problems.append(
+            f"per-sample values: parameter '{name}' is used by {node.metadata[MISPLACED_KEY]}"
+        )
+    if has_per_sample_rule(node.name()) and following is not None:
+        unseen = _unseen_input(node)
+        if unseen is not None:
+            problems.append(
+                f"per-sample values: parameter '{name}' is used by {node.name()} on an input "
+                f"({unseen}) computed from the model's input by calls the block did not see (a "
+                "torch.jit.script function, code below Python): where its batch is cannot be "
+                "known"
+            )
+    refuted = following.refutation(node) if following is not None else None
+    if refuted is not None:
+        problems.append(f"per-sample values: parameter '{name}' is used by {refuted}")
+    return problems
+
+
+def _computed_refused(name: str, steps: Sequence[tuple[Any, int]], use: str) -> PerSampleError:
+    chain = " -> ".join(node.name() for node, _ in reversed(steps))
+    return PerSampleError(
+        f"per-sample values: parameter '{name}' goes through {chain}, and the value computed "
+        f"from it {use}, which has no per-sample rule: its rows would not split by example "
+        "(supported: such a value multiplied with or added to one that carries the batch); "
+        "see 'Per-sample values' in the README"
+    )
 
 
 def _seen(node) -> bool:
@@ -225,9 +306,9 @@ def hook_rules(
 ) -> list[torch.utils.hooks.RemovableHandle]:
     """Pre-hooks that run the generic row rules on the state arriving at each node of ``uses``
     (from ``check_graph``) and report the rows to ``rows``; remove them after the pass."""
-    by_node: dict[int, tuple[Any, list[tuple[int, Tensor]]]] = {}
-    for node, input_nr, param in uses:
-        by_node.setdefault(id(node), (node, []))[1].append((input_nr, param))
+    by_node: dict[int, tuple[Any, list[tuple[int, Tensor, tuple]]]] = {}
+    for node, input_nr, param, *steps in uses:
+        by_node.setdefault(id(node), (node, []))[1].append((input_nr, param, *steps[:1]))
     handles = []
     for node, params in by_node.values():
         rule = row_rule(node.name())
@@ -236,8 +317,12 @@ def hook_rules(
             msg = grad_outputs[0]
             if in_carry_pass() or not isinstance(msg, Message):
                 return None
-            for input_nr, param in params:
-                rows.add(param, rule(msg.semiring, node, msg.parts, input_nr))
+            sr = msg.semiring
+            for input_nr, param, *steps in params:
+                state = rule(sr, node, msg.parts, input_nr)
+                if steps:  # through a value computed from the parameter alone
+                    state = rows_through(sr, state, steps[0], param)
+                rows.add(param, state)
             node.metadata.pop(FACTORS_KEY, None)  # a later pass reads the saved factor
             return None
 
@@ -245,24 +330,66 @@ def hook_rules(
     return handles
 
 
+@dataclass(frozen=True)
+class ComputedInput:
+    """A layer's input computed from one parameter alone (``w.t()``, a pruned ``w * mask``):
+    its rows go back to ``variable`` through ``steps`` (``(node, input_nr)``, outermost
+    first, ``rules.per_sample.parameter_step``)."""
+
+    variable: Tensor
+    steps: tuple[tuple[Any, int], ...]
+
+
+def rows_through(
+    sr: Semiring, state: State, steps: Sequence[tuple[Any, int]], param: Tensor
+) -> State:
+    """The rows of a value computed from ``param`` alone taken back to ``param``."""
+    for step_node, step_nr in steps:
+        # the rows of the step's output, in its dtype's states (as the pass rounds there)
+        state = _in_dtype(sr, state, step_node._input_metadata[0].dtype)
+        state = PARAMETER_STEPS[step_node.name()](sr, step_node, state, step_nr)
+    return _in_dtype(sr, state, param.dtype)
+
+
+def _in_dtype(sr: Semiring, state: State, dtype: torch.dtype) -> State:
+    """``state`` with the component dtypes of a value of ``dtype``: a cast on the way rounds
+    the states there, as it rounds the messages of the pass."""
+    dtypes = sr.component_dtypes(dtype)
+    return tuple(p.to(d) for p, d in zip(state, dtypes, strict=True))
+
+
 class PerSampleRows:
     """The rows reported during one pass: parameter id -> ``[N, *p.shape]`` state."""
 
-    def __init__(self, sr: Semiring, params: dict[int, str]) -> None:
+    def __init__(
+        self,
+        sr: Semiring,
+        params: dict[int, str],
+        computed_inputs: dict[int, tuple[Tensor, tuple]] | None = None,
+    ) -> None:
         self.sr = sr
         self.names = params
+        # node id -> (parameter, steps): layer inputs computed from a parameter alone
+        self.computed_inputs = computed_inputs or {}
         self.rows: dict[int, State] = {}
         self._lock = threading.Lock()
 
-    def wants(self, node) -> Tensor | None:
-        """The parameter behind ``node`` (an input edge's node), if it is one we collect."""
-        variable = getattr(node, "variable", None) if node is not None else None
+    def wants(self, node) -> Tensor | ComputedInput | None:
+        """The parameter behind ``node`` (an input edge's node), if it is one we collect, or
+        the value computed from one alone that ``node`` makes (``ComputedInput``)."""
+        if node is None:
+            return None
+        variable = getattr(node, "variable", None)
         if variable is not None and id(variable) in self.names:
             return variable
-        return None
+        computed = self.computed_inputs.get(id(node))
+        return ComputedInput(*computed) if computed is not None else None
 
-    def add(self, param: Tensor, rows: State) -> None:
-        """Semiring-add ``rows`` (``[N, *param.shape]``) to what ``param`` has."""
+    def add(self, param: Tensor | ComputedInput, rows: State) -> None:
+        """Semiring-add ``rows`` (``[N, *param.shape]``) to what ``param`` has; the rows of a
+        ``ComputedInput`` go back to its parameter first."""
+        if isinstance(param, ComputedInput):
+            param, rows = param.variable, rows_through(self.sr, rows, param.steps, param.variable)
         with self._lock:
             before = self.rows.get(id(param))
             if before is not None and before[0].shape[0] != rows[0].shape[0]:

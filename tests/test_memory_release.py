@@ -282,6 +282,92 @@ def test_a_pass_that_fails_in_its_readouts_changes_no_gradient(earlier_pass: boo
         torch.testing.assert_close(p.grad, 2 * g, rtol=0, atol=0)
 
 
+class _FailsInReadoutInto(semipack.MaxProd):
+    """MaxProd whose ``readout_into`` fails when armed: before writing, or after writing into
+    the earlier readout's memory (a check of the value, say)."""
+
+    armed: str | None = None
+
+    def readout_into(self, a, into):
+        if _FailsInReadoutInto.armed == "before":
+            raise RuntimeError("readout_into failed")
+        value = super().readout_into(a, into)
+        if _FailsInReadoutInto.armed == "after":
+            raise RuntimeError("readout_into failed")
+        return value
+
+
+def _assert_old_or_absent(model: nn.Module, earlier: dict) -> list[str]:
+    """Each parameter's readout is its earlier value or absent; returns the absent ones."""
+    absent = []
+    for name, p in model.named_parameters():
+        if not hasattr(p, "semiring_grad"):
+            absent.append(name)
+            continue
+        value, want = p.semiring_grad, earlier[name]
+        pairs = zip(value, want, strict=True) if isinstance(want, tuple) else [(value, want)]
+        for got, old in pairs:
+            assert torch.equal(got, old), name
+    return absent
+
+
+@pytest.mark.parametrize("when", ["before", "after"])
+@pytest.mark.parametrize("product", [False, True])
+def test_a_readout_that_fails_while_writing_leaves_no_half_new_value(when, product) -> None:
+    """A leaf's readout is written into its earlier readout's memory as its message arrives;
+    one that fails there, before or after writing (in a Product, after the first factor was
+    written), leaves that leaf's readout absent, never half new, and the others as they were
+    (trial 39); ``.grad`` is the earlier one."""
+    torch.manual_seed(5)
+    model = nn.Sequential(nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 4))
+    failing = _FailsInReadoutInto()
+    sr = semipack.Product(semipack.MaxProd(), failing) if product else failing
+    _FailsInReadoutInto.armed = None
+    with semipack.extend(model, sr):
+        model(torch.randn(4, 16)).sum().backward()
+    earlier = {
+        n: tuple(v.clone() for v in p.semiring_grad) if product else p.semiring_grad.clone()
+        for n, p in model.named_parameters()
+    }
+    grads = [p.grad.clone() for p in model.parameters()]
+    _FailsInReadoutInto.armed = when
+    try:
+        with semipack.extend(model, sr), pytest.raises(RuntimeError, match="readout_into failed"):
+            model(5 * torch.randn(4, 16)).sum().backward()
+    finally:
+        _FailsInReadoutInto.armed = None
+    assert _assert_old_or_absent(model, earlier) == ["2.weight"]  # the first one read out
+    for p, g in zip(model.parameters(), grads, strict=True):
+        assert torch.equal(p.grad, g)
+
+
+def test_a_retained_tensor_keeps_its_grad_when_a_pass_without_regular_gradients_fails() -> None:
+    """With ``regular_grads=False`` the engine still hands a retained tensor its message; a pass
+    that fails below it must not leave that message in ``.grad`` (trial 39)."""
+    torch.manual_seed(6)
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2))
+    x = torch.randn(3, 4, requires_grad=True)
+    with semipack.extend(model, semipack.MaxProd(), regular_grads=False):
+        h = model[0](SquaresItsGradient.apply(x))
+        h.retain_grad()
+        with pytest.raises(semipack.UnsupportedOpError):
+            model[2](h.relu()).sum().backward()
+        assert h.grad is None
+
+
+def test_semipack_grad_sets_paths_only_when_it_returns() -> None:
+    """``semipack.grad`` with TopPath stores each input's paths; a call that raises (an unused
+    input without ``allow_unused``) leaves the earlier ones (trial 39)."""
+    a = torch.tensor([1.0, 2.0], requires_grad=True)
+    b = torch.tensor([3.0, 4.0], requires_grad=True)
+    unused = torch.tensor([5.0], requires_grad=True)
+    semipack.grad((a * b).sum(), [a], semipack.TopPath())
+    paths = a.semiring_paths
+    with pytest.raises(RuntimeError, match="appears to not have been used"):
+        semipack.grad((a * a * 10).sum(), [a, unused], semipack.TopPath())
+    assert a.semiring_paths is paths
+
+
 def _assert_same_readout(got, want) -> None:
     if isinstance(want, tuple):
         assert type(got) is type(want) and len(got) == len(want)

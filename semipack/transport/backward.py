@@ -244,7 +244,7 @@ def read_results(
         value = sr.readout(msg.parts)
     else:
         earlier = unheld_value(t, SEMIRING_GRAD)
-        if earlier is not None:
+        if _any_tensor(earlier):
             overwritten.append(t)
         value = sr.readout_sparse(sparse, into=earlier)
     return {
@@ -307,9 +307,11 @@ class LeafCaptures:
             # threads' passes on a shared parameter must not both take its earlier readout.
             with _READOUT_LOCK:
                 earlier = unheld_value(leaf, SEMIRING_GRAD)
+                if _any_tensor(earlier):  # counted as written before the readout writes: a
+                    self._overwritten.append(leaf)  # readout failing halfway leaves it half new
                 value = sr.readout_into(msg.parts, earlier)
-                if _written_into(value, earlier):
-                    self._overwritten.append(leaf)
+                if _any_tensor(earlier) and not _written_into(value, earlier):
+                    self._overwritten.pop()  # a new memory (ours is the last, under the lock)
                 self.readouts[id(leaf)] = value
             return
         # Keep only the semiring state: the regular gradient goes to ``.grad`` (possibly as a
@@ -346,6 +348,14 @@ class LeafCaptures:
         for t in self._overwritten:
             if hasattr(t, SEMIRING_GRAD):
                 delattr(t, SEMIRING_GRAD)
+
+
+def _any_tensor(value: Any) -> bool:
+    """Whether ``value`` (an earlier readout: a tensor, a tuple of them with None for those
+    held elsewhere, or None) has memory a readout may write into."""
+    if isinstance(value, tuple):
+        return any(_any_tensor(v) for v in value)
+    return isinstance(value, Tensor)
 
 
 def _written_into(value: Any, earlier: Any) -> bool:
@@ -547,6 +557,7 @@ def backward(
     kept = retained.alive() if retained is not None else []
     with path_recording(sr, tensors, leaf_names) as sr, _claimed(leaves, leaf_names):
         ledger = GradLedger([*leaves, *kept], accumulate_in_place) if regular_grads else None
+        kept_grads = [(t, t.grad) for t in kept]
         read_early = not (keep_state or sr.trace is not None or scan.reentrant_checkpoint)
         captured = LeafCaptures(read_early)
         try:
@@ -579,6 +590,9 @@ def backward(
         except BaseException:
             if ledger is not None:
                 ledger.roll_back()
+            else:  # no regular gradients: a retained tensor's .grad may hold the message
+                for t, old in kept_grads:
+                    t.grad = old
             captured.discard()
             raise
         for t, stored in results:
@@ -739,7 +753,8 @@ def grad(
     1 for scalar outputs) are lifted into the semiring as the weights of edges from a virtual
     root. Returns one readout per input, shaped like it (``None`` for unused inputs with
     ``allow_unused=True``). No regular gradient is computed and nothing is stored on the inputs
-    but, after a TopPath pass, their ``semiring_paths``. A graph through modules with full
+    but, after a TopPath pass that returns, their ``semiring_paths`` (a call that raises leaves
+    the earlier ones). A graph through modules with full
     backward hooks or backward pre-hooks (BackPACK-extended modules, say) raises
     ``SemipackError`` before anything runs: those hooks would get no gradient to see.
     """
@@ -763,9 +778,12 @@ def grad(
         got = torch.autograd.grad(
             outputs, inputs, seed, retain_graph=retain_graph, allow_unused=True
         )
-        for i, (t, msg) in enumerate(zip(inputs, got, strict=True)):
-            if sr.trace is not None and isinstance(msg, Message):
-                t.semiring_paths = sr.trace.capture_leaf(t, msg, f"input {i}")
+        # captured while the trace is recording, set only once every readout succeeded
+        paths = [
+            (t, sr.trace.capture_leaf(t, msg, f"input {i}"))
+            for i, (t, msg) in enumerate(zip(inputs, got, strict=True))
+            if sr.trace is not None and isinstance(msg, Message)
+        ]
     result = []
     for i, (t, msg) in enumerate(zip(inputs, got, strict=True)):
         if msg is None:
@@ -778,6 +796,8 @@ def grad(
             continue
         with own_kernels_compiled():  # inside an extend block too
             result.append(sr.readout(_check(msg, t, sr, outputs).parts))
+    for t, recorded in paths:
+        t.semiring_paths = recorded
     return tuple(result)
 
 

@@ -76,10 +76,24 @@ def unheld_value(t: Tensor, name: str) -> Any:
     readout may then be written into its memory, as PyTorch reuses a gradient's buffer.
     Otherwise ``None`` (and a tuple of readouts gets ``None`` for each one held elsewhere)."""
     value, refs = _attribute_refs(t, name)
-    if type(value) is tuple and refs <= _ALONE_AS_ATTRIBUTE:  # a Product's readouts
-        held = [_item_refs(value, i) for i in range(len(value))]
-        return tuple(v if _alone(v, r, _ALONE_AS_ITEM) else None for v, r in held)
+    if isinstance(value, tuple):  # a Product's readouts, ``Entropy(flow=True)``'s pair
+        return _unheld_items(value) if refs <= _ALONE_AS_ATTRIBUTE else None
     return value if _alone(value, refs, _ALONE_AS_ATTRIBUTE) else None
+
+
+def _unheld_items(value: tuple) -> tuple | None:
+    """A tuple readout with each item that nothing else holds (a tensor, or a tuple of them in
+    turn) and None for the others; None for a tuple type other than a plain or named tuple."""
+    if type(value) is not tuple and not hasattr(type(value), "_fields"):
+        return None
+    items = []
+    for i in range(len(value)):
+        item, refs = _item_refs(value, i)
+        if isinstance(item, tuple):
+            items.append(_unheld_items(item) if refs <= _ALONE_AS_ITEM else None)
+        else:
+            items.append(item if _alone(item, refs, _ALONE_AS_ITEM) else None)
+    return tuple(items) if type(value) is tuple else type(value)(*items)
 
 
 def held_only_by(t: Any, name: str) -> bool:

@@ -142,14 +142,16 @@ class Entropy(Semiring):
         return EntropyFlow(entropy, a[0]) if self.flow else entropy
 
     def readout_into(self, a: State, into: Any) -> Any:
+        earlier = into.entropy if self.flow and isinstance(into, EntropyFlow) else into
         if (
-            self.flow
-            or not fits(into, a[0])
+            (self.flow and not isinstance(into, EntropyFlow))
+            or not fits(earlier, a[0])
             or a[1].dtype != a[0].dtype
             or not uses_methods_of(self, Entropy, "readout")
         ):
             return super().readout_into(a, into)
-        return _entropy_readout_into(a[0], a[1], on_memory_of(into))
+        entropy = _entropy_readout_into(a[0], a[1], on_memory_of(earlier))
+        return EntropyFlow(entropy, a[0]) if self.flow else entropy
 
     def matmul(self, a: State, w: Tensor) -> State:
         # Σ_k e_k|w_kj| (R_k - log|w_kj|) = (e∘R) @ |w| - e @ (|w| log|w|): three BLAS calls.

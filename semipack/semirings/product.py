@@ -109,7 +109,7 @@ class Product(Semiring):
 
     def readout_into(self, a: State, into: Any) -> tuple[Any, ...]:
         """``readout_into`` factor by factor, ``into`` an earlier readout of this product."""
-        earlier = into if isinstance(into, tuple) and len(into) == len(self.semirings) else None
+        earlier = into if type(into) is tuple and len(into) == len(self.semirings) else None
         return tuple(
             s.readout_into(st, None if earlier is None else earlier[i])
             for i, (s, st) in enumerate(zip(self.semirings, self.split(a), strict=True))
@@ -118,7 +118,7 @@ class Product(Semiring):
     def readout_sparse(self, a: SparseRows, into: Any = None) -> tuple[Any, ...]:
         """``readout`` of a sparse state, factor by factor (each skips the unreached rows);
         ``into`` is an earlier readout of this product, reused factor by factor."""
-        earlier = into if isinstance(into, tuple) and len(into) == len(self.semirings) else None
+        earlier = into if type(into) is tuple and len(into) == len(self.semirings) else None
         return tuple(
             s.readout_sparse(
                 dataclasses.replace(a, parts=st), None if earlier is None else earlier[i]

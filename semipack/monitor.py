@@ -320,7 +320,11 @@ def _layers(model: nn.Module) -> dict[str, nn.Parameter]:
     """Module name -> the parameter summarised for it: its ``weight`` if that trains, else its
     first own parameter that trains (a frozen weight with a trained bias is read at the bias);
     modules with no trained parameter of their own are left out. Names are the model's as
-    written (a ``torch.compile``d model's without its ``_orig_mod.`` prefix)."""
+    written: a ``torch.compile``d model's without its ``_orig_mod.`` prefix, a
+    ``DistributedDataParallel`` (or ``DataParallel``) model's without its ``module.``, so a
+    data-parallel run's records have one process's names."""
+    if isinstance(model, (nn.parallel.DistributedDataParallel, nn.DataParallel)):
+        model = model.module
     out = {}
     for name, module in model.named_modules():
         own = dict(module.named_parameters(recurse=False))

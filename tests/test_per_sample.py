@@ -588,6 +588,61 @@ def test_a_gain_computed_through_a_cast_has_each_examples_rows(semiring_name):
             assert_readout_matches(semiring_name, rows[name][i], p.semiring_grad, f"{name} {i}")
 
 
+class NegativeDims(nn.Module):
+    """Values computed from parameters with negative dims, a view PyTorch serves as an alias
+    and a division by a Python number (trial 41: autograd saves a negative dim as an unsigned
+    integer, and 1/3 was rounded to float32)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Parameter(torch.randn(3, 3, 3))
+        self.mt = nn.Parameter(torch.randn(3, 3, 3))
+        self.gain = nn.Parameter(torch.randn(3))
+        self.square = nn.Parameter(torch.randn(5, 5))
+
+    def forward(self, x):  # x: [N, 3, 5]
+        h = F.conv1d(x, self.conv.transpose(-1, -2), padding=1)
+        h = h + F.conv1d(x, self.mt.permute(0, -1, -2), padding=1)
+        h = torch.tanh(h * self.gain.unsqueeze(-1))  # a gain per channel
+        h = F.linear(h, self.square.permute(1, 0).reshape(5, 5) / 3.0)
+        return h
+
+
+def test_negative_dims_views_and_a_number_divisor_give_each_examples_rows():
+    torch.manual_seed(8)
+    model, x = NegativeDims().double(), torch.randn(4, 3, 5, dtype=torch.float64)
+    with semipack.extend(model, semipack.Real(), per_sample=True):
+        _loss(model(x)).backward()
+    for name, p in model.named_parameters():
+        for i in range(4):
+            want = torch.autograd.grad(_loss(model(x[i : i + 1])), p)[0]
+            torch.testing.assert_close(
+                p.semiring_grad_batch[i], want, rtol=1e-13, atol=1e-15, msg=f"{name} {i}"
+            )
+
+
+def test_a_computed_value_inside_a_checkpoint_is_refused_by_name():
+    """Inside a non-reentrant checkpoint a saved tensor may be unpacked once: a row rule that
+    reads a factor there would break the node's own backward (``CheckpointError``). The pass
+    raises ``PerSampleError`` instead and changes nothing (trial 41)."""
+
+    class Checkpointed(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.inp = nn.Linear(3, 4)
+            self.w = nn.Parameter(torch.randn(4))
+
+        def forward(self, x):
+            gain = lambda h: h * (1.0 + self.w)  # noqa: E731
+            return checkpoint(gain, self.inp(x), use_reentrant=False).sum(-1)
+
+    model = Checkpointed()
+    block = semipack.extend(model, semipack.MaxProd(), per_sample=True)
+    with block, pytest.raises(PerSampleError, match="inside a non-reentrant checkpoint"):
+        model(torch.randn(2, 3)).sum().backward()
+    assert all(p.grad is None for p in model.parameters())
+
+
 def test_a_value_computed_from_a_parameter_is_refused_where_a_use_has_no_rule():
     """Every use of a value computed from a parameter alone must be a rule's: one matmul
     beside the gain would leave its share out of the rows."""

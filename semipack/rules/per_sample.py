@@ -108,7 +108,22 @@ def _mul_factor(node, input_nr: int) -> Tensor:
     factors = node.metadata.get(FACTORS_KEY)
     if factors is not None:
         return factors[1 - input_nr]
-    return node._saved_other if input_nr == 0 else node._saved_self
+    return saved(node, "_saved_other" if input_nr == 0 else "_saved_self")
+
+
+def saved(node, name: str) -> Tensor:
+    """A tensor ``node`` saved for its backward. Inside a non-reentrant checkpoint a saved tensor
+    may be unpacked only by the node's own backward: reading it here raised ``CheckpointError``,
+    which becomes a ``PerSampleError`` naming the node (a leaf gain ``x * p`` keeps its factors
+    in the forward and is not read here)."""
+    try:
+        return getattr(node, name)
+    except torch.utils.checkpoint.CheckpointError as exc:
+        raise PerSampleError(
+            f"per-sample values: {node.name()} runs inside a non-reentrant checkpoint, where "
+            "its saved operand cannot be read for the rows; run that part of the model outside "
+            "the checkpoint (a parameter used directly by a layer, or as x * p, works inside)"
+        ) from exc
 
 
 def _mul_rows(sr: Semiring, node, state: State, input_nr: int) -> State:
@@ -139,10 +154,10 @@ def _batch_norm_eval_rows(sr: Semiring, node, state: State, input_nr: int) -> St
         )
     dtype = state[0].dtype
     if input_nr == 1:
-        x: Tensor = node._saved_input
+        x: Tensor = saved(node, "_saved_input")
         shape = [1, -1] + [1] * (x.dim() - 2)
-        mean = node._saved_running_mean.reshape(shape)
-        var = node._saved_running_var.reshape(shape)
+        mean = saved(node, "_saved_running_mean").reshape(shape)
+        var = saved(node, "_saved_running_var").reshape(shape)
         eps = getattr(node, "_saved_eps", None)  # cuDNN's and MIOpen's nodes: epsilon
         eps = node._saved_epsilon if eps is None else eps
         x_hat = ((x - mean) * torch.rsqrt(var + eps)).to(dtype)
@@ -253,9 +268,11 @@ def _mul_step(sr: Semiring, node, rows: State, input_nr: int) -> State:
 
 
 def _div_step(sr: Semiring, node, rows: State, input_nr: int) -> State:
-    return _scaled(
-        sr, rows, node._saved_other.to(rows[0].dtype).reciprocal().expand(rows[0].shape[1:])
-    )
+    # ones / c, not c.reciprocal(): a Python number is saved as a "wrapped number", and a unary
+    # op on one gives the default dtype (1/3 rounded to float32 in a float64 model)
+    dtype = rows[0].dtype if rows[0].is_floating_point() else torch.float64  # Boolean's bool
+    ones = torch.ones(rows[0].shape[1:], dtype=dtype, device=rows[0].device)
+    return _scaled(sr, rows, ones.div_(saved(node, "_saved_other").to(dtype)))
 
 
 def _t_step(sr: Semiring, node, rows: State, input_nr: int) -> State:
@@ -264,13 +281,13 @@ def _t_step(sr: Semiring, node, rows: State, input_nr: int) -> State:
 
 def _transpose_step(sr: Semiring, node, rows: State, input_nr: int) -> State:
     rank = rows[0].dim() - 1
-    d0, d1 = (int(d) % rank for d in (node._saved_dim0, node._saved_dim1))
+    d0, d1 = (_signed(int(d)) % rank for d in (node._saved_dim0, node._saved_dim1))
     return tuple(p.transpose(d0 + 1, d1 + 1) for p in rows)
 
 
 def _permute_step(sr: Semiring, node, rows: State, input_nr: int) -> State:
     rank = rows[0].dim() - 1
-    dims = [int(d) % rank for d in node._saved_dims]
+    dims = [_signed(int(d)) % rank for d in node._saved_dims]
     inverse = [dims.index(i) for i in range(rank)]
     return tuple(p.permute(0, *(i + 1 for i in inverse)) for p in rows)
 
@@ -282,7 +299,7 @@ def _view_step(sr: Semiring, node, rows: State, input_nr: int) -> State:
 
 def _unsqueeze_step(sr: Semiring, node, rows: State, input_nr: int) -> State:
     rank = rows[0].dim() - 1
-    return tuple(p.squeeze(int(node._saved_dim) % rank + 1) for p in rows)
+    return tuple(p.squeeze(_signed(int(node._saved_dim)) % rank + 1) for p in rows)
 
 
 #: The ops a value computed from one parameter alone may pass through on its way to a row rule.
@@ -301,6 +318,7 @@ PARAMETER_STEPS: dict[str, ParameterStep] = {
     "PermuteBackward0": _permute_step,
     "ViewBackward0": _view_step,
     "UnsafeViewBackward0": _view_step,
+    "ReshapeAliasBackward0": _view_step,
     "UnsqueezeBackward0": _unsqueeze_step,
 }
 _ELEMENTWISE_STEPS = {

@@ -567,17 +567,29 @@ def backward(
                     collect.enter_context(collecting(rows))
                     for handle in hook_rules(generic_uses, rows):
                         collect.callback(handle.remove)
-                _run_backward(
-                    tensors,
-                    grad_tensors,
-                    sr,
-                    leaves,
-                    regular_grads,
-                    retain_graph,
-                    inputs,
-                    scan,
-                    captured,
-                )
+                try:
+                    _run_backward(
+                        tensors,
+                        grad_tensors,
+                        sr,
+                        leaves,
+                        regular_grads,
+                        retain_graph,
+                        inputs,
+                        scan,
+                        captured,
+                    )
+                except torch.utils.checkpoint.CheckpointError as exc:
+                    if rows is None:
+                        raise
+                    raise PerSampleError(
+                        "per-sample values: a row rule read a tensor that a node inside a "
+                        "non-reentrant checkpoint saved, which its own backward may then not "
+                        "read again (a factor of x * p where p is computed from a parameter, "
+                        "a constant divisor, batch norm's input): run that part of the model "
+                        "outside the checkpoint; a parameter used directly by a layer, or as a "
+                        f"leaf gain x * p, works inside ({exc})"
+                    ) from exc
             if rows is not None:
                 batched = [t for t in leaves if id(t) in captured and id(t) in per_sample]
                 rows.check(batched, per_sample_batches)

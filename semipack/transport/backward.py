@@ -557,7 +557,7 @@ def backward(
     kept = retained.alive() if retained is not None else []
     with path_recording(sr, tensors, leaf_names) as sr, _claimed(leaves, leaf_names):
         ledger = GradLedger([*leaves, *kept], accumulate_in_place) if regular_grads else None
-        kept_grads = [(t, t.grad) for t in kept]
+        kept_grads = [] if regular_grads else [(t, t.grad) for t in kept]  # the ledger's job
         read_early = not (keep_state or sr.trace is not None or scan.reentrant_checkpoint)
         captured = LeafCaptures(read_early)
         try:

@@ -176,6 +176,11 @@ def run(
         masked = encoded["input_ids"] == tokenizer.mask_token_id
         if not bool(masked.any()):
             raise SemipackError(f"--target mask needs a {tokenizer.mask_token} token in the text")
+        if int(masked.sum()) > 1:  # which one to explain would be a guess
+            raise SemipackError(
+                f"--target mask explains one {tokenizer.mask_token} token; the text has "
+                f"{int(masked.sum())}: keep one"
+            )
     _check_length(model, tokenizer, len(tokens))
     _check_target(target, len(tokens))
     layers = _layers(model)
@@ -227,11 +232,19 @@ def _unravel(flat: int, shape: tuple[int, ...]) -> tuple[int, ...]:
 
 
 def _check_target(target: str, length: int) -> None:
+    """``token:N`` names a position of the text: 0 to length - 1, or counted from the end as in
+    Python (-1 the last token)."""
     if target.startswith("token:"):
         position = target.split(":", 1)[1]
-        if not position.lstrip("-").isdecimal() or not -length <= int(position) < length:
+        if not position.lstrip("-").isdecimal():
             raise SemipackError(
-                f"--target {target!r}: the text has {length} tokens (positions 0 to {length - 1})"
+                f"--target {target!r}: N must be a token position, an integer (token:3; "
+                "token:-1 for the last token)"
+            )
+        if not -length <= int(position) < length:
+            raise SemipackError(
+                f"--target {target!r}: the text has {length} tokens (positions 0 to "
+                f"{length - 1}, or -{length} to -1 from the end)"
             )
 
 

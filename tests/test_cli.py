@@ -120,7 +120,13 @@ def test_the_best_branch_per_token_is_the_best_path_to_the_token(
         (["--semirings", "Tropical"], "unknown semiring 'Tropical': choose from MaxProd, Log"),
         (["--target", "cls"], "unknown --target 'cls': use 'norm', 'token:N' or 'mask'"),
         (["--target", "mask", "--text", "the keys"], "--target mask needs a [MASK] token"),
-        (["--target", "token:\u00b2"], "--target 'token:\u00b2': the text has"),  # a digit
+        (["--target", "token:\u00b2"], "N must be a token position"),  # a digit, not decimal
+        (["--target", "token:x"], "--target 'token:x': N must be a token position, an integer"),
+        (["--target", "token:99"], "--target 'token:99': the text has"),
+        (
+            ["--target", "mask", "--text", "the [MASK] are [MASK]"],
+            "--target mask explains one [MASK] token; the text has 2: keep one",
+        ),
     ],
 )
 def test_mistakes_exit_with_a_clear_message(

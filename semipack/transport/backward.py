@@ -265,6 +265,10 @@ def set_results(t: Tensor, results: Results) -> None:
             delattr(t, name)
 
 
+#: The retained tensors of the pass running in this thread (``carry_down`` keeps their
+#: ``.grad``: the engine's retain hooks also fire in its extra passes).
+_PASS = threading.local()
+
 #: Held while a readout picks the memory it is written into (``LeafCaptures.take``).
 _READOUT_LOCK = threading.Lock()
 #: Held while a pass puts its hook first on a leaf, or removes it (``_first_hook``).
@@ -567,6 +571,7 @@ def backward(
                     collect.enter_context(collecting(rows))
                     for handle in hook_rules(generic_uses, rows):
                         collect.callback(handle.remove)
+                outer, _PASS.retained = getattr(_PASS, "retained", ()), kept
                 try:
                     _run_backward(
                         tensors,
@@ -590,6 +595,8 @@ def backward(
                         "outside the checkpoint; a parameter used directly by a layer, or as a "
                         f"leaf gain x * p, works inside ({exc})"
                     ) from exc
+                finally:
+                    _PASS.retained = outer
             if rows is not None:
                 batched = [t for t in leaves if id(t) in captured and id(t) in per_sample]
                 rows.check(batched, per_sample_batches)
@@ -813,6 +820,16 @@ def grad(
     return tuple(result)
 
 
+@contextmanager
+def _grads_put_back(kept: Sequence[tuple[Tensor, Any]]) -> Iterator[None]:
+    """Put each tensor's ``.grad`` back to the value given on leaving."""
+    try:
+        yield
+    finally:
+        for t, old in kept:
+            t.grad = old
+
+
 def carry_down(
     tensor: Tensor, states: Sequence[State], semiring: Semiring, inputs: Sequence[Tensor]
 ) -> list[list[State | None]]:
@@ -822,7 +839,10 @@ def carry_down(
     on a retained graph) and keeps it (``retain_graph=True``); no regular gradient is computed.
     Returns, per state, one state per input, shaped like it (None where no path reaches it)."""
     out = []
-    with semiring_pass(retain_graph=True), carry_pass():
+    # A retained tensor below ``tensor`` would take these passes' messages into its ``.grad``
+    # (the engine's retain hooks fire in every pass): its pass's value is put back after them.
+    kept = [(t, t.grad) for t in getattr(_PASS, "retained", ())]
+    with semiring_pass(retain_graph=True), carry_pass(), _grads_put_back(kept):
         for state in states:
             seed = Message(None, state, semiring, tensor.dtype)
             got = torch.autograd.grad(

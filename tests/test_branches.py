@@ -304,3 +304,37 @@ def test_carrying_branches_down_leaves_retained_tensors_as_one_pass_does(semirin
     (value, grad), (carried_value, carried_grad) = runs
     torch.testing.assert_close(carried_value, value, rtol=1e-14, atol=0)
     torch.testing.assert_close(carried_grad, grad, rtol=0, atol=0)
+
+
+class _ListedAndInPlaceUses(nn.Module):
+    """The split tensor used inside ``torch.cat``'s and ``torch.stack``'s lists and as the
+    other argument of an in-place add, beside a plain use."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(3, 3)
+
+    def forward(self, h: Tensor) -> Tensor:
+        y = self.a(h)
+        y.add_(h)
+        joined = torch.cat([h, 3 * h], dim=-1).sum(-1, keepdim=True)
+        stacked = torch.stack([h, h]).tanh().sum(0)
+        return y * joined + stacked
+
+
+@pytest.mark.parametrize("semiring", [semipack.Real, semipack.MaxProd, semipack.LogSum])
+def test_uses_in_a_list_and_in_an_in_place_op_are_branches(semiring) -> None:
+    """Such uses were in no branch, silently (trial 43): the branches combine to the value at
+    the tensor, which a pass without the split gives at the retained tensor."""
+    torch.manual_seed(2)
+    emb, block = nn.Linear(2, 3).double(), _ListedAndInPlaceUses().double()
+    model = nn.Sequential(emb, block)
+    x = torch.randn(4, 2, dtype=torch.float64)
+    with semipack.extend(model, semiring()):
+        with semipack.branches(block) as split:
+            h = torch.tanh(emb(x))
+            h.retain_grad()
+            out = block(h)
+        out.sum().backward()
+    assert len(split.names) == 6  # block.a, add_'s argument, two in cat, two in stack
+    torch.testing.assert_close(split.total([]), h.semiring_grad, rtol=1e-12, atol=1e-12)

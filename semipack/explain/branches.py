@@ -130,16 +130,20 @@ class _SplitMode(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if self.target is None or _not_a_use(func):
+        if self.target is None or _reads_metadata(func):
             return func(*args, **kwargs)
+        # an in-place op writes its first argument: that one keeps the tensor (an alias would
+        # be written through); the split tensor as one of its other arguments is a use
+        first = 1 if _in_place(func) else 0
         if not torch.is_grad_enabled():
             if not self.uses_without_grad:
-                every = (*args, *kwargs.values())
-                self.uses_without_grad = any(self._is_split(a) for a in every)
+                every = (*args[first:], *kwargs.values())
+                self.uses_without_grad = any(self._in_argument(a) for a in every)
             return func(*args, **kwargs)
-        uses = [i for i, a in enumerate(args) if self._is_split(a)]
+        uses = [i for i, a in enumerate(args) if i >= first and self._is_split(a)]
         named = [k for k, v in kwargs.items() if self._is_split(v)]
-        if not uses and not named:
+        listed = [i for i, a in enumerate(args) if i >= first and self._in_list(a)]
+        if not uses and not named and not listed:
             return func(*args, **kwargs)
         module = current_module()
         labels = _argument_labels(func, uses, named) if len(uses) + len(named) > 1 else None
@@ -148,7 +152,18 @@ class _SplitMode(TorchFunctionMode):
             args[i] = self._alias(args[i], module, labels[n] if labels else None)
         for n, k in enumerate(named):
             kwargs[k] = self._alias(kwargs[k], module, labels[len(uses) + n] if labels else None)
+        for i in listed:  # torch.cat([h, g]), torch.stack: each listed use is a branch
+            args[i] = type(args[i])(
+                self._alias(a, module, None) if self._is_split(a) else a for a in args[i]
+            )
         return func(*args, **kwargs)
+
+    def _in_list(self, a: Any) -> bool:
+        """Whether ``a`` is a list or tuple of arguments holding the split tensor."""
+        return isinstance(a, (list, tuple)) and any(self._is_split(t) for t in a)
+
+    def _in_argument(self, a: Any) -> bool:
+        return self._is_split(a) or self._in_list(a)
 
     def _is_split(self, a: Any) -> bool:
         """Whether ``a`` is the split tensor, or it as a module with backward hooks (BackPACK's,
@@ -194,10 +209,15 @@ def _behind_module_hook(a: Tensor, t: Tensor) -> bool:
     return fn is t.grad_fn and nr == t.output_nr
 
 
-def _not_a_use(func: Callable[..., Any]) -> bool:
-    """In-place ops (which would write through an alias) and metadata reads keep the tensor."""
+def _reads_metadata(func: Callable[..., Any]) -> bool:
+    """Metadata reads are no uses: they see the tensor itself."""
+    return getattr(func, "__name__", "") in _NOT_USES
+
+
+def _in_place(func: Callable[..., Any]) -> bool:
+    """Whether ``func`` writes its first argument (``add_``, ``mul_``, ``__iadd__``)."""
     name = getattr(func, "__name__", "")
-    return name in _NOT_USES or (name.endswith("_") and not name.endswith("__"))
+    return (name.endswith("_") and not name.endswith("__")) or name.startswith("__i")
 
 
 def _argument_labels(func: Callable[..., Any], uses: list[int], named: list[str]) -> list[str]:

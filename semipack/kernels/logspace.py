@@ -174,11 +174,14 @@ def log_magnitude_plus_(mag: Tensor, shift: Tensor | float) -> Tensor:
         or torch.broadcast_shapes(mag.shape, shift.shape) != mag.shape
     ):
         return log_magnitude_(mag).add_(shift)
-    if mag.is_contiguous() and (shift.numel() == 1 or shift.shape == mag.shape):
-        # flat views: one compiled variant per dtype and kind of shift, whatever the rank
-        flat_shift = shift.reshape(()) if shift.numel() == 1 else shift.reshape(-1)
-        _log_plus(mag.view(-1), flat_shift)
-        return mag
+    # flat (``_flat``): one compiled variant per dtype and kind of shift, whatever the rank
+    # and the order of the dims in memory
+    same_layout = shift.shape == mag.shape and shift.stride() == mag.stride()
+    if shift.numel() == 1 or same_layout:
+        flat, flat_shift = _flat(mag), _flat(shift)
+        if flat is not None and flat_shift is not None:
+            _log_plus(flat, flat_shift)
+            return mag
     return _log_plus(mag, shift)
 
 
@@ -208,9 +211,10 @@ def xlogx(mag: Tensor) -> Tensor:
     an accelerator's) with those bits and without a zero reaching torch's log (see
     ``log_magnitude_``) or a bool mask; on the CPU from ``SPECIAL_SAFE_MIN_ELEMENTS`` entries
     the compiled form in one loop, with a log within float rounding of torch's."""
-    if not mag.is_contiguous() or _flat_on_host(mag) is None:
+    flat = _flat_on_host(mag) if mag.is_contiguous() else None  # the result comes contiguous
+    if flat is None:
         return _xlogx_eager(mag)
-    return _xlogx(mag.view(-1)).view(mag.shape)
+    return _xlogx(*flat).view(mag.shape)
 
 
 def finite_or_zero(x: Tensor) -> Tensor:

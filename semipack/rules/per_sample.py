@@ -108,22 +108,7 @@ def _mul_factor(node, input_nr: int) -> Tensor:
     factors = node.metadata.get(FACTORS_KEY)
     if factors is not None:
         return factors[1 - input_nr]
-    return saved(node, "_saved_other" if input_nr == 0 else "_saved_self")
-
-
-def saved(node, name: str) -> Tensor:
-    """A tensor ``node`` saved for its backward. Inside a non-reentrant checkpoint a saved tensor
-    may be unpacked only by the node's own backward: reading it here raised ``CheckpointError``,
-    which becomes a ``PerSampleError`` naming the node (a leaf gain ``x * p`` keeps its factors
-    in the forward and is not read here)."""
-    try:
-        return getattr(node, name)
-    except torch.utils.checkpoint.CheckpointError as exc:
-        raise PerSampleError(
-            f"per-sample values: {node.name()} runs inside a non-reentrant checkpoint, where "
-            "its saved operand cannot be read for the rows; run that part of the model outside "
-            "the checkpoint (a parameter used directly by a layer, or as x * p, works inside)"
-        ) from exc
+    return node._saved_other if input_nr == 0 else node._saved_self
 
 
 def _mul_rows(sr: Semiring, node, state: State, input_nr: int) -> State:
@@ -154,10 +139,10 @@ def _batch_norm_eval_rows(sr: Semiring, node, state: State, input_nr: int) -> St
         )
     dtype = state[0].dtype
     if input_nr == 1:
-        x: Tensor = saved(node, "_saved_input")
+        x: Tensor = node._saved_input
         shape = [1, -1] + [1] * (x.dim() - 2)
-        mean = saved(node, "_saved_running_mean").reshape(shape)
-        var = saved(node, "_saved_running_var").reshape(shape)
+        mean = node._saved_running_mean.reshape(shape)
+        var = node._saved_running_var.reshape(shape)
         eps = getattr(node, "_saved_eps", None)  # cuDNN's and MIOpen's nodes: epsilon
         eps = node._saved_epsilon if eps is None else eps
         x_hat = ((x - mean) * torch.rsqrt(var + eps)).to(dtype)
@@ -272,7 +257,7 @@ def _div_step(sr: Semiring, node, rows: State, input_nr: int) -> State:
     # op on one gives the default dtype (1/3 rounded to float32 in a float64 model)
     dtype = rows[0].dtype if rows[0].is_floating_point() else torch.float64  # Boolean's bool
     ones = torch.ones(rows[0].shape[1:], dtype=dtype, device=rows[0].device)
-    return _scaled(sr, rows, ones.div_(saved(node, "_saved_other").to(dtype)))
+    return _scaled(sr, rows, ones.div_(node._saved_other.to(dtype)))
 
 
 def _t_step(sr: Semiring, node, rows: State, input_nr: int) -> State:

@@ -311,10 +311,11 @@ class LeafCaptures:
             # threads' passes on a shared parameter must not both take its earlier readout.
             with _READOUT_LOCK:
                 earlier = unheld_value(leaf, SEMIRING_GRAD)
-                if _any_tensor(earlier):  # counted as written before the readout writes: a
-                    self._overwritten.append(leaf)  # readout failing halfway leaves it half new
+                may_write = _any_tensor(earlier)
+                if may_write:  # counted as written before the readout writes: a readout
+                    self._overwritten.append(leaf)  # failing halfway leaves it half new
                 value = sr.readout_into(msg.parts, earlier)
-                if _any_tensor(earlier) and not _written_into(value, earlier):
+                if may_write and not _written_into(value, earlier):
                     self._overwritten.pop()  # a new memory (ours is the last, under the lock)
                 self.readouts[id(leaf)] = value
             return

@@ -10,6 +10,7 @@ the model in which only use b reads ``h(x)`` and the other uses read a constant 
 from __future__ import annotations
 
 import contextlib
+import warnings
 
 import pytest
 import torch
@@ -338,3 +339,27 @@ def test_uses_in_a_list_and_in_an_in_place_op_are_branches(semiring) -> None:
         out.sum().backward()
     assert len(split.names) == 6  # block.a, add_'s argument, two in cat, two in stack
     torch.testing.assert_close(split.total([]), h.semiring_grad, rtol=1e-12, atol=1e-12)
+
+
+def test_a_frozen_model_and_a_module_called_twice_are_named() -> None:
+    """A frozen model's block input does not require grad with grad mode on: the error blamed
+    no_grad and checkpoints, now the frozen parameters. A module called twice is split at its
+    first call only (the second call's paths are in no branch): that was silent, now a
+    warning says so; one call gives none."""
+    net, x = _net(), _x().detach()  # frozen parameters, an input without grad
+    frozen = pytest.raises(semipack.SemipackError, match=r"Block's input does not.*a frozen model")
+    with frozen, semipack.extend(net, semipack.MaxProd()), semipack.branches(net.block):
+        net(x)
+    x = _x()
+    twice = pytest.warns(UserWarning, match="Block was called 2 times in the block; only its first")
+    with semipack.extend(net, semipack.MaxProd()):
+        with twice, semipack.branches(net.block) as split:
+            h = torch.tanh(net.emb(x))
+            out = net.block(net.block(h))
+        _loss(out).backward()
+    assert split.calls == 2 and split.names == [*USES[:3], "block"]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with semipack.extend(net, semipack.MaxProd()), semipack.branches(net.block) as once:
+            net(x)
+    assert once.calls == 1

@@ -799,3 +799,90 @@ def test_deberta_v1_fused_projection_is_the_qkv_branch() -> None:
         assert (hop.branch, hop.head) == (("query", "key", "value")[part], head)
         checked += 1
     assert checked > 0
+
+
+class _ResidualInside(nn.Module):
+    """An attention block whose own forward adds its input back (``x + o(attention)``), its
+    query made by ``F.linear`` with a weight of its own when ``functional_query``."""
+
+    def __init__(self, functional_query: bool, second_residual: bool = False) -> None:
+        super().__init__()
+        self.q, self.k, self.v, self.o = (nn.Linear(4, 4) for _ in range(4))
+        self.wq = nn.Parameter(torch.randn(4, 4))
+        self.functional_query, self.second_residual = functional_query, second_residual
+
+    def forward(self, x):
+        b, t, d = x.shape
+        q = nn.functional.linear(x, self.wq) if self.functional_query else self.q(x)
+
+        def heads(h):
+            return h.view(b, t, 2, d // 2).transpose(1, 2)
+
+        scores = heads(q) @ heads(self.k(x)).transpose(-1, -2) / math.sqrt(d // 2)
+        mixed = (scores.softmax(-1) @ heads(self.v(x))).transpose(1, 2).reshape(b, t, d)
+        out = x + self.o(mixed)
+        return out + x if self.second_residual else out
+
+
+class _Wrapped(nn.Module):
+    def __init__(self, **options) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(10, 4)
+        self.attn = _ResidualInside(**options)
+
+    def forward(self, ids):
+        return self.attn(self.emb(ids))
+
+
+@pytest.mark.parametrize("functional_query", [False, True])
+@pytest.mark.parametrize("second_residual", [False, True])
+def test_a_residual_add_inside_the_block_is_the_residual_branch(
+    functional_query: bool, second_residual: bool
+) -> None:
+    """The block's own add was named ``qkv`` (taken for nn.MultiheadAttention's fused use) and,
+    beside a functional query projection, the two uses of the block's own forward shared one
+    name and one overwrote the other. Oracle for the residual branch (LogSum): a path through
+    the add goes loss -> out (|2 out|) -> x (1), once per add: log(adds * sum_d |2 out_d|)."""
+    torch.manual_seed(0)
+    net = _Wrapped(functional_query=functional_query, second_residual=second_residual).double()
+    ids = torch.tensor([[1, 2, 3, 4]])
+    layer = AttentionLayer("attn", net.attn, net.attn.o, 2, 2)
+    flow = semipack.explain_layers(
+        net, semipack.LogSum(), lambda: net(ids).pow(2).sum(), layers=[layer]
+    )
+    query = "linear" if functional_query else "query"
+    assert set(flow.branches[0]) == {query, "key", "value", "residual"}
+    with torch.no_grad():
+        out = net(ids)
+    adds = 2 if second_residual else 1
+    want = (adds * (2 * out).abs().sum(-1)).log()
+    torch.testing.assert_close(flow.branches[0]["residual"], want, rtol=1e-12, atol=0)
+    # every branch together is every path to the block's input
+    joined = torch.stack(list(flow.branches[0].values())).logsumexp(0)
+    torch.testing.assert_close(joined, flow.total[0], rtol=1e-12, atol=0)
+
+
+def test_token_labels_per_example() -> None:
+    """One list of labels per example: each example's rows and tables carry its own words (a
+    single list labels every example alike, the only form taken before)."""
+    model = _bert(1)
+    ids = torch.tensor([[1, 2, 3], [4, 5, 6]])
+    words = [["a", "b", "c"], ["x", "y", "z"]]
+    flow = semipack.explain_layers(
+        model, semipack.MaxProd(), lambda: model(input_ids=ids).last_hidden_state.sum(),
+        tokens=words,
+    )  # fmt: skip
+    for example, labels in enumerate(words):
+        assert sorted({row[4] for row in flow.rows(example)}) == labels
+        lines = flow.token_table(example).splitlines()[2:]
+        assert [line.split()[0] for line in lines] == labels
+    with pytest.raises(semipack.SemipackError, match="tokens: 3 label lists for 2 examples"):
+        semipack.explain_layers(
+            model, semipack.MaxProd(), lambda: model(input_ids=ids).last_hidden_state.sum(),
+            tokens=[*words, ["p", "q", "r"]],
+        )  # fmt: skip
+    with pytest.raises(semipack.SemipackError, match="tokens: 2 labels for 3 tokens"):
+        semipack.explain_layers(
+            model, semipack.MaxProd(), lambda: model(input_ids=ids).last_hidden_state.sum(),
+            tokens=[words[0], ["x", "y"]],
+        )  # fmt: skip

@@ -18,6 +18,7 @@ Everything is vectorised over examples and positions (one pass per branch, not p
 from __future__ import annotations
 
 import inspect
+import warnings
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -48,10 +49,14 @@ class Branches:
             and ``#2``, ``#3`` for further calls by the same module.
         split: the split tensor.
         calls: how many times the split module was called in the block (its first call is
-            split; 1 for a split tensor).
+            split, with a warning when there are more; 1 for a split tensor).
+        ops: branch name -> the name of the function whose call made that use (``linear``,
+            ``add``, ``__add__``, ``multi_head_attention_forward``): a use by the split module's
+            own forward is a residual add or a projection of its own, told apart by this.
     """
 
     names: list[str] = field(default_factory=list)
+    ops: dict[str, str] = field(default_factory=dict)
     split: Tensor | None = None
     calls: int = 0
     messages: dict[str, Message] = field(default_factory=dict, repr=False)
@@ -72,25 +77,39 @@ class Branches:
             for name, states in self.input_states.items()
         }
 
-    def aggregate(self, dims: int | Sequence[int], at: int | None = None) -> dict[str, Any]:
+    def aggregate(
+        self,
+        dims: int | Sequence[int],
+        at: int | None = None,
+        rename: Callable[[str], str] | None = None,
+    ) -> dict[str, Any]:
         """Branch name -> readout of the semiring *sum* over ``dims`` (the union of the paths
         of those entries, e.g. every hidden unit of a token: MaxProd gives the max, LogSum the
         log of the total, Entropy the entropy of the union, not an average of entropies), at
         the split tensor (``at=None``) or at input number ``at``. Shapes: the tensor's without
         ``dims``. Vectorised over everything else (examples, positions). Empty when no path
-        reached the split tensor."""
+        reached the split tensor. ``rename`` maps branch names to the keys of the result;
+        branches given the same key are joined by the semiring's plus (all their paths)."""
         if not self.messages:
             return {}
         sr = self._semiring()
         dims = [dims] if isinstance(dims, int) else list(dims)
-        out = {}
+        joined: dict[str, State | None] = {}
         for name in self.messages:
+            key = rename(name) if rename is not None else name
             state = self.messages[name].parts if at is None else self.input_states[name][at]
+            if key in joined and joined[key] is not None and state is not None:
+                state = sr.plus(joined[key], state)
+            elif key in joined and state is None:
+                state = joined[key]
+            joined[key] = state
+        out = {}
+        for key, state in joined.items():
             if state is None:
-                out[name] = None
+                out[key] = None
                 continue
             rank = state[0].dim()
-            out[name] = sr.readout(sr.sum(state, sorted(d % rank for d in dims)))
+            out[key] = sr.readout(sr.sum(state, sorted(d % rank for d in dims)))
         return out
 
     def total(self, dims: int | Sequence[int], view: Sequence[int] | None = None) -> Any:
@@ -148,13 +167,15 @@ class _SplitMode(TorchFunctionMode):
         module = current_module()
         labels = _argument_labels(func, uses, named) if len(uses) + len(named) > 1 else None
         args, kwargs = list(args), dict(kwargs)
+        op = getattr(func, "__name__", type(func).__name__)
         for n, i in enumerate(uses):
-            args[i] = self._alias(args[i], module, labels[n] if labels else None)
+            args[i] = self._alias(args[i], module, labels[n] if labels else None, op)
         for n, k in enumerate(named):
-            kwargs[k] = self._alias(kwargs[k], module, labels[len(uses) + n] if labels else None)
+            label = labels[len(uses) + n] if labels else None
+            kwargs[k] = self._alias(kwargs[k], module, label, op)
         for i in listed:  # torch.cat([h, g]), torch.stack: each listed use is a branch
             args[i] = type(args[i])(
-                self._alias(a, module, None) if self._is_split(a) else a for a in args[i]
+                self._alias(a, module, None, op) if self._is_split(a) else a for a in args[i]
             )
         return func(*args, **kwargs)
 
@@ -178,7 +199,7 @@ class _SplitMode(TorchFunctionMode):
             return True
         return False
 
-    def _alias(self, of: Tensor, module: str, label: str | None) -> Tensor:
+    def _alias(self, of: Tensor, module: str, label: str | None, op: str) -> Tensor:
         module = module or ROOT_MODULE  # the extended model's own forward
         name = module if label is None else f"{module}:{label}"
         seen = self.counts.get(name, 0) + 1
@@ -187,6 +208,7 @@ class _SplitMode(TorchFunctionMode):
             name = f"{name}#{seen}"
         alias = of.view_as(of)
         self.result.names.append(name)
+        self.result.ops[name] = op
         self.on_alias(name, alias)
         return alias
 
@@ -259,9 +281,10 @@ def branches(at: nn.Module | Tensor, inputs: Sequence[Tensor] = ()) -> Iterator[
             return
         if not isinstance(tensor, Tensor) or not tensor.requires_grad:
             what = f"{type(at).__name__}'s input" if isinstance(at, nn.Module) else "this tensor"
+            # with grad mode on, the tensor was computed from nothing that requires grad
+            cause = _NO_GRAPH_CAUSES if not torch.is_grad_enabled() else _NOTHING_REQUIRES_GRAD
             raise SemipackError(
-                f"semipack.branches splits a tensor that requires grad; {what} does not "
-                f"({_NO_GRAPH_CAUSES})"
+                f"semipack.branches splits a tensor that requires grad; {what} does not ({cause})"
             )
         mode.target = result.split = tensor
         mode.forms = [tensor]
@@ -302,7 +325,21 @@ def branches(at: nn.Module | Tensor, inputs: Sequence[Tensor] = ()) -> Iterator[
         raise SemipackError(
             f"semipack.branches: {type(at).__name__} was not called inside the block"
         )
+    if isinstance(at, nn.Module) and result.calls > 1:
+        warnings.warn(
+            f"semipack.branches: {type(at).__name__} was called {result.calls} times in the "
+            "block; only its first call's input is split (the later calls' paths are in no "
+            "branch). Split a tensor instead, or run the module once per block",
+            stacklevel=3,
+        )
 
+
+#: Why a tensor computed with grad mode on does not require grad.
+_NOTHING_REQUIRES_GRAD = (
+    "nothing it is computed from requires grad: a frozen model, model.requires_grad_(False), "
+    "with an input that does not require grad either; unfreeze the parameters whose paths you "
+    "want, or split an input that requires grad"
+)
 
 #: Why a forward inside the block records no graph, for the errors that meet it.
 _NO_GRAPH_CAUSES = (

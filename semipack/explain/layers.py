@@ -151,17 +151,26 @@ def _is_gpt2_attention(module: nn.Module) -> bool:
     )
 
 
-def branch_name(consumer: str, layer: str) -> str:
+#: Calls by which a layer's own forward adds its input back (a residual inside the block).
+_ADDS = {"add", "__add__", "__radd__", "add_", "__iadd__", "sub", "__sub__", "__rsub__"}
+
+
+def branch_name(consumer: str, layer: str, op: str | None = None) -> str:
     """Short name of a consumer of an attention layer's input: query, key or value for the
     projections (``attention_branch``), residual for BERT's attention output or a module
     enclosing the layer (where the residual add is), else its module name relative to the
     layer, or to the module holding the layer (Phi's MLP beside its attention: ``mlp.fc1`` in
-    every layer, one column of a table)."""
+    every layer, one column of a table). A use by the layer's own forward is named by its
+    call ``op`` (``Branches.ops``): ``residual`` for an add, else the call's name (``linear``
+    for a projection the forward makes with ``F.linear``); without ``op`` (an
+    ``nn.MultiheadAttention``, whose own call takes query, key and value at once), ``qkv``."""
     short = attention_branch(consumer)
     if short != "residual":
         return short
-    if consumer == layer:  # the block's own op takes query, key and value in one use
-        return "qkv"
+    if consumer.split("#")[0] == layer:  # the block's own forward
+        if op in _ADDS:
+            return "residual"
+        return "qkv" if op is None else op
     if layer.startswith(consumer + ".") or consumer == ROOT_MODULE:
         return "residual"  # the enclosing layer adds it back (DistilBERT, a bare encoder layer)
     parent = layer.rpartition(".")[0]
@@ -186,7 +195,8 @@ class LayerFlow:
         total: ``[layers, batch, tokens]``: every path to the layer's input at that token.
         heads: ``[layers, batch, tokens, heads]``: every path through each head's output at that
             token (the attention output projection's input).
-        tokens: the tokens' labels (for tables and pictures), or None.
+        tokens: the tokens' labels (for tables, rows and pictures): one list for every example,
+            or one list per example of the batch; None: the token indexes.
         no_path: the readout of "no path" (the semiring zero: 0, ``-inf`` for logs, NaN for
             Entropy); by default the one of ``semiring``'s defaults. A token holding it is not
             reached: shares, best branches and means leave it out.
@@ -199,16 +209,13 @@ class LayerFlow:
     branches: list[dict[str, Tensor]]
     total: Tensor
     heads: Tensor
-    tokens: list[str] | None = None
+    tokens: list[str] | list[list[str]] | None = None
     no_path: float | None = None
     log: bool | None = None
 
     def __post_init__(self) -> None:
-        if self.tokens is not None and len(self.tokens) != self.total.shape[-1]:
-            raise SemipackError(
-                f"tokens: {len(self.tokens)} labels for {self.total.shape[-1]} tokens (one label "
-                "per token of the layers' inputs, special tokens included)"
-            )
+        if self.tokens is not None:
+            self._check_tokens()
         if self.no_path is None:
             self.no_path = DEFAULT_NO_PATH.get(self.semiring, 0.0)
         if self.log is None:
@@ -222,8 +229,28 @@ class LayerFlow:
             return ~values.isnan()
         return values != self.no_path
 
-    def _labels(self) -> list[str]:
-        return self.tokens or [str(t) for t in range(self.total.shape[-1])]
+    def _check_tokens(self) -> None:
+        """Refuse labels that do not match the tokens: one list of one label per token, or one
+        such list per example (a list for the first example alone labelled every example's
+        rows with its words)."""
+        length, batch = self.total.shape[-1], self.total.shape[1]
+        lists = [self.tokens] if _one_sentence(self.tokens) else list(self.tokens)
+        if not _one_sentence(self.tokens) and len(lists) != batch:
+            raise SemipackError(
+                f"tokens: {len(lists)} label lists for {batch} examples (one list for every "
+                "example, or one per example of the batch)"
+            )
+        for labels in lists:
+            if len(labels) != length:
+                raise SemipackError(
+                    f"tokens: {len(labels)} labels for {length} tokens (one label per token of "
+                    "the layers' inputs, special tokens included)"
+                )
+
+    def _labels(self, example: int) -> list[str]:
+        """The token labels of ``example``."""
+        labels = _tokens_of(self.tokens, example)
+        return list(labels) if labels else [str(t) for t in range(self.total.shape[-1])]
 
     def _stacked(self, layer: dict[str, Tensor], example: int) -> tuple[list[str], Tensor]:
         """The branch names and their values ``[branches, tokens]`` for one example."""
@@ -348,7 +375,7 @@ class LayerFlow:
         """Per token and layer: the branch of its best path (MaxProd, TopPath) or the value of
         every path to it (other semirings)."""
         self._example(example)
-        labels = self._labels()
+        labels = self._labels(example)
         best = self.best_branch(example) if self.semiring in ("MaxProd", "TopPath") else None
         width = max([10, *(len(b) + 1 for row in best or [] for b in row)])
         layers = [f"L{i}" for i in range(len(self.layers))]
@@ -375,7 +402,7 @@ class LayerFlow:
         """(semiring, layer, branch, token index, token, value) for every branch, ``all`` (every
         path) and ``head h``: the CSV's rows."""
         self._example(example)
-        labels = self._labels()
+        labels = self._labels(example)
         out = []
         for i, layer in enumerate(self.branches):
             columns = {n: v[example] for n, v in layer.items()} | {"all": self.total[i, example]}
@@ -412,7 +439,7 @@ class LayerFlow:
         """Tokens x layers: every path to the layer's input at that token (``total``)."""
         self._example(example)
         plt = _pyplot()
-        labels = self._labels()
+        labels = self._labels(example)
         grid = self._masked_total(example).cpu().numpy()  # [tokens, layers], NaN: no path
         size = (1.6 + 0.6 * len(self.layers), 0.9 + 0.3 * len(labels))
         fig, ax = _figure(plt, ax, size)
@@ -451,10 +478,11 @@ def explain_layers(
     target: Callable[[], Tensor],
     layers: Sequence[AttentionLayer] | None = None,
     drawing: str = "atomic",
-    tokens: list[str] | None = None,
+    tokens: list[str] | list[list[str]] | None = None,
 ) -> LayerFlow | tuple[LayerFlow, ...]:
     """One semiring backward of ``target()`` (a call that runs the model and returns the
-    scalar to explain), split at every attention layer: see ``LayerFlow``. A
+    scalar to explain), split at every attention layer: see ``LayerFlow``. ``tokens`` labels
+    the tokens: one list for every example, or one list per example of the batch. A
     ``semipack.Product`` gives one ``LayerFlow`` per factor, in order, from the one backward.
     The regular gradient is not computed (the model's ``.grad`` is left alone)."""
     _check_semiring(semiring)
@@ -601,7 +629,7 @@ def _flow(
     layers: Sequence[AttentionLayer],
     splits: Sequence[Branches],
     contexts: Sequence[Branches | None],
-    tokens: list[str] | None,
+    tokens: list[str] | list[list[str]] | None,
     factor: int | None,
 ) -> LayerFlow:
     """The ``LayerFlow`` of one semiring (``factor``: its place in a Product's readouts)."""
@@ -621,9 +649,15 @@ def _flow(
     for spec, split, context in zip(layers, splits, contexts, strict=True):
         first = spec.batch_first
         values = {}
-        for name, value in split.aggregate(-1).items():
+
+        def short(name: str, split: Branches = split, spec: AttentionLayer = spec) -> str:
+            fused = isinstance(spec.block, nn.MultiheadAttention)  # query, key, value at once
+            return branch_name(name, spec.name, None if fused else split.ops.get(name))
+
+        # consumers with one short name (two residual adds, say) are joined by the plus
+        for name, value in split.aggregate(-1, rename=short).items():
             if value is not None:
-                values[branch_name(name, spec.name)] = pick(value, (), first)
+                values[name] = pick(value, (), first)
         per_layer.append(values)
         shape = split.split.shape[:-1] if first else split.split.shape[:-1][::-1]
         totals.append(pick(split.total(-1), shape, first))
@@ -753,11 +787,16 @@ def layer_routes(paths: Sequence[Path], layers: Sequence[AttentionLayer]) -> lis
     return routes
 
 
+def _one_sentence(tokens: Sequence[str] | Sequence[Sequence[str]]) -> bool:
+    """Whether ``tokens`` is one list of labels (not one list per example)."""
+    return not tokens or isinstance(tokens[0], str)
+
+
 def _tokens_of(
     tokens: Sequence[str] | Sequence[Sequence[str]] | None, example: int | None
 ) -> Sequence[str] | None:
     """One sentence's tokens from ``tokens`` (one sentence, or one list per example)."""
-    if tokens is None or not tokens or isinstance(tokens[0], str):
+    if tokens is None or _one_sentence(tokens):
         return tokens  # type: ignore[return-value]
     return tokens[example or 0]
 

@@ -57,6 +57,20 @@ class SdpaBlock(nn.Module):
         return self.o(out.transpose(1, 2).reshape(b, t, d))
 
 
+class Projections(nn.Module):
+    """Matrix products with parameters: ``x @ W.T`` (Falcon's linear layer) and
+    ``torch.matmul(x, P)``, on a 3-D input and after it a 2-D one."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(4, 5))
+        self.proj = nn.Parameter(torch.randn(4, 3))
+
+    def forward(self, x):
+        h = torch.tanh(x @ self.weight.T)
+        return torch.matmul(h, self.proj).flatten(0, 1).matmul(self.proj.T)
+
+
 def _bert(impl: str) -> nn.Module:
     from transformers import BertConfig, BertModel
 
@@ -108,6 +122,12 @@ CASES = [
         _seeded(lambda: nn.Linear(5, 4, bias=False)),
         lambda: (seeded_leaf(2, 3, 5),),
         "LinearFunctionBackward",
+    ),
+    Case(
+        "matmul_parameter",
+        _seeded(Projections),
+        lambda: (seeded_leaf(2, 3, 5),),
+        "MatmulFunctionBackward",
     ),
     Case(
         "conv1d",

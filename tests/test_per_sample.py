@@ -152,6 +152,26 @@ def _computed_from_parameters():
     return ComputedFromParameters(), (torch.randn(3, 5, 3),)
 
 
+class MatrixProducts(nn.Module):
+    """Projections written as matrix products with parameters: Falcon's ``x @ W.T`` on
+    ``[N, T, k]`` tokens (``matmul`` merges the batch with the tokens: refused before the
+    extension took it), ``torch.matmul(x, P)`` and a bias added after."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(4, 3))
+        self.bias = nn.Parameter(torch.randn(4))
+        self.proj = nn.Parameter(torch.randn(4, 2))
+
+    def forward(self, x):
+        h = torch.tanh(x @ self.weight.T + self.bias)
+        return torch.matmul(h, self.proj)
+
+
+def _matrix_products():
+    return MatrixProducts(), (torch.randn(3, 5, 3),)
+
+
 def _batch_norm_eval():
     model = nn.Sequential(
         nn.Conv2d(2, 3, 2), nn.BatchNorm2d(3), nn.Tanh(), nn.Flatten(), nn.Linear(27, 2)
@@ -172,6 +192,7 @@ MODELS = {
     "gain_on_the_input": _gain_on_the_input,
     "batch_norm_eval": _batch_norm_eval,
     "computed_from_parameters": _computed_from_parameters,
+    "matrix_products": _matrix_products,
 }
 
 
@@ -370,6 +391,38 @@ def test_bert():
                 torch.testing.assert_close(rows[name][i], p.semiring_grad, equal_nan=True)
 
 
+def test_falcon_projections_written_as_matrix_products():
+    """Falcon's linear layers compute ``input @ self.weight.T``: its per-sample values were
+    refused (the merged-batch ``mm``). Rows equal each example alone (the generic path, no
+    extension), and Real's rows are the per-example gradients autograd gives."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = transformers.FalconConfig(
+        vocab_size=30, hidden_size=8, num_hidden_layers=1, num_attention_heads=2,
+        new_decoder_architecture=False, parallel_attn=True, bias=True,
+    )  # fmt: skip
+    model = transformers.FalconModel._from_config(config, attn_implementation="eager")
+    model = model.double().eval()
+    ids = torch.tensor([[1, 5, 7, 2], [4, 9, 2, 3], [1, 3, 3, 2]])
+
+    def loss(sl):
+        return model(ids[sl]).last_hidden_state.pow(2).sum()
+
+    for sr in (semipack.MaxProd(), semipack.LogSum(), semipack.Real()):
+        with semipack.extend(model, sr, per_sample=True):
+            loss(slice(None)).backward()
+        rows = {n: p.semiring_grad_batch for n, p in model.named_parameters()}
+        assert rows["h.0.self_attention.dense.weight"].shape == (3, 8, 8)
+        for i in range(3):
+            with semipack.extend(model, sr, extensions=False):
+                loss(slice(i, i + 1)).backward()
+            for name, p in model.named_parameters():
+                torch.testing.assert_close(rows[name][i], p.semiring_grad, msg=name)
+                if isinstance(sr, semipack.Real):
+                    want = torch.autograd.grad(loss(slice(i, i + 1)), p)[0]
+                    torch.testing.assert_close(rows[name][i], want, msg=name)
+
+
 def test_bert_sdpa_rows_equal_eager_rows():
     transformers = pytest.importorskip("transformers")
     ids = torch.tensor([[1, 5, 7, 2], [1, 9, 2, 0]])
@@ -498,12 +551,14 @@ def test_gram_matrix_over_the_batch_refused():
 
 
 class MatrixProduct(nn.Module):
+    """``torch.mm`` with a parameter: no extension takes it (``x @ w`` is a linear layer's)."""
+
     def __init__(self) -> None:
         super().__init__()
         self.w = nn.Parameter(torch.ones(4, 4))
 
     def forward(self, x):
-        return x @ self.w
+        return torch.mm(x, self.w)
 
 
 def test_op_without_per_sample_rule_refused():
@@ -788,6 +843,32 @@ def test_a_layer_whose_dim_0_is_not_the_batch_is_refused():
         )
     flattened = nn.Sequential(nn.Flatten(0, 1), nn.Linear(3, 4))
     _refused(flattened, (torch.randn(2, 5, 3),), r"batch of 10 rows, but the model's input has 2")
+
+    class ProductSequenceFirst(nn.Module):
+        """The same layers as matrix products with the weight (``x @ W.T``, Falcon's form):
+        the matmul extension reads the batch off dim 0 as a Linear does, and was not asked
+        where the batch is (one row per token, silently)."""
+
+        def __init__(self, merge: bool) -> None:
+            super().__init__()
+            self.w, self.merge = nn.Parameter(torch.randn(4, 3)), merge
+
+        def forward(self, x):
+            if self.merge:
+                return x.reshape(-1, 3) @ self.w.T
+            return (x.transpose(0, 1) @ self.w.T).transpose(0, 1)
+
+    _refused(
+        ProductSequenceFirst(merge=False),
+        (torch.randn(2, 2, 3),),
+        r"Linear \(the root module\) on an input of shape \(2, 2, 3\) computed from the "
+        r"model's input in which the batch is on dim 1",
+    )
+    _refused(
+        ProductSequenceFirst(merge=True),
+        (torch.randn(2, 5, 3),),
+        r"batch of 10 rows, but the model's input has 2",
+    )
 
 
 def test_a_forward_run_before_the_block_is_named():

@@ -1,8 +1,9 @@
 """Extensions: fused semiring backwards and named sites for supported torch functions.
 
-While ``semipack.extend`` is active, calls of ``F.linear``, ``torch.conv1d``/``torch.conv2d``,
-``F.layer_norm``, ``F.embedding``, ``F.multi_head_attention_forward`` and
-``F.scaled_dot_product_attention`` (from any module or user code) are routed to their extension,
+While ``semipack.extend`` is active, calls of ``F.linear``, ``x @ W`` with a 2-D parameter ``W``
+(``torch.matmul``), ``torch.conv1d``/``torch.conv2d``, ``F.layer_norm``, ``F.embedding``,
+``F.multi_head_attention_forward`` and ``F.scaled_dot_product_attention`` (from any module or
+user code) are routed to their extension,
 and Hugging Face "eager" attention is routed through transformers' attention registry.
 
 Each extension is an ``ExtensionFunction`` subclass (the template owns the backward) stating its
@@ -10,7 +11,7 @@ messages, the inputs they read and its site names, plus a handler registered wit
 (for good) or ``extending`` (for a block).
 """
 
-from . import conv, embedding, layer_norm, linear, multihead  # noqa: F401  (registrations)
+from . import conv, embedding, layer_norm, linear, matmul, multihead  # noqa: F401  (registrations)
 from .attention import AttentionFunction, semiring_sdpa
 from .base import (
     FUNCTION_EXTENSIONS,

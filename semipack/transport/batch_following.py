@@ -33,7 +33,13 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.utils._pytree import tree_leaves
 
-from ..graph.batch_dims import batch_dim_after, call_name, dim_after_index
+from ..graph.batch_dims import (
+    MATMULS,
+    batch_dim_after,
+    call_name,
+    dim_after_index,
+    parameter_projection,
+)
 from ..graph.provenance import OUTSIDE_MODEL, current_module
 from ..rules.per_sample import BATCHED_KEY, FACTORS_KEY
 
@@ -58,6 +64,14 @@ LAYER_INPUTS: dict[Any, tuple[str, int]] = {
     F.batch_norm: ("BatchNorm", 0),
     F.multi_head_attention_forward: ("MultiheadAttention", 1),
 }
+
+
+def layer_of(func: Any, args: tuple) -> tuple[str, int] | None:
+    """``LAYER_INPUTS``' entry for a call, and ``x @ W`` with a parameter ``W``: a Linear
+    (the matmul extension computes its rows from ``x``'s dim 0)."""
+    layer = LAYER_INPUTS.get(func)
+    projection = func in MATMULS and len(args) >= 2 and parameter_projection(args[0], args[1])
+    return ("Linear", 0) if layer is None and projection else layer
 
 
 class NotHeld:
@@ -316,7 +330,7 @@ class BatchedTensors:
         """A layer that computes rows (``LAYER_INPUTS``) called on an input not computed
         from the batch, whose batch dim has the batch's size: its rows are examples only
         if that dim meets the batch on the batch's dim later. Mark its output."""
-        layer = LAYER_INPUTS.get(func)
+        layer = layer_of(func, args)
         if layer is None:
             return
         name, want = layer
@@ -570,7 +584,7 @@ def misplaced_batch(func: Any, args: tuple, kwargs: dict, batched: BatchedTensor
     it, because it moved to another dim or was lost while that dim kept a batch's size. Its
     rows would be one per token (``x.transpose(0, 1)`` with as many tokens as examples),
     silently."""
-    layer = LAYER_INPUTS.get(func)
+    layer = layer_of(func, args)
     if layer is None:
         return None
     name, want = layer

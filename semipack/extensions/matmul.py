@@ -1,0 +1,72 @@
+"""``x @ W`` with a parameter ``W`` (or a view of one, ``x @ W.T``): the linear layer's messages.
+
+Models write their projections as matrix products as often as with ``F.linear``: Falcon's
+``FalconLinear`` computes ``input @ self.weight.T``, hand-written layers ``x @ self.W``. Through
+the generic rules such a product is a merged-batch ``mm`` (``matmul`` folds ``[N, T, k]`` into
+``[N·T, k]``), whose per-sample rows cannot be split by example, so ``per_sample=True`` refused
+those models; it also had no site names. Here the call is a linear layer with weight ``W.T``:
+the same messages and per-sample rows as ``LinearFunction``, transposed back to ``W``'s layout.
+The inner graph runs ``torch.matmul`` itself, so ``.grad`` is bitwise a plain backward's.
+
+Only products whose right operand is a 2-D parameter, or a view of one, are taken (an
+activation on the right, ``h.T @ h``, may carry the batch, which the rows of a weight must not);
+everything else stays with the generic rules.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from ..graph.batch_dims import parameter_projection
+from ..semirings.base import State
+from .base import BackwardCall, ExtensionFunction, Sites, extends, per_sample_rule, unbatched
+from .linear import LinearFunction, linear_messages, linear_per_sample
+
+
+def _transposed(state: State | None) -> State | None:
+    """A weight state ``[..., O, I]`` in the layout of the product's operand, ``[..., I, O]``."""
+    return None if state is None else tuple(p.transpose(-1, -2) for p in state)
+
+
+@per_sample_rule
+class MatmulFunction(ExtensionFunction):
+    """(x, W) -> x @ W with W: [k, n], x: [..., k]; messages of ``F.linear(x, W.T)``."""
+
+    reads = (0, 1)
+
+    @staticmethod
+    def messages(call: BackwardCall) -> tuple[State | None, ...]:
+        x, other = call.inputs
+        need_x, need_w = call.needs
+        m_x, m_w, _ = linear_messages(
+            call.semiring, call.incoming[0], x, other.t(), need_x, need_w, False
+        )
+        return m_x, _transposed(m_w)
+
+    @classmethod
+    def per_sample(cls, call: BackwardCall) -> list[State | None]:
+        x = call.inputs[0]
+        if x.dim() < 2 or call.incoming[0] is None:
+            raise unbatched(cls, x.shape)
+        m_w, _ = linear_per_sample(call.semiring, call.incoming[0], x, call.needs[1], False)
+        return [None, _transposed(m_w)]
+
+    @staticmethod
+    def sites(out: Tensor) -> Sites:
+        return LinearFunction.sites(out)
+
+
+def _matmul_handler(matmul):
+    def handler(input: Tensor, other: Tensor, **kwargs) -> Tensor:
+        if kwargs or not parameter_projection(input, other):  # out=, or not a projection
+            return matmul(input, other, **kwargs)
+        return MatmulFunction.run(torch.matmul, [input, other])
+
+    handler.__doc__ = f"``{matmul.__name__}`` inside ``extend``: ``x @ W`` as a linear layer."
+    return handler
+
+
+matmul = extends(torch.matmul)(_matmul_handler(torch.matmul))
+matmul_operator = extends(Tensor.__matmul__)(_matmul_handler(Tensor.__matmul__))
+tensor_matmul = extends(Tensor.matmul)(_matmul_handler(Tensor.matmul))

@@ -886,3 +886,106 @@ def test_token_labels_per_example() -> None:
             model, semipack.MaxProd(), lambda: model(input_ids=ids).last_hidden_state.sum(),
             tokens=[words[0], ["x", "y"]],
         )  # fmt: skip
+
+
+def _bigcode_truth(unit: int, multi_query: bool, head_dim: int = 4, width: int = 16):
+    """(part, head) of a unit of GPTBigCode's ``c_attn``, read off the splits its forward makes:
+    ``[q | k | v]`` with one key and value head (multi-query), else ``[q_h k_h v_h]`` per head."""
+    if multi_query:
+        part = 0 if unit < width else 1 + (unit - width) // head_dim
+        return ("query", "key", "value")[part], unit // head_dim if part == 0 else 0
+    head, within = divmod(unit, 3 * head_dim)
+    return ("query", "key", "value")[within // head_dim], head
+
+
+@pytest.mark.parametrize("multi_query", [True, False])
+def test_gpt_bigcode_fused_projection_is_read_in_its_own_layout(multi_query: bool) -> None:
+    """GPTBigCode's ``c_attn`` is not GPT-2's ``[q | k | v]``: it packs each head's query, key
+    and value together, or (multi-query) the query heads then one key and one value head.
+    Routes read it as GPT-2's and named the wrong part and head (every value hop "key, head
+    1"). Every unit on a hand-made path, then the best paths of a real run."""
+    torch.manual_seed(0)
+    config = transformers.GPTBigCodeConfig(
+        vocab_size=32, n_embd=16, n_layer=2, n_head=4, n_positions=16, multi_query=multi_query
+    )
+    model = transformers.GPTBigCodeModel._from_config(config, attn_implementation="eager")
+    model = model.double().eval()
+    layers = attention_layers(model)
+    assert [(a.name, a.num_heads, a.head_dim) for a in layers] == [
+        ("h.0.attn", 4, 4),
+        ("h.1.attn", 4, 4),
+    ]
+    for unit in range(model.h[0].attn.c_attn.out_features):
+        steps = [
+            _step("h.0.ln_1", (0, 1, 2)),
+            _step("h.0.attn.c_attn", (0, 1, unit)),
+            _step("h.0.attn", (0, 0, 3, 1)),
+            _step("h.0.attn.c_proj", (0, 3, 5)),
+            _step("h.0", (0, 3, 5)),
+        ]
+        (route,) = layer_routes([SemiringPath("x", (0, 1, 2), -1.0, steps)], layers)
+        (hop,) = route.hops
+        assert (hop.branch, hop.head) == _bigcode_truth(unit, multi_query), unit
+    ids = torch.tensor([[3, 5, 7, 2, 9, 4]])
+    best = semipack.KBest(8)
+    with semipack.extend(model, best):
+        model(input_ids=ids).last_hidden_state[0, -1].sum().backward()
+    paths = [p for t in ids[0, :5] for p in best.paths(model.wte.weight, (int(t), 0))]
+    hops = 0
+    for path, route in zip(paths, layer_routes(paths, layers), strict=True):
+        steps = [s for s in path.steps if (s.module or "").endswith("c_attn")]
+        parts = [h for h in route.hops if h.branch in ("query", "key", "value")]
+        for step, hop in zip(steps, parts, strict=True):
+            assert (hop.branch, hop.head) == _bigcode_truth(int(step.index[-1]), multi_query)
+            hops += 1
+    assert hops > 0
+
+
+def _mobilebert():
+    config = transformers.MobileBertConfig(
+        vocab_size=32, embedding_size=8, hidden_size=16, intermediate_size=32,
+        num_hidden_layers=1, num_attention_heads=4, intra_bottleneck_size=8,
+        true_hidden_size=8, num_feedforward_networks=1,
+    )  # fmt: skip
+    return transformers.MobileBertModel._from_config(config, attn_implementation="eager")
+
+
+def _esm():
+    config = transformers.EsmConfig(
+        vocab_size=33, hidden_size=8, num_hidden_layers=1, num_attention_heads=2,
+        intermediate_size=16, max_position_embeddings=16, pad_token_id=1, mask_token_id=32,
+    )  # fmt: skip
+    return transformers.EsmModel._from_config(config, attn_implementation="eager")
+
+
+def _convbert():
+    config = transformers.ConvBertConfig(
+        vocab_size=32, hidden_size=16, num_hidden_layers=1, num_attention_heads=4,
+        intermediate_size=32, max_position_embeddings=16, head_ratio=2,
+    )  # fmt: skip
+    return transformers.ConvBertModel._from_config(config, attn_implementation="eager")
+
+
+@pytest.mark.parametrize(
+    ("build", "message"),
+    [
+        (_mobilebert, r"MobileBertModel's attention layer 'encoder.layer.0.attention' is split "
+                      r"at a tensor whose uses are \['key', 'query'\]"),
+        (_esm, r"EsmModel's attention layer 'encoder.layer.0.attention' is split at a tensor "
+               r"whose uses are \['LayerNorm', 'residual'\]"),
+        (_convbert, r"the heads' input of 'encoder.layer.0.attention' is 16 wide, not 2 heads "
+                    r"x 4"),
+    ],
+)  # fmt: skip
+def test_families_found_by_name_but_drawn_otherwise_are_refused(build, message) -> None:
+    """They match the BERT layout by module names, but MobileBERT's attention takes its
+    bottleneck (feeding query and key only: its flow was ~1e-12 of the best path at the
+    layer's input, silently), ESM normalises inside the block (no projection reads the split
+    tensor) and ConvBERT gives half its width to a convolution (a bare RuntimeError)."""
+    torch.manual_seed(0)
+    model = build().double().eval()
+    ids = torch.tensor([[3, 5, 7, 2, 9, 4]])
+    with pytest.raises(semipack.SemipackError, match=message):
+        semipack.explain_layers(
+            model, semipack.MaxProd(), lambda: model(input_ids=ids).last_hidden_state.sum()
+        )

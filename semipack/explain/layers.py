@@ -140,11 +140,32 @@ def _head_count(name: str, module: nn.Module) -> int:
     )
 
 
+def _fused_layout(block: nn.Module) -> str:
+    """How a fused ``c_attn`` packs query, key and value: ``side by side`` (GPT-2 and its
+    copies: ``[q | k | v]``), ``per head`` (GPTBigCode: ``[q_h k_h v_h]`` for each head) or
+    ``multi-query`` (GPTBigCode with one key and value head: ``[q | k_0 | v_0]``)."""
+    if type(block).__name__ == "GPTBigCodeAttention":
+        return "multi-query" if getattr(block, "multi_query", False) else "per head"
+    return "side by side"
+
+
+#: The attention modules whose fused ``c_attn`` semipack reads (``_fused_layout``).
+_FUSED_QKV_ATTENTIONS = frozenset(
+    (
+        "GPT2Attention",
+        "ImageGPTAttention",
+        "DecisionTransformerGPT2Attention",
+        "GPTBigCodeAttention",
+    )
+)
+
+
 def _is_gpt2_attention(module: nn.Module) -> bool:
     """GPT-2's self-attention: one fused ``c_attn`` makes query, key and value side by side
     (``[batch, tokens, 3 * hidden]``), ``c_proj`` projects the heads' outputs."""
     return (
-        isinstance(getattr(module, "c_attn", None), nn.Module)
+        type(module).__name__ in _FUSED_QKV_ATTENTIONS
+        and isinstance(getattr(module, "c_attn", None), nn.Module)
         and isinstance(getattr(module, "num_heads", None), int)
         and isinstance(getattr(module, "head_dim", None), int)
         and not getattr(module, "is_cross_attention", False)
@@ -503,6 +524,7 @@ def explain_layers(
             "random mask per pass, so the values change from call to call): call model.eval()",
             stacklevel=2,
         )
+    found = layers is None
     layers = list(layers) if layers is not None else attention_layers(model)
     with extend(model, semiring, regular_grads=False, drawing=drawing), ExitStack() as stack:
         for module in _entries(model, layers):  # before the splits' hooks: they see the leaf
@@ -515,6 +537,9 @@ def explain_layers(
         ]
         scalar = target()
         _check_called(layers, splits, contexts)
+        _check_shapes(layers, contexts)
+        if found:  # layers found by their module names: check they are drawn as this knows
+            _check_splits(model, layers, splits)
         stack.close()
         if not isinstance(scalar, Tensor) or scalar.numel() != 1:
             raise SemipackError("explain_layers: target() must return a scalar tensor")
@@ -525,6 +550,53 @@ def explain_layers(
         for i, factor in enumerate(factors)
     )
     return flows if isinstance(semiring, Product) else flows[0]
+
+
+#: Branches that carry the attention's projections, and those of the paths that reach the layer's
+#: output without the attention weights (the value, or around the attention).
+_PROJECTIONS = frozenset(("query", "key", "value", "qkv"))
+_THROUGH = frozenset(("value", "qkv", "residual"))
+
+
+def _check_splits(model: nn.Module, layers: Sequence[AttentionLayer], splits: Sequence[Branches]):
+    """Refuse layers found by name whose split tensor is not the attention's input: it must
+    feed a projection, and the value or the residual (the paths that keep a token's own
+    flow). MobileBERT's attention takes its bottleneck's output, which feeds only the query and
+    key (the value and the residual read the layer's input): its flow would hold a sliver of
+    the paths. ESM normalises inside the block, after the split: no projection reads it."""
+    for spec, split in zip(layers, splits, strict=True):
+        fused = isinstance(spec.block, nn.MultiheadAttention)
+        short = {
+            branch_name(n, spec.name, None if fused else split.ops.get(n)) for n in split.names
+        }
+        if short & _PROJECTIONS and short & _THROUGH:
+            continue
+        raise SemipackError(
+            f"explain_layers: {type(model).__name__}'s attention layer '{spec.name}' is split at "
+            f"a tensor whose uses are {sorted(short)}: not the input of its query, key and value "
+            "projections and its residual, so its values would miss paths through the layer "
+            f"(a bottleneck or a norm inside the block). semipack knows {FAMILIES}; pass "
+            "layers=[AttentionLayer(...), ...] naming a block whose first input is the "
+            "projections' input"
+        )
+
+
+def _check_shapes(layers: Sequence[AttentionLayer], contexts: Sequence[Branches | None]) -> None:
+    """Each layer's heads' input must be ``num_heads * head_dim`` wide: ConvBERT's attention
+    gives part of its width to a convolution (``head_ratio``), and viewing its heads' input as
+    that many heads failed inside the readout."""
+    for spec, context in zip(layers, contexts, strict=True):
+        if context is None or context.split is None:
+            continue
+        width = context.split.shape[-1]
+        if width != spec.num_heads * spec.head_dim:
+            raise SemipackError(
+                f"explain_layers: the heads' input of '{spec.name}' is {width} wide, not "
+                f"{spec.num_heads} heads x {spec.head_dim}: the layer mixes its heads with "
+                "something else (ConvBERT's convolution), so per-head values cannot be read; "
+                "pass layers=[AttentionLayer(...), ...] with heads_input=None for no per-head "
+                "values"
+            )
 
 
 def _check_called(
@@ -804,12 +876,21 @@ def _tokens_of(
 def _projection(step: PathStep, spec: AttentionLayer) -> tuple[str, int] | None:
     """(branch, head) of a step on a query, key or value projection's output, else None.
     GPT-2's fused ``c_attn`` packs query, key and value side by side: the unit's third;
-    DeBERTa's (v1) ``in_proj`` packs them per head."""
+    GPTBigCode's packs them per head, or (multi-query) the query's heads then one key and one
+    value head; DeBERTa's (v1) ``in_proj`` packs them per head."""
     name = step.module or ""
     unit = int(step.index[-1])
     if name.endswith(".c_attn") and name.startswith(spec.name + "."):
-        width = spec.num_heads * spec.head_dim
-        return BRANCH_ORDER[unit // width], (unit % width) // spec.head_dim
+        width, head_dim = spec.num_heads * spec.head_dim, spec.head_dim
+        layout = _fused_layout(spec.block)
+        if layout == "per head":
+            head, part = divmod(unit, 3 * head_dim)
+            return BRANCH_ORDER[part // head_dim], head
+        if layout == "multi-query":  # [query heads | key | value], one shared key/value head
+            if unit < width:
+                return "query", unit // head_dim
+            return BRANCH_ORDER[1 + (unit - width) // head_dim], 0
+        return BRANCH_ORDER[unit // width], (unit % width) // head_dim
     if name.endswith(".in_proj") and name.startswith(spec.name + "."):
         # DeBERTa (v1): the output is viewed as [heads, 3 * head_dim] and chunked in three,
         # so each head's query, key and value units sit together

@@ -1248,3 +1248,49 @@ def test_a_semiring_pass_inside_a_forward_ad_level_is_refused_by_name() -> None:
                 loss.backward()
     (value,) = semipack.grad((a * a).sum(), [a], semipack.MaxProd())
     torch.testing.assert_close(value, a.detach().abs())  # two edges of weight |a|: the max
+
+
+class _FirstLayers(nn.Module):
+    """First layers whose input wants no gradient: a plain backward of ``F.linear`` or
+    ``x @ W.T`` reads no weight (only the input, for the weight's gradient). (A convolution's
+    and a layer norm's backward save their weights anyway: PyTorch raises there, and so does
+    semipack.)"""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(3, 3)
+        self.w = nn.Parameter(torch.randn(3, 3))
+
+    def forward(self, x):
+        return torch.tanh(self.lin(x) + x @ self.w.T)
+
+
+@pytest.mark.parametrize("semiring", [semipack.Real(), semipack.MaxProd(), semipack.LogSum()])
+def test_a_weight_no_message_reads_may_change_in_place_before_the_backward(semiring) -> None:
+    """A plain backward of a first layer does not read its weight; changing it in place
+    between the forward and the backward (an EMA or a decay step taken early) passes there, and
+    semipack refused it. The values are those of the unchanged weights (the messages read the
+    inputs only), ``.grad`` is the plain backward's; a weight that is read still raises."""
+    torch.manual_seed(0)
+    model = _FirstLayers().to(DTYPE)
+    x = torch.randn(4, 3, dtype=DTYPE)
+    with semipack.extend(model, semiring):
+        model(x).pow(2).sum().backward()
+    want = {n: (p.semiring_grad, p.grad) for n, p in model.named_parameters()}
+    model.zero_grad()
+    with semipack.extend(model, semiring):
+        loss = model(x).pow(2).sum()
+        with torch.no_grad():
+            for p in model.parameters():
+                p.mul_(2.0)
+        loss.backward()
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(p.semiring_grad, want[name][0], rtol=0, atol=0, msg=name)
+        torch.testing.assert_close(p.grad, want[name][1], rtol=0, atol=0, msg=name)
+    second = nn.Sequential(nn.Linear(3, 3), nn.Tanh(), nn.Linear(3, 1)).to(DTYPE)
+    with semipack.extend(second, semiring):
+        loss = second(x).sum()
+        with torch.no_grad():
+            second[2].weight.mul_(2.0)  # the first layer's messages come through it
+        with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+            loss.backward()

@@ -346,6 +346,14 @@ class ExtensionFunction(torch.autograd.Function):
     #: positions (in ``run``'s ``inputs``) of the inputs whose values ``messages`` reads.
     reads: ClassVar[tuple[int, ...]] = ()
 
+    @classmethod
+    def read_for(cls, needs: tuple[bool, ...]) -> tuple[int, ...]:
+        """The positions in ``reads`` whose values the messages read when ``needs`` says which
+        inputs want one (default: all of ``reads``). A bilinear call reads each operand only
+        for the other's message: a plain backward of a first layer (its input wants nothing)
+        does not read the weight, which may then change in place before it."""
+        return cls.reads
+
     #: Per-sample values (``per_sample``): the positions of the inputs that carry the batch,
     #: the dim it is on in them, and the batch dim of each output (None: no batch).
     batched_inputs: ClassVar[tuple[int, ...]] = (0,)
@@ -495,9 +503,9 @@ class ExtensionFunction(torch.autograd.Function):
                 return (None, None, *inner.differentiable_grads(regular))
             return (None, None, *inner.regular_grads(regular))
         cls = ctx._forward_cls
-        inner.check_unmodified(cls.reads)
-        values = inner.values()
         needs = tuple(ctx.needs_input_grad[2:])
+        inner.check_unmodified(cls.read_for(needs))
+        values = inner.values()
         with _without_autocast(values):
             states = _messages_per_factor(
                 cls, BackwardCall(sr, incoming, values, needs, ctx.options, ctx.kept)
@@ -639,6 +647,12 @@ def per_sample_rule(cls: type[ExtensionFunction]) -> type[ExtensionFunction]:
     table (``rules.per_sample``): it reports rows for the parameters it is given."""
     register_per_sample(f"{cls.__name__}Backward")
     return cls
+
+
+def bilinear_reads(needs: Sequence[bool]) -> tuple[int, ...]:
+    """``read_for`` of a call bilinear in inputs 0 and 1 (a linear layer, a convolution): each
+    is read for the other's message only."""
+    return tuple(i for i, other in ((0, 1), (1, 0)) if needs[other])
 
 
 def split_message(grad: Tensor | None) -> tuple[Tensor | None, State | None, Semiring | None]:

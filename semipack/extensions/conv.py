@@ -11,7 +11,15 @@ from torch import Tensor
 from ..messages.windows import ConvGeometry
 from ..rules.convolution import conv_messages
 from ..semirings.base import Semiring, State
-from .base import BackwardCall, ExtensionFunction, Sites, extends, per_sample_rule, wants_graph
+from .base import (
+    BackwardCall,
+    ExtensionFunction,
+    Sites,
+    bilinear_reads,
+    extends,
+    per_sample_rule,
+    wants_graph,
+)
 
 
 def conv_per_sample(
@@ -49,6 +57,7 @@ class ConvFunction(ExtensionFunction):
     """(x, W, b) -> conv(x, W) + b; x: [batch, channels, *spatial], options: ConvGeometry."""
 
     reads = (0, 1)
+    read_for = staticmethod(bilinear_reads)
 
     @classmethod
     def per_sample(cls, call: BackwardCall) -> list[State | None]:

@@ -67,6 +67,12 @@ class LayerNormFunction(ExtensionFunction):
     reads = (0, 1)
 
     @staticmethod
+    def read_for(needs: tuple[bool, ...]) -> tuple[int, ...]:
+        """The input always (every message reads its normalised values), the gain only for
+        the input's message."""
+        return (0, 1) if needs[0] else (0,)
+
+    @staticmethod
     def keep(outputs: tuple[Tensor, Tensor, Tensor]) -> tuple[Tensor, tuple[Tensor, Tensor]]:
         out, mean, rstd = outputs
         return out, (mean, rstd)

@@ -7,7 +7,15 @@ from torch import Tensor
 
 from ..messages.shared_shift import shared_shift_products
 from ..semirings.base import Semiring, State
-from .base import BackwardCall, ExtensionFunction, Sites, extends, per_sample_rule, unbatched
+from .base import (
+    BackwardCall,
+    ExtensionFunction,
+    Sites,
+    bilinear_reads,
+    extends,
+    per_sample_rule,
+    unbatched,
+)
 
 
 def linear_messages(
@@ -67,6 +75,7 @@ class LinearFunction(ExtensionFunction):
     """(x, W, b) -> x Wᵀ + b."""
 
     reads = (0, 1)
+    read_for = staticmethod(bilinear_reads)
 
     @staticmethod
     def messages(call: BackwardCall) -> tuple[State | None, ...]:

@@ -20,7 +20,15 @@ from torch import Tensor
 
 from ..graph.batch_dims import parameter_projection
 from ..semirings.base import State
-from .base import BackwardCall, ExtensionFunction, Sites, extends, per_sample_rule, unbatched
+from .base import (
+    BackwardCall,
+    ExtensionFunction,
+    Sites,
+    bilinear_reads,
+    extends,
+    per_sample_rule,
+    unbatched,
+)
 from .linear import LinearFunction, linear_messages, linear_per_sample
 
 
@@ -34,6 +42,7 @@ class MatmulFunction(ExtensionFunction):
     """(x, W) -> x @ W with W: [k, n], x: [..., k]; messages of ``F.linear(x, W.T)``."""
 
     reads = (0, 1)
+    read_for = staticmethod(bilinear_reads)
 
     @staticmethod
     def messages(call: BackwardCall) -> tuple[State | None, ...]:

@@ -1604,3 +1604,17 @@ def test_a_transformer_with_a_target_beside_the_batch_has_rows():
     model = nn.Transformer(4, 2, 1, 1, 8, dropout=0.0, batch_first=True).double().eval()
     inputs = (torch.randn(3, 3, 4, dtype=torch.float64), torch.randn(3, 3, 4, dtype=torch.float64))
     _assert_real_rows_are_per_example_gradients(model, inputs)
+
+
+def test_a_parameter_used_inside_a_call_the_block_sees_whole_is_named_by_that_call():
+    """torch's ``F.rms_norm`` multiplies its gain inside the call: the block sees ``rms_norm``,
+    not its inner product, and the refusal blamed a custom Function or a scripted function;
+    it names the call now."""
+    model = nn.Sequential(nn.Linear(4, 6), nn.RMSNorm(6), nn.Linear(6, 2))
+    _refused(
+        model.double(),
+        (torch.randn(3, 5, 4, dtype=torch.float64),),
+        r"parameter '1.weight' is used by MulBackward0, created by module '1', with a value "
+        r"MulBackward0 computed inside 'rms_norm', a call whose own ops the block does not "
+        r"follow one by one",
+    )

@@ -158,6 +158,11 @@ def _batch_norm_eval_rows(sr: Semiring, node, state: State, input_nr: int) -> St
 #: per index); ``transport.per_sample.BatchedTensors`` marks it during the forward.
 BATCHED_KEY = "semipack_batched"
 
+#: Autograd node metadata: the name of the call that made the node as one of its inner ops
+#: (``rms_norm``'s multiplications), when the block saw only that call: the batch following
+#: does not mark such a node, and the error says which call hid it.
+INSIDE_CALL_KEY = "semipack_inside_call"
+
 #: The generic rules that read the parameter's use off a product or sum with another operand:
 #: their rows are right only when that operand carries the batch.
 _BROADCAST_NODES = ("MulBackward0", "AddBackward0", "SubBackward0")
@@ -179,6 +184,13 @@ def unbatched_operand(node, input_nr: int, is_batched: Callable[[Tensor], bool])
     if other is not None:
         leaf = getattr(other, "variable", None)
         if leaf is None:
+            inside = other.metadata.get(INSIDE_CALL_KEY)
+            if BATCHED_KEY not in other.metadata and inside is not None:
+                return (
+                    f"a value {other.name()} computed inside '{inside}', a call whose own ops "
+                    "the block does not follow one by one (only the layers and products the "
+                    "README lists have per-sample rows; torch's F.rms_norm, say, has none)"
+                )
             if BATCHED_KEY not in other.metadata:
                 return (
                     f"a value {other.name()} computed without the model's input, as far as the "

@@ -15,14 +15,28 @@ from collections.abc import Callable, Iterable, Mapping
 import torch
 from torch import Tensor
 from torch.overrides import TorchFunctionMode
+from torch.utils._pytree import tree_leaves
 
+from ..graph.batch_dims import call_name
 from ..graph.saved_inputs import run_recording_inputs
 from ..kernels.weight_cache import WEIGHTS
+from ..rules.per_sample import INSIDE_CALL_KEY
 from ..semirings.base import Semiring
 from . import backward as bw
 from . import per_sample
 from .batch_following import BatchedTensors
 from .hooks import TensorHook
+
+
+def name_inner_nodes(func, created: list, result) -> None:
+    """Stamp the nodes a call made besides its results' own with the call's name
+    (``INSIDE_CALL_KEY``): the block follows the call, not its inner ops, and an error about
+    one of them names the call."""
+    own = {id(t.grad_fn) for t in tree_leaves(result) if isinstance(t, Tensor)}
+    name = call_name(func)
+    for node in created:
+        if id(node) not in own:
+            node.metadata.setdefault(INSIDE_CALL_KEY, name)
 
 
 class SemiringMode(TorchFunctionMode):
@@ -66,14 +80,20 @@ class SemiringMode(TorchFunctionMode):
             result = func(*args, **kwargs)
             self.retained.add(args[0])
             return result
+        if not self.per_sample:
+            return self._call(func, args, kwargs)
+        created: list[torch.autograd.graph.Node] = []
+        with torch.autograd.graph.node_creation_hook(created.append):
+            result = self._call(func, args, kwargs)
+        name_inner_nodes(func, created, result)
+        self.batched.follow(func, args, kwargs, result)
+        return result
+
+    def _call(self, func, args, kwargs):
         replacement = self.reroute.get(func)
         if replacement is not None:
-            result = replacement(*args, **kwargs)
-        else:  # exact derivatives of tanh, softmax...
-            result = run_recording_inputs(func, args, kwargs)
-        if self.per_sample:
-            self.batched.follow(func, args, kwargs, result)
-        return result
+            return replacement(*args, **kwargs)
+        return run_recording_inputs(func, args, kwargs)  # exact derivatives of tanh, softmax...
 
     @staticmethod
     def _register_hook(tensor: Tensor, hook: Callable):

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib
 import math
+import warnings
 
 import pytest
 import torch
@@ -379,6 +380,36 @@ def test_compiled_path_inside_a_semiring_backward(sr: Semiring, monkeypatch) -> 
     assert len(calls) == 2
     for g, w in zip(got, want, strict=True):
         torch.testing.assert_close(g, w, rtol=1e-9, atol=1e-11, equal_nan=True)
+
+
+@pytest.mark.parametrize(
+    "sr", [semipack.LogSum(), semipack.Entropy(), semipack.LogCount()], ids=lambda s: s.name
+)
+def test_compiled_normalization_kernels_trace_the_shifted_exponential(
+    sr: Semiring, monkeypatch
+) -> None:
+    """A fused normalisation kernel calls the log-space helpers, which run their own compiled
+    forms on a base-less flat tensor (``set_``) from 16k entries: traced into the fused kernel
+    that failed in inductor's fake tensors (float64 train-mode batch norm, EfficientNet: one
+    RuntimeWarning and a traceback per kernel, then the eager fallback). Traced, they are the
+    plain ops; no warning, and the values of the dense Jacobian."""
+    if not compile_enabled():
+        pytest.skip("compiled kernels are switched off (SEMIPACK_COMPILE=0)")
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn(4096, 8, generator=gen, dtype=F64, requires_grad=True)  # 32k entries
+    weight = torch.randn(8, generator=gen, dtype=F64)
+
+    def value() -> torch.Tensor:
+        y = F.layer_norm(x, (8,), weight, None).sin().sum()
+        return semipack.grad(y, x, sr)[0]
+
+    monkeypatch.setattr(knorm, "COMPILE_MIN_PAIRS", math.inf)  # the dense contraction
+    want = value()
+    monkeypatch.setattr(knorm, "COMPILE_MIN_PAIRS", 0)  # the fused kernel (float64: no native)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a failed compilation warns
+        got = value()
+    torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-11, equal_nan=True)
 
 
 def test_normalization_compiled_kernel_handles_outlier_features(semiring: Semiring) -> None:

@@ -82,8 +82,12 @@ def _flat(t: Tensor) -> Tensor | None:
 def _flat_on_host(*tensors: Tensor) -> list[Tensor] | None:
     """The 1-D views (``_flat``) the compiled elementwise forms run over, or None where they do
     not apply: CPU float32 or float64 tensors of one shape and layout, each one dense block, of
-    at least ``SPECIAL_SAFE_MIN_ELEMENTS`` entries."""
+    at least ``SPECIAL_SAFE_MIN_ELEMENTS`` entries; not while torch.compile traces a kernel
+    that calls these functions (a fused normalisation's shifted exponential: ``set_`` fails in
+    its fake tensors, and inductor fuses the plain op anyway)."""
     first = tensors[0]
+    if torch.compiler.is_compiling():
+        return None
     if first.numel() < SPECIAL_SAFE_MIN_ELEMENTS or not all(
         checks_on_host(t)
         and t.dtype in (torch.float32, torch.float64)
@@ -132,7 +136,11 @@ def log_magnitude_(mag: Tensor) -> Tensor:
     one reduction finds whether there are zeros, and if so each is replaced by 1 before torch's
     log and the result gets ``-inf`` there (the same bits as ``mag.log_()``). (A GPU's log has
     no slow path for zeros: there it is the plain log.)"""
-    if mag.numel() < ZERO_SAFE_MIN_ELEMENTS or not checks_on_host(mag):
+    if (
+        mag.numel() < ZERO_SAFE_MIN_ELEMENTS
+        or not checks_on_host(mag)
+        or torch.compiler.is_compiling()  # traced into a fused kernel: no host reads
+    ):
         return mag.log_()
     flat = _flat_on_host(mag) if compile_enabled() else None
     if flat is not None:
@@ -168,6 +176,7 @@ def log_magnitude_plus_(mag: Tensor, shift: Tensor | float) -> Tensor:
     guards cost more host time than the second kernel launch they save."""
     if (
         not checks_on_host(mag)
+        or torch.compiler.is_compiling()  # traced into a fused kernel: the plain ops
         or not isinstance(shift, Tensor)
         or shift.dtype != mag.dtype
         or shift.device != mag.device

@@ -15,26 +15,26 @@ everything else stays with the generic rules.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 from torch import Tensor
 
 from ..graph.batch_dims import parameter_projection
 from ..semirings.base import State
-from .base import (
-    BackwardCall,
-    ExtensionFunction,
-    Sites,
-    bilinear_reads,
-    extends,
-    per_sample_rule,
-    unbatched,
-)
-from .linear import LinearFunction, linear_messages, linear_per_sample
+from .base import BackwardCall, ExtensionFunction, Sites, bilinear_reads, extends, per_sample_rule
+from .linear import LinearFunction
 
 
 def _transposed(state: State | None) -> State | None:
     """A weight state ``[..., O, I]`` in the layout of the product's operand, ``[..., I, O]``."""
     return None if state is None else tuple(p.transpose(-1, -2) for p in state)
+
+
+def _as_linear(call: BackwardCall) -> BackwardCall:
+    """The call as ``F.linear(x, W.T)`` (no bias), for ``LinearFunction``'s messages."""
+    x, other = call.inputs
+    return replace(call, inputs=[x, other.t(), None], needs=(*call.needs, False))
 
 
 @per_sample_rule
@@ -46,19 +46,12 @@ class MatmulFunction(ExtensionFunction):
 
     @staticmethod
     def messages(call: BackwardCall) -> tuple[State | None, ...]:
-        x, other = call.inputs
-        need_x, need_w = call.needs
-        m_x, m_w, _ = linear_messages(
-            call.semiring, call.incoming[0], x, other.t(), need_x, need_w, False
-        )
+        m_x, m_w, _ = LinearFunction.messages(_as_linear(call))
         return m_x, _transposed(m_w)
 
     @classmethod
     def per_sample(cls, call: BackwardCall) -> list[State | None]:
-        x = call.inputs[0]
-        if x.dim() < 2 or call.incoming[0] is None:
-            raise unbatched(cls, x.shape)
-        m_w, _ = linear_per_sample(call.semiring, call.incoming[0], x, call.needs[1], False)
+        _, m_w, _ = LinearFunction.per_sample(_as_linear(call))
         return [None, _transposed(m_w)]
 
     @staticmethod

@@ -989,3 +989,34 @@ def test_families_found_by_name_but_drawn_otherwise_are_refused(build, message) 
         semipack.explain_layers(
             model, semipack.MaxProd(), lambda: model(input_ids=ids).last_hidden_state.sum()
         )
+
+
+def test_a_cross_attention_split_is_its_query_branch() -> None:
+    """In ``nn.TransformerDecoder`` the cross-attention block's split tensor is its query
+    alone (key and value are the memory): its branch read ``qkv`` as a self-attention's
+    does. The totals are still every path to the block's query input (retained oracle)."""
+    torch.manual_seed(0)
+    layer = nn.TransformerDecoderLayer(8, 2, 16, dropout=0.0, batch_first=True)
+    model = nn.TransformerDecoder(layer, 2).double().eval()
+    x = torch.randn(1, 5, 8, dtype=torch.float64, requires_grad=True)
+    memory = torch.randn(1, 4, 8, dtype=torch.float64)
+
+    def target():
+        return model(x, memory)[0, -1].sum()
+
+    flow = semipack.explain_layers(model, semipack.MaxProd(), target)
+    assert flow.layers == [
+        f"layers.{i}.{b}" for i in (0, 1) for b in ("self_attn", "multihead_attn")
+    ]
+    assert [set(b) for b in flow.branches] == [{"residual", "qkv"}, {"residual", "query"}] * 2
+    kept, hooks = [], []
+    for name in flow.layers:
+        module = model.get_submodule(name)
+        hooks.append(module.register_forward_pre_hook(
+            lambda m, a: kept.append(a[0]) or a[0].retain_grad()))  # fmt: skip
+    with semipack.extend(model, semipack.MaxProd(), regular_grads=False):
+        target().backward()
+    for h in hooks:
+        h.remove()
+    for i, t in enumerate(kept):
+        torch.testing.assert_close(flow.total[i], t.semiring_grad.amax(-1), rtol=1e-12, atol=0)

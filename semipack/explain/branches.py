@@ -57,6 +57,10 @@ class Branches:
 
     names: list[str] = field(default_factory=list)
     ops: dict[str, str] = field(default_factory=dict)
+    #: a module split: the positions (and keyword names) of its first call's arguments that
+    #: are the split tensor (``(0,)`` for a cross-attention's query, ``(0, 1, 2)`` for
+    #: ``mha(x, x, x)``)
+    arguments: tuple[int | str, ...] = ()
     split: Tensor | None = None
     calls: int = 0
     messages: dict[str, Message] = field(default_factory=dict, repr=False)
@@ -301,6 +305,11 @@ def branches(at: nn.Module | Tensor, inputs: Sequence[Tensor] = ()) -> Iterator[
         def pre_hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
             first = next((a for a in (*args, *kwargs.values()) if isinstance(a, Tensor)), None)
             if first is not None:
+                if result.split is None:
+                    result.arguments = (
+                        *(i for i, a in enumerate(args) if a is first),
+                        *(k for k, a in kwargs.items() if a is first),
+                    )
                 take(first)
 
         handles.append(at.register_forward_pre_hook(BlockPreHook(pre_hook), with_kwargs=True))

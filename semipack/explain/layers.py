@@ -558,6 +558,17 @@ _PROJECTIONS = frozenset(("query", "key", "value", "qkv"))
 _THROUGH = frozenset(("value", "qkv", "residual"))
 
 
+def _short_name(name: str, spec: AttentionLayer, split: Branches) -> str:
+    """``branch_name`` of a consumer of ``spec``'s split. An ``nn.MultiheadAttention``'s own
+    call takes query, key and value at once (``qkv``), or only the query when the split tensor
+    is its query argument alone (a cross-attention block)."""
+    if not isinstance(spec.block, nn.MultiheadAttention):
+        return branch_name(name, spec.name, split.ops.get(name))
+    short = branch_name(name, spec.name)
+    only_query = split.arguments in ((0,), ("query",))
+    return "query" if short == "qkv" and only_query else short
+
+
 def _check_splits(model: nn.Module, layers: Sequence[AttentionLayer], splits: Sequence[Branches]):
     """Refuse layers found by name whose split tensor is not the attention's input: it must
     feed a projection, and the value or the residual (the paths that keep a token's own
@@ -565,10 +576,7 @@ def _check_splits(model: nn.Module, layers: Sequence[AttentionLayer], splits: Se
     key (the value and the residual read the layer's input): its flow would hold a sliver of
     the paths. ESM normalises inside the block, after the split: no projection reads it."""
     for spec, split in zip(layers, splits, strict=True):
-        fused = isinstance(spec.block, nn.MultiheadAttention)
-        short = {
-            branch_name(n, spec.name, None if fused else split.ops.get(n)) for n in split.names
-        }
+        short = {_short_name(n, spec, split) for n in split.names}
         if short & _PROJECTIONS and short & _THROUGH:
             continue
         raise SemipackError(
@@ -723,8 +731,7 @@ def _flow(
         values = {}
 
         def short(name: str, split: Branches = split, spec: AttentionLayer = spec) -> str:
-            fused = isinstance(spec.block, nn.MultiheadAttention)  # query, key, value at once
-            return branch_name(name, spec.name, None if fused else split.ops.get(name))
+            return _short_name(name, spec, split)
 
         # consumers with one short name (two residual adds, say) are joined by the plus
         for name, value in split.aggregate(-1, rename=short).items():

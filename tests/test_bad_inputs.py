@@ -930,6 +930,33 @@ def test_signed_max_prod_of_an_infinite_derivative_is_infinite_not_nan() -> None
     assert neg.smallest.tolist() == [-math.inf, -0.25]
 
 
+@pytest.mark.parametrize("extensions", [True, False])
+def test_signed_max_prod_of_an_infinite_path_through_a_contraction(extensions: bool) -> None:
+    """A matrix product's signed max-plus routes each sign through blocks padded with "no
+    path" (-inf), which met an infinite path product: inf + -inf gave NaN in both extremes
+    (trial 45). Hand count for W[0, 0] of ``x @ W.T`` seeded with [[inf, 1], [2, 1]]: paths
+    inf * 1 and 2 * 3, so largest inf, smallest 6; W[1, 1]: 1 * 2 and 1 * 0.5."""
+    lin = nn.Linear(2, 2, bias=False).to(DTYPE)
+    with torch.no_grad():
+        lin.weight.copy_(torch.tensor([[0.3, -0.7], [1.1, 0.4]]))
+    x = torch.tensor([[1.0, 2.0], [3.0, 0.5]], dtype=DTYPE, requires_grad=True)
+    seed = torch.tensor([[math.inf, 1.0], [2.0, 1.0]], dtype=DTYPE)
+    sr = semipack.SignedMaxProd()
+    with semipack.extend(lin, sr, extensions=extensions):
+        lin(x).backward(seed)
+    got = lin.weight.semiring_grad
+    inf = math.inf
+    torch.testing.assert_close(got.largest, torch.tensor([[inf, inf], [3.0, 2.0]], dtype=DTYPE))
+    torch.testing.assert_close(got.smallest, torch.tensor([[6.0, 1.0], [1.0, 0.5]], dtype=DTYPE))
+    # an edge of weight 0 beside the infinite seed is no edge: its path is dropped, as the
+    # README says SignedMaxProd does (MaxProd and PyTorch's gradient read NaN there)
+    w = torch.tensor([[0.0, 2.0], [3.0, 4.0]], dtype=DTYPE)
+    inputs = torch.ones(1, 2, dtype=DTYPE, requires_grad=True)
+    (value,) = semipack.grad([inputs @ w], [inputs], sr, [torch.tensor([[math.inf, 1.0]])])
+    torch.testing.assert_close(value.largest, torch.tensor([[2.0, inf]], dtype=DTYPE))
+    torch.testing.assert_close(value.smallest, torch.tensor([[2.0, 4.0]], dtype=DTYPE))
+
+
 def test_a_message_left_by_retain_grad_before_the_block_says_what_happened() -> None:
     model, x = mlp(), data()
     h = model[0](x)

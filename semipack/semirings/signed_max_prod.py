@@ -161,7 +161,7 @@ class SignedMaxProd(Semiring):
         )
         left = torch.stack([torch.cat([a[0], a[1]], -1), -torch.cat([a[2], a[3]], -1)])
         right = torch.stack([route_max, -route_min])
-        out = maxplus(left, right)
+        out = _absorbing_maxplus(left, right)
         m = lifted[0].shape[-1]
         return (out[0, ..., :m], out[0, ..., m:], -out[1, ..., :m], -out[1, ..., m:])
 
@@ -208,6 +208,21 @@ class SignedMaxProd(Semiring):
 
     def normalization_kernel(self) -> CentredPairsKernel | None:
         return SIGNED
+
+
+def _absorbing_maxplus(left: Tensor, right: Tensor) -> Tensor:
+    """``maxplus(left, right)`` where ``-inf`` ("no path", and the other sign's half of the
+    routing blocks) absorbs ``+inf`` (an infinite product), as ``_max_log_product`` does: the
+    plain sum ``inf + -inf`` is NaN, and each routed product meets the other sign's ``-inf``s,
+    so an infinite path product read NaN in both extremes. ``+inf`` is carried as a finite
+    stand-in far above any real log-magnitude and read back as ``+inf``; finite entries and NaN
+    are unchanged."""
+    big = torch.finfo(torch.promote_types(left.dtype, right.dtype)).max / 8
+    on_host = left.device.type == "cpu"  # elsewhere the branch-free form (no host read)
+    if on_host and not (bool((left == INF).any()) or bool((right == INF).any())):
+        return maxplus(left, right)
+    out = maxplus(left.clamp(max=big), right.clamp(max=big))
+    return out.masked_fill_(out >= big / 2, INF)
 
 
 def _sign_masks(log_abs: Tensor, sign: Sign) -> tuple[Tensor, Tensor]:

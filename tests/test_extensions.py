@@ -205,3 +205,31 @@ def test_a_call_that_uses_an_input_twice_keeps_grad_bitwise(dtype: torch.dtype) 
             values[extensions], w.grad = w.semiring_grad, None
         assert torch.equal(values[True], values[False])
     assert mismatched == 0
+
+
+@pytest.mark.parametrize("semiring", [semipack.Real(), semipack.MaxProd(), semipack.LogSum()])
+def test_multihead_attention_row_with_every_key_masked_runs_as_pytorch(semiring) -> None:
+    """With ``need_weights=True`` a query row whose keys are all masked (padding and the
+    attention mask together) is NaN in PyTorch's forward, and so are the gradients through it.
+    The extension drew that row as one without paths: finite values, Real's unequal to
+    ``.grad`` (trial 45). Such a call now runs through the generic rules: the values equal
+    those with extensions off, and Real's equal the gradient, NaN where it is NaN."""
+    torch.manual_seed(0)
+    base = nn.MultiheadAttention(4, 2, batch_first=True).double()
+    x = torch.randn(2, 3, 4, dtype=torch.float64)
+    padding = torch.tensor([[False, False, True], [False, True, True]])
+    mask = torch.tensor([[False, True, False], [False, False, False], [True, False, False]])
+    weights = torch.linspace(-1, 1, 24, dtype=torch.float64).reshape(2, 3, 4)
+    values = {}
+    for extensions in (True, False):
+        mha = copy.deepcopy(base)
+        with semipack.extend(mha, semiring, extensions=extensions):
+            out = mha(x, x, x, need_weights=True, key_padding_mask=padding, attn_mask=mask)[0]
+            (out * weights).sum().backward()
+        assert out.isnan().any()  # the fully masked row
+        values[extensions] = {n: (p.semiring_grad, p.grad) for n, p in mha.named_parameters()}
+    for name, (value, grad) in values[True].items():
+        other, _ = values[False][name]
+        torch.testing.assert_close(value, other, equal_nan=True, msg=name)
+        if isinstance(semiring, semipack.Real):
+            torch.testing.assert_close(value, grad, equal_nan=True, msg=name)

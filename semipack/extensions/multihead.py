@@ -22,7 +22,15 @@ from torch import Tensor
 
 from ..rules.attention import attention_contract, attention_log_probs
 from ..semirings.base import State
-from .base import BackwardCall, ExtensionFunction, Sites, extends, per_sample_rule, wants_graph
+from .base import (
+    BackwardCall,
+    ExtensionFunction,
+    InnerGraph,
+    Sites,
+    extends,
+    per_sample_rule,
+    wants_graph,
+)
 from .linear import linear_messages, linear_per_sample
 
 
@@ -79,6 +87,16 @@ class MultiheadAttentionFunction(ExtensionFunction):
         if padding is not None:
             padding = padding.narrow(0, i, 1)
         return replace(options, attn_mask=mask, key_padding_mask=padding)
+
+    @staticmethod
+    def draws(inner: InnerGraph, options: MultiheadOptions) -> bool:
+        """A query row whose every key is masked: PyTorch's softmax of an all ``-inf`` row
+        gives NaN there (with ``need_weights=True``; the fused path gives 0), and its
+        gradients are NaN; the messages would draw it as a row without paths, finite. With a
+        mask, an output holding NaN runs the call plainly, through the generic rules."""
+        if options.attn_mask is None and options.key_padding_mask is None:
+            return True
+        return not bool(torch.isnan(inner.outputs[0]).any())
 
     @staticmethod
     def messages(call: BackwardCall) -> list[State | None]:

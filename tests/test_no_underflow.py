@@ -396,3 +396,37 @@ def test_the_one_read_global_shift_decides_as_the_host_form(monkeypatch) -> None
     for h, d in zip(host, device, strict=True):
         if h is not None:
             assert torch.equal(h, d)
+
+
+@pytest.mark.parametrize("kind", ["conv1d", "conv2d", "linear"])
+def test_a_weight_near_the_smallest_subnormal_keeps_its_paths_in_a_convolution(kind) -> None:
+    """A convolution's shared-shift sums are not repaired as a matmul's are: a weight of the
+    smallest float32 subnormal times a message of 0.3 is 0 there (LogSum lost that path: log w
+    where log 1.3 w is right), and Entropy over four equal paths read 1.11 nats, not log 4
+    (trial 45). Such operands take the exact log-domain path. Hand values: x reaches two
+    outputs with weight w, seeded 1 and 0.3 (LogSum: log 1.3 w); x[:, 0] reaches four outputs
+    with weight w each (Entropy: log 4)."""
+    dt = torch.float32
+    w = torch.tensor(1.4e-45, dtype=dt)  # the smallest subnormal
+
+    def layer(out_features: int) -> torch.nn.Module:
+        if kind == "linear":
+            return torch.nn.Linear(4, out_features, bias=False)
+        conv = torch.nn.Conv1d if kind == "conv1d" else torch.nn.Conv2d
+        return conv(4, out_features, 1, bias=False)
+
+    def run(sr, out_features: int, seed: list[float]):
+        mod = layer(out_features).to(dt)
+        with torch.no_grad():
+            mod.weight.zero_()
+            mod.weight[:, 0] = w
+        x = torch.ones(1, 4, dtype=dt, requires_grad=True)
+        shaped = {"linear": x, "conv1d": x[..., None], "conv2d": x[..., None, None]}[kind]
+        with semipack.extend(mod, sr):
+            out = mod(shaped)
+            out.backward(torch.tensor(seed, dtype=dt).reshape(out.shape))
+        return x.semiring_grad[0, 0].item()
+
+    total = run(semipack.LogSum(), 2, [1.0, 0.3])
+    assert total == pytest.approx(math.log(1.3 * w.item()), abs=1e-5)
+    assert run(semipack.Entropy(), 4, [1.0] * 4) == pytest.approx(math.log(4), abs=1e-3)

@@ -10,6 +10,7 @@ the model in which only use b reads ``h(x)`` and the other uses read a constant 
 from __future__ import annotations
 
 import contextlib
+import copy
 import warnings
 
 import pytest
@@ -363,3 +364,45 @@ def test_a_frozen_model_and_a_module_called_twice_are_named() -> None:
         with semipack.extend(net, semipack.MaxProd()), semipack.branches(net.block) as once:
             net(x)
     assert once.calls == 1
+
+
+class _NoOpBlock(nn.Module):
+    """A block whose forward passes its input through a call that hands it back (Hugging Face
+    Llama's RMSNorm: ``hidden_states.to(torch.float32)`` of a float32 tensor)."""
+
+    def __init__(self, noop) -> None:
+        super().__init__()
+        self.ff, self.noop = nn.Linear(8, 8), noop
+
+    def forward(self, h):
+        g = self.noop(h)
+        return h + self.ff(g * g.pow(2).mean(-1, keepdim=True).rsqrt())
+
+
+@pytest.mark.parametrize(
+    "noop",
+    [lambda h: h.to(torch.float32), lambda h: h.float(), lambda h: h.contiguous(), lambda h: h],
+    ids=["to", "float", "contiguous", "none"],
+)
+def test_a_call_that_hands_the_split_tensor_back_keeps_grad_bitwise(noop) -> None:
+    """Through the alias such a call returned, its later uses were summed at the alias before
+    reaching the split tensor: another order than a plain backward's, so ``.grad`` below the
+    split was one rounding off (every Llama, Qwen2 and Mistral layer, and the Monitor's splits,
+    trial 46). Its uses are each a branch of the split tensor now, as without the call."""
+    torch.manual_seed(3)
+    base = nn.Sequential(nn.Linear(4, 8), _NoOpBlock(noop), nn.Linear(8, 3))
+    x = torch.randn(6, 4)
+    plain = copy.deepcopy(base)
+    plain(x).pow(2).sum().backward()
+    model = copy.deepcopy(base)
+    with semipack.extend(model, semipack.LogSum()):
+        with semipack.branches(model[1]) as split:
+            h = model[0](x)
+            h.retain_grad()
+            out = model[2](model[1](h))
+        out.pow(2).sum().backward()
+    for (name, p), q in zip(model.named_parameters(), plain.parameters(), strict=True):
+        assert torch.equal(p.grad, q.grad), name
+    assert split.names == ["1", "1#2", "1#3"]  # the residual add, the pow, the product
+    joined = torch.stack(list(split.values.values())).logsumexp(0)
+    torch.testing.assert_close(joined, h.semiring_grad, rtol=1e-6, atol=1e-6)

@@ -172,16 +172,38 @@ class _SplitMode(TorchFunctionMode):
         labels = _argument_labels(func, uses, named) if len(uses) + len(named) > 1 else None
         args, kwargs = list(args), dict(kwargs)
         op = getattr(func, "__name__", type(func).__name__)
+        before = len(self.result.names)
+        made: list[tuple[Tensor, Tensor]] = []  # (alias, the tensor it stands for)
         for n, i in enumerate(uses):
-            args[i] = self._alias(args[i], module, labels[n] if labels else None, op)
+            made.append((self._alias(args[i], module, labels[n] if labels else None, op), args[i]))
+            args[i] = made[-1][0]
         for n, k in enumerate(named):
             label = labels[len(uses) + n] if labels else None
-            kwargs[k] = self._alias(kwargs[k], module, label, op)
+            made.append((self._alias(kwargs[k], module, label, op), kwargs[k]))
+            kwargs[k] = made[-1][0]
         for i in listed:  # torch.cat([h, g]), torch.stack: each listed use is a branch
             args[i] = type(args[i])(
                 self._alias(a, module, None, op) if self._is_split(a) else a for a in args[i]
             )
-        return func(*args, **kwargs)
+        result = func(*args, **kwargs)
+        original = next((t for alias, t in made if result is alias), None)
+        if original is not None:
+            # A call that hands its argument back (``h.to(torch.float32)`` of a float32 ``h``,
+            # ``.contiguous()``, ``.float()``) made no use: its result is the split tensor,
+            # whose later uses are each a branch. Through the alias they would be summed at
+            # the alias first, in another order than a plain backward sums them at the split
+            # tensor (``.grad`` one rounding apart).
+            self._forget(before)
+            return original
+        return result
+
+    def _forget(self, first: int) -> None:
+        """Drop the branches named from position ``first`` on (aliases no op used)."""
+        for name in self.result.names[first:]:
+            self.result.ops.pop(name, None)
+            base = name.split("#")[0]
+            self.counts[base] -= 1
+        del self.result.names[first:]
 
     def _in_list(self, a: Any) -> bool:
         """Whether ``a`` is a list or tuple of arguments holding the split tensor."""

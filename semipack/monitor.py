@@ -159,7 +159,7 @@ class Monitor:
         entropies, dead units, top-path changes and flow shares do not depend on it."""
         if loss_scale is not None and not (math.isfinite(loss_scale) and loss_scale > 0):
             raise ValueError(f"loss_scale must be a finite positive number, got {loss_scale!r}")
-        step = self._count if step is None else step
+        step = self._count if step is None else _step_number(step)
         self._count += 1
         try:
             if not self.sampled(step):
@@ -180,6 +180,7 @@ class Monitor:
             if combine:  # every process: the whole batch's values (each layer's plus over them)
                 all_reduce(list(self.layers.values()), self.semiring)
             self._record(step, splits, math.log(loss_scale) if loss_scale is not None else 0.0)
+            self._drop_values()
         except BaseException:
             self.flush()  # the run may end here: every earlier record goes to the files
             raise
@@ -199,6 +200,15 @@ class Monitor:
         """Drop the values an earlier pass left on the monitored parameters, so that only this
         step's backward is read (a backward run after the block would leave none)."""
         for param in self.layers.values():
+            for attribute in ("semiring_grad", "semiring_state"):
+                if hasattr(param, attribute):
+                    delattr(param, attribute)
+
+    def _drop_values(self) -> None:
+        """Once recorded, the pass's values leave the parameters: the monitor keeps its
+        summaries only. Left there, every parameter held three readouts of its size until the
+        next sampled step (memory, and a saved model three times larger)."""
+        for param in self.model.parameters():
             for attribute in ("semiring_grad", "semiring_state"):
                 if hasattr(param, attribute):
                     delattr(param, attribute)
@@ -314,6 +324,20 @@ class Monitor:
     def __exit__(self, *exc_info: object) -> None:
         """Close the files, also when the block ends with an exception (not swallowed)."""
         self.close()
+
+
+def _step_number(step: object) -> int:
+    """``step`` as an int: a Python or NumPy integer, or a tensor holding one (Adam's
+    ``state["step"]`` is ``tensor(3.)``, which the CSV wrote as ``tensor(3.)``)."""
+    try:
+        if isinstance(step, (str, bytes)):
+            raise TypeError
+        number = int(step)  # type: ignore[call-overload]
+    except (TypeError, ValueError, RuntimeError):
+        raise TypeError(f"Monitor.step: step must be an integer, got {step!r}") from None
+    if bool(number != step):
+        raise ValueError(f"Monitor.step: step must be an integer, got {step!r}")
+    return number
 
 
 def _layers(model: nn.Module) -> dict[str, nn.Parameter]:

@@ -370,6 +370,11 @@ def test_summaries_equal_the_layer_by_layer_reductions() -> None:
     x, y = _batches(1)[0]
     with monitor.step(0):
         nn.functional.cross_entropy(model(x), y).backward()
+    # the monitor keeps its summaries only: the values leave the parameters (a trial found
+    # three readouts per parameter held until the next sampled step, in every checkpoint)
+    assert not any(hasattr(p, "semiring_grad") for p in model.parameters())
+    with semipack.extend(model, monitor.semiring):  # the same pass, on the same weights
+        nn.functional.cross_entropy(model(x), y).backward()
     got = {(r.layer, r.quantity): r.value for r in monitor.records}
     for name in ("0", "2.inner.0", "3"):
         best, (entropy, flow) = model.get_submodule(name).weight.semiring_grad
@@ -462,3 +467,24 @@ def test_summary_reductions_keep_infinities_and_sum_16_bit_values_wide() -> None
     assert (count, total / count, top) == (199_995, 1.0, 1.0)
     infinite = torch.tensor([1.0, inf, math.nan])  # nan_to_num made inf the largest float
     assert [float(v) for v in _mean_and_max_of_numbers(infinite)] == [2, inf, inf]
+
+
+def test_a_step_number_held_in_a_tensor_is_written_as_a_number(tmp_path: Path) -> None:
+    """Adam keeps its step as ``tensor(3.)``; handed to ``Monitor.step`` it went into the CSV
+    as the text ``tensor(3.)`` (trial 46). Steps are integers: a tensor or NumPy number holding
+    one is taken, anything else is refused."""
+    import numpy as np
+
+    model = _model()
+    monitor = semipack.Monitor(model, every=1, log_dir=tmp_path, tensorboard=False)
+    for step, (x, y) in zip((torch.tensor(3.0), np.int64(4)), _batches(2), strict=True):
+        with monitor.step(step):
+            nn.functional.cross_entropy(model(x), y).backward()
+    monitor.close()
+    assert {r.step for r in monitor.records} == {3, 4}
+    assert all(type(r.step) is int for r in monitor.records)
+    with open(tmp_path / "monitor.csv") as f:
+        assert {row["step"] for row in csv.DictReader(f)} == {"3", "4"}
+    for bad, error in ((torch.tensor(1.5), ValueError), ("7", TypeError)):
+        with pytest.raises(error, match="step must be an integer"), monitor.step(bad):
+            pass

@@ -1618,3 +1618,19 @@ def test_a_parameter_used_inside_a_call_the_block_sees_whole_is_named_by_that_ca
         r"MulBackward0 computed inside 'rms_norm', a call whose own ops the block does not "
         r"follow one by one",
     )
+
+
+def test_a_forward_under_autocast_is_refused_by_name():
+    """Under autocast every layer runs on cast copies and the extensions step aside: the
+    refusal named a cast weight's AddmmBackward0 ("no per-sample rule"), even for a model of
+    Linear layers, and never autocast (trial 46). It names autocast now, before the pass."""
+    model = nn.Sequential(nn.Linear(6, 12), nn.Tanh(), nn.Linear(12, 3))
+    x = torch.randn(4, 6)
+    with semipack.extend(model, semipack.MaxProd(), per_sample=True):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = model(x).float().pow(2).sum()
+        with pytest.raises(PerSampleError, match=r"do not run under torch.autocast \(cpu\)"):
+            loss.backward()
+        model(x).pow(2).sum().backward()  # the next forward, without autocast, has its rows
+    assert model[0].weight.semiring_grad_batch.shape == (4, 12, 6)
+    assert all(p.grad is not None for p in model.parameters())

@@ -17,6 +17,7 @@ from torch import Tensor
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_leaves
 
+from ..errors import PerSampleError
 from ..graph.batch_dims import call_name
 from ..graph.saved_inputs import run_recording_inputs
 from ..kernels.weight_cache import WEIGHTS
@@ -37,6 +38,18 @@ def name_inner_nodes(func, created: list, result) -> None:
     for node in created:
         if id(node) not in own:
             node.metadata.setdefault(INSIDE_CALL_KEY, name)
+
+
+def _autocast_of(args: tuple) -> str | None:
+    """The device type of the first tensor argument when autocast is on there, else None."""
+    first = next((a for a in args if isinstance(a, Tensor)), None)
+    if first is None:
+        return None
+    device = first.device.type
+    try:
+        return device if torch.is_autocast_enabled(device) else None
+    except RuntimeError:  # a device type autocast does not know (meta)
+        return None
 
 
 class SemiringMode(TorchFunctionMode):
@@ -67,6 +80,9 @@ class SemiringMode(TorchFunctionMode):
         self.accumulate_in_place = list(accumulate_in_place)
         self.reroute = dict(reroute or {})
         self.retained = bw.RetainedTensors()
+        #: with ``per_sample``: the device type on which a call of the block's forward ran
+        #: under autocast (its rows are refused, by name), None while none has
+        self.autocast_seen: str | None = None
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -82,6 +98,8 @@ class SemiringMode(TorchFunctionMode):
             return result
         if not self.per_sample:
             return self._call(func, args, kwargs)
+        if self.autocast_seen is None:
+            self.autocast_seen = _autocast_of(args)
         created: list[torch.autograd.graph.Node] = []
         with torch.autograd.graph.node_creation_hook(created.append):
             result = self._call(func, args, kwargs)
@@ -125,6 +143,15 @@ class SemiringMode(TorchFunctionMode):
             inputs = [inputs]
         elif inputs is not None:
             inputs = list(inputs)
+        if self.per_sample and self.autocast_seen is not None:
+            device, self.autocast_seen = self.autocast_seen, None
+            raise PerSampleError(
+                f"per-sample values do not run under torch.autocast ({device}): the forward's "
+                "calls ran on low-precision copies made by casts, and the layers' extensions "
+                "step aside under autocast, so no layer computes rows (the pass would refuse "
+                "each parameter's cast). Run the forward of a per_sample=True block without "
+                "autocast"
+            )
         parameters, names = self.parameters()
         watched = [p for p in parameters if p.requires_grad]
         if self.per_sample:

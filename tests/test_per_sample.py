@@ -1634,3 +1634,46 @@ def test_a_forward_under_autocast_is_refused_by_name():
         model(x).pow(2).sum().backward()  # the next forward, without autocast, has its rows
     assert model[0].weight.semiring_grad_batch.shape == (4, 12, 6)
     assert all(p.grad is not None for p in model.parameters())
+
+
+@pytest.mark.parametrize("family", ["falcon", "bloom"])
+def test_alibi_models_with_a_padding_mask_have_each_examples_rows(family: str):
+    """Falcon's and Bloom's ALiBi tables are built from the padding mask (a model argument
+    beside the batch) as ``[N * heads, 1, T]``: its mark was lost in the merge, so meeting
+    the batch read as examples mixed and the model was refused with a mask (trial 46). Marks
+    now follow merges and splits as the batch does. Rows equal each example alone (with its
+    own mask row), and Real's are the per-example gradients."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    if family == "falcon":
+        config = transformers.FalconConfig(
+            vocab_size=30, hidden_size=8, num_hidden_layers=1, num_attention_heads=2,
+            alibi=True, new_decoder_architecture=False, parallel_attn=False, bias=True,
+        )  # fmt: skip
+        model = transformers.FalconModel._from_config(config, attn_implementation="eager")
+    else:
+        config = transformers.BloomConfig(
+            vocab_size=30, hidden_size=8, n_layer=1, n_head=2, hidden_dropout=0.0,
+            attention_dropout=0.0,
+        )  # fmt: skip
+        model = transformers.BloomModel._from_config(config, attn_implementation="eager")
+    model = model.double().eval()
+    ids = torch.tensor([[1, 5, 7, 2, 4], [4, 9, 2, 3, 3], [1, 3, 3, 2, 8]])
+    mask = torch.tensor([[1, 1, 1, 1, 1], [1, 1, 1, 0, 0], [1, 1, 1, 1, 0]])
+
+    def loss(sl):
+        out = model(ids[sl], attention_mask=mask[sl]).last_hidden_state
+        return (out.pow(2) * mask[sl, :, None]).sum()
+
+    for sr in (semipack.MaxProd(), semipack.Real()):
+        with semipack.extend(model, sr, per_sample=True):
+            loss(slice(None)).backward()
+        rows = {n: p.semiring_grad_batch for n, p in model.named_parameters()}
+        for i in range(3):
+            with semipack.extend(model, sr, extensions=False):
+                loss(slice(i, i + 1)).backward()
+            for name, p in model.named_parameters():
+                torch.testing.assert_close(rows[name][i], p.semiring_grad, msg=name)
+                if isinstance(sr, semipack.Real):
+                    want = torch.autograd.grad(loss(slice(i, i + 1)), p)[0]
+                    torch.testing.assert_close(rows[name][i], want, msg=name)

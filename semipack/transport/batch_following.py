@@ -23,7 +23,6 @@ counter it moved.
 
 from __future__ import annotations
 
-import functools
 import itertools
 import weakref
 from typing import Any, NamedTuple
@@ -100,6 +99,11 @@ class BatchedTensors:
         self._by_memory: dict[int, set[int]] = {}
         self._marked: weakref.WeakValueDictionary[int, Tensor] = weakref.WeakValueDictionary()
         self._marks: dict[int, tuple[Mark, ...]] = {}
+        #: mark -> the size of the dim it was put on (its entries, one per example if it is
+        #: confirmed): a reshape that merges them with other dims keeps them as the outer
+        #: factor, and one that splits them out again finds them (Falcon's and Bloom's ALiBi
+        #: tables, built from the padding mask as [N * heads, 1, T] and viewed back)
+        self._mark_sizes: dict[int, int] = {}
         self._new_mark = itertools.count()
         #: marks confirmed where they met the batch; refuted ones with the reason
         self.confirmed: set[int] = set()
@@ -190,11 +194,12 @@ class BatchedTensors:
         dim = self.batch_dim(tensor)
         if dim is not NOT_HELD:
             return dim == 0 and not self.merged(tensor)
-        return self._confirmed_on_dim_0(self.marks(tensor))
+        return self._confirmed_on_dim_0(self._whole(tensor, self.marks(tensor)))
 
     def _mark(self, tensor: Tensor, name: str, dim: int = 0) -> int:
         mark = next(self._new_mark)
         self._mark_names[mark] = name
+        self._mark_sizes[mark] = int(tensor.shape[dim])
         self._set_marks(tensor, ((mark, dim),))
         return mark
 
@@ -275,13 +280,13 @@ class BatchedTensors:
     def _carry(self, func, args, kwargs, marked, out: Tensor, position: int) -> None:
         """Marks of the arguments, placed in ``out`` as the batch would be."""
         carried = tuple(
-            (mark, _place(func, args, kwargs, s, d, out, position))
+            (mark, _place(func, args, kwargs, s, d, out, position, self._mark_sizes.get(mark)))
             for s, marks in marked
             for mark, d in marks
         )
         self._set_marks(out, carried)
         if out.grad_fn is not None:  # judged at the pass's start (``mark_nodes``)
-            self._marked_nodes.append((out.grad_fn.metadata, carried))
+            self._marked_nodes.append((out.grad_fn.metadata, self._whole(out, carried)))
             out.grad_fn.metadata[SEEN_KEY] = True
         if _writes_into_first(func, kwargs) and any(d is None for _, d in carried):
             self._lose(out, call_name(func))  # y[:1].mul_(2): the rest of y's memory too
@@ -292,11 +297,21 @@ class BatchedTensors:
         if dim is None:
             return  # the batch is lost here already: the lost-batch check speaks
         mixed = False
+        examples = self.examples(out)
+        merged = out.shape[dim] != examples
+        call = call_name(func)
         for s, marks in marked:
-            lands = functools.partial(_place, func, args, kwargs, s, out=out, position=position)
-            merged = out.shape[dim] != self.examples(out)
-            call = call_name(func)
-            mixed |= self._judge_marks(marks, (lambda d: None) if merged else lands, dim, call)
+            for mark, d in marks:
+                size = self._mark_sizes.get(mark)
+                place = _place(func, args, kwargs, s, d, out, position, size)
+                if place is not None and (merged or out.shape[place] != size):
+                    # Merged with other dims, mark or batch: they meet whole examples only
+                    # where both are merged alike on one dim, one example's block each
+                    # (Bloom's ALiBi table, [N * heads, 1, T], added to its [N * heads, T, T]
+                    # scores); else no example is whole there.
+                    alike = place == dim and size == examples
+                    place = place if alike else None
+                mixed |= self._judge_marks(((mark, d),), lambda _, place=place: place, dim, call)
         if mixed:
             self.add(out, None, call_name(func))
             self._lose(out, call_name(func))
@@ -467,6 +482,15 @@ class BatchedTensors:
                 metadata[BATCHED_KEY] = 0
         self._marked_nodes = []
 
+    def _whole(self, tensor: Tensor, marks: tuple[Mark, ...]) -> tuple[Mark, ...]:
+        """``marks`` of ``tensor`` but those merged there with other dims (a dim holding
+        more than the mark's entries is no dim of examples)."""
+        return tuple(
+            (m, d)
+            for m, d in marks
+            if d is None or tensor.shape[d] == self._mark_sizes.get(m, tensor.shape[d])
+        )
+
     def _confirmed_on_dim_0(self, marks: tuple[Mark, ...]) -> bool:
         """Whether dim 0 of a value with ``marks`` is the batch: a mark on dim 0 met the
         batch there, and none on dim 0 was refuted (marks on other dims concern their own
@@ -569,13 +593,24 @@ def _landing(target: Tensor, index: Any, value: Tensor):
     return lands
 
 
-def _place(func, args, kwargs, source: Tensor, dim, out: Tensor, position: int) -> int | None:
-    """Where a mark on ``dim`` of ``source`` goes in ``out``: a dim of the same size (a mark
-    merged with other dims by a reshape is lost)."""
+def _place(
+    func, args, kwargs, source: Tensor, dim, out: Tensor, position: int, size: int | None = None
+) -> int | None:
+    """Where a mark on ``dim`` of ``source`` goes in ``out``: a dim of the same size, or, for
+    a mark of ``size`` entries, a dim of whole blocks of them that a reshape merged with the
+    dims after it (the outer factor, as the batch's own) or split out again; a merge that
+    breaks them up loses the mark."""
     if dim is None:
         return None
-    place = batch_dim_after(func, args, kwargs, source, dim, out, position)
-    return place if place is not None and out.shape[place] == source.shape[dim] else None
+    merged = size is not None and source.shape[dim] != size
+    examples = size if merged else None
+    place = batch_dim_after(func, args, kwargs, source, dim, out, position, examples)
+    if place is None:
+        return None
+    if out.shape[place] == source.shape[dim]:
+        return place
+    whole = size is not None and out.shape[place] % size == 0 and out.shape[place] >= size
+    return place if whole and call_name(func) in _MERGING else None
 
 
 def misplaced_batch(func: Any, args: tuple, kwargs: dict, batched: BatchedTensors) -> str | None:

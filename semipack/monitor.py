@@ -30,6 +30,7 @@ from __future__ import annotations
 import csv
 import math
 import time
+import warnings
 import weakref
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
@@ -97,7 +98,11 @@ class Monitor:
     (or leaving ``with Monitor(...) as monitor:``), an exception through ``step`` and at exit.
     A ``log_dir`` that already holds a ``monitor.csv`` (an earlier run's, or another monitor
     writing there) is refused unless ``overwrite=True``, which replaces that file (TensorBoard
-    keeps every run's event files in the folder).
+    keeps every run's event files in the folder), or ``resume=True``: a run resumed from a
+    checkpoint goes on with the earlier run's records (read back into ``records``, for
+    ``series`` and ``plot``); those of the steps from the first one this monitor records on
+    (written after the checkpoint) are dropped from the file. The top-path comparison
+    starts afresh at that step.
     """
 
     def __init__(
@@ -111,9 +116,12 @@ class Monitor:
         distributed: bool | None = None,
         flush_secs: float = 5.0,
         overwrite: bool = False,
+        resume: bool = False,
     ) -> None:
         if isinstance(every, bool) or not isinstance(every, int) or every < 1:
             raise ValueError(f"Monitor(every=...) needs a positive integer, got {every!r}")
+        if overwrite and resume:
+            raise ValueError("Monitor: overwrite=True and resume=True exclude each other")
         self.model, self.every = model, every
         self.splits = dict(splits or {})
         flow = Entropy(flow=True) if entropy else LogSum()
@@ -123,6 +131,7 @@ class Monitor:
         self.records: list[Record] = []
         self._best: dict[str, int] = {}
         self._count = 0
+        self._last_sampled: int | None = None
         self.log_dir = Path(log_dir) if log_dir is not None else None
         self._files: _Files | None = None
         if self.log_dir is not None:
@@ -132,14 +141,18 @@ class Monitor:
                 raise SemipackError(
                     f"Monitor(log_dir={str(log_dir)!r}): its monitor.csv is a folder, not a file"
                 )
-            if (self.log_dir / "monitor.csv").exists() and not overwrite:
+            earlier = self.log_dir / "monitor.csv"
+            if earlier.exists() and not (overwrite or resume):
                 raise SemipackError(
                     f"Monitor(log_dir={str(log_dir)!r}): the folder holds a monitor.csv already "
                     "(an earlier run's records, or another monitor's writing there): pass "
-                    "another log_dir, or overwrite=True to replace it"
+                    "another log_dir, resume=True to go on with it, or overwrite=True to "
+                    "replace it"
                 )
+            if resume and earlier.exists():
+                self.records = _read_records(earlier)
             self.log_dir.mkdir(parents=True, exist_ok=True)
-            self._files = _Files(self.log_dir, tensorboard, flush_secs)
+            self._files = _Files(self.log_dir, tensorboard, flush_secs, self.records)
             # a monitor dropped, or a run ending, without close() still leaves complete files
             weakref.finalize(self, self._files.close)
 
@@ -165,6 +178,15 @@ class Monitor:
             if not self.sampled(step):
                 yield False
                 return
+            if step == self._last_sampled:
+                warnings.warn(
+                    f"Monitor.step({step}) is sampled again: each block runs its own semiring "
+                    "backward and records it, so the step is recorded twice (and its top path "
+                    "compared with itself); for gradient accumulation, open one block around "
+                    "the whole step's micro-batches",
+                    stacklevel=3,
+                )
+            self._last_sampled = step
             combine = self._combines_processes()
             self._read_layers()
             self._clear()
@@ -269,6 +291,9 @@ class Monitor:
         for name, split in splits.items():
             for use, share in _flow_shares(split).items():
                 rows.append(Record(step, f"{name} -> {use}", "flow_share", share))
+        if self._files is not None and self._files.resumed:  # the earlier run's later steps go
+            self.records = [r for r in self.records if r.step < step]
+            self._files.rewrite(self.records)
         self.records += rows
         if self._files is not None and rows:
             self._files.add(step, rows)
@@ -471,6 +496,18 @@ def _flow_shares(split: Branches) -> dict[str, float]:
     return {use: math.exp(v - float(whole)) for use, v in logs.items()}
 
 
+def _read_records(path: Path) -> list[Record]:
+    """The records of a ``monitor.csv`` written by a monitor."""
+    with open(path, newline="") as f:
+        reader = csv.DictReader(f)
+        if reader.fieldnames != ["step", "layer", "quantity", "value"]:
+            raise SemipackError(f"Monitor(resume=True): {path} is not a monitor's CSV")
+        return [
+            Record(int(row["step"]), row["layer"], row["quantity"], float(row["value"]))
+            for row in reader
+        ]
+
+
 class _Files:
     """``monitor.csv`` and TensorBoard's events of one monitor, written a batch at a time.
 
@@ -481,16 +518,35 @@ class _Files:
     thread competing with the training for the interpreter between steps. The records in
     the files, and their order, are those written a step at a time."""
 
-    def __init__(self, log_dir: Path, tensorboard: bool, flush_secs: float) -> None:
+    def __init__(
+        self, log_dir: Path, tensorboard: bool, flush_secs: float, earlier: list[Record]
+    ) -> None:
         self.events = _Events(log_dir) if tensorboard else None
-        self.csv_file = open(log_dir / "monitor.csv", "w", newline="")  # noqa: SIM115
+        self.path = log_dir / "monitor.csv"
+        #: a resumed run's earlier records are in the file until the first new step's come
+        self.resumed = bool(earlier)
+        self.csv_file = open(self.path, "w", newline="")  # noqa: SIM115
         self.csv = csv.writer(self.csv_file)
-        self.csv.writerow(["step", "layer", "quantity", "value"])
-        self.csv_file.flush()
+        self._rows(earlier)
         self.flush_secs = flush_secs
         self.pending: list[tuple[int, list[Record]]] = []  # (step, its records) per record
         self.written_at = time.monotonic()
         self.closed = False
+
+    def _rows(self, records: list[Record]) -> None:
+        """The header and ``records``, flushed to the (emptied) file."""
+        self.csv.writerow(["step", "layer", "quantity", "value"])
+        self.csv.writerows((r.step, r.layer, r.quantity, r.value) for r in records)
+        self.csv_file.flush()
+
+    def rewrite(self, records: list[Record]) -> None:
+        """The file anew with ``records`` (a resumed run's earlier records it keeps)."""
+        self.resumed = False
+        if self.closed:
+            return
+        self.csv_file.seek(0)
+        self.csv_file.truncate()
+        self._rows(records)
 
     def add(self, step: int, rows: list[Record]) -> None:
         """Queue one sampled step's records; write everything out when it is time (after

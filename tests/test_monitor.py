@@ -488,3 +488,47 @@ def test_a_step_number_held_in_a_tensor_is_written_as_a_number(tmp_path: Path) -
     for bad, error in ((torch.tensor(1.5), ValueError), ("7", TypeError)):
         with pytest.raises(error, match="step must be an integer"), monitor.step(bad):
             pass
+
+
+def test_a_resumed_run_goes_on_with_the_earlier_records(tmp_path: Path) -> None:
+    """A run resumed from a checkpoint (trial 46 found no way but ``overwrite=True``, which
+    dropped the earlier rows): ``resume=True`` reads them back, keeps those before the first
+    step it records and drops the later ones (written after the checkpoint)."""
+    batches = _batches(4)
+    first = semipack.Monitor(_model(), every=1, log_dir=tmp_path, tensorboard=False)
+    for step, (x, y) in enumerate(batches[:3]):  # steps 0, 1, 2; the checkpoint is at step 2
+        with first.step(step):
+            nn.functional.cross_entropy(first.model(x), y).backward()
+    first.close()
+    kept = [r for r in first.records if r.step < 2]
+    with pytest.raises(ValueError, match="exclude each other"):
+        semipack.Monitor(_model(), log_dir=tmp_path, overwrite=True, resume=True)
+    again = semipack.Monitor(_model(), every=1, log_dir=tmp_path, tensorboard=False, resume=True)
+    assert again.records == first.records  # read back, for series and plots
+    for step, (x, y) in zip((2, 3), batches[2:], strict=True):
+        with again.step(step):
+            nn.functional.cross_entropy(again.model(x), y).backward()
+    again.close()
+    assert again.records[: len(kept)] == kept
+    assert {r.step for r in again.records} == {0, 1, 2, 3}
+    # step 2 again, from the same weights: the same values, but no top-path change yet (its
+    # comparison starts afresh)
+    redone = {(r.layer, r.quantity): r.value for r in again.records if r.step == 2}
+    before = {(r.layer, r.quantity): r.value for r in first.records if r.step == 2}
+    assert redone == {k: v for k, v in before.items() if k[1] != "top_path_changed"}
+    with open(tmp_path / "monitor.csv") as f:
+        rows = [(int(r["step"]), r["layer"], r["quantity"], float(r["value"]))
+                for r in csv.DictReader(f)]  # fmt: skip
+    assert rows == [(r.step, r.layer, r.quantity, r.value) for r in again.records]
+
+
+def test_a_step_sampled_twice_warns() -> None:
+    """One block per micro-batch with the same step number records the step twice and
+    compares its top path with itself (trial 46): said by a warning."""
+    model = _model()
+    monitor = semipack.Monitor(model, every=1, tensorboard=False)
+    (x, y), _ = _batches(2)
+    with monitor.step(0):
+        nn.functional.cross_entropy(model(x), y).backward()
+    with pytest.warns(UserWarning, match=r"Monitor.step\(0\) is sampled again"), monitor.step(0):
+        nn.functional.cross_entropy(model(x), y).backward()

@@ -569,7 +569,9 @@ def _short_name(name: str, spec: AttentionLayer, split: Branches) -> str:
     return "query" if short == "qkv" and only_query else short
 
 
-def _check_splits(model: nn.Module, layers: Sequence[AttentionLayer], splits: Sequence[Branches]):
+def _check_splits(
+    model: nn.Module, layers: Sequence[AttentionLayer], splits: Sequence[Branches]
+) -> None:
     """Refuse layers found by name whose split tensor is not the attention's input: it must
     feed a projection, and the value or the residual (the paths that keep a token's own
     flow). MobileBERT's attention takes its bottleneck's output, which feeds only the query and

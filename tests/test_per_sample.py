@@ -1556,8 +1556,28 @@ def _flip_in_place(h: torch.Tensor) -> None:
     h.copy_(h.detach().flip(0))
 
 
-#: trial 36: each gave wrong rows silently
+def _written_with_out(m, x, y):
+    buf = torch.empty_like(y)
+    torch.cumsum(y, 0, out=buf)  # over the examples, into a buffer given as out=
+    return x + m.b(buf).unsqueeze(1)
+
+
+def _written_through_a_view(m, x, y):
+    n, d = y.shape
+    buf = torch.zeros(d, n, dtype=y.dtype)
+    buf.t()[:] = m.b(y)  # a view of a fresh buffer; the buffer read in another layout
+    return x + buf.reshape(n, d).unsqueeze(1)
+
+
+def _copied_by_new_tensor(m, x, y):
+    return x + m.b(x.new_tensor(y.flip(0))).unsqueeze(1)  # new_tensor copies its data
+
+
+#: trial 36 (the first four) and trial 47: each gave wrong rows silently
 REFUSED_BESIDE_TOO = {
+    "a write with out=": _written_with_out,
+    "a write through a view of a fresh buffer": _written_through_a_view,
+    "a copy made by new_tensor": _copied_by_new_tensor,
     "a write the block did not see": _scripted_write,
     "a second argument mixed over its dim 0": lambda m, x, y: (
         x + m.b(y.flip(0)).unsqueeze(1) + y.flip(0).unsqueeze(1)
@@ -1565,6 +1585,41 @@ REFUSED_BESIDE_TOO = {
     "a second argument written at one example": _marked_partly_written,
     "a write through a detached alias": _written_through_an_alias,
 }
+
+
+class _TwoBranches(nn.Module):
+    """The batch's branch and a second argument's, returned side by side (they never meet)."""
+
+    def __init__(self, pre, post) -> None:
+        super().__init__()
+        self.a, self.b, self.d = nn.Linear(4, 5), nn.Linear(4, 5), nn.Linear(5, 5)
+        self.pre, self.post = pre, post
+
+    def forward(self, x, y):
+        return self.a(x), self.d(self.post(torch.tanh(self.b(self.pre(y)))))
+
+
+@pytest.mark.parametrize(
+    ("pre", "post"),
+    [
+        (lambda y: y - y.mean(0), lambda h: h),
+        (lambda y: y + y.flip(0), lambda h: h),
+        (lambda y: y, lambda h: h + h[0]),
+        (lambda y: y, lambda h: h @ (h.T @ h)),
+    ],
+    ids=["minus its mean", "plus its flip", "plus its first row", "a gram product"],
+)
+def test_a_second_argument_mixed_on_a_branch_apart_is_refused(pre, post):
+    """A second argument's examples mixed on a branch that never meets the batch: its mark
+    came in on dim 0 and lost (the same mark, two places) and still counted as on dim 0, so
+    the branch's layers gave rows silently (trial 47). A mark on two places has none now."""
+    torch.manual_seed(1)
+    model = _TwoBranches(pre, post).double()
+    x, y = torch.randn(3, 4, dtype=torch.float64), torch.randn(3, 4, dtype=torch.float64)
+    with semipack.extend(model, semipack.Real(), per_sample=True):
+        a, d = model(x, y)
+        with pytest.raises(PerSampleError, match=r"parameter 'd\.(weight|bias)' is used by"):
+            (_loss(a) + _loss(d)).backward()
 
 
 @pytest.mark.parametrize("case", list(REFUSED_BESIDE_TOO))

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import itertools
 import weakref
+from collections.abc import Iterable
 from typing import Any, NamedTuple
 
 import torch
@@ -104,6 +105,11 @@ class BatchedTensors:
         #: factor, and one that splits them out again finds them (Falcon's and Bloom's ALiBi
         #: tables, built from the padding mask as [N * heads, 1, T] and viewed back)
         self._mark_sizes: dict[int, int] = {}
+        #: storage address -> the call that wrote the batch (or a mark) into a view of it: the
+        #: view follows the write, but its base and the base's other views, not held, would
+        #: read as constants in a layout the write does not give (``b.t()[:] = h``, then
+        #: ``b.reshape(N, T)``): they count as values without a batch dim of their own
+        self._written_memory: dict[int, str] = {}
         self._new_mark = itertools.count()
         #: marks confirmed where they met the batch; refuted ones with the reason
         self.confirmed: set[int] = set()
@@ -157,7 +163,10 @@ class BatchedTensors:
         """The dim ``tensor`` (itself, not an equal one) has its batch on, None if it has
         none, ``NOT_HELD`` if it was not computed from the model's input in the block."""
         if self._tensors.get(id(tensor)) is not tensor:
-            return NOT_HELD
+            call = self._written_memory.get(_memory(tensor)) if self._written_memory else None
+            if call is None:
+                return NOT_HELD
+            self.add(tensor, None, call)  # on memory a view of it had the batch written into
         return self._record(tensor).dim
 
     def lost_by(self, tensor: Tensor) -> str:
@@ -238,29 +247,58 @@ class BatchedTensors:
         if func is Tensor.__setitem__ and given:
             self._follow_assignment(args)
             self._saw_write(args[0])
+            self._wrote_through_view(args[0], "__setitem__")
             return
         name = call_name(func)
+        if name == "new_tensor":  # x.new_tensor(data): a copy of data
+            self._follow_copy(args[1] if len(args) > 1 else kwargs.get("data"), result, name)
+            return
         if name in _SHAPED_BY_ARGUMENTS:
             return  # x.new_zeros(shape): nothing of the batch, in a layout of its own
         _keep_factors(func, args, result)
+        out = kwargs.get("out")
+        out = out if isinstance(out, Tensor) else None  # torch.cumsum(h, 0, out=buf) writes buf
         writes = _writes_into_first(func, kwargs)
         results = [t for t in tree_leaves(result) if isinstance(t, Tensor)]
         for position, t in enumerate(results):
-            if not writes and any(t is a for a in given):
+            writes_t = writes or t is out
+            if not writes_t and any(t is a for a in given):
                 continue  # an argument handed back unchanged
             if held:
                 dim, examples = self._combined(func, args, kwargs, held, t, position)
                 lost = next((self.lost_by(s) for s, d in held if d is None), None) or name
                 self.add(t, dim, lost, examples)
                 self._judge(func, args, kwargs, marked, t, position, dim)
-                if writes and dim is None:  # a view, a detached alias: their memory changed
+                if writes_t and dim is None:  # a view, a detached alias: their memory changed
                     self._lose(t, lost)
             else:
                 self._carry(func, args, kwargs, marked, t, position)
-            if writes:
+            if writes_t:
                 self._saw_write(t)
+                self._wrote_through_view(t, name)
         if not held:
             self._mark_layer_input(func, args, kwargs, result)
+
+    def _follow_copy(self, data: Any, out: Any, call: str) -> None:
+        """``out`` is a copy of ``data``: its batch dim, or its marks."""
+        if not isinstance(data, Tensor) or not isinstance(out, Tensor):
+            return
+        dim = self.batch_dim(data)
+        if dim is not NOT_HELD:
+            self.add(out, dim, self.lost_by(data) or call, self.examples(data))
+        elif self.marks(data):
+            self._set_marks(out, self.marks(data))
+
+    def _wrote_through_view(self, target: Tensor, call: str) -> None:
+        """A write that left the batch (or a mark) in ``target``, a view: the memory's other
+        tensors that are not held read as values without a batch dim (``_written_memory``)."""
+        if target._base is None:
+            return
+        if self.batch_dim(target) is NOT_HELD and not self.marks(target):
+            return
+        memory = _memory(target)
+        if memory is not None:
+            self._written_memory.setdefault(memory, call)
 
     def _combined(
         self, func, args, kwargs, sources: list[tuple[Tensor, int | None]], out, position: int
@@ -279,7 +317,7 @@ class BatchedTensors:
 
     def _carry(self, func, args, kwargs, marked, out: Tensor, position: int) -> None:
         """Marks of the arguments, placed in ``out`` as the batch would be."""
-        carried = tuple(
+        carried = _agreed(
             (mark, _place(func, args, kwargs, s, d, out, position, self._mark_sizes.get(mark)))
             for s, marks in marked
             for mark, d in marks
@@ -593,6 +631,15 @@ def _landing(target: Tensor, index: Any, value: Tensor):
     return lands
 
 
+def _agreed(marks: Iterable[Mark]) -> tuple[Mark, ...]:
+    """Each mark once: where it comes in on two places (``y - y.mean(0)``: its own dim and
+    nowhere), its entries met other positions' and it has no dim of its own (None)."""
+    places: dict[int, set[int | None]] = {}
+    for mark, d in marks:
+        places.setdefault(mark, set()).add(d)
+    return tuple((m, ds.pop() if len(ds) == 1 else None) for m, ds in places.items())
+
+
 def _place(
     func, args, kwargs, source: Tensor, dim, out: Tensor, position: int, size: int | None = None
 ) -> int | None:
@@ -665,7 +712,7 @@ _MERGING = frozenset(("view", "reshape", "flatten", "unflatten", "view_as", "res
 
 #: Calls whose result's shape comes from their arguments, not from the tensor they are
 #: called on (``x.new_zeros(n, d)``): the result holds nothing of the batch.
-_SHAPED_BY_ARGUMENTS = frozenset(("new_zeros", "new_ones", "new_empty", "new_full", "new_tensor"))
+_SHAPED_BY_ARGUMENTS = frozenset(("new_zeros", "new_ones", "new_empty", "new_full"))
 
 
 def _keep_factors(func: Any, args: tuple, result: Any) -> None:

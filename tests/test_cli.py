@@ -237,7 +237,8 @@ def test_unsupported_families_name_the_supported_ones(tiny_model_dir, tmp_path, 
         assert main(["explain", "--model", str(folder)]) == 2
         err = capsys.readouterr().err
         assert why in err
-        assert "semipack explain takes BERT-family encoders" in err and "GPT-2 (h[i].attn)" in err
+        assert "semipack explain takes BERT-family encoders" in err
+        assert "GPT-2 and GPTBigCode (h[i].attn)" in err
     gpt2 = transformers.GPT2Config(vocab_size=len(WORDS), n_embd=8, n_layer=1, n_head=2)
     folder = _saved(tmp_path / "gpt2", transformers.GPT2Model(gpt2), tiny_model_dir)
     assert main(["explain", "--model", str(folder), "--target", "mask", "--text", "[MASK]"]) == 2

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import inspect
 import warnings
+import weakref
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -27,6 +28,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
+from torch.utils._pytree import tree_leaves
 
 from ..errors import SemipackError
 from ..graph.provenance import current_module
@@ -61,6 +63,9 @@ class Branches:
     #: are the split tensor (``(0,)`` for a cross-attention's query, ``(0, 1, 2)`` for
     #: ``mha(x, x, x)``)
     arguments: tuple[int | str, ...] = ()
+    #: a module split: the calls that used the split tensor before the module was called
+    #: (their paths are in no branch; ``explain_layers`` refuses such a layer)
+    used_before: list[str] = field(default_factory=list)
     split: Tensor | None = None
     calls: int = 0
     messages: dict[str, Message] = field(default_factory=dict, repr=False)
@@ -150,9 +155,21 @@ class _SplitMode(TorchFunctionMode):
         self.counts: dict[str, int] = {}
         #: whether a use of the split tensor ran without grad mode (no alias, no branch)
         self.uses_without_grad = False
+        #: before the split module is called: the tensors calls used (id -> weak reference,
+        #: the call), to tell whether the split tensor had uses before it (``Branches
+        #: .used_before``); None once the split tensor is taken
+        self.earlier_uses: dict[int, tuple[weakref.ref, str]] | None = {}
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        watching = self.target is None and self.earlier_uses is not None
+        if watching and torch.is_grad_enabled() and not _reads_metadata(func):
+            result = func(*args, **kwargs)
+            for a in tree_leaves((args, kwargs)):
+                # a call that hands its argument back (eval-mode dropout, .to()) is no use
+                if isinstance(a, Tensor) and a.requires_grad and a is not result:
+                    self.earlier_uses[id(a)] = (weakref.ref(a), _call_name(func))
+            return result
         if self.target is None or _reads_metadata(func):
             return func(*args, **kwargs)
         # an in-place op writes its first argument: that one keeps the tensor (an alias would
@@ -268,6 +285,10 @@ def _in_place(func: Callable[..., Any]) -> bool:
     return (name.endswith("_") and not name.endswith("__")) or name.startswith("__i")
 
 
+def _call_name(func: Callable[..., Any]) -> str:
+    return getattr(func, "__name__", type(func).__name__)
+
+
 def _argument_labels(func: Callable[..., Any], uses: list[int], named: list[str]) -> list[str]:
     """Parameter names of the positions and keywords where one call uses the split tensor."""
     try:
@@ -314,6 +335,11 @@ def branches(at: nn.Module | Tensor, inputs: Sequence[Tensor] = ()) -> Iterator[
             )
         mode.target = result.split = tensor
         mode.forms = [tensor]
+        if mode.earlier_uses is not None:
+            earlier = mode.earlier_uses.get(id(tensor))
+            if earlier is not None and earlier[0]() is tensor:
+                result.used_before.append(earlier[1])
+            mode.earlier_uses = None
         if inputs:
             if tensor.grad_fn is None:
                 raise SemipackError(
@@ -355,6 +381,12 @@ def branches(at: nn.Module | Tensor, inputs: Sequence[Tensor] = ()) -> Iterator[
     if result.split is None:
         raise SemipackError(
             f"semipack.branches: {type(at).__name__} was not called inside the block"
+        )
+    if isinstance(at, nn.Module) and result.used_before:
+        warnings.warn(
+            f"semipack.branches: {type(at).__name__}'s input was used before the module was "
+            f"called (by {', '.join(result.used_before)}): those uses' paths are in no branch",
+            stacklevel=3,
         )
     if isinstance(at, nn.Module) and result.calls > 1:
         warnings.warn(

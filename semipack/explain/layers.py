@@ -54,6 +54,9 @@ class AttentionLayer:
         head_dim: the width of one head (of the query, key and value projections' outputs).
         batch_first: whether the layer's tensors are ``[batch, tokens, hidden]`` (else
             ``[tokens, batch, hidden]``: ``nn.MultiheadAttention(batch_first=False)``).
+        found: whether ``attention_layers`` found the layer by its module names: its split is
+            then checked to be drawn as those families' (``explain_layers`` refuses MobileBERT
+            and ESM, whose names match), whoever passes it on (the CLI does).
     """
 
     name: str
@@ -62,13 +65,14 @@ class AttentionLayer:
     num_heads: int
     head_dim: int
     batch_first: bool = True
+    found: bool = field(default=False, compare=False)
 
 
 #: The model families ``attention_layers`` finds by themselves (for messages).
 FAMILIES = (
     "BERT-family encoders (BERT, RoBERTa, ELECTRA, MiniLM, DeBERTa: encoder.layer[i].attention), "
     "DistilBERT (transformer.layer[i].attention), Llama-family decoders (Llama, Mistral, Qwen2: "
-    "layers[i].self_attn), GPT-2 (h[i].attn) and torch's nn.MultiheadAttention "
+    "layers[i].self_attn), GPT-2 and GPTBigCode (h[i].attn) and torch's nn.MultiheadAttention "
     "(nn.TransformerEncoderLayer)"
 )
 
@@ -87,28 +91,32 @@ def attention_layers(model: nn.Module) -> list[AttentionLayer]:
         heads = getattr(self_part, "num_attention_heads", None)
         if heads is not None and isinstance(getattr(output, "dense", None), nn.Linear):
             width = self_part.attention_head_size
-            found.append(AttentionLayer(name, module, output, heads, width))
+            found.append(AttentionLayer(name, module, output, heads, width, found=True))
             continue
         o_proj = getattr(module, "o_proj", None)
         if isinstance(o_proj, nn.Linear) and hasattr(module, "q_proj"):
             heads = _head_count(name, module)
             width = getattr(module, "head_dim", None) or o_proj.in_features // heads
-            found.append(AttentionLayer(name, module, o_proj, heads, int(width)))
+            found.append(AttentionLayer(name, module, o_proj, heads, int(width), found=True))
             continue
         c_proj = getattr(module, "c_proj", None)
         if _is_gpt2_attention(module) and c_proj is not None:
-            found.append(AttentionLayer(name, module, c_proj, module.num_heads, module.head_dim))
+            heads, width = module.num_heads, module.head_dim
+            found.append(AttentionLayer(name, module, c_proj, heads, width, found=True))
             continue
         if isinstance(module, nn.MultiheadAttention) and module._qkv_same_embed_dim:
             heads = module.num_heads
             found.append(
-                AttentionLayer(name, module, None, heads, module.head_dim, module.batch_first)
+                AttentionLayer(
+                    name, module, None, heads, module.head_dim, module.batch_first, found=True
+                )
             )
             continue
         out_lin = getattr(module, "out_lin", None)
         if isinstance(out_lin, nn.Linear) and hasattr(module, "q_lin"):  # DistilBERT
             heads = int(module.n_heads)
-            found.append(AttentionLayer(name, module, out_lin, heads, out_lin.in_features // heads))
+            width = out_lin.in_features // heads
+            found.append(AttentionLayer(name, module, out_lin, heads, width, found=True))
     if not found and any(n.endswith("albert_layer_groups") for n, _ in model.named_modules()):
         raise SemipackError(
             f"{type(model).__name__} runs one shared layer at every depth (ALBERT): a split "
@@ -400,18 +408,20 @@ class LayerFlow:
         best = self.best_branch(example) if self.semiring in ("MaxProd", "TopPath") else None
         width = max([10, *(len(b) + 1 for row in best or [] for b in row)])
         layers = [f"L{i}" for i in range(len(self.layers))]
-        header = f"{'token':>12} " + " ".join(f"{n:<{width}}" for n in layers)
+        column = max([12, *(len(t) for t in labels)])  # long tokens keep the rows aligned
+        header = f"{'token':>{column}} " + " ".join(f"{n:<{width}}" for n in layers)
         lines = (
             [f"{self.semiring}: per token{self._which(example)}"] if self._which(example) else []
         )
         lines.append(header)
         if best is not None:
             for token, row in zip(labels, best, strict=True):
-                lines.append(f"{token:>12} " + " ".join(f"{b:<{width}}" for b in row))
+                lines.append(f"{token:>{column}} " + " ".join(f"{b:<{width}}" for b in row))
         else:
             grid = self._masked_total(example).tolist()  # [tokens, layers]
             for token, row in zip(labels, grid, strict=True):
-                lines.append(f"{token:>12} " + " ".join(f"{_cell(v, '.3f'):<{width}}" for v in row))
+                cells = " ".join(f"{_cell(v, '.3f'):<{width}}" for v in row)
+                lines.append(f"{token:>{column}} " + cells)
         return "\n".join(lines)
 
     def _masked_total(self, example: int) -> Tensor:
@@ -524,7 +534,6 @@ def explain_layers(
             "random mask per pass, so the values change from call to call): call model.eval()",
             stacklevel=2,
         )
-    found = layers is None
     layers = list(layers) if layers is not None else attention_layers(model)
     with extend(model, semiring, regular_grads=False, drawing=drawing), ExitStack() as stack:
         for module in _entries(model, layers):  # before the splits' hooks: they see the leaf
@@ -538,8 +547,12 @@ def explain_layers(
         scalar = target()
         _check_called(layers, splits, contexts)
         _check_shapes(layers, contexts)
-        if found:  # layers found by their module names: check they are drawn as this knows
-            _check_splits(model, layers, splits)
+        # layers found by their module names: check they are drawn as those families'
+        _check_splits(
+            model,
+            [a for a in layers if a.found],
+            [s for a, s in zip(layers, splits, strict=True) if a.found],
+        )
         stack.close()
         if not isinstance(scalar, Tensor) or scalar.numel() != 1:
             raise SemipackError("explain_layers: target() must return a scalar tensor")
@@ -627,10 +640,26 @@ def _check_called(
             f"explain_layers: target() did not call {', '.join(missing)}; target must run the "
             "model's forward itself, and each AttentionLayer name modules of that model"
         )
+    early = [
+        f"{spec.name} (by {', '.join(split.used_before)})"
+        for spec, split in zip(layers, splits, strict=True)
+        if split.used_before
+    ]
+    if early:  # those uses' paths would be in no branch and missing from the totals
+        raise SemipackError(
+            f"explain_layers: the input of {', '.join(early)} was used before the block was "
+            "called, so the paths through that use would be in no branch and missing from the "
+            "layer's total; pass layers=[AttentionLayer(...), ...] naming a block that holds "
+            "every use of its input"
+        )
     repeated = [
         f"{spec.name} ({split.calls} calls)"
         for spec, split in zip(layers, splits, strict=True)
         if split.calls > 1
+    ] + [  # a heads' module shared by layers: the later layers read the first one's heads
+        f"{spec.name}'s heads_input ({context.calls} calls)"
+        for spec, context in zip(layers, contexts, strict=True)
+        if context is not None and context.calls > 1
     ]
     if repeated:  # the split holds the first call only: the others' paths would be missing
         raise SemipackError(

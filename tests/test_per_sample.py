@@ -391,6 +391,23 @@ def test_bert():
                 torch.testing.assert_close(rows[name][i], p.semiring_grad, equal_nan=True)
 
 
+def _rows_of_single_examples(model, loss, sr, n: int) -> dict:
+    """Per-sample rows of ``loss(slice(None))``, each checked against a pass over that example
+    alone (``loss(slice(i, i + 1))``, generic path) and, for Real, autograd's gradient."""
+    with semipack.extend(model, sr, per_sample=True):
+        loss(slice(None)).backward()
+    rows = {name: p.semiring_grad_batch for name, p in model.named_parameters()}
+    for i in range(n):
+        with semipack.extend(model, sr, extensions=False):
+            loss(slice(i, i + 1)).backward()
+        for name, p in model.named_parameters():
+            torch.testing.assert_close(rows[name][i], p.semiring_grad, msg=name)
+            if isinstance(sr, semipack.Real):
+                want = torch.autograd.grad(loss(slice(i, i + 1)), p)[0]
+                torch.testing.assert_close(rows[name][i], want, msg=name)
+    return rows
+
+
 def test_falcon_projections_written_as_matrix_products():
     """Falcon's linear layers compute ``input @ self.weight.T``: its per-sample values were
     refused (the merged-batch ``mm``). Rows equal each example alone (the generic path, no
@@ -409,18 +426,8 @@ def test_falcon_projections_written_as_matrix_products():
         return model(ids[sl]).last_hidden_state.pow(2).sum()
 
     for sr in (semipack.MaxProd(), semipack.LogSum(), semipack.Real()):
-        with semipack.extend(model, sr, per_sample=True):
-            loss(slice(None)).backward()
-        rows = {n: p.semiring_grad_batch for n, p in model.named_parameters()}
+        rows = _rows_of_single_examples(model, loss, sr, 3)
         assert rows["h.0.self_attention.dense.weight"].shape == (3, 8, 8)
-        for i in range(3):
-            with semipack.extend(model, sr, extensions=False):
-                loss(slice(i, i + 1)).backward()
-            for name, p in model.named_parameters():
-                torch.testing.assert_close(rows[name][i], p.semiring_grad, msg=name)
-                if isinstance(sr, semipack.Real):
-                    want = torch.autograd.grad(loss(slice(i, i + 1)), p)[0]
-                    torch.testing.assert_close(rows[name][i], want, msg=name)
 
 
 def test_bert_sdpa_rows_equal_eager_rows():
@@ -1721,14 +1728,4 @@ def test_alibi_models_with_a_padding_mask_have_each_examples_rows(family: str):
         return (out.pow(2) * mask[sl, :, None]).sum()
 
     for sr in (semipack.MaxProd(), semipack.Real()):
-        with semipack.extend(model, sr, per_sample=True):
-            loss(slice(None)).backward()
-        rows = {n: p.semiring_grad_batch for n, p in model.named_parameters()}
-        for i in range(3):
-            with semipack.extend(model, sr, extensions=False):
-                loss(slice(i, i + 1)).backward()
-            for name, p in model.named_parameters():
-                torch.testing.assert_close(rows[name][i], p.semiring_grad, msg=name)
-                if isinstance(sr, semipack.Real):
-                    want = torch.autograd.grad(loss(slice(i, i + 1)), p)[0]
-                    torch.testing.assert_close(rows[name][i], want, msg=name)
+        _rows_of_single_examples(model, loss, sr, 3)

@@ -171,6 +171,9 @@ def run(
         raise SemipackError(f"unknown semiring {unknown[0]!r}: choose from {', '.join(SEMIRINGS)}")
     encoded = tokenizer(text, return_tensors="pt")
     tokens = tokenizer.convert_ids_to_tokens(encoded["input_ids"][0])
+    special = set(getattr(tokenizer, "all_special_ids", ()))
+    if all(int(i) in special for i in encoded["input_ids"][0]):  # a zero-width space, say
+        raise SemipackError("the text to explain has no tokens besides the special ones")
     masked = None
     if target == "mask":
         masked = encoded["input_ids"] == tokenizer.mask_token_id

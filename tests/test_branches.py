@@ -173,6 +173,8 @@ def test_per_token_aggregation_is_the_union_of_the_tokens_paths(
     want = oracle_readouts(build_graph(_loss(net(x, copies))), list(rows.values()), semiring_name)
     for name, expected in zip(USES, want, strict=True):
         assert_readout_matches(semiring_name, expected, got[name], f"rows of {name}")
+    with pytest.raises(TypeError, match=r"aggregate\(at=\.\.\.\) takes the index of an input"):
+        split.aggregate(-1, at=x)  # a tensor, not its index (trial 48: a bare TypeError)
 
 
 def test_llama_and_transformer_encoder_layers_split_by_use() -> None:

@@ -99,6 +99,8 @@ class Branches:
         ``dims``. Vectorised over everything else (examples, positions). Empty when no path
         reached the split tensor. ``rename`` maps branch names to the keys of the result;
         branches given the same key are joined by the semiring's plus (all their paths)."""
+        if at is not None and (isinstance(at, bool) or not isinstance(at, int)):
+            raise TypeError(f"aggregate(at=...) takes the index of an input, got {type(at)}")
         if not self.messages:
             return {}
         sr = self._semiring()

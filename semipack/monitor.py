@@ -368,10 +368,11 @@ def _step_number(step: object) -> int:
 def _layers(model: nn.Module) -> dict[str, nn.Parameter]:
     """Module name -> the parameter summarised for it: its ``weight`` if that trains, else its
     first own parameter that trains (a frozen weight with a trained bias is read at the bias);
-    modules with no trained parameter of their own are left out. Names are the model's as
-    written: a ``torch.compile``d model's without its ``_orig_mod.`` prefix, a
-    ``DistributedDataParallel`` (or ``DataParallel``) model's without its ``module.``, so a
-    data-parallel run's records have one process's names."""
+    a module without a ``weight`` but with several trained matrices is one layer per matrix
+    (``W1``, ``block.W2``); modules with no trained parameter of their own are left out.
+    Names are the model's as written: a ``torch.compile``d model's without its ``_orig_mod.``
+    prefix, a ``DistributedDataParallel`` (or ``DataParallel``) model's without its
+    ``module.``, so a data-parallel run's records have one process's names."""
     if isinstance(model, (nn.parallel.DistributedDataParallel, nn.DataParallel)):
         model = model.module
     out = {}
@@ -379,7 +380,14 @@ def _layers(model: nn.Module) -> dict[str, nn.Parameter]:
         own = dict(module.named_parameters(recurse=False))
         trained = [p for p in own.values() if p.requires_grad]
         weight = own.get("weight")
-        if trained:
+        matrices = {n: p for n, p in own.items() if p.requires_grad and p.dim() >= 2}
+        if weight is None and len(matrices) > 1:
+            # a hand-written module with several weight matrices (``x @ self.W1``, then
+            # ``@ self.W2``): one layer per matrix, named after it (read as one layer, at its
+            # first parameter, the others went unrecorded)
+            for pname, p in matrices.items():
+                out[display_name(f"{name}.{pname}" if name else pname)] = p
+        elif trained:
             out[display_name(name) or ROOT_MODULE] = (
                 weight if weight is not None and weight.requires_grad else trained[0]
             )

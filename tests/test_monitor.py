@@ -532,3 +532,37 @@ def test_a_step_sampled_twice_warns() -> None:
         nn.functional.cross_entropy(model(x), y).backward()
     with pytest.warns(UserWarning, match=r"Monitor.step\(0\) is sampled again"), monitor.step(0):
         nn.functional.cross_entropy(model(x), y).backward()
+
+
+class _HandWritten(nn.Module):
+    """An MLP of parameters on the root module: ``x @ W1 + b1``, then ``@ W2 + b2``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        g = torch.Generator().manual_seed(0)
+        self.W1 = nn.Parameter(torch.randn(4, 6, generator=g, dtype=F64))
+        self.b1 = nn.Parameter(torch.zeros(6, dtype=F64))
+        self.W2 = nn.Parameter(torch.randn(6, 3, generator=g, dtype=F64))
+        self.b2 = nn.Parameter(torch.zeros(3, dtype=F64))
+
+    def forward(self, x):
+        return torch.relu(x @ self.W1 + self.b1) @ self.W2 + self.b2
+
+
+def test_a_module_with_several_weight_matrices_records_each() -> None:
+    """All of a hand-written MLP's parameters sit on the root module: it was one layer, read at
+    W1, and W2 went unrecorded without a word (trial 49). Each matrix is a layer now; its
+    records equal the summaries of a separate pass read at that matrix."""
+    model = _HandWritten()
+    monitor = semipack.Monitor(model, every=1, tensorboard=False)
+    ((x, y),) = _batches(1)
+    with monitor.step(0):
+        nn.functional.cross_entropy(model(x), y).backward()
+    assert {r.layer for r in monitor.records} == {"W1", "W2"}
+    got = {(r.layer, r.quantity): r.value for r in monitor.records}
+    with semipack.extend(model, monitor.semiring):
+        nn.functional.cross_entropy(model(x), y).backward()
+    for name in ("W1", "W2"):
+        best, (_, flow) = getattr(model, name).semiring_grad
+        assert got[name, "log_best_path"] == float(best.max())
+        assert got[name, "log_flow"] == pytest.approx(float(flow.logsumexp((0, 1))), rel=1e-6)

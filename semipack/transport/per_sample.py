@@ -154,11 +154,13 @@ def check_graph(
                 raise PerSampleError(
                     f"per-sample values: parameter '{params[id(variable)]}' is used by "
                     f"{node.name()}{where}, which has no per-sample rule. Supported: "
-                    "parameters used directly by F.linear, conv1d/conv2d, F.layer_norm, "
-                    "F.embedding and nn.MultiheadAttention (the module extensions, with "
-                    "extensions=True), or by x * p, x + p, x - p, or through casts, "
-                    "transposes, views and constant factors on the way there; see "
-                    "'Per-sample values' in the README"
+                    "parameters used directly by F.linear, x @ W (torch.matmul, the @ "
+                    "operator), conv1d/conv2d, F.layer_norm, F.embedding and "
+                    "nn.MultiheadAttention (the module extensions, with extensions=True), or by "
+                    "x * p, x + p, x - p, or through casts, transposes, views and constant "
+                    "factors on the way there"
+                    + (" (write torch.mm(x, W) as x @ W)" if node.name() == "MmBackward0" else "")
+                    + "; see 'Per-sample values' in the README"
                 )
             stack.append(nxt)
     for node, input_nr, variable in computed:
@@ -238,7 +240,8 @@ def _computed_refused(name: str, steps: Sequence[tuple[Any, int]], use: str) -> 
     return PerSampleError(
         f"per-sample values: parameter '{name}' goes through {chain}, and the value computed "
         f"from it {use}, which has no per-sample rule: its rows would not split by example "
-        "(supported: such a value multiplied with or added to one that carries the batch); "
+        "(supported: such a value multiplied with or added to one that carries the batch, or "
+        "given to F.linear; x @ (2 * W) is refused where F.linear(x, (2 * W).t()) is not); "
         "see 'Per-sample values' in the README"
     )
 

@@ -1059,3 +1059,21 @@ def test_a_use_of_the_input_before_the_block_and_a_shared_heads_module_are_refus
     specs = [AttentionLayer(str(i), shared[i], shared[0].o, 2, 2) for i in (0, 1)]
     with pytest.raises(semipack.SemipackError, match=r"0's heads_input \(2 calls\)"):
         semipack.explain_layers(shared, semipack.LogSum(), lambda: shared(x).sum(), layers=specs)
+
+
+def test_a_route_through_the_blocks_own_projection_is_its_linear_branch() -> None:
+    """A block that makes a projection itself (``F.linear(h, self.wv)``): explain_layers
+    names that branch ``linear``, routes read a path through it as ``residual`` without a head
+    (trial 48). Hand-made path: the block's own linear output at unit 6 (head 1 of 4-wide
+    heads), then the attention weights, then the output projection."""
+    layers = [AttentionLayer("blk", None, None, 2, 4)]
+    steps = [
+        _step("emb", (0, 1, 3)),
+        PathStep("blk linear", "blk", "LinearFunction", (0, 1, 6), 0.0),
+        _step("blk", (0, 1, 2, 1)),  # [b, heads, q, k]
+        _step("blk.o", (0, 2, 5)),
+        _step("blk", (0, 2, 5)),  # the residual add's output
+    ]
+    (route,) = layer_routes([SemiringPath("x", (0, 1, 3), -1.0, steps)], layers)
+    got = [(h.layer, h.token_in, h.token_out, h.branch, h.head) for h in route.hops]
+    assert got == [(0, 1, 2, "linear", 1)]

@@ -934,9 +934,16 @@ def _projection(step: PathStep, spec: AttentionLayer) -> tuple[str, int] | None:
         # so each head's query, key and value units sit together
         head, part = divmod(unit, 3 * spec.head_dim)
         return BRANCH_ORDER[part // spec.head_dim], head
+    if name == spec.name and step.op in _OWN_PROJECTIONS and len(step.index) == 3:
+        # a projection the block's own forward makes (``F.linear(h, self.wv)``): explain_layers
+        # calls its branch ``linear``; which of query, key and value it makes is not known
+        return "linear", unit // spec.head_dim
     branch = branch_name(name, spec.name)
     return (branch, unit // spec.head_dim) if branch in BRANCH_ORDER[:3] else None
 
+
+#: The nodes of a linear layer's output (its extension's, ``x @ W``'s), ``[batch, tokens, units]``.
+_OWN_PROJECTIONS = frozenset(("LinearFunction", "MatmulFunction"))
 
 BRANCH_COLOURS = {"query": "tab:blue", "key": "tab:orange", "value": "tab:green"}
 

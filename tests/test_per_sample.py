@@ -155,7 +155,8 @@ def _computed_from_parameters():
 class MatrixProducts(nn.Module):
     """Projections written as matrix products with parameters: Falcon's ``x @ W.T`` on
     ``[N, T, k]`` tokens (``matmul`` merges the batch with the tokens: refused before the
-    extension took it), ``torch.matmul(x, P)`` and a bias added after."""
+    extension took it), ``torch.matmul(x, P / 2)`` (a value computed from one parameter, as
+    ``F.linear`` takes one) and a bias added after."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -165,7 +166,7 @@ class MatrixProducts(nn.Module):
 
     def forward(self, x):
         h = torch.tanh(x @ self.weight.T + self.bias)
-        return torch.matmul(h, self.proj)
+        return torch.matmul(h, self.proj / 2)
 
 
 def _matrix_products():

@@ -20,7 +20,7 @@ from dataclasses import replace
 import torch
 from torch import Tensor
 
-from ..graph.batch_dims import parameter_projection
+from ..rules.per_sample import parameter_projection
 from ..semirings.base import State
 from .base import BackwardCall, ExtensionFunction, Sites, bilinear_reads, extends, per_sample_rule
 from .linear import LinearFunction

@@ -803,25 +803,3 @@ _HANDLERS: dict[str, Handler] = {
 _BY_POSITION = (_recurrent, _attention_forward)
 
 __all__ = ["batch_dim_after", "call_name", "dim_after_index"]
-
-
-#: The calls of ``x @ W``: ``torch.matmul``, ``Tensor.matmul`` and the operator.
-MATMULS = (torch.matmul, Tensor.matmul, Tensor.__matmul__)
-
-
-def parameter_projection(input: Any, other: Any) -> bool:
-    """Whether ``input @ other`` is a projection by a parameter: ``other`` a 2-D floating
-    parameter or a view of one (``W.T``), ``input`` at least 2-D of the same dtype. Such a call
-    is a linear layer (the ``matmul`` extension takes it, and per-sample rows read its input's
-    dim 0 as the batch, as a Linear's)."""
-    if not (isinstance(input, Tensor) and isinstance(other, Tensor)):
-        return False
-    parameter = isinstance(other, torch.nn.Parameter) or isinstance(other._base, torch.nn.Parameter)
-    return (
-        parameter
-        and input.dim() >= 2
-        and other.dim() == 2
-        and other.numel() > 0
-        and input.dtype == other.dtype
-        and other.dtype.is_floating_point
-    )

@@ -327,6 +327,47 @@ _ELEMENTWISE_STEPS = {
 }
 
 
+#: The calls of ``x @ W``: ``torch.matmul``, ``Tensor.matmul`` and the operator.
+MATMULS = (torch.matmul, Tensor.matmul, Tensor.__matmul__)
+
+
+def parameter_projection(input: object, other: object) -> bool:
+    """Whether ``input @ other`` is a projection by a parameter: ``other`` a 2-D floating
+    parameter, or a value computed from one parameter alone through ``PARAMETER_STEPS``
+    (``W.T``, ``2 * W``, ``W.to(dtype)``), ``input`` at least 2-D of the same dtype. Such a
+    call is a linear layer (the ``matmul`` extension takes it, and per-sample rows read its
+    input's dim 0 as the batch, as a Linear's)."""
+    if not (isinstance(input, Tensor) and isinstance(other, Tensor)):
+        return False
+    return (
+        input.dim() >= 2
+        and other.dim() == 2
+        and other.numel() > 0
+        and input.dtype == other.dtype
+        and other.dtype.is_floating_point
+        and from_one_parameter(other)
+    )
+
+
+def from_one_parameter(t: Tensor) -> bool:
+    """Whether ``t`` is a parameter, a view of one, or a value computed from one parameter
+    alone, every step one of ``PARAMETER_STEPS`` (rows go back through them)."""
+    if isinstance(t, torch.nn.Parameter) or isinstance(t._base, torch.nn.Parameter):
+        return True
+    node = t.grad_fn
+    for _ in range(64):
+        if node is None:
+            return False
+        variable = getattr(node, "variable", None)
+        if variable is not None:
+            return isinstance(variable, torch.nn.Parameter)
+        edges = [(i, n) for i, (n, _) in enumerate(node.next_functions) if n is not None]
+        if len(edges) != 1 or parameter_step(node, edges[0][0]) is None:
+            return False
+        node = edges[0][1]
+    return False
+
+
 def parameter_step(node, input_nr: int) -> ParameterStep | None:
     """How rows go back through ``node`` to its input ``input_nr``, where ``node`` computes a
     value from that input alone (every other input a constant: no gradient edge, no batch in
@@ -507,13 +548,16 @@ def mixing_reason(node, is_root: bool = False, batches: frozenset[int] = frozens
 __all__ = [
     "BATCHED_KEY",
     "FACTORS_KEY",
+    "MATMULS",
     "PARAMETER_STEPS",
     "PER_SAMPLE_NODES",
     "ParameterStep",
     "RowRule",
+    "from_one_parameter",
     "has_per_sample_rule",
     "input_shape",
     "mixing_reason",
+    "parameter_projection",
     "parameter_step",
     "register_per_sample",
     "row_rule",

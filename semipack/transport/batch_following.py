@@ -33,15 +33,9 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.utils._pytree import tree_leaves
 
-from ..graph.batch_dims import (
-    MATMULS,
-    batch_dim_after,
-    call_name,
-    dim_after_index,
-    parameter_projection,
-)
+from ..graph.batch_dims import batch_dim_after, call_name, dim_after_index
 from ..graph.provenance import OUTSIDE_MODEL, current_module
-from ..rules.per_sample import BATCHED_KEY, FACTORS_KEY
+from ..rules.per_sample import BATCHED_KEY, FACTORS_KEY, MATMULS, parameter_projection
 
 #: Autograd node metadata: with ``BATCHED_KEY`` None, the call after which the node's value
 #: had no dim holding one example per index.

@@ -241,8 +241,7 @@ def _computed_refused(name: str, steps: Sequence[tuple[Any, int]], use: str) -> 
         f"per-sample values: parameter '{name}' goes through {chain}, and the value computed "
         f"from it {use}, which has no per-sample rule: its rows would not split by example "
         "(supported: such a value multiplied with or added to one that carries the batch, or "
-        "given to F.linear; x @ (2 * W) is refused where F.linear(x, (2 * W).t()) is not); "
-        "see 'Per-sample values' in the README"
+        "given to F.linear or x @ W); see 'Per-sample values' in the README"
     )
 
 

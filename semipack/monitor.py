@@ -380,13 +380,14 @@ def _layers(model: nn.Module) -> dict[str, nn.Parameter]:
         own = dict(module.named_parameters(recurse=False))
         trained = [p for p in own.values() if p.requires_grad]
         weight = own.get("weight")
-        matrices = {n: p for n, p in own.items() if p.requires_grad and p.dim() >= 2}
+        matrices = {n: p for n, p in own.items() if p.dim() >= 2}
         if weight is None and len(matrices) > 1:
             # a hand-written module with several weight matrices (``x @ self.W1``, then
-            # ``@ self.W2``): one layer per matrix, named after it (read as one layer, at its
-            # first parameter, the others went unrecorded)
+            # ``@ self.W2``): one layer per trained matrix, named after it, frozen or not the
+            # others (read as one layer, at its first parameter, the others went unrecorded)
             for pname, p in matrices.items():
-                out[display_name(f"{name}.{pname}" if name else pname)] = p
+                if p.requires_grad:
+                    out[display_name(f"{name}.{pname}" if name else pname)] = p
         elif trained:
             out[display_name(name) or ROOT_MODULE] = (
                 weight if weight is not None and weight.requires_grad else trained[0]

@@ -566,3 +566,7 @@ def test_a_module_with_several_weight_matrices_records_each() -> None:
         best, (_, flow) = getattr(model, name).semiring_grad
         assert got[name, "log_best_path"] == float(best.max())
         assert got[name, "log_flow"] == pytest.approx(float(flow.logsumexp((0, 1))), rel=1e-6)
+    model.W1.requires_grad_(False)  # frozen: W2 keeps its name (it was read at b1, trial 50)
+    with monitor.step(1):
+        nn.functional.cross_entropy(model(x), y).backward()
+    assert {r.layer for r in monitor.records if r.step == 1} == {"W2"}

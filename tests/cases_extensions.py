@@ -68,7 +68,8 @@ class Projections(nn.Module):
 
     def forward(self, x):
         h = torch.tanh(x @ self.weight.T)
-        return torch.matmul(h, self.proj).flatten(0, 1).matmul(self.proj.T)
+        h = torch.linalg.matmul(torch.matmul(h, self.proj), self.proj.T)
+        return h.flatten(0, 1).matmul(self.proj)
 
 
 def _bert(impl: str) -> nn.Module:

@@ -70,5 +70,6 @@ def _matmul_handler(matmul):
 
 
 matmul = extends(torch.matmul)(_matmul_handler(torch.matmul))
+linalg_matmul = extends(torch.linalg.matmul)(_matmul_handler(torch.linalg.matmul))
 matmul_operator = extends(Tensor.__matmul__)(_matmul_handler(Tensor.__matmul__))
 tensor_matmul = extends(Tensor.matmul)(_matmul_handler(Tensor.matmul))

@@ -327,8 +327,9 @@ _ELEMENTWISE_STEPS = {
 }
 
 
-#: The calls of ``x @ W``: ``torch.matmul``, ``Tensor.matmul`` and the operator.
-MATMULS = (torch.matmul, Tensor.matmul, Tensor.__matmul__)
+#: The calls of ``x @ W``: ``torch.matmul``, ``torch.linalg.matmul``, ``Tensor.matmul`` and the
+#: operator.
+MATMULS = (torch.matmul, torch.linalg.matmul, Tensor.matmul, Tensor.__matmul__)
 
 
 def parameter_projection(input: object, other: object) -> bool:

@@ -531,10 +531,9 @@ class _Files:
         self, log_dir: Path, tensorboard: bool, flush_secs: float, earlier: list[Record]
     ) -> None:
         self.events = _Events(log_dir) if tensorboard else None
-        self.path = log_dir / "monitor.csv"
         #: a resumed run's earlier records are in the file until the first new step's come
         self.resumed = bool(earlier)
-        self.csv_file = open(self.path, "w", newline="")  # noqa: SIM115
+        self.csv_file = open(log_dir / "monitor.csv", "w", newline="")  # noqa: SIM115
         self.csv = csv.writer(self.csv_file)
         self._rows(earlier)
         self.flush_secs = flush_secs

@@ -36,7 +36,7 @@ from ..messages.message import Message
 from ..rules.per_sample import register_per_sample
 from ..semirings.base import Semiring, SparseRows, State
 from ..semirings.product import Product
-from ..transport.passes import graph_retained, in_carry_pass
+from ..transport.passes import autocast_on, graph_retained, in_carry_pass
 from ..transport.per_sample import active_rows
 
 #: torch function -> the extension that takes its calls over inside ``semipack.extend``.
@@ -558,16 +558,7 @@ def _autocast_devices(tensors: Sequence[Tensor | None]) -> set[str]:
     see (``run`` steps aside); in a backward it would compute the messages' products in low
     precision (``_without_autocast``)."""
     devices = {t.device.type for t in tensors if t is not None}
-    return {device for device in devices if _autocast_on(device)}
-
-
-def _autocast_on(device: str) -> bool:
-    """``torch.is_autocast_enabled(device)``, False for a device type autocast does not know
-    (the meta device: PyTorch raises "unknown device type for autocast" there)."""
-    try:
-        return torch.is_autocast_enabled(device)
-    except RuntimeError:
-        return False
+    return {device for device in devices if autocast_on(device)}
 
 
 def _reached(

@@ -27,6 +27,7 @@ from . import backward as bw
 from . import per_sample
 from .batch_following import BatchedTensors
 from .hooks import TensorHook
+from .passes import autocast_on
 
 
 def name_inner_nodes(func, created: list, result) -> None:
@@ -46,10 +47,7 @@ def _autocast_of(args: tuple) -> str | None:
     if first is None:
         return None
     device = first.device.type
-    try:
-        return device if torch.is_autocast_enabled(device) else None
-    except RuntimeError:  # a device type autocast does not know (meta)
-        return None
+    return device if autocast_on(device) else None
 
 
 class SemiringMode(TorchFunctionMode):

@@ -146,3 +146,12 @@ def in_carry_pass() -> bool:
     if threading.get_ident() in _carry_threads:
         return True
     return bool(_carry_threads) and isinstance(threading.current_thread(), threading._DummyThread)
+
+
+def autocast_on(device: str) -> bool:
+    """``torch.is_autocast_enabled(device)``, False for a device type autocast does not know
+    (the meta device: PyTorch raises "unknown device type for autocast" there)."""
+    try:
+        return torch.is_autocast_enabled(device)
+    except RuntimeError:
+        return False

@@ -3,6 +3,7 @@ backward driver's own ``transport.backward.grad``)."""
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import warnings
 from collections.abc import Callable, Iterator
@@ -215,19 +216,42 @@ def _check_per_sample(model: nn.Module | None, semiring: Any, extensions: bool) 
 
 def _batch_recorder(mode: SemiringMode) -> Callable[..., None]:
     """A forward pre-hook for the model: its first tensor input with a dim (positional, else
-    keyword, looking into lists, tuples and dicts) is the batch, and its dim-0 size the one
-    per-sample rows must have. Only that tensor counts as batched (``mode.batched``): a
+    keyword, looking into lists, tuples, dicts and dataclasses) is the batch, and its dim-0
+    size the one per-sample rows must have. Only that tensor counts as batched (``mode.batched``): a
     second argument of the same dim-0 size (position ids, a shared table of classes) gets a
     provisional mark, confirmed where it meets the batch on its dim
     (``transport.batch_following``)."""
 
     def record(module: nn.Module, args: tuple, kwargs: dict) -> None:
-        tensors = [v for v in tree_leaves((args, kwargs)) if isinstance(v, torch.Tensor)]
-        tensors = [t for t in tensors if t.dim() > 0]
+        tensors = [t for t in _tensors_in((args, kwargs)) if t.dim() > 0]
         if tensors:
             mode.batched.add_inputs(tensors)
 
     return record
+
+
+def _tensors_in(value: Any) -> list[torch.Tensor]:
+    """The tensors in ``value``, in order: pytree containers (lists, tuples, dicts, named
+    tuples) and dataclass instances, looked into at any depth. A dataclass is no pytree node, so
+    a tensor in one (a batch of masks passed as a config-like object) was not seen as an
+    argument: mixing its examples went unnoticed (rows without a per-example meaning)."""
+    found: list[torch.Tensor] = []
+    seen: set[int] = set()  # a dataclass that holds itself is looked into once
+
+    def walk(item: Any) -> None:
+        for leaf in tree_leaves(item):
+            if isinstance(leaf, torch.Tensor):
+                found.append(leaf)
+            elif (
+                dataclasses.is_dataclass(leaf)
+                and not isinstance(leaf, type)
+                and id(leaf) not in seen
+            ):
+                seen.add(id(leaf))
+                walk([getattr(leaf, f.name, None) for f in dataclasses.fields(leaf)])
+
+    walk(value)
+    return found
 
 
 def _parameters_now(

@@ -11,6 +11,8 @@ Oracles, all independent of the per-sample code:
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -1628,6 +1630,43 @@ def test_a_second_argument_mixed_on_a_branch_apart_is_refused(pre, post):
         a, d = model(x, y)
         with pytest.raises(PerSampleError, match=r"parameter 'd\.(weight|bias)' is used by"):
             (_loss(a) + _loss(d)).backward()
+
+
+@dataclasses.dataclass
+class _Extra:
+    """A config-like object that carries a tensor of the batch's size beside the batch."""
+
+    scale: torch.Tensor
+
+
+class _ScaledByExtra(nn.Module):
+    def __init__(self, mix: bool) -> None:
+        super().__init__()
+        self.lin, self.mix = nn.Linear(3, 2), mix
+
+    def forward(self, x, extra: _Extra):
+        return self.lin(x) * (extra.scale.flip(0) if self.mix else extra.scale)
+
+
+def test_a_second_argument_inside_a_dataclass_is_an_argument():
+    """A tensor inside a dataclass argument was not marked as a model argument (pytree does
+    not look into dataclasses): flipping its examples gave rows silently (trial 47). Mixed, it
+    is refused as the same tensor passed bare is; unmixed, the rows are each example's own."""
+    torch.manual_seed(0)
+    x, scale = torch.randn(4, 3, dtype=torch.float64), torch.randn(4, 2, dtype=torch.float64)
+    model = _ScaledByExtra(mix=True).double()
+    with semipack.extend(model, semipack.MaxProd(), per_sample=True):
+        out = model(x, _Extra(scale))
+        with pytest.raises(PerSampleError, match=r"no dim holds one example per index: 'mul'"):
+            out.sum().backward()
+    model = _ScaledByExtra(mix=False).double()
+    with semipack.extend(model, semipack.Real(), per_sample=True):
+        _loss(model(x, _Extra(scale))).backward()
+    for i in range(4):
+        expected = torch.autograd.grad(
+            _loss(model(x[i : i + 1], _Extra(scale[i : i + 1]))), model.lin.weight
+        )[0]
+        torch.testing.assert_close(model.lin.weight.semiring_grad_batch[i], expected)
 
 
 @pytest.mark.parametrize("case", list(REFUSED_BESIDE_TOO))

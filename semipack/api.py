@@ -23,7 +23,7 @@ from .transport import backward as _bw
 from .transport.backward import grad
 from .transport.hooks import BlockPreHook, module_hooks_see_gradients
 from .transport.interception import SemiringMode
-from .transport.passes import user_code_eager
+from .transport.passes import collector_paused, user_code_eager
 from .transport.per_sample import check_semiring
 
 _blocks = threading.local()
@@ -159,6 +159,7 @@ def _block(
         _check_per_sample(model, semiring, extensions)
     data_parallel = _data_parallel_parameters(model)
     with ExitStack() as stack:
+        stack.enter_context(collector_paused())
         _blocks.semiring = semiring
         stack.callback(setattr, _blocks, "semiring", None)
         # Any torch.compile'd callable (the model, a compiled wrapper kept beside it, a compiled

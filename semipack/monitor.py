@@ -327,7 +327,7 @@ class Monitor:
             ax.legend(fontsize=7, loc="best")
             fig.tight_layout()
             path = folder / f"{quantity}.png"
-            fig.savefig(path, dpi=110)
+            fig.savefig(path, dpi=110, bbox_inches="tight")  # a long layer name kept whole
             plt.close(fig)
             written.append(path)
         return written

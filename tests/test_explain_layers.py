@@ -127,6 +127,25 @@ def test_entropy_of_a_token_is_the_entropy_of_the_union_of_its_units(tmp_path: P
         assert (tmp_path / name).stat().st_size > 1000
 
 
+def test_a_small_heatmap_keeps_its_whole_title(tmp_path: Path) -> None:
+    """Two layers and three tokens make a figure narrower than its title: the saved picture
+    cut the title at both ends. Now the picture is at least as wide as the title's text."""
+    from PIL import Image
+
+    model = _bert()
+    ids = torch.tensor([[1, 5, 7]])
+    flow = semipack.explain_layers(
+        model, semipack.Entropy(), lambda: model(input_ids=ids).last_hidden_state.norm()
+    )
+    assert len(flow.layers) == 2
+    ax = flow.plot_heatmap()
+    ax.figure.canvas.draw()
+    title = ax.title.get_window_extent().width * 120 / ax.figure.dpi  # pixels at 120 dpi
+    assert title > ax.figure.get_figwidth() * 120  # wider than the figure: the case
+    flow.plot_heatmap(tmp_path / "heat.png")
+    assert Image.open(tmp_path / "heat.png").size[0] >= title
+
+
 def _step(module: str, index: tuple[int, ...]) -> PathStep:
     return PathStep(f"{module} {index}", module, "op", index, 0.0)
 

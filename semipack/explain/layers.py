@@ -1010,7 +1010,8 @@ def _figure(plt, ax, size: tuple[float, float]):
 def _save(plt, fig, path: str | FilePath | None, ax):
     if path is not None:
         fig.tight_layout()
-        fig.savefig(path, dpi=120)
+        # "tight": a title wider than a small figure (two layers, three tokens) is kept whole
+        fig.savefig(path, dpi=120, bbox_inches="tight")
         plt.close(fig)
     return ax
 

@@ -294,7 +294,7 @@ class TokenTypeTable:
         ax.legend(fontsize=8)
         if path is not None:
             fig.tight_layout()
-            fig.savefig(path, dpi=120)
+            fig.savefig(path, dpi=120, bbox_inches="tight")
         return fig
 
 

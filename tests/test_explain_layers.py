@@ -882,6 +882,60 @@ def test_a_residual_add_inside_the_block_is_the_residual_branch(
     torch.testing.assert_close(joined, flow.total[0], rtol=1e-12, atol=0)
 
 
+class _PositionsAdded(nn.Module):
+    """DETR's attention: the query and key read ``x + position`` (a value not computed from
+    ``x``), the value reads ``x``; the block adds its input back itself."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.q, self.k, self.v, self.o = (nn.Linear(4, 4) for _ in range(4))
+        self.position = nn.Parameter(torch.randn(4, 4))
+        self.retained: list[torch.Tensor] = []
+
+    def forward(self, x):
+        b, t, d = x.shape
+        placed = x + self.position
+        if placed.requires_grad:
+            placed.retain_grad()
+        self.retained.append(placed)
+
+        def heads(h):
+            return h.view(b, t, 2, d // 2).transpose(1, 2)
+
+        scores = heads(self.q(placed)) @ heads(self.k(placed)).transpose(-1, -2)
+        mixed = (scores.softmax(-1) @ heads(self.v(x))).transpose(1, 2).reshape(b, t, d)
+        return x + self.o(mixed)
+
+
+def test_an_add_of_a_value_from_elsewhere_is_no_residual() -> None:
+    """``x + position`` in the block's own forward was named ``residual`` like ``x + o(...)``:
+    the paths into the query and key were counted as the residual's. The add of a value not
+    computed from the input is its own branch, ``add``. Oracles (LogSum): the ``add`` branch
+    is every path to ``x + position`` (retained in a plain run; each edge into it weighs 1),
+    the residual's ``log sum_d |2 out_d|`` as above."""
+    torch.manual_seed(0)
+    net = _Wrapped(functional_query=False).double()
+    net.attn = _PositionsAdded().double()
+    ids = torch.tensor([[1, 2, 3, 4]])
+    layer = AttentionLayer("attn", net.attn, net.attn.o, 2, 2)
+    flow = semipack.explain_layers(
+        net, semipack.LogSum(), lambda: net(ids).pow(2).sum(), layers=[layer]
+    )
+    assert set(flow.branches[0]) == {"add", "value", "residual"}
+    net.attn.retained.clear()
+    with semipack.extend(net, semipack.LogSum()):
+        out = net(ids)
+        out.pow(2).sum().backward()
+    (placed,) = net.attn.retained
+    torch.testing.assert_close(
+        flow.branches[0]["add"], placed.semiring_grad.logsumexp(-1), rtol=1e-12, atol=0
+    )
+    want = (2 * out.detach()).abs().sum(-1).log()
+    torch.testing.assert_close(flow.branches[0]["residual"], want, rtol=1e-12, atol=0)
+    joined = torch.stack(list(flow.branches[0].values())).logsumexp(0)
+    torch.testing.assert_close(joined, flow.total[0], rtol=1e-12, atol=0)
+
+
 def test_token_labels_per_example() -> None:
     """One list of labels per example: each example's rows and tables carry its own words (a
     single list labels every example alike, the only form taken before)."""

@@ -55,10 +55,14 @@ class Branches:
         ops: branch name -> the name of the function whose call made that use (``linear``,
             ``add``, ``__add__``, ``multi_head_attention_forward``): a use by the split module's
             own forward is a residual add or a projection of its own, told apart by this.
+        offsets: the branches whose use adds to the split tensor a value not computed from it
+            (DETR's ``h + position`` before its query and key projections): such an add is
+            no residual (``x + f(x)``), so ``explain_layers`` names that branch ``add``.
     """
 
     names: list[str] = field(default_factory=list)
     ops: dict[str, str] = field(default_factory=dict)
+    offsets: set[str] = field(default_factory=set)
     #: a module split: the positions (and keyword names) of its first call's arguments that
     #: are the split tensor (``(0,)`` for a cross-attention's query, ``(0, 1, 2)`` for
     #: ``mha(x, x, x)``)
@@ -204,6 +208,8 @@ class _SplitMode(TorchFunctionMode):
             args[i] = type(args[i])(
                 self._alias(a, module, None, op) if self._is_split(a) else a for a in args[i]
             )
+        if op in ADDS and not self._adds_a_value_of_the_split(args, kwargs, made):
+            self.result.offsets.update(self.result.names[before:])
         result = func(*args, **kwargs)
         original = next((t for alias, t in made if result is alias), None)
         if original is not None:
@@ -216,10 +222,47 @@ class _SplitMode(TorchFunctionMode):
             return original
         return result
 
+    def _adds_a_value_of_the_split(
+        self, args: list[Any], kwargs: dict[str, Any], made: list[tuple[Tensor, Tensor]]
+    ) -> bool:
+        """Whether an add's other tensor operand is computed from the split tensor (a residual
+        add ``x + f(x)``), rather than a value from elsewhere (``h + position``, a constant).
+        Walks that operand's graph back looking for the split tensor's node; a graph too large
+        to walk (over ``_WALK_LIMIT`` nodes) counts as computed from it, the name it had."""
+        aliases = {id(alias) for alias, _ in made}
+        others = [
+            a
+            for a in tree_leaves((args, kwargs))
+            if isinstance(a, Tensor) and id(a) not in aliases and a.requires_grad
+        ]
+        targets: list[Any] = [t.grad_fn for t in self.forms if t.grad_fn is not None]
+        targets += [
+            torch.autograd.graph.get_gradient_edge(t).node
+            for t in self.forms
+            if t.grad_fn is None and t.requires_grad
+        ]
+        wanted = {id(n) for n in targets}
+        stack = [a.grad_fn for a in others if a.grad_fn is not None]
+        seen: set[int] = set()
+        kept: list[Any] = []  # nodes stay alive while their ids are compared
+        while stack:
+            node = stack.pop()
+            if id(node) in wanted:
+                return True
+            if id(node) in seen:
+                continue
+            seen.add(id(node))
+            kept.append(node)
+            if len(seen) > _WALK_LIMIT:
+                return True
+            stack.extend(n for n, _ in node.next_functions if n is not None)
+        return False
+
     def _forget(self, first: int) -> None:
         """Drop the branches named from position ``first`` on (aliases no op used)."""
         for name in self.result.names[first:]:
             self.result.ops.pop(name, None)
+            self.result.offsets.discard(name)
             base = name.split("#")[0]
             self.counts[base] -= 1
         del self.result.names[first:]
@@ -285,6 +328,14 @@ def _in_place(func: Callable[..., Any]) -> bool:
     """Whether ``func`` writes its first argument (``add_``, ``mul_``, ``__iadd__``)."""
     name = getattr(func, "__name__", "")
     return (name.endswith("_") and not name.endswith("__")) or name.startswith("__i")
+
+
+#: Calls that add (or subtract) two values: a use of the split tensor by one of these in the
+#: split module's own forward is a residual add when the other operand is computed from it.
+ADDS = {"add", "__add__", "__radd__", "add_", "__iadd__", "sub", "__sub__", "__rsub__"}
+
+#: Nodes an add's other operand's graph is searched through for the split tensor.
+_WALK_LIMIT = 20000
 
 
 def _call_name(func: Callable[..., Any]) -> str:

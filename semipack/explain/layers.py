@@ -33,7 +33,7 @@ from ..errors import SemipackError
 from ..graph.sites import ROOT_MODULE
 from ..messages.paths import Path, PathStep
 from ..semirings import Entropy, KBest, Product, Real, Semiring, SignedMaxProd
-from .branches import Branches, branches
+from .branches import ADDS, Branches, branches
 from .token_types import attention_branch
 
 BRANCH_ORDER = ("query", "key", "value", "residual")
@@ -180,25 +180,23 @@ def _is_gpt2_attention(module: nn.Module) -> bool:
     )
 
 
-#: Calls by which a layer's own forward adds its input back (a residual inside the block).
-_ADDS = {"add", "__add__", "__radd__", "add_", "__iadd__", "sub", "__sub__", "__rsub__"}
-
-
-def branch_name(consumer: str, layer: str, op: str | None = None) -> str:
+def branch_name(consumer: str, layer: str, op: str | None = None, from_input: bool = True) -> str:
     """Short name of a consumer of an attention layer's input: query, key or value for the
     projections (``attention_branch``), residual for BERT's attention output or a module
     enclosing the layer (where the residual add is), else its module name relative to the
     layer, or to the module holding the layer (Phi's MLP beside its attention: ``mlp.fc1`` in
     every layer, one column of a table). A use by the layer's own forward is named by its
-    call ``op`` (``Branches.ops``): ``residual`` for an add, else the call's name (``linear``
-    for a projection the forward makes with ``F.linear``); without ``op`` (an
-    ``nn.MultiheadAttention``, whose own call takes query, key and value at once), ``qkv``."""
+    call ``op`` (``Branches.ops``): ``residual`` for an add of a value computed from the input
+    (``from_input``: ``x + f(x)``), ``add`` for one of a value from elsewhere (DETR's
+    ``h + position``, ``Branches.offsets``), else the call's name (``linear`` for a projection
+    the forward makes with ``F.linear``); without ``op`` (an ``nn.MultiheadAttention``, whose
+    own call takes query, key and value at once), ``qkv``."""
     short = attention_branch(consumer)
     if short != "residual":
         return short
     if consumer.split("#")[0] == layer:  # the block's own forward
-        if op in _ADDS:
-            return "residual"
+        if op in ADDS:
+            return "residual" if from_input else "add"
         return "qkv" if op is None else op
     if layer.startswith(consumer + ".") or consumer == ROOT_MODULE:
         return "residual"  # the enclosing layer adds it back (DistilBERT, a bare encoder layer)
@@ -576,7 +574,7 @@ def _short_name(name: str, spec: AttentionLayer, split: Branches) -> str:
     call takes query, key and value at once (``qkv``), or only the query when the split tensor
     is its query argument alone (a cross-attention block)."""
     if not isinstance(spec.block, nn.MultiheadAttention):
-        return branch_name(name, spec.name, split.ops.get(name))
+        return branch_name(name, spec.name, split.ops.get(name), name not in split.offsets)
     short = branch_name(name, spec.name)
     only_query = split.arguments in ((0,), ("query",))
     return "query" if short == "qkv" and only_query else short

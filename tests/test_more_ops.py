@@ -147,6 +147,49 @@ def test_relu_cut_equals_where_bitwise(dtype) -> None:
             assert torch.equal(got.signbit(), want.signbit()), (threshold, zero)
 
 
+class _TiedLookup(torch.nn.Module):
+    """A table looked up and used again as the output projection (tied weights)."""
+
+    def __init__(self, max_norm: float | None = None) -> None:
+        super().__init__()
+        self.emb = torch.nn.Embedding(5, 3, max_norm=max_norm)
+        self.lin = torch.nn.Linear(3, 3)
+
+    def forward(self, ids):
+        return self.lin(self.emb(ids)) @ self.emb.weight.T
+
+
+@pytest.mark.parametrize(
+    "options",
+    [{}, {"per_sample": True}, {"extensions": False}, {"max_norm": 1.0}],
+    ids=["extension", "per sample", "generic rules", "max_norm (generic)"],
+)
+def test_int32_ids_give_what_int64_ids_give(options: dict) -> None:
+    """PyTorch's embedding takes int32 ids; their distinct rows (``torch.unique``) came out
+    int32, which ``index_copy_`` refuses: a raw RuntimeError (trial 54). The int64 run is the
+    reference (its values are checked against the oracle above)."""
+    options = dict(options)
+    max_norm = options.pop("max_norm", None)
+    got = {}
+    for dtype in (torch.int64, torch.int32):
+        torch.manual_seed(0)
+        model = _TiedLookup(max_norm).double()
+        ids = torch.tensor([[0, 3], [1, 3]], dtype=dtype)
+        with semipack.extend(model, semipack.Entropy(), **options):
+            model(ids).pow(2).sum().backward()
+        weight = model.emb.weight
+        got[dtype] = [weight.grad, weight.semiring_grad]
+        if options.get("per_sample"):
+            got[dtype].append(weight.semiring_grad_batch)
+    for want, have in zip(got[torch.int64], got[torch.int32], strict=True):
+        assert torch.equal(want, have)
+    w = torch.randn(6, 3, dtype=torch.float64, requires_grad=True)
+    ids = torch.tensor([[0, 2, 2]])
+    (want,) = semipack.grad(F.embedding(ids, w).sum(), w, semipack.LogSum())
+    (have,) = semipack.grad(F.embedding(ids.int(), w).sum(), w, semipack.LogSum())
+    assert torch.equal(want, have)
+
+
 def test_embedding_scaled_by_frequency_is_refused() -> None:
     """``scale_grad_by_freq`` divides each row's gradient by how often its id occurs: a
     statistic of the batch, not a local derivative (no edge weight to draw)."""

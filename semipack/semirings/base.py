@@ -681,7 +681,8 @@ def _distinct_lookups(
 ) -> tuple[Tensor, State]:
     """``(rows, compact)``: the distinct indices (sorted) and, for each, the semiring sum of
     the lookups ``src`` that hit it, shaped like ``shape`` with ``len(rows)`` along ``dim``."""
-    rows, inverse = torch.unique(index, return_inverse=True)
+    # int64 rows whatever the ids' dtype (embedding takes int32 ids; index_copy_ needs int64)
+    rows, inverse = torch.unique(index.long(), return_inverse=True)
     compact_shape = list(shape)
     compact_shape[dim] = rows.numel()
     zeros = sr.zeros(compact_shape, grad_dtype, index.device)

@@ -147,6 +147,45 @@ def test_relu_cut_equals_where_bitwise(dtype) -> None:
             assert torch.equal(got.signbit(), want.signbit()), (threshold, zero)
 
 
+def _adjacency() -> torch.Tensor:
+    """A 4 x 4 sparse constant as a graph network's adjacency: uncoalesced (entry (0, 1) is
+    stored twice, its derivative the sum), with a stored 0 (no edge) and a negative weight."""
+    indices = torch.tensor([[0, 0, 1, 2, 2, 3, 0], [1, 2, 0, 3, 2, 1, 1]])
+    values = torch.tensor([0.5, -1.5, 2.0, 0.0, 0.7, 1.2, 0.25], dtype=torch.float64)
+    return torch.sparse_coo_tensor(indices, values, (4, 4))
+
+
+SPARSE_PRODUCTS = {
+    "sparse.mm(S, h)": lambda s, h: torch.sparse.mm(s, h),
+    "h.T @ S": lambda s, h: h.t() @ s,
+    "CSR S @ h": lambda s, h: s.coalesce().to_sparse_csr() @ h,
+    "sparse.addmm(h, S, h)": lambda s, h: torch.sparse.addmm(h, s, h),
+}
+
+
+@pytest.mark.parametrize("name", list(SPARSE_PRODUCTS))
+def test_a_sparse_constant_operand_matches_oracle(name: str, semiring_name: str) -> None:
+    """A GCN's ``torch.sparse.mm(adjacency, h)``: every semiring but Real failed with a raw
+    error (a data pointer of a sparse tensor, ``log_`` on SparseCPU; trial 54). The product
+    runs over the stored entries."""
+    x = function_leaf(4, 2)
+    out = SPARSE_PRODUCTS[name](_adjacency(), x.sin())
+    weights = torch.randn(out.shape, generator=torch.Generator().manual_seed(5), dtype=out.dtype)
+    loss = (out * weights).sum()
+    (expected,) = oracle_readouts(build_graph(loss), [x], semiring_name)
+    (actual,) = semipack.grad(loss, x, SEMIRINGS[semiring_name](), retain_graph=True)
+    assert_readout_matches(semiring_name, expected, actual, name)
+    if semiring_name == "real":
+        torch.testing.assert_close(actual, torch.autograd.grad(loss, x)[0], rtol=1e-10, atol=1e-12)
+
+
+def test_a_batched_sparse_product_is_refused_by_name() -> None:
+    s = torch.stack([_adjacency().to_dense()] * 2).to_sparse()
+    x = torch.randn(2, 4, 3, dtype=torch.float64, requires_grad=True)
+    with pytest.raises(semipack.UnsupportedOpError, match=r"batched product with a torch\.sparse"):
+        semipack.grad(torch.bmm(s, x).sum(), x, semipack.MaxProd())
+
+
 class _TiedLookup(torch.nn.Module):
     """A table looked up and used again as the output projection (tied weights)."""
 

@@ -33,6 +33,16 @@ def matmul(call: OpCall):
         b = b.to(call.weight_dtype)
     else:
         a = a.to(call.weight_dtype)
+    constant = b if isinstance(a, Message) else a
+    if constant.layout != torch.strided:
+        if constant.dim() != 2:
+            raise call.error(
+                f"a batched product with a {constant.layout} operand has no semiring rule "
+                "(2-D sparse matrices do: torch.sparse.mm, S @ x)"
+            )
+        if isinstance(a, Message):  # (m @ S) = (Sᵀ @ mᵀ)ᵀ
+            return call.wrap(call.run_regular(), _t(_sparse_times(sr, b.t(), _t(a.parts))))
+        return call.wrap(call.run_regular(), _sparse_times(sr, a, b.parts))
     if isinstance(a, Message):
         shared = shared_shift_products(sr, a.parts, right=b)
         parts = shared[0] if shared is not None else sr.matmul(a.parts, b)
@@ -41,6 +51,22 @@ def matmul(call: OpCall):
         parts = shared[1] if shared is not None else sr.matmul(_t(b.parts), a.transpose(-1, -2))
         parts = _t(parts)
     return call.wrap(call.run_regular(), parts)
+
+
+def _sparse_times(sr: Semiring, a: Tensor, parts: State) -> State:
+    """``a ⊗ m`` for a sparse constant ``a`` [n, k] (any sparse layout) and a message ``m``
+    [k, d]: row i is the plus over the stored entries (i, j, v) of ``m[j] ⊗ lift(v)``, the
+    rows gathered, scaled and added into place with ``index_plus`` (O(nnz * d), as a sparse
+    product is: a graph network's adjacency is never densified). Entries the sparse tensor
+    does not store are exact zeros, no edge; a stored 0 lifts to the semiring zero, no edge
+    either; duplicate entries of an uncoalesced tensor are summed first, the one derivative
+    they make."""
+    coo = (a if a.layout == torch.sparse_coo else a.to_sparse_coo()).coalesce()
+    (rows, cols), values = coo.indices(), coo.values()
+    picked = tuple(p.index_select(0, cols) for p in parts)  # [nnz, d]
+    scaled = sr.scale(picked, values.reshape(-1, *([1] * (parts[0].dim() - 1))))
+    zeros = sr.zeros((a.shape[0], *parts[0].shape[1:]), values.dtype, values.device)
+    return sr.index_plus(zeros, 0, rows, scaled)
 
 
 @register_rule(aten.mv.default)

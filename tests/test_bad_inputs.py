@@ -317,6 +317,22 @@ def test_a_compiled_wrapper_kept_beside_the_model_runs_eagerly_with_the_same_val
         assert torch.equal(p.grad, q.grad) and torch.equal(p.semiring_grad, q.semiring_grad)
 
 
+def test_a_compiled_forward_run_before_the_block_is_refused_by_name() -> None:
+    """A compiled forward recorded outside the block leaves AOT autograd's node, whose
+    generated backward takes plain tensors: PyTorch raised about a tensor subclass's metadata
+    (trial 54). Refused before the pass, naming the node and the fix; ``.grad`` untouched."""
+    model, x = mlp(), data()
+    loss = torch.compile(model)(x).sum()
+    with (
+        pytest.raises(semipack.SemipackError, match=r"1 node\(s\) of torch.compile'd code"),
+        semipack.extend(model, semipack.MaxProd()),
+    ):
+        loss.backward(retain_graph=True)
+    assert all(p.grad is None for p in model.parameters())
+    with pytest.raises(semipack.SemipackError, match=r"^semipack.grad: the graph holds 1 node"):
+        semipack.grad(loss, list(model.parameters()), semipack.MaxProd())
+
+
 def test_compiled_functions_run_compiled_again_after_the_block() -> None:
     calls = []
 

@@ -49,6 +49,8 @@ SEMIRING_STATE = "semiring_state"
 #: Autograd node of ``torch.utils.checkpoint(..., use_reentrant=True)``: it re-runs the forward
 #: inside its backward and starts a nested backward through the recomputed graph.
 REENTRANT_CHECKPOINT = "CheckpointFunctionBackward"
+#: The node of a region ``torch.compile`` compiled (AOT autograd's Function).
+COMPILED_NODE = "CompiledFunctionBackward"
 
 
 def require_semiring(semiring: Any) -> Semiring:
@@ -71,6 +73,21 @@ class GraphScan:
     leaves: list[Tensor] = field(default_factory=list)
     reentrant_checkpoint: bool = False
     module_hook_nodes: list[torch.autograd.graph.Node] = field(default_factory=list)
+    #: nodes of code ``torch.compile`` compiled, recorded by a forward outside any block
+    compiled_nodes: int = 0
+
+    def refuse_compiled(self, where: str) -> None:
+        """A compiled region's backward is generated code that takes plain tensors: messages
+        cannot pass through it (PyTorch raised about a tensor subclass's metadata). Inside an
+        ``extend`` block compiled code runs eagerly and records ordinary nodes."""
+        if self.compiled_nodes:
+            raise SemipackError(
+                f"{where}: the graph holds {self.compiled_nodes} node(s) of torch.compile'd "
+                "code (CompiledFunctionBackward), recorded by a forward run outside a "
+                "semipack.extend block; their compiled backward cannot carry semiring messages. "
+                "Run the forward inside the block: compiled code runs eagerly there, with the "
+                "same values"
+            )
 
 
 def scan_graph(roots: Sequence[Tensor]) -> GraphScan:
@@ -92,6 +109,8 @@ def scan_graph(roots: Sequence[Tensor]) -> GraphScan:
             scan.reentrant_checkpoint = True
         elif name == MODULE_HOOK_NODE:
             scan.module_hook_nodes.append(node)
+        elif name == COMPILED_NODE:
+            scan.compiled_nodes += 1
         variable = getattr(node, "variable", None)
         if variable is not None:
             leaves[id(variable)] = variable
@@ -533,6 +552,7 @@ def backward(
                 f"element {i} of tensors does not require grad and does not have a grad_fn"
             )
     scan = scan_graph(tensors)
+    scan.refuse_compiled("A semiring backward")
     # each tensor once: PyTorch accepts one listed twice in ``inputs``
     leaves = list({id(t): t for t in inputs}.values()) if inputs is not None else scan.leaves
     if scan.reentrant_checkpoint and not regular_grads:
@@ -787,6 +807,7 @@ def grad(
         grad_outputs = [grad_outputs]
     _refuse_transforms([*outputs, *inputs], "semipack.grad")
     scan = scan_graph(outputs)
+    scan.refuse_compiled("semipack.grad")
     if scan.module_hook_nodes:  # the hooks would be handed messages (BackPACK would store them)
         raise hooks_need_regular_gradients(scan.module_hook_nodes, "semipack.grad")
     with (

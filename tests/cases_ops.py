@@ -517,6 +517,9 @@ FUNCTIONS = {
     "nearest_upsample": (lambda x: F.interpolate(x, scale_factor=2), (1, 1, 2, 3)),
     "nearest_upsample_odd": (lambda x: F.interpolate(x, size=(5,), mode="nearest"), (1, 2, 3)),
     "pixel_shuffle": (lambda x: F.pixel_shuffle(x, 2), (1, 4, 2, 2)),
+    # rot90's backward is rot90 the other way (trial 54: it had no rule)
+    "rot90": (lambda x: torch.rot90(x * x.sum(), 1, (0, 1)), (2, 3)),
+    "rot90_thrice": (lambda x: torch.rot90(x, -3, (1, 2)).cumsum(1), (2, 2, 3)),
     "tril": (lambda x: (x @ x.t()).tril(-1), (3, 2)),
     "glu": (lambda x: F.glu(x, -1), (2, 4)),
     "rrelu_eval": (lambda x: F.rrelu(x, 0.1, 0.3), (2, 5)),  # slope 0.2 below 0

@@ -36,6 +36,7 @@ VIEW_LIKE = [
     aten.detach.default,
     aten.flip.default,
     aten.roll.default,
+    aten.rot90.default,
     aten.diagonal.default,
     aten.repeat.default,
     aten.unfold.default,

@@ -683,3 +683,60 @@ def test_no_garbage_collection_runs_inside_a_block() -> None:
         gc.enable()
         gc.callbacks.remove(seen)
     assert model[0].weight.semiring_grad.shape == (4, 3)
+
+
+class _RecomputedInBackward(torch.autograd.Function):
+    """Reformer's reversible layers: the forward keeps no graph; the backward runs the layer
+    again under grad mode and calls ``torch.autograd.backward`` itself, so the layer's
+    parameters get their gradients from that inner engine run, not from this node's outputs."""
+
+    @staticmethod
+    def forward(ctx, x, layer):
+        ctx.layer = layer
+        ctx.save_for_backward(x)
+        with torch.no_grad():
+            return layer(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (x,) = ctx.saved_tensors
+        x = x.detach().requires_grad_()
+        with torch.enable_grad():
+            out = ctx.layer(x)
+        torch.autograd.backward(out, grad)
+        return x.grad, None
+
+
+class _Reversible(nn.Module):
+    def __init__(self, recompute: bool) -> None:
+        super().__init__()
+        self.first, self.inner = nn.Linear(3, 4), nn.Sequential(nn.Linear(4, 4), nn.Tanh())
+        self.last, self.recompute = nn.Linear(4, 2), recompute
+
+    def forward(self, x):
+        h = self.first(x)
+        h = _RecomputedInBackward.apply(h, self.inner) if self.recompute else self.inner(h)
+        return self.last(h)
+
+
+@pytest.mark.parametrize("semiring", [semipack.MaxProd(), semipack.Entropy(), semipack.Real()])
+def test_a_backward_run_inside_a_custom_functions_backward_reaches_the_parameters(semiring):
+    """Reformer: the inner run handed the inner layer's parameters their messages as ``.grad``
+    (the pass "succeeded", the optimizer then met a message; trial 52). The parameters are
+    watched whenever the graph holds a custom Function: the inner layer's values are those of
+    the same model without the Function (the paths run through the recomputed ops), ``.grad``
+    is a plain backward's."""
+    torch.manual_seed(0)
+    model = _Reversible(recompute=True).double()
+    direct = copy.deepcopy(model)
+    direct.recompute = False
+    x = torch.randn(5, 3, dtype=torch.float64)
+    model(x).pow(2).sum().backward()
+    plain = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad(set_to_none=True)
+    for net in (model, direct):
+        with semipack.extend(net, semiring):
+            net(x).pow(2).sum().backward()
+    for p, q, want in zip(model.parameters(), direct.parameters(), plain, strict=True):
+        assert type(p.grad) is torch.Tensor and torch.equal(p.grad, want)
+        torch.testing.assert_close(p.semiring_grad, q.semiring_grad, rtol=1e-12, atol=0)

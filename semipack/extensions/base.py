@@ -343,6 +343,9 @@ class ExtensionFunction(torch.autograd.Function):
        A second pass through it then fails with the error a plain backward gives.
     """
 
+    #: marks semipack's own nodes: the pass knows their backward runs no engine of its own
+    SEMIPACK_EXTENSION = True
+
     #: positions (in ``run``'s ``inputs``) of the inputs whose values ``messages`` reads.
     reads: ClassVar[tuple[int, ...]] = ()
 

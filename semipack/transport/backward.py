@@ -75,6 +75,17 @@ class GraphScan:
     module_hook_nodes: list[torch.autograd.graph.Node] = field(default_factory=list)
     #: nodes of code ``torch.compile`` compiled, recorded by a forward outside any block
     compiled_nodes: int = 0
+    #: nodes of users' custom autograd Functions, whose Python backward may run a backward of
+    #: its own (Reformer's reversible layers recompute their forward and call
+    #: ``torch.autograd.backward``): parameters it reaches are not in the graph seen here
+    custom_functions: int = 0
+
+    @property
+    def nested_backward(self) -> bool:
+        """Whether a node may run a second engine run inside the pass (a reentrant
+        checkpoint, a custom Function's backward): leaves the walk cannot see may then receive
+        messages, and one leaf may receive several."""
+        return self.reentrant_checkpoint or self.custom_functions > 0
 
     def refuse_compiled(self, where: str) -> None:
         """A compiled region's backward is generated code that takes plain tensors: messages
@@ -111,12 +122,22 @@ def scan_graph(roots: Sequence[Tensor]) -> GraphScan:
             scan.module_hook_nodes.append(node)
         elif name == COMPILED_NODE:
             scan.compiled_nodes += 1
+        elif _user_function(node):
+            scan.custom_functions += 1
         variable = getattr(node, "variable", None)
         if variable is not None:
             leaves[id(variable)] = variable
         stack.extend(fn for fn, _ in node.next_functions if fn is not None)
     scan.leaves = list(leaves.values())
     return scan
+
+
+def _user_function(node: torch.autograd.graph.Node) -> bool:
+    """Whether ``node`` runs the Python backward of a custom autograd Function that is not
+    semipack's own (an extension's node, marked ``SEMIPACK_EXTENSION``)."""
+    if not isinstance(node, torch.autograd.function.BackwardCFunction):
+        return False
+    return not getattr(getattr(node, "_forward_cls", None), "SEMIPACK_EXTENSION", False)
 
 
 def graph_leaves(roots: Sequence[Tensor]) -> list[Tensor]:
@@ -564,7 +585,7 @@ def backward(
         raise hooks_need_regular_gradients(
             scan.module_hook_nodes, "semipack.extend(..., regular_grads=False)"
         )
-    if inputs is None and scan.reentrant_checkpoint:
+    if inputs is None and scan.nested_backward:
         known = {id(t) for t in leaves}
         leaves += [p for p in watched if id(p) not in known]
     rows = None
@@ -583,7 +604,7 @@ def backward(
     with path_recording(sr, tensors, leaf_names) as sr, _claimed(leaves, leaf_names):
         ledger = GradLedger([*leaves, *kept], accumulate_in_place) if regular_grads else None
         kept_grads = [] if regular_grads else [(t, t.grad) for t in kept]  # the ledger's job
-        read_early = not (keep_state or sr.trace is not None or scan.reentrant_checkpoint)
+        read_early = not (keep_state or sr.trace is not None or scan.nested_backward)
         captured = LeafCaptures(read_early)
         try:
             with ExitStack() as collect:
@@ -618,6 +639,7 @@ def backward(
                     ) from exc
                 finally:
                     _PASS.retained = outer
+            _refuse_stray_messages(leaves)
             if rows is not None:
                 batched = [t for t in leaves if id(t) in captured and id(t) in per_sample]
                 rows.check(batched, per_sample_batches)
@@ -641,6 +663,20 @@ def backward(
             ledger.commit()
     reached = {id(t) for t, _ in results}
     return [leaf for leaf in leaves if id(leaf) in reached]
+
+
+def _refuse_stray_messages(leaves: Sequence[Tensor]) -> None:
+    """Raise where a message ended in a ``.grad`` instead of a leaf hook (a backward run
+    inside a custom Function's backward reaching a tensor no hook watched): the pass then
+    rolls every ``.grad`` back, rather than leave a message where the optimizer reads."""
+    stray = [t for t in leaves if isinstance(t.grad, Message)]
+    if stray:
+        shapes = ", ".join(str(tuple(t.shape)) for t in stray[:5])
+        raise MessageLostError(
+            f"{len(stray)} tensor(s) of shape {shapes} received a semiring message in .grad "
+            "instead of through the pass's leaf hooks (a backward run inside a custom "
+            "autograd Function's backward reaching tensors outside the model's parameters)"
+        )
 
 
 def _read_all(

@@ -1769,3 +1769,28 @@ def test_alibi_models_with_a_padding_mask_have_each_examples_rows(family: str):
 
     for sr in (semipack.MaxProd(), semipack.Real()):
         _rows_of_single_examples(model, loss, sr, 3)
+
+
+class _GainAfterSort(nn.Module):
+    """A gain ``h * g`` on a value whose examples a sort along the batch mixed (mixture-of-
+    experts routing sorts tokens by expert), with the batch lost before the gain."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(3, 3)
+        self.gain = nn.Parameter(torch.rand(3) + 0.5)
+
+    def forward(self, x):
+        return self.lin(x).sort(0).values * self.gain
+
+
+def test_a_gain_on_a_mixed_value_names_the_call_that_mixed_it() -> None:
+    """Qwen2-MoE's refusal named the last norm's gain only: "the examples were mixed, split
+    or picked" (trial 52). The call that lost the batch is named, as the layer checks do."""
+    model = _GainAfterSort().double()
+    with semipack.extend(model, semipack.MaxProd(), per_sample=True):
+        out = model(torch.randn(4, 3, dtype=torch.float64))
+        with pytest.raises(
+            PerSampleError, match=r"parameter 'gain' .*\('sort' mixed, split or picked the"
+        ):
+            out.sum().backward()

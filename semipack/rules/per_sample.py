@@ -163,6 +163,27 @@ BATCHED_KEY = "semipack_batched"
 #: does not mark such a node, and the error says which call hid it.
 INSIDE_CALL_KEY = "semipack_inside_call"
 
+#: Node metadata: the call by which a value lost the batch (``transport.batch_following``).
+LOST_BY_KEY = "semipack_batch_lost_by"
+
+
+def how_lost(call: str) -> str:
+    """What the call ``call`` (a ``graph.batch_dims.call_name``) did to the batch, in words."""
+    if call in MERGING:
+        return (
+            f"'{call}' merged the batch with other dims (x.reshape(N * T, -1)): every layer "
+            "must see the batch as a dim of its own"
+        )
+    if call == "__getitem__":
+        return "indexing picked or reordered examples"
+    if call == "__setitem__":
+        return "an indexed assignment wrote examples into other places"
+    return f"'{call}' mixed, split or picked the examples"
+
+
+MERGING = frozenset(("view", "reshape", "flatten", "unflatten", "view_as", "reshape_as", "ravel"))
+
+
 #: The generic rules that read the parameter's use off a product or sum with another operand:
 #: their rows are right only when that operand carries the batch.
 _BROADCAST_NODES = ("MulBackward0", "AddBackward0", "SubBackward0")
@@ -201,9 +222,11 @@ def unbatched_operand(node, input_nr: int, is_batched: Callable[[Tensor], bool])
             if dim == 0:
                 return None
             if dim is None:
+                lost = other.metadata.get(LOST_BY_KEY)
+                how = how_lost(lost) if lost else "the examples were mixed, split or picked"
                 return (
                     f"a value {other.name()} computed from the model's input in which no dim "
-                    "holds one example per index (the examples were mixed, split or picked)"
+                    f"holds one example per index ({how})"
                 )
             return (
                 f"a value {other.name()} computed from the model's input with the batch on dim "

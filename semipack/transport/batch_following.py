@@ -35,11 +35,18 @@ from torch.utils._pytree import tree_leaves
 
 from ..graph.batch_dims import batch_dim_after, call_name, dim_after_index
 from ..graph.provenance import OUTSIDE_MODEL, current_module
-from ..rules.per_sample import BATCHED_KEY, FACTORS_KEY, MATMULS, parameter_projection
+from ..rules.per_sample import (
+    BATCHED_KEY,
+    FACTORS_KEY,
+    LOST_BY_KEY,
+    MATMULS,
+    MERGING,
+    how_lost,
+    parameter_projection,
+)
 
 #: Autograd node metadata: with ``BATCHED_KEY`` None, the call after which the node's value
 #: had no dim holding one example per index.
-LOST_BY_KEY = "semipack_batch_lost_by"
 
 #: Autograd node metadata: why the layer call that made the node cannot compute per-sample
 #: rows (``misplaced_batch``, or a refuted mark); ``check_graph`` raises it when the node feeds
@@ -651,7 +658,7 @@ def _place(
     if out.shape[place] == source.shape[dim]:
         return place
     whole = size is not None and out.shape[place] % size == 0 and out.shape[place] >= size
-    return place if whole and call_name(func) in _MERGING else None
+    return place if whole and call_name(func) in MERGING else None
 
 
 def misplaced_batch(func: Any, args: tuple, kwargs: dict, batched: BatchedTensors) -> str | None:
@@ -687,22 +694,6 @@ def misplaced_batch(func: Any, args: tuple, kwargs: dict, batched: BatchedTensor
         "as x.transpose(0, 1) gives one row per token)"
     )
 
-
-def how_lost(call: str) -> str:
-    """What the call ``call`` (a ``graph.batch_dims.call_name``) did to the batch, in words."""
-    if call in _MERGING:
-        return (
-            f"'{call}' merged the batch with other dims (x.reshape(N * T, -1)): every layer "
-            "must see the batch as a dim of its own"
-        )
-    if call == "__getitem__":
-        return "indexing picked or reordered examples"
-    if call == "__setitem__":
-        return "an indexed assignment wrote examples into other places"
-    return f"'{call}' mixed, split or picked the examples"
-
-
-_MERGING = frozenset(("view", "reshape", "flatten", "unflatten", "view_as", "reshape_as", "ravel"))
 
 #: Calls whose result's shape comes from their arguments, not from the tensor they are
 #: called on (``x.new_zeros(n, d)``): the result holds nothing of the batch.

@@ -740,3 +740,32 @@ def test_a_backward_run_inside_a_custom_functions_backward_reaches_the_parameter
     for p, q, want in zip(model.parameters(), direct.parameters(), plain, strict=True):
         assert type(p.grad) is torch.Tensor and torch.equal(p.grad, want)
         torch.testing.assert_close(p.semiring_grad, q.semiring_grad, rtol=1e-12, atol=0)
+
+
+def test_a_custom_functions_inner_backward_beside_inputs_or_without_regular_gradients() -> None:
+    """``backward(inputs=[x])``: PyTorch's inner run still gives the layer's parameters their
+    ``.grad``; semipack's gave them messages. With ``regular_grads=False`` nothing can take
+    the inner run's messages: the pass fails naming it, and no message is left in ``.grad``."""
+    torch.manual_seed(0)
+    model = _Reversible(recompute=True).double()
+    x = torch.randn(5, 3, dtype=torch.float64, requires_grad=True)
+    model(x).pow(2).sum().backward(inputs=[x])
+    plain = [None if p.grad is None else p.grad.clone() for p in model.parameters()]
+    want_x = x.grad.clone()
+    model.zero_grad(set_to_none=True)
+    x.grad = None
+    with semipack.extend(model, semipack.MaxProd()):
+        model(x).pow(2).sum().backward(inputs=[x])
+    assert torch.equal(x.grad, want_x)
+    for p, want in zip(model.parameters(), plain, strict=True):
+        assert (p.grad is None) == (want is None)
+        if want is not None:
+            assert type(p.grad) is torch.Tensor and torch.equal(p.grad, want)
+            assert p.semiring_grad.shape == p.shape
+    model.zero_grad(set_to_none=True)
+    with (
+        pytest.raises(semipack.MessageLostError, match="under regular_grads=False"),
+        semipack.extend(model, semipack.MaxProd(), regular_grads=False),
+    ):
+        model(x).pow(2).sum().backward()
+    assert all(p.grad is None for p in model.parameters())

@@ -585,7 +585,7 @@ def backward(
         raise hooks_need_regular_gradients(
             scan.module_hook_nodes, "semipack.extend(..., regular_grads=False)"
         )
-    if inputs is None and scan.nested_backward:
+    if scan.nested_backward:  # even beside ``inputs``: an inner run accumulates into all
         known = {id(t) for t in leaves}
         leaves += [p for p in watched if id(p) not in known]
     rows = None
@@ -639,7 +639,7 @@ def backward(
                     ) from exc
                 finally:
                     _PASS.retained = outer
-            _refuse_stray_messages(leaves)
+            _refuse_stray_messages(leaves, regular_grads)
             if rows is not None:
                 batched = [t for t in leaves if id(t) in captured and id(t) in per_sample]
                 rows.check(batched, per_sample_batches)
@@ -665,18 +665,27 @@ def backward(
     return [leaf for leaf in leaves if id(leaf) in reached]
 
 
-def _refuse_stray_messages(leaves: Sequence[Tensor]) -> None:
+def _refuse_stray_messages(leaves: Sequence[Tensor], regular_grads: bool) -> None:
     """Raise where a message ended in a ``.grad`` instead of a leaf hook (a backward run
-    inside a custom Function's backward reaching a tensor no hook watched): the pass then
-    rolls every ``.grad`` back, rather than leave a message where the optimizer reads."""
+    inside a custom Function's backward reaching a tensor no hook took it from), rather than
+    leave a message where the optimizer reads. Such a ``.grad`` was None before (the engine
+    would have added a message to a tensor in place, which fails): it is None again."""
     stray = [t for t in leaves if isinstance(t.grad, Message)]
-    if stray:
-        shapes = ", ".join(str(tuple(t.shape)) for t in stray[:5])
-        raise MessageLostError(
-            f"{len(stray)} tensor(s) of shape {shapes} received a semiring message in .grad "
-            "instead of through the pass's leaf hooks (a backward run inside a custom "
-            "autograd Function's backward reaching tensors outside the model's parameters)"
-        )
+    if not stray:
+        return
+    for t in stray:
+        t.grad = None
+    shapes = ", ".join(str(tuple(t.shape)) for t in stray[:5])
+    why = (
+        "reaching tensors outside the model's parameters"
+        if regular_grads
+        else "under regular_grads=False, where no hook takes its messages: use regular_grads=True"
+    )
+    raise MessageLostError(
+        f"{len(stray)} tensor(s) of shape {shapes} received a semiring message in .grad "
+        f"instead of through the pass's leaf hooks (a backward run inside a custom autograd "
+        f"Function's backward, {why})"
+    )
 
 
 def _read_all(

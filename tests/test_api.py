@@ -769,3 +769,35 @@ def test_a_custom_functions_inner_backward_beside_inputs_or_without_regular_grad
     ):
         model(x).pow(2).sum().backward()
     assert all(p.grad is None for p in model.parameters())
+
+
+def test_an_inner_backward_reaching_a_tensor_outside_the_model_fails_the_pass() -> None:
+    """A tensor outside the model's parameters that only a custom Function's inner run reaches
+    got a message in its ``.grad`` (semipack.grad left them in the parameters too). The pass
+    fails naming it and leaves ``.grad`` None; the Function's own leaf (its detached input,
+    whose ``.grad`` it reads) is not one of them."""
+    torch.manual_seed(0)
+    scale = torch.tensor(2.0, dtype=torch.float64, requires_grad=True)
+    model = _Reversible(recompute=True).double()
+    model.inner.append(_Scale(scale))
+    x = torch.randn(5, 3, dtype=torch.float64)
+    with (
+        pytest.raises(semipack.MessageLostError, match=r"1 tensor\(s\) of shape \(\) received"),
+        semipack.extend(model, semipack.MaxProd()),
+    ):
+        model(x).pow(2).sum().backward()
+    assert scale.grad is None and all(p.grad is None for p in model.parameters())
+    model = _Reversible(recompute=True).double()
+    x.requires_grad_()
+    with pytest.raises(semipack.MessageLostError, match="under regular_grads=False"):
+        semipack.grad(model(x).pow(2).sum(), [x], semipack.MaxProd())
+    assert all(p.grad is None for p in model.parameters())
+
+
+class _Scale(nn.Module):
+    def __init__(self, scale: torch.Tensor) -> None:
+        super().__init__()
+        self.scale = scale  # a tensor, not a parameter: outside the model's parameters
+
+    def forward(self, h):
+        return h * self.scale

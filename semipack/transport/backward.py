@@ -614,6 +614,8 @@ def backward(
                     for handle in hook_rules(generic_uses, rows):
                         collect.callback(handle.remove)
                 outer, _PASS.retained = getattr(_PASS, "retained", ()), kept
+                inner = InnerRuns(scan.nested_backward)
+                collect.enter_context(inner.watching())
                 try:
                     _run_backward(
                         tensors,
@@ -639,7 +641,7 @@ def backward(
                     ) from exc
                 finally:
                     _PASS.retained = outer
-            _refuse_stray_messages(leaves, regular_grads)
+            _refuse_stray_messages([*leaves, *inner.leaves()], regular_grads)
             if rows is not None:
                 batched = [t for t in leaves if id(t) in captured and id(t) in per_sample]
                 rows.check(batched, per_sample_batches)
@@ -665,12 +667,46 @@ def backward(
     return [leaf for leaf in leaves if id(leaf) in reached]
 
 
+class InnerRuns:
+    """The leaves that graphs built during a pass reach: a custom Function's backward that
+    runs the forward again and an engine of its own (Reformer's reversible layers) reaches
+    tensors the pass's walk of the graph could not see, and such a run stores its messages in
+    their ``.grad``. Nodes are collected only where the graph holds such a Function."""
+
+    def __init__(self, active: bool) -> None:
+        self.active = active
+        #: weak references: a leaf the inner run made itself (a Function's backward detaches
+        #: its saved input and reads the message off its ``.grad``) is gone after the pass
+        self.reached: dict[int, weakref.ref] = {}
+
+    def _created(self, node: torch.autograd.graph.Node) -> None:
+        for nxt, _ in node.next_functions:
+            variable = getattr(nxt, "variable", None) if nxt is not None else None
+            if variable is not None and id(variable) not in self.reached:
+                self.reached[id(variable)] = weakref.ref(variable)
+
+    @contextmanager
+    def watching(self) -> Iterator[None]:
+        """Collect, while the block runs, the leaves that new nodes have edges to."""
+        if not self.active:
+            yield
+            return
+        with torch.autograd.graph.node_creation_hook(self._created):
+            yield
+
+    def leaves(self) -> list[Tensor]:
+        """The leaf tensors, still alive, that nodes created in the pass have edges to."""
+        alive = [ref() for ref in self.reached.values()]
+        self.reached.clear()
+        return [t for t in alive if t is not None]
+
+
 def _refuse_stray_messages(leaves: Sequence[Tensor], regular_grads: bool) -> None:
     """Raise where a message ended in a ``.grad`` instead of a leaf hook (a backward run
     inside a custom Function's backward reaching a tensor no hook took it from), rather than
     leave a message where the optimizer reads. Such a ``.grad`` was None before (the engine
     would have added a message to a tensor in place, which fails): it is None again."""
-    stray = [t for t in leaves if isinstance(t.grad, Message)]
+    stray = list({id(t): t for t in leaves if isinstance(t.grad, Message)}.values())
     if not stray:
         return
     for t in stray:
@@ -855,15 +891,18 @@ def grad(
     scan.refuse_compiled("semipack.grad")
     if scan.module_hook_nodes:  # the hooks would be handed messages (BackPACK would store them)
         raise hooks_need_regular_gradients(scan.module_hook_nodes, "semipack.grad")
+    inner = InnerRuns(scan.nested_backward)
     with (
         path_recording(sr, outputs, None) as sr,
         tensor_hooks_see_gradients([*scan.leaves, *inputs]),
         semiring_pass(retain_graph),
     ):
         seed = seeds(outputs, list(grad_outputs), sr, regular=False)
-        got = torch.autograd.grad(
-            outputs, inputs, seed, retain_graph=retain_graph, allow_unused=True
-        )
+        with inner.watching():
+            got = torch.autograd.grad(
+                outputs, inputs, seed, retain_graph=retain_graph, allow_unused=True
+            )
+        _refuse_stray_messages(inner.leaves(), regular_grads=False)
         # captured while the trace is recording, set only once every readout succeeded
         paths = [
             (t, sr.trace.capture_leaf(t, msg, f"input {i}"))

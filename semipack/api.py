@@ -4,6 +4,7 @@ backward driver's own ``transport.backward.grad``)."""
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import threading
 import warnings
 from collections.abc import Callable, Iterator
@@ -23,7 +24,7 @@ from .transport import backward as _bw
 from .transport.backward import grad
 from .transport.hooks import BlockPreHook, module_hooks_see_gradients
 from .transport.interception import SemiringMode
-from .transport.passes import collector_paused, user_code_eager
+from .transport.passes import collector_paused, forget_interrupted, user_code_eager
 from .transport.per_sample import check_semiring
 
 _blocks = threading.local()
@@ -122,9 +123,11 @@ class _Reusable(AbstractContextManager):
         block = self._make()
         value = block.__enter__()
         self._local.__dict__.setdefault("open", []).append(block)
+        _blocks.generator = getattr(block, "gen", None)  # suspended while the block is open
         return value
 
     def __exit__(self, *exc: Any) -> bool | None:
+        _blocks.generator = None
         return self._local.open.pop().__exit__(*exc)
 
 
@@ -147,7 +150,7 @@ def _block(
             f"semipack.extend expects an nn.Module (or None for functional code), "
             f"got {type(model).__name__}"
         )
-    active = getattr(_blocks, "semiring", None)
+    active = _clear_interrupted()
     if active is not None:
         raise SemipackError(
             f"semipack.extend blocks cannot be nested: a block for {active!r} is already "
@@ -194,6 +197,7 @@ def _block(
             handle = model.register_forward_pre_hook(recorder, with_kwargs=True)
             stack.callback(handle.remove)
         stack.enter_context(mode)
+        stack.callback(setattr, _blocks, "reached", mode.reached)
         yield model
 
 
@@ -229,6 +233,48 @@ def _batch_recorder(mode: SemiringMode) -> Callable[..., None]:
             mode.batched.add_inputs(tensors)
 
     return record
+
+
+def _clear_interrupted() -> Any:
+    """This thread's open block's semiring, or None; first, the leftovers of a block that a
+    KeyboardInterrupt stopped inside semipack's own entry or exit code are cleared: its mode
+    left on torch's stack (every later block then failed: the stale mode met the new block's
+    messages), its semiring still marked as open ("cannot be nested" for good), its counts
+    (the garbage collector paused, the compile stance forced). Said by a warning."""
+    active = getattr(_blocks, "semiring", None)
+    generator = getattr(_blocks, "generator", None)
+    suspended = generator is not None and (
+        inspect.getgeneratorstate(generator) == inspect.GEN_SUSPENDED
+    )
+    if active is not None and suspended:
+        return active  # a block really is open in this thread (its body is running)
+    stack = torch.overrides._get_current_function_mode_stack()
+    healed = active is not None
+    _blocks.semiring = None
+    if any(isinstance(m, SemiringMode) for m in stack):
+        modes = [torch._C._pop_torch_function_stack() for _ in range(len(stack))][::-1]
+        for mode in modes:
+            if not isinstance(mode, SemiringMode):
+                torch._C._push_on_torch_function_stack(mode)
+        healed = True
+    healed = forget_interrupted() or healed
+    if healed:
+        warnings.warn(
+            "semipack: an earlier extend block of this thread was interrupted inside "
+            "semipack's own entry or exit (a KeyboardInterrupt, say); what it left behind "
+            "was cleared. A .grad it was writing may be partly updated: check or recompute it",
+            RuntimeWarning,
+            stacklevel=4,
+        )
+    return None
+
+
+def last_block_reached() -> list[torch.Tensor]:
+    """The tensors (still alive) that the passes of this thread's last ``extend`` block gave
+    values to: the monitor drops them after recording, also on tensors outside its model
+    (a GAN generator's loss runs through the discriminator)."""
+    refs = getattr(_blocks, "reached", {})
+    return [t for t in (ref() for ref in refs.values()) if t is not None]
 
 
 def _tensors_in(value: Any) -> list[torch.Tensor]:

@@ -1,14 +1,19 @@
 """``MonitorCallback``: ``semipack.Monitor`` inside a PyTorch Lightning ``Trainer``.
 
 Lightning owns the training loop, so the monitor's per-step context is opened when a training
-batch starts (before its forward) and closed once its backward is done: at
-``on_before_optimizer_step`` (the optimizer then steps on the exact gradient, as in the plain
-loop), or at the batch's end for a batch that does not step (gradient accumulation). A batch
-whose ``training_step`` returns None (Lightning's way to skip it: no backward) is left
-unrecorded. One monitor step is one training batch; the records use Lightning's
-``global_step``. Each fit gets its own ``Monitor`` (``callback.monitors``, the latest as
-``callback.monitor``); a fit whose ``log_dir`` already holds a monitor's files (a second fit,
-another callback, an earlier run) writes into the first free ``<log_dir>/fit<k>``.
+batch starts (before its forward) and closed once the optimizer step's backwards are done: at
+``on_before_optimizer_step`` under automatic optimization (the optimizer then steps on the
+exact gradient, as in the plain loop). With ``accumulate_grad_batches > 1`` the context stays
+open over the step's micro-batches, whose backwards are recorded together (one record per
+optimizer step, as the monitor's own loop does with one block around them). Under manual
+optimization (``training_step`` calls ``manual_backward`` and steps its optimizers itself,
+a GAN's two) it closes at the batch's end: every backward of the batch is recorded, the
+generator's as well as the discriminator's. A batch whose ``training_step`` returns None
+(Lightning's way to skip it: no backward) is left unrecorded. The records use Lightning's
+``global_step`` (which counts every optimizer's steps: two per batch with two optimizers).
+Each fit gets its own ``Monitor`` (``callback.monitors``, the latest as ``callback.monitor``);
+a fit whose ``log_dir`` already holds a monitor's files (a second fit, another callback, an
+earlier run) writes into the first free ``<log_dir>/fit<k>``.
 
 Needs ``pytorch_lightning`` (or the ``lightning`` package); ``import semipack`` does not import
 this module.
@@ -77,6 +82,8 @@ class MonitorCallback(Callback):
         self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int
     ) -> None:
         assert self.monitor is not None, "setup() runs before the first batch"
+        if self._open is not None:  # accumulating: the optimizer step's context is open
+            return
         scale = _loss_scale(trainer, pl_module)
         self._open = self.monitor.step(trainer.global_step, loss_scale=scale)
         self._open.__enter__()
@@ -86,11 +93,19 @@ class MonitorCallback(Callback):
         self._backward_ran = True
 
     def on_before_optimizer_step(self, trainer: Trainer, pl_module: LightningModule, optimizer):
-        self._close()
+        if pl_module.automatic_optimization:
+            self._close()  # manual optimization: at the batch's end, after every backward
 
     def on_train_batch_end(
         self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx
     ) -> None:
+        # Automatic optimization closes at the optimizer step: a batch that did not step
+        # (a micro-batch of an accumulation, a skipped batch) leaves the context open for the
+        # next, which runs before the same global step.
+        if not pl_module.automatic_optimization:
+            self._close()
+
+    def on_train_epoch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self._close()
 
     def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception) -> None:

@@ -43,7 +43,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.nn.parallel import DistributedDataParallel
 
-from .api import extend
+from .api import extend, last_block_reached
 from .distributed import all_reduce
 from .errors import SemipackError
 from .explain.branches import Branches, branches
@@ -131,7 +131,7 @@ class Monitor:
         self.records: list[Record] = []
         self._best: dict[str, int] = {}
         self._count = 0
-        self._last_sampled: int | None = None
+        self._last_recorded: int | None = None
         self.log_dir = Path(log_dir) if log_dir is not None else None
         self._files: _Files | None = None
         if self.log_dir is not None:
@@ -178,7 +178,7 @@ class Monitor:
             if not self.sampled(step):
                 yield False
                 return
-            if step == self._last_sampled:
+            if step == self._last_recorded:
                 warnings.warn(
                     f"Monitor.step({step}) is sampled again: each block runs its own semiring "
                     "backward and records it, so the step is recorded twice (and its top path "
@@ -186,7 +186,6 @@ class Monitor:
                     "the whole step's micro-batches",
                     stacklevel=3,
                 )
-            self._last_sampled = step
             combine = self._combines_processes()
             self._read_layers()
             self._clear()
@@ -202,6 +201,7 @@ class Monitor:
             if combine:  # every process: the whole batch's values (each layer's plus over them)
                 all_reduce(list(self.layers.values()), self.semiring)
             self._record(step, splits, math.log(loss_scale) if loss_scale is not None else 0.0)
+            self._last_recorded = step  # a step whose pass failed was not recorded: no warning
             self._drop_values()
         except BaseException:
             self.flush()  # the run may end here: every earlier record goes to the files
@@ -229,8 +229,10 @@ class Monitor:
     def _drop_values(self) -> None:
         """Once recorded, the pass's values leave the parameters: the monitor keeps its
         summaries only. Left there, every parameter held three readouts of its size until the
-        next sampled step (memory, and a saved model three times larger)."""
-        for param in self.model.parameters():
+        next sampled step (memory, and a saved model three times larger). Tensors outside
+        the model that the step's passes reached (a generator's loss runs through the
+        discriminator) lose theirs too."""
+        for param in [*self.model.parameters(), *last_block_reached()]:
             for attribute in ("semiring_grad", "semiring_state"):
                 if hasattr(param, attribute):
                     delattr(param, attribute)

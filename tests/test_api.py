@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import math
+import warnings
 
 import pytest
 import torch
@@ -801,3 +802,41 @@ class _Scale(nn.Module):
 
     def forward(self, h):
         return h * self.scale
+
+
+def test_a_block_interrupted_inside_its_own_entry_is_cleared_by_the_next() -> None:
+    """A KeyboardInterrupt between the entry of a block's contexts and the registration of
+    their exits left semipack's function mode on torch's stack (every later block failed), the
+    block marked open ("cannot be nested" for good), the garbage collector paused and the
+    compile stance forced (trial 53). The next block clears them, says so, and is exact."""
+    import gc
+
+    from semipack.api import _blocks
+    from semipack.transport.interception import SemiringMode
+    from semipack.transport.passes import collector_paused, user_code_eager
+
+    model, x = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2)), torch.randn(5, 3)
+    model(x).sum().backward()
+    plain = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad(set_to_none=True)
+    # what an interrupted entry leaves: each context entered, none of their exits run (the
+    # contexts kept alive, as a stored traceback keeps them: Jupyter's sys.last_traceback)
+    left = [SemiringMode(semipack.MaxProd(), True), collector_paused(), user_code_eager()]
+    for context in left:
+        context.__enter__()
+    _blocks.semiring = semipack.MaxProd()
+    assert not gc.isenabled()
+    with (
+        pytest.warns(RuntimeWarning, match="an earlier extend block of this thread was interr"),
+        semipack.extend(model, semipack.MaxProd()),
+    ):
+        model(x).sum().backward()
+    assert all(torch.equal(p.grad, g) for p, g in zip(model.parameters(), plain, strict=True))
+    assert model[0].weight.semiring_grad.shape == (4, 3)
+    assert gc.isenabled() and torch.overrides._get_current_function_mode_stack() == []
+    assert torch._dynamo.eval_frame._stance.stance == "default"
+    with warnings.catch_warnings():  # nothing left to clear
+        warnings.simplefilter("error")
+        with semipack.extend(model, semipack.MaxProd()):
+            model(x).sum().backward()
+    del left  # their exits never run (the generators' are closed unentered)

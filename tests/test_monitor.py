@@ -6,6 +6,7 @@ from __future__ import annotations
 import csv
 import gc
 import math
+import warnings
 from dataclasses import astuple
 from pathlib import Path
 
@@ -532,6 +533,38 @@ def test_a_step_sampled_twice_warns() -> None:
         nn.functional.cross_entropy(model(x), y).backward()
     with pytest.warns(UserWarning, match=r"Monitor.step\(0\) is sampled again"), monitor.step(0):
         nn.functional.cross_entropy(model(x), y).backward()
+
+
+def test_a_step_retried_after_a_failed_pass_does_not_warn() -> None:
+    """A sampled step whose pass failed records nothing: running it again is no second record
+    (it warned that the step was sampled again, trial 53)."""
+    model = _model()
+    monitor = semipack.Monitor(model, every=1, tensorboard=False)
+    (x, y), _ = _batches(2)
+    handle = model[0].weight.register_hook(lambda g: (_ for _ in ()).throw(RuntimeError("no")))
+    with pytest.raises(RuntimeError, match="no"), monitor.step(0):
+        nn.functional.cross_entropy(model(x), y).backward()
+    handle.remove()
+    assert monitor.records == []
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with monitor.step(0):
+            nn.functional.cross_entropy(model(x), y).backward()
+    assert {r.step for r in monitor.records} == {0}
+
+
+def test_values_on_tensors_outside_the_model_are_dropped_too() -> None:
+    """A monitor on a generator whose loss runs through a discriminator: the discriminator's
+    parameters kept the pass's readouts (trial 53); every tensor the step's passes reached
+    loses them once recorded."""
+    generator, critic = _model(), nn.Sequential(nn.Linear(3, 1)).double()
+    monitor = semipack.Monitor(generator, every=1, tensorboard=False)
+    (x, _), _ = _batches(2)
+    with monitor.step(0):
+        critic(generator(x)).sum().backward()
+    assert monitor.records
+    for p in [*generator.parameters(), *critic.parameters()]:
+        assert not hasattr(p, "semiring_grad") and p.grad is not None
 
 
 class _HandWritten(nn.Module):

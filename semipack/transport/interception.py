@@ -10,6 +10,7 @@ that have extensions to them.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable, Iterable, Mapping
 
 import torch
@@ -81,6 +82,9 @@ class SemiringMode(TorchFunctionMode):
         #: with ``per_sample``: the device type on which a call of the block's forward ran
         #: under autocast (its rows are refused, by name), None while none has
         self.autocast_seen: str | None = None
+        #: every tensor a pass of the block gave values to (weakly: id -> reference), for
+        #: those who clean up after the block (the monitor drops its passes' values)
+        self.reached: dict[int, weakref.ref] = {}
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -175,6 +179,8 @@ class SemiringMode(TorchFunctionMode):
                 per_sample_batches=frozenset(self.batched.sizes),
                 per_sample_following=self.batched,
             )
+        for t in reached:
+            self.reached.setdefault(id(t), weakref.ref(t))
         # A parameter this backward did not reach (frozen ones too) must not keep a stale value.
         reached_ids = {id(t) for t in reached}
         for p in parameters:

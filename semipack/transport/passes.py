@@ -26,6 +26,18 @@ from ..kernels.tropical import shared_pruning_choice
 _lock = threading.Lock()
 _running = {True: 0, False: 0}  # retain_graph -> number of semiring passes in flight
 
+#: What each thread's open contexts added to the counts here (thread id -> kind -> count): a
+#: KeyboardInterrupt that lands between a context's entry and the registration of its exit
+#: leaves its count behind, which ``forget_interrupted`` takes back (the collector would
+#: otherwise stay paused, the stance forced, the graph kept, for the rest of the process).
+_mine: dict[int, dict[str, int]] = {}
+
+
+def _note(kind: str, change: int) -> None:
+    """Record this thread's share of a count (called with the count's lock held)."""
+    mine = _mine.setdefault(threading.get_ident(), {})
+    mine[kind] = mine.get(kind, 0) + change
+
 
 @contextmanager
 def semiring_pass(retain_graph: bool | None) -> Iterator[None]:
@@ -44,12 +56,14 @@ def semiring_pass(retain_graph: bool | None) -> Iterator[None]:
     retain = bool(retain_graph)
     with _lock:
         _running[retain] += 1
+        _note(f"running {retain}", 1)
     try:
         with own_kernels_compiled(), shared_pruning_choice(), collector_paused():
             yield
     finally:
         with _lock:
             _running[retain] -= 1
+            _note(f"running {retain}", -1)
 
 
 _collector = {"passes": 0, "was_enabled": False}
@@ -75,11 +89,13 @@ def collector_paused() -> Iterator[None]:
             _collector["was_enabled"] = gc.isenabled()
             gc.disable()
         _collector["passes"] += 1
+        _note("collector", 1)
     try:
         yield
     finally:
         with _lock:
             _collector["passes"] -= 1
+            _note("collector", -1)
             if _collector["passes"] == 0 and _collector["was_enabled"]:
                 gc.enable()
 
@@ -118,13 +134,36 @@ def _set_stance() -> None:
 def _counted(kind: str) -> Iterator[None]:
     with _stance_lock:
         _stance_counts[kind] += 1
+        _note(f"stance {kind}", 1)
         _set_stance()
     try:
         yield
     finally:
         with _stance_lock:
             _stance_counts[kind] -= 1
+            _note(f"stance {kind}", -1)
             _set_stance()
+
+
+def forget_interrupted() -> bool:
+    """Take back what this thread's contexts left counted (call it where the thread has no
+    block open and no pass running: an interrupted block's leftovers); True if there was any.
+    The collector, the compile stance and the graph-keeping flag then follow the other
+    threads' open contexts alone."""
+    mine = _mine.pop(threading.get_ident(), {})
+    if not any(mine.values()):
+        return False
+    with _lock:
+        for retain in (True, False):
+            _running[retain] -= mine.get(f"running {retain}", 0)
+        _collector["passes"] -= mine.get("collector", 0)
+        if _collector["passes"] == 0 and _collector["was_enabled"]:
+            gc.enable()
+    with _stance_lock:
+        for kind in ("blocks", "passes"):
+            _stance_counts[kind] -= mine.get(f"stance {kind}", 0)
+        _set_stance()
+    return True
 
 
 def user_code_eager() -> AbstractContextManager[None]:

@@ -58,7 +58,7 @@ def test_explain_writes_tables_csv_and_picture(tiny_model_dir: Path, tmp_path: P
     # top-path shares per head: from the MaxProd head rows of the CSV, token by token
     heads = {}
     for r in _rows(tmp_path):
-        if r["semiring"] == "MaxProd" and r["layer"] == "0" and r["branch"].startswith("head"):
+        if r["semiring"] == "MaxProd" and r["layer"] == "L0" and r["branch"].startswith("head"):
             heads.setdefault(int(r["token_index"]), []).append(float(r["value"]))
     best = torch.tensor([max(range(2), key=values.__getitem__) for values in heads.values()])
     shares = [float((best == h).float().mean()) for h in range(2)]
@@ -81,7 +81,7 @@ def test_explain_writes_tables_csv_and_picture(tiny_model_dir: Path, tmp_path: P
     }
     # LogSum: the union of the branches is their log-sum-exp, token by token
     flow = {(r["branch"], r["token_index"]): float(r["value"]) for r in rows
-            if r["semiring"] == "LogSum" and r["layer"] == "1"}  # fmt: skip
+            if r["semiring"] == "LogSum" and r["layer"] == "L1"}  # fmt: skip
     for t in range(tokens):
         parts = torch.tensor([flow[b, str(t)] for b in ("query", "key", "value", "residual")])
         assert flow["all", str(t)] == pytest.approx(float(parts.logsumexp(0)), rel=1e-5)
@@ -97,7 +97,7 @@ def test_the_best_branch_per_token_is_the_best_path_to_the_token(
                  "--semirings", "MaxProd", "--out", str(tmp_path)]) == 0  # fmt: skip
     per_token: dict[int, float] = {}
     for r in _rows(tmp_path):
-        if r["layer"] == "0" and r["branch"] in ("query", "key", "value", "residual"):
+        if r["layer"] == "L0" and r["branch"] in ("query", "key", "value", "residual"):
             t = int(r["token_index"])
             per_token[t] = max(per_token.get(t, 0.0), float(r["value"]))
     model = transformers.AutoModel.from_pretrained(str(tiny_model_dir), attn_implementation="eager")
@@ -151,7 +151,7 @@ def test_head_flow_is_the_flow_into_each_heads_output(tiny_model_dir: Path, tmp_
     (the heads' outputs) in a plain LogSum run and log-sum its entries head by head."""
     assert main(["explain", "--model", str(tiny_model_dir), "--text", "the keys are",
                  "--semirings", "LogSum", "--out", str(tmp_path)]) == 0  # fmt: skip
-    rows = [r for r in _rows(tmp_path) if r["branch"].startswith("head") and r["layer"] == "1"]
+    rows = [r for r in _rows(tmp_path) if r["branch"].startswith("head") and r["layer"] == "L1"]
     model = transformers.AutoModel.from_pretrained(str(tiny_model_dir), attn_implementation="eager")
     tokenizer = transformers.AutoTokenizer.from_pretrained(str(tiny_model_dir))
     encoded = tokenizer("the keys are", return_tensors="pt")
@@ -180,7 +180,7 @@ def test_a_masked_token_prediction_is_explained(tiny_mlm_dir: Path, tmp_path: Pa
                  "mask", "--semirings", "MaxProd", "--out", str(out)]) == 0  # fmt: skip
     per_token: dict[int, float] = {}
     for r in _rows(out):
-        if r["layer"] == "0" and r["branch"] in ("query", "key", "value", "residual"):
+        if r["layer"] == "L0" and r["branch"] in ("query", "key", "value", "residual"):
             t = int(r["token_index"])
             per_token[t] = max(per_token.get(t, 0.0), float(r["value"]))
     model = transformers.AutoModelForMaskedLM.from_pretrained(

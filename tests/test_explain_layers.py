@@ -13,6 +13,7 @@ from torch import nn
 
 import semipack
 from semipack.explain import AttentionLayer, attention_layers, layer_routes, plot_routes
+from semipack.explain.layers import layer_labels
 from semipack.messages.paths import Path as SemiringPath
 from semipack.messages.paths import PathStep
 
@@ -1150,3 +1151,116 @@ def test_a_route_through_the_blocks_own_projection_is_its_linear_branch() -> Non
     (route,) = layer_routes([SemiringPath("x", (0, 1, 3), -1.0, steps)], layers)
     got = [(h.layer, h.token_in, h.token_out, h.branch, h.head) for h in route.hops]
     assert got == [(0, 1, 2, "linear", 1)]
+
+
+class _SequenceFirstBlock(nn.Module):
+    """Self-attention on ``[tokens, batch, hidden]`` with its own output projection ``o``."""
+
+    def __init__(self, width: int = 8, heads: int = 2) -> None:
+        super().__init__()
+        self.heads = heads
+        self.q, self.k, self.v, self.o = (nn.Linear(width, width) for _ in range(4))
+
+    def forward(self, x):
+        tokens, batch, width = x.shape
+        size = width // self.heads
+
+        def split(t):
+            return t.reshape(tokens, batch, self.heads, size).permute(1, 2, 0, 3)
+
+        weights = (split(self.q(x)) @ split(self.k(x)).transpose(-1, -2) / size**0.5).softmax(-1)
+        mixed = (weights @ split(self.v(x))).permute(2, 0, 1, 3).reshape(tokens, batch, width)
+        return x + self.o(mixed)
+
+
+class _Blocks(nn.Module):
+    def __init__(self, count: int, sequence_first: bool) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb = nn.Linear(4, 8)
+        self.blocks = nn.ModuleList(_SequenceFirstBlock() for _ in range(count))
+        self.sequence_first = sequence_first
+
+    def forward(self, x):
+        h = self.emb(x)
+        h = h if self.sequence_first else h.transpose(0, 1)
+        for block in self.blocks:
+            h = block(h)
+        return h if self.sequence_first else h.transpose(0, 1)
+
+
+def test_sequence_first_layers_give_heads_batch_first() -> None:
+    """``AttentionLayer(batch_first=False)``: ``heads`` came back ``[layers, tokens, batch,
+    heads]`` while the README (and ``total``) say ``[layers, batch, tokens, ...]``, so tables
+    and rows read tokens as examples (trial 56). Oracle: the output projection's input
+    retained in a plain run, read per head."""
+    model = _Blocks(2, sequence_first=True).double()
+    x = torch.randn(5, 3, 4, dtype=torch.float64)  # 5 tokens, 3 examples
+    layers = [
+        AttentionLayer(f"blocks.{i}", model.blocks[i], model.blocks[i].o, 2, 4, batch_first=False)
+        for i in range(2)
+    ]
+    flow = semipack.explain_layers(
+        model, semipack.MaxProd(), lambda: model(x)[1, 2].sum(), layers=layers
+    )
+    assert tuple(flow.total.shape) == (2, 3, 5) and tuple(flow.heads.shape) == (2, 3, 5, 2)
+    kept = []
+
+    def keep(module, args):
+        args[0].retain_grad()
+        kept.append(args[0])
+
+    hook = model.blocks[1].o.register_forward_pre_hook(keep)
+    with semipack.extend(model, semipack.MaxProd(), regular_grads=False):
+        model(x)[1, 2].sum().backward()
+    hook.remove()
+    want = kept[0].semiring_grad.reshape(5, 3, 2, 4).amax(-1).transpose(0, 1)  # [batch, tokens, h]
+    reached = want > 0
+    torch.testing.assert_close(flow.heads[1][reached], want[reached], rtol=1e-12, atol=0)
+    assert not (flow.heads[1][~reached] > 0).any()
+
+
+def test_layers_are_labelled_by_their_own_index() -> None:
+    """A subset of the layers was numbered by list position: ``encoder.layer.2`` read ``L0``
+    in tables, pictures, rows and routes (trial 56). Labels carry the model's own index."""
+    model = _bert(4)
+    layers = attention_layers(model)[2:]
+    flow = semipack.explain_layers(model, semipack.MaxProd(), _target(model), layers=layers)
+    assert flow.labels == ["L2", "L3"]
+    assert [line.split()[0] for line in flow.table().splitlines()[2:]] == ["L2", "L3"]
+    assert flow.token_table().splitlines()[0].split()[1:] == ["L2", "L3"]
+    assert {row[1] for row in flow.rows()} == {"L2", "L3"}
+    assert layer_labels(["a", "b"]) == ["L0", "L1"]  # no index in the names: positions
+    assert layer_labels(["dec.layer.0.attention", "dec.layer.0.crossattention"]) == [
+        "L0 attention",
+        "L0 crossattention",
+    ]
+
+
+def test_a_route_through_list_items_credits_each_layer_with_its_own_hops() -> None:
+    """Layers named ``blocks.1``: their parent ``blocks`` holds every layer, so one layer given
+    alone was credited with the value hop of ``blocks.2`` (trial 56). A hop belongs to the
+    block that holds its steps."""
+    torch.manual_seed(0)
+    blocks = nn.Sequential(*(_ResidualInside(False) for _ in range(3)))
+    model = nn.Sequential(nn.Embedding(10, 4), blocks)
+    model = model.double()
+    ids = torch.tensor([[1, 2, 3, 4, 5]])
+    sr = semipack.TopPath()
+    with semipack.extend(model, sr):
+        model(ids)[0, 1].sum().backward()
+    table = model[0].weight
+    best = torch.nonzero(table.semiring_grad == table.semiring_grad.max())[0]
+    path = sr.path(table, tuple(int(i) for i in best))
+
+    def spec(i):
+        return AttentionLayer(f"1.{i}", blocks[i], blocks[i].o, 2, 2)
+
+    (every,) = layer_routes([path], [spec(i) for i in range(3)])
+    assert [h.layer for h in every.hops] == [0, 1, 2]
+    for i in range(3):
+        (alone,) = layer_routes([path], [spec(i)])
+        assert [(h.token_in, h.token_out, h.branch, h.head) for h in alone.hops] == [
+            (h.token_in, h.token_out, h.branch, h.head) for h in every.hops if h.layer == i
+        ]
+        assert [h.name for h in alone.hops] == [f"L{i}"]

@@ -354,6 +354,11 @@ class LayerFlow:
         tokens = reached.any(0).sum()  # tokens that some choice reaches
         return (credit.sum(1) / tokens).tolist()
 
+    @property
+    def labels(self) -> list[str]:
+        """The layers' short labels (``layer_labels``: ``L2`` for ``encoder.layer.2...``)."""
+        return layer_labels(self.layers)
+
     def table(self, example: int = 0) -> str:
         """Per-layer summary: the branch shares and head shares (MaxProd, LogSum), or the mean
         over tokens of each branch's value (other semirings)."""
@@ -369,7 +374,10 @@ class LayerFlow:
         what = what.get(self.semiring, f"mean over tokens of each branch's {self.semiring} value")
         heads = self.heads.shape[-1]
         widths = [max(10, len(n) + 2) for n in names]
-        header = f"{'layer':<6}" + "".join(f"{n:>{w}}" for n, w in zip(names, widths, strict=True))
+        column = max(6, *(len(label) + 1 for label in self.labels))
+        header = f"{'layer':<{column}}" + "".join(
+            f"{n:>{w}}" for n, w in zip(names, widths, strict=True)
+        )
         if shares and heads:
             header += "  " + "".join(f"{'head ' + str(h):>8}" for h in range(heads))
         lines = [f"{self.semiring}: {what}{self._which(example)}", header]
@@ -385,7 +393,7 @@ class LayerFlow:
             else:
                 cells = [self._mean(layer[n][example]) if n in layer else math.nan for n in names]
                 row = "".join(f"{_cell(v, '.3f'):>{w}}" for v, w in zip(cells, widths, strict=True))
-            lines.append(f"L{i:<5}" + row)
+            lines.append(f"{self.labels[i]:<{column}}" + row)
         return "\n".join(lines)
 
     def _mean(self, values: Tensor) -> float:
@@ -405,7 +413,8 @@ class LayerFlow:
         labels = self._labels(example)
         best = self.best_branch(example) if self.semiring in ("MaxProd", "TopPath") else None
         width = max([10, *(len(b) + 1 for row in best or [] for b in row)])
-        layers = [f"L{i}" for i in range(len(self.layers))]
+        layers = self.labels
+        width = max(width, *(len(n) + 1 for n in layers))
         column = max([12, *(len(t) for t in labels)])  # long tokens keep the rows aligned
         header = f"{'token':>{column}} " + " ".join(f"{n:<{width}}" for n in layers)
         lines = (
@@ -439,7 +448,7 @@ class LayerFlow:
                 columns[f"head {h}"] = self.heads[i, example, :, h]
             for name, values in columns.items():
                 for t, v in enumerate(values.tolist()):
-                    out.append((self.semiring, i, name, t, labels[t], v))
+                    out.append((self.semiring, self.labels[i], name, t, labels[t], v))
         return out
 
     def plot_branch_shares(self, path: str | FilePath | None = None, ax=None, example: int = 0):
@@ -456,7 +465,7 @@ class LayerFlow:
             heights = [0.0 if math.isnan(v) else v for v in (s.get(name, 0.0) for s in shares)]
             ax.bar(range(len(shares)), heights, bottom=bottom, label=name)
             bottom = [b + h for b, h in zip(bottom, heights, strict=True)]
-        ax.set_xticks(range(len(shares)), [f"L{i}" for i in range(len(shares))])
+        ax.set_xticks(range(len(shares)), self.labels)
         of = "tokens" if self.semiring != "LogSum" else "total flow"
         ax.set_ylabel(f"share of {of}")
         kind = "best path" if self.semiring != "LogSum" else "flow"
@@ -473,7 +482,7 @@ class LayerFlow:
         size = (1.6 + 0.6 * len(self.layers), 0.9 + 0.3 * len(labels))
         fig, ax = _figure(plt, ax, size)
         image = ax.imshow(grid, aspect="auto", cmap="viridis")
-        ax.set_xticks(range(len(self.layers)), [f"L{i}" for i in range(len(self.layers))])
+        ax.set_xticks(range(len(self.layers)), self.labels)
         ax.set_yticks(range(len(labels)), labels)
         flow = "log total flow" if self.log else "total flow"
         what = {"Entropy": "path entropy (nats)", "LogSum": flow}
@@ -772,9 +781,9 @@ def _flow(
         if context is None:  # no module receives the heads' outputs: no per-head values
             heads.append(torch.zeros((*shape, 0), dtype=totals[-1].dtype, device=device))
             continue
-        batch, length, _ = context.split.shape
-        view = (batch, length, spec.num_heads, spec.head_dim)
-        heads.append(pick(context.total(-1, view=view), view[:-1]))
+        # the heads' input in the layer's own layout: [batch, tokens] or [tokens, batch] first
+        view = (*context.split.shape[:-1], spec.num_heads, spec.head_dim)
+        heads.append(pick(context.total(-1, view=view), (*shape, spec.num_heads), first))
     shapes = {a.name: tuple(t.shape) for a, t in zip(layers, totals, strict=True)}
     if len(set(shapes.values())) > 1:
         raise SemipackError(
@@ -803,6 +812,11 @@ class LayerHop:
     token_out: int  # the token at the layer's output where it leaves
     branch: str  # query, key, value or residual (no projection on the path)
     head: int | None  # the head of the projection it takes, None for the residual
+    label: str = ""  # the layer's short label (``layer_labels``); ``L<layer>`` when empty
+
+    @property
+    def name(self) -> str:
+        return self.label or f"L{self.layer}"
 
 
 @dataclass
@@ -835,12 +849,12 @@ class LayerRoute:
                 end = start
                 while end + 1 < len(hops) and hops[end + 1].branch == "residual":
                     end += 1
-                where = f"L{hop.layer}" + (f"-L{hops[end].layer}" if end > start else "")
+                where = hop.name + (f"-{hops[end].name}" if end > start else "")
                 parts.append(f"{where} residual")
                 start = end + 1
                 continue
             parts.append(
-                f"L{hop.layer} {hop.branch} head {hop.head}: {name(hop.token_in)} -> "
+                f"{hop.name} {hop.branch} head {hop.head}: {name(hop.token_in)} -> "
                 f"{name(hop.token_out)}"
             )
             start += 1
@@ -865,7 +879,8 @@ def layer_routes(paths: Sequence[Path], layers: Sequence[AttentionLayer]) -> lis
                 "query, key and value projections are no modules of their own, and its inner "
                 "tensors change layout; read it with explain_layers"
             )
-    owners = [spec.name.rsplit(".", 1)[0] if "." in spec.name else spec.name for spec in layers]
+    owners = [_owner(spec.name) for spec in layers]
+    labels = layer_labels([spec.name for spec in layers])
     routes = []
     for path in paths:
         hops = []
@@ -889,10 +904,41 @@ def layer_routes(paths: Sequence[Path], layers: Sequence[AttentionLayer]) -> lis
             else:
                 branch, head = _projection(projection, spec)
                 token_in = projection.index[1]
-            hops.append(LayerHop(i, int(token_in), int(inside[-1].index[1]), branch, head))
+            hops.append(
+                LayerHop(i, int(token_in), int(inside[-1].index[1]), branch, head, labels[i])
+            )
             example = int(inside[0].index[0])
         routes.append(LayerRoute(path.value, hops, path.rank, example if hops else None))
     return routes
+
+
+def _owner(name: str) -> str:
+    """The module whose steps belong to the layer named ``name``: the module holding the
+    attention block (``encoder.layer.2`` for ``encoder.layer.2.attention``: it makes the
+    residual add), unless the block is itself an item of a list (``blocks.1``), whose parent
+    holds every layer (it credited one layer with its siblings' hops, trial 56)."""
+    parent, _, leaf = name.rpartition(".")
+    return parent if parent and not leaf.isdigit() else name
+
+
+def layer_labels(names: Sequence[str]) -> list[str]:
+    """Short labels of attention layers for tables, pictures and routes: ``L<k>`` with ``k``
+    the layer's own index in the model (the last number in its module name:
+    ``encoder.layer.2.attention`` is ``L2`` also when the layers given start there), the
+    block's own name added where two blocks share an index (``L0 attention``, ``L0
+    crossattention``); ``L<position>`` where the names hold no index, or where their labels
+    would still not be distinct."""
+    numbers = [[part for part in name.split(".") if part.isdigit()] for name in names]
+    if all(numbers):
+        labels = [f"L{int(found[-1])}" for found in numbers]
+        repeated = {label for label in labels if labels.count(label) > 1}
+        labels = [
+            f"{label} {name.rsplit('.', 1)[-1]}" if label in repeated else label
+            for label, name in zip(labels, names, strict=True)
+        ]
+        if len(set(labels)) == len(labels):
+            return labels
+    return [f"L{i}" for i in range(len(names))]
 
 
 def _one_sentence(tokens: Sequence[str] | Sequence[Sequence[str]]) -> bool:
@@ -976,7 +1022,8 @@ def plot_routes(
             if hop.head is not None:
                 middle = (hop.layer + 0.5, (hop.token_in + hop.token_out) / 2)
                 ax.annotate(f"{hop.branch[0]}{hop.head}", middle, fontsize=7, ha="center")
-    ax.set_xticks(range(layers + 1), [f"L{i}" for i in range(layers)] + ["out"])
+    names = {hop.layer: hop.name for route in routes for hop in route.hops}
+    ax.set_xticks(range(layers + 1), [names.get(i, f"L{i}") for i in range(layers)] + ["out"])
     ax.set_yticks(range(len(tokens)), list(tokens))
     ax.set_ylim(len(tokens) - 0.5, -0.5)
     ax.set_xlim(-0.2, layers + 0.2)

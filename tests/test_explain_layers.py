@@ -1264,3 +1264,33 @@ def test_a_route_through_list_items_credits_each_layer_with_its_own_hops() -> No
             (h.token_in, h.token_out, h.branch, h.head) for h in every.hops if h.layer == i
         ]
         assert [h.name for h in alone.hops] == [f"L{i}"]
+
+
+def test_hand_made_layers_that_contradict_their_blocks_are_refused_before_the_pass() -> None:
+    """Trial 56: a head split of 2 x 8 on BERT blocks of four heads of 4 ran (each "head" of
+    the tables two real ones), ``layers=[]`` failed after the backward in ``torch.stack``, a
+    two-dim heads' input with a bare unpacking error, and integer ids as token labels were
+    called "label lists"."""
+    model = _bert(2)
+    target = _target(model)
+    heads = model.config.num_attention_heads
+    width = model.config.hidden_size // (2 * heads)  # twice the heads, the same total width
+    wrong = [
+        AttentionLayer(f"encoder.layer.{i}.attention", layer.attention, layer.attention.output,
+                       2 * heads, width)
+        for i, layer in enumerate(model.encoder.layer)
+    ]  # fmt: skip
+    with pytest.raises(semipack.SemipackError, match=rf"says {2 * heads} heads, but its block"):
+        semipack.explain_layers(model, semipack.MaxProd(), target, layers=wrong)
+    with pytest.raises(semipack.SemipackError, match=r"layers=\[\] holds no layer"):
+        semipack.explain_layers(model, semipack.MaxProd(), target, layers=[])
+    flat = nn.Linear(4, 4).double()
+    block = nn.Sequential(nn.Linear(4, 4), flat).double()
+    net = nn.Sequential(nn.Embedding(10, 4), block).double()
+    with pytest.raises(semipack.SemipackError, match=r"has shape \(5, 4\), not \[batch, tokens"):
+        semipack.explain_layers(
+            net, semipack.MaxProd(), lambda: net(torch.arange(5)).sum(),
+            layers=[AttentionLayer("1", block, flat, 2, 2)],
+        )  # fmt: skip
+    with pytest.raises(semipack.SemipackError, match=r"labels must be strings .* got int 1"):
+        semipack.explain_layers(model, semipack.MaxProd(), target, tokens=[1, 2, 3, 4, 5])

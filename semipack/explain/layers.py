@@ -261,6 +261,13 @@ class LayerFlow:
         such list per example (a list for the first example alone labelled every example's
         rows with its words)."""
         length, batch = self.total.shape[-1], self.total.shape[1]
+        if any(not isinstance(t, (str, list, tuple)) for t in self.tokens):
+            odd = next(t for t in self.tokens if not isinstance(t, (str, list, tuple)))
+            raise SemipackError(
+                f"tokens: labels must be strings (one list per sentence, or one list per "
+                f"example), got {type(odd).__name__} {odd!r}: pass the tokenizer's tokens "
+                "(tokenizer.convert_ids_to_tokens(ids)), not the ids"
+            )
         lists = [self.tokens] if _one_sentence(self.tokens) else list(self.tokens)
         if not _one_sentence(self.tokens) and len(lists) != batch:
             raise SemipackError(
@@ -542,6 +549,7 @@ def explain_layers(
             stacklevel=2,
         )
     layers = list(layers) if layers is not None else attention_layers(model)
+    _check_layers(layers)
     with extend(model, semiring, regular_grads=False, drawing=drawing), ExitStack() as stack:
         for module in _entries(model, layers):  # before the splits' hooks: they see the leaf
             hook = module.register_forward_pre_hook(_requiring_grad, with_kwargs=True)
@@ -611,6 +619,35 @@ def _check_splits(
         )
 
 
+#: Attributes by which attention blocks state their number of heads (transformers' families).
+_HEAD_COUNTS = ("num_heads", "num_attention_heads", "n_head", "n_heads", "num_attention_head")
+
+
+def _check_layers(layers: Sequence[AttentionLayer]) -> None:
+    """Refuse, before anything runs, an empty list and a layer whose head count contradicts
+    its block's own (``num_heads=2, head_dim=8`` on a block of four heads of 4: each "head"
+    of the tables joined two real ones, with the total width right; trial 56)."""
+    if not layers:
+        raise SemipackError("explain_layers: layers=[] holds no layer to explain")
+    for spec in layers:
+        owners = (spec.block, getattr(spec.block, "self", None), getattr(spec.block, "attn", None))
+        stated = next(((o, n) for o in owners if (n := _stated_heads(o)) is not None), None)
+        if stated is not None and stated[1] != spec.num_heads:
+            raise SemipackError(
+                f"explain_layers: AttentionLayer('{spec.name}') says {spec.num_heads} heads, "
+                f"but its block ({type(stated[0]).__name__}) has {stated[1]}: per-head values "
+                "would join or split real heads; pass its own head count and width"
+            )
+
+
+def _stated_heads(module: object) -> int | None:
+    """The number of heads an attention module states (``num_attention_heads``, ...)."""
+    if not isinstance(module, nn.Module):
+        return None
+    counts = (getattr(module, name, None) for name in _HEAD_COUNTS)
+    return next((c for c in counts if isinstance(c, int) and not isinstance(c, bool)), None)
+
+
 def _check_shapes(layers: Sequence[AttentionLayer], contexts: Sequence[Branches | None]) -> None:
     """Each layer's heads' input must be ``num_heads * head_dim`` wide: ConvBERT's attention
     gives part of its width to a convolution (``head_ratio``), and viewing its heads' input as
@@ -618,6 +655,13 @@ def _check_shapes(layers: Sequence[AttentionLayer], contexts: Sequence[Branches 
     for spec, context in zip(layers, contexts, strict=True):
         if context is None or context.split is None:
             continue
+        if context.split.dim() != 3:
+            raise SemipackError(
+                f"explain_layers: the heads' input of '{spec.name}' has shape "
+                f"{tuple(context.split.shape)}, not [batch, tokens, heads * head_dim]: pass "
+                "the module whose input holds the heads side by side (the attention output "
+                "projection), or heads_input=None"
+            )
         width = context.split.shape[-1]
         if width != spec.num_heads * spec.head_dim:
             raise SemipackError(

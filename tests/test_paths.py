@@ -219,3 +219,15 @@ def test_a_zero_width_linear_layer_takes_the_per_op_rules() -> None:
     with semipack.extend(model, semipack.MaxProd()):
         (model[0](x).sum() + model(x).sum()).backward()
     assert model[1].weight.grad.shape == (0, 5) and model[0].weight.semiring_grad.shape == (5, 3)
+
+
+def test_a_paths_printed_factors_multiply_to_its_value_with_a_seed() -> None:
+    """With ``grad_outputs`` of 3, ``str(path)`` printed ``value 6`` and the one factor 2: the
+    seed's edge was missing (trial 55). Its factors now multiply to the value."""
+    x = torch.tensor([1.0, 4.0], dtype=torch.float64, requires_grad=True)
+    sr = semipack.TopPath()
+    semipack.grad(2 * x, x, sr, grad_outputs=torch.tensor([3.0, -0.5], dtype=torch.float64))
+    for index, value in ((0, 6.0), (1, 1.0)):
+        text = str(sr.path(x, index))
+        factors = [float(line.split()[0][1:]) for line in text.splitlines()[1:]]
+        assert math.prod(factors) == pytest.approx(value, rel=1e-12), text

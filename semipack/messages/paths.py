@@ -99,6 +99,9 @@ class Path:
             edge = math.exp(previous - step.log_value) if math.isfinite(step.log_value) else 0.0
             lines.append(f"  x{edge:<12.6g} {step.description}")
             previous = step.log_value
+        if self.steps and math.isfinite(previous) and previous != 0.0:
+            # the edge from the virtual root: the gradient given for the output (|grad_output|)
+            lines.append(f"  x{math.exp(previous):<12.6g} the seed (the output's grad_output)")
         return "\n".join(lines)
 
 

@@ -13,7 +13,7 @@ from torch import nn
 
 import semipack
 from semipack.explain import AttentionLayer, attention_layers, layer_routes, plot_routes
-from semipack.explain.layers import layer_labels
+from semipack.explain.layers import LayerHop, LayerRoute, layer_labels
 from semipack.messages.paths import Path as SemiringPath
 from semipack.messages.paths import PathStep
 
@@ -1294,3 +1294,12 @@ def test_hand_made_layers_that_contradict_their_blocks_are_refused_before_the_pa
         )  # fmt: skip
     with pytest.raises(semipack.SemipackError, match=r"labels must be strings .* got int 1"):
         semipack.explain_layers(model, semipack.MaxProd(), target, tokens=[1, 2, 3, 4, 5])
+
+
+def test_a_route_described_with_too_few_labels_says_so() -> None:
+    """``describe`` with fewer labels than the route's tokens raised a bare IndexError."""
+    hops = [LayerHop(0, 3, 1, "value", 0)]
+    route = LayerRoute(1.0, hops, 0, 0)
+    with pytest.raises(semipack.SemipackError, match="2 token labels, but the route passes"):
+        route.describe(["a", "b"])
+    assert route.describe(list("abcd")) == "1  from d: L0 value head 0: d -> b"

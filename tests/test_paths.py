@@ -231,3 +231,19 @@ def test_a_paths_printed_factors_multiply_to_its_value_with_a_seed() -> None:
         text = str(sr.path(x, index))
         factors = [float(line.split()[0][1:]) for line in text.splitlines()[1:]]
         assert math.prod(factors) == pytest.approx(value, rel=1e-12), text
+
+
+def test_path_ranks_and_the_family_of_the_recording_pass_are_checked() -> None:
+    """Trial 55: ``path(rank=-1)`` read the last rank silently, a rank past the last gave an
+    index error about a dimension, and ``KBest.paths`` read a TopPath pass's single path."""
+    a = torch.tensor([1.0, 2.0], dtype=torch.float64, requires_grad=True)
+    semipack.grad((a * 3).sum(), a, semipack.KBest(2))
+    assert a.semiring_paths.path(0, rank=1).rank == 1
+    for rank in (-1, 2):
+        with pytest.raises(IndexError, match=rf"path\(rank={rank}\): the pass recorded 2 rank"):
+            a.semiring_paths.path(0, rank=rank)
+    top = semipack.TopPath()
+    semipack.grad((a * 3).sum(), a, top)
+    assert top.path(a, 0).value == pytest.approx(3.0)
+    with pytest.raises(KeyError, match="holds the paths of a TopPath pass, not of a KBest one"):
+        semipack.KBest(5).paths(a, 0)

@@ -860,6 +860,7 @@ class LayerHop:
 
     @property
     def name(self) -> str:
+        """How tables and routes name the layer: its label, else ``L<position>``."""
         return self.label or f"L{self.layer}"
 
 
@@ -881,6 +882,13 @@ class LayerRoute:
         example is then named by its own); a route of an example other than the first says
         which."""
         tokens = _tokens_of(tokens, self.example)
+        needed = 1 + max((max(h.token_in, h.token_out) for h in self.hops), default=-1)
+        if tokens is not None and len(tokens) < needed:
+            raise SemipackError(
+                f"describe: {len(tokens)} token labels, but the route passes token "
+                f"{needed - 1} (one label per token of the layers' inputs, special tokens "
+                "included)"
+            )
 
         def name(t: int) -> str:
             return tokens[t] if tokens is not None else f"token {t}"

@@ -169,6 +169,7 @@ class PathTrace:
             successors.clone(),
             tuple(leaf.shape),
             rows=None if sparse is None else sparse.rows,
+            recorded_by=type(message.semiring),
         )
 
     def locate(self, node_id: int) -> tuple[TensorRecord, int]:
@@ -258,8 +259,11 @@ class LeafPaths:
         owners: Tensor | None = None,
         process: int = 0,
         rows: Tensor | None = None,
+        recorded_by: type | None = None,
     ) -> None:
         self.trace, self.name, self.shape = trace, name, tuple(shape)
+        #: the class of the semiring whose pass recorded the paths (None: not known)
+        self.recorded_by = recorded_by
         self.owners = owners  # [ranks, *shape], process ranks; None: all local
         self.process = process  # this process's rank in the group ``owners`` refers to
         self.rows = rows  # None: ``log_values`` / ``successors`` are full-shaped
@@ -290,6 +294,12 @@ class LeafPaths:
     def path(self, index: tuple[int, ...] | int | None = None, rank: int = 0) -> Path:
         """The ``rank``-th best path (0: the best) from entry ``index`` (default: the entry
         with the best path) to the root."""
+        ranks = self._values.shape[0]
+        if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < ranks:
+            raise IndexError(
+                f"path(rank={rank!r}): the pass recorded {ranks} rank(s) per entry, 0 to "
+                f"{ranks - 1} (0: the best path)"
+            )
         return self._walk(self._flat(index), rank)
 
     def paths(self, index: tuple[int, ...] | int | None = None) -> list[Path]:

@@ -230,7 +230,7 @@ class KBest(Semiring):
         the last KBest backward that reached ``leaf``, best first (fewer where fewer paths
         exist). Each is a ``Path`` like ``TopPath.path`` returns; ``paths[r].value`` is
         ``leaf.semiring_grad[index][r]``."""
-        return stored_paths(leaf, "paths", "KBest").paths(index)
+        return stored_paths(leaf, "paths", KBest).paths(index)
 
 
 def _first_maxima(work: Tensor, count: int) -> tuple[Tensor, Tensor]:

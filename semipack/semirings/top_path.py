@@ -21,14 +21,23 @@ from .base import Sign, State, index_reduce, uses_methods_of
 from .max_prod import MaxProd
 
 
-def stored_paths(leaf: Tensor, what: str, semiring: str):
-    """The paths a recording pass stored on ``leaf`` (``leaf.semiring_paths``); a KeyError that
-    says why when there are none."""
+def stored_paths(leaf: Tensor, what: str, family: type):
+    """The paths a recording pass of ``family`` (TopPath, KBest, or a subclass) stored on
+    ``leaf`` (``leaf.semiring_paths``); a KeyError that says why when there are none, or when
+    another family's pass recorded them (KBest's ``paths`` read a TopPath pass's one path)."""
+    semiring = family.__name__
     paths = getattr(leaf, "semiring_paths", None)
     if paths is None:
         raise KeyError(
             f"this tensor holds no {what}: it was not a leaf, retained tensor or input of a "
             f"{semiring} backward pass (or a later pass with another semiring replaced them)"
+        )
+    recorded = getattr(paths, "recorded_by", None)
+    if recorded is not None and not issubclass(recorded, family):
+        raise KeyError(
+            f"this tensor holds the paths of a {recorded.__name__} pass, not of a {semiring} "
+            f"one: read them with the {recorded.__name__} that ran it (or run a {semiring} "
+            "backward)"
         )
     return paths
 
@@ -178,4 +187,4 @@ class TopPath(MaxProd):
         the last TopPath backward that reached ``leaf`` (a leaf, a retained tensor or an input
         of ``semipack.grad``). The paths live on the tensor (``leaf.semiring_paths``), next to
         its ``semiring_grad``, so one TopPath instance serves any number of passes."""
-        return stored_paths(leaf, "top paths", "TopPath").path(index)
+        return stored_paths(leaf, "top paths", TopPath).path(index)

@@ -1303,3 +1303,26 @@ def test_a_route_described_with_too_few_labels_says_so() -> None:
     with pytest.raises(semipack.SemipackError, match="2 token labels, but the route passes"):
         route.describe(["a", "b"])
     assert route.describe(list("abcd")) == "1  from d: L0 value head 0: d -> b"
+
+
+def test_a_cross_attentions_missing_branches_read_as_dashes() -> None:
+    """A cross-attention block's key and value read the encoder's states, not its input: its
+    table row printed 0.0% for them, as if they existed and won no token (trial 56). They
+    read ``-``; the labels tell the two blocks of a layer apart."""
+    torch.manual_seed(0)
+    cfg = tiny_bert_config(num_hidden_layers=1, is_decoder=True, add_cross_attention=True)
+    model = transformers.BertModel._from_config(cfg, attn_implementation="eager").eval().double()
+    encoder = torch.randn(1, 3, cfg.hidden_size, dtype=torch.float64)
+    flow = semipack.explain_layers(
+        model, semipack.MaxProd(),
+        lambda: model(input_ids=IDS[:, :4], encoder_hidden_states=encoder).last_hidden_state.sum(),
+    )  # fmt: skip
+    assert flow.labels == ["L0 attention", "L0 crossattention"]
+    lines = flow.table().splitlines()
+    header = lines[1].split()
+    cross = lines[3].split()[2:]  # after the two words of the label
+    assert set(flow.branches[1]) == {"query", "residual"}
+    for name in ("key", "value"):
+        assert cross[header.index(name) - 1] == "-"
+    for name in ("query", "residual"):
+        assert cross[header.index(name) - 1].endswith("%")

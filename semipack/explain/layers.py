@@ -373,13 +373,15 @@ class LayerFlow:
         names = [b for b in BRANCH_ORDER if any(b in layer for layer in self.branches)]
         names += sorted({n for layer in self.branches for n in layer} - set(names))
         shares = self.semiring in ("MaxProd", "TopPath", "LogSum")
-        best = (
-            "share of tokens whose best path leaves by each branch / per head: of tokens at "
-            "whose attention output the head carries the best path"
-        )
-        what = {"MaxProd": best, "TopPath": best, "LogSum": "share of the flow per branch / head"}
-        what = what.get(self.semiring, f"mean over tokens of each branch's {self.semiring} value")
         heads = self.heads.shape[-1]
+        best = "share of tokens whose best path leaves by each branch" + (
+            " / per head: of tokens at whose attention output the head carries the best path"
+            if heads
+            else ""
+        )
+        flow = "share of the flow per branch" + (" / head" if heads else "")
+        what = {"MaxProd": best, "TopPath": best, "LogSum": flow}
+        what = what.get(self.semiring, f"mean over tokens of each branch's {self.semiring} value")
         widths = [max(10, len(n) + 2) for n in names]
         column = max(6, *(len(label) + 1 for label in self.labels))
         header = f"{'layer':<{column}}" + "".join(
@@ -392,8 +394,9 @@ class LayerFlow:
         per_head = self.head_shares(example) if shares else None
         for i, layer in enumerate(self.branches):
             if per_branch is not None:
-                missing = 0.0 if layer else math.nan  # a layer no path reaches: "-"
-                cells = [per_branch[i].get(n, missing) for n in names]
+                # "-": a branch the layer does not have (a cross-attention's key and value
+                # come from the encoder), or a layer no path reaches
+                cells = [per_branch[i].get(n, math.nan) for n in names]
                 row = "".join(f"{_cell(v, '.1%'):>{w}}" for v, w in zip(cells, widths, strict=True))
                 if heads:
                     row += "  " + "".join(f"{_cell(v, '.1%'):>8}" for v in per_head[i])
@@ -613,7 +616,9 @@ def _check_splits(
             f"explain_layers: {type(model).__name__}'s attention layer '{spec.name}' is split at "
             f"a tensor whose uses are {sorted(short)}: not the input of its query, key and value "
             "projections and its residual, so its values would miss paths through the layer "
-            f"(a bottleneck or a norm inside the block). semipack knows {FAMILIES}; pass "
+            "(a bottleneck or a norm inside the block, as in MobileBERT and ESM, or a "
+            "cross-attention whose only projection from the input reads it through another "
+            f"op first, as DETR's decoder adds positions). semipack knows {FAMILIES}; pass "
             "layers=[AttentionLayer(...), ...] naming a block whose first input is the "
             "projections' input"
         )

@@ -1794,3 +1794,52 @@ def test_a_gain_on_a_mixed_value_names_the_call_that_mixed_it() -> None:
             PerSampleError, match=r"parameter 'gain' .*\('sort' mixed, split or picked the"
         ):
             out.sum().backward()
+
+
+class _FlipsBetweenLayers(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 3)
+
+    def forward(self, x):
+        return self.b(torch.tanh(self.a(x)).flip(0))  # examples mixed between the layers
+
+
+def test_a_forward_that_bypasses_the_models_call_is_refused() -> None:
+    """``model.forward(x)`` or a submodule called directly never reached the model's pre-hook:
+    the batch was not followed and a forward that flips examples gave rows silently (trial 58);
+    ``model(x)`` refuses that forward."""
+    torch.manual_seed(0)
+    model = _FlipsBetweenLayers().double()
+    x = torch.randn(3, 4, dtype=torch.float64)
+    bypassed = r"the extended model was not called in this block .* not model.forward\(x\)"
+    for run in (lambda: model.forward(x), lambda: model.b(torch.tanh(model.a(x)).flip(0))):
+        with semipack.extend(model, semipack.MaxProd(), per_sample=True):
+            out = run()
+            with pytest.raises(PerSampleError, match=bypassed):
+                out.sum().backward()
+    with semipack.extend(model, semipack.MaxProd(), per_sample=True):
+        out = model(x)
+        with pytest.raises(PerSampleError, match="FlipBackward0"):
+            out.sum().backward()
+
+
+def test_recurrent_weights_are_named_as_such_in_float64() -> None:
+    """In float64 an LSTM runs as visible ops, and its bias's refusal spoke of pruned or masked
+    weights (trial 58): it says recurrent layers have no per-sample rows."""
+    torch.manual_seed(0)
+    model = _LastState().double()
+    x = torch.randn(3, 6, 4, dtype=torch.float64)
+    with semipack.extend(model, semipack.MaxProd(), per_sample=True):
+        out = model(x)
+        with pytest.raises(PerSampleError, match=r"recurrent layers \(RNN, LSTM, GRU\) have no"):
+            out.sum().backward()
+
+
+class _LastState(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.r, self.l = nn.LSTM(4, 5, batch_first=True), nn.Linear(5, 2)
+
+    def forward(self, x):
+        return self.l(self.r(x)[0][:, -1])

@@ -157,3 +157,9 @@ def test_readout_order_and_repr() -> None:
     flow, best = product.readout(product.lift(w))
     assert torch.equal(flow, torch.tensor([0.5, 0.0, 2.0], dtype=F64).log())
     assert torch.equal(best, torch.tensor([0.5, 0.0, 2.0], dtype=F64))
+
+
+def test_a_list_of_factors_is_refused_with_the_spelling() -> None:
+    """``Product([MaxProd(), LogSum()])`` said only "got list" (trial 58)."""
+    with pytest.raises(TypeError, match=r"write Product\(\*factors\)"):
+        semipack.Product([semipack.MaxProd(), semipack.LogSum()])

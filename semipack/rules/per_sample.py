@@ -184,6 +184,10 @@ def how_lost(call: str) -> str:
 MERGING = frozenset(("view", "reshape", "flatten", "unflatten", "view_as", "reshape_as", "ravel"))
 
 
+#: The calls of the recurrent layers (``torch.lstm`` and kin, as ``INSIDE_CALL_KEY`` names
+#: them): their weights have no per-sample rows.
+_RECURRENT_CALLS = frozenset(("lstm", "gru", "rnn_tanh", "rnn_relu", "lstm_cell", "gru_cell"))
+
 #: The generic rules that read the parameter's use off a product or sum with another operand:
 #: their rows are right only when that operand carries the batch.
 _BROADCAST_NODES = ("MulBackward0", "AddBackward0", "SubBackward0")
@@ -206,6 +210,11 @@ def unbatched_operand(node, input_nr: int, is_batched: Callable[[Tensor], bool])
         leaf = getattr(other, "variable", None)
         if leaf is None:
             inside = other.metadata.get(INSIDE_CALL_KEY)
+            if BATCHED_KEY not in other.metadata and inside in _RECURRENT_CALLS:
+                return (
+                    f"a value {other.name()} computed inside '{inside}': recurrent layers "
+                    "(RNN, LSTM, GRU) have no per-sample rows, whichever kernel runs them"
+                )
             if BATCHED_KEY not in other.metadata and inside is not None:
                 return (
                     f"a value {other.name()} computed inside '{inside}', a call whose own ops "

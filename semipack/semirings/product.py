@@ -41,6 +41,11 @@ class Product(Semiring):
         for s in semirings:
             if isinstance(s, type) and issubclass(s, Semiring):
                 raise TypeError(f"Product takes semiring instances: pass {s.__name__}()")
+            if isinstance(s, (list, tuple)):
+                raise TypeError(
+                    f"Product takes the semirings as separate arguments, got a "
+                    f"{type(s).__name__}: write Product(*factors)"
+                )
             if not isinstance(s, Semiring):
                 raise TypeError(f"Product takes semirings, got {type(s).__name__}")
             if isinstance(s, Product):

@@ -599,6 +599,14 @@ def backward(
         generic_uses, computed_inputs = check_graph(
             tensors, per_sample, per_sample_batches, per_sample_following
         )
+        if per_sample_following is not None and not per_sample_batches:
+            raise PerSampleError(
+                "per-sample values: the extended model was not called in this block (its "
+                "forward pre-hook marks the batch, which the block then follows call by call; "
+                "unfollowed, a forward that mixes examples would give rows silently): call the "
+                "model itself, model(x), not model.forward(x) or one of its submodules (extend "
+                "that submodule instead)"
+            )
         rows = PerSampleRows(sr, per_sample, computed_inputs)
     kept = retained.alive() if retained is not None else []
     with path_recording(sr, tensors, leaf_names) as sr, _claimed(leaves, leaf_names):

@@ -247,3 +247,18 @@ def test_path_ranks_and_the_family_of_the_recording_pass_are_checked() -> None:
     assert top.path(a, 0).value == pytest.approx(3.0)
     with pytest.raises(KeyError, match="holds the paths of a TopPath pass, not of a KBest one"):
         semipack.KBest(5).paths(a, 0)
+
+
+def test_a_path_asked_where_no_path_reaches_says_so() -> None:
+    """Every ReLU off: ``path`` printed "best path ... value 0" with no steps, and asking a
+    tensor without paths printed its message as a quoted key (trial 57)."""
+    layer = nn.Linear(2, 2)
+    with torch.no_grad():
+        layer.bias.fill_(-10.0)
+    sr = semipack.TopPath()
+    with semipack.extend(layer, sr):
+        torch.relu(layer(torch.ones(1, 2))).sum().backward()
+    assert str(sr.path(layer.weight, (0, 0))) == "no path from weight[0, 0] (its value is the zero)"
+    with pytest.raises(KeyError) as info:
+        sr.path(torch.ones(2))
+    assert str(info.value).startswith("this tensor holds no top paths")

@@ -1843,3 +1843,23 @@ class _LastState(nn.Module):
 
     def forward(self, x):
         return self.l(self.r(x)[0][:, -1])
+
+
+@pytest.mark.parametrize(
+    ("layers", "shape"),
+    [
+        (lambda: nn.Sequential(nn.Linear(4, 8), nn.GELU(), nn.LayerNorm(8), nn.Linear(8, 3)),
+         (0, 4)),
+        (lambda: nn.Sequential(nn.Conv2d(3, 4, 3), nn.ReLU(), nn.Flatten(), nn.Linear(64, 2)),
+         (0, 3, 6, 6)),
+    ],
+    ids=["mlp with layer norm", "cnn with flatten"],
+)  # fmt: skip
+def test_an_empty_batch_has_empty_rows(layers, shape) -> None:
+    """A batch of no examples crashed in the rules' reshapes (sizes inferred from zero
+    entries) and in the batch following's flatten (trial 57); a plain pass takes it."""
+    model = layers().double()
+    with semipack.extend(model, semipack.Entropy(), per_sample=True):
+        model(torch.randn(shape, dtype=torch.float64)).sum().backward()
+    for p in model.parameters():
+        assert p.semiring_grad_batch.shape == (0, *p.shape)

@@ -514,7 +514,7 @@ class ExtensionFunction(torch.autograd.Function):
                 cls, BackwardCall(sr, incoming, values, needs, ctx.options, ctx.kept)
             )
         rows = active_rows()
-        if rows is not None and not in_carry_pass():
+        if rows is not None and not rows.empty and not in_carry_pass():
             # the node has one edge per tensor argument (options too, if one): None has none
             edges = iter(ctx.next_functions[isinstance(ctx.options, Tensor) :])
             params = [None if v is None else rows.wants(next(edges)[0]) for v in values]

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import torch.nn.functional as F
 from torch import Tensor
 
@@ -57,10 +59,11 @@ def linear_per_sample(
     batched semiring product per example block, so nothing larger than the output is built.
     """
     n, i = x.shape[0], x.shape[-1]
-    rows = tuple(p.reshape(n, -1, p.shape[-1]) for p in m)
+    tokens = math.prod(x.shape[1:-1])  # explicit: an empty batch has no size to infer from
+    rows = tuple(p.reshape(n, tokens, p.shape[-1]) for p in m)
     m_w = m_b = None
     if want_w:
-        x3 = x.reshape(n, -1, i).to(sr.state_dtype(x.dtype))
+        x3 = x.reshape(n, tokens, i).to(sr.state_dtype(x.dtype))
         if x3.shape[1] == 1:  # one token: an outer product, elementwise
             m_w = sr.times(tuple(p.transpose(1, 2) for p in rows), sr.lift(x3))
         else:

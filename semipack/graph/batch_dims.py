@@ -212,6 +212,9 @@ def _reshaped(func, args, kwargs, source, dim, out, examples: int | None = None)
     them out again."""
     before = math.prod(source.shape[:dim])
     n = examples or source.shape[dim]
+    if n == 0:  # an empty batch: its dim is the result's first of size 0 with as much before
+        empty = [c for c in range(out.dim()) if out.shape[c] == 0]
+        return next((c for c in empty if math.prod(out.shape[:c]) == before), None)
     for c in range(out.dim()):
         if out.shape[c] % n or (out.shape[c] == 1 and n != 1):
             continue

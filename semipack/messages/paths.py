@@ -92,6 +92,8 @@ class Path:
         return out
 
     def __str__(self) -> str:
+        if self.log_value == -math.inf:  # the semiring zero: no path reaches the entry
+            return f"no path from {self.leaf}{list(self.index)} (its value is the zero)"
         which = "best path" if self.rank == 0 else f"path {self.rank + 1}"
         lines = [f"{which} from {self.leaf}{list(self.index)}: value {self.value:.6g}"]
         previous = self.log_value

@@ -21,6 +21,14 @@ from .base import Sign, State, index_reduce, uses_methods_of
 from .max_prod import MaxProd
 
 
+class PathsNotRecorded(KeyError):
+    """No paths of the asked family on a tensor. A KeyError (a lookup of the tensor's paths
+    that found none), printed as its message rather than as a quoted key."""
+
+    def __str__(self) -> str:
+        return str(self.args[0]) if self.args else ""
+
+
 def stored_paths(leaf: Tensor, what: str, family: type):
     """The paths a recording pass of ``family`` (TopPath, KBest, or a subclass) stored on
     ``leaf`` (``leaf.semiring_paths``); a KeyError that says why when there are none, or when
@@ -28,13 +36,13 @@ def stored_paths(leaf: Tensor, what: str, family: type):
     semiring = family.__name__
     paths = getattr(leaf, "semiring_paths", None)
     if paths is None:
-        raise KeyError(
+        raise PathsNotRecorded(
             f"this tensor holds no {what}: it was not a leaf, retained tensor or input of a "
             f"{semiring} backward pass (or a later pass with another semiring replaced them)"
         )
     recorded = getattr(paths, "recorded_by", None)
     if recorded is not None and not issubclass(recorded, family):
-        raise KeyError(
+        raise PathsNotRecorded(
             f"this tensor holds the paths of a {recorded.__name__} pass, not of a {semiring} "
             f"one: read them with the {recorded.__name__} that ran it (or run a {semiring} "
             "backward)"

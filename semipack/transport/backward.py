@@ -607,7 +607,7 @@ def backward(
                 "model itself, model(x), not model.forward(x) or one of its submodules (extend "
                 "that submodule instead)"
             )
-        rows = PerSampleRows(sr, per_sample, computed_inputs)
+        rows = PerSampleRows(sr, per_sample, computed_inputs, empty=per_sample_batches == {0})
     kept = retained.alive() if retained is not None else []
     with path_recording(sr, tensors, leaf_names) as sr, _claimed(leaves, leaf_names):
         ledger = GradLedger([*leaves, *kept], accumulate_in_place) if regular_grads else None
@@ -619,7 +619,7 @@ def backward(
                 collect.enter_context(tensor_hooks_see_gradients([*scan.leaves, *leaves]))
                 if rows is not None:
                     collect.enter_context(collecting(rows))
-                    for handle in hook_rules(generic_uses, rows):
+                    for handle in hook_rules([] if rows.empty else generic_uses, rows):
                         collect.callback(handle.remove)
                 outer, _PASS.retained = getattr(_PASS, "retained", ()), kept
                 inner = InnerRuns(scan.nested_backward)

@@ -368,9 +368,13 @@ class PerSampleRows:
         sr: Semiring,
         params: dict[int, str],
         computed_inputs: dict[int, tuple[Tensor, tuple]] | None = None,
+        empty: bool = False,
     ) -> None:
         self.sr = sr
         self.names = params
+        #: a batch of no examples: no rule runs (their reshapes cannot infer sizes from zero
+        #: entries), every parameter the pass reaches gets rows ``[0, *p.shape]``
+        self.empty = empty
         # node id -> (parameter, steps): layer inputs computed from a parameter alone
         self.computed_inputs = computed_inputs or {}
         self.rows: dict[int, State] = {}
@@ -401,6 +405,8 @@ class PerSampleRows:
     def check(self, params: Sequence[Tensor], batches: frozenset[int] = frozenset()) -> None:
         """Raise unless every parameter in ``params`` has rows, all of one batch size, and
         that size is the dim 0 of a model input (``batches``, when known)."""
+        if self.empty:
+            return
         for p in params:
             if id(p) not in self.rows:
                 raise PerSampleError(
@@ -436,7 +442,10 @@ class PerSampleRows:
         every readout succeeded."""
         out = []
         for p in params:
-            rows = self.rows[id(p)]
+            if self.empty:
+                rows = self.sr.zeros((0, *p.shape), p.dtype, p.device)
+            else:
+                rows = self.rows[id(p)]
             state = tuple(rows) if keep_state else None
             out.append(
                 (p, {SEMIRING_GRAD_BATCH: self.sr.readout(rows), SEMIRING_STATE_BATCH: state})

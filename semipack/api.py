@@ -258,13 +258,14 @@ def _clear_interrupted() -> Any:
                 torch._C._push_on_torch_function_stack(mode)
         healed = True
     healed = forget_interrupted() or healed
+    healed = _bw.release_stale_locks() or healed
     if healed:
         warnings.warn(
             "semipack: an earlier extend block of this thread was interrupted inside "
             "semipack's own entry or exit (a KeyboardInterrupt, say); what it left behind "
             "was cleared. A .grad it was writing may be partly updated: check or recompute it",
             RuntimeWarning,
-            stacklevel=4,
+            stacklevel=5,  # the user's `with` (through _Reusable and contextlib's __enter__)
         )
     return None
 

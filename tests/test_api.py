@@ -840,3 +840,20 @@ def test_a_block_interrupted_inside_its_own_entry_is_cleared_by_the_next() -> No
         with semipack.extend(model, semipack.MaxProd()):
             model(x).sum().backward()
     del left  # their exits never run (the generators' are closed unentered)
+
+
+def test_a_lock_left_held_by_an_interrupted_pass_is_released_by_the_next_block() -> None:
+    """A KeyboardInterrupt between a ``with lock:`` body's end and the release left the
+    readouts' lock held: every later pass waited on it forever (trial 59). With no pass
+    running, the next block releases it, says so, and runs."""
+    from semipack.transport import backward as bw
+
+    model, x = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2)), torch.randn(5, 3)
+    assert bw._READOUT_LOCK.acquire(blocking=False)  # what the interrupted pass left
+    with (
+        pytest.warns(RuntimeWarning, match="an earlier extend block of this thread was interr"),
+        semipack.extend(model, semipack.MaxProd()),
+    ):
+        model(x).sum().backward()
+    assert not bw._READOUT_LOCK.locked()
+    assert model[0].weight.semiring_grad.shape == (4, 3)

@@ -37,7 +37,13 @@ from .hooks import (
     mark_pass_hook,
     tensor_hooks_see_gradients,
 )
-from .passes import carry_pass, in_carry_pass, own_kernels_compiled, semiring_pass
+from .passes import (
+    carry_pass,
+    in_carry_pass,
+    no_pass_running,
+    own_kernels_compiled,
+    semiring_pass,
+)
 from .per_sample import PerSampleRows, check_graph, check_semiring, collecting, hook_rules
 
 SEMIRING_GRAD = "semiring_grad"
@@ -130,6 +136,21 @@ def scan_graph(roots: Sequence[Tensor]) -> GraphScan:
         stack.extend(fn for fn, _ in node.next_functions if fn is not None)
     scan.leaves = list(leaves.values())
     return scan
+
+
+def release_stale_locks() -> bool:
+    """Release the pass-level locks (the readouts', the hook order's) when no semiring pass is
+    running in any thread (``passes.no_pass_running``): held then, they were left by a pass that
+    a KeyboardInterrupt stopped between the end of a ``with lock:`` body and the lock's release,
+    and every later pass would wait on them forever (trial 59). True if one was released."""
+    if not no_pass_running():
+        return False
+    released = False
+    for lock in (_READOUT_LOCK, _HOOK_ORDER_LOCK):
+        if lock.locked():
+            lock.release()
+            released = True
+    return released
 
 
 def _user_function(node: torch.autograd.graph.Node) -> bool:

@@ -32,7 +32,7 @@ import math
 import time
 import warnings
 import weakref
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -221,10 +221,7 @@ class Monitor:
     def _clear(self) -> None:
         """Drop the values an earlier pass left on the monitored parameters, so that only this
         step's backward is read (a backward run after the block would leave none)."""
-        for param in self.layers.values():
-            for attribute in ("semiring_grad", "semiring_state"):
-                if hasattr(param, attribute):
-                    delattr(param, attribute)
+        _drop_values_of(self.layers.values())
 
     def _drop_values(self) -> None:
         """Once recorded, the pass's values leave the parameters: the monitor keeps its
@@ -232,10 +229,7 @@ class Monitor:
         next sampled step (memory, and a saved model three times larger). Tensors outside
         the model that the step's passes reached (a generator's loss runs through the
         discriminator) lose theirs too."""
-        for param in [*self.model.parameters(), *last_block_reached()]:
-            for attribute in ("semiring_grad", "semiring_state"):
-                if hasattr(param, attribute):
-                    delattr(param, attribute)
+        _drop_values_of([*self.model.parameters(), *last_block_reached()])
 
     def _check_backward(self, step: int) -> None:
         """A sampled step whose backward did not run inside the block has nothing to record."""
@@ -517,6 +511,14 @@ def _read_records(path: Path) -> list[Record]:
             Record(int(row["step"]), row["layer"], row["quantity"], float(row["value"]))
             for row in reader
         ]
+
+
+def _drop_values_of(tensors: Iterable[Tensor]) -> None:
+    """Remove the semiring values a pass left on ``tensors``."""
+    for t in tensors:
+        for attribute in ("semiring_grad", "semiring_state"):
+            if hasattr(t, attribute):
+                delattr(t, attribute)
 
 
 class _Files:

@@ -134,13 +134,8 @@ def attention_layers(model: nn.Module) -> list[AttentionLayer]:
 def _head_count(name: str, module: nn.Module) -> int:
     """The number of heads of a ``q_proj``/``o_proj`` attention module: its own attribute
     first (Swin's stages differ, and its config holds a list), else its config's."""
-    cfg = getattr(module, "config", None)
-    for heads in (
-        getattr(module, "num_attention_heads", None),
-        getattr(module, "num_heads", None),
-        getattr(cfg, "num_attention_heads", None),
-    ):
-        if isinstance(heads, int) and not isinstance(heads, bool) and heads > 0:
+    for heads in (_stated_heads(module), _stated_heads(getattr(module, "config", None))):
+        if heads is not None:
             return heads
     raise SemipackError(
         f"attention module '{name}' ({type(module).__name__}) names no number of heads that "
@@ -383,7 +378,8 @@ class LayerFlow:
         what = {"MaxProd": best, "TopPath": best, "LogSum": flow}
         what = what.get(self.semiring, f"mean over tokens of each branch's {self.semiring} value")
         widths = [max(10, len(n) + 2) for n in names]
-        column = max(6, *(len(label) + 1 for label in self.labels))
+        layer_names = self.labels
+        column = max(6, *(len(label) + 1 for label in layer_names))
         header = f"{'layer':<{column}}" + "".join(
             f"{n:>{w}}" for n, w in zip(names, widths, strict=True)
         )
@@ -403,7 +399,7 @@ class LayerFlow:
             else:
                 cells = [self._mean(layer[n][example]) if n in layer else math.nan for n in names]
                 row = "".join(f"{_cell(v, '.3f'):>{w}}" for v, w in zip(cells, widths, strict=True))
-            lines.append(f"{self.labels[i]:<{column}}" + row)
+            lines.append(f"{layer_names[i]:<{column}}" + row)
         return "\n".join(lines)
 
     def _mean(self, values: Tensor) -> float:
@@ -446,11 +442,11 @@ class LayerFlow:
         grid = self.total[:, example].T
         return grid.double().masked_fill(~self.reached(grid), math.nan)
 
-    def rows(self, example: int = 0) -> list[tuple[str, int, str, int, str, float]]:
-        """(semiring, layer, branch, token index, token, value) for every branch, ``all`` (every
-        path) and ``head h``: the CSV's rows."""
+    def rows(self, example: int = 0) -> list[tuple[str, str, str, int, str, float]]:
+        """(semiring, layer label, branch, token index, token, value) for every branch, ``all``
+        (every path) and ``head h``: the CSV's rows."""
         self._example(example)
-        labels = self._labels(example)
+        labels, layer_names = self._labels(example), self.labels
         out = []
         for i, layer in enumerate(self.branches):
             columns = {n: v[example] for n, v in layer.items()} | {"all": self.total[i, example]}
@@ -458,7 +454,7 @@ class LayerFlow:
                 columns[f"head {h}"] = self.heads[i, example, :, h]
             for name, values in columns.items():
                 for t, v in enumerate(values.tolist()):
-                    out.append((self.semiring, self.labels[i], name, t, labels[t], v))
+                    out.append((self.semiring, layer_names[i], name, t, labels[t], v))
         return out
 
     def plot_branch_shares(self, path: str | FilePath | None = None, ax=None, example: int = 0):
@@ -624,10 +620,6 @@ def _check_splits(
         )
 
 
-#: Attributes by which attention blocks state their number of heads (transformers' families).
-_HEAD_COUNTS = ("num_heads", "num_attention_heads", "n_head", "n_heads", "num_attention_head")
-
-
 def _check_layers(layers: Sequence[AttentionLayer]) -> None:
     """Refuse, before anything runs, an empty list and a layer whose head count contradicts
     its block's own (``num_heads=2, head_dim=8`` on a block of four heads of 4: each "head"
@@ -645,12 +637,20 @@ def _check_layers(layers: Sequence[AttentionLayer]) -> None:
             )
 
 
-def _stated_heads(module: object) -> int | None:
-    """The number of heads an attention module states (``num_attention_heads``, ...)."""
-    if not isinstance(module, nn.Module):
+#: Attributes by which attention blocks (and their configs) state their number of heads, in
+#: the order they are read (transformers' families).
+_HEAD_COUNTS = ("num_attention_heads", "num_heads", "n_head", "n_heads", "num_attention_head")
+
+
+def _stated_heads(owner: object) -> int | None:
+    """The number of heads an attention module or a config states (``num_attention_heads``,
+    ...), or None where it states none (Swin's config holds a list: not a count)."""
+    if owner is None:
         return None
-    counts = (getattr(module, name, None) for name in _HEAD_COUNTS)
-    return next((c for c in counts if isinstance(c, int) and not isinstance(c, bool)), None)
+    counts = (getattr(owner, name, None) for name in _HEAD_COUNTS)
+    return next(
+        (c for c in counts if isinstance(c, int) and not isinstance(c, bool) and c > 0), None
+    )
 
 
 def _check_shapes(layers: Sequence[AttentionLayer], contexts: Sequence[Branches | None]) -> None:

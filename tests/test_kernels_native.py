@@ -144,7 +144,9 @@ def test_public_maxplus_routes_both_orientations(prune_everything, monkeypatch, 
     seen = []
     pruned = tropical.maxplus_pruned_f32
     monkeypatch.setattr(
-        tropical, "maxplus_pruned_f32", lambda a, b, i: seen.append(a.shape) or pruned(a, b, i)
+        tropical,
+        "maxplus_pruned_f32",
+        lambda a, b, i, **kw: seen.append(a.shape) or pruned(a, b, i, **kw),
     )
     a, b = operands(1, 21, 30, 11, seed=9)
     want = reference(a[0], b[0])
@@ -451,7 +453,9 @@ def test_products_with_few_output_columns_are_not_pruned(monkeypatch):
     )
     kernel = tropical.maxplus_pruned_f32
     monkeypatch.setattr(
-        tropical, "maxplus_pruned_f32", lambda a, b, i: pruned.append(1) or kernel(a, b, i)
+        tropical,
+        "maxplus_pruned_f32",
+        lambda a, b, i, **kw: pruned.append(1) or kernel(a, b, i, **kw),
     )
     g = torch.Generator().manual_seed(5)
     a, b = torch.randn(64, 8192, generator=g) * 8, torch.randn(8192, 16, generator=g) * 8

@@ -75,8 +75,7 @@ def _assert_same(got: list, expected: list) -> None:
 def test_a_kept_lift_gives_the_values_of_a_pass_without_the_cache(name: str) -> None:
     model, x = _model(), torch.randn(5, 24)
     first = _values(model, SEMIRINGS[name](), x)
-    # LogSum's BLAS form multiplies by |W| itself; it lifts W only to repair underflow
-    assert (WEIGHTS.nbytes > 0) == (name != "log_sum")  # the weights' forms were kept...
+    assert WEIGHTS.nbytes > 0  # the weights' forms were kept (LogSum's BLAS form: |W|)...
     second = _values(model, SEMIRINGS[name](), x)  # ...and this pass reads them
     _assert_same(first, second)
     _assert_same(second, _uncached(model, SEMIRINGS[name](), x))
@@ -437,3 +436,107 @@ def test_forms_of_a_weight_given_new_memory_are_dropped() -> None:
             p.data = p.data - 0.01 * p.grad
     assert sizes[0] > 0
     assert sizes == [sizes[0]] * 6  # one set of forms, not one per step
+
+
+def test_forms_of_a_kept_value_are_made_once_per_view_and_counted() -> None:
+    """``kept_form``: what a kernel computes from a kept value (its packed panels, its maxima)
+    is made once per view of the value and kind, and its bytes count against the budget."""
+    a = torch.randn(10, 20)  # 800 bytes
+    cache = _table([a], max_bytes=4000)
+    value = cache.derived(a, "double", lambda: a * 2)
+    made = []
+
+    def negated(t: torch.Tensor) -> torch.Tensor:
+        made.append(t.shape)
+        return -t
+
+    for _ in range(2):
+        first = cache.kept_form(value, "neg", lambda: negated(value))
+        second = cache.kept_form(value.t(), "neg", lambda: negated(value.t()))
+    assert made == [(10, 20), (20, 10)]  # one per view, not one per call
+    torch.testing.assert_close(first, -2 * a, rtol=0, atol=0)
+    torch.testing.assert_close(second, -2 * a.t(), rtol=0, atol=0)
+    assert cache.nbytes == 3 * 800
+    assert cache.kept_form(value, "other kind", lambda: 7) == 7
+
+
+def test_forms_of_anything_but_a_kept_value_are_computed_each_time() -> None:
+    a, activation = torch.randn(10, 20), torch.randn(10, 20)
+    cache = _table([a], max_bytes=4000)
+    cache.derived(a, "double", lambda: a * 2)
+    made = []
+    for t in (activation, activation, a):  # a itself is watched, but not a kept value
+        cache.kept_form(t, "neg", lambda t=t: made.append(1) or -t)
+    assert made == [1, 1, 1] and cache.nbytes == 800
+
+
+def test_forms_of_a_replaced_value_are_dropped_with_it() -> None:
+    """A changed weight gets a new value (its entry replaced): its forms are made again and
+    the old ones' bytes are freed; a form that finds no room is not kept."""
+    a = torch.randn(10, 20)
+    cache = _table([a], max_bytes=2000)
+    old = cache.derived(a, "double", lambda: a * 2)
+    cache.kept_form(old, "neg", lambda: -old)
+    assert cache.nbytes == 1600
+    a.mul_(3)
+    cache.watch([a])  # the next pass fingerprints the weight again
+    new = cache.derived(a, "double", lambda: a * 2)
+    assert new is not old and cache.nbytes == 800
+    form = cache.kept_form(new, "neg", lambda: -new)
+    torch.testing.assert_close(form, -(a * 2), rtol=0, atol=0)
+    assert cache.kept_form(new, "neg", lambda: pytest.fail("kept")) is form
+    cache.kept_form(new, "big", lambda: torch.zeros(1000))  # 4000 bytes: no room
+    assert cache.nbytes == 1600
+
+
+@pytest.mark.parametrize("name", ["max_prod", "top_path"])
+def test_packed_panels_of_a_linear_weight_follow_the_weight(name: str) -> None:
+    """A layer large enough for the native max-plus kernels keeps the packed panels and row
+    maxima of its log|W| with the weight's entry: the next pass gives the same values as a pass
+    without the cache, and so does a pass after a write through ``p.data``."""
+    torch.manual_seed(3)
+    model = nn.Sequential(nn.Linear(384, 1536), nn.Tanh(), nn.Linear(1536, 8))
+    x = torch.randn(20, 384, requires_grad=True)
+
+    def values() -> list:
+        model.zero_grad(set_to_none=True)
+        x.semiring_grad = None
+        with semipack.extend(model, SEMIRINGS[name]()):
+            model(x).sum().backward()
+        leaves = [p.semiring_grad for p in model.parameters()] + [x.semiring_grad]
+        return [t.clone() for t in tree_leaves(leaves)]
+
+    first = values()
+    kinds = {view[0] for e in WEIGHTS._entries.values() for view in e.forms}
+    assert {"panels", "finite"} <= kinds
+    _assert_same(first, values())
+    _assert_same(first, _without_cache(values))
+    model[0].weight.data[5, 100] *= -4000.0  # version unchanged: a new log|W|, new panels
+    after = values()
+    _assert_same(after, _without_cache(values))
+    assert not all(torch.equal(a, b) for a, b in zip(after, first, strict=True))
+
+
+def test_log_sum_keeps_the_magnitudes_of_convolution_weights() -> None:
+    """LogSum's shared-shift convolution multiplies by |W|: kept with the weight, and a write
+    through ``p.data`` makes it again."""
+    model = _conv_model()
+    x = torch.randn(2, 3, 9, 9, generator=torch.Generator().manual_seed(4), requires_grad=True)
+
+    def values() -> list:
+        model.zero_grad(set_to_none=True)
+        x.semiring_grad = None
+        with semipack.extend(model, semipack.LogSum()):
+            model(x).pow(2).sum().backward()
+        return [
+            t.clone() for t in [p.semiring_grad for p in model.parameters()] + [x.semiring_grad]
+        ]
+
+    first = values()
+    assert any(k[0][0] == "magnitude" for k in WEIGHTS._entries)
+    _assert_same(first, values())
+    _assert_same(first, _without_cache(values))
+    model[0].weight.data[1, 2, 0, 1] *= -40.0
+    after = values()
+    _assert_same(after, _without_cache(values))
+    assert not torch.equal(after[-1], first[-1])

@@ -36,8 +36,8 @@ from .native import (
     maxplus_f32,
     maxplus_pruned_f32,
     native_available,
-    no_nan_or_posinf,
 )
+from .weight_cache import WEIGHTS, no_nan_or_posinf_kept
 
 #: Output rows per register tile of the compiled kernel. On a Zen 3 core (AVX2) 4 rows ran at
 #: 15 G pairs/s vs 9.7 untiled; 8 rows tied, 16 spilled registers, tiling columns too was slower.
@@ -201,7 +201,7 @@ def _tropical3(a3: Tensor, bt3: Tensor, with_index: bool) -> tuple[Tensor, Tenso
         if s == 1 and n * k * m >= PRUNE_MIN_PAIRS and prunable:
             values, index = _maxplus_pruned(a3[0], bt3[0].t(), with_index)
             return values[None], None if index is None else index[None]
-        return maxplus_f32(a3, bt3.transpose(1, 2), with_index)
+        return maxplus_f32(a3, bt3.transpose(1, 2), with_index, memo=WEIGHTS.kept_form)
     a3, bt3 = a3.contiguous(), bt3.contiguous()
     if _use_compiled(a3, bt3):
         return _tiled(a3, bt3, with_index)
@@ -220,7 +220,7 @@ def _use_native(a3: Tensor, bt3: Tensor) -> bool:
         and s * n * k * bt3.shape[1] >= NATIVE_MIN_PAIRS
         and k < MAX_INDEX_K
         and native_available()
-        and no_nan_or_posinf(a3, bt3)
+        and no_nan_or_posinf_kept(a3, bt3)
     )
 
 
@@ -232,7 +232,7 @@ def kept_fraction(a: Tensor, b: Tensor, rows: int = PRUNE_SAMPLE_ROWS) -> float:
     # Rows of a transposed operand are strided: gather them along its contiguous dim instead
     # (one pass over memory rather than a cache miss per entry).
     sample = a[picked] if a.stride(-1) == 1 else a.t().index_select(1, picked).t()
-    bound = sample + b.amax(1)
+    bound = sample + WEIGHTS.kept_form(b, "row_max", lambda: b.amax(1).contiguous())
     top = bound.topk(min(PRUNE_TOP, k), 1).indices
     lower = (sample.gather(1, top)[:, :, None] + b[top]).amax(1).amin(1, keepdim=True)
     return float((bound >= lower).float().mean()) + top.shape[1] / k
@@ -255,12 +255,12 @@ def _maxplus_pruned(a: Tensor, b: Tensor, with_index: bool) -> tuple[Tensor, Ten
         if table is not None:
             table[key] = choice
     if choice == "dense":
-        values, index = maxplus_f32(a[None], b[None], with_index)
+        values, index = maxplus_f32(a[None], b[None], with_index, memo=WEIGHTS.kept_form)
         return values[0], None if index is None else index[0]
     if choice == "direct":
-        values, index, _ = maxplus_pruned_f32(a, b, with_index)
+        values, index, _ = maxplus_pruned_f32(a, b, with_index, memo=WEIGHTS.kept_form)
         return values, index
-    values, index, _ = maxplus_pruned_f32(b.t(), a.t(), with_index)
+    values, index, _ = maxplus_pruned_f32(b.t(), a.t(), with_index, memo=WEIGHTS.kept_form)
     return values.t().contiguous(), None if index is None else index.t().contiguous()
 
 

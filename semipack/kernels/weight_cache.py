@@ -34,12 +34,12 @@ import threading
 import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Hashable, Iterable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from torch import Tensor
 
-from .native import fingerprint
+from .native import fingerprint, no_nan_or_posinf
 
 T = TypeVar("T")
 
@@ -53,6 +53,16 @@ class _Entry:
     nbytes: int
     generation: int
     owner: tuple  # the location of the watched tensor it was made from
+    #: forms computed from the value itself (``WeightCache.kept_form``), by kind and view
+    forms: dict[tuple, Any] = field(default_factory=dict)
+
+
+def _tensors_of(value: Any) -> list[Tensor]:
+    if isinstance(value, Tensor):
+        return [value]
+    if isinstance(value, tuple):
+        return [t for v in value for t in _tensors_of(v)]
+    return []
 
 
 def _nbytes(value: Any) -> int:
@@ -90,6 +100,8 @@ class WeightCache:
         #: location -> its fingerprint, taken once per generation: the forms of one weight
         #: (Entropy's magnitudes, a lift, LogSum's edge columns) share one read of its bytes
         self._stamps: dict[tuple, tuple[int, ...] | None] = {}
+        #: id of each tensor an entry's value holds -> the entry's key (``kept_form``)
+        self._holders: dict[int, tuple] = {}
         self._generation = 0
         self._bytes = 0
         self._lock = threading.RLock()  # a finalizer may run inside a locked region
@@ -177,7 +189,7 @@ class WeightCache:
         with self._lock:
             self._finalizers.pop(location, None)
             for key in [k for k, e in self._entries.items() if e.owner == location]:
-                self._bytes -= self._entries.pop(key).nbytes
+                self._remove(key)
 
     def _drop_moved(self) -> None:
         """Drop the entries of tensors that now live elsewhere: ``p.data = p.data - lr * g``
@@ -200,9 +212,8 @@ class WeightCache:
 
     def _keep(self, key: tuple, entry: _Entry) -> None:
         with self._lock:
-            old = self._entries.pop(key, None)
-            if old is not None:
-                self._bytes -= old.nbytes
+            if key in self._entries:
+                self._remove(key)
             room = self.max_bytes - self._bytes
             if entry.nbytes > room:
                 idle = [k for k, e in self._entries.items() if e.generation < self._generation]
@@ -215,15 +226,59 @@ class WeightCache:
                 if room + freed < entry.nbytes:
                     return
                 for k in victims:
-                    self._bytes -= self._entries.pop(k).nbytes
+                    self._remove(k)
             self._entries[key] = entry
             self._bytes += entry.nbytes
+            for t in _tensors_of(entry.value):
+                self._holders[id(t)] = key
             self._tie_to_owner(entry.owner)
+
+    def _remove(self, key: tuple) -> _Entry:
+        """Take the entry at ``key`` out, with its bytes and its values' ids."""
+        entry = self._entries.pop(key)
+        self._bytes -= entry.nbytes
+        for t in _tensors_of(entry.value):
+            if self._holders.get(id(t)) == key:
+                del self._holders[id(t)]
+        return entry
+
+    def kept_form(self, t: Tensor, kind: Hashable, make: Callable[[], T]) -> T:
+        """``make()``, a form named ``kind`` of ``t``: a value this cache handed out, or a view
+        of one (the packed panels of ``log|W|.T``, its column maxima, whether it holds NaN).
+
+        Why: a kept value is read-only and lives as long as its entry, so what a kernel
+        computes from it alone is the same at every pass until the weight changes (then
+        ``derived`` makes a new value, and its entry replaces this one with its forms). Kept
+        with the entry, counted in its bytes, while there is room; anything else (an
+        activation, a value written to since) is computed each time.
+        """
+        with self._lock:
+            for root in (t, t._base):
+                key = None if root is None else self._holders.get(id(root))
+                entry = None if key is None else self._entries.get(key)
+                if entry is not None and any(v is root for v in _tensors_of(entry.value)):
+                    break
+            else:
+                return make()
+            # the view's place in the value, and the value's version: a write into the value
+            # (which callers must not do) would make the form a new one, not a stale one
+            view = (kind, t.storage_offset(), tuple(t.shape), tuple(t.stride()), root._version)
+            if view in entry.forms:
+                return entry.forms[view]
+        value = make()
+        nbytes = _nbytes(value)
+        with self._lock:
+            if self._entries.get(key) is entry and self._bytes + nbytes <= self.max_bytes:
+                entry.forms[view] = value
+                entry.nbytes += nbytes
+                self._bytes += nbytes
+        return value
 
     def clear(self) -> None:
         """Drop every entry (their memory is freed once no pass uses them)."""
         with self._lock:
             self._entries.clear()
+            self._holders.clear()
             self._bytes = 0
             for finalizer in self._finalizers.values():
                 finalizer.detach()
@@ -232,6 +287,12 @@ class WeightCache:
 
 #: The process's cache, shared by every ``extend`` block.
 WEIGHTS = WeightCache()
+
+
+def no_nan_or_posinf_kept(*tensors: Tensor) -> bool:
+    """``native.no_nan_or_posinf(*tensors)``, the check of a kept weight form (or a view of
+    one) made once while it is kept: a reduction over the whole weight at every product."""
+    return all(WEIGHTS.kept_form(t, "finite", lambda t=t: no_nan_or_posinf(t)) for t in tensors)
 
 
 def set_weight_cache_bytes(max_bytes: int) -> None:

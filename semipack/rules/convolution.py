@@ -28,11 +28,10 @@ from ..kernels.native import (
     maxplus_gather_f32,
     maxplus_scatter_max_f32,
     native_available,
-    no_nan_or_posinf,
     pack_panels_f32,
 )
 from ..kernels.tropical import shared_pruning_choice
-from ..kernels.weight_cache import WEIGHTS
+from ..kernels.weight_cache import WEIGHTS, no_nan_or_posinf_kept
 from ..messages import OpCall, register_rule
 from ..messages.shared_shift import shared_shift_conv
 from ..messages.windows import ConvGeometry
@@ -234,7 +233,7 @@ class _MaxPlusTaps:
             and native_available()
             and all(t.dtype == torch.float32 and t.device.type == "cpu" for t in values)
             and all(t.numel() > 0 for t in values)
-            and no_nan_or_posinf(*values)
+            and no_nan_or_posinf_kept(*values)
         ):
             return None
         return _MaxPlusTaps(grid, out_size, stride, ids)

@@ -38,8 +38,8 @@ from ..kernels.native import (
     depthwise_channels_f32,
     depthwise_f32,
     native_available,
-    no_nan_or_posinf,
 )
+from ..kernels.weight_cache import no_nan_or_posinf_kept
 from ..messages.windows import ConvGeometry
 from ..semirings._log import log_abs
 from ..semirings.base import Semiring, State
@@ -81,7 +81,7 @@ def depthwise_max_plus(
         (pad_h, pad_w) = geometry.padding
         pads = (pad_w, pad_w, pad_h, pad_h)
         lx = torch.nn.functional.pad(log_abs(x, torch.float32), pads, value=float("-inf"))
-    if not no_nan_or_posinf(m, *([lw] if mask[0] else []), *([] if lx is None else [lx])):
+    if not no_nan_or_posinf_kept(m, *([lw] if mask[0] else []), *([] if lx is None else [lx])):
         return None  # the kernel's max would not propagate a NaN
     successors = m_parts[1].expand(m.shape).contiguous() if ids else None
     no_successor = int(sr.zero[1]) if ids else -1

@@ -13,6 +13,7 @@ from ..kernels.logspace import exp, exp_, log_add_exp, log_magnitude_plus_
 from ..kernels.native import native_available, softmax_log_sum_f32
 from ..kernels.normalization import LOG_COUNT, LOG_SUM, CentredPairsKernel
 from ..kernels.shared_shift import ConvolutionSums, global_shift
+from ..kernels.weight_cache import WEIGHTS
 from ._log import (
     add_log_abs_,
     can_overwrite,
@@ -78,6 +79,15 @@ class LogSum(Semiring):
     def magnitude(self, w: Tensor) -> Tensor:
         """The edge weight this semiring sums: |w| for LogSum."""
         return w.abs()
+
+    def kept_magnitude(self, w: Tensor) -> Tensor:
+        """``magnitude(w)`` of a model weight, kept across passes (``kernels.weight_cache``)
+        where the lift reads no settings of the instance: a pass over the whole weight at
+        every product otherwise. The result is shared: read it only."""
+        key = self.lift_cache_key()
+        if key is None:
+            return self.magnitude(w)
+        return WEIGHTS.derived(w, ("magnitude", *key), lambda: self.magnitude(w))
 
     def lift_cache_key(self) -> tuple | None:
         base = LogCount if isinstance(self, LogCount) else LogSum
@@ -202,7 +212,7 @@ class LogSum(Semiring):
         e = exp_(m[0] - shift)
         by_right = by_left = total = None
         if right is not None:
-            by_right = (log_magnitude_plus_(torch.matmul(e, self.magnitude(right)), shift),)
+            by_right = (log_magnitude_plus_(torch.matmul(e, self.kept_magnitude(right)), shift),)
         if left is not None:
             by_left = torch.matmul(e.transpose(-1, -2), self.magnitude(left))
             by_left = (log_magnitude_plus_(by_left, shift),)
@@ -222,7 +232,7 @@ class LogSum(Semiring):
         e = exp_(m[0] - shift)
         to_in = to_w = bias = None
         if mask[0]:
-            to_in = (log_magnitude_plus_(sums.to_input(e, self.magnitude(sums.w)), shift),)
+            to_in = (log_magnitude_plus_(sums.to_input(e, self.kept_magnitude(sums.w)), shift),)
         if mask[1]:
             to_w = (log_magnitude_plus_(sums.to_weight(e, self.magnitude(sums.x)), shift),)
         if mask[2]:

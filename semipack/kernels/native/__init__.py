@@ -22,7 +22,9 @@ import shutil
 import subprocess
 import tempfile
 import warnings
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any, TypeVar
 
 import torch
 from torch import Tensor
@@ -52,6 +54,11 @@ PRUNE_TOP = 32
 MAX_INDEX_K = 1 << 24
 
 _INF = float("inf")
+
+T = TypeVar("T")
+#: ``memo(t, kind, make)``: ``make()``, a form named ``kind`` of the operand ``t``, or the one a
+#: caller kept from an earlier call (``computed``: none kept).
+Memo = Callable[[Tensor, str, Callable[[], Any]], Any]
 
 #: ctypes codes of the C signatures below: a pointer, an int64_t, an int.
 _C_TYPES = {"p": ctypes.c_void_p, "q": ctypes.c_int64, "i": ctypes.c_int}
@@ -402,17 +409,25 @@ def _panels(b: Tensor) -> Tensor:
     return panels
 
 
-def maxplus_f32(a: Tensor, b: Tensor, with_index: bool) -> tuple[Tensor, Tensor | None]:
+def computed(t: Tensor, kind: str, make: Callable[[], T]) -> T:
+    """The default ``memo`` of the kernels below: ``make()``, computed now."""
+    return make()
+
+
+def maxplus_f32(
+    a: Tensor, b: Tensor, with_index: bool, memo: Memo = computed
+) -> tuple[Tensor, Tensor | None]:
     """``out[s, i, j] = max_k a[s, i, k] + b[s, k, j]``, float32 CPU tensors [S, n, k], [S, k, m].
 
     ``a`` is made contiguous along ``k`` if it is not; ``b`` is packed into 16-column panels (a
-    copy the size of ``b``).
+    copy the size of ``b``), through ``memo(b, "panels", make)``: a caller that keeps forms of
+    a weight's ``log|W|`` across passes (``kernels.weight_cache``) packs it once.
     The caller checks :func:`native_available` and that no input holds NaN or ``+inf``.
     """
     lib = _library()
     assert lib is not None and a.dtype == b.dtype == torch.float32
     if b.shape[2] < PANEL_COLS < a.shape[1]:  # few columns would leave panel lanes idle:
-        values, index = maxplus_f32(b.transpose(1, 2), a.transpose(1, 2), with_index)
+        values, index = maxplus_f32(b.transpose(1, 2), a.transpose(1, 2), with_index, memo)
         values = values.transpose(1, 2).contiguous()
         return values, None if index is None else index.transpose(1, 2).contiguous()
     if a.stride(-1) != 1:  # strided broadcasts ran up to 1.7x slower than one O(n k) copy
@@ -421,7 +436,7 @@ def maxplus_f32(a: Tensor, b: Tensor, with_index: bool) -> tuple[Tensor, Tensor 
     m = b.shape[2]
     if with_index and k >= MAX_INDEX_K:
         raise ValueError(f"maxplus_f32: argmax needs k < 2**24, got {k}")
-    panels = _panels(b)
+    panels = memo(b, "panels", lambda: _panels(b))
     out = torch.empty((s, n, m), dtype=torch.float32, device="cpu")
     index = torch.empty((s, n, m), dtype=torch.int64, device="cpu") if with_index else None
     lib.semipack_maxplus_f32(
@@ -442,12 +457,13 @@ def maxplus_f32(a: Tensor, b: Tensor, with_index: bool) -> tuple[Tensor, Tensor 
 
 
 def maxplus_pruned_f32(
-    a: Tensor, b: Tensor, with_index: bool, top: int = PRUNE_TOP
+    a: Tensor, b: Tensor, with_index: bool, top: int = PRUNE_TOP, memo: Memo = computed
 ) -> tuple[Tensor, Tensor | None, int]:
     """``maxplus_f32`` of one [n, k] x [k, m] product from the pairs that can still win.
 
     Same values and argmax as the dense kernel (the C source explains the bound); the speed
     depends on the data. Also returns how many (row, k) candidates survived the pruning.
+    ``b``'s panels and row maxima come through ``memo`` (see :func:`maxplus_f32`).
     """
     lib = _library()
     assert lib is not None and a.dtype == b.dtype == torch.float32
@@ -456,8 +472,8 @@ def maxplus_pruned_f32(
     if with_index and k >= MAX_INDEX_K:
         raise ValueError(f"maxplus_pruned_f32: argmax needs k < 2**24, got {k}")
     a = a.contiguous()
-    panels = _panels(b[None])[0]
-    bound = b.amax(1).contiguous()
+    panels = memo(b, "panels", lambda: _panels(b[None])[0])
+    bound = memo(b, "row_max", lambda: b.amax(1).contiguous())
     out = torch.empty((n, m), dtype=torch.float32, device="cpu")
     index = torch.empty((n, m), dtype=torch.int64, device="cpu") if with_index else None
     kept = lib.semipack_maxplus_pruned_f32(

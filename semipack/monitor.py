@@ -6,7 +6,8 @@
 pass computes it bitwise as a plain backward does), and the semiring values of every parameter
 come out of the same pass. Other steps run untouched.
 
-Per layer (each module that owns parameters, read at its ``weight`` or its first parameter;
+Per layer (each module that owns parameters, read at its ``weight``, at the parameter a
+computed weight is made from, or at its first trained parameter, see ``_layers``;
 the unit dim is the parameter's first dim: a Linear's output neurons, a convolution's output
 channels) a sampled step records:
 
@@ -42,6 +43,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 from torch.nn.parallel import DistributedDataParallel
+from torch.nn.utils import parametrize
 
 from .api import extend, last_block_reached
 from .distributed import all_reduce
@@ -362,10 +364,15 @@ def _step_number(step: object) -> int:
 
 
 def _layers(model: nn.Module) -> dict[str, nn.Parameter]:
-    """Module name -> the parameter summarised for it: its ``weight`` if that trains, else its
-    first own parameter that trains (a frozen weight with a trained bias is read at the bias);
-    a module without a ``weight`` but with several trained matrices is one layer per matrix
-    (``W1``, ``block.W2``); modules with no trained parameter of their own are left out.
+    """Module name -> the parameter summarised for it: its ``weight`` if that trains; for a
+    weight computed from other parameters, the one holding its entries (a parametrized
+    weight's ``original``, an old-style ``spectral_norm``'s ``weight_orig``: the module's only
+    matrix); for a frozen weight with trained matrices beside it (LoRA's ``A`` and ``B``), one
+    layer per trained matrix, named after it; else its first own parameter that trains (a
+    frozen weight with a trained bias is read at the bias). A module without a ``weight`` but
+    with several matrices is one layer per trained matrix (``W1``, ``block.W2``); modules with
+    no trained parameter of their own are left out (a parametrization's own module too: its
+    parameters are its layer's).
     Names are the model's as written: a ``torch.compile``d model's without its ``_orig_mod.``
     prefix, a ``DistributedDataParallel`` (or ``DataParallel``) model's without its
     ``module.``, so a data-parallel run's records have one process's names."""
@@ -373,24 +380,40 @@ def _layers(model: nn.Module) -> dict[str, nn.Parameter]:
         model = model.module
     out = {}
     for name, module in model.named_modules():
+        if isinstance(module, parametrize.ParametrizationList):
+            continue  # read at the module it parametrizes
         own = dict(module.named_parameters(recurse=False))
-        trained = [p for p in own.values() if p.requires_grad]
         weight = own.get("weight")
+        if weight is None and parametrize.is_parametrized(module, "weight"):
+            weight = _parametrized_original(module)
+        trained = [p for p in own.values() if p.requires_grad]
         matrices = {n: p for n, p in own.items() if p.dim() >= 2}
-        if weight is None and len(matrices) > 1:
+        trained_matrices = {n: p for n, p in matrices.items() if p.requires_grad}
+        frozen_weight = weight is not None and not weight.requires_grad
+        if (weight is None and len(matrices) > 1) or (frozen_weight and trained_matrices):
             # a hand-written module with several weight matrices (``x @ self.W1``, then
-            # ``@ self.W2``): one layer per trained matrix, named after it, frozen or not the
-            # others (read as one layer, at its first parameter, the others went unrecorded)
-            for pname, p in matrices.items():
-                if p.requires_grad:
-                    out[display_name(f"{name}.{pname}" if name else pname)] = p
+            # ``@ self.W2``), or trained matrices beside a frozen weight (LoRA): one layer per
+            # trained matrix, named after it (read as one layer, the others went unrecorded)
+            for pname, p in trained_matrices.items():
+                out[display_name(f"{name}.{pname}" if name else pname)] = p
+        elif weight is not None and weight.requires_grad:
+            out[display_name(name) or ROOT_MODULE] = weight
+        elif trained_matrices and weight is None:  # ``weight_orig``: the weight's own entries
+            out[display_name(name) or ROOT_MODULE] = next(iter(trained_matrices.values()))
         elif trained:
-            out[display_name(name) or ROOT_MODULE] = (
-                weight if weight is not None and weight.requires_grad else trained[0]
-            )
+            out[display_name(name) or ROOT_MODULE] = trained[0]
     if not out:
         raise SemipackError(f"Monitor: {type(model).__name__} has no trainable parameters")
     return out
+
+
+def _parametrized_original(module: nn.Module) -> nn.Parameter:
+    """The parameter a parametrized ``weight`` is computed from (``original``), or of its
+    several (``original0``, ``original1``: weight norm's magnitude and direction) the one with
+    the most entries: the direction, shaped like the weight. The weight itself is not
+    computed: a spectral norm's power iteration would move its buffers."""
+    originals = dict(module.parametrizations.weight.named_parameters(recurse=False))
+    return max(originals.values(), key=lambda p: p.numel())
 
 
 def _flow_and_entropy(value: Tensor | EntropyFlow) -> tuple[Tensor, Tensor | None]:

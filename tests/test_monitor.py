@@ -603,3 +603,68 @@ def test_a_module_with_several_weight_matrices_records_each() -> None:
     with monitor.step(1):
         nn.functional.cross_entropy(model(x), y).backward()
     assert {r.layer for r in monitor.records if r.step == 1} == {"W2"}
+
+
+class _LoRA(nn.Module):
+    """A frozen base weight with a trained low-rank update ``A @ B`` (written by hand)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        g = torch.Generator().manual_seed(2)
+        self.weight = nn.Parameter(torch.randn(6, 4, generator=g, dtype=F64), requires_grad=False)
+        self.bias = nn.Parameter(torch.zeros(6, dtype=F64))
+        self.A = nn.Parameter(0.1 * torch.randn(6, 2, generator=g, dtype=F64))
+        self.B = nn.Parameter(0.1 * torch.randn(2, 4, generator=g, dtype=F64))
+
+    def forward(self, x):
+        return nn.functional.linear(x, self.weight + self.A @ self.B, self.bias)
+
+
+def _reparametrized(kind: str) -> tuple[nn.Module, dict[str, str]]:
+    """A model whose first layer's weight is computed from other parameters; its layer names
+    and the parameters they must be read at."""
+    torch.manual_seed(0)
+    first = nn.Linear(4, 6).double()
+    if kind == "old spectral_norm":
+        first = nn.utils.spectral_norm(first)
+        expected = {"0": "0.weight_orig"}
+    elif kind == "spectral_norm":
+        first = nn.utils.parametrizations.spectral_norm(first)
+        expected = {"0": "0.parametrizations.weight.original"}
+    elif kind == "weight_norm":
+        first = nn.utils.parametrizations.weight_norm(first)
+        expected = {"0": "0.parametrizations.weight.original1"}  # the direction, [6, 4]
+    else:
+        first = _LoRA()
+        expected = {"0.A": "0.A", "0.B": "0.B"}
+    model = nn.Sequential(first, nn.Tanh(), nn.Linear(6, 3).double())
+    return model, {**expected, "2": "2.weight"}
+
+
+@pytest.mark.parametrize("kind", ["old spectral_norm", "spectral_norm", "weight_norm", "LoRA"])
+def test_a_layer_whose_weight_is_computed_is_read_at_its_own_entries(kind: str) -> None:
+    """A weight computed from other parameters (spectral or weight norm, old and new style; a
+    LoRA update over a frozen weight) was recorded at the layer's bias under the layer's name,
+    and the parameters holding the weight went unrecorded or got a second name (trial 61).
+    Each is read at the parameter holding the weight's entries now; the records equal the
+    summaries of a separate pass read there."""
+    model, expected = _reparametrized(kind)
+    names = {id(p): n for n, p in model.named_parameters()}
+    monitor = semipack.Monitor(model, every=1, tensorboard=False)
+    assert {layer: names[id(p)] for layer, p in monitor.layers.items()} == expected
+    ((x, y),) = _batches(1)
+    state = {k: v.clone() for k, v in model.state_dict().items()}  # power iteration buffers
+    with monitor.step(0):
+        nn.functional.cross_entropy(model(x), y).backward()
+    assert {r.layer for r in monitor.records} == set(expected)
+    got = {(r.layer, r.quantity): r.value for r in monitor.records}
+    model.load_state_dict(state)
+    params = dict(model.named_parameters())
+    with semipack.extend(model, monitor.semiring):
+        nn.functional.cross_entropy(model(x), y).backward()
+    for layer, pname in expected.items():
+        best, (_, flow) = params[pname].semiring_grad
+        assert got[layer, "log_best_path"] == float(best.max())
+        assert got[layer, "log_flow"] == pytest.approx(
+            float(flow.logsumexp(tuple(range(flow.dim())))), rel=1e-6
+        )

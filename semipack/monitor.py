@@ -275,11 +275,14 @@ class Monitor:
                 reached[name] = values
         rows: list[Record] = []
         for name, summary in zip(reached, _summaries(list(reached.values())), strict=True):
-            if summary is not None:  # the best path's entry, to compare with the next step's
+            if summary is not None and "best" in summary:  # to compare with the next step's
                 best = summary.pop("best")
                 if name in self._best:
                     summary["top_path_changed"] = float(best != self._best[name])
                 self._best[name] = best
+            elif summary is not None:  # NaN values: unknown, the next step compares with the
+                # last step that had a best entry
+                summary["top_path_changed"] = math.nan
             else:  # in the graph, but no path: only its deadness
                 summary = {"dead_units": 1.0}
             for quantity in ("log_best_path", "log_flow"):
@@ -469,6 +472,10 @@ def _summaries(values: list[tuple[Any, ...]]) -> list[dict[str, float | int] | N
             summary.update(entropy_mean=mean, entropy_max=top)
         if best_path == -math.inf:  # in the graph, but no path: only its deadness
             out.append(None)
+            continue
+        if math.isnan(best_path):  # a NaN value (a NaN loss): no best entry, deadness unknown
+            summary.update(log_best_path=best_path, log_flow=flow, dead_units=math.nan)
+            out.append(summary)
             continue
         summary.update(log_best_path=best_path, log_flow=flow, dead_units=dead, best=best)
         out.append(summary)

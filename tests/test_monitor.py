@@ -668,3 +668,31 @@ def test_a_layer_whose_weight_is_computed_is_read_at_its_own_entries(kind: str) 
         assert got[layer, "log_flow"] == pytest.approx(
             float(flow.logsumexp(tuple(range(flow.dim())))), rel=1e-6
         )
+
+
+def test_a_step_with_nan_values_records_unknowns_not_a_moved_top_path() -> None:
+    """A NaN in the input makes a sampled step's values NaN: its dead units and top-path change
+    were recorded as 0.0 and 1.0 (a comparison with NaN, an argmax that picks the NaN), and the
+    next step compared its best entry with that NaN step's (trial 61). They are NaN now, and the
+    next step compares with the last step that had a best entry."""
+    model = _model()
+    ((x0, y0),) = _batches(1)
+    x2, y2 = x0, y0  # step 2 repeats step 0: its top path has not moved
+    x1 = x0.clone()
+    x1[0, 0] = math.nan
+    with_nan = semipack.Monitor(model, every=1, tensorboard=False)
+    for step, (x, y) in enumerate([(x0, y0), (x1, y0), (x2, y2)]):
+        with with_nan.step(step):
+            nn.functional.cross_entropy(model(x), y).backward()
+    without = semipack.Monitor(model, every=1, tensorboard=False)
+    for step, (x, y) in [(0, (x0, y0)), (2, (x2, y2))]:  # no optimizer: the model is unchanged
+        with without.step(step):
+            nn.functional.cross_entropy(model(x), y).backward()
+    got = {(r.step, r.layer, r.quantity): r.value for r in with_nan.records}
+    want = {(r.step, r.layer, r.quantity): r.value for r in without.records}
+    for layer in with_nan.layers:
+        assert math.isnan(got[1, layer, "log_best_path"])
+        assert math.isnan(got[1, layer, "dead_units"])
+        assert math.isnan(got[1, layer, "top_path_changed"])
+        assert got[2, layer, "top_path_changed"] == want[2, layer, "top_path_changed"]
+    assert {want[2, layer, "top_path_changed"] for layer in with_nan.layers} == {0.0}

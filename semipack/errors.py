@@ -46,7 +46,14 @@ class UnsupportedOpError(SemipackError):
                 ", module unknown (run the forward inside semipack.extend(model, ...) to name it)"
             )
         hint = f"@semipack.register_rule(torch.ops.{op}) (see 'Adding an op rule' in the README)"
-        if reason.endswith(RULE_DEFECT):  # a rule ran and returned something wrong
+        if "_sparse" in op and not reason:  # a sparse gradient: nothing to register
+            message = (
+                f"semipack cannot carry the sparse gradient that {op} builds {where}{origin}: "
+                "semiring values are dense, and an nn.Embedding built with sparse=True "
+                "makes sparse gradients. Build it with sparse=False to run it inside "
+                "semipack.extend."
+            )
+        elif reason.endswith(RULE_DEFECT):  # a rule ran and returned something wrong
             message = (
                 f"the semiring rule for {op} {where}{origin}: {reason}. Fix that rule (see "
                 "'Adding an op rule' in the README)."

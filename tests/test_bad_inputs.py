@@ -1337,3 +1337,19 @@ def test_a_weight_no_message_reads_may_change_in_place_before_the_backward(semir
             second[2].weight.mul_(2.0)  # the first layer's messages come through it
         with pytest.raises(RuntimeError, match="modified by an inplace operation"):
             loss.backward()
+
+
+def test_a_sparse_gradient_is_refused_saying_what_to_change() -> None:
+    """A layer built with ``sparse=True`` was refused with the generic advice to register a rule
+    for a sparse constructor, or to move a hook (trial 61): the error now says that semiring
+    values are dense and that the layer needs ``sparse=False``; nothing is left in ``.grad``."""
+    model = nn.Sequential(nn.Embedding(10, 4, sparse=True), nn.Linear(4, 2))
+    with semipack.extend(model, semipack.MaxProd()):
+        out = model(torch.tensor([[1, 2, 3]]))
+        with pytest.raises(semipack.UnsupportedOpError) as info:
+            out.sum().backward()
+    message = str(info.value)
+    assert "sparse gradient" in message and "created by module '0'" in message
+    assert message.endswith("Build it with sparse=False to run it inside semipack.extend.")
+    assert "register" not in message and "hook" not in message
+    assert all(p.grad is None for p in model.parameters())

@@ -3,6 +3,10 @@ that must pass before anything else: the PyTorch version."""
 
 from __future__ import annotations
 
+import contextlib
+import os
+import sys
+
 import torch
 
 #: The oldest PyTorch semipack runs on: the backward driver, the extensions and the module
@@ -16,6 +20,23 @@ if not hasattr(torch.autograd.graph, "node_creation_hook"):
         f"node_creation_hook); this is torch {torch.__version__}. Install a newer torch, "
         f"for example: pip install 'torch>={MINIMUM_TORCH}'"
     )
+
+
+_PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
+
+
+def user_stacklevel() -> int:
+    """The ``stacklevel`` for a ``warnings.warn`` in the function calling this one that points
+    at the user's line: the first frame outside semipack and ``contextlib`` (a block's exit
+    runs through it). A fixed level points into semipack when the warning's function is
+    reached by another way (a Monitor's step runs ``branches`` for its ``splits``)."""
+    frame, level = sys._getframe(1), 1
+    while frame.f_back is not None and (
+        frame.f_code.co_filename.startswith(_PACKAGE_DIR)
+        or frame.f_code.co_filename == contextlib.__file__
+    ):
+        frame, level = frame.f_back, level + 1
+    return level
 
 
 class SemipackError(RuntimeError):

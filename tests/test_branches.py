@@ -408,3 +408,33 @@ def test_a_call_that_hands_the_split_tensor_back_keeps_grad_bitwise(noop) -> Non
     assert split.names == ["1", "1#2", "1#3"]  # the residual add, the pow, the product
     joined = torch.stack(list(split.values.values())).logsumexp(0)
     torch.testing.assert_close(joined, h.semiring_grad, rtol=1e-6, atol=1e-6)
+
+
+def test_a_checkpoints_recomputation_is_not_a_second_call() -> None:
+    """Under a non-reentrant activation checkpoint the split module runs again in the backward:
+    the recomputations were counted as calls, and a Monitor's ``splits`` warned that the
+    module "was called 7 times", pointing into contextlib (trial 61). One call, no warning,
+    the branches of the run without a checkpoint; a real second call still warns, at the
+    user's line."""
+    from torch.utils.checkpoint import checkpoint
+
+    net, x = _net(), _x()
+    shares = []
+    for checkpointed in (False, True):
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            with semipack.extend(net, semipack.MaxProd()), semipack.branches(net.block) as split:
+                h = torch.tanh(net.emb(x))
+                out = (
+                    checkpoint(net.block, h, use_reentrant=False) if checkpointed else net.block(h)
+                )
+                _loss(out).backward()
+        assert split.calls == 1
+        shares.append(split.values)
+    assert shares[0].keys() == shares[1].keys()
+    for name in shares[0]:
+        torch.testing.assert_close(shares[1][name], shares[0][name], rtol=0, atol=0)
+    twice = pytest.warns(UserWarning, match="called 2 times")
+    with twice as caught, semipack.extend(net, semipack.MaxProd()), semipack.branches(net.block):
+        net.block(net.block(torch.tanh(net.emb(x))))
+    assert caught[0].filename == __file__

@@ -30,7 +30,7 @@ from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_leaves
 
-from ..errors import SemipackError
+from ..errors import SemipackError, user_stacklevel
 from ..graph.provenance import current_module
 from ..graph.sites import ROOT_MODULE
 from ..messages.message import MODULE_HOOK_NODE, Message
@@ -404,6 +404,8 @@ def branches(at: nn.Module | Tensor, inputs: Sequence[Tensor] = ()) -> Iterator[
     if isinstance(at, nn.Module):
 
         def pre_hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
+            if torch._C._current_graph_task_id() != -1:
+                return  # a checkpoint's recomputation in the backward: the call was counted
             first = next((a for a in (*args, *kwargs.values()) if isinstance(a, Tensor)), None)
             if first is not None:
                 if result.split is None:
@@ -439,14 +441,14 @@ def branches(at: nn.Module | Tensor, inputs: Sequence[Tensor] = ()) -> Iterator[
         warnings.warn(
             f"semipack.branches: {type(at).__name__}'s input was used before the module was "
             f"called (by {', '.join(result.used_before)}): those uses' paths are in no branch",
-            stacklevel=3,
+            stacklevel=user_stacklevel(),
         )
     if isinstance(at, nn.Module) and result.calls > 1:
         warnings.warn(
             f"semipack.branches: {type(at).__name__} was called {result.calls} times in the "
             "block; only its first call's input is split (the later calls' paths are in no "
             "branch). Split a tensor instead, or run the module once per block",
-            stacklevel=3,
+            stacklevel=user_stacklevel(),
         )
 
 

@@ -349,6 +349,14 @@ class ExtensionFunction(torch.autograd.Function):
     #: positions (in ``run``'s ``inputs``) of the inputs whose values ``messages`` reads.
     reads: ClassVar[tuple[int, ...]] = ()
 
+    #: The order of the node's edges, as positions in ``run``'s ``inputs`` (None: theirs).
+    #: Why: the parameters' gradient nodes that one node makes ready run in the order of its
+    #: edges (the first of two pushed runs first), so hooks on parameters (``register_hook``,
+    #: ``register_post_accumulate_grad_hook``) fire in this order; a plain backward's order is
+    #: the one to keep (a hook drawing noise from the global generator must draw it for the
+    #: same parameter). ``F.linear``'s ``addmm`` reaches the bias before the weight.
+    edge_order: ClassVar[tuple[int, ...] | None] = None
+
     @classmethod
     def read_for(cls, needs: tuple[bool, ...]) -> tuple[int, ...]:
         """The positions in ``reads`` whose values the messages read when ``needs`` says which
@@ -468,7 +476,8 @@ class ExtensionFunction(torch.autograd.Function):
         inner = InnerGraph(fn, inputs)
         if inner.escapes or inner.reuses_an_input or not cls.draws(inner, options):
             return cls.keep(inner.plain_outputs())[0]
-        out = cls.apply(inner, options, *inputs)
+        order = cls.edge_order or range(len(inputs))
+        out = cls.apply(inner, options, *(inputs[i] for i in order))
         module = current_module()
         stamp(out, tuple(Site(module, name, dims) for name, dims in cls.sites(out)))
         return out
@@ -501,12 +510,15 @@ class ExtensionFunction(torch.autograd.Function):
         sr = next((s for s in semirings if s is not None), None)
         release = sr is not None and not graph_retained()
         inner.retain = not release
+        cls = ctx._forward_cls
+        order = cls.edge_order or range(len(ctx.needs_input_grad) - 2)
         if sr is None:  # a plain backward
             if torch.is_grad_enabled():  # create_graph=True: the gradient is differentiated
-                return (None, None, *inner.differentiable_grads(regular))
-            return (None, None, *inner.regular_grads(regular))
-        cls = ctx._forward_cls
-        needs = tuple(ctx.needs_input_grad[2:])
+                plain = inner.differentiable_grads(regular)
+            else:
+                plain = inner.regular_grads(regular)
+            return (None, None, *(plain[i] for i in order))
+        needs = _in_input_order(order, ctx.needs_input_grad[2:])
         inner.check_unmodified(cls.read_for(needs))
         values = inner.values()
         with _without_autocast(values):
@@ -517,7 +529,11 @@ class ExtensionFunction(torch.autograd.Function):
         if rows is not None and not rows.empty and not in_carry_pass():
             # the node has one edge per tensor argument (options too, if one): None has none
             edges = iter(ctx.next_functions[isinstance(ctx.options, Tensor) :])
-            params = [None if v is None else rows.wants(next(edges)[0]) for v in values]
+            nodes = [None if values[i] is None else next(edges)[0] for i in order]
+            params = [
+                None if v is None else rows.wants(n)
+                for v, n in zip(values, _in_input_order(order, nodes), strict=True)
+            ]
             if any(p is not None for p in params):
                 wanted = tuple(
                     p is not None and need for p, need in zip(params, needs, strict=True)
@@ -538,7 +554,15 @@ class ExtensionFunction(torch.autograd.Function):
         )
         if release:
             ctx.__dict__.clear()
-        return (None, None, *out)
+        return (None, None, *(out[i] for i in order))
+
+
+def _in_input_order(order: Sequence[int], per_edge: Sequence[Any]) -> tuple[Any, ...]:
+    """Values given per edge (in ``edge_order``) put back in the order of ``run``'s inputs."""
+    out: list[Any] = [None] * len(per_edge)
+    for value, position in zip(per_edge, order, strict=True):
+        out[position] = value
+    return tuple(out)
 
 
 @contextmanager

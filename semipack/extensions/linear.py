@@ -79,6 +79,7 @@ class LinearFunction(ExtensionFunction):
 
     reads = (0, 1)
     read_for = staticmethod(bilinear_reads)
+    edge_order = (0, 2, 1)  # x, bias, weight: the order of a plain backward's hooks
 
     @staticmethod
     def messages(call: BackwardCall) -> tuple[State | None, ...]:

@@ -90,7 +90,8 @@ def check_graph(
     stack = [t.grad_fn for t in roots if t.grad_fn is not None]
     root_ids = {id(node) for node in stack}
     unbatched: list[Any] = []  # nodes inside the model whose values lost the batch
-    misplaced: list[str] = []  # layers whose input has the batch elsewhere
+    misplaced: list[tuple[int, str]] = []  # layers whose input has the batch elsewhere: the
+    # parameter's dims (a layer's weight is named before its bias) and the message
     consumers: dict[int, list[tuple[Any, int]]] = {}  # node id -> (node, input_nr) using it
     computed: list[tuple[Any, int, Tensor]] = []  # a value computed from a parameter alone
     computed_inputs: dict[int, tuple[Tensor, tuple]] = {}  # a layer's input computed alone
@@ -129,7 +130,8 @@ def check_graph(
                 stack.append(nxt)
                 continue
             if known:
-                misplaced += _layer_input_problems(node, params[id(variable)], following)
+                problems = _layer_input_problems(node, params[id(variable)], following)
+                misplaced += [(variable.dim(), problem) for problem in problems]
             if known and row_rule(node.name()) is not None:
                 operand = unbatched_operand(node, input_nr, is_batched)
                 if operand is not None:
@@ -166,13 +168,14 @@ def check_graph(
     for node, input_nr, variable in computed:
         for use in _uses_of_computed(node, input_nr, variable, params, consumers, is_batched):
             user, user_nr, _, steps = use
-            misplaced += _layer_input_problems(user, params[id(variable)], following)
+            problems = _layer_input_problems(user, params[id(variable)], following)
+            misplaced += [(variable.dim(), problem) for problem in problems]
             if row_rule(user.name()) is not None:
                 generic.append(use)
             else:  # a module extension: it reports the rows of the value it was given
                 computed_inputs[id(user.next_functions[user_nr][0])] = (variable, steps)
     if misplaced:  # after the checks above, whose messages name a cause the layer follows from
-        raise PerSampleError(misplaced[0])
+        raise PerSampleError(max(misplaced, key=lambda problem: problem[0])[1])
     if batches - {1}:
         _refuse_lost_batch(unbatched, params)
     return generic, computed_inputs

@@ -29,6 +29,8 @@ The records go to ``monitor.csv`` and TensorBoard (``torch.utils.tensorboard``) 
 from __future__ import annotations
 
 import csv
+import datetime
+import itertools
 import math
 import time
 import warnings
@@ -57,6 +59,16 @@ QUANTITIES = (
     "entropy_mean", "entropy_max", "log_best_path", "log_flow", "dead_units", "top_path_changed",
     "flow_share",
 )  # fmt: skip
+
+
+#: How long the first combining step waits for every process to reach its own (a Monitor
+#: made on one process alone would otherwise wait for the others' values until the process
+#: group's timeout, 30 minutes by default, and fail with the backend's error).
+PEER_TIMEOUT = datetime.timedelta(minutes=5)
+
+#: Numbers the Monitors of this process that combine processes' values, in the order of their
+#: first combining step: the processes' monitors meet under the same number.
+_COMBINING = itertools.count()
 
 
 @dataclass(frozen=True)
@@ -91,7 +103,9 @@ class Monitor:
     processes' values with ``semipack.distributed.all_reduce`` before summarising, so every
     process records the whole batch's summaries (pass the ``DistributedDataParallel``
     wrapper as ``model``, and sum the loss over examples for the values to be the whole
-    batch's); ``splits`` stay per process.
+    batch's); ``splits`` stay per process. Every process must then create the Monitor and run
+    its steps (``log_dir=None`` on those that write no files): one made on a single process
+    raises at its first sampled step, after ``PEER_TIMEOUT``.
     The semiring is ``Product(MaxProd(log=True), Entropy(flow=True))``: Entropy's state holds
     the log total flow as well, so no LogSum factor runs beside it. ``entropy=False``
     runs ``Product(MaxProd(log=True), LogSum())`` instead, the cheaper pass without entropies.
@@ -134,6 +148,7 @@ class Monitor:
         self._best: dict[str, int] = {}
         self._count = 0
         self._last_recorded: int | None = None
+        self._peers_met = False
         self.log_dir = Path(log_dir) if log_dir is not None else None
         self._files: _Files | None = None
         if self.log_dir is not None:
@@ -189,6 +204,8 @@ class Monitor:
                     stacklevel=3,
                 )
             combine = self._combines_processes()
+            if combine:
+                self._meet_peers()
             self._read_layers()
             self._clear()
             with ExitStack() as stack:
@@ -262,6 +279,31 @@ class Monitor:
         if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
             return False
         return any(isinstance(m, DistributedDataParallel) for m in self.model.modules())
+
+    def _meet_peers(self) -> None:
+        """At the first step that combines values, wait (at most ``PEER_TIMEOUT``) until every
+        process has reached its own Monitor's: a Monitor made on one process only (the usual
+        "log on rank 0") raises, naming the processes without one, instead of waiting for
+        their values until the process group times out."""
+        if self._peers_met:
+            return
+        store = dist.distributed_c10d._get_default_store()
+        prefix = f"semipack/monitor/{next(_COMBINING)}/"
+        store.set(prefix + str(dist.get_rank()), "1")
+        keys = [prefix + str(r) for r in range(dist.get_world_size())]
+        try:
+            store.wait(keys, PEER_TIMEOUT)
+        except RuntimeError:
+            missing = [r for r, key in enumerate(keys) if not store.check([key])]
+            raise SemipackError(
+                f"Monitor: the processes of rank {', '.join(map(str, missing))} did not reach a "
+                f"sampled Monitor step within {PEER_TIMEOUT.total_seconds():g} s. Under "
+                "DistributedDataParallel every sampled step combines every process's values, "
+                "so every process must create the Monitor and run its steps: to write files "
+                "on one process, pass log_dir there and log_dir=None on the others; to record "
+                "one process's own batch alone, pass distributed=False"
+            ) from None
+        self._peers_met = True
 
     def _record(self, step: int, splits: dict[str, Branches], log_scale: float = 0.0) -> None:
         """Summarise the step's values and write them out: every layer's summaries come to

@@ -248,6 +248,31 @@ def check_monitor(rank: int) -> None:
         assert got[key] == pytest.approx(value, rel=1e-9, nan_ok=True), key
 
 
+def check_monitor_on_one_process(rank: int) -> None:
+    """A Monitor made on rank 0 alone ("log on rank 0") waited at its first sampled step for
+    rank 1's values until the group timed out, then failed with gloo's error (trial 61). It
+    raises naming rank 1 now, before any collective of its own; both processes then run the
+    same plain DDP step, so their collectives still meet."""
+    import semipack.monitor as monitoring
+
+    model, x, y = _data()
+    wrapped = nn.parallel.DistributedDataParallel(copy.deepcopy(model))
+    if rank == 0:
+        before, monitoring.PEER_TIMEOUT = monitoring.PEER_TIMEOUT, datetime.timedelta(seconds=3)
+        try:
+            monitor = semipack.Monitor(wrapped, every=1, tensorboard=False)
+            with (
+                pytest.raises(semipack.SemipackError, match=r"rank 1 did not reach a sampled"),
+                monitor.step(0),
+            ):
+                pass
+        finally:
+            monitoring.PEER_TIMEOUT = before
+        assert not monitor.records
+    _loss(wrapped, _half(x, rank), _half(y, rank)).backward()
+    assert all(p.grad is not None for p in wrapped.parameters())
+
+
 def checks() -> dict[str, Callable[[int], None]]:
     """Every check the processes run, by name."""
     out: dict[str, Callable[[int], None]] = {
@@ -264,6 +289,7 @@ def checks() -> dict[str, Callable[[int], None]]:
     )
     out["DDP TopPath, static graph"] = lambda rank: check_ddp("TopPath", rank, static_graph=True)
     out["monitor under DDP"] = check_monitor
+    out["monitor on one process only"] = check_monitor_on_one_process
     out["errors"] = check_errors
     return out
 

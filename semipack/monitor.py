@@ -118,7 +118,10 @@ class Monitor:
     checkpoint goes on with the earlier run's records (read back into ``records``, for
     ``series`` and ``plot``); those of the steps from the first one this monitor records on
     (written after the checkpoint) are dropped from the file. The top-path comparison
-    starts afresh at that step.
+    starts afresh at that step. ``extensions=False`` runs the sampled steps' backward on the
+    generic rules (``extend``'s option): a loss that adds first-order terms to a gradient
+    penalty (WGAN-GP) then trains with a plain run's bits, where the extensions' second-order
+    gradients are a plain run's up to rounding.
     """
 
     def __init__(
@@ -133,6 +136,7 @@ class Monitor:
         flush_secs: float = 5.0,
         overwrite: bool = False,
         resume: bool = False,
+        extensions: bool = True,
     ) -> None:
         if isinstance(every, bool) or not isinstance(every, int) or every < 1:
             raise ValueError(f"Monitor(every=...) needs a positive integer, got {every!r}")
@@ -143,6 +147,7 @@ class Monitor:
         flow = Entropy(flow=True) if entropy else LogSum()
         self.semiring = Product(MaxProd(log=True), flow)
         self.distributed = distributed
+        self.extensions = extensions
         self.layers = _layers(model)
         self.records: list[Record] = []
         self._best: dict[str, int] = {}
@@ -209,7 +214,11 @@ class Monitor:
             self._read_layers()
             self._clear()
             with ExitStack() as stack:
-                stack.enter_context(extend(self.model, self.semiring, keep_state=combine))
+                stack.enter_context(
+                    extend(
+                        self.model, self.semiring, keep_state=combine, extensions=self.extensions
+                    )
+                )
                 splits = {
                     name: stack.enter_context(branches(module))
                     for name, module in self.splits.items()

@@ -696,3 +696,38 @@ def test_a_step_with_nan_values_records_unknowns_not_a_moved_top_path() -> None:
         assert math.isnan(got[1, layer, "top_path_changed"])
         assert got[2, layer, "top_path_changed"] == want[2, layer, "top_path_changed"]
     assert {want[2, layer, "top_path_changed"] for layer in with_nan.layers} == {0.0}
+
+
+def _critic_run(monitor_options: dict | None) -> list[torch.Tensor]:
+    """Four Adam steps of a WGAN-GP critic: the loss adds the first-order terms to a gradient
+    penalty (``create_graph=True``)."""
+    torch.manual_seed(0)
+    critic = nn.Sequential(nn.Linear(6, 16), nn.LeakyReLU(0.2), nn.Linear(16, 1)).double()
+    optimizer = torch.optim.Adam(critic.parameters(), 1e-3)
+    monitor = None
+    if monitor_options is not None:
+        monitor = semipack.Monitor(critic, every=1, tensorboard=False, **monitor_options)
+    g = torch.Generator().manual_seed(1)
+    for step in range(4):
+        real = torch.randn(8, 6, generator=g, dtype=F64) + 1
+        fake = torch.randn(8, 6, generator=g, dtype=F64)
+        eps = torch.rand(8, 1, generator=g, dtype=F64)
+        mixed = (eps * real + (1 - eps) * fake).requires_grad_()
+        optimizer.zero_grad()
+        with monitor.step(step) if monitor is not None else warnings.catch_warnings():
+            (grad,) = torch.autograd.grad(critic(mixed).sum(), mixed, create_graph=True)
+            penalty = ((grad.norm(2, dim=1) - 1) ** 2).mean()
+            (critic(fake).mean() - critic(real).mean() + 10 * penalty).backward()
+        optimizer.step()
+    return [p.detach().clone() for p in critic.parameters()]
+
+
+def test_a_gradient_penalty_trains_with_plain_bits_under_extensions_false() -> None:
+    """Monitor(extensions=False) runs the generic rules: a WGAN-GP critic's training (the case
+    the README names as rounding apart through the extensions) is the plain run's, bitwise
+    (trial 61: the Monitor had no such option)."""
+    plain = _critic_run(None)
+    for a, b in zip(plain, _critic_run({"extensions": False}), strict=True):
+        torch.testing.assert_close(b, a, rtol=0, atol=0)
+    monitor = semipack.Monitor(nn.Linear(2, 1), extensions=False, tensorboard=False)
+    assert monitor.extensions is False

@@ -1326,3 +1326,66 @@ def test_a_cross_attentions_missing_branches_read_as_dashes() -> None:
         assert cross[header.index(name) - 1] == "-"
     for name in ("query", "residual"):
         assert cross[header.index(name) - 1].endswith("%")
+
+
+def _phi3_truth(unit: int, heads: int = 4, kv_heads: int = 2, head_dim: int = 8):
+    """(part, head) of a unit of Phi-3's ``qkv_proj``, read off the slices its forward makes:
+    ``qkv[..., :heads * head_dim]`` the query, the next ``kv_heads * head_dim`` the key, the
+    rest the value."""
+    query_end = heads * head_dim
+    key_end = query_end + kv_heads * head_dim
+    if unit < query_end:
+        return "query", unit // head_dim
+    if unit < key_end:
+        return "key", (unit - query_end) // head_dim
+    return "value", (unit - key_end) // head_dim
+
+
+def test_phi3_fused_projection_is_read_and_an_unknown_one_is_not_called_residual() -> None:
+    """Phi-3's ``qkv_proj`` (``[q heads | k heads | v heads]``) was not read: a path through a
+    layer's query, key or value was described as that layer's residual (trial 60). Every unit
+    on a hand-made path, then a real run's best paths; a fused projection of a layout semipack
+    does not read gives the branch ``attention`` (no head), never ``residual``."""
+    torch.manual_seed(0)
+    config = transformers.Phi3Config(
+        vocab_size=40, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, intermediate_size=64, max_position_embeddings=32, pad_token_id=1,
+    )  # fmt: skip
+    model = transformers.Phi3Model._from_config(config, attn_implementation="eager").eval()
+    layers = [
+        AttentionLayer(f"layers.{i}.self_attn", m.self_attn, m.self_attn.o_proj, 4, 8)
+        for i, m in enumerate(model.layers)
+    ]
+    for unit in range(model.layers[0].self_attn.qkv_proj.out_features):
+        steps = [
+            _step("layers.0.self_attn.qkv_proj", (0, 1, unit)),
+            _step("layers.0.self_attn", (0, 1, 3, 1)),
+            _step("layers.0.self_attn.o_proj", (0, 3, 5)),
+            _step("layers.0", (0, 3, 5)),
+        ]
+        (route,) = layer_routes([SemiringPath("x", (0, 1, 2), -1.0, steps)], layers)
+        (hop,) = route.hops
+        assert (hop.branch, hop.head) == _phi3_truth(unit), unit
+    ids = torch.tensor([[3, 5, 7, 9, 11, 4]])
+    best = semipack.KBest(4)
+    with semipack.extend(model, best):
+        model(input_ids=ids).last_hidden_state[0, -1].sum().backward()
+    paths = [p for t in ids[0] for p in best.paths(model.embed_tokens.weight, (int(t), 0))]
+    hops = 0
+    for path, route in zip(paths, layer_routes(paths, layers), strict=True):
+        steps = [s for s in path.steps if (s.module or "").endswith("qkv_proj")]
+        parts = [h for h in route.hops if h.branch != "residual"]
+        assert len(parts) == len(steps)
+        for step, hop in zip(steps, parts, strict=True):
+            assert (hop.branch, hop.head) == _phi3_truth(int(step.index[-1]))
+            hops += 1
+    assert hops > 0
+    unknown = [
+        _step("layers.0.self_attn.wqkv", (0, 1, 7)),
+        _step("layers.0.self_attn", (0, 1, 3, 1)),
+        _step("layers.0.self_attn.o_proj", (0, 3, 5)),
+        _step("layers.0", (0, 3, 5)),
+    ]
+    (route,) = layer_routes([SemiringPath("x", (0, 1, 2), -1.0, unknown)], layers)
+    assert [(h.branch, h.head) for h in route.hops] == [("attention", None)]
+    assert route.describe().endswith(": L0 attention: token 1 -> token 3")

@@ -859,8 +859,10 @@ class LayerHop:
     layer: int
     token_in: int  # the token at the layer's input where the path enters
     token_out: int  # the token at the layer's output where it leaves
-    branch: str  # query, key, value or residual (no projection on the path)
-    head: int | None  # the head of the projection it takes, None for the residual
+    #: query, key, value; residual (no step inside the attention block); attention (steps
+    #: inside it, through a fused projection whose layout semipack does not read)
+    branch: str
+    head: int | None  # the head of the projection it takes, None for residual and attention
     label: str = ""  # the layer's short label (``layer_labels``); ``L<layer>`` when empty
 
     @property
@@ -910,9 +912,9 @@ class LayerRoute:
                 parts.append(f"{where} residual")
                 start = end + 1
                 continue
+            head = "" if hop.head is None else f" head {hop.head}"
             parts.append(
-                f"{hop.name} {hop.branch} head {hop.head}: {name(hop.token_in)} -> "
-                f"{name(hop.token_out)}"
+                f"{hop.name} {hop.branch}{head}: {name(hop.token_in)} -> {name(hop.token_out)}"
             )
             start += 1
         first = name(hops[0].token_in) if hops else "?"
@@ -956,7 +958,13 @@ def layer_routes(paths: Sequence[Path], layers: Sequence[AttentionLayer]) -> lis
                 continue
             projection = next((s for s in inside if _projection(s, spec) is not None), None)
             if projection is None:
-                branch, head = "residual", None
+                # per-head steps inside the block ([batch, head, query, dim]) without a
+                # projection it can read (a fused one of another layout): through attention,
+                # branch unknown; none: the residual (BERT's add and norm are in the block)
+                through = any(
+                    _in_module(s.module, spec.name) and len(s.index) == 4 for s in path.steps
+                )
+                branch, head = "attention" if through else "residual", None
                 token_in = inside[0].index[1]
             else:
                 branch, head = _projection(projection, spec)
@@ -967,6 +975,11 @@ def layer_routes(paths: Sequence[Path], layers: Sequence[AttentionLayer]) -> lis
             example = int(inside[0].index[0])
         routes.append(LayerRoute(path.value, hops, path.rank, example if hops else None))
     return routes
+
+
+def _in_module(step_module: str | None, name: str) -> bool:
+    """Whether a step made by ``step_module`` lies inside the module ``name``."""
+    return bool(step_module) and (step_module == name or step_module.startswith(name + "."))
 
 
 def _owner(name: str) -> str:
@@ -1030,6 +1043,14 @@ def _projection(step: PathStep, spec: AttentionLayer) -> tuple[str, int] | None:
                 return "query", unit // head_dim
             return BRANCH_ORDER[1 + (unit - width) // head_dim], 0
         return BRANCH_ORDER[unit // width], (unit % width) // head_dim
+    if name == spec.name + ".qkv_proj":
+        # Phi-3: [query heads | key heads | value heads], key and value of one width
+        width = spec.num_heads * spec.head_dim
+        kv_width = (spec.block.qkv_proj.weight.shape[0] - width) // 2
+        if unit < width:
+            return "query", unit // spec.head_dim
+        part, offset = divmod(unit - width, kv_width)
+        return BRANCH_ORDER[1 + part], offset // spec.head_dim
     if name.endswith(".in_proj") and name.startswith(spec.name + "."):
         # DeBERTa (v1): the output is viewed as [heads, 3 * head_dim] and chunked in three,
         # so each head's query, key and value units sit together
@@ -1073,7 +1094,9 @@ def plot_routes(
     for r, route in reversed(list(enumerate(routes))):  # the best drawn last, on top
         width, alpha = 1.0 + 2.0 / (1 + r), max(0.35, 1.0 / (1 + 0.3 * r))
         for hop in route.hops:
-            colour = BRANCH_COLOURS.get(hop.branch, "grey")
+            colour = BRANCH_COLOURS.get(
+                hop.branch, "tab:purple" if hop.branch == "attention" else "grey"
+            )
             ax.plot([hop.layer, hop.layer + 1], [hop.token_in, hop.token_out], color=colour,
                     linewidth=width, alpha=alpha, solid_capstyle="round")  # fmt: skip
             if hop.head is not None:
@@ -1085,10 +1108,10 @@ def plot_routes(
     ax.set_ylim(len(tokens) - 0.5, -0.5)
     ax.set_xlim(-0.2, layers + 0.2)
     ax.grid(axis="x", alpha=0.3)
-    handles = [
-        plt.Line2D([], [], color=c, label=b)
-        for b, c in [*BRANCH_COLOURS.items(), ("residual", "grey")]
-    ]
+    shown = [*BRANCH_COLOURS.items(), ("residual", "grey")]
+    if any(hop.branch == "attention" for route in routes for hop in route.hops):
+        shown.append(("attention", "tab:purple"))
+    handles = [plt.Line2D([], [], color=c, label=b) for b, c in shown]
     ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8)
     ax.set_title("paths across the layers, best widest (label: branch letter, head)")
     return _save(plt, fig, path, ax)

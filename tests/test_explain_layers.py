@@ -1389,3 +1389,69 @@ def test_phi3_fused_projection_is_read_and_an_unknown_one_is_not_called_residual
     (route,) = layer_routes([SemiringPath("x", (0, 1, 2), -1.0, unknown)], layers)
     assert [(h.branch, h.head) for h in route.hops] == [("attention", None)]
     assert route.describe().endswith(": L0 attention: token 1 -> token 3")
+
+
+def test_a_layer_with_self_and_cross_attention_keeps_its_residual_hops() -> None:
+    """A pre-norm decoder layer (Whisper, BART) holds self- and cross-attention and makes the
+    residual adds itself: each block kept only its own steps, so a path crossing by the
+    residual had no hops ("from ?: ", trial 60). The layer's own steps between the blocks the
+    path passes are each block's residual hop now; a path starting after a block (inside a
+    later block or the feed-forward part) gets no hop for it."""
+    blocks = ["self_attn", "encoder_attn"]
+    layers = [
+        AttentionLayer(f"dec.layers.{i}.{b}", None, None, 2, 4) for i in range(2) for b in blocks
+    ]
+    tail = [
+        _step("dec.layers.1", (0, 3, 5)),
+        _step("dec.layers.1", (0, 3, 5)),
+        _step("norm", (0, 3, 5)),
+    ]
+    residual = [
+        _step("emb", (0, 3, 5)),
+        _step("dec.layers.0", (0, 3, 5)),
+        _step("dec.layers.0", (0, 3, 5)),
+        *tail,
+    ]
+    cross = [
+        _step("dec.layers.0.encoder_attn.v_proj", (0, 3, 6)),  # unit 6: value, head 1
+        _step("dec.layers.0.encoder_attn", (0, 1, 3, 2)),
+        _step("dec.layers.0.encoder_attn.out_proj", (0, 3, 5)),
+        _step("dec.layers.0", (0, 3, 5)),
+        *tail,
+    ]
+    feed_forward = [_step("dec.layers.0.fc1", (0, 3, 7)), _step("dec.layers.0", (0, 3, 5)), *tail]
+    got = [
+        [(h.layer, h.branch, h.head) for h in route.hops]
+        for route in layer_routes(
+            [SemiringPath("x", (0,), -1.0, steps) for steps in (residual, cross, feed_forward)],
+            layers,
+        )
+    ]
+    assert got == [
+        [(j, "residual", None) for j in range(4)],
+        [(1, "value", 1), (2, "residual", None), (3, "residual", None)],
+        [(2, "residual", None), (3, "residual", None)],
+    ]  # fmt: skip
+    torch.manual_seed(0)
+    config = transformers.WhisperConfig(
+        vocab_size=50, num_mel_bins=8, d_model=32, encoder_layers=1, decoder_layers=2,
+        encoder_attention_heads=4, decoder_attention_heads=4, encoder_ffn_dim=64,
+        decoder_ffn_dim=64, max_source_positions=10, max_target_positions=16, pad_token_id=0,
+        bos_token_id=1, eos_token_id=2, decoder_start_token_id=1,
+    )  # fmt: skip
+    model = transformers.WhisperModel._from_config(config, attn_implementation="eager").eval()
+    features = torch.randn(1, 8, 20, generator=torch.Generator().manual_seed(7))
+    top = semipack.TopPath()
+    with semipack.extend(model, top):
+        out = model(input_features=features, decoder_input_ids=torch.tensor([[1, 5, 7, 9]]))
+        out.last_hidden_state[0, -1].sum().backward()
+    real = [
+        AttentionLayer(name, m, m.out_proj, 4, 8)
+        for name, m in model.named_modules()
+        if name.startswith("decoder.") and name.endswith(tuple(blocks))
+    ]
+    path = top.path(model.decoder.embed_tokens.weight)
+    (route,) = layer_routes([path], real)
+    # the best path crosses both decoder layers without a projection of their blocks
+    assert not any((s.module or "").endswith(("q_proj", "k_proj", "v_proj")) for s in path.steps)
+    assert [(h.layer, h.branch) for h in route.hops] == [(j, "residual") for j in range(4)]

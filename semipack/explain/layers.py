@@ -954,6 +954,8 @@ def layer_routes(paths: Sequence[Path], layers: Sequence[AttentionLayer]) -> lis
                 if s.module and (s.module == owner or s.module.startswith(owner + "."))
                 and len(s.index) == 3
             ]  # fmt: skip
+            if not inside and owner != owners[i]:
+                inside = _shared_layer_residual(path.steps, i, layers, owners)
             if not inside:
                 continue
             projection = next((s for s in inside if _projection(s, spec) is not None), None)
@@ -975,6 +977,35 @@ def layer_routes(paths: Sequence[Path], layers: Sequence[AttentionLayer]) -> lis
             example = int(inside[0].index[0])
         routes.append(LayerRoute(path.value, hops, path.rank, example if hops else None))
     return routes
+
+
+def _shared_layer_residual(
+    steps: Sequence[PathStep], i: int, layers: Sequence[AttentionLayer], owners: Sequence[str]
+) -> list[PathStep]:
+    """The steps by which a path crosses block ``i`` of a layer that holds several blocks (a
+    pre-norm decoder layer's self- and cross-attention, Whisper's or BART's) through the
+    residual: the layer module's own steps (its residual adds, which belong to no block) between
+    the blocks of the layer the path passes before and after block ``i``; none where the path
+    starts after block ``i`` (a leaf of a later block or of the feed-forward part) or ends
+    before it. A block of its own keeps the steps inside it (BERT's decoder: the add is in it)."""
+    owner = owners[i]
+    group = [j for j, o in enumerate(owners) if o == owner]
+    at = [k for k, s in enumerate(steps) if _in_module(s.module, owner) and len(s.index) == 3]
+    if not at:
+        return []
+    passed = {j: [k for k in at if _in_module(steps[k].module, layers[j].name)] for j in group}
+    before = [max(passed[j]) for j in group if j < i and passed[j]]
+    after = [min(passed[j]) for j in group if j > i and passed[j]]
+    start = max(before) if before else (at[0] - 1 if at[0] > 0 else None)
+    end = min(after) if after else (at[-1] + 1 if at[-1] < len(steps) - 1 else None)
+    if start is None or end is None:
+        return []  # the path starts inside this layer after the block, or ends before it
+    blocks = [layers[j].name for j in group]
+    return [
+        steps[k]
+        for k in at
+        if start < k < end and not any(_in_module(steps[k].module, b) for b in blocks)
+    ]
 
 
 def _in_module(step_module: str | None, name: str) -> bool:

@@ -133,7 +133,9 @@ class ComputedFromParameters(nn.Module):
     """Parameters used through values computed from them alone: a gain ``1 + w.clone()`` (as
     Gemma's RMSNorm's ``1 + w.float()``, without its rounding to float32), a transposed,
     negated, reshaped and scaled shift, a pruned weight (``weight_orig * mask``, a forward
-    pre-hook) and a weight used transposed by F.linear."""
+    pre-hook) and a weight used transposed by F.linear; squeezed, unsqueezed and expanded
+    parameters (Mamba's ``conv1d.weight.squeeze(1)``; an expand that broadcasts one entry to
+    every token: its row is the semiring sum over them; these were refused, trial 60)."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -141,11 +143,15 @@ class ComputedFromParameters(nn.Module):
         prune.l1_unstructured(self.inp, "weight", 0.5)
         self.gain = nn.Parameter(0.3 * torch.randn(4))
         self.shift = nn.Parameter(torch.randn(4, 1))
+        self.column = nn.Parameter(1.0 + 0.2 * torch.randn(1, 4))
+        self.lift = nn.Parameter(torch.randn(4, 1))
+        self.squeezed = nn.Parameter(torch.randn(1, 4, 1))
         self.tied = nn.Parameter(torch.randn(4, 5))
         self.out = nn.Linear(5, 2)
 
     def forward(self, x):
-        h = self.inp(x) * (1.0 + self.gain.clone())
+        h = self.inp(x) * (1.0 + self.gain.clone()) * self.column.expand(x.shape[1], 4)
+        h = h + self.lift.squeeze(-1).unsqueeze(0).squeeze(0) - self.squeezed.squeeze()
         h = torch.tanh(h - (-self.shift.t()).reshape(4) / 3)
         return self.out(torch.tanh(F.linear(h, self.tied.t())))
 

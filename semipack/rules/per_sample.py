@@ -331,6 +331,20 @@ def _unsqueeze_step(sr: Semiring, node, rows: State, input_nr: int) -> State:
     return tuple(p.squeeze(_signed(int(node._saved_dim)) % rank + 1) for p in rows)
 
 
+def _expand_step(sr: Semiring, node, rows: State, input_nr: int) -> State:
+    """``w.expand(...)``: an entry of ``w`` feeds every entry it is broadcast to, so its row is
+    the semiring sum over them (the expanded size-1 dims and the new leading ones)."""
+    shape = tuple(node._saved_self_sym_sizes)
+    out = rows[0].shape[1:]
+    leading = len(out) - len(shape)
+    kept = [1 + leading + d for d, n in enumerate(shape) if n == 1 and out[leading + d] != 1]
+    if kept:
+        rows = sr.sum(rows, kept, keepdim=True)
+    if leading:
+        rows = sr.sum(rows, list(range(1, 1 + leading)))
+    return tuple(p.reshape(p.shape[0], *shape) for p in rows)
+
+
 #: The ops a value computed from one parameter alone may pass through on its way to a row rule.
 PARAMETER_STEPS: dict[str, ParameterStep] = {
     "ToCopyBackward0": _same,
@@ -349,6 +363,10 @@ PARAMETER_STEPS: dict[str, ParameterStep] = {
     "UnsafeViewBackward0": _view_step,
     "ReshapeAliasBackward0": _view_step,
     "UnsqueezeBackward0": _unsqueeze_step,
+    "SqueezeBackward0": _view_step,  # the input's shape, with its size-1 dims back
+    "SqueezeBackward1": _view_step,
+    "SqueezeBackward2": _view_step,
+    "ExpandBackward0": _expand_step,
 }
 _ELEMENTWISE_STEPS = {
     "AddBackward0",

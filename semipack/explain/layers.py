@@ -71,9 +71,9 @@ class AttentionLayer:
 #: The model families ``attention_layers`` finds by themselves (for messages).
 FAMILIES = (
     "BERT-family encoders (BERT, RoBERTa, ELECTRA, MiniLM, DeBERTa: encoder.layer[i].attention), "
-    "DistilBERT (transformer.layer[i].attention), Llama-family decoders (Llama, Mistral, Qwen2: "
-    "layers[i].self_attn), GPT-2 and GPTBigCode (h[i].attn) and torch's nn.MultiheadAttention "
-    "(nn.TransformerEncoderLayer)"
+    "DistilBERT (transformer.layer[i].attention), Llama-family decoders (Llama, Mistral, Qwen2, "
+    "Gemma, Cohere: layers[i].self_attn), GPT-2 and GPTBigCode (h[i].attn) and torch's "
+    "nn.MultiheadAttention (nn.TransformerEncoderLayer)"
 )
 
 
@@ -837,8 +837,9 @@ def _flow(
     if len(set(shapes.values())) > 1:
         raise SemipackError(
             "explain_layers compares layers token by token, so every attention layer must see "
-            "the same [batch, tokens]; these differ (windowed attention, or stages that merge "
-            f"tokens, as Swin's): {shapes}. Pass layers=[...] with layers of one shape"
+            "the same [batch, tokens]; these differ (an encoder and a decoder of other lengths, "
+            f"windowed attention, or stages that merge tokens, as Swin's): {shapes}. Pass "
+            "layers=[...] with layers of one shape (the encoder's or the decoder's)"
         )
     return LayerFlow(
         type(semiring).__name__,

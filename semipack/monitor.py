@@ -440,6 +440,8 @@ def _layers(model: nn.Module) -> dict[str, nn.Parameter]:
         weight = own.get("weight")
         if weight is None and parametrize.is_parametrized(module, "weight"):
             weight = _parametrized_original(module)
+        if weight is None:  # the old hooks' ``weight_norm`` and ``spectral_norm``
+            weight = own.get("weight_v", own.get("weight_orig"))
         trained = [p for p in own.values() if p.requires_grad]
         matrices = {n: p for n, p in own.items() if p.dim() >= 2}
         trained_matrices = {n: p for n, p in matrices.items() if p.requires_grad}
@@ -452,7 +454,7 @@ def _layers(model: nn.Module) -> dict[str, nn.Parameter]:
                 out[display_name(f"{name}.{pname}" if name else pname)] = p
         elif weight is not None and weight.requires_grad:
             out[display_name(name) or ROOT_MODULE] = weight
-        elif trained_matrices and weight is None:  # ``weight_orig``: the weight's own entries
+        elif trained_matrices and weight is None:  # one matrix (``W``) beside vectors
             out[display_name(name) or ROOT_MODULE] = next(iter(trained_matrices.values()))
         elif trained:
             out[display_name(name) or ROOT_MODULE] = trained[0]
@@ -462,11 +464,15 @@ def _layers(model: nn.Module) -> dict[str, nn.Parameter]:
 
 
 def _parametrized_original(module: nn.Module) -> nn.Parameter:
-    """The parameter a parametrized ``weight`` is computed from (``original``), or of its
-    several (``original0``, ``original1``: weight norm's magnitude and direction) the one with
-    the most entries: the direction, shaped like the weight. The weight itself is not
-    computed: a spectral norm's power iteration would move its buffers."""
+    """The parameter a parametrized ``weight`` is computed from (``original``), weight norm's
+    direction ``original1`` (shaped like the weight; its magnitude ``original0`` may have as
+    many entries, in a layer of one input), or of other several the one with the most
+    entries. The weight itself is not computed: a spectral norm's power iteration would move
+    its buffers."""
     originals = dict(module.parametrizations.weight.named_parameters(recurse=False))
+    for name in ("original", "original1"):
+        if name in originals:
+            return originals[name]
     return max(originals.values(), key=lambda p: p.numel())
 
 

@@ -1455,3 +1455,46 @@ def test_a_layer_with_self_and_cross_attention_keeps_its_residual_hops() -> None
     # the best path crosses both decoder layers without a projection of their blocks
     assert not any((s.module or "").endswith(("q_proj", "k_proj", "v_proj")) for s in path.steps)
     assert [(h.layer, h.branch) for h in route.hops] == [(j, "residual") for j in range(4)]
+
+
+def test_gpt2_cross_attention_and_other_qkv_layouts_are_not_read_as_q_k_v() -> None:
+    """GPT-2's cross-attention makes [key | value] with ``c_attn`` and the query with
+    ``q_attn``; CodeGen's ``qkv_proj`` packs each group as [query | value | key]. Both were
+    read as [q | k | v] and named the wrong branch and head on every hop (trial 62). The
+    cross-attention is read in its own layout; CodeGen's is the branch ``attention``."""
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(
+        vocab_size=40, n_embd=32, n_layer=1, n_head=4, n_positions=32, add_cross_attention=True
+    )
+    block = transformers.GPT2Model(config).h[0].crossattention
+    layers = [AttentionLayer("h.0.crossattention", block, block.c_proj, 4, 8)]
+
+    def hop(module: str, unit: int) -> tuple[str, int | None]:
+        steps = [
+            _step(f"h.0.crossattention.{module}", (0, 1, unit)),
+            _step("h.0.crossattention", (0, 1, 3, 1)),
+            _step("h.0.crossattention.c_proj", (0, 3, 5)),
+        ]
+        (route,) = layer_routes([SemiringPath("x", (0, 1, 2), -1.0, steps)], layers)
+        (only,) = route.hops
+        return only.branch, only.head
+
+    for unit in range(64):  # the encoder states' [key | value], 32 units each, heads of 8
+        assert hop("c_attn", unit) == (("key", "value")[unit // 32], (unit % 32) // 8), unit
+    assert [hop("q_attn", unit) for unit in (0, 9, 31)] == [
+        ("query", 0),
+        ("query", 1),
+        ("query", 3),
+    ]
+    codegen = transformers.CodeGenConfig(
+        vocab_size=40, n_embd=32, n_layer=1, n_head=4, rotary_dim=4, n_positions=32, n_ctx=32
+    )
+    attention = transformers.CodeGenModel(codegen).h[0].attn
+    layers = [AttentionLayer("h.0.attn", attention, attention.out_proj, 4, 8)]
+    steps = [
+        _step("h.0.attn.qkv_proj", (0, 1, 14)),
+        _step("h.0.attn", (0, 1, 3, 1)),
+        _step("h.0.attn.out_proj", (0, 3, 5)),
+    ]
+    (route,) = layer_routes([SemiringPath("x", (0, 1, 2), -1.0, steps)], layers)
+    assert [(h.branch, h.head) for h in route.hops] == [("attention", None)]

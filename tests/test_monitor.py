@@ -628,6 +628,12 @@ def _reparametrized(kind: str) -> tuple[nn.Module, dict[str, str]]:
     if kind == "old spectral_norm":
         first = nn.utils.spectral_norm(first)
         expected = {"0": "0.weight_orig"}
+    elif kind == "old weight_norm":  # weight_g [6, 1] and weight_v [6, 4]: one layer
+        first = nn.utils.weight_norm(first)
+        expected = {"0": "0.weight_v"}
+    elif kind == "weight_norm of one input":  # magnitude and direction both [6, 1]
+        first = nn.utils.parametrizations.weight_norm(nn.Linear(1, 6).double())
+        expected = {"0": "0.parametrizations.weight.original1"}
     elif kind == "spectral_norm":
         first = nn.utils.parametrizations.spectral_norm(first)
         expected = {"0": "0.parametrizations.weight.original"}
@@ -641,7 +647,17 @@ def _reparametrized(kind: str) -> tuple[nn.Module, dict[str, str]]:
     return model, {**expected, "2": "2.weight"}
 
 
-@pytest.mark.parametrize("kind", ["old spectral_norm", "spectral_norm", "weight_norm", "LoRA"])
+@pytest.mark.parametrize(
+    "kind",
+    [
+        "old spectral_norm",
+        "old weight_norm",
+        "spectral_norm",
+        "weight_norm",
+        "weight_norm of one input",
+        "LoRA",
+    ],
+)
 def test_a_layer_whose_weight_is_computed_is_read_at_its_own_entries(kind: str) -> None:
     """A weight computed from other parameters (spectral or weight norm, old and new style; a
     LoRA update over a frozen weight) was recorded at the layer's bias under the layer's name,
@@ -653,6 +669,7 @@ def test_a_layer_whose_weight_is_computed_is_read_at_its_own_entries(kind: str) 
     monitor = semipack.Monitor(model, every=1, tensorboard=False)
     assert {layer: names[id(p)] for layer, p in monitor.layers.items()} == expected
     ((x, y),) = _batches(1)
+    x = x[:, :1] if kind == "weight_norm of one input" else x
     state = {k: v.clone() for k, v in model.state_dict().items()}  # power iteration buffers
     with monitor.step(0):
         nn.functional.cross_entropy(model(x), y).backward()

@@ -1064,6 +1064,12 @@ def _projection(step: PathStep, spec: AttentionLayer) -> tuple[str, int] | None:
     value head; DeBERTa's (v1) ``in_proj`` packs them per head."""
     name = step.module or ""
     unit = int(step.index[-1])
+    if name == spec.name + ".q_attn":  # GPT-2's cross-attention: the query's own projection
+        return "query", unit // spec.head_dim
+    if name.endswith(".c_attn") and getattr(spec.block, "is_cross_attention", False):
+        # GPT-2's cross-attention: c_attn makes [key | value] of the encoder's states
+        width = spec.num_heads * spec.head_dim
+        return BRANCH_ORDER[1 + unit // width], (unit % width) // spec.head_dim
     if name.endswith(".c_attn") and name.startswith(spec.name + "."):
         width, head_dim = spec.num_heads * spec.head_dim, spec.head_dim
         layout = _fused_layout(spec.block)
@@ -1075,8 +1081,10 @@ def _projection(step: PathStep, spec: AttentionLayer) -> tuple[str, int] | None:
                 return "query", unit // head_dim
             return BRANCH_ORDER[1 + (unit - width) // head_dim], 0
         return BRANCH_ORDER[unit // width], (unit % width) // head_dim
-    if name == spec.name + ".qkv_proj":
-        # Phi-3: [query heads | key heads | value heads], key and value of one width
+    if name == spec.name + ".qkv_proj" and type(spec.block).__name__ == "Phi3Attention":
+        # Phi-3: [query heads | key heads | value heads], key and value of one width (another
+        # family's qkv_proj packs them otherwise, CodeGen's per group as [q | v | k]: read as
+        # the branch ``attention`` in ``layer_routes``)
         width = spec.num_heads * spec.head_dim
         kv_width = (spec.block.qkv_proj.weight.shape[0] - width) // 2
         if unit < width:

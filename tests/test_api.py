@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import math
+import threading
 import warnings
 
 import pytest
@@ -849,7 +850,7 @@ def test_a_lock_left_held_by_an_interrupted_pass_is_released_by_the_next_block()
     from semipack.transport import backward as bw
 
     model, x = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2)), torch.randn(5, 3)
-    assert bw._READOUT_LOCK.acquire(blocking=False)  # what the interrupted pass left
+    bw._READOUT_LOCK.__enter__()  # what the interrupted pass left: held by this thread
     with (
         pytest.warns(RuntimeWarning, match="an earlier extend block of this thread was interr"),
         semipack.extend(model, semipack.MaxProd()),
@@ -857,3 +858,29 @@ def test_a_lock_left_held_by_an_interrupted_pass_is_released_by_the_next_block()
         model(x).sum().backward()
     assert not bw._READOUT_LOCK.locked()
     assert model[0].weight.semiring_grad.shape == (4, 3)
+
+
+def test_another_threads_lock_is_never_taken_back() -> None:
+    """The next block released the pass locks whenever no pass was counted as running, also
+    one that another thread's pass had just taken: that pass's release then raised "release
+    unlocked lock" (found by tests/test_threads.py under load). Only a lock this thread holds
+    outside its passes is released."""
+    from semipack.transport import backward as bw
+
+    taken, done = threading.Event(), threading.Event()
+
+    def hold() -> None:
+        with bw._HOOK_ORDER_LOCK:
+            taken.set()
+            done.wait(10)
+
+    holder = threading.Thread(target=hold)
+    holder.start()
+    try:
+        assert taken.wait(10)
+        assert not bw.release_stale_locks()
+        assert bw._HOOK_ORDER_LOCK.locked()
+    finally:
+        done.set()
+        holder.join()
+    assert not bw._HOOK_ORDER_LOCK.locked()

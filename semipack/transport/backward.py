@@ -40,7 +40,6 @@ from .hooks import (
 from .passes import (
     carry_pass,
     in_carry_pass,
-    no_pass_running,
     own_kernels_compiled,
     semiring_pass,
 )
@@ -139,18 +138,12 @@ def scan_graph(roots: Sequence[Tensor]) -> GraphScan:
 
 
 def release_stale_locks() -> bool:
-    """Release the pass-level locks (the readouts', the hook order's) when no semiring pass is
-    running in any thread (``passes.no_pass_running``): held then, they were left by a pass that
-    a KeyboardInterrupt stopped between the end of a ``with lock:`` body and the lock's release,
-    and every later pass would wait on them forever (trial 59). True if one was released."""
-    if not no_pass_running():
-        return False
-    released = False
-    for lock in (_READOUT_LOCK, _HOOK_ORDER_LOCK):
-        if lock.locked():
-            lock.release()
-            released = True
-    return released
+    """Release the pass-level locks (the readouts', the hook order's) that this thread holds
+    where it runs no pass (the caller opens a block): a KeyboardInterrupt stopped its pass
+    between the end of a ``with lock:`` body and the lock's release, and every later pass
+    would wait on them forever (trial 59). True if one was released."""
+    released = [lock.release_if_mine() for lock in (_READOUT_LOCK, _HOOK_ORDER_LOCK)]
+    return any(released)
 
 
 def _user_function(node: torch.autograd.graph.Node) -> bool:
@@ -330,10 +323,43 @@ def set_results(t: Tensor, results: Results) -> None:
 #: ``.grad``: the engine's retain hooks also fire in its extra passes).
 _PASS = threading.local()
 
+
+class OwnedLock:
+    """A lock (``with lock:``) that knows which thread holds it: one held by the thread that
+    asks, outside any pass of that thread, was left by an interrupt between the end of a
+    ``with`` body and the release (``release_if_mine``). Another thread's lock is never
+    taken back: it may be held by a pass starting there (releasing it broke mutual exclusion,
+    and that pass's own release then raised "release unlocked lock")."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._owner: int | None = None
+
+    def __enter__(self) -> OwnedLock:
+        self._lock.acquire()
+        self._owner = threading.get_ident()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._lock.release()  # first: an interrupt after it leaves no lock held
+        self._owner = None
+
+    def locked(self) -> bool:
+        return self._lock.locked()
+
+    def release_if_mine(self) -> bool:
+        """Release the lock if this thread holds it; True if it did."""
+        if self._owner != threading.get_ident() or not self._lock.locked():
+            return False
+        self._owner = None
+        self._lock.release()
+        return True
+
+
 #: Held while a readout picks the memory it is written into (``LeafCaptures.take``).
-_READOUT_LOCK = threading.Lock()
+_READOUT_LOCK = OwnedLock()
 #: Held while a pass puts its hook first on a leaf, or removes it (``_first_hook``).
-_HOOK_ORDER_LOCK = threading.Lock()
+_HOOK_ORDER_LOCK = OwnedLock()
 
 
 class LeafCaptures:

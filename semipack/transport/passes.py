@@ -181,13 +181,6 @@ def own_kernels_compiled() -> AbstractContextManager[None]:
     return _counted("passes")
 
 
-def no_pass_running() -> bool:
-    """Whether no semiring pass runs in any thread (after ``forget_interrupted``, the counts
-    hold only live passes)."""
-    with _lock:
-        return _running[True] == 0 and _running[False] == 0
-
-
 def graph_retained() -> bool:
     """False only while every running semiring pass frees the graph as it goes."""
     with _lock:

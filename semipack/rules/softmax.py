@@ -9,6 +9,8 @@ is the log-probabilities) and for a softmax whose input was recorded during the 
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import Tensor
 
@@ -20,7 +22,7 @@ from ..messages.rowwise import (
     log_softmax_messages,
     softmax_messages,
 )
-from ..semirings.base import Semiring, State, cut_vanishing
+from ..semirings.base import NO_EDGE_LOG, Semiring, State, cut_vanishing
 
 aten = torch.ops.aten
 
@@ -29,9 +31,42 @@ def softmax_contract(
     sr: Semiring, m: State, probs: Tensor, log_probs: Tensor | None = None
 ) -> State:
     """Messages through softmax rows: ∂y_i/∂x_j = y_i (δ_ij - y_j); ``m``, ``probs`` and the
-    exact ``log_probs`` where known: [rows, n]."""
+    exact ``log_probs`` where known: [rows, n].
+
+    The O(n) forms multiply each ``y_j`` by a sum over the row's other entries, which cannot cut
+    a single pair: an off-diagonal edge ``y_i y_j`` below any float (``NO_EDGE_LOG``: two
+    probabilities under e^-372, from scores hundreds of nats apart) is no edge, but its two
+    factors each are one. The rows that hold such a pair (found from their two smallest
+    log-probabilities; rare) take the dense Jacobian, which cuts each pair (trial 63: LogSum,
+    Boolean and Entropy gave a key an edge of e^-1118)."""
     fast = softmax_messages(sr, m, probs, log_probs)
-    return fast if fast is not None else softmax_contract_dense(sr, m, probs, log_probs)
+    if fast is None:
+        return softmax_contract_dense(sr, m, probs, log_probs)
+    rows = None if sr.linear_weights else _rows_with_vanishing_pairs(probs, log_probs)
+    if rows is None:
+        return fast
+    dense = softmax_contract_dense(
+        sr,
+        tuple(p[rows] for p in m),
+        probs[rows],
+        None if log_probs is None else log_probs[rows],
+    )
+    return tuple(f.index_put((rows,), d) for f, d in zip(fast, dense, strict=True))
+
+
+def _rows_with_vanishing_pairs(probs: Tensor, log_probs: Tensor | None) -> Tensor | None:
+    """The indices of the rows ([rows, n]) in which two entries' log-probabilities sum below
+    ``NO_EDGE_LOG`` (their off-diagonal edge is no edge), or None if there is none. Entries
+    already without an edge (``-inf``) do not count."""
+    if probs.shape[-1] < 2 or probs.numel() == 0:
+        return None
+    lp = probs.log() if log_probs is None else log_probs.to(probs.dtype)
+    finite = lp.masked_fill(lp == -math.inf, math.inf)
+    if not bool(2 * finite.amin() < NO_EDGE_LOG):  # every pair far above: nothing to cut
+        return None
+    smallest = finite.topk(2, dim=-1, largest=False).values.sum(-1)
+    rows = (smallest < NO_EDGE_LOG).nonzero()[:, 0]
+    return rows if rows.numel() else None
 
 
 def log_softmax_contract(sr: Semiring, m: State, log_probs: Tensor) -> State:
@@ -69,8 +104,8 @@ def softmax_contract_dense(
     def log_jac(rows: slice, cols: slice) -> tuple[Tensor, Tensor]:
         # log J_ij = lp_i + (log(1 - p_j) if i == j else lp_j)
         lp_r = lp[rows]
-        diag = lp_r[:, :, None] + complement[rows, None, cols]
-        off = lp_r[:, :, None] + lp_r[:, None, cols]
+        diag = cut_vanishing(lp_r[:, :, None] + complement[rows, None, cols], in_place=True)
+        off = cut_vanishing(lp_r[:, :, None] + lp_r[:, None, cols], in_place=True)
         return _signed_diagonal(lp_r, diag, off, cols)
 
     return contract_rows(sr, m, log_jac, n, log_form=True)

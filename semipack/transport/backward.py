@@ -345,6 +345,7 @@ class OwnedLock:
         self._owner = None
 
     def locked(self) -> bool:
+        """Whether some thread holds the lock."""
         return self._lock.locked()
 
     def release_if_mine(self) -> bool:

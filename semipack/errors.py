@@ -55,13 +55,25 @@ class UnsupportedOpError(SemipackError):
     whose forward created that node, when the forward ran inside ``semipack.extend``.
     """
 
-    def __init__(self, op: str, node: str | None, module: str | None, reason: str = "") -> None:
+    def __init__(
+        self,
+        op: str,
+        node: str | None,
+        module: str | None,
+        reason: str = "",
+        root: str | None = None,
+    ) -> None:
         self.op, self.node, self.module = op, node, module
         where = f"in the backward of {node}" if node else "outside any autograd node"
         if node is None:  # outside the backward no module made the call: nothing to name
             origin = ""
         elif module is not None:
-            origin = f", created by module '{module}'" if module else ", created by the root module"
+            named = f" ({root})" if root else ""
+            origin = (
+                f", created by module '{module}'"
+                if module
+                else f", created by the root module{named}"
+            )
         else:
             origin = (
                 ", module unknown (run the forward inside semipack.extend(model, ...) to name it)"

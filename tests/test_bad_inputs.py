@@ -1353,3 +1353,27 @@ def test_a_sparse_gradient_is_refused_saying_what_to_change() -> None:
     assert message.endswith("Build it with sparse=False to run it inside semipack.extend.")
     assert "register" not in message and "hook" not in message
     assert all(p.grad is None for p in model.parameters())
+
+
+def test_an_op_of_the_root_modules_own_forward_names_its_class() -> None:
+    """An op without a rule in the model's own forward was "created by the root module",
+    which said nothing where the model is a library's class (trial 60: Wav2Vec2ForCTC's CTC
+    loss). The class is named now."""
+
+    class Determinant(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.linear = nn.Linear(3, 3)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return torch.linalg.det(self.linear(x))
+
+    model = Determinant()
+    with semipack.extend(model, semipack.MaxProd()):
+        out = model(torch.randn(3, 3))
+        with pytest.raises(semipack.UnsupportedOpError) as info:
+            out.backward()
+    assert (
+        "in the backward of LinalgDetBackward0, created by the root module (Determinant)."
+        in str(info.value)
+    )

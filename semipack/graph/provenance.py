@@ -114,6 +114,15 @@ def current_site() -> tuple[str | None, str | None]:
 _ACTIVE: list[ModuleTracker] = []
 
 
+def root_class() -> str | None:
+    """The class name of the model the innermost active block extends (errors name the root
+    module by it: its module path is empty), or None without one."""
+    for tracker in reversed(_ACTIVE):
+        if tracker.model is not None:
+            return type(tracker.model).__name__
+    return None
+
+
 def current_module() -> str:
     """Dotted path of the innermost module whose forward is running under semipack.extend."""
     for tracker in reversed(_ACTIVE):

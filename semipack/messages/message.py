@@ -28,7 +28,7 @@ from ..errors import (
     StateShapeError,
     UnsupportedOpError,
 )
-from ..graph.provenance import current_site
+from ..graph.provenance import current_site, root_class
 from ..semirings.base import Semiring, SparseRows, State
 from ..semirings.product import Product
 from .rule_table import rule_for
@@ -164,7 +164,9 @@ def unsupported(func: OpOverload, reason: str = "") -> UnsupportedOpError:
             "(scaling by plain tensors, indexing, sums, products with plain matrices). An op "
             "like clamp, sign or abs of the gradient has no semiring meaning"
         )
-    return UnsupportedOpError(str(func), node, module, reason)
+    return UnsupportedOpError(
+        str(func), node, module, reason, root_class() if module == "" else None
+    )
 
 
 def _is_custom_function(node: str) -> bool:

@@ -442,6 +442,9 @@ def _layers(model: nn.Module) -> dict[str, nn.Parameter]:
             weight = _parametrized_original(module)
         if weight is None:  # the old hooks' ``weight_norm`` and ``spectral_norm``
             weight = own.get("weight_v", own.get("weight_orig"))
+        # the old hooks' weight norm of another weight (an RNN's ``weight_hh_l0``): its
+        # magnitude ``<name>_g`` is read with its direction ``<name>_v``, not as a layer
+        own = {n: p for n, p in own.items() if not (n.endswith("_g") and f"{n[:-2]}_v" in own)}
         trained = [p for p in own.values() if p.requires_grad]
         matrices = {n: p for n, p in own.items() if p.dim() >= 2}
         trained_matrices = {n: p for n, p in matrices.items() if p.requires_grad}

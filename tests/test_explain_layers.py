@@ -1498,3 +1498,29 @@ def test_gpt2_cross_attention_and_other_qkv_layouts_are_not_read_as_q_k_v() -> N
     ]
     (route,) = layer_routes([SemiringPath("x", (0, 1, 2), -1.0, steps)], layers)
     assert [(h.branch, h.head) for h in route.hops] == [("attention", None)]
+
+
+def test_another_blocks_projection_in_the_same_layer_is_not_read_as_this_blocks() -> None:
+    """With only one kind of block of a decoder layer given (GPT-2's cross-attention, BART's
+    self-attention), the other block's projections lie inside the same layer module: they were
+    read as the given block's own (a self-attention query as the cross-attention's key, trial
+    64). A projection counts for a block only inside it."""
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(
+        vocab_size=40, n_embd=32, n_layer=1, n_head=4, n_positions=32, add_cross_attention=True
+    )
+    layer = transformers.GPT2Model(config).h[0]
+    layers = [
+        AttentionLayer(
+            "h.0.crossattention", layer.crossattention, layer.crossattention.c_proj, 4, 8
+        )
+    ]
+    steps = [
+        _step("h.0.attn.c_attn", (0, 1, 3)),  # the self-attention's query, unit 3
+        _step("h.0.attn", (0, 0, 1, 3)),
+        _step("h.0.attn.c_proj", (0, 1, 5)),
+        _step("h.0", (0, 1, 5)),
+        _step("h.0.mlp.c_fc", (0, 1, 7)),
+    ]
+    (route,) = layer_routes([SemiringPath("x", (0, 1, 2), -1.0, steps)], layers)
+    assert [(h.branch, h.head) for h in route.hops] == [("residual", None)]

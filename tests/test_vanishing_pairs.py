@@ -103,3 +103,18 @@ def test_ordinary_rows_keep_the_o_n_form() -> None:
     assert _rows_with_vanishing_pairs(probs, None) is None
     far = torch.softmax(torch.tensor([[0.0, 100.0, 500.0], [1.0, 2.0, 3.0]], dtype=F64), -1)
     assert _rows_with_vanishing_pairs(far, None).tolist() == [0]
+
+
+@pytest.mark.parametrize("name", ["boolean", "log_count", "log_sum"])
+def test_a_nan_in_another_row_does_not_switch_the_cut_off(name: str) -> None:
+    """The check reads the smallest log-probability of the whole batch: one NaN row made it
+    NaN, and every other row kept its vanishing pairs (trial 64)."""
+    values = {}
+    for other_row in ([0.0, 1.0, 2.0], [0.0, float("nan"), 2.0]):
+        scores = torch.tensor([SCORES], dtype=F64, requires_grad=True)
+        other = torch.tensor([other_row], dtype=F64, requires_grad=True)
+        root = torch.softmax(torch.cat([scores, other]), -1)[0, 0]
+        values[len(values)] = semipack.grad(root, [scores, other], SEMIRINGS[name]())[0]
+    assert torch.equal(values[0], values[1])
+    second = values[1][0, 1].item()
+    assert second is False if name == "boolean" else second == -float("inf")

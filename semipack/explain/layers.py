@@ -1063,6 +1063,10 @@ def _projection(step: PathStep, spec: AttentionLayer) -> tuple[str, int] | None:
     GPTBigCode's packs them per head, or (multi-query) the query's heads then one key and one
     value head; DeBERTa's (v1) ``in_proj`` packs them per head."""
     name = step.module or ""
+    if not _in_module(name, spec.name):
+        # another block's projection in the same layer (a decoder's cross-attention when only
+        # its self-attention is given, trial 64) is no projection of this one
+        return None
     unit = int(step.index[-1])
     if name == spec.name + ".q_attn":  # GPT-2's cross-attention: the query's own projection
         return "query", unit // spec.head_dim

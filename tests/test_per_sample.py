@@ -135,7 +135,9 @@ class ComputedFromParameters(nn.Module):
     negated, reshaped and scaled shift, a pruned weight (``weight_orig * mask``, a forward
     pre-hook) and a weight used transposed by F.linear; squeezed, unsqueezed and expanded
     parameters (Mamba's ``conv1d.weight.squeeze(1)``; an expand that broadcasts one entry to
-    every token: its row is the semiring sum over them; these were refused, trial 60)."""
+    every token: its row is the semiring sum over them; these were refused, trial 60), also
+    ``expand_as`` of a tensor computed from the input, which gives the shape only (refused,
+    trial 62)."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -146,12 +148,14 @@ class ComputedFromParameters(nn.Module):
         self.column = nn.Parameter(1.0 + 0.2 * torch.randn(1, 4))
         self.lift = nn.Parameter(torch.randn(4, 1))
         self.squeezed = nn.Parameter(torch.randn(1, 4, 1))
+        self.offset = nn.Parameter(torch.randn(1, 4))  # expand_as(h[0]): h gives the shape
         self.tied = nn.Parameter(torch.randn(4, 5))
         self.out = nn.Linear(5, 2)
 
     def forward(self, x):
         h = self.inp(x) * (1.0 + self.gain.clone()) * self.column.expand(x.shape[1], 4)
         h = h + self.lift.squeeze(-1).unsqueeze(0).squeeze(0) - self.squeezed.squeeze()
+        h = h + self.offset.expand_as(h[0])
         h = torch.tanh(h - (-self.shift.t()).reshape(4) / 3)
         return self.out(torch.tanh(F.linear(h, self.tied.t())))
 
@@ -600,6 +604,28 @@ def test_parameter_spanning_the_batch_refused():
         nn.Sequential(nn.Linear(3, 4), PerRow()),
         (torch.randn(5, 3),),
         r"a parameter of shape \(5, 4\) spans the batch dim of an output of shape \(5, 4\)",
+    )
+
+
+def test_a_bias_expanded_as_the_batched_input_is_refused_as_spanning_the_batch():
+    """``b.view(1, C, 1, 1).expand_as(h)`` broadcasts the bias over the batch dim too: its
+    value spans the batch, refused as ``p.expand(N, ...)`` is (the refusal had said the
+    expand has no per-sample rule, trial 62)."""
+
+    class ExpandedBias(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.conv = nn.Conv2d(2, 3, 3)
+            self.bias = nn.Parameter(torch.randn(3))
+
+        def forward(self, x):
+            h = self.conv(x)
+            return torch.tanh(h + self.bias.view(1, 3, 1, 1).expand_as(h)).flatten(1)
+
+    _refused(
+        ExpandedBias(),
+        (torch.randn(4, 2, 6, 6),),
+        r"a parameter of shape \(4, 3, 4, 4\) spans the batch dim of an output of shape",
     )
 
 

@@ -230,6 +230,14 @@ class BatchedTensors:
         the buffer unchanged); an indexed assignment writes the batch into its target."""
         if not self._tensors:
             return
+        if (
+            call_name(func) in _SHAPED_LIKE_OTHER
+            and args
+            and isinstance(args[0], Tensor)
+            and self.batch_dim(args[0]) is NOT_HELD
+            and not self.marks(args[0])
+        ):
+            return  # p.expand_as(h): h gives the shape only, nothing of the batch
         given = [t for t in tree_leaves((args, kwargs)) if isinstance(t, Tensor)]
         held = [(t, d) for t in given if (d := self.batch_dim(t)) is not NOT_HELD]
         marked = [(t, m) for t in given if (m := self.marks(t))]
@@ -698,6 +706,9 @@ def misplaced_batch(func: Any, args: tuple, kwargs: dict, batched: BatchedTensor
 #: Calls whose result's shape comes from their arguments, not from the tensor they are
 #: called on (``x.new_zeros(n, d)``): the result holds nothing of the batch.
 _SHAPED_BY_ARGUMENTS = frozenset(("new_zeros", "new_ones", "new_empty", "new_full"))
+#: Calls that read only the shape or dtype of their second tensor (``p.expand_as(h)``): a
+#: result of a first tensor without the batch holds nothing of it.
+_SHAPED_LIKE_OTHER = frozenset(("expand_as", "view_as", "reshape_as", "type_as"))
 
 
 def _keep_factors(func: Any, args: tuple, result: Any) -> None:

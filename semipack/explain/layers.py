@@ -950,17 +950,13 @@ def layer_routes(paths: Sequence[Path], layers: Sequence[AttentionLayer]) -> lis
             # blocks (self- and cross-attention) keeps each block's steps to that block, which
             # holds its residual add (BERT's decoder layers)
             owner = owners[i] if owners.count(owners[i]) == 1 else spec.name
-            inside = [
-                s for s in path.steps
-                if s.module and (s.module == owner or s.module.startswith(owner + "."))
-                and len(s.index) == 3
-            ]  # fmt: skip
+            inside = [s for s in path.steps if _in_module(s.module, owner) and len(s.index) == 3]
             if not inside and owner != owners[i]:
                 inside = _shared_layer_residual(path.steps, i, layers, owners)
             if not inside:
                 continue
-            projection = next((s for s in inside if _projection(s, spec) is not None), None)
-            if projection is None:
+            found = next(((s, p) for s in inside if (p := _projection(s, spec)) is not None), None)
+            if found is None:
                 # per-head steps inside the block ([batch, head, query, dim]) without a
                 # projection it can read (a fused one of another layout): through attention,
                 # branch unknown; none: the residual (BERT's add and norm are in the block)
@@ -970,7 +966,7 @@ def layer_routes(paths: Sequence[Path], layers: Sequence[AttentionLayer]) -> lis
                 branch, head = "attention" if through else "residual", None
                 token_in = inside[0].index[1]
             else:
-                branch, head = _projection(projection, spec)
+                projection, (branch, head) = found
                 token_in = projection.index[1]
             hops.append(
                 LayerHop(i, int(token_in), int(inside[-1].index[1]), branch, head, labels[i])
@@ -1074,7 +1070,7 @@ def _projection(step: PathStep, spec: AttentionLayer) -> tuple[str, int] | None:
         # GPT-2's cross-attention: c_attn makes [key | value] of the encoder's states
         width = spec.num_heads * spec.head_dim
         return BRANCH_ORDER[1 + unit // width], (unit % width) // spec.head_dim
-    if name.endswith(".c_attn") and name.startswith(spec.name + "."):
+    if name.endswith(".c_attn"):
         width, head_dim = spec.num_heads * spec.head_dim, spec.head_dim
         layout = _fused_layout(spec.block)
         if layout == "per head":
@@ -1095,7 +1091,7 @@ def _projection(step: PathStep, spec: AttentionLayer) -> tuple[str, int] | None:
             return "query", unit // spec.head_dim
         part, offset = divmod(unit - width, kv_width)
         return BRANCH_ORDER[1 + part], offset // spec.head_dim
-    if name.endswith(".in_proj") and name.startswith(spec.name + "."):
+    if name.endswith(".in_proj"):
         # DeBERTa (v1): the output is viewed as [heads, 3 * head_dim] and chunked in three,
         # so each head's query, key and value units sit together
         head, part = divmod(unit, 3 * spec.head_dim)

@@ -62,8 +62,8 @@ def _rows_with_vanishing_pairs(probs: Tensor, log_probs: Tensor | None) -> Tenso
         return None
     lp = probs.log() if log_probs is None else log_probs.to(probs.dtype)
     # entries without an edge (-inf) and NaN entries (another row's NaN must not switch the
-    # check off for every row: amin would be NaN) do not count
-    finite = lp.masked_fill((lp == -math.inf) | lp.isnan(), math.inf)
+    # check off for every row: amin would be NaN) do not count: one pass sets both to +inf
+    finite = lp.nan_to_num(nan=math.inf, neginf=math.inf)
     if not bool(2 * finite.amin() < NO_EDGE_LOG):  # every pair far above: nothing to cut
         return None
     smallest = finite.topk(2, dim=-1, largest=False).values.sum(-1)

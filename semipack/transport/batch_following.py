@@ -230,8 +230,9 @@ class BatchedTensors:
         the buffer unchanged); an indexed assignment writes the batch into its target."""
         if not self._tensors:
             return
+        name = call_name(func)
         if (
-            call_name(func) in _SHAPED_LIKE_OTHER
+            name in _SHAPED_LIKE_OTHER
             and args
             and isinstance(args[0], Tensor)
             and self.batch_dim(args[0]) is NOT_HELD
@@ -258,7 +259,6 @@ class BatchedTensors:
             self._saw_write(args[0])
             self._wrote_through_view(args[0], "__setitem__")
             return
-        name = call_name(func)
         if name == "new_tensor":  # x.new_tensor(data): a copy of data
             self._follow_copy(args[1] if len(args) > 1 else kwargs.get("data"), result, name)
             return

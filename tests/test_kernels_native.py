@@ -133,6 +133,7 @@ def prune_everything(monkeypatch):
     monkeypatch.setattr(tropical, "PRUNE_MIN_K", 1)
     monkeypatch.setattr(tropical, "PRUNE_MAX_KEPT", 10.0)
     monkeypatch.setattr(tropical, "PRUNE_MIN_COLS", 1)
+    monkeypatch.setattr(tropical, "PRUNE_ESTIMATE_SHARE", float("inf"))
 
 
 @pytest.mark.parametrize("orientation", ["direct", "transposed"])
@@ -464,6 +465,26 @@ def test_products_with_few_output_columns_are_not_pruned(monkeypatch):
     wide = torch.randn(8192, 300, generator=g) * 8  # 300 columns: the direct orientation is tried
     tropical.maxplus(a, wide)
     assert calls == [torch.Size([8192, 300])]
+
+
+def test_an_estimate_costing_much_of_the_product_is_skipped(monkeypatch):
+    """A Linear(16, 72) input message over 6272 rows, [6272, 72] x [72, 16]: the direct
+    orientation has 16 columns (never pruned), and the transposed one's estimate would read 32
+    candidates of 8 of its 16 rows over all 6272 columns, a fifth of the product: neither is
+    estimated, the dense kernel gives the definition's values. A product with a long ``k`` and
+    as few rows is still estimated (the sample is a small share of it)."""
+    calls = []
+    estimate = tropical.kept_fraction
+    monkeypatch.setattr(
+        tropical, "kept_fraction", lambda a, b: calls.append(tuple(a.shape)) or estimate(a, b)
+    )
+    g = torch.Generator().manual_seed(6)
+    a, b = torch.randn(6272, 72, generator=g) * 8, torch.randn(72, 16, generator=g) * 8
+    assert torch.equal(tropical.maxplus(a, b), (a[:, :, None] + b[None]).amax(1))
+    assert calls == []
+    long_k = torch.randn(16, 8192, generator=g) * 8, torch.randn(8192, 300, generator=g) * 8
+    assert torch.equal(tropical.maxplus(*long_k), (long_k[0][:, :, None] + long_k[1][None]).amax(1))
+    assert calls == [(16, 8192)]
 
 
 @pytest.mark.parametrize("n", [256, 1500])

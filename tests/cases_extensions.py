@@ -148,6 +148,24 @@ CASES = [
         lambda: (seeded_leaf(2, 4, 4),),
         "ConvFunctionBackward",
     ),
+    Case(  # "same" with an even kernel: PyTorch adds one zero on the right (trial 66)
+        "conv2d_same_even_kernel",
+        _seeded(lambda: nn.Conv2d(2, 3, (4, 3), padding="same", dilation=(1, 2))),
+        lambda: (seeded_leaf(2, 2, 6, 5),),
+        "ConvFunctionBackward",
+    ),
+    Case(
+        "conv2d_same_unbatched",
+        _seeded(lambda: nn.Conv2d(2, 2, 2, padding="same")),
+        lambda: (seeded_leaf(2, 4, 3),),
+        "ConvFunctionBackward",
+    ),
+    Case(
+        "conv1d_valid",
+        _seeded(lambda: nn.Conv1d(3, 2, 2, padding="valid")),
+        lambda: (seeded_leaf(2, 3, 5),),
+        "ConvFunctionBackward",
+    ),
     Case(
         "layer_norm",
         _seeded(lambda: nn.LayerNorm(6)),

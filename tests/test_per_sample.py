@@ -12,6 +12,7 @@ Oracles, all independent of the per-sample code:
 from __future__ import annotations
 
 import dataclasses
+import re
 
 import pytest
 import torch
@@ -91,6 +92,31 @@ def _conv2d():
 def _conv1d():
     model = nn.Sequential(nn.Conv1d(2, 3, 3, stride=2), nn.Tanh(), nn.Flatten(), nn.Linear(9, 2))
     return model, (torch.randn(3, 2, 7),)
+
+
+def _conv_padding_words():
+    """padding="same" (an even kernel: one more zero on the right; a dilated one) and "valid"
+    (SigLIP's patch embedding): refused as a call without a per-sample rule before trial 66."""
+    model = nn.Sequential(
+        nn.Conv2d(2, 3, 4, padding="same"), nn.ReLU(),
+        nn.Conv2d(3, 2, (2, 3), padding="same", dilation=(3, 2)), nn.Tanh(),
+        nn.Conv2d(2, 2, 3, padding="valid"), nn.Conv1d(2, 2, 2, padding="same"), nn.Flatten(),
+        nn.Linear(2 * 3 * 3, 2),
+    )  # fmt: skip
+    return _ImagesAsRows(model), (torch.randn(3, 2, 5, 5),)
+
+
+class _ImagesAsRows(nn.Module):
+    """Runs ``layers[:5]`` on images, then the Conv1d on each image's rows as positions."""
+
+    def __init__(self, layers: nn.Sequential) -> None:
+        super().__init__()
+        self.layers = layers
+
+    def forward(self, x):
+        h = self.layers[:5](x)  # [N, 2, 3, 3]
+        h = self.layers[5](h.flatten(2))  # [N, 2, 9]: Conv1d with "same" padding
+        return self.layers[7](h.flatten(1))
 
 
 def _tokens():
@@ -198,6 +224,7 @@ MODELS = {
     "sequence_mlp": _sequence_mlp,
     "conv2d_groups": _conv2d,
     "conv1d": _conv1d,
+    "conv_padding_words": _conv_padding_words,
     "embedding_layernorm": _tokens,
     "multihead_attention": _attention,
     "encoder_layer": _encoder_layer,
@@ -1895,3 +1922,15 @@ def test_an_empty_batch_has_empty_rows(layers, shape) -> None:
         model(torch.randn(shape, dtype=torch.float64)).sum().backward()
     for p in model.parameters():
         assert p.semiring_grad_batch.shape == (0, *p.shape)
+
+
+def test_a_padding_word_pytorch_refuses_is_refused_as_plain():
+    """ "same" with a stride and an unknown word raise PyTorch's own errors inside ``extend``."""
+    x = torch.randn(1, 2, 5, 5)
+    for conv in (nn.Conv2d(2, 2, 3, stride=2), nn.Conv2d(2, 2, 3)):
+        conv.padding = "same" if conv.stride == (2, 2) else "full"
+        with pytest.raises((ValueError, RuntimeError)) as plain:
+            conv(x)
+        refused = pytest.raises(type(plain.value), match=re.escape(str(plain.value)))
+        with semipack.extend(conv, semipack.MaxProd(), per_sample=True), refused:
+            conv(x)

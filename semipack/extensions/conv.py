@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -54,7 +55,7 @@ def conv_per_sample(
 
 @per_sample_rule
 class ConvFunction(ExtensionFunction):
-    """(x, W, b) -> conv(x, W) + b; x: [batch, channels, *spatial], options: ConvGeometry."""
+    """(x, W, b) -> conv(x, W) + b; x: [batch, channels, *spatial], options: ConvOptions."""
 
     reads = (0, 1)
     read_for = staticmethod(bilinear_reads)
@@ -62,20 +63,67 @@ class ConvFunction(ExtensionFunction):
     @classmethod
     def per_sample(cls, call: BackwardCall) -> list[State | None]:
         x, weight, _ = call.inputs
+        options: ConvOptions = call.options
         m_w, m_b = conv_per_sample(
-            call.semiring, call.incoming[0], x, weight, call.options, call.needs
+            call.semiring, call.incoming[0], options.padded(x), weight, options.geometry, call.needs
         )
         return [None, m_w, m_b]
 
     @staticmethod
     def messages(call: BackwardCall) -> tuple[State | None, ...]:
         x, weight, _ = call.inputs
-        return conv_messages(call.semiring, call.incoming[0], x, weight, call.options, call.needs)
+        options: ConvOptions = call.options
+        m_x, m_w, m_b = conv_messages(
+            call.semiring, call.incoming[0], options.padded(x), weight, options.geometry, call.needs
+        )
+        return options.cropped(m_x, x.shape[2:]), m_w, m_b
 
     @staticmethod
     def sites(out: Tensor) -> Sites:
         names = ("position",) if out.dim() == 3 else ("row", "column")
         return (("output", ("batch", "channel", *names)),)
+
+
+def _padding_numbers(
+    weight: Tensor,
+    padding: str,
+    stride: int | Sequence[int],
+    dilation: int | Sequence[int],
+    spatial: int,
+) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
+    """``padding="valid"`` or ``"same"`` as numbers: (each side's padding per dim, one more zero
+    on the right per dim), as PyTorch's convolution pads. "valid" is none; "same" pads
+    ``dilation * (kernel - 1)`` per dim, half on each side and the odd one on the right. None
+    for what PyTorch refuses ("same" with a stride, another word): the plain call raises."""
+    geometry = ConvGeometry.of(spatial, stride, 0, dilation)
+    if padding == "valid":
+        return (0,) * spatial, (0,) * spatial
+    if padding != "same" or any(s != 1 for s in geometry.stride):
+        return None
+    totals = [d * (k - 1) for d, k in zip(geometry.dilation, weight.shape[2:], strict=True)]
+    return tuple(t // 2 for t in totals), tuple(t % 2 for t in totals)
+
+
+@dataclass(frozen=True)
+class ConvOptions:
+    """A convolution's geometry, and the zeros PyTorch adds after the end of each spatial dim
+    before it (``padding="same"`` with an even kernel): the messages read the input padded so."""
+
+    geometry: ConvGeometry
+    right: tuple[int, ...] = ()
+
+    def padded(self, x: Tensor) -> Tensor:
+        """``x`` [N, C, *spatial] with the right-hand zeros."""
+        if not any(self.right):
+            return x
+        return F.pad(x, [p for r in reversed(self.right) for p in (0, r)])
+
+    def cropped(self, state: State | None, spatial: Sequence[int]) -> State | None:
+        """The input's message without the entries of the right-hand zeros (no input entry)."""
+        if state is None or not any(self.right):
+            return state
+        window = (slice(None), slice(None), *(slice(0, n) for n in spatial))
+        return tuple(p[window].contiguous() for p in state)
 
 
 def _conv_handler(conv: Callable[..., Tensor], spatial: int) -> Callable[..., Tensor]:
@@ -91,15 +139,21 @@ def _conv_handler(conv: Callable[..., Tensor], spatial: int) -> Callable[..., Te
         def plain(x: Tensor, w: Tensor, b: Tensor | None) -> Tensor:
             return conv(x, w, b, stride, padding, dilation, groups)
 
-        # String padding ("same") may pad asymmetrically: the generic path handles it.
-        if isinstance(padding, str) or not wants_graph(input, weight, bias):
+        if not wants_graph(input, weight, bias):
             return plain(input, weight, bias)
         if input.dim() == spatial + 1:  # unbatched input
             return handler(
                 input.unsqueeze(0), weight, bias, stride, padding, dilation, groups
             ).squeeze(0)
-        geometry = ConvGeometry.of(spatial, stride, padding, dilation, groups)
-        return ConvFunction.run(plain, [input, weight, bias], geometry)
+        numbers, right = padding, ()
+        if isinstance(padding, str):  # SigLIP's patch embedding is padding="valid" (trial 66:
+            # it took the generic path, which has no per-sample rule); ``plain`` keeps the word
+            found = _padding_numbers(weight, padding, stride, dilation, spatial)
+            if found is None:  # PyTorch refuses it: its own error
+                return plain(input, weight, bias)
+            numbers, right = found
+        geometry = ConvGeometry.of(spatial, stride, numbers, dilation, groups)
+        return ConvFunction.run(plain, [input, weight, bias], ConvOptions(geometry, right))
 
     handler.__doc__ = f"``{conv.__name__}`` inside ``extend``: one fused semiring backward."
     return handler

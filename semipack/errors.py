@@ -45,6 +45,8 @@ class SemipackError(RuntimeError):
 
 #: How a reason ends when the rule that ran is at fault, not a missing one.
 RULE_DEFECT = "(a defect in the rule)"
+#: How a reason ends when no rule could exist: the op makes or takes complex values.
+COMPLEX_VALUES = "(semiring values are defined on real local derivatives)"
 
 
 class UnsupportedOpError(SemipackError):
@@ -86,6 +88,8 @@ class UnsupportedOpError(SemipackError):
                 "makes sparse gradients. Build it with sparse=False to run it inside "
                 "semipack.extend."
             )
+        elif reason.endswith(COMPLEX_VALUES):  # nothing to register
+            message = f"semipack cannot carry {op} {where}{origin}: {reason}."
         elif reason.endswith(RULE_DEFECT):  # a rule ran and returned something wrong
             message = (
                 f"the semiring rule for {op} {where}{origin}: {reason}. Fix that rule (see "

@@ -806,6 +806,31 @@ def test_complex_tensors_are_refused() -> None:
         semipack.grad((z * 2).sum(), z, semipack.MaxProd())
 
 
+@pytest.mark.parametrize(
+    "complex_step",
+    [
+        lambda x: torch.fft.fft(x, dim=0).real,  # FNet's token mixing
+        lambda x: torch.fft.rfft(x, dim=1).imag,
+        lambda x: torch.view_as_real(torch.view_as_complex(x)),
+        lambda x: torch.polar(x.abs() + 1, x).real,
+    ],
+)
+def test_a_real_graph_through_complex_values_is_refused_as_complex(complex_step) -> None:
+    """Real input, complex values inside, real output: the error says the graph is complex and
+    suggests no rule to register (trial 66: it named view_as_complex and suggested registering a
+    rule for it, which cannot work)."""
+    x = torch.randn(4, 2, dtype=torch.float64, requires_grad=True)
+    with (
+        pytest.raises(semipack.UnsupportedOpError) as refused,
+        semipack.extend(None, semipack.MaxProd()),
+    ):
+        complex_step(x).pow(2).sum().backward()
+    message = str(refused.value)
+    assert "semipack refuses complex graphs" in message
+    assert "register" not in message.lower() and "hook" not in message
+    assert x.grad is None
+
+
 # --- empty and odd shapes ------------------------------------------------------------------------
 
 

@@ -22,6 +22,7 @@ from torch._ops import OpOverload
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from ..errors import (
+    COMPLEX_VALUES,
     RULE_DEFECT,
     MessageLostError,
     SemipackError,
@@ -151,6 +152,14 @@ def unsupported(func: OpOverload, reason: str = "") -> UnsupportedOpError:
             "(set them up inside the block, where they see regular gradients), or through a "
             ".grad read after semipack.grad"
         )
+    if not reason and _makes_complex(func):
+        reason = (
+            "it makes complex values from the message (the backward of a complex tensor's "
+            "real view: an FFT, torch.view_as_complex, torch.complex or torch.polar in the "
+            "forward, or a tensor's .real / .imag). semipack refuses complex graphs: write "
+            "the model's complex arithmetic with real tensors (real and imaginary parts) to "
+            f"analyse it {COMPLEX_VALUES}"
+        )
     if node == MODULE_HOOK_NODE and not reason:
         reason = (
             "a module backward hook received a semiring message: semipack's passes show module "
@@ -167,6 +176,13 @@ def unsupported(func: OpOverload, reason: str = "") -> UnsupportedOpError:
     return UnsupportedOpError(
         str(func), node, module, reason, root_class() if module == "" else None
     )
+
+
+def _makes_complex(func: OpOverload) -> bool:
+    """Whether ``func`` returns a complex tensor from real ones, by its schema's name (the
+    backward of ``view_as_real`` is ``view_as_complex``; FFTs of real input run ``_fft_r2c``)."""
+    name = func.name()
+    return any(word in name for word in ("view_as_complex", "complex", "polar", "_fft_r2c"))
 
 
 def _is_custom_function(node: str) -> bool:

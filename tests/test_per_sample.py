@@ -494,9 +494,44 @@ def test_bert_position_ids_broadcast_refused():
     ids = torch.tensor([[1, 5, 7, 2], [1, 9, 2, 0]])
     with semipack.extend(model.eval(), semipack.MaxProd(), per_sample=True):
         loss = model(ids).last_hidden_state.sum()
-        with pytest.raises(PerSampleError, match=r"'embeddings.position_embeddings.weight' \(1\)"):
+        with pytest.raises(
+            PerSampleError, match=r"'embeddings.position_embeddings.weight' \(1\)"
+        ) as e:
             loss.backward()
+    assert "pass position_ids of shape [N, T]" in str(e.value)
+    assert "bucket table" not in str(e.value)
     assert all(p.grad is None for p in model.parameters())  # nothing written
+
+
+class _RelativeBias(nn.Module):
+    """A bias looked up from a [T, T] table of relative positions (T5's and MPNet's buckets),
+    added to scores [N, T, T]: the table holds no examples."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(3, 3)
+        self.bias = nn.Embedding(9, 1)
+
+    def forward(self, x):
+        t = x.shape[1]
+        buckets = torch.arange(t)[None, :] - torch.arange(t)[:, None] + 4
+        h = self.proj(x)
+        return (h @ h.transpose(1, 2) + self.bias(buckets)[..., 0]).softmax(-1).sum((1, 2))
+
+
+def test_a_relative_position_table_is_named_as_the_cause():
+    """With T != N the table's rows have T entries where the others have N: the refusal names
+    a table built from positions (trial 66: MPNet's said to pass position_ids [N, T], which
+    changed nothing)."""
+    model = _RelativeBias().double()
+    with semipack.extend(model, semipack.Real(), per_sample=True):
+        loss = model(torch.randn(2, 5, 3, dtype=torch.float64)).sum()
+        with pytest.raises(PerSampleError) as refused:
+            loss.backward()
+    message = str(refused.value)
+    assert "most parameters saw a batch of 2 examples, but 'bias.weight' (5) did not" in message
+    assert "relative-position bucket table" in message and "position_ids" not in message
+    assert all(p.grad is None for p in model.parameters())
 
 
 def test_product_rows_per_factor():

@@ -418,16 +418,12 @@ class PerSampleRows:
         sizes = [self.rows[id(p)][0].shape[0] for p in params]
         if len(set(sizes)) > 1:
             batch = max(set(sizes), key=sizes.count)
-            odd = ", ".join(
-                f"'{self.names[id(p)]}' ({n})"
-                for p, n in zip(params, sizes, strict=True)
-                if n != batch
-            )
+            odd = [(p, n) for p, n in zip(params, sizes, strict=True) if n != batch]
+            named = ", ".join(f"'{self.names[id(p)]}' ({n})" for p, n in odd)
             raise PerSampleError(
-                f"per-sample values: most parameters saw a batch of {batch} examples, but {odd} "
-                "did not: they were used on a tensor whose dim 0 is not the batch. A lookup "
-                "broadcast over the batch (Hugging Face position embeddings: pass position_ids "
-                "of shape [N, T]) or a sequence-first layout (put the batch first)"
+                f"per-sample values: most parameters saw a batch of {batch} examples, but "
+                f"{named} did not: they were used on a tensor whose dim 0 is not the batch. "
+                + _why_not_the_batch({n for _, n in odd})
             )
         if sizes and batches and sizes[0] not in batches:
             inputs = " or ".join(str(n) for n in sorted(batches))
@@ -454,6 +450,26 @@ class PerSampleRows:
                 (p, {SEMIRING_GRAD_BATCH: self.sr.readout(rows), SEMIRING_STATE_BATCH: state})
             )
         return out
+
+
+def _why_not_the_batch(sizes: set[int]) -> str:
+    """The likely causes of layer inputs whose dim 0 has one of ``sizes`` instead of the
+    batch's: a dim 0 of 1 is a lookup shared by the batch, any other one a table or layout
+    that is not split by example (trial 66: MPNet's bucket table was told to pass position ids,
+    which changed nothing)."""
+    causes = []
+    if 1 in sizes:
+        causes.append(
+            "A dim 0 of 1: a lookup broadcast over the batch (Hugging Face position "
+            "embeddings: pass position_ids of shape [N, T])"
+        )
+    if sizes - {1}:
+        causes.append(
+            "Another size: a table the model builds from positions rather than from its input "
+            "(a relative-position bucket table [T, T], as T5 and MPNet build: such a layer has "
+            "no per-sample rows), or a sequence-first layout (put the batch first)"
+        )
+    return "; ".join(causes)
 
 
 def _disagree(name: str, a: int, b: int) -> PerSampleError:

@@ -121,12 +121,17 @@ def test_mistakes_say_what_to_do() -> None:
         pass
     with pytest.raises(TypeError, match="splits at a module or a tensor"), semipack.branches("b"):
         pass
-    top = pytest.raises(semipack.SemipackError, match="cannot carry TopPath branches down")
-    with top, semipack.extend(net, semipack.TopPath()):
-        with semipack.branches(net.block, inputs=[x]):
-            out = net(x)
-        _loss(out).backward()
-    assert x.grad is None  # the failed pass left nothing behind
+    for recording in (semipack.TopPath(), semipack.KBest(2)):  # KBest's was named TopPath
+        kind = type(recording).__name__
+        top = pytest.raises(
+            semipack.SemipackError,
+            match=f"cannot carry {kind} branches down .*; read {kind} at the split tensor",
+        )
+        with top, semipack.extend(net, recording):
+            with semipack.branches(net.block, inputs=[x]):
+                out = net(x)
+            _loss(out).backward()
+        assert x.grad is None  # the failed pass left nothing behind
     leaf = torch.ones(4, 3, dtype=F64, requires_grad=True)
     below_leaf = pytest.raises(semipack.SemipackError, match="which is a leaf here")
     split = semipack.branches(leaf, inputs=[x])
@@ -226,14 +231,18 @@ def test_a_split_whose_forward_records_no_graph_says_why() -> None:
     cause = "reentrant activation checkpoint"
     with semipack.extend(net, semipack.MaxProd()):
         h = torch.tanh(net.emb(x))
-        unused = pytest.raises(semipack.SemipackError, match=f"used only where.*{cause}")
-        with unused, semipack.branches(net.block):  # h requires grad; its uses record nothing
-            checkpoint(net.block, h, use_reentrant=True)
-        no_grad_input = pytest.raises(
-            semipack.SemipackError, match=f"Linear's input does not.*{cause}"
-        )
-        with no_grad_input, semipack.branches(net.block.v):  # input made in the checkpoint
-            checkpoint(lambda t: net.block.v(t * 2), h, use_reentrant=True)
+        for module, run in (
+            (net.block, lambda: checkpoint(net.block, h, use_reentrant=True)),
+            # an input made in the checkpoint
+            (net.block.v, lambda: checkpoint(lambda t: net.block.v(t * 2), h, use_reentrant=True)),
+        ):
+            name = type(module).__name__
+            without_grad = pytest.raises(
+                semipack.SemipackError,
+                match=f"{name} was called only where autograd records nothing.*{cause}",
+            )
+            with without_grad, semipack.branches(module):
+                run()
         unused = pytest.raises(semipack.SemipackError, match="used only where")
         with unused, torch.no_grad(), semipack.branches(h):
             net.block(h)
@@ -438,3 +447,123 @@ def test_a_checkpoints_recomputation_is_not_a_second_call() -> None:
     with twice as caught, semipack.extend(net, semipack.MaxProd()), semipack.branches(net.block):
         net.block(net.block(torch.tanh(net.emb(x))))
     assert caught[0].filename == __file__
+
+
+# --- trial 67: micro-batches, forwards without grad, listed inputs, touches --------------------
+
+
+def _copies_oracle(net: Net, x: Tensor, sr: semipack.Semiring) -> dict[str, Tensor]:
+    """Each use of the block's input as a leaf of its own: its value is that use's branch."""
+    h = torch.tanh(net.emb(x)).detach()
+    copies = {use: h.clone().requires_grad_() for use in USES}
+    with semipack.extend(net, sr):
+        _loss(net.block(h, copies)).backward()
+    return {use: c.semiring_grad for use, c in copies.items()}
+
+
+def test_a_module_called_again_after_a_backward_is_split_afresh() -> None:
+    """Gradient accumulation inside one block (forward, backward, forward, backward): each
+    backward replaces ``semiring_grad``, and the split follows it: the values are the last
+    micro-batch's, with no "called 2 times" warning (trial 67: the first call stayed split,
+    so a Monitor's flow shares were the first micro-batch's and its other values the last's).
+    Forwards under torch.no_grad (validation) are no calls of the split module."""
+    net = _net()
+    x1, x2 = _x(), (_x() * 0.5 + 0.25).detach().requires_grad_()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with semipack.extend(net, semipack.MaxProd()), semipack.branches(net.block) as split:
+            with torch.no_grad():
+                net(x2)  # validation before the step's forwards
+            _loss(net(x1)).backward()
+            with torch.no_grad():
+                net(x1)  # and between them
+            _loss(net(x2)).backward()
+    assert split.calls == 1 and split.names == list(USES)
+    want = _copies_oracle(net, x2, semipack.MaxProd())
+    assert set(split.values) == set(USES)
+    for use in USES:
+        torch.testing.assert_close(split.values[use], want[use], rtol=1e-12, atol=0)
+    # carried down to the input: the second micro-batch's, as a block with it alone gives
+    with semipack.extend(net, semipack.LogSum()):
+        with semipack.branches(net.block, inputs=[x1]) as first:
+            _loss(net(x1)).backward()
+        with semipack.branches(net.block, inputs=[x2]) as both:
+            _loss(net(x1)).backward()
+            _loss(net(x2)).backward()
+        with semipack.branches(net.block, inputs=[x2]) as alone:
+            _loss(net(x2)).backward()
+    assert set(first.at_inputs) == set(both.at_inputs) == set(alone.at_inputs) == set(USES)
+    for use in USES:
+        torch.testing.assert_close(both.at_inputs[use][0], alone.at_inputs[use][0], rtol=0, atol=0)
+        assert not torch.equal(both.at_inputs[use][0], first.at_inputs[use][0])
+
+
+def test_a_module_called_only_without_grad_is_named_so() -> None:
+    net = _net()
+    without_grad = pytest.raises(
+        semipack.SemipackError, match="Block was called only where autograd records nothing"
+    )
+    block = semipack.branches(net.block)
+    with without_grad, semipack.extend(net, semipack.MaxProd()), block, torch.no_grad():
+        net(_x())
+
+
+class _CatLayer(nn.Module):
+    """Takes a list of features, as DenseNet's layers do."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(6, 3)
+
+    def forward(self, features: list[Tensor]) -> Tensor:
+        return self.lin(torch.cat(features, -1))
+
+
+def test_a_module_given_a_list_is_split_at_its_first_tensor() -> None:
+    """Trial 67: a module whose first argument is a list (DenseNet's ``_DenseLayer``) read as
+    never called. The split is the list's first tensor; its uses after the call are branches,
+    each equal to the value of its use alone (the others detached)."""
+    torch.manual_seed(0)
+    emb, layer = nn.Linear(2, 3).double(), _CatLayer().double()
+    x = _x()
+
+    def forward(detach: str | None = None) -> tuple[Tensor, Tensor]:
+        h = torch.tanh(emb(x))
+        if detach is None:
+            return h, layer([h, 2 * torch.tanh(emb(x))]).sum(-1) + h.sum(-1)
+        keep = h.detach().requires_grad_() if detach == "layer" else h
+        other = h.detach().requires_grad_() if detach == "add" else h
+        return h, layer([keep, 2 * torch.tanh(emb(x))]).sum(-1) + other.sum(-1)
+
+    with semipack.extend(nn.ModuleList([emb, layer]), semipack.MaxProd()):
+        with semipack.branches(layer) as split:
+            h, out = forward()
+        _loss(out).backward()
+    assert split.split is h and split.ops == {"1": "cat", "<outside the model>": "sum"}
+    values = split.values
+    for detached, use in (("add", split.names[0]), ("layer", split.names[1])):
+        with semipack.extend(nn.ModuleList([emb, layer]), semipack.MaxProd()):
+            h, out = forward(detached)
+            h.retain_grad()
+            _loss(out).backward()
+        torch.testing.assert_close(values[use], h.semiring_grad, rtol=1e-12, atol=0)
+
+
+def test_touches_that_add_no_edge_are_no_uses_before_the_module() -> None:
+    """``retain_grad``, ``detach``, ``isfinite`` and ``register_hook`` on the split tensor
+    before the module's call add no edge from it (trial 67: each was reported as a use whose
+    paths are in no branch)."""
+    net = _net()
+    x = _x()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with semipack.extend(net, semipack.MaxProd()), semipack.branches(net.block) as split:
+            h = torch.tanh(net.emb(x))
+            h.retain_grad()
+            assert torch.isfinite(h.detach()).all() and torch.isfinite(h).all()
+            h.register_hook(lambda g: None)
+            _loss(net.block(h)).backward()
+    assert split.used_before == [] and split.names == list(USES)
+    want = _copies_oracle(net, x, semipack.MaxProd())
+    for use in USES:
+        torch.testing.assert_close(split.values[use], want[use], rtol=1e-12, atol=0)

@@ -1530,3 +1530,42 @@ def test_another_blocks_projection_in_the_same_layer_is_not_read_as_this_blocks(
     ]
     route = _route(steps, layers)
     assert [(h.branch, h.head) for h in route.hops] == [("residual", None)]
+
+
+def test_a_guard_or_retain_grad_before_a_layer_is_no_use_of_its_input() -> None:
+    """A NaN guard (``torch.isfinite(h).all()``) or ``h.retain_grad()`` on a layer's input
+    before its attention block adds no edge: the layer is read as without them (trial 67:
+    explain_layers refused it as a use before the block)."""
+    torch.manual_seed(0)
+    layer = nn.TransformerEncoderLayer(8, 2, 16, dropout=0.0, batch_first=True)
+    model = nn.TransformerEncoder(layer, 2, enable_nested_tensor=False).double().eval()
+    x = torch.randn(1, 5, 8, dtype=torch.float64)
+
+    def target():
+        return model(x)[0, 2].sum()
+
+    plain = semipack.explain_layers(model, semipack.LogSum(), target)
+
+    retained: list[torch.Tensor] = []
+
+    def guard(module, args):
+        if not torch.isfinite(args[0]).all():
+            raise FloatingPointError("non-finite input")
+        if args[0].requires_grad:  # the first layer's input is the model's: no graph
+            args[0].retain_grad()
+            retained.append(args[0])
+
+    hooks = [m.register_forward_pre_hook(guard) for m in model.layers]
+    try:
+        guarded = semipack.explain_layers(model, semipack.LogSum(), target)
+    finally:
+        for h in hooks:
+            h.remove()
+    assert retained  # a retain_grad ran on a layer's input
+    for i in range(2):
+        torch.testing.assert_close(guarded.total[i], plain.total[i], rtol=0, atol=0)
+        assert guarded.branches[i].keys() == plain.branches[i].keys()
+        for name in plain.branches[i]:
+            torch.testing.assert_close(
+                guarded.branches[i][name], plain.branches[i][name], rtol=0, atol=0
+            )

@@ -234,6 +234,35 @@ def test_only_layers_the_backward_reaches_are_recorded() -> None:
     ]
 
 
+def test_split_shares_are_the_last_micro_batchs_and_skip_validation(tmp_path: Path) -> None:
+    """Gradient accumulation (two backwards in a step) with a forward under torch.no_grad
+    before and after them (validation): the flow shares are the last backward's, like the
+    other values (trial 67: they were the first micro-batch's; a validation forward first
+    raised, one after warned of a second call)."""
+    model = _model()
+    monitor = semipack.Monitor(model, every=1, splits={"res": model[2]}, tensorboard=False)
+    (x1, y1), (x2, y2) = _batches(2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with monitor.step(0):
+            with torch.no_grad():
+                model(x2)
+            for x, y in ((x1, y1), (x2, y2)):
+                nn.functional.cross_entropy(model(x), y).backward()
+            with torch.no_grad():
+                model(x1)
+    got = {r.layer: r.value for r in monitor.records if r.quantity == "flow_share"}
+    with semipack.extend(model, semipack.LogSum(), regular_grads=False):
+        with semipack.branches(model[2]) as split:
+            out = model(x2)
+        nn.functional.cross_entropy(out, y2).backward()
+    logs = {use: v.logsumexp((0, 1)) for use, v in split.values.items()}
+    whole = torch.stack(list(logs.values())).logsumexp(0)
+    assert set(got) == {f"res -> {use}" for use in logs}
+    for use, value in logs.items():
+        assert got[f"res -> {use}"] == pytest.approx(math.exp(float(value - whole)), rel=1e-12)
+
+
 def test_a_split_module_the_forward_never_calls_is_named() -> None:
     model = _model()
     spare = nn.Linear(6, 6)

@@ -50,8 +50,12 @@ class Branches:
             argument name when a single call uses the tensor more than once (``"...:query"``)
             and ``#2``, ``#3`` for further calls by the same module.
         split: the split tensor.
-        calls: how many times the split module was called in the block (its first call is
-            split, with a warning when there are more; 1 for a split tensor).
+        calls: how many times the split module was called with grad mode on since its split
+            call (its first call is split, with a warning when there are more; a call after a
+            backward has reached the split starts the split afresh, as each backward inside
+            ``extend`` replaces ``semiring_grad``: gradient accumulation's micro-batches; 1
+            for a split tensor). Calls under ``torch.no_grad`` (a validation forward) record
+            no graph and are not counted.
         ops: branch name -> the name of the function whose call made that use (``linear``,
             ``add``, ``__add__``, ``multi_head_attention_forward``): a use by the split module's
             own forward is a residual add or a projection of its own, told apart by this.
@@ -171,6 +175,8 @@ class _SplitMode(TorchFunctionMode):
         watching = self.target is None and self.earlier_uses is not None
         if watching and torch.is_grad_enabled() and not _reads_metadata(func):
             result = func(*args, **kwargs)
+            if not _records_a_use(result):  # detach, isfinite, retain_grad, register_hook
+                return result
             for a in tree_leaves((args, kwargs)):
                 # a call that hands its argument back (eval-mode dropout, .to()) is no use
                 if isinstance(a, Tensor) and a.requires_grad and a is not result:
@@ -319,6 +325,14 @@ def _behind_module_hook(a: Tensor, t: Tensor) -> bool:
     return fn is t.grad_fn and nr == t.output_nr
 
 
+def _records_a_use(result: Any) -> bool:
+    """Whether a call with this result is a use in the graph: some tensor it returns requires
+    grad. ``h.detach()``, ``torch.isfinite(h)``, ``h.retain_grad()`` and ``h.register_hook``
+    touch the tensor and add no edge from it (trial 67: they were taken for uses before the
+    split module, and ``explain_layers`` refused such a layer)."""
+    return any(isinstance(t, Tensor) and t.requires_grad for t in tree_leaves(result))
+
+
 def _reads_metadata(func: Callable[..., Any]) -> bool:
     """Metadata reads are no uses: they see the tensor itself."""
     return getattr(func, "__name__", "") in _NOT_USES
@@ -372,10 +386,19 @@ def branches(at: nn.Module | Tensor, inputs: Sequence[Tensor] = ()) -> Iterator[
     embeddings' output) at which each branch is also read out on its own.
     """
     result = Branches()
-    mode = _SplitMode(result, lambda name, alias: _read_branch(alias, name, result))
+    #: one entry per split taken: the hooks of an earlier split's aliases and carrier write
+    #: only while theirs is the latest (``generation``)
+    generation = [0]
+    mode = _SplitMode(
+        result, lambda name, alias: _read_branch(alias, name, result, generation, generation[0])
+    )
     handles = []
+    calls_without_grad = [0]
 
     def take(tensor: Tensor) -> None:
+        if mode.target is not None and result.messages:  # a backward read this split: the
+            _restart(result, mode)  # module's next call (the next micro-batch) is split anew
+            generation[0] += 1
         result.calls += 1
         if mode.target is not None:
             return
@@ -399,14 +422,20 @@ def branches(at: nn.Module | Tensor, inputs: Sequence[Tensor] = ()) -> Iterator[
                     "semipack.branches(inputs=...) carries branches down from the split tensor, "
                     "which is a leaf here: nothing lies below it"
                 )
-            handles.append(tensor.grad_fn.register_prehook(_carrier(result, list(inputs))))
+            carrier = _carrier(result, list(inputs), generation, generation[0])
+            handles.append(tensor.grad_fn.register_prehook(carrier))
 
     if isinstance(at, nn.Module):
 
         def pre_hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
             if torch._C._current_graph_task_id() != -1:
                 return  # a checkpoint's recomputation in the backward: the call was counted
-            first = next((a for a in (*args, *kwargs.values()) if isinstance(a, Tensor)), None)
+            if not torch.is_grad_enabled():  # no graph (a validation forward, a reentrant
+                calls_without_grad[0] += 1  # checkpoint's first run): no use to split
+                return
+            # the first tensor of the call, also inside a list (DenseNet's layers take the
+            # list of earlier features; trial 67: such a module read as never called)
+            first = next((a for a in tree_leaves((args, kwargs)) if isinstance(a, Tensor)), None)
             if first is not None:
                 if result.split is None:
                     result.arguments = (
@@ -432,6 +461,11 @@ def branches(at: nn.Module | Tensor, inputs: Sequence[Tensor] = ()) -> Iterator[
         raise SemipackError(
             "semipack.branches: the split tensor was used only where autograd records nothing "
             f"({_NO_GRAPH_CAUSES}), so no branch can be told apart"
+        )
+    if result.split is None and calls_without_grad[0]:
+        raise SemipackError(
+            f"semipack.branches splits a tensor that requires grad; {type(at).__name__} was "
+            f"called only where autograd records nothing ({_NO_GRAPH_CAUSES})"
         )
     if result.split is None:
         raise SemipackError(
@@ -467,35 +501,56 @@ _NO_GRAPH_CAUSES = (
 )
 
 
-def _read_branch(alias: Tensor, name: str, result: Branches) -> None:
-    """Keep the message the alias's node receives: that consumer's branch."""
+def _restart(result: Branches, mode: _SplitMode) -> None:
+    """Forget the split taken so far (its branches were read by a backward): the module's
+    next call is split as if it were the first."""
+    result.names.clear()
+    result.ops.clear()
+    result.offsets.clear()
+    result.used_before.clear()
+    result.messages.clear()
+    result.input_states.clear()
+    result.arguments = ()
+    result.split = None
+    result.calls = 0
+    mode.target = None
+    mode.forms = []
+    mode.counts = {}
+
+
+def _read_branch(
+    alias: Tensor, name: str, result: Branches, latest: list[int], generation: int
+) -> None:
+    """Keep the message the alias's node receives: that consumer's branch (while the split
+    the alias was made for is the latest one, ``latest[0] == generation``)."""
 
     def hook(grad_outputs):
         msg = grad_outputs[0]
-        if isinstance(msg, Message):
+        if isinstance(msg, Message) and latest[0] == generation:
             result.messages[name] = msg
         return None
 
     alias.grad_fn.register_prehook(hook)
 
 
-def _carrier(result: Branches, inputs: list[Tensor]):
+def _carrier(result: Branches, inputs: list[Tensor], latest: list[int], generation: int):
     """A pre-hook for the split tensor's node, which the engine runs after every consumer: one
-    pass per branch from the split tensor down to ``inputs``."""
+    pass per branch from the split tensor down to ``inputs`` (while its split is the latest)."""
 
     carrying = []
 
     def hook(grad_outputs):
-        if not result.messages or carrying:  # the branch passes start at this node too
-            return None
+        if not result.messages or carrying or latest[0] != generation:
+            return None  # (the branch passes start at this node too)
         carrying.append(True)
         try:
             names = list(result.messages)
             first = result.messages[names[0]]
             if first.semiring.records_paths:
+                kind = type(first.semiring).__name__
                 raise SemipackError(
-                    "semipack.branches(inputs=...) cannot carry TopPath branches down (their "
-                    "paths would be recorded twice); read TopPath at the split tensor, or use "
+                    f"semipack.branches(inputs=...) cannot carry {kind} branches down (their "
+                    f"paths would be recorded twice); read {kind} at the split tensor, or use "
                     "MaxProd for the values at the inputs"
                 )
             states = [result.messages[n].parts for n in names]

@@ -81,10 +81,18 @@ def load(model_dir: str, masked_lm: bool = False) -> tuple[nn.Module, object]:
     # what transformers raises for these, and safetensors for a truncated or corrupt file
     except (OSError, ValueError, KeyError, _safetensors_error()) as error:
         kind = "a masked-language model (--target mask)" if masked_lm else "a model"
+        # a file that cannot be read is no question of the family: the families only where
+        # transformers does not know the model
+        unreadable = isinstance(error, (OSError, _safetensors_error()))
+        advice = (
+            "a file of the directory is corrupt or incomplete (save or download it again)"
+            if unreadable
+            else f"semipack explain takes {FAMILIES}"
+        )
         raise SemipackError(
             f"--model {model_dir!r}: transformers cannot load {kind} and its tokenizer from it "
             f"({type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}); "
-            f"semipack explain takes {FAMILIES}"
+            f"{advice}"
         ) from error
     missing = sorted(info.get("missing_keys") or ())
     if masked_lm and missing:

@@ -322,7 +322,13 @@ def test_a_truncated_weights_file_is_named(tiny_model_dir, tmp_path, capsys) -> 
     weights = folder / "model.safetensors"
     weights.write_bytes(weights.read_bytes()[:1000])
     assert main(["explain", "--model", str(folder)]) == 2
-    assert "SafetensorError" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "SafetensorError" in err and "is corrupt or incomplete" in err
+    assert "semipack explain takes" not in err  # no question of the family
+    (folder / "config.json").write_text("{not json")  # transformers' OSError, the same advice
+    assert main(["explain", "--model", str(folder)]) == 2
+    err = capsys.readouterr().err
+    assert "is not a valid JSON file" in err and "is corrupt or incomplete" in err
 
 
 def test_roberta_positions_start_after_the_padding_index(tiny_model_dir, tmp_path, capsys):

@@ -202,6 +202,73 @@ def test_backward_inputs_argument_restricts_leaves() -> None:
     assert not hasattr(model[0].weight, "semiring_grad")
 
 
+@pytest.mark.parametrize("regular_grads", [True, False])
+@pytest.mark.parametrize("extensions", [True, False])
+def test_backward_inputs_with_a_non_leaf_above_another_input(regular_grads, extensions) -> None:
+    """``backward(inputs=[h, x, w])`` with ``x`` and ``w`` below the non-leaf ``h`` (trial 68:
+    the hook on ``h`` handed the engine the regular gradient, which reached ``x`` as a plain
+    one and the pass failed). ``.grad`` as PyTorch's, bitwise; each semiring value as
+    ``semipack.grad``'s for that input alone; no warning (a non-leaf's ``.grad`` read)."""
+    torch.manual_seed(0)
+    lin1, lin2 = nn.Linear(3, 4).double(), nn.Linear(4, 2).double()
+    model = nn.Sequential(lin1, lin2)
+    x = torch.randn(5, 3, dtype=torch.float64, requires_grad=True)
+
+    def loss():
+        h = torch.tanh(lin1(x))
+        return h, (lin2(h) ** 2).sum()
+
+    h, out = loss()
+    out.backward(inputs=[h, x, lin1.weight])
+    plain = [h.grad, x.grad, lin1.weight.grad]
+    x.grad = lin1.weight.grad = None
+    for sr in (semipack.Real(), semipack.MaxProd()):
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            with semipack.extend(model, sr, extensions=extensions, regular_grads=regular_grads):
+                h, out = loss()
+                out.backward(inputs=[h, x, lin1.weight], retain_graph=True)
+                alone = [
+                    semipack.grad(out, t, sr, retain_graph=True)[0] for t in (h, x, lin1.weight)
+                ]
+        for t, want, value in zip((h, x, lin1.weight), plain, alone, strict=True):
+            if regular_grads:
+                assert torch.equal(t.grad, want)
+            elif t.is_leaf:  # (h: PyTorch warns on reading a non-leaf's .grad)
+                assert t.grad is None
+            torch.testing.assert_close(t.semiring_grad, value, rtol=1e-12, atol=0)
+            if isinstance(sr, semipack.Real):
+                torch.testing.assert_close(value, want, rtol=1e-12, atol=1e-15)
+        x.grad = lin1.weight.grad = None
+
+
+def test_semipack_grad_leaves_a_retained_grad_as_it_was() -> None:
+    """A tensor retained inside the block: ``semipack.grad`` (no regular gradient) leaves its
+    ``.grad`` as it was, before or after a backward (trial 68: it took the message, and the
+    next backward failed; with a gradient already there semipack.grad itself failed)."""
+    torch.manual_seed(0)
+    lin = nn.Linear(3, 4).double()
+    x = torch.randn(5, 3, dtype=torch.float64, requires_grad=True)
+    h = torch.tanh(lin(x))
+    h.retain_grad()
+    (h * 2).sum().backward()
+    plain = h.grad
+    lin.zero_grad()
+    with semipack.extend(lin, semipack.MaxProd()):
+        h = torch.tanh(lin(x))
+        h.retain_grad()
+        out = (h * 2).sum()
+        first = semipack.grad(out, [x], semipack.MaxProd(), retain_graph=True)[0]
+        assert h.grad is None
+        out.backward(retain_graph=True)
+        assert torch.equal(h.grad, plain)
+        kept = h.grad
+        again = semipack.grad(out, [x], semipack.MaxProd())[0]
+        assert h.grad is kept and torch.equal(h.grad, plain)
+    torch.testing.assert_close(first, x.semiring_grad, rtol=0, atol=0)
+    torch.testing.assert_close(again, x.semiring_grad, rtol=0, atol=0)
+
+
 def test_torch_autograd_backward_is_intercepted_too() -> None:
     model = small_model()
     x, y = data()

@@ -360,7 +360,10 @@ class OpCall:
                     where += f" (module '{module}')" if module else " (the root module)"
                 raise MessageLostError(
                     f"{self.func}{where}: a non-zero plain tensor was combined with a semiring "
-                    "message; a backward formula produced a gradient semipack cannot interpret"
+                    "message; a backward formula produced a gradient semipack cannot interpret "
+                    "(or a tensor retained outside any extend block, h.retain_grad(), holds a "
+                    "message in its .grad from a semipack.grad or semiring pass: call "
+                    "retain_grad() inside the block)"
                 )
             return self.semiring.zeros(x.shape if shape is None else shape, self.dtype, x.device)
         if isinstance(x, (int, float, bool)) and x == 0:

@@ -623,7 +623,14 @@ def backward(
     scan = scan_graph(tensors)
     scan.refuse_compiled("A semiring backward")
     # each tensor once: PyTorch accepts one listed twice in ``inputs``
-    leaves = list({id(t): t for t in inputs}.values()) if inputs is not None else scan.leaves
+    listed = list({id(t): t for t in inputs}.values()) if inputs is not None else scan.leaves
+    # A non-leaf input with regular gradients: PyTorch retains its gradient for the call
+    # (``retain_grad``), and the pass goes on through it to inputs below: it is read as a
+    # retained tensor, whose message travels on (a leaf's hook hands the engine the regular
+    # gradient, which then reached the inputs below as a plain one, trial 68). Without
+    # regular gradients ``torch.autograd.grad`` returns its message like a leaf's.
+    through = [t for t in listed if t.grad_fn is not None] if regular_grads else []
+    leaves = [t for t in listed if all(t is not u for u in through)]
     if scan.reentrant_checkpoint and not regular_grads:
         raise SemipackError(
             "torch.utils.checkpoint(..., use_reentrant=True) runs its own backward, which "
@@ -657,9 +664,14 @@ def backward(
             )
         rows = PerSampleRows(sr, per_sample, computed_inputs, empty=per_sample_batches == {0})
     kept = retained.alive() if retained is not None else []
+    for t in through:
+        if all(t is not k for k in kept):
+            kept.append(t)
+            if retained is not None:  # retained for good (PyTorch's own retain_grad), so a
+                retained.add(t)  # later pass of the block treats its .grad as retained
     with path_recording(sr, tensors, leaf_names) as sr, _claimed(leaves, leaf_names):
         ledger = GradLedger([*leaves, *kept], accumulate_in_place) if regular_grads else None
-        kept_grads = [] if regular_grads else [(t, t.grad) for t in kept]  # the ledger's job
+        kept_grads = [] if regular_grads else [(t, _grad_of(t)) for t in kept]  # else the ledger
         read_early = not (keep_state or sr.trace is not None or scan.nested_backward)
         captured = LeafCaptures(read_early)
         try:
@@ -720,7 +732,7 @@ def backward(
         if ledger is not None:
             ledger.commit()
     reached = {id(t) for t, _ in results}
-    return [leaf for leaf in leaves if id(leaf) in reached]
+    return [leaf for leaf in [*leaves, *through] if id(leaf) in reached]
 
 
 class InnerRuns:
@@ -762,7 +774,7 @@ def _refuse_stray_messages(leaves: Sequence[Tensor], regular_grads: bool) -> Non
     inside a custom Function's backward reaching a tensor no hook took it from), rather than
     leave a message where the optimizer reads. Such a ``.grad`` was None before (the engine
     would have added a message to a tensor in place, which fails): it is None again."""
-    stray = list({id(t): t for t in leaves if isinstance(t.grad, Message)}.values())
+    stray = list({id(t): t for t in leaves if isinstance(_grad_of(t), Message)}.values())
     if not stray:
         return
     for t in stray:
@@ -797,6 +809,12 @@ def _read_all(
         if results is not None:
             out.append((leaf, results))
     return out
+
+
+def _grad_of(t: Tensor) -> Tensor | None:
+    """``t.grad`` without PyTorch's warning for a non-leaf that does not retain it (a
+    non-leaf ``inputs=`` entry is retained by the engine only once the pass starts)."""
+    return t.grad if t.is_leaf or t.retains_grad else None
 
 
 def _split_retained(kept: Sequence[Tensor]) -> list[tuple[Tensor, Message]]:
@@ -948,7 +966,14 @@ def grad(
     if scan.module_hook_nodes:  # the hooks would be handed messages (BackPACK would store them)
         raise hooks_need_regular_gradients(scan.module_hook_nodes, "semipack.grad")
     inner = InnerRuns(scan.nested_backward)
+    # The engine's retain hooks fire in this pass too: a tensor retained inside the block would
+    # take the message into its ``.grad`` (and add it to a gradient it held); this pass has no
+    # regular gradient to give it, so its ``.grad`` stays as it was (trial 68)
+    retained = [(t, t.grad) for t in _retained_in_open_blocks()]
+    for t, _ in retained:
+        t.grad = None
     with (
+        _grads_put_back(retained),
         path_recording(sr, outputs, None) as sr,
         tensor_hooks_see_gradients([*scan.leaves, *inputs]),
         semiring_pass(retain_graph),
@@ -980,6 +1005,18 @@ def grad(
     for t, recorded in paths:
         t.semiring_paths = recorded
     return tuple(result)
+
+
+def _retained_in_open_blocks() -> list[Tensor]:
+    """The tensors whose ``retain_grad()`` was called inside the ``extend`` blocks open in this
+    thread (their modes hold ``RetainedTensors``; looked up on torch's mode stack, which the
+    blocks' own module imports this one)."""
+    found: list[Tensor] = []
+    for mode in torch.overrides._get_current_function_mode_stack():
+        retained = getattr(mode, "retained", None)
+        if isinstance(retained, RetainedTensors):
+            found += retained.alive()
+    return found
 
 
 @contextmanager

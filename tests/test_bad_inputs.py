@@ -114,6 +114,30 @@ def test_gradient_of_the_wrong_shape_raises_like_pytorch() -> None:
     assert str(info.value) == expected
 
 
+def test_too_few_or_too_many_root_gradients_act_like_pytorch() -> None:
+    """Fewer gradients than roots raise PyTorch's own words; more are ignored, as PyTorch
+    ignores them (trial 68: zip()'s ValueError both ways)."""
+    x = torch.randn(3, requires_grad=True)
+    one = torch.ones(3)
+
+    def roots():
+        return [x * 2, x * 3]
+
+    expected = torch_error(lambda: torch.autograd.grad(roots(), [x], [one]))
+    with pytest.raises(RuntimeError) as info:
+        semipack.grad(roots(), [x], semipack.MaxProd(), [one])
+    assert str(info.value) == expected
+    with semipack.extend(None, semipack.MaxProd()), pytest.raises(RuntimeError) as info:
+        torch.autograd.backward(roots(), [one])
+    assert str(info.value) == expected == "got 2 tensors and 1 gradients"
+    (want,) = torch.autograd.grad(roots()[:1], [x], [one, one])
+    (got,) = semipack.grad(roots()[:1], [x], semipack.Real(), [one, one])
+    assert torch.equal(got, want)
+    with semipack.extend(None, semipack.Real()):
+        torch.autograd.backward(roots()[:1], [one, one])
+    assert torch.equal(x.grad, want) and torch.equal(x.semiring_grad, want)
+
+
 def test_second_backward_through_a_freed_graph_raises_like_pytorch() -> None:
     model, x = mlp(), data()
     loss = model(x).sum()

@@ -178,8 +178,10 @@ def seeds(
     as the weights of the edges from a virtual root."""
     check_real_valued(outputs, "a backward root")
     check_real_valued(grad_outputs, "a gradient given to backward")
+    if len(grad_outputs) < len(outputs):  # PyTorch's check and words; more are ignored there
+        raise RuntimeError(f"got {len(outputs)} tensors and {len(grad_outputs)} gradients")
     out = []
-    for t, g in zip(outputs, grad_outputs, strict=True):
+    for t, g in zip(outputs, grad_outputs[: len(outputs)], strict=True):
         if g is None:
             if t.numel() != 1:
                 raise RuntimeError("grad can be implicitly created only for scalar outputs")

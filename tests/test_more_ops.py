@@ -91,6 +91,22 @@ UNSUPPORTED |= {
 }
 
 
+def test_sgn_of_a_real_input_is_sign(semiring_name: str) -> None:
+    """``sgn`` of a real input is ``sign`` (derivative 0: no path through it); its formula
+    builds an efficient zero tensor from a meta copy of the gradient, which raised (trial 68).
+    The brute-force oracle cannot read a zero tensor: ``sign``'s values, oracle-tested above,
+    are the reference, and autograd's for Real."""
+    x = function_leaf(2, 3)
+    sr = SEMIRINGS[semiring_name]()
+    for through in (lambda f: f(x) * 3 + x.exp(), lambda f: f(x) * 3):
+        got = semipack.grad(through(torch.sgn).sum(), x, sr)[0]
+        want = semipack.grad(through(torch.sign).sum(), x, sr)[0]
+        assert_readout_matches(semiring_name, want, got, "sgn")
+        if semiring_name == "real":
+            (plain,) = torch.autograd.grad(through(torch.sgn).sum(), x)
+            torch.testing.assert_close(got, plain, rtol=0, atol=0)
+
+
 @pytest.mark.parametrize("op", list(UNSUPPORTED))
 def test_ops_without_rules_raise_naming_the_op(op: str) -> None:
     """Known gaps fail loudly, never with a silently wrong number."""

@@ -331,6 +331,19 @@ def to_copy(call: OpCall):
     return Message(regular, parts, call.semiring, dtype)
 
 
+@register_rule(aten.to.dtype_layout)
+def to_dtype_layout(call: OpCall):
+    """``grad.to(device="meta")`` in a formula that returns an efficient zero tensor shaped
+    like the gradient (sgn of a real input, whose derivative is 0): only the gradient's
+    metadata is read, so a plain meta tensor of its shape and dtype, no values (trial 68: sgn
+    raised where sign gave "no path"). Other calls cast like ``_to_copy``."""
+    msg = call["self"]
+    device = call.bound.get("device")
+    if device is not None and torch.device(device).type == "meta":
+        return torch.empty(msg.shape, dtype=call.bound.get("dtype") or msg.dtype, device="meta")
+    return to_copy(call)
+
+
 # --- in-place ops ------------------------------------------------------------------------------
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import sys
 
 import torch
@@ -101,13 +102,33 @@ class UnsupportedOpError(SemipackError):
                 f"{reason}. If the op has a semiring meaning here, register a rule with {hint}."
             )
         else:
+            register = f"Register one with {hint}."
+            if node and _one_step_of(op, node):
+                register = (
+                    f"{op} is one step of {node}'s formula here, and a rule for it would apply "
+                    f"to every use of {op}: write the forward as a custom op with its own "
+                    "backward (see 'Adding an op rule' in the README), or register a rule with "
+                    f"{hint.split(' (see')[0]} if it has one meaning everywhere."
+                )
             message = (
-                f"semipack has no semiring rule for {op} {where}{origin}. Register one with {hint}."
+                f"semipack has no semiring rule for {op} {where}{origin}. {register}"
                 " (A hook on a tensor created before entering semipack.extend receives semiring "
                 "messages and runs inside that node: if the op is the hook's, set the hook up "
                 "inside the block, where it sees the regular gradient.)"
             )
         super().__init__(message)
+
+
+def _one_step_of(op: str, node: str) -> bool:
+    """Whether ``op`` is a general op inside a built-in node's backward formula rather than
+    the node's own backward op (``aten.abs`` in ``LogcumsumexpBackward0``, against
+    ``aten.grid_sampler_2d_backward`` in ``GridSampler2DBackward0``): a rule for it would
+    change every use of it (trial 68: the advice to register one misled)."""
+    forward = re.sub(r"Backward\d*$", "", node).lower()
+    if not forward or forward == node.lower() or "backward" in op:
+        return False  # a custom Function's node, or the node's own backward op
+    name = op.removeprefix("aten.").split(".")[0].lstrip("_").replace("_", "")
+    return name not in forward and forward not in name
 
 
 class StateShapeError(SemipackError):

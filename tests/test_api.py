@@ -388,6 +388,19 @@ def test_unsupported_op_names_op_node_module_and_fix() -> None:
     assert all(not m._forward_hooks and not m._forward_pre_hooks for m in model.modules())
 
 
+def test_a_general_op_inside_a_formula_is_not_advised_a_rule_of_its_own() -> None:
+    """``logcumsumexp``'s backward applies ``abs`` to the gradient: the error says a rule for
+    ``aten.abs`` would change every use of it and points to custom ops (trial 68: it advised
+    registering one). A node's own backward op keeps the plain advice (above)."""
+    x = torch.randn(2, 3, requires_grad=True)
+    with pytest.raises(semipack.UnsupportedOpError) as info:
+        semipack.grad(x.logcumsumexp(1).sum(), x, semipack.MaxProd())
+    message = str(info.value)
+    assert info.value.node == "LogcumsumexpBackward0" and info.value.op.startswith("aten.")
+    assert f"{info.value.op} is one step of LogcumsumexpBackward0's formula here" in message
+    assert "write the forward as a custom op with its own backward" in message
+
+
 def test_unsupported_op_without_module_says_how_to_name_it() -> None:
     x = torch.randn(1, 3, requires_grad=True)
     with pytest.raises(semipack.UnsupportedOpError, match="module unknown"):

@@ -170,6 +170,64 @@ def test_grad_of_an_unused_input_raises_like_pytorch() -> None:
 # --- wrong arguments to semipack -----------------------------------------------------------------
 
 
+class _MinProd(semipack.Semiring):
+    """The weakest best path: min over paths of the product, in log form (trial 68's)."""
+
+    zero, one = (math.inf,), (0.0,)
+
+    def lift(self, w):
+        log = w.to(self.state_dtype(w.dtype)).abs().log()
+        return (torch.where(w == 0, math.inf, log),)
+
+    def plus(self, a, b):
+        return (torch.minimum(a[0], b[0]),)
+
+    def times(self, a, b):
+        return (a[0] + b[0],)
+
+    def sum(self, a, dims, keepdim=False):
+        return (a[0].amin(dims, keepdim=keepdim),)
+
+
+class _NoSum(_MinProd):
+    sum = semipack.Semiring.sum
+
+
+class _TensorLift(_MinProd):
+    def lift(self, w):
+        return super().lift(w)[0]
+
+
+class _TwoNames(_MinProd):
+    components = ("a", "b")
+
+
+@pytest.mark.parametrize(
+    ("semiring", "error", "words"),
+    [
+        (_NoSum, NotImplementedError, "_NoSum does not define sum: a semiring defines lift, plus"),
+        (_TensorLift, TypeError, "_TensorLift.lift must return a tuple of 1 tensor(s)"),
+        (_TwoNames, TypeError, "components names 2 state component(s) ('a', 'b'), but zero has 1"),
+    ],
+)
+def test_a_semiring_of_ones_own_that_does_not_fit_is_named(semiring, error, words) -> None:
+    """Mistakes made while following "Adding a semiring" name the class and what to define
+    (trial 68: a bare NotImplementedError, "iteration over a 0-d tensor", an IndexError). The
+    well-formed class gives the weakest path's value: min over the two paths' products."""
+    x = torch.tensor([2.0, -3.0], requires_grad=True)
+
+    def loss():  # x[0]: paths 0.5 * 3, 5, 3.5, 3.5; x[1]: 4 * 3, 3.5, 3.5 (two copies of x,
+        # a broadcast: the reduction over them is the semiring's sum)
+        copies = (x[None, :] * torch.full((2, 1), 3.5)).sum()
+        return (x * torch.tensor([0.5, 4.0])).sum() * 3 + x[0] * 5 + copies
+
+    with pytest.raises(error) as info, semipack.extend(None, semiring()):
+        loss().backward()
+    assert words in str(info.value)
+    (value,) = semipack.grad(loss(), x, _MinProd())
+    assert torch.allclose(value, torch.tensor([math.log(1.5), math.log(3.5)]))
+
+
 @pytest.mark.parametrize("how", ["grad", "extend"])
 def test_a_semiring_class_instead_of_an_instance_says_so(how: str) -> None:
     x = torch.randn(3, requires_grad=True)

@@ -138,6 +138,53 @@ def _defines(cls: type, name: str) -> bool:
     return own is not None and own is not Semiring.__dict__.get(name)
 
 
+def _undefined(sr: Semiring, method: str) -> NotImplementedError:
+    return NotImplementedError(
+        f"{sr.name} does not define {method}: a semiring defines lift, plus, times and sum "
+        "(see 'Adding a semiring' in the README)"
+    )
+
+
+#: Semiring classes outside semipack whose definition ``check_definition`` has passed.
+_CHECKED: set[type] = set()
+
+
+def check_definition(sr: Semiring) -> None:
+    """Refuse a semiring class written outside semipack whose pieces do not fit, by name,
+    before a pass runs: one ``zero`` and one ``one`` entry per name in ``components``, and a
+    ``lift`` that returns one tensor per component shaped like its argument (a raw
+    ``IndexError`` or "iteration over a 0-d tensor" from deep inside a pass named neither,
+    trial 68). Built-in semirings and classes checked once are not checked again."""
+    cls = type(sr)
+    if cls in _CHECKED or cls.__module__.startswith("semipack."):
+        return
+    n = len(sr.components)
+    if len(sr.zero) != n or len(sr.one) != n:
+        raise TypeError(
+            f"{sr.name}: components names {n} state component(s) {tuple(sr.components)}, but "
+            f"zero has {len(sr.zero)} and one {len(sr.one)} entries: give each component its "
+            "zero and one (see 'Adding a semiring' in the README)"
+        )
+    probe = torch.tensor([0.0, 2.0])
+    lifted = sr.lift(probe)
+    if not (
+        isinstance(lifted, tuple)
+        and len(lifted) == n
+        and all(isinstance(c, Tensor) and c.shape == probe.shape for c in lifted)
+    ):
+        got = (
+            f"a tuple of {len(lifted)}"
+            if isinstance(lifted, tuple)
+            else f"a {type(lifted).__name__}"
+        )
+        raise TypeError(
+            f"{sr.name}.lift must return a tuple of {n} tensor(s), one per component, each "
+            f"shaped like its argument; it returned {got} (see 'Adding a semiring' in the "
+            "README)"
+        )
+    _CHECKED.add(cls)
+
+
 def normalize_dims(dims: int | Sequence[int] | None, ndim: int) -> list[int]:
     """Turn an aten ``dim`` argument into a sorted list of non-negative dims (None or [] = all)."""
     if dims is None:
@@ -215,7 +262,7 @@ class Semiring:
     def lift(self, w: Tensor) -> State:
         """Edge weights ``w`` (local partial derivatives, any shape) as states of that shape;
         an exact 0 must lift to ``zero`` (no edge)."""
-        raise NotImplementedError
+        raise _undefined(self, "lift")
 
     def lift_cache_key(self) -> Hashable | None:
         """What besides ``w`` decides ``lift(w)``: the key under which lifted model weights are
@@ -235,16 +282,16 @@ class Semiring:
 
     def plus(self, a: State, b: State) -> State:
         """Combine two alternatives (paths that meet), entry by entry; identity ``zero``."""
-        raise NotImplementedError
+        raise _undefined(self, "plus")
 
     def times(self, a: State, b: State) -> State:
         """Extend paths by edges (or concatenate two path sets), entry by entry; identity
         ``one``, and ``zero`` absorbs."""
-        raise NotImplementedError
+        raise _undefined(self, "times")
 
     def sum(self, a: State, dims: list[int], keepdim: bool = False) -> State:
         """Plus-reduce over ``dims`` (already normalised, non-empty)."""
-        raise NotImplementedError
+        raise _undefined(self, "sum")
 
     def readout(self, a: State) -> Any:
         """What users see: a tensor (or named tuple of tensors) of the state's shape."""

@@ -29,7 +29,7 @@ from ..errors import MessageLostError, PerSampleError, SemipackError
 from ..kernels.reuse import same_memory, unheld_value
 from ..messages.message import MODULE_HOOK_NODE, Message
 from ..messages.paths import PathTrace, attach, records_steps
-from ..semirings.base import Semiring, State
+from ..semirings.base import Semiring, State, check_definition
 from .batch_following import BatchedTensors
 from .hooks import (
     ModuleHookNodes,
@@ -59,8 +59,10 @@ COMPILED_NODE = "CompiledFunctionBackward"
 
 
 def require_semiring(semiring: Any) -> Semiring:
-    """The semiring instance, or a TypeError that says how to make one."""
+    """The semiring instance, or a TypeError that says how to make one (or what its class
+    lacks, ``check_definition``)."""
     if isinstance(semiring, Semiring):
+        check_definition(semiring)
         return semiring
     if isinstance(semiring, type) and issubclass(semiring, Semiring):
         raise TypeError(

@@ -75,6 +75,18 @@ def _independent(model, x, y, semiring):
     return {name: m.weight.semiring_grad for name, m in (("0", model[0]), ("3", model[3]))}
 
 
+def _flow_shares(model, x, y) -> dict[str, float]:
+    """Each use's share of the total flow at the residual block's input, from one LogSum
+    pass with ``branches`` (the monitor's flow shares, computed independently)."""
+    with semipack.extend(model, semipack.LogSum(), regular_grads=False):
+        with semipack.branches(model[2]) as split:
+            out = model(x)
+        nn.functional.cross_entropy(out, y).backward()
+    logs = {use: v.logsumexp((0, 1)) for use, v in split.values.items()}
+    whole = torch.stack(list(logs.values())).logsumexp(0)
+    return {use: math.exp(float(value - whole)) for use, value in logs.items()}
+
+
 def test_each_summary_equals_separate_passes(tmp_path: Path) -> None:
     model = _model()
     splits = {"residual block": model[2]}
@@ -110,15 +122,8 @@ def test_each_summary_equals_separate_passes(tmp_path: Path) -> None:
         assert best["0"][2].isneginf().all()  # the unit switched off above has no path
         assert got["0", "dead_units"] >= 1 / 6
         # the residual block's input: flow through the add against flow through the branch
-        with semipack.extend(twin, semipack.LogSum(), regular_grads=False):
-            with semipack.branches(twin[2]) as split:
-                out = twin(x)
-            nn.functional.cross_entropy(out, y).backward()
-        logs = {use: v.logsumexp((0, 1)) for use, v in split.values.items()}
-        whole = torch.stack(list(logs.values())).logsumexp(0)
-        for use, value in logs.items():
-            share = got[f"residual block -> {use}", "flow_share"]
-            assert share == pytest.approx(math.exp(float(value - whole)))
+        for use, share in _flow_shares(twin, x, y).items():
+            assert got[f"residual block -> {use}", "flow_share"] == pytest.approx(share)
     monitor.close()
     with open(tmp_path / "monitor.csv") as f:
         rows = list(csv.DictReader(f))
@@ -252,15 +257,10 @@ def test_split_shares_are_the_last_micro_batchs_and_skip_validation(tmp_path: Pa
             with torch.no_grad():
                 model(x1)
     got = {r.layer: r.value for r in monitor.records if r.quantity == "flow_share"}
-    with semipack.extend(model, semipack.LogSum(), regular_grads=False):
-        with semipack.branches(model[2]) as split:
-            out = model(x2)
-        nn.functional.cross_entropy(out, y2).backward()
-    logs = {use: v.logsumexp((0, 1)) for use, v in split.values.items()}
-    whole = torch.stack(list(logs.values())).logsumexp(0)
-    assert set(got) == {f"res -> {use}" for use in logs}
-    for use, value in logs.items():
-        assert got[f"res -> {use}"] == pytest.approx(math.exp(float(value - whole)), rel=1e-12)
+    want = _flow_shares(model, x2, y2)
+    assert set(got) == {f"res -> {use}" for use in want}
+    for use, share in want.items():
+        assert got[f"res -> {use}"] == pytest.approx(share, rel=1e-12)
 
 
 def test_a_split_module_the_forward_never_calls_is_named() -> None:

@@ -155,6 +155,8 @@ def check_definition(sr: Semiring) -> None:
     ``lift`` that returns one tensor per component shaped like its argument (a raw
     ``IndexError`` or "iteration over a 0-d tensor" from deep inside a pass named neither,
     trial 68). Built-in semirings and classes checked once are not checked again."""
+    for factor in getattr(sr, "semirings", ()):  # a Product's factors
+        check_definition(factor)
     cls = type(sr)
     if cls in _CHECKED or cls.__module__.startswith("semipack."):
         return

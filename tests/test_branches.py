@@ -567,3 +567,42 @@ def test_touches_that_add_no_edge_are_no_uses_before_the_module() -> None:
     want = _copies_oracle(net, x, semipack.MaxProd())
     for use in USES:
         torch.testing.assert_close(split.values[use], want[use], rtol=1e-12, atol=0)
+
+
+def test_a_forward_no_backward_follows_keeps_the_last_backwards_values() -> None:
+    """A forward after the last backward (a train-accuracy metric with grad mode on) starts a
+    new split, but the last backward's values stay until a backward reaches it (trial 69: they
+    were emptied, and a Monitor step recorded no flow shares)."""
+    net = _net()
+    x = _x()
+    with semipack.extend(net, semipack.MaxProd()), semipack.branches(net.block) as split:
+        _loss(net(x)).backward()
+        net(x * 2)  # a metric: no backward follows
+    want = _copies_oracle(net, x, semipack.MaxProd())
+    assert set(split.values) == set(USES)
+    for use in USES:
+        torch.testing.assert_close(split.values[use], want[use], rtol=1e-12, atol=0)
+
+
+class _MaskFirst(nn.Module):
+    """A block called as ``block(mask, h)``: its first tensor requires no grad."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.q = nn.Linear(3, 3)
+
+    def forward(self, mask: Tensor, h: Tensor) -> Tensor:
+        return h + self.q(h) * mask
+
+
+def test_the_split_is_the_first_tensor_that_requires_grad() -> None:
+    """``block(mask, h)``: ``h`` is split, not the mask (trial 69: refused as a frozen model)."""
+    torch.manual_seed(0)
+    emb, block = nn.Linear(2, 3).double(), _MaskFirst().double()
+    x, mask = _x(), torch.ones(4, 3, dtype=F64)
+    with semipack.extend(nn.ModuleList([emb, block]), semipack.MaxProd()):
+        with semipack.branches(block) as split:
+            h = torch.tanh(emb(x))
+            out = block(mask, h)
+        _loss(out).backward()
+    assert split.split is h and split.names == ["1.q", "1"]

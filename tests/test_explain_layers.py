@@ -1569,3 +1569,28 @@ def test_a_guard_or_retain_grad_before_a_layer_is_no_use_of_its_input() -> None:
             torch.testing.assert_close(
                 guarded.branches[i][name], plain.branches[i][name], rtol=0, atol=0
             )
+
+
+def test_a_reentrant_checkpoint_is_named_as_the_cause() -> None:
+    """Layers run inside reentrant checkpoints record their graph only in the backward: the
+    refusal names that cause (trial 69: "target() did not call" the layers)."""
+    from torch.utils.checkpoint import checkpoint
+
+    torch.manual_seed(0)
+    layer = nn.TransformerEncoderLayer(8, 2, 16, dropout=0.0, batch_first=True)
+    model = nn.TransformerEncoder(layer, 2, enable_nested_tensor=False).double().eval()
+    x = torch.randn(1, 5, 8, dtype=torch.float64, requires_grad=True)
+
+    def target():
+        h = x
+        for block in model.layers:
+            h = checkpoint(block, h, use_reentrant=True)
+        return h[0, 2].sum()
+
+    refused = pytest.raises(
+        semipack.SemipackError,
+        match=r"target\(\) called layers.0.self_attn, layers.1.self_attn only where autograd "
+        r"records nothing \(.*reentrant activation checkpoint",
+    )
+    with refused:
+        semipack.explain_layers(model, semipack.LogSum(), target)

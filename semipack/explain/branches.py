@@ -76,6 +76,9 @@ class Branches:
     used_before: list[str] = field(default_factory=list)
     split: Tensor | None = None
     calls: int = 0
+    #: calls of the split module under ``torch.no_grad`` (a validation forward, a reentrant
+    #: checkpoint's first run): no graph, no use split
+    calls_without_grad: int = 0
     messages: dict[str, Message] = field(default_factory=dict, repr=False)
     input_states: dict[str, list[State | None]] = field(default_factory=dict, repr=False)
 
@@ -389,23 +392,29 @@ def branches(at: nn.Module | Tensor, inputs: Sequence[Tensor] = ()) -> Iterator[
     #: one entry per split taken: the hooks of an earlier split's aliases and carrier write
     #: only while theirs is the latest (``generation``)
     generation = [0]
+    #: whether ``messages`` hold an earlier split's values, kept until a backward reaches the
+    #: latest split (a forward no backward follows, a train-accuracy metric, keeps them)
+    stale = [False]
     mode = _SplitMode(
-        result, lambda name, alias: _read_branch(alias, name, result, generation, generation[0])
+        result,
+        lambda name, alias: _read_branch(alias, name, result, generation, generation[0], stale),
     )
     handles = []
-    calls_without_grad = [0]
 
     def take(tensor: Tensor) -> None:
-        if mode.target is not None and result.messages:  # a backward read this split: the
-            _restart(result, mode)  # module's next call (the next micro-batch) is split anew
+        if mode.target is not None and result.messages and not stale[0]:
+            # a backward read this split: the module's next call (the next micro-batch) is
+            # split anew, its values replacing these once a backward reaches it
+            _restart(result, mode)
             generation[0] += 1
+            stale[0] = True
         result.calls += 1
         if mode.target is not None:
             return
         if not isinstance(tensor, Tensor) or not tensor.requires_grad:
             what = f"{type(at).__name__}'s input" if isinstance(at, nn.Module) else "this tensor"
             # with grad mode on, the tensor was computed from nothing that requires grad
-            cause = _NO_GRAPH_CAUSES if not torch.is_grad_enabled() else _NOTHING_REQUIRES_GRAD
+            cause = NO_GRAPH_CAUSES if not torch.is_grad_enabled() else _NOTHING_REQUIRES_GRAD
             raise SemipackError(
                 f"semipack.branches splits a tensor that requires grad; {what} does not ({cause})"
             )
@@ -422,7 +431,7 @@ def branches(at: nn.Module | Tensor, inputs: Sequence[Tensor] = ()) -> Iterator[
                     "semipack.branches(inputs=...) carries branches down from the split tensor, "
                     "which is a leaf here: nothing lies below it"
                 )
-            carrier = _carrier(result, list(inputs), generation, generation[0])
+            carrier = _carrier(result, list(inputs), generation, generation[0], stale)
             handles.append(tensor.grad_fn.register_prehook(carrier))
 
     if isinstance(at, nn.Module):
@@ -431,11 +440,13 @@ def branches(at: nn.Module | Tensor, inputs: Sequence[Tensor] = ()) -> Iterator[
             if torch._C._current_graph_task_id() != -1:
                 return  # a checkpoint's recomputation in the backward: the call was counted
             if not torch.is_grad_enabled():  # no graph (a validation forward, a reentrant
-                calls_without_grad[0] += 1  # checkpoint's first run): no use to split
+                result.calls_without_grad += 1  # checkpoint's first run): no use to split
                 return
-            # the first tensor of the call, also inside a list (DenseNet's layers take the
-            # list of earlier features; trial 67: such a module read as never called)
-            first = next((a for a in tree_leaves((args, kwargs)) if isinstance(a, Tensor)), None)
+            # the first tensor of the call that requires grad (else the first tensor), also
+            # inside a list (DenseNet's layers take the list of earlier features; trial 67:
+            # such a module read as never called) or after a mask (trial 69: refused)
+            tensors = [a for a in tree_leaves((args, kwargs)) if isinstance(a, Tensor)]
+            first = next((a for a in tensors if a.requires_grad), tensors[0] if tensors else None)
             if first is not None:
                 if result.split is None:
                     result.arguments = (
@@ -460,12 +471,12 @@ def branches(at: nn.Module | Tensor, inputs: Sequence[Tensor] = ()) -> Iterator[
     if result.split is not None and not result.names and mode.uses_without_grad:
         raise SemipackError(
             "semipack.branches: the split tensor was used only where autograd records nothing "
-            f"({_NO_GRAPH_CAUSES}), so no branch can be told apart"
+            f"({NO_GRAPH_CAUSES}), so no branch can be told apart"
         )
-    if result.split is None and calls_without_grad[0]:
+    if result.split is None and result.calls_without_grad:
         raise SemipackError(
             f"semipack.branches splits a tensor that requires grad; {type(at).__name__} was "
-            f"called only where autograd records nothing ({_NO_GRAPH_CAUSES})"
+            f"called only where autograd records nothing ({NO_GRAPH_CAUSES})"
         )
     if result.split is None:
         raise SemipackError(
@@ -494,7 +505,7 @@ _NOTHING_REQUIRES_GRAD = (
 )
 
 #: Why a forward inside the block records no graph, for the errors that meet it.
-_NO_GRAPH_CAUSES = (
+NO_GRAPH_CAUSES = (
     "a forward under torch.no_grad, or inside a reentrant activation checkpoint "
     "(torch.utils.checkpoint with use_reentrant=True), which records the graph only while "
     "the backward runs, after this block: use use_reentrant=False"
@@ -503,13 +514,12 @@ _NO_GRAPH_CAUSES = (
 
 def _restart(result: Branches, mode: _SplitMode) -> None:
     """Forget the split taken so far (its branches were read by a backward): the module's
-    next call is split as if it were the first."""
+    next call is split as if it were the first. Its values stay until a backward reaches the
+    new split (``_read_branch``)."""
     result.names.clear()
     result.ops.clear()
     result.offsets.clear()
     result.used_before.clear()
-    result.messages.clear()
-    result.input_states.clear()
     result.arguments = ()
     result.split = None
     result.calls = 0
@@ -519,28 +529,41 @@ def _restart(result: Branches, mode: _SplitMode) -> None:
 
 
 def _read_branch(
-    alias: Tensor, name: str, result: Branches, latest: list[int], generation: int
+    alias: Tensor,
+    name: str,
+    result: Branches,
+    latest: list[int],
+    generation: int,
+    stale: list[bool],
 ) -> None:
     """Keep the message the alias's node receives: that consumer's branch (while the split
-    the alias was made for is the latest one, ``latest[0] == generation``)."""
+    the alias was made for is the latest one, ``latest[0] == generation``); the first one of a
+    split replaces an earlier split's values (``stale``)."""
 
     def hook(grad_outputs):
         msg = grad_outputs[0]
         if isinstance(msg, Message) and latest[0] == generation:
+            if stale[0]:
+                result.messages.clear()
+                result.input_states.clear()
+                stale[0] = False
             result.messages[name] = msg
         return None
 
     alias.grad_fn.register_prehook(hook)
 
 
-def _carrier(result: Branches, inputs: list[Tensor], latest: list[int], generation: int):
+def _carrier(
+    result: Branches, inputs: list[Tensor], latest: list[int], generation: int, stale: list[bool]
+):
     """A pre-hook for the split tensor's node, which the engine runs after every consumer: one
-    pass per branch from the split tensor down to ``inputs`` (while its split is the latest)."""
+    pass per branch from the split tensor down to ``inputs`` (while its split is the latest and
+    its messages are its own, not an earlier split's)."""
 
     carrying = []
 
     def hook(grad_outputs):
-        if not result.messages or carrying or latest[0] != generation:
+        if not result.messages or carrying or latest[0] != generation or stale[0]:
             return None  # (the branch passes start at this node too)
         carrying.append(True)
         try:

@@ -33,7 +33,7 @@ from ..errors import SemipackError
 from ..graph.sites import ROOT_MODULE
 from ..messages.paths import Path, PathStep
 from ..semirings import Entropy, KBest, Product, Real, Semiring, SignedMaxProd
-from .branches import ADDS, Branches, branches
+from .branches import ADDS, NO_GRAPH_CAUSES, Branches, branches
 from .token_types import attention_branch
 
 BRANCH_ORDER = ("query", "key", "value", "residual")
@@ -691,6 +691,17 @@ def _check_called(
         for spec, split, context in zip(layers, splits, contexts, strict=True)
         if split.split is None or (context is not None and context.split is None)
     ]
+    without_graph = [
+        spec.name
+        for spec, split in zip(layers, splits, strict=True)
+        if split.split is None and split.calls_without_grad
+    ]
+    if without_graph:  # a reentrant checkpoint's forward, or target() under no_grad (trial 69:
+        # named as never called)
+        raise SemipackError(
+            f"explain_layers: target() called {', '.join(without_graph)} only where autograd "
+            f"records nothing ({NO_GRAPH_CAUSES}), so no branch can be told apart"
+        )
     if missing:
         raise SemipackError(
             f"explain_layers: target() did not call {', '.join(missing)}; target must run the "

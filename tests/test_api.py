@@ -242,6 +242,28 @@ def test_backward_inputs_with_a_non_leaf_above_another_input(regular_grads, exte
         x.grad = lin1.weight.grad = None
 
 
+@pytest.mark.parametrize("regular_grads", [True, False])
+def test_a_retained_tensor_listed_in_inputs(regular_grads) -> None:
+    """``h.retain_grad()`` then ``backward(inputs=[h, x])``: ``h`` is read once, as PyTorch
+    fills its ``.grad`` once (trial 69: without regular gradients its message in ``.grad`` was
+    taken for a stray one, blaming a custom Function)."""
+    torch.manual_seed(0)
+    lin = nn.Linear(3, 4).double()
+    x = torch.randn(5, 3, dtype=torch.float64, requires_grad=True)
+    h = torch.tanh(lin(x))
+    h.retain_grad()
+    (h**2).sum().backward(inputs=[h, x])
+    plain = h.grad, x.grad
+    x.grad = None
+    with semipack.extend(lin, semipack.Real(), regular_grads=regular_grads):
+        h = torch.tanh(lin(x))
+        h.retain_grad()
+        (h**2).sum().backward(inputs=[h, x])
+    for t, want in zip((h, x), plain, strict=True):
+        torch.testing.assert_close(t.semiring_grad, want, rtol=1e-12, atol=0)
+        assert torch.equal(t.grad, want) if regular_grads else t.grad is None
+
+
 def test_semipack_grad_leaves_a_retained_grad_as_it_was() -> None:
     """A tensor retained inside the block: ``semipack.grad`` (no regular gradient) leaves its
     ``.grad`` as it was, before or after a backward (trial 68: it took the message, and the

@@ -877,6 +877,7 @@ def test_complex_tensors_are_refused() -> None:
         lambda x: torch.fft.rfft(x, dim=1).imag,
         lambda x: torch.view_as_real(torch.view_as_complex(x)),
         lambda x: torch.polar(x.abs() + 1, x).real,
+        lambda x: torch.fft.fft(x, dim=0).abs(),  # a magnitude (trial 69: register advice)
     ],
 )
 def test_a_real_graph_through_complex_values_is_refused_as_complex(complex_step) -> None:
@@ -1466,3 +1467,16 @@ def test_an_op_of_the_root_modules_own_forward_names_its_class() -> None:
         "in the backward of LinalgDetBackward0, created by the root module (Determinant)."
         in str(info.value)
     )
+
+
+@pytest.mark.parametrize("padding", ["same", "valid", 1])
+def test_a_convolution_of_the_wrong_rank_raises_like_pytorch(padding) -> None:
+    """A weight or input of the wrong rank with a padding word raises PyTorch's own error
+    (trial 69: "same" raised zip()'s ValueError)."""
+    x4, w3, w4 = torch.randn(2, 3, 8, 8), torch.randn(4, 3, 3), torch.randn(4, 3, 3, 3)
+    for conv, x, w in ((F.conv2d, x4, w3), (F.conv1d, x4, w4)):
+        w = w.requires_grad_()
+        expected = torch_error(lambda conv=conv, x=x, w=w: conv(x, w, padding=padding))
+        with semipack.extend(None, semipack.MaxProd()), pytest.raises(RuntimeError) as info:
+            conv(x, w, padding=padding)
+        assert str(info.value) == expected

@@ -95,6 +95,8 @@ def _padding_numbers(
     on the right per dim), as PyTorch's convolution pads. "valid" is none; "same" pads
     ``dilation * (kernel - 1)`` per dim, half on each side and the odd one on the right. None
     for what PyTorch refuses ("same" with a stride, another word): the plain call raises."""
+    if weight.dim() != spatial + 2:  # PyTorch's own error names the shapes
+        return None
     geometry = ConvGeometry.of(spatial, stride, 0, dilation)
     if padding == "valid":
         return (0,) * spatial, (0,) * spatial

@@ -281,8 +281,9 @@ class OpCall:
             if isinstance(t, Tensor) and t.is_complex():
                 raise unsupported(
                     func,
-                    f"it received a complex tensor ({t.dtype}); semiring values are defined on "
-                    "real local derivatives (split complex tensors with torch.view_as_real)",
+                    f"it received a complex tensor ({t.dtype}): semipack refuses complex "
+                    "graphs; write the model's complex arithmetic with real tensors (real and "
+                    f"imaginary parts, torch.view_as_real) to analyse it {COMPLEX_VALUES}",
                 )
         self.messages = [m for m in flat if isinstance(m, Message)]
         first = self.messages[0]

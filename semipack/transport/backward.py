@@ -713,7 +713,9 @@ def backward(
                     ) from exc
                 finally:
                     _PASS.retained = outer
-            _refuse_stray_messages([*leaves, *inner.leaves()], regular_grads)
+            # a retained tensor's .grad holds its message by design (``_split_retained``)
+            reached = [t for t in [*leaves, *inner.leaves()] if all(t is not k for k in kept)]
+            _refuse_stray_messages(reached, regular_grads)
             if rows is not None:
                 batched = [t for t in leaves if id(t) in captured and id(t) in per_sample]
                 rows.check(batched, per_sample_batches)

@@ -1969,3 +1969,39 @@ def test_a_padding_word_pytorch_refuses_is_refused_as_plain():
         refused = pytest.raises(type(plain.value), match=re.escape(str(plain.value)))
         with semipack.extend(conv, semipack.MaxProd(), per_sample=True), refused:
             conv(x)
+
+
+def test_siglip_vision_rows_with_its_position_table_frozen():
+    """SigLIP's vision tower (without its pooling head, whose learned probe is repeated over
+    the batch: no per-sample rule): a ``padding="valid"`` patch embedding (trial 66) and a position
+    table read from a buffer shared by the batch, whose forward takes no position_ids: the
+    refusal says to freeze the table (trial 69: it said to pass position_ids); frozen, Real's
+    rows are the per-example gradients."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    cfg = transformers.SiglipVisionConfig(
+        hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+        image_size=8, patch_size=4, num_channels=3, vision_use_head=False,
+    )  # fmt: skip
+    # sdpa: eager attention takes its softmax in float32 (see "Limits": float32 steps)
+    model = transformers.SiglipVisionModel._from_config(cfg, attn_implementation="sdpa")
+    model = model.double().eval()
+    images = torch.randn(3, 3, 8, 8, dtype=torch.float64)
+
+    def loss(pixels):
+        return _loss(model(pixel_values=pixels).last_hidden_state)
+
+    with semipack.extend(model, semipack.Real(), per_sample=True):
+        out = loss(images)
+        with pytest.raises(PerSampleError, match=r"freeze that embedding, requires_grad_\(False\)"):
+            out.backward()
+    model.embeddings.position_embedding.weight.requires_grad_(False)
+    with semipack.extend(model, semipack.Real(), per_sample=True):
+        loss(images).backward()
+    rows = {n: p.semiring_grad_batch for n, p in model.named_parameters() if p.requires_grad}
+    params = [p for p in model.parameters() if p.requires_grad]
+    for i in range(3):
+        grads = torch.autograd.grad(loss(images[i : i + 1]), params, allow_unused=True)
+        for (name, row), g in zip(rows.items(), grads, strict=True):
+            want = torch.zeros_like(row[i]) if g is None else g
+            torch.testing.assert_close(row[i], want, rtol=1e-9, atol=1e-12, msg=name)

@@ -460,8 +460,11 @@ def _why_not_the_batch(sizes: set[int]) -> str:
     causes = []
     if 1 in sizes:
         causes.append(
-            "A dim 0 of 1: a lookup broadcast over the batch (Hugging Face position "
-            "embeddings: pass position_ids of shape [N, T])"
+            "A dim 0 of 1: a lookup broadcast over the batch (Hugging Face text models' "
+            "position embeddings: pass position_ids of shape [N, T]; a model whose forward "
+            "takes no position_ids, such as SigLIP's and CLIP's vision towers, reads a buffer "
+            "shared by the batch: freeze that embedding, requires_grad_(False), for the other "
+            "parameters' rows)"
         )
     if sizes - {1}:
         causes.append(

@@ -183,12 +183,48 @@ class _TwoNames(MinProd):
     components = ("a", "b")
 
 
+class _ZeroNotATuple(MinProd):
+    zero = math.inf
+
+
+class _NamesAsAString(MinProd):
+    components = "value"
+
+
+class _ZeroNotLiftedToZero(MinProd):  # sends 0 to -inf: silently wrong values (trial 69)
+    def lift(self, w):
+        return (w.to(self.state_dtype(w.dtype)).abs().log(),)
+
+
+class _SumWithoutKeepdim(MinProd):
+    def sum(self, a, dims):
+        return (a[0].amin(dims),)
+
+
+class _TimesOfATensor(MinProd):
+    def times(self, a, b):
+        return a[0] + b[0]
+
+
+class _PerInstance(MinProd):
+    """Sets its pieces per instance, as KBest(k) does: each instance is checked."""
+
+    def __init__(self, entries: int) -> None:
+        self.zero = (math.inf,) * entries
+
+
 @pytest.mark.parametrize(
     ("semiring", "error", "words"),
     [
         (_NoSum, NotImplementedError, "_NoSum does not define sum: a semiring defines lift, plus"),
         (_TensorLift, TypeError, "_TensorLift.lift must return a tuple of 1 tensor(s)"),
         (_TwoNames, TypeError, "components names 2 state component(s) ('a', 'b'), but zero has 1"),
+        (_ZeroNotATuple, TypeError, "_ZeroNotATuple.zero must be a tuple with one entry per"),
+        (_NamesAsAString, TypeError, "_NamesAsAString.components must be a tuple of names"),
+        (_ZeroNotLiftedToZero, TypeError, "lift must send an exact 0 (no edge) to zero (inf,)"),
+        (_SumWithoutKeepdim, TypeError, "_SumWithoutKeepdim.sum must take (a, dims, keepdim"),
+        (_TimesOfATensor, TypeError, "_TimesOfATensor.times must return a tuple of 1 tensor(s)"),
+        (lambda: _PerInstance(2), TypeError, "components names 1 state component(s) ('value',)"),
     ],
 )
 def test_a_semiring_of_ones_own_that_does_not_fit_is_named(semiring, error, words) -> None:
@@ -202,11 +238,17 @@ def test_a_semiring_of_ones_own_that_does_not_fit_is_named(semiring, error, word
         copies = (x[None, :] * torch.full((2, 1), 3.5)).sum()
         return (x * torch.tensor([0.5, 4.0])).sum() * 3 + x[0] * 5 + copies
 
-    for sr in (semiring(), semipack.Product(semipack.MaxProd(), semiring())):
-        with pytest.raises(error) as info, semipack.extend(None, sr):
+    with pytest.raises(error) as info, semipack.extend(None, semiring()):
+        loss().backward()
+    assert words in str(info.value)
+    if error is TypeError:  # a Product's factors are checked when it is made
+        with pytest.raises(error, match=re.escape(words)):
+            semipack.Product(semipack.MaxProd(), semiring())
+    else:
+        with pytest.raises(error, match=words), semipack.extend(None, semipack.Product(semiring())):
             loss().backward()
-        assert words in str(info.value)
     (value,) = semipack.grad(loss(), x, MinProd())
+    assert torch.equal(semipack.grad(loss(), x, _PerInstance(1))[0], value)  # a good instance
     assert torch.allclose(value, torch.tensor([1.5, 3.5]))  # its readout: exp of the log
 
 

@@ -145,46 +145,86 @@ def _undefined(sr: Semiring, method: str) -> NotImplementedError:
     )
 
 
-#: Semiring classes outside semipack whose definition ``check_definition`` has passed.
-_CHECKED: set[type] = set()
+#: Semiring definitions outside semipack that ``check_definition`` has passed: the class with
+#: its components, zero and one (an instance may set them, as ``KBest(k)`` does).
+_CHECKED: set[tuple] = set()
 
 
 def check_definition(sr: Semiring) -> None:
-    """Refuse a semiring class written outside semipack whose pieces do not fit, by name,
-    before a pass runs: one ``zero`` and one ``one`` entry per name in ``components``, and a
-    ``lift`` that returns one tensor per component shaped like its argument (a raw
-    ``IndexError`` or "iteration over a 0-d tensor" from deep inside a pass named neither,
-    trial 68). Built-in semirings and classes checked once are not checked again."""
+    """Refuse a semiring written outside semipack whose pieces do not fit, by name, before a
+    pass runs (trials 68 and 69: raw ``IndexError``s, "iteration over a 0-d tensor", a ``sum``
+    without ``keepdim`` failing deep inside a pass, and a ``lift`` that did not send 0 to
+    ``zero`` giving wrong values silently): ``components`` a tuple of names, ``zero`` and
+    ``one`` tuples with one entry per name, and ``lift``, ``plus``, ``times`` and
+    ``sum(a, dims, keepdim)`` each returning a tuple of one tensor per component, ``lift``
+    sending an exact 0 to ``zero``. Built-in semirings (a ``Product``'s factors are checked)
+    and definitions checked once are not checked again."""
     for factor in getattr(sr, "semirings", ()):  # a Product's factors
         check_definition(factor)
     cls = type(sr)
-    if cls in _CHECKED or cls.__module__.startswith("semipack."):
+    if cls.__module__.startswith("semipack."):
         return
-    n = len(sr.components)
+    key = (cls, repr(sr.components), repr(sr.zero), repr(sr.one))
+    if key in _CHECKED:
+        return
+    name = sr.name
+    see = "(see 'Adding a semiring' in the README)"
+    components = sr.components
+    if not isinstance(components, (tuple, list)) or not all(isinstance(c, str) for c in components):
+        raise TypeError(
+            f"{name}.components must be a tuple of names, one per state component, got "
+            f"{components!r} {see}"
+        )
+    n = len(components)
+    for field_name in ("zero", "one"):
+        value = getattr(sr, field_name)
+        if not isinstance(value, (tuple, list)):
+            raise TypeError(
+                f"{name}.{field_name} must be a tuple with one entry per component, got "
+                f"{value!r} (write ({value!r},)) {see}"
+            )
     if len(sr.zero) != n or len(sr.one) != n:
         raise TypeError(
-            f"{sr.name}: components names {n} state component(s) {tuple(sr.components)}, but "
+            f"{name}: components names {n} state component(s) {tuple(components)}, but "
             f"zero has {len(sr.zero)} and one {len(sr.one)} entries: give each component its "
-            "zero and one (see 'Adding a semiring' in the README)"
+            f"zero and one {see}"
         )
     probe = torch.tensor([0.0, 2.0])
-    lifted = sr.lift(probe)
+    lifted = _checked_state(sr, "lift", sr.lift(probe), n, see)
+    for c, z in zip(lifted, sr.zero, strict=True):
+        if not (bool(c[0] == z) or (isinstance(z, float) and math.isnan(z) and bool(c[0].isnan()))):
+            raise TypeError(
+                f"{name}.lift must send an exact 0 (no edge) to zero {tuple(sr.zero)}; it sent "
+                f"0 to {tuple(float(c[0]) for c in lifted)} {see}"
+            )
+    _checked_state(sr, "plus", sr.plus(lifted, lifted), n, see)
+    _checked_state(sr, "times", sr.times(lifted, lifted), n, see)
+    try:
+        summed = sr.sum(lifted, [0], False)
+    except TypeError as error:
+        raise TypeError(f"{name}.sum must take (a, dims, keepdim=False): {error} {see}") from error
+    _checked_state(sr, "sum", summed, n, see, shape=())
+    _CHECKED.add(key)
+
+
+def _checked_state(
+    sr: Semiring, method: str, state: Any, n: int, see: str, shape: tuple[int, ...] = (2,)
+) -> tuple:
+    """``state`` if it is a tuple of ``n`` tensors of ``shape``, else a TypeError naming the
+    method (``check_definition``)."""
     if not (
-        isinstance(lifted, tuple)
-        and len(lifted) == n
-        and all(isinstance(c, Tensor) and c.shape == probe.shape for c in lifted)
+        isinstance(state, tuple)
+        and len(state) == n
+        and all(isinstance(c, Tensor) and tuple(c.shape) == shape for c in state)
     ):
         got = (
-            f"a tuple of {len(lifted)}"
-            if isinstance(lifted, tuple)
-            else f"a {type(lifted).__name__}"
+            f"a tuple of {len(state)}" if isinstance(state, tuple) else f"a {type(state).__name__}"
         )
         raise TypeError(
-            f"{sr.name}.lift must return a tuple of {n} tensor(s), one per component, each "
-            f"shaped like its argument; it returned {got} (see 'Adding a semiring' in the "
-            "README)"
+            f"{sr.name}.{method} must return a tuple of {n} tensor(s), one per component, each "
+            f"shaped like the state; it returned {got} {see}"
         )
-    _CHECKED.add(cls)
+    return state
 
 
 def normalize_dims(dims: int | Sequence[int] | None, ndim: int) -> list[int]:

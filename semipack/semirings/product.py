@@ -25,7 +25,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from .base import Semiring, Sign, SparseRows, State
+from .base import Semiring, Sign, SparseRows, State, check_definition
 
 
 class Product(Semiring):
@@ -48,6 +48,7 @@ class Product(Semiring):
                 )
             if not isinstance(s, Semiring):
                 raise TypeError(f"Product takes semirings, got {type(s).__name__}")
+            check_definition(s)  # a factor of one's own that does not fit, by name
             if isinstance(s, Product):
                 raise ValueError("a Product cannot contain a Product: list its factors instead")
             if s.records_paths:

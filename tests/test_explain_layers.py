@@ -4,6 +4,7 @@ plain semiring runs (no split), against TopPath's own values, and on hand-made p
 from __future__ import annotations
 
 import math
+import warnings
 from pathlib import Path
 
 import pytest
@@ -1133,7 +1134,14 @@ def test_a_use_of_the_input_before_the_block_and_a_shared_heads_module_are_refus
         semipack.explain_layers(layer, semipack.LogSum(), lambda: layer(x).sum(), layers=[spec])
     before = pytest.warns(UserWarning, match=r"input was used before the module was called \(by ")
     with before, semipack.extend(layer, semipack.LogSum()), semipack.branches(layer.attn):
-        layer(x)
+        layer(x).sum().backward()  # the backward shows the use before has paths
+    with semipack.extend(layer, semipack.LogSum()):
+        with semipack.branches(layer.attn) as split:
+            out = layer(x)
+        assert split.used_before == []  # no backward yet
+        with pytest.warns(UserWarning, match=r"used before the module was called \(by linear\)"):
+            out.sum().backward()  # after the block: warned when it reaches the use
+    assert split.used_before == ["linear"]
     shared = nn.Sequential(_ResidualInside(False), _ResidualInside(False)).double()
     shared[1].o = shared[0].o  # one output projection for both
     specs = [AttentionLayer(str(i), shared[i], shared[0].o, 2, 2) for i in (0, 1)]
@@ -1594,3 +1602,32 @@ def test_a_reentrant_checkpoint_is_named_as_the_cause() -> None:
     )
     with refused:
         semipack.explain_layers(model, semipack.LogSum(), target)
+
+
+def test_a_logged_use_of_a_layers_input_is_no_use() -> None:
+    """``h.norm().item()`` before each layer (logging) reaches no path to the target: the
+    layer is read as without it (trial 69: refused as a use before the block)."""
+    torch.manual_seed(0)
+    layer = nn.TransformerEncoderLayer(8, 2, 16, dropout=0.0, batch_first=True)
+    model = nn.TransformerEncoder(layer, 2, enable_nested_tensor=False).double().eval()
+    x = torch.randn(1, 5, 8, dtype=torch.float64)
+
+    def target():
+        return model(x)[0, 2].sum()
+
+    plain = semipack.explain_layers(model, semipack.LogSum(), target)
+    logged: list[float] = []
+    hooks = [
+        m.register_forward_pre_hook(lambda m, a: logged.append(a[0].norm().item()))
+        for m in model.layers
+    ]
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            got = semipack.explain_layers(model, semipack.LogSum(), target)
+    finally:
+        for h in hooks:
+            h.remove()
+    assert logged
+    for i in range(2):
+        torch.testing.assert_close(got.total[i], plain.total[i], rtol=0, atol=0)

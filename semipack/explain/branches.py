@@ -71,8 +71,10 @@ class Branches:
     #: are the split tensor (``(0,)`` for a cross-attention's query, ``(0, 1, 2)`` for
     #: ``mha(x, x, x)``)
     arguments: tuple[int | str, ...] = ()
-    #: a module split: the calls that used the split tensor before the module was called
-    #: (their paths are in no branch; ``explain_layers`` refuses such a layer)
+    #: a module split: the calls that used the split tensor before the module was called and
+    #: whose results a backward then reached (their paths are in no branch; ``explain_layers``
+    #: refuses such a layer); a use no backward reaches, a logged ``h.norm().item()``, has no
+    #: path and is not listed
     used_before: list[str] = field(default_factory=list)
     split: Tensor | None = None
     calls: int = 0
@@ -168,10 +170,10 @@ class _SplitMode(TorchFunctionMode):
         self.counts: dict[str, int] = {}
         #: whether a use of the split tensor ran without grad mode (no alias, no branch)
         self.uses_without_grad = False
-        #: before the split module is called: the tensors calls used (id -> weak reference,
-        #: the call), to tell whether the split tensor had uses before it (``Branches
-        #: .used_before``); None once the split tensor is taken
-        self.earlier_uses: dict[int, tuple[weakref.ref, str]] | None = {}
+        #: before the split module is called: the tensors calls used (id -> each use's weak
+        #: reference, call and result nodes), to tell whether the split tensor had uses
+        #: before it (``Branches.used_before``); None once the split tensor is taken
+        self.earlier_uses: dict[int, list[tuple[weakref.ref, str, list]]] | None = {}
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -180,10 +182,18 @@ class _SplitMode(TorchFunctionMode):
             result = func(*args, **kwargs)
             if not _records_a_use(result):  # detach, isfinite, retain_grad, register_hook
                 return result
+            nodes = list(
+                {
+                    id(t.grad_fn): t.grad_fn
+                    for t in tree_leaves(result)
+                    if isinstance(t, Tensor) and t.grad_fn is not None
+                }.values()
+            )
             for a in tree_leaves((args, kwargs)):
                 # a call that hands its argument back (eval-mode dropout, .to()) is no use
                 if isinstance(a, Tensor) and a.requires_grad and a is not result:
-                    self.earlier_uses[id(a)] = (weakref.ref(a), _call_name(func))
+                    use = (weakref.ref(a), _call_name(func), nodes)
+                    self.earlier_uses.setdefault(id(a), []).append(use)
             return result
         if self.target is None or _reads_metadata(func):
             return func(*args, **kwargs)
@@ -400,6 +410,8 @@ def branches(at: nn.Module | Tensor, inputs: Sequence[Tensor] = ()) -> Iterator[
         lambda name, alias: _read_branch(alias, name, result, generation, generation[0], stale),
     )
     handles = []
+    #: after the block: warns of a use before the module that a later backward reaches
+    warn_late: list[Callable[[str], None] | None] = [None]
 
     def take(tensor: Tensor) -> None:
         if mode.target is not None and result.messages and not stale[0]:
@@ -421,9 +433,10 @@ def branches(at: nn.Module | Tensor, inputs: Sequence[Tensor] = ()) -> Iterator[
         mode.target = result.split = tensor
         mode.forms = [tensor]
         if mode.earlier_uses is not None:
-            earlier = mode.earlier_uses.get(id(tensor))
-            if earlier is not None and earlier[0]() is tensor:
-                result.used_before.append(earlier[1])
+            for ref, call, nodes in mode.earlier_uses.get(id(tensor), ()):
+                if ref() is tensor:
+                    for node in nodes:
+                        node.register_prehook(_mark_used_before(result, call, warn_late))
             mode.earlier_uses = None
         if inputs:
             if tensor.grad_fn is None:
@@ -482,12 +495,11 @@ def branches(at: nn.Module | Tensor, inputs: Sequence[Tensor] = ()) -> Iterator[
         raise SemipackError(
             f"semipack.branches: {type(at).__name__} was not called inside the block"
         )
-    if isinstance(at, nn.Module) and result.used_before:
-        warnings.warn(
-            f"semipack.branches: {type(at).__name__}'s input was used before the module was "
-            f"called (by {', '.join(result.used_before)}): those uses' paths are in no branch",
-            stacklevel=user_stacklevel(),
-        )
+    if isinstance(at, nn.Module):
+        if result.used_before:  # a backward inside the block reached them
+            _warn_used_before(type(at).__name__, result.used_before)
+        # a backward after the block warns when it reaches one
+        warn_late[0] = lambda call: _warn_used_before(type(at).__name__, [call])
     if isinstance(at, nn.Module) and result.calls > 1:
         warnings.warn(
             f"semipack.branches: {type(at).__name__} was called {result.calls} times in the "
@@ -510,6 +522,30 @@ NO_GRAPH_CAUSES = (
     "(torch.utils.checkpoint with use_reentrant=True), which records the graph only while "
     "the backward runs, after this block: use use_reentrant=False"
 )
+
+
+def _warn_used_before(module: str, calls: Sequence[str]) -> None:
+    warnings.warn(
+        f"semipack.branches: {module}'s input was used before the module was called (by "
+        f"{', '.join(calls)}): those uses' paths are in no branch",
+        stacklevel=user_stacklevel(),
+    )
+
+
+def _mark_used_before(result: Branches, call: str, warn_late: list):
+    """A pre-hook for the node of a use of the split tensor made before the module's call:
+    once a backward's message reaches it, the use has paths, which are in no branch."""
+
+    def hook(grad_outputs):
+        if call in result.used_before:
+            return None
+        if any(isinstance(g, Message) for g in grad_outputs):
+            result.used_before.append(call)
+            if warn_late[0] is not None:
+                warn_late[0](call)
+        return None
+
+    return hook
 
 
 def _restart(result: Branches, mode: _SplitMode) -> None:

@@ -570,7 +570,10 @@ def explain_layers(
         stack.close()
         if not isinstance(scalar, Tensor) or scalar.numel() != 1:
             raise SemipackError("explain_layers: target() must return a scalar tensor")
-        scalar.backward()
+        with warnings.catch_warnings():  # refused below, by name
+            warnings.filterwarnings("ignore", "semipack.branches: .* used before the module")
+            scalar.backward()
+    _check_no_use_before(layers, splits)
     factors = semiring.semirings if isinstance(semiring, Product) else (semiring,)
     flows = tuple(
         _flow(factor, layers, splits, contexts, tokens, i if len(factors) > 1 else None)
@@ -707,18 +710,6 @@ def _check_called(
             f"explain_layers: target() did not call {', '.join(missing)}; target must run the "
             "model's forward itself, and each AttentionLayer name modules of that model"
         )
-    early = [
-        f"{spec.name} (by {', '.join(split.used_before)})"
-        for spec, split in zip(layers, splits, strict=True)
-        if split.used_before
-    ]
-    if early:  # those uses' paths would be in no branch and missing from the totals
-        raise SemipackError(
-            f"explain_layers: the input of {', '.join(early)} was used before the block was "
-            "called, so the paths through that use would be in no branch and missing from the "
-            "layer's total; pass layers=[AttentionLayer(...), ...] naming a block that holds "
-            "every use of its input"
-        )
     repeated = [
         f"{spec.name} ({split.calls} calls)"
         for spec, split in zip(layers, splits, strict=True)
@@ -734,6 +725,24 @@ def _check_called(
             "its first call only, so the paths through the later calls (a second sentence, a "
             "second forward) would be missing: run the model once in target(), on a batch "
             "holding every input"
+        )
+
+
+def _check_no_use_before(layers: Sequence[AttentionLayer], splits: Sequence[Branches]) -> None:
+    """After the backward: no layer's input may have a use before its block that the backward
+    reached (a gate computed first): those paths would be in no branch and missing from the
+    layer's total. A use no backward reaches (a logged norm) has no path and is no use."""
+    early = [
+        f"{spec.name} (by {', '.join(split.used_before)})"
+        for spec, split in zip(layers, splits, strict=True)
+        if split.used_before
+    ]
+    if early:
+        raise SemipackError(
+            f"explain_layers: the input of {', '.join(early)} was used before the block was "
+            "called, so the paths through that use would be in no branch and missing from the "
+            "layer's total; pass layers=[AttentionLayer(...), ...] naming a block that holds "
+            "every use of its input"
         )
 
 

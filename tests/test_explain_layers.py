@@ -1540,10 +1540,24 @@ def test_another_blocks_projection_in_the_same_layer_is_not_read_as_this_blocks(
     assert [(h.branch, h.head) for h in route.hops] == [("residual", None)]
 
 
-def test_a_guard_or_retain_grad_before_a_layer_is_no_use_of_its_input() -> None:
-    """A NaN guard (``torch.isfinite(h).all()``) or ``h.retain_grad()`` on a layer's input
-    before its attention block adds no edge: the layer is read as without them (trial 67:
-    explain_layers refused it as a use before the block)."""
+def _nan_guard_and_retain(module, args, seen) -> None:
+    if not torch.isfinite(args[0]).all():
+        raise FloatingPointError("non-finite input")
+    if args[0].requires_grad:  # the first layer's input is the model's: no graph
+        args[0].retain_grad()
+        seen.append(args[0])
+
+
+def _logged_norm(module, args, seen) -> None:
+    seen.append(args[0].norm().item())
+
+
+@pytest.mark.parametrize("touch", [_nan_guard_and_retain, _logged_norm])
+def test_a_touch_of_a_layers_input_before_its_block_is_no_use(touch) -> None:
+    """A NaN guard (``torch.isfinite(h).all()``), ``h.retain_grad()`` or a logged
+    ``h.norm().item()`` on a layer's input before its attention block adds no path to the
+    target: the layer is read as without them (trials 67 and 69: explain_layers refused it as
+    a use before the block)."""
     torch.manual_seed(0)
     layer = nn.TransformerEncoderLayer(8, 2, 16, dropout=0.0, batch_first=True)
     model = nn.TransformerEncoder(layer, 2, enable_nested_tensor=False).double().eval()
@@ -1553,29 +1567,22 @@ def test_a_guard_or_retain_grad_before_a_layer_is_no_use_of_its_input() -> None:
         return model(x)[0, 2].sum()
 
     plain = semipack.explain_layers(model, semipack.LogSum(), target)
-
-    retained: list[torch.Tensor] = []
-
-    def guard(module, args):
-        if not torch.isfinite(args[0]).all():
-            raise FloatingPointError("non-finite input")
-        if args[0].requires_grad:  # the first layer's input is the model's: no graph
-            args[0].retain_grad()
-            retained.append(args[0])
-
-    hooks = [m.register_forward_pre_hook(guard) for m in model.layers]
+    seen: list = []
+    hooks = [m.register_forward_pre_hook(lambda m, a: touch(m, a, seen)) for m in model.layers]
     try:
-        guarded = semipack.explain_layers(model, semipack.LogSum(), target)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            touched = semipack.explain_layers(model, semipack.LogSum(), target)
     finally:
         for h in hooks:
             h.remove()
-    assert retained  # a retain_grad ran on a layer's input
+    assert seen  # the touch ran
     for i in range(2):
-        torch.testing.assert_close(guarded.total[i], plain.total[i], rtol=0, atol=0)
-        assert guarded.branches[i].keys() == plain.branches[i].keys()
+        torch.testing.assert_close(touched.total[i], plain.total[i], rtol=0, atol=0)
+        assert touched.branches[i].keys() == plain.branches[i].keys()
         for name in plain.branches[i]:
             torch.testing.assert_close(
-                guarded.branches[i][name], plain.branches[i][name], rtol=0, atol=0
+                touched.branches[i][name], plain.branches[i][name], rtol=0, atol=0
             )
 
 
@@ -1602,32 +1609,3 @@ def test_a_reentrant_checkpoint_is_named_as_the_cause() -> None:
     )
     with refused:
         semipack.explain_layers(model, semipack.LogSum(), target)
-
-
-def test_a_logged_use_of_a_layers_input_is_no_use() -> None:
-    """``h.norm().item()`` before each layer (logging) reaches no path to the target: the
-    layer is read as without it (trial 69: refused as a use before the block)."""
-    torch.manual_seed(0)
-    layer = nn.TransformerEncoderLayer(8, 2, 16, dropout=0.0, batch_first=True)
-    model = nn.TransformerEncoder(layer, 2, enable_nested_tensor=False).double().eval()
-    x = torch.randn(1, 5, 8, dtype=torch.float64)
-
-    def target():
-        return model(x)[0, 2].sum()
-
-    plain = semipack.explain_layers(model, semipack.LogSum(), target)
-    logged: list[float] = []
-    hooks = [
-        m.register_forward_pre_hook(lambda m, a: logged.append(a[0].norm().item()))
-        for m in model.layers
-    ]
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("error")
-            got = semipack.explain_layers(model, semipack.LogSum(), target)
-    finally:
-        for h in hooks:
-            h.remove()
-    assert logged
-    for i in range(2):
-        torch.testing.assert_close(got.total[i], plain.total[i], rtol=0, atol=0)

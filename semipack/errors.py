@@ -105,10 +105,11 @@ class UnsupportedOpError(SemipackError):
             register = f"Register one with {hint}."
             if node and _one_step_of(op, node):
                 register = (
-                    f"{op} is one step of {node}'s formula here, and a rule for it would apply "
-                    f"to every use of {op}: write the forward as a custom op with its own "
-                    "backward (see 'Adding an op rule' in the README), or register a rule with "
-                    f"{hint.split(' (see')[0]} if it has one meaning everywhere."
+                    f"{op} is not {node}'s own backward op: where it is one step of that "
+                    f"node's formula, a rule for it would apply to every use of {op}, so write "
+                    "the forward as a custom op with its own backward (see 'Adding an op rule' "
+                    f"in the README), or register a rule with {hint.split(' (see')[0]} if it "
+                    "has one meaning everywhere."
                 )
             message = (
                 f"semipack has no semiring rule for {op} {where}{origin}. {register}"
@@ -124,9 +125,10 @@ def _one_step_of(op: str, node: str) -> bool:
     the node's own backward op (``aten.abs`` in ``LogcumsumexpBackward0``, against
     ``aten.grid_sampler_2d_backward`` in ``GridSampler2DBackward0``): a rule for it would
     change every use of it (trial 68: the advice to register one misled)."""
-    forward = re.sub(r"Backward\d*$", "", node).lower()
-    if not forward or forward == node.lower() or "backward" in op:
+    built_in = re.fullmatch(r"(.+)Backward\d+", node)  # a custom Function's ends in Backward
+    if built_in is None or "backward" in op:
         return False  # a custom Function's node, or the node's own backward op
+    forward = built_in.group(1).lower()
     name = op.removeprefix("aten.").split(".")[0].lstrip("_").replace("_", "")
     return name not in forward and forward not in name
 

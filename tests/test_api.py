@@ -419,8 +419,14 @@ def test_a_general_op_inside_a_formula_is_not_advised_a_rule_of_its_own() -> Non
         semipack.grad(x.logcumsumexp(1).sum(), x, semipack.MaxProd())
     message = str(info.value)
     assert info.value.node == "LogcumsumexpBackward0" and info.value.op.startswith("aten.")
-    assert f"{info.value.op} is one step of LogcumsumexpBackward0's formula here" in message
+    assert f"{info.value.op} is not LogcumsumexpBackward0's own backward op" in message
     assert "write the forward as a custom op with its own backward" in message
+    from semipack.errors import _one_step_of
+
+    # a node's own op, and a custom Function's node (its name ends in Backward, no number)
+    assert not _one_step_of("aten.mul.Tensor", "MulBackward0")
+    assert not _one_step_of("aten._to_copy.default", "ToCopyBackward0")
+    assert not _one_step_of("aten.abs.default", "MyFunctionBackward")
 
 
 def test_unsupported_op_without_module_says_how_to_name_it() -> None:

@@ -206,6 +206,25 @@ class _TimesOfATensor(MinProd):
         return a[0] + b[0]
 
 
+class _Offset(MinProd):
+    """Its lift reads a setting of the instance: each instance is checked (trial 70)."""
+
+    def __init__(self, at_zero: float) -> None:
+        self.at_zero = at_zero
+
+    def lift(self, w):
+        return (torch.where(w == 0, self.at_zero, super().lift(w)[0]),)
+
+
+class _Float64Lift(MinProd):
+    """A lift written for float64 only passes the check (trial 70: refused)."""
+
+    def lift(self, w):
+        if w.dtype != torch.float64:
+            raise TypeError(f"got {w.dtype}")
+        return super().lift(w)
+
+
 class _PerInstance(MinProd):
     """Sets its pieces per instance, as KBest(k) does: each instance is checked."""
 
@@ -249,6 +268,12 @@ def test_a_semiring_of_ones_own_that_does_not_fit_is_named(semiring, error, word
             loss().backward()
     (value,) = semipack.grad(loss(), x, MinProd())
     assert torch.equal(semipack.grad(loss(), x, _PerInstance(1))[0], value)  # a good instance
+    assert torch.equal(semipack.grad(loss(), x, _Offset(math.inf))[0], value)
+    with pytest.raises(TypeError, match=r"_Offset.lift must send an exact 0 \(no edge\) to zero"):
+        semipack.grad(loss(), x, _Offset(1.0))  # another instance of a checked class
+    x64 = x.detach().double().requires_grad_()
+    (got,) = semipack.grad((x64 * 3).sum(), x64, _Float64Lift())
+    torch.testing.assert_close(got, torch.full((2,), 3.0, dtype=torch.float64))  # exp(log 3)
     assert torch.allclose(value, torch.tensor([1.5, 3.5]))  # its readout: exp of the log
 
 

@@ -355,21 +355,23 @@ def test_uses_in_a_list_and_in_an_in_place_op_are_branches(semiring) -> None:
 
 def test_a_frozen_model_and_a_module_called_twice_are_named() -> None:
     """A frozen model's block input does not require grad with grad mode on: the error blamed
-    no_grad and checkpoints, now the frozen parameters. A module called twice is split at its
-    first call only (the second call's paths are in no branch): that was silent, now a
-    warning says so; one call gives none."""
+    no_grad and checkpoints, now the frozen parameters. A module called twice in one
+    backward's graph is split at the call the backward reaches first (the other call's paths
+    are in no branch): that was silent, now a warning says so; one call gives none."""
     net, x = _net(), _x().detach()  # frozen parameters, an input without grad
     frozen = pytest.raises(semipack.SemipackError, match=r"Block's input does not.*a frozen model")
     with frozen, semipack.extend(net, semipack.MaxProd()), semipack.branches(net.block):
         net(x)
     x = _x()
-    twice = pytest.warns(UserWarning, match="Block was called 2 times in the block; only its first")
-    with semipack.extend(net, semipack.MaxProd()):
-        with twice, semipack.branches(net.block) as split:
+    twice = pytest.warns(UserWarning, match="one backward reached 2 calls of Block; only the call")
+    with semipack.extend(net, semipack.MaxProd()), twice:  # said by the backward after it
+        with semipack.branches(net.block) as split:
             h = torch.tanh(net.emb(x))
-            out = net.block(net.block(h))
+            inner = net.block(h)
+            out = net.block(inner)
         _loss(out).backward()
-    assert split.calls == 2 and split.names == [*USES[:3], "block"]
+    # the backward reaches the outer call first: its input is the split
+    assert split.calls == 2 and split.split is inner and split.names == [*USES[:3], "block"]
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         with semipack.extend(net, semipack.MaxProd()), semipack.branches(net.block) as once:
@@ -443,9 +445,9 @@ def test_a_checkpoints_recomputation_is_not_a_second_call() -> None:
     assert shares[0].keys() == shares[1].keys()
     for name in shares[0]:
         torch.testing.assert_close(shares[1][name], shares[0][name], rtol=0, atol=0)
-    twice = pytest.warns(UserWarning, match="called 2 times")
+    twice = pytest.warns(UserWarning, match="one backward reached 2 calls of Block")
     with twice as caught, semipack.extend(net, semipack.MaxProd()), semipack.branches(net.block):
-        net.block(net.block(torch.tanh(net.emb(x))))
+        _loss(net.block(net.block(torch.tanh(net.emb(x))))).backward()
     assert caught[0].filename == __file__
 
 
@@ -606,3 +608,46 @@ def test_the_split_is_the_first_tensor_that_requires_grad() -> None:
             out = block(mask, h)
         _loss(out).backward()
     assert split.split is h and split.names == ["1.q", "1"]
+
+
+class _Gated(nn.Module):
+    """A gate computed from the block's input before the block: a use with paths."""
+
+    def __init__(self, net: Net) -> None:
+        super().__init__()
+        self.net = net
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = torch.tanh(self.net.emb(x))
+        gate = torch.sigmoid(h.sum(-1, keepdim=True))
+        return self.net.block(h) * gate
+
+
+def test_each_backward_reads_the_call_it_reaches() -> None:
+    """Trial 70: a forward with grad on between micro-batches (a metric) took the split, so
+    the next micro-batch's call was not split and the values stayed the first one's; a grad-mode
+    forward before the training one left a Monitor step without shares; a gate before the block
+    in the second micro-batch was not seen; a split tensor read by two backwards kept both's
+    branches. Now each backward reads the call it reaches."""
+    net = _net()
+    x1, x3 = _x(), (_x() * 0.5 + 0.25).detach().requires_grad_()
+    with semipack.extend(net, semipack.MaxProd()), semipack.branches(net.block) as split:
+        _loss(net(x1)).backward()
+        net(x1 * 3)  # a metric: grad mode on, no backward
+        net(x3 * 2)  # a second one
+        _loss(net(x3)).backward()
+    want = _copies_oracle(net, x3, semipack.MaxProd())
+    assert split.calls == 1 and set(split.values) == set(USES)
+    for use in USES:
+        torch.testing.assert_close(split.values[use], want[use], rtol=1e-12, atol=0)
+    gated = _Gated(net)
+    before = pytest.warns(UserWarning, match=r"used before the module was called \(by sum\)")
+    with before, semipack.extend(gated, semipack.MaxProd()), semipack.branches(net.block) as split:
+        _loss(gated(x1)).backward()
+        _loss(gated(x3)).backward()
+    assert split.used_before == ["sum"]
+    h = torch.tanh(net.emb(x3))
+    with semipack.extend(net, semipack.MaxProd()), semipack.branches(h) as tensor_split:
+        _loss(net.block(h)).backward(retain_graph=True)
+        _loss(net.block(h) * 2).backward()
+    assert len(tensor_split.names) == 8 and len(tensor_split.values) == 4  # the last backward's

@@ -252,8 +252,10 @@ def test_split_shares_are_the_last_micro_batchs_and_skip_validation(tmp_path: Pa
         with monitor.step(0):
             with torch.no_grad():
                 model(x2)
+            model(x1)  # a grad-mode forward no backward follows (trial 70: no shares at all)
             for x, y in ((x1, y1), (x2, y2)):
                 nn.functional.cross_entropy(model(x), y).backward()
+                model(x1)  # a metric
             with torch.no_grad():
                 model(x1)
     got = {r.layer: r.value for r in monitor.records if r.quantity == "flow_share"}

@@ -174,6 +174,9 @@ class _SplitMode(TorchFunctionMode):
         #: reference, call and result nodes), to tell whether the split tensor had uses
         #: before it (``Branches.used_before``); None once the split tensor is taken
         self.earlier_uses: dict[int, list[tuple[weakref.ref, str, list]]] | None = {}
+        #: whether the block is open (a backward inside it re-arms the watch for uses
+        #: before the module's next call)
+        self.inside = False
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -399,30 +402,22 @@ def branches(at: nn.Module | Tensor, inputs: Sequence[Tensor] = ()) -> Iterator[
     embeddings' output) at which each branch is also read out on its own.
     """
     result = Branches()
-    #: one entry per split taken: the hooks of an earlier split's aliases and carrier write
-    #: only while theirs is the latest (``generation``)
-    generation = [0]
-    #: whether ``messages`` hold an earlier split's values, kept until a backward reaches the
-    #: latest split (a forward no backward follows, a train-accuracy metric, keeps them)
-    stale = [False]
+    #: one record per split call (a module's call with grad mode on; a split tensor has one):
+    #: its names, ops, offsets, arguments and uses before it
+    calls: list[Branches] = []
+    #: the backward whose messages ``result`` holds (graph task id), the record it adopted,
+    #: the records it reached, and the calls taken since it
+    state = _SplitState()
+    #: after the block: warns of what a later backward finds (uses before the module, calls)
+    late: list[Callable[[str], None] | None] = [None]
     mode = _SplitMode(
         result,
-        lambda name, alias: _read_branch(alias, name, result, generation, generation[0], stale),
+        lambda name, alias: _read_branch(alias, name, len(calls) - 1, calls, result, state, late),
     )
     handles = []
-    #: after the block: warns of a use before the module that a later backward reaches
-    warn_late: list[Callable[[str], None] | None] = [None]
 
-    def take(tensor: Tensor) -> None:
-        if mode.target is not None and result.messages and not stale[0]:
-            # a backward read this split: the module's next call (the next micro-batch) is
-            # split anew, its values replacing these once a backward reaches it
-            _restart(result, mode)
-            generation[0] += 1
-            stale[0] = True
-        result.calls += 1
-        if mode.target is not None:
-            return
+    def take(tensor: Tensor, arguments: tuple[int | str, ...] = ()) -> None:
+        """A call of the module (or the tensor given): its input is split from now on."""
         if not isinstance(tensor, Tensor) or not tensor.requires_grad:
             what = f"{type(at).__name__}'s input" if isinstance(at, nn.Module) else "this tensor"
             # with grad mode on, the tensor was computed from nothing that requires grad
@@ -430,13 +425,18 @@ def branches(at: nn.Module | Tensor, inputs: Sequence[Tensor] = ()) -> Iterator[
             raise SemipackError(
                 f"semipack.branches splits a tensor that requires grad; {what} does not ({cause})"
             )
-        mode.target = result.split = tensor
-        mode.forms = [tensor]
+        record = Branches(split=tensor, arguments=arguments, calls=1)
+        calls.append(record)
+        mode.result, mode.target, mode.forms, mode.counts = record, tensor, [tensor], {}
+        state.since += 1
+        result.calls = state.since
+        if state.task is None:  # before any backward: the latest call is shown
+            _show(result, record)
         if mode.earlier_uses is not None:
             for ref, call, nodes in mode.earlier_uses.get(id(tensor), ()):
                 if ref() is tensor:
                     for node in nodes:
-                        node.register_prehook(_mark_used_before(result, call, warn_late))
+                        node.register_prehook(_mark_used_before(record, call, late))
             mode.earlier_uses = None
         if inputs:
             if tensor.grad_fn is None:
@@ -444,8 +444,16 @@ def branches(at: nn.Module | Tensor, inputs: Sequence[Tensor] = ()) -> Iterator[
                     "semipack.branches(inputs=...) carries branches down from the split tensor, "
                     "which is a leaf here: nothing lies below it"
                 )
-            carrier = _carrier(result, list(inputs), generation, generation[0], stale)
+            carrier = _carrier(result, list(inputs), len(calls) - 1, state)
             handles.append(tensor.grad_fn.register_prehook(carrier))
+
+    def rearm() -> None:
+        """After a backward: watch for uses before the module's next call again (a split
+        tensor stays split)."""
+        if mode.inside and isinstance(at, nn.Module):
+            mode.target, mode.forms, mode.earlier_uses = None, [], {}
+
+    state.rearm = rearm
 
     if isinstance(at, nn.Module):
 
@@ -461,12 +469,11 @@ def branches(at: nn.Module | Tensor, inputs: Sequence[Tensor] = ()) -> Iterator[
             tensors = [a for a in tree_leaves((args, kwargs)) if isinstance(a, Tensor)]
             first = next((a for a in tensors if a.requires_grad), tensors[0] if tensors else None)
             if first is not None:
-                if result.split is None:
-                    result.arguments = (
-                        *(i for i, a in enumerate(args) if a is first),
-                        *(k for k, a in kwargs.items() if a is first),
-                    )
-                take(first)
+                arguments = (
+                    *(i for i, a in enumerate(args) if a is first),
+                    *(k for k, a in kwargs.items() if a is first),
+                )
+                take(first, arguments)
 
         handles.append(at.register_forward_pre_hook(BlockPreHook(pre_hook), with_kwargs=True))
     elif isinstance(at, Tensor):
@@ -475,8 +482,10 @@ def branches(at: nn.Module | Tensor, inputs: Sequence[Tensor] = ()) -> Iterator[
         raise TypeError(f"semipack.branches splits at a module or a tensor, got {type(at)}")
     try:
         with mode:
+            mode.inside = True
             yield result
     finally:
+        mode.inside = False
         if isinstance(at, nn.Module):
             handles[0].remove()
         mode.target = None
@@ -496,16 +505,16 @@ def branches(at: nn.Module | Tensor, inputs: Sequence[Tensor] = ()) -> Iterator[
             f"semipack.branches: {type(at).__name__} was not called inside the block"
         )
     if isinstance(at, nn.Module):
+        name = type(at).__name__
         if result.used_before:  # a backward inside the block reached them
-            _warn_used_before(type(at).__name__, result.used_before)
-        # a backward after the block warns when it reaches one
-        warn_late[0] = lambda call: _warn_used_before(type(at).__name__, [call])
-    if isinstance(at, nn.Module) and result.calls > 1:
-        warnings.warn(
-            f"semipack.branches: {type(at).__name__} was called {result.calls} times in the "
-            "block; only its first call's input is split (the later calls' paths are in no "
-            "branch). Split a tensor instead, or run the module once per block",
-            stacklevel=user_stacklevel(),
+            _warn_used_before(name, result.used_before)
+        if len(state.reached) > 1:
+            _warn_calls(name, len(state.reached))
+        # a backward after the block warns when it finds either
+        late[0] = lambda what: (
+            _warn_calls(name, len(state.reached))
+            if what == _CALLS
+            else _warn_used_before(name, [what])
         )
 
 
@@ -524,6 +533,32 @@ NO_GRAPH_CAUSES = (
 )
 
 
+#: What ``late`` is told when a backward reaches several calls of the split module.
+_CALLS = "<several calls>"
+
+
+@dataclass
+class _SplitState:
+    """Which backward a split's values come from (``branches``)."""
+
+    task: int | None = None  # the graph task id of the backward whose messages are kept
+    adopted: int = -1  # the call record it reached first, whose branches are kept
+    reached: set[int] = field(default_factory=set)  # the call records it reached
+    since: int = 0  # calls taken since that backward
+    rearm: Callable[[], None] = lambda: None
+
+
+def _show(result: Branches, record: Branches) -> None:
+    """``result`` shows ``record``'s call: its names, ops, offsets, arguments, uses before it
+    and split tensor (the same objects, so later additions show too)."""
+    result.names, result.ops, result.offsets = record.names, record.ops, record.offsets
+    result.used_before, result.arguments, result.split = (
+        record.used_before,
+        record.arguments,
+        record.split,
+    )
+
+
 def _warn_used_before(module: str, calls: Sequence[str]) -> None:
     warnings.warn(
         f"semipack.branches: {module}'s input was used before the module was called (by "
@@ -532,74 +567,79 @@ def _warn_used_before(module: str, calls: Sequence[str]) -> None:
     )
 
 
-def _mark_used_before(result: Branches, call: str, warn_late: list):
+def _warn_calls(module: str, n: int) -> None:
+    warnings.warn(
+        f"semipack.branches: one backward reached {n} calls of {module}; only the call it "
+        "reached first is split (the other calls' paths are in no branch). Split a tensor "
+        "instead, or run the module once per backward",
+        stacklevel=user_stacklevel(),
+    )
+
+
+def _mark_used_before(record: Branches, call: str, late: list):
     """A pre-hook for the node of a use of the split tensor made before the module's call:
     once a backward's message reaches it, the use has paths, which are in no branch."""
 
     def hook(grad_outputs):
-        if call in result.used_before:
+        if call in record.used_before:
             return None
         if any(isinstance(g, Message) for g in grad_outputs):
-            result.used_before.append(call)
-            if warn_late[0] is not None:
-                warn_late[0](call)
+            record.used_before.append(call)
+            if late[0] is not None:
+                late[0](call)
         return None
 
     return hook
 
 
-def _restart(result: Branches, mode: _SplitMode) -> None:
-    """Forget the split taken so far (its branches were read by a backward): the module's
-    next call is split as if it were the first. Its values stay until a backward reaches the
-    new split (``_read_branch``)."""
-    result.names.clear()
-    result.ops.clear()
-    result.offsets.clear()
-    result.used_before.clear()
-    result.arguments = ()
-    result.split = None
-    result.calls = 0
-    mode.target = None
-    mode.forms = []
-    mode.counts = {}
-
-
 def _read_branch(
     alias: Tensor,
     name: str,
+    index: int,
+    calls: list[Branches],
     result: Branches,
-    latest: list[int],
-    generation: int,
-    stale: list[bool],
+    state: _SplitState,
+    late: list,
 ) -> None:
-    """Keep the message the alias's node receives: that consumer's branch (while the split
-    the alias was made for is the latest one, ``latest[0] == generation``); the first one of a
-    split replaces an earlier split's values (``stale``)."""
+    """Keep the message the alias's node receives: that consumer's branch. The first message
+    of a backward adopts its call: ``result`` then shows that call's branches and only its
+    messages (gradient accumulation: each backward replaces the values, as it replaces
+    ``semiring_grad``; a forward no backward follows changes nothing); a second call the same
+    backward reaches is in no branch, and counted."""
 
     def hook(grad_outputs):
         msg = grad_outputs[0]
-        if isinstance(msg, Message) and latest[0] == generation:
-            if stale[0]:
-                result.messages.clear()
-                result.input_states.clear()
-                stale[0] = False
-            result.messages[name] = msg
+        if not isinstance(msg, Message):
+            return None
+        task = torch._C._current_graph_task_id()
+        if task != state.task:  # the first message of a backward
+            state.task, state.adopted, state.reached, state.since = task, index, {index}, 0
+            _show(result, calls[index])
+            result.messages, result.input_states, result.calls = {}, {}, 1
+            state.rearm()
+        elif index != state.adopted:
+            if index not in state.reached:
+                state.reached.add(index)
+                result.calls = len(state.reached)
+                if late[0] is not None:  # after the block: said now
+                    late[0](_CALLS)
+            return None
+        result.messages[name] = msg
         return None
 
     alias.grad_fn.register_prehook(hook)
 
 
-def _carrier(
-    result: Branches, inputs: list[Tensor], latest: list[int], generation: int, stale: list[bool]
-):
+def _carrier(result: Branches, inputs: list[Tensor], index: int, state: _SplitState):
     """A pre-hook for the split tensor's node, which the engine runs after every consumer: one
-    pass per branch from the split tensor down to ``inputs`` (while its split is the latest and
-    its messages are its own, not an earlier split's)."""
+    pass per branch from the split tensor down to ``inputs``, for the call the running backward
+    adopted."""
 
     carrying = []
 
     def hook(grad_outputs):
-        if not result.messages or carrying or latest[0] != generation or stale[0]:
+        adopted = state.adopted == index and state.task == torch._C._current_graph_task_id()
+        if not result.messages or carrying or not adopted:
             return None  # (the branch passes start at this node too)
         carrying.append(True)
         try:

@@ -644,6 +644,7 @@ def test_each_backward_reads_the_call_it_reaches() -> None:
     before = pytest.warns(UserWarning, match=r"used before the module was called \(by sum\)")
     with before, semipack.extend(gated, semipack.MaxProd()), semipack.branches(net.block) as split:
         _loss(gated(x1)).backward()
+        gated(x1 * 3)  # a metric (trial 71: the next micro-batch's gate went unseen)
         _loss(gated(x3)).backward()
     assert split.used_before == ["sum"]
     h = torch.tanh(net.emb(x3))
@@ -651,3 +652,36 @@ def test_each_backward_reads_the_call_it_reaches() -> None:
         _loss(net.block(h)).backward(retain_graph=True)
         _loss(net.block(h) * 2).backward()
     assert len(tensor_split.names) == 8 and len(tensor_split.values) == 4  # the last backward's
+
+
+def test_a_module_applied_twice_with_inputs_reads_the_outer_call() -> None:
+    """``block(block(h))`` with ``inputs=[x]``: the carry passes down to ``x`` reached the inner
+    call's aliases as a new backward, which took it over (trial 71: values of the inner call,
+    ``at_inputs`` of neither, no warning). Now the outer call's branches, at the split and at
+    ``x``, equal those of a model whose outer call is a copy of the block; the backward
+    after the block warns. And inside a block, a backward that does not reach the split leaves
+    no values (trial 71: an earlier micro-batch's stayed)."""
+    net = _net()
+    x = _x()
+    outer = copy.deepcopy(net.block)
+    with semipack.extend(net, semipack.LogSum()):
+        with semipack.branches(net.block, inputs=[x]) as shared:
+            inner = net.block(torch.tanh(net.emb(x)))
+            out = net.block(inner)
+        with pytest.warns(UserWarning, match="one backward reached 2 calls of Block"):
+            _loss(out).backward()
+    model = nn.ModuleList([net, outer])
+    with semipack.extend(model, semipack.LogSum()):
+        with semipack.branches(outer, inputs=[x]) as apart:
+            out = outer(net.block(torch.tanh(net.emb(x))))
+        _loss(out).backward()
+    assert shared.split is inner and len(shared.values) == len(apart.values) == 4
+    for got, want in zip(shared.values.values(), apart.values.values(), strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-12, atol=0)
+    for got, want in zip(shared.at_inputs.values(), apart.at_inputs.values(), strict=True):
+        torch.testing.assert_close(got[0], want[0], rtol=1e-12, atol=0)
+    with semipack.extend(net, semipack.MaxProd()), semipack.branches(net.block) as split:
+        _loss(net(x)).backward()
+        assert split.values
+        _loss(torch.tanh(net.emb(x))).backward()  # does not reach the block
+        assert split.values == {}

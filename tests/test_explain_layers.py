@@ -735,9 +735,10 @@ def test_tables_of_a_batch_say_which_example_they_show():
 
 
 def test_a_target_that_runs_the_model_twice_is_refused() -> None:
-    """Two forwards (a sentence pair scored as two calls): each block is split at its first
-    call only, so the second call's paths would be missing from every value; refused, naming
-    the blocks and their number of calls."""
+    """Two forwards (a sentence pair scored as two calls) that the backward both reaches:
+    each block is split at one call, so the other call's paths would be missing from every
+    value; refused, naming the blocks and their number of calls. A forward the backward does
+    not reach (a metric) is no call."""
     model = _bert(layers=1)
     first, second = IDS, IDS.flip(-1)
 
@@ -748,10 +749,21 @@ def test_a_target_that_runs_the_model_twice_is_refused() -> None:
 
     with pytest.raises(
         semipack.SemipackError,
-        match=r"target\(\) called encoder\.layer\.0\.attention \(2 calls\), encoder\.layer\.0"
-        r"\.attention's heads_input \(2 calls\); each block is split",
+        match=r"the backward of target\(\) reached encoder\.layer\.0\.attention \(2 calls\), "
+        r"encoder\.layer\.0\.attention's heads_input \(2 calls\); each block is split at one",
     ):
         semipack.explain_layers(model, semipack.LogSum(), pair)
+
+    def metric_first() -> torch.Tensor:  # a forward the backward does not reach (trial 71)
+        model(input_ids=second)
+        return model(input_ids=first).last_hidden_state[0].mean(0).sum()
+
+    def once() -> torch.Tensor:
+        return model(input_ids=first).last_hidden_state[0].mean(0).sum()
+
+    got = semipack.explain_layers(model, semipack.LogSum(), metric_first)
+    want = semipack.explain_layers(model, semipack.LogSum(), once)
+    torch.testing.assert_close(got.total[0], want.total[0], rtol=0, atol=0)
 
 
 def test_routes_keep_self_and_cross_attention_apart() -> None:

@@ -37,6 +37,7 @@ from ..messages.message import MODULE_HOOK_NODE, Message
 from ..semirings.base import State
 from ..transport.backward import carry_down
 from ..transport.hooks import BlockPreHook
+from ..transport.passes import in_carry_pass, watch_backwards
 
 
 @dataclass
@@ -50,12 +51,12 @@ class Branches:
             argument name when a single call uses the tensor more than once (``"...:query"``)
             and ``#2``, ``#3`` for further calls by the same module.
         split: the split tensor.
-        calls: how many times the split module was called with grad mode on since its split
-            call (its first call is split, with a warning when there are more; a call after a
-            backward has reached the split starts the split afresh, as each backward inside
-            ``extend`` replaces ``semiring_grad``: gradient accumulation's micro-batches; 1
-            for a split tensor). Calls under ``torch.no_grad`` (a validation forward) record
-            no graph and are not counted.
+        calls: before a backward, how many times the split module was called with grad mode
+            on since the last backward (each call is split; the backward reads the call it
+            reaches, as each backward inside ``extend`` replaces ``semiring_grad``); after
+            one, how many calls it reached (more than 1 warns: only the first reached is
+            split). 1 for a split tensor. Calls under ``torch.no_grad`` record no graph and
+            are not counted (``calls_without_grad``).
         ops: branch name -> the name of the function whose call made that use (``linear``,
             ``add``, ``__add__``, ``multi_head_attention_forward``): a use by the split module's
             own forward is a residual add or a projection of its own, told apart by this.
@@ -183,20 +184,7 @@ class _SplitMode(TorchFunctionMode):
         watching = self.target is None and self.earlier_uses is not None
         if watching and torch.is_grad_enabled() and not _reads_metadata(func):
             result = func(*args, **kwargs)
-            if not _records_a_use(result):  # detach, isfinite, retain_grad, register_hook
-                return result
-            nodes = list(
-                {
-                    id(t.grad_fn): t.grad_fn
-                    for t in tree_leaves(result)
-                    if isinstance(t, Tensor) and t.grad_fn is not None
-                }.values()
-            )
-            for a in tree_leaves((args, kwargs)):
-                # a call that hands its argument back (eval-mode dropout, .to()) is no use
-                if isinstance(a, Tensor) and a.requires_grad and a is not result:
-                    use = (weakref.ref(a), _call_name(func), nodes)
-                    self.earlier_uses.setdefault(id(a), []).append(use)
+            self._record_uses(func, args, kwargs, result)
             return result
         if self.target is None or _reads_metadata(func):
             return func(*args, **kwargs)
@@ -212,7 +200,10 @@ class _SplitMode(TorchFunctionMode):
         named = [k for k, v in kwargs.items() if self._is_split(v)]
         listed = [i for i, a in enumerate(args) if i >= first and self._in_list(a)]
         if not uses and not named and not listed:
-            return func(*args, **kwargs)
+            result = func(*args, **kwargs)
+            if self.earlier_uses is not None:  # uses before the module's next call
+                self._record_uses(func, args, kwargs, result)
+            return result
         module = current_module()
         labels = _argument_labels(func, uses, named) if len(uses) + len(named) > 1 else None
         args, kwargs = list(args), dict(kwargs)
@@ -243,6 +234,24 @@ class _SplitMode(TorchFunctionMode):
             self._forget(before)
             return original
         return result
+
+    def _record_uses(self, func, args, kwargs, result) -> None:
+        """Remember each tensor that requires grad this call used, with the nodes of its
+        result (``earlier_uses``): a use before the module's call once a backward reaches it."""
+        if not _records_a_use(result):  # detach, isfinite, retain_grad, register_hook
+            return
+        nodes = list(
+            {
+                id(t.grad_fn): t.grad_fn
+                for t in tree_leaves(result)
+                if isinstance(t, Tensor) and t.grad_fn is not None
+            }.values()
+        )
+        for a in tree_leaves((args, kwargs)):
+            # a call that hands its argument back (eval-mode dropout, .to()) is no use
+            if isinstance(a, Tensor) and a.requires_grad and a is not result:
+                use = (weakref.ref(a), _call_name(func), nodes)
+                self.earlier_uses.setdefault(id(a), []).append(use)
 
     def _adds_a_value_of_the_split(
         self, args: list[Any], kwargs: dict[str, Any], made: list[tuple[Tensor, Tensor]]
@@ -407,7 +416,8 @@ def branches(at: nn.Module | Tensor, inputs: Sequence[Tensor] = ()) -> Iterator[
     calls: list[Branches] = []
     #: the backward whose messages ``result`` holds (graph task id), the record it adopted,
     #: the records it reached, and the calls taken since it
-    state = _SplitState()
+    state = _SplitState(result)
+    watch_backwards(state)
     #: after the block: warns of what a later backward finds (uses before the module, calls)
     late: list[Callable[[str], None] | None] = [None]
     mode = _SplitMode(
@@ -437,7 +447,8 @@ def branches(at: nn.Module | Tensor, inputs: Sequence[Tensor] = ()) -> Iterator[
                 if ref() is tensor:
                     for node in nodes:
                         node.register_prehook(_mark_used_before(record, call, late))
-            mode.earlier_uses = None
+            # a module's next call (a metric forward came first, trial 71) is watched too
+            mode.earlier_uses = {} if isinstance(at, nn.Module) else None
         if inputs:
             if tensor.grad_fn is None:
                 raise SemipackError(
@@ -482,10 +493,10 @@ def branches(at: nn.Module | Tensor, inputs: Sequence[Tensor] = ()) -> Iterator[
         raise TypeError(f"semipack.branches splits at a module or a tensor, got {type(at)}")
     try:
         with mode:
-            mode.inside = True
+            mode.inside = state.open = True
             yield result
     finally:
-        mode.inside = False
+        mode.inside = state.open = False
         if isinstance(at, nn.Module):
             handles[0].remove()
         mode.target = None
@@ -537,15 +548,25 @@ NO_GRAPH_CAUSES = (
 _CALLS = "<several calls>"
 
 
-@dataclass
+@dataclass(eq=False)
 class _SplitState:
     """Which backward a split's values come from (``branches``)."""
 
+    result: Branches
     task: int | None = None  # the graph task id of the backward whose messages are kept
     adopted: int = -1  # the call record it reached first, whose branches are kept
     reached: set[int] = field(default_factory=set)  # the call records it reached
     since: int = 0  # calls taken since that backward
     rearm: Callable[[], None] = lambda: None
+    open: bool = False  # whether the ``branches`` block is open
+
+    def backward_started(self) -> None:
+        """A backward of ``semipack.extend`` starts inside the block: the values become its
+        own, none if it does not reach the split (trial 71: an earlier micro-batch's stayed).
+        After the block only a backward that reaches the split replaces them (another model's
+        backward leaves them)."""
+        if self.task is not None and self.open:
+            self.result.messages, self.result.input_states = {}, {}
 
 
 def _show(result: Branches, record: Branches) -> None:
@@ -581,7 +602,7 @@ def _mark_used_before(record: Branches, call: str, late: list):
     once a backward's message reaches it, the use has paths, which are in no branch."""
 
     def hook(grad_outputs):
-        if call in record.used_before:
+        if call in record.used_before or in_carry_pass():
             return None
         if any(isinstance(g, Message) for g in grad_outputs):
             record.used_before.append(call)
@@ -609,7 +630,7 @@ def _read_branch(
 
     def hook(grad_outputs):
         msg = grad_outputs[0]
-        if not isinstance(msg, Message):
+        if not isinstance(msg, Message) or in_carry_pass():  # (a branch carried down, trial 71)
             return None
         task = torch._C._current_graph_task_id()
         if task != state.task:  # the first message of a backward

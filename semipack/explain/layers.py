@@ -573,7 +573,7 @@ def explain_layers(
         with warnings.catch_warnings():  # refused below, by name
             warnings.filterwarnings("ignore", "semipack.branches: .* used before the module")
             scalar.backward()
-    _check_no_use_before(layers, splits)
+    _check_after_backward(layers, splits, contexts)
     factors = semiring.semirings if isinstance(semiring, Product) else (semiring,)
     flows = tuple(
         _flow(factor, layers, splits, contexts, tokens, i if len(factors) > 1 else None)
@@ -710,6 +710,18 @@ def _check_called(
             f"explain_layers: target() did not call {', '.join(missing)}; target must run the "
             "model's forward itself, and each AttentionLayer name modules of that model"
         )
+
+
+def _check_after_backward(
+    layers: Sequence[AttentionLayer],
+    splits: Sequence[Branches],
+    contexts: Sequence[Branches | None],
+) -> None:
+    """After the backward: it must have reached one call of each block and heads' module
+    (a target that runs the model on two sentences reaches two; a metric forward it does not
+    reach is no call), and no use of a layer's input before its block (a gate computed
+    first): those paths would be in no branch and missing from the layer's total. A use no
+    backward reaches (a logged norm) has no path and is no use."""
     repeated = [
         f"{spec.name} ({split.calls} calls)"
         for spec, split in zip(layers, splits, strict=True)
@@ -719,19 +731,13 @@ def _check_called(
         for spec, context in zip(layers, contexts, strict=True)
         if context is not None and context.calls > 1
     ]
-    if repeated:  # the split holds the first call only: the others' paths would be missing
+    if repeated:  # one call is split: the others' paths would be missing
         raise SemipackError(
-            f"explain_layers: target() called {', '.join(repeated)}; each block is split at "
-            "its first call only, so the paths through the later calls (a second sentence, a "
-            "second forward) would be missing: run the model once in target(), on a batch "
+            f"explain_layers: the backward of target() reached {', '.join(repeated)}; each "
+            "block is split at one call, so the paths through the others (a second sentence, "
+            "a shared module) would be missing: run the model once in target(), on a batch "
             "holding every input"
         )
-
-
-def _check_no_use_before(layers: Sequence[AttentionLayer], splits: Sequence[Branches]) -> None:
-    """After the backward: no layer's input may have a use before its block that the backward
-    reached (a gate computed first): those paths would be in no branch and missing from the
-    layer's total. A use no backward reaches (a logged norm) has no path and is no use."""
     early = [
         f"{spec.name} (by {', '.join(split.used_before)})"
         for spec, split in zip(layers, splits, strict=True)

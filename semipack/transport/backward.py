@@ -38,6 +38,7 @@ from .hooks import (
     tensor_hooks_see_gradients,
 )
 from .passes import (
+    backward_started,
     carry_pass,
     in_carry_pass,
     own_kernels_compiled,
@@ -617,6 +618,7 @@ def backward(
     if create_graph:
         raise NotImplementedError("semipack does not support create_graph=True yet")
     _refuse_transforms(tensors, "A semiring backward")
+    backward_started()  # a branch split's values become this backward's (none if unreached)
     if inputs is not None and len(inputs) == 0:
         raise RuntimeError("`inputs` argument to `backward()` cannot be empty.")
     for i, t in enumerate(tensors):

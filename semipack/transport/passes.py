@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import gc
 import threading
+import weakref
 from collections.abc import Iterator
 from contextlib import AbstractContextManager, contextmanager
 from typing import Any
@@ -208,6 +209,24 @@ def carry_pass() -> Iterator[None]:
             _carry_threads[ident] -= 1
             if not _carry_threads[ident]:
                 del _carry_threads[ident]
+
+
+#: Objects told when a backward of this thread starts (``watch_backwards``): branch splits,
+#: whose values are the last backward's, even one that does not reach them.
+_backward_watchers: dict[int, weakref.WeakSet] = {}
+
+
+def watch_backwards(watcher: Any) -> None:
+    """Call ``watcher.backward_started()`` at the start of each later semiring backward of
+    this thread (``semipack.extend``'s, not ``semipack.grad``'s or a carry pass), while the
+    watcher lives."""
+    _backward_watchers.setdefault(threading.get_ident(), weakref.WeakSet()).add(watcher)
+
+
+def backward_started() -> None:
+    """Tell this thread's watchers that a semiring backward starts."""
+    for watcher in list(_backward_watchers.get(threading.get_ident(), ())):
+        watcher.backward_started()
 
 
 def in_carry_pass() -> bool:

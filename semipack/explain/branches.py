@@ -405,8 +405,9 @@ def branches(at: nn.Module | Tensor, inputs: Sequence[Tensor] = ()) -> Iterator[
         split.values        # {"encoder.layer.0.attention.self.query": [...], ...}
         split.at_inputs     # the same branches carried down to ``emb``
 
-    ``at`` is a module (the split tensor is the first tensor its first call receives, such as
-    an attention block's hidden states) or a tensor that requires grad (split from now on).
+    ``at`` is a module (each of its calls with grad mode on is split, at the first tensor it
+    receives that requires grad, such as an attention block's hidden states; each backward
+    reads the call it reaches) or a tensor that requires grad (split from now on).
     ``inputs`` are tensors below the split tensor (leaves, or intermediate tensors such as the
     embeddings' output) at which each branch is also read out on its own.
     """

@@ -685,3 +685,48 @@ def test_a_module_applied_twice_with_inputs_reads_the_outer_call() -> None:
         assert split.values
         _loss(torch.tanh(net.emb(x))).backward()  # does not reach the block
         assert split.values == {}
+
+
+def test_two_splits_of_one_tensor_each_get_the_uses() -> None:
+    """The same module split by two blocks (a Monitor's split and the user's), or a module and
+    its parent given the same input: each split names its branches after the consumers, with
+    the values of one split alone (trial 72: the outer split's branches were the inner one's
+    aliases, ``view_as:arg0`` and ``:arg1``, half of them empty)."""
+    net, x = _net(), _x()
+    with semipack.extend(net, semipack.MaxProd()):
+        with semipack.branches(net.block) as alone:
+            out = net(x)
+        _loss(out).backward()
+    for outer_at in (net.block, net):  # the same module, then its parent (whose input is x)
+        with semipack.extend(net, semipack.MaxProd()):
+            with semipack.branches(outer_at) as outer, semipack.branches(net.block) as inner:
+                out = net(x)
+            _loss(out).backward()
+        assert inner.names == alone.names == list(USES)
+        for use in USES:
+            torch.testing.assert_close(inner.values[use], alone.values[use], rtol=0, atol=0)
+        if outer_at is net.block:
+            assert outer.names == list(USES)
+            for use in USES:
+                torch.testing.assert_close(outer.values[use], alone.values[use], rtol=0, atol=0)
+
+
+def test_bad_inputs_and_a_split_outside_extend_are_named() -> None:
+    """Trial 72: ``inputs=`` entries that are no tensors requiring grad failed inside the
+    backward with torch's words; ``aggregate(at=...)`` out of range raised a bare IndexError; a
+    split outside ``extend`` gave no values without a word."""
+    net, x = _net(), _x()
+    for bad, words in ((3, "entry 0 is int"), (torch.ones(2), "entry 0 is a tensor without grad")):
+        refused = pytest.raises(TypeError, match=words)
+        with semipack.extend(net, semipack.MaxProd()), refused:
+            semipack.branches(net.block, inputs=[bad]).__enter__()
+    with semipack.extend(net, semipack.MaxProd()):
+        with semipack.branches(net.block, inputs=[x]) as split:
+            out = net(x)
+        _loss(out).backward()
+    assert split.aggregate(-1, at=-1).keys() == set(USES)
+    with pytest.raises(IndexError, match=r"aggregate\(at=1\): the branches were carried down to 1"):
+        split.aggregate(-1, at=1)
+    outside = pytest.warns(UserWarning, match="semipack.branches outside semipack.extend")
+    with outside, semipack.branches(net.block):
+        net(x)

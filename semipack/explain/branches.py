@@ -18,6 +18,7 @@ Everything is vectorised over examples and positions (one pass per branch, not p
 from __future__ import annotations
 
 import inspect
+import threading
 import warnings
 import weakref
 from collections.abc import Callable, Iterator, Sequence
@@ -37,6 +38,7 @@ from ..messages.message import MODULE_HOOK_NODE, Message
 from ..semirings.base import State
 from ..transport.backward import carry_down
 from ..transport.hooks import BlockPreHook
+from ..transport.interception import SemiringMode
 from ..transport.passes import in_carry_pass, watch_backwards
 
 
@@ -117,6 +119,12 @@ class Branches:
             raise TypeError(f"aggregate(at=...) takes the index of an input, got {type(at)}")
         if not self.messages:
             return {}
+        carried = len(next(iter(self.input_states.values()), ()))
+        if at is not None and not -carried <= at < carried:
+            raise IndexError(
+                f"aggregate(at={at}): the branches were carried down to {carried} input(s) "
+                "(branches(..., inputs=[...]))"
+            )
         sr = self._semiring()
         dims = [dims] if isinstance(dims, int) else list(dims)
         joined: dict[str, State | None] = {}
@@ -158,6 +166,29 @@ class Branches:
         return next(iter(self.messages.values())).semiring
 
 
+class _OpenSplits(threading.local):
+    """The split modes open in this thread, and whether one is making an alias: two splits
+    of one tensor (a module and its parent given the same input, a Monitor's split and the
+    user's) each see the other's alias as a form of their tensor, not as a use of it (trial
+    72: the outer split's branches were the inner one's aliases, named ``view_as:arg0/1``)."""
+
+    def __init__(self) -> None:
+        self.modes: list[_SplitMode] = []
+        self.aliasing = 0
+
+
+_OPEN_SPLITS = _OpenSplits()
+
+
+@contextmanager
+def _making_alias() -> Iterator[None]:
+    _OPEN_SPLITS.aliasing += 1
+    try:
+        yield
+    finally:
+        _OPEN_SPLITS.aliasing -= 1
+
+
 class _SplitMode(TorchFunctionMode):
     """Gives each use of the split tensor its own alias, named after its consumer."""
 
@@ -181,6 +212,8 @@ class _SplitMode(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if _OPEN_SPLITS.aliasing:  # another split making its alias
+            return func(*args, **kwargs)
         watching = self.target is None and self.earlier_uses is not None
         if watching and torch.is_grad_enabled() and not _reads_metadata(func):
             result = func(*args, **kwargs)
@@ -325,7 +358,11 @@ class _SplitMode(TorchFunctionMode):
         self.counts[name] = seen
         if seen > 1:
             name = f"{name}#{seen}"
-        alias = of.view_as(of)
+        with _making_alias():  # no use for the other splits: a form of their tensor too
+            alias = of.view_as(of)
+        for other in _OPEN_SPLITS.modes:
+            if other is not self and other._is_split(of):
+                other.forms.append(alias)
         self.result.names.append(name)
         self.result.ops[name] = op
         self.on_alias(name, alias)
@@ -411,6 +448,21 @@ def branches(at: nn.Module | Tensor, inputs: Sequence[Tensor] = ()) -> Iterator[
     ``inputs`` are tensors below the split tensor (leaves, or intermediate tensors such as the
     embeddings' output) at which each branch is also read out on its own.
     """
+    for i, t in enumerate(inputs):  # (trial 72: raw errors from inside the backward)
+        if not isinstance(t, Tensor) or not t.requires_grad:
+            what = type(t).__name__ if not isinstance(t, Tensor) else "a tensor without grad"
+            raise TypeError(
+                f"semipack.branches(inputs=...) takes tensors that require grad, below the split "
+                f"tensor; entry {i} is {what}"
+            )
+    if not any(
+        isinstance(m, SemiringMode) for m in torch.overrides._get_current_function_mode_stack()
+    ):
+        warnings.warn(
+            "semipack.branches outside semipack.extend: a backward there is plain (no branch "
+            "gets a value), and semipack.grad names no module; open the extend block first",
+            stacklevel=user_stacklevel(),
+        )
     result = Branches()
     #: one record per split call (a module's call with grad mode on; a split tensor has one):
     #: its names, ops, offsets, arguments and uses before it
@@ -495,9 +547,12 @@ def branches(at: nn.Module | Tensor, inputs: Sequence[Tensor] = ()) -> Iterator[
     try:
         with mode:
             mode.inside = state.open = True
+            _OPEN_SPLITS.modes.append(mode)
             yield result
     finally:
         mode.inside = state.open = False
+        if mode in _OPEN_SPLITS.modes:
+            _OPEN_SPLITS.modes.remove(mode)
         if isinstance(at, nn.Module):
             handles[0].remove()
         mode.target = None

@@ -158,6 +158,14 @@ def _route(steps: list[PathStep], layers: list[AttentionLayer]) -> LayerRoute:
     return route
 
 
+def _assert_one_hop_per_unit(layers, units, steps_of, truth) -> None:
+    """For each projection unit: the hand-made path ``steps_of(unit)`` makes one hop, whose
+    (branch, head) is ``truth(unit)``."""
+    for unit in units:
+        (hop,) = _route(steps_of(unit), layers).hops
+        assert (hop.branch, hop.head) == truth(unit), unit
+
+
 def test_routes_follow_hand_made_paths() -> None:
     """Module names and entries decide each hop: the projection's token is where the path
     enters, its unit // head_dim the head, the layer's last entry where it leaves."""
@@ -1009,17 +1017,18 @@ def test_gpt_bigcode_fused_projection_is_read_in_its_own_layout(multi_query: boo
         ("h.0.attn", 4, 4),
         ("h.1.attn", 4, 4),
     ]
-    for unit in range(model.h[0].attn.c_attn.out_features):
-        steps = [
+    _assert_one_hop_per_unit(
+        layers,
+        range(model.h[0].attn.c_attn.out_features),
+        lambda unit: [
             _step("h.0.ln_1", (0, 1, 2)),
             _step("h.0.attn.c_attn", (0, 1, unit)),
             _step("h.0.attn", (0, 0, 3, 1)),
             _step("h.0.attn.c_proj", (0, 3, 5)),
             _step("h.0", (0, 3, 5)),
-        ]
-        route = _route(steps, layers)
-        (hop,) = route.hops
-        assert (hop.branch, hop.head) == _bigcode_truth(unit, multi_query), unit
+        ],
+        lambda unit: _bigcode_truth(unit, multi_query),
+    )
     ids = torch.tensor([[3, 5, 7, 2, 9, 4]])
     best = semipack.KBest(8)
     with semipack.extend(model, best):
@@ -1382,16 +1391,17 @@ def test_phi3_fused_projection_is_read_and_an_unknown_one_is_not_called_residual
         AttentionLayer(f"layers.{i}.self_attn", m.self_attn, m.self_attn.o_proj, 4, 8)
         for i, m in enumerate(model.layers)
     ]
-    for unit in range(model.layers[0].self_attn.qkv_proj.out_features):
-        steps = [
+    _assert_one_hop_per_unit(
+        layers,
+        range(model.layers[0].self_attn.qkv_proj.out_features),
+        lambda unit: [
             _step("layers.0.self_attn.qkv_proj", (0, 1, unit)),
             _step("layers.0.self_attn", (0, 1, 3, 1)),
             _step("layers.0.self_attn.o_proj", (0, 3, 5)),
             _step("layers.0", (0, 3, 5)),
-        ]
-        route = _route(steps, layers)
-        (hop,) = route.hops
-        assert (hop.branch, hop.head) == _phi3_truth(unit), unit
+        ],
+        _phi3_truth,
+    )
     ids = torch.tensor([[3, 5, 7, 9, 11, 4]])
     best = semipack.KBest(4)
     with semipack.extend(model, best):

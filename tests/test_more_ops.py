@@ -145,19 +145,28 @@ def test_boolean_keeps_edges_that_only_float64_resolves() -> None:
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
-def test_relu_cut_equals_where_bitwise(dtype) -> None:
-    """The ReLU rule's cut (``threshold_backward`` and an infinite offset instead of
-    ``torch.where`` on a bool mask) gives where's bits for every zero a semiring has, with NaN,
-    infinite and threshold-equal inputs, and NaN, infinite and -0.0 message entries."""
+@pytest.mark.parametrize("size", ["small", "large", "large channels last"])
+def test_relu_cut_equals_where_bitwise(dtype, size) -> None:
+    """The ReLU rule's cut (``threshold_backward`` and an infinite offset, or for large dense
+    states the compiled select of ``kernels/cuts.py``, instead of ``torch.where`` on a bool
+    mask) gives where's bits for every zero a semiring has, with NaN, infinite and
+    threshold-equal inputs, and NaN, infinite and -0.0 message entries, in either layout."""
+    from semipack.kernels.cuts import cut_below
     from semipack.rules.pointwise import _ReluCut
 
     gen = torch.Generator().manual_seed(3)
-    x = torch.randn(3, 50, 70, generator=gen, dtype=dtype)
-    part = torch.randn(3, 50, 70, generator=gen, dtype=dtype)
+    shape = (3, 5, 10, 70) if size == "small" else (4, 8, 10, 70)
+    x = torch.randn(*shape, generator=gen, dtype=dtype)
+    part = torch.randn(*shape, generator=gen, dtype=dtype)
+    # the one-pass kernel runs on the large states only (compiled kernels are on in tests)
+    assert (cut_below(part, x, 0.0, -math.inf) is None) == (size == "small")
     for step, value in [(101, math.nan), (103, math.inf), (107, -math.inf), (7, 0.0), (11, 0.5)]:
         x.view(-1)[::step] = value
     for step, value in [(37, math.nan), (41, math.inf), (43, -0.0), (47, -math.inf)]:
         part.view(-1)[::step] = value
+    if size == "large channels last":
+        x = x.contiguous(memory_format=torch.channels_last)
+        part = part.contiguous(memory_format=torch.channels_last)
     for threshold in (0.0, 0.5, -1.0):
         cut = _ReluCut(x, threshold)
         for zero in (0.0, -0.0, -math.inf, math.inf, 3.0):
@@ -166,6 +175,7 @@ def test_relu_cut_equals_where_bitwise(dtype) -> None:
             assert torch.equal(got.isnan(), want.isnan())
             assert torch.equal(got.nan_to_num(), want.nan_to_num())
             assert torch.equal(got.signbit(), want.signbit()), (threshold, zero)
+            assert got.stride() == part.stride()
 
 
 def _adjacency() -> torch.Tensor:

@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.nn.attention import SDPBackend
 
+from ..kernels.shapes import broadcast_shapes
 from ..rules.attention import (
     attention_messages,
     attention_probs,
@@ -150,7 +151,7 @@ def semiring_sdpa(
     keep = None
     if dropout_p > 0.0:
         lq, lk = query.shape[-2], key.shape[-2]
-        shape = (*torch.broadcast_shapes(query.shape[:-2], key.shape[:-2]), lq, lk)
+        shape = (*broadcast_shapes(query.shape[:-2], key.shape[:-2]), lq, lk)
         keep = (torch.rand(shape, device=query.device) >= dropout_p).to(query.dtype)
         keep = keep / (1.0 - dropout_p)
     spec = AttentionSpec(scale_value, attn_mask, is_causal, keep, groups)

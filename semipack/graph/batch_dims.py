@@ -24,6 +24,8 @@ import torch
 from torch import Tensor
 from torch.utils._pytree import tree_leaves
 
+from ..kernels.shapes import broadcast_shapes
+
 #: ``batch_dim_after``'s arguments: the call, its arguments, the batched argument, its batch
 #: dim and one result tensor.
 Handler = Callable[[Any, tuple, dict, Tensor, int, Tensor], "int | None"]
@@ -89,7 +91,7 @@ def _pointwise(func, args, kwargs, source, dim, out) -> int | None:
         return None
     shapes = [t.shape for t in tree_leaves((args, kwargs)) if isinstance(t, Tensor)]
     try:
-        broadcast = torch.broadcast_shapes(*shapes)
+        broadcast = broadcast_shapes(*shapes)
     except RuntimeError:
         return None
     if tuple(broadcast) != tuple(out.shape):

@@ -8,6 +8,7 @@ import torch
 from torch import Tensor
 
 from .compiled import FUSED_MIN_ELEMENTS, compile_enabled, compiled
+from .shapes import broadcast_shapes
 
 #: From this many entries a logarithm of magnitudes looks for exact zeros first: torch's
 #: vectorised log takes a slow path for each 0 it meets (430k entries, half of them zeros: 3.9 ms
@@ -180,7 +181,7 @@ def log_magnitude_plus_(mag: Tensor, shift: Tensor | float) -> Tensor:
         or not isinstance(shift, Tensor)
         or shift.dtype != mag.dtype
         or shift.device != mag.device
-        or torch.broadcast_shapes(mag.shape, shift.shape) != mag.shape
+        or broadcast_shapes(mag.shape, shift.shape) != mag.shape
     ):
         return log_magnitude_(mag).add_(shift)
     # flat (``_flat``): one compiled variant per dtype and kind of shift, whatever the rank

@@ -37,6 +37,7 @@ from .native import (
     maxplus_pruned_f32,
     native_available,
 )
+from .shapes import broadcast_shapes
 from .weight_cache import WEIGHTS, no_nan_or_posinf_kept
 
 #: Output rows per register tile of the compiled kernel. On a Zen 3 core (AVX2) 4 rows ran at
@@ -158,7 +159,7 @@ def _tropical_broadcast(a: Tensor, bt: Tensor, with_index: bool) -> tuple[Tensor
     columns; only dims where both vary stay a batch dim. No broadcast is materialised."""
     n, k = a.shape[-2:]
     m = bt.shape[-2]
-    batch = torch.broadcast_shapes(a.shape[:-2], bt.shape[:-2])
+    batch = broadcast_shapes(a.shape[:-2], bt.shape[:-2])
     nb = len(batch)
     a = a.reshape((1,) * (nb + 2 - a.dim()) + tuple(a.shape))
     bt = bt.reshape((1,) * (nb + 2 - bt.dim()) + tuple(bt.shape))

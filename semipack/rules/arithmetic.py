@@ -6,6 +6,7 @@ import torch
 from torch import Tensor
 
 from ..kernels.reuse import held_only_by
+from ..kernels.shapes import broadcast_shapes
 from ..messages import OpCall, register_rule
 from ..messages.message import Message, register_regular
 from ..semirings.base import normalize_dims
@@ -21,7 +22,7 @@ def add(call: OpCall):
     a, b = call["self"], call["other"]
     if call["alpha"] != 1 and isinstance(b, Message):
         raise call.error("add with alpha != 1 on a message")
-    shape = torch.broadcast_shapes(*(x.shape for x in (a, b) if isinstance(x, Tensor)))
+    shape = broadcast_shapes(*(x.shape for x in (a, b) if isinstance(x, Tensor)))
     parts = call.semiring.plus(call.state(a, shape), call.state(b, shape))
     return call.wrap(_regular_sum(call, a, b), parts)
 

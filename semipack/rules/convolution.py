@@ -118,7 +118,8 @@ def per_tap_messages(
     w_msg = sr.zeros((out_channels, c_g, *kernel), dtype, x.device) if mask[1] else None
     taps = None  # max-plus products without per-tap copies, where they apply
     if groups == 1 and (lifted is not None or w_lifted is not None):
-        values = [s[0] for s in (lifted, rows_t, w_lifted, rows) if s is not None]
+        # rows_t holds rows' values: checked (for NaN and +inf) once
+        values = [s[0] for s in (lifted, w_lifted, rows) if s is not None]
         taps = _MaxPlusTaps.make(sr, values, [batch, *padded], out_size, stride)
         if taps is not None and ((mask[0] and w_lifted is None) or (mask[1] and lifted is None)):
             taps = None

@@ -23,6 +23,7 @@ from torch import Tensor
 
 from ..graph.saved_inputs import recorded_input
 from ..kernels import log_derivatives as logd
+from ..kernels.cuts import cut_below
 from ..messages import OpCall, call_by_name, register_rule
 from ..messages.message import Message
 from ..semirings.base import Sign
@@ -179,7 +180,8 @@ class _ReluCut:
     torch.threshold_backward keeps ``part`` or writes 0 in a vectorised select, and adding an
     offset that is -0.0 where kept (every value, -0.0 and NaN included, unchanged) and ±inf where
     cut gives the infinite zeros. where on the bool mask took 8.5 ms for a ResNet stem's 1.6M
-    entries on one core, these ops 1.7 ms, with the same bits (tests)."""
+    entries on one core, these ops 1.7 ms, with the same bits (tests). Large dense states take
+    the compiled select of ``kernels/cuts.py`` instead (one pass, 0.25 ms there)."""
 
     def __init__(self, x: Tensor, threshold: float) -> None:
         self.x, self.threshold = x, threshold
@@ -194,6 +196,10 @@ class _ReluCut:
             or not (plus_zero or zero in (math.inf, -math.inf))
         ):
             return torch.where(x <= threshold, zero, part)
+        if not plus_zero:
+            one_pass = cut_below(part, x, threshold, zero)
+            if one_pass is not None:
+                return one_pass
         kept = aten.threshold_backward(part, x, threshold)  # a new tensor, 0 where cut
         return kept if plus_zero else kept.add_(self._offset(zero))
 

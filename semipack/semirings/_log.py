@@ -8,6 +8,7 @@ import torch
 from torch import Tensor
 
 from ..kernels.logspace import exp_into, finite_or_zero, log_magnitude_, shifted_exp
+from ..kernels.shapes import broadcast_shapes
 from ..kernels.weight_cache import WEIGHTS
 from .base import Semiring, State, fits, on_memory_of, uses_methods_of
 
@@ -37,7 +38,7 @@ def kept_log_abs(w: Tensor, dtype: torch.dtype) -> Tensor:
 def can_overwrite(w: Tensor, state: Tensor) -> bool:
     """Whether ``state ⊗ lift(w)`` can be written into ``w``: same dtype, and ``w`` already has
     the broadcast shape of the result."""
-    return w.dtype == state.dtype and w.shape == torch.broadcast_shapes(w.shape, state.shape)
+    return w.dtype == state.dtype and w.shape == broadcast_shapes(w.shape, state.shape)
 
 
 def add_log_abs_(state: Tensor, w: Tensor) -> Tensor:

@@ -31,6 +31,7 @@ from ..kernels import logspace
 from ..kernels.blocking import BLOCK_ELEMENTS
 from ..kernels.normalization import CentredPairsKernel
 from ..kernels.reuse import same_memory
+from ..kernels.shapes import broadcast_shapes
 from ..kernels.shared_shift import ConvolutionSums
 from ..kernels.weight_cache import WEIGHTS
 
@@ -703,7 +704,7 @@ def _empty_product_is_zero(matmul_fn):
         if a[0].shape[-1] != 0:
             return matmul_fn(self, a, w)
         right = w[0] if isinstance(w, tuple) else w
-        batch = torch.broadcast_shapes(a[0].shape[:-2], right.shape[:-2])
+        batch = broadcast_shapes(a[0].shape[:-2], right.shape[:-2])
         shape = (*batch, a[0].shape[-2], right.shape[-1])
         return self.zeros(shape, _state_grad_dtype(a), a[0].device)
 
@@ -714,7 +715,7 @@ def linear_from_log(log_abs: Tensor, sign: Sign) -> Tensor:
     """``sign * exp(log_abs)``: the linear edge weight (0 where ``log_abs`` is ``-inf``)."""
     w = log_abs.exp()
     if isinstance(sign, Tensor):
-        return w.mul_(sign) if w.shape == torch.broadcast_shapes(w.shape, sign.shape) else w * sign
+        return w.mul_(sign) if w.shape == broadcast_shapes(w.shape, sign.shape) else w * sign
     return w if sign == 1 else w.mul_(sign)
 
 
@@ -813,7 +814,7 @@ def precise_log_floor(dtype: torch.dtype) -> float:
 def blocked_matmul(sr: Semiring, a: State, w: Tensor) -> State:
     """Semiring matmul by broadcast-and-reduce over bounded blocks of rows and columns."""
     n, m = a[0].shape[-2], w.shape[-1]
-    batch = torch.broadcast_shapes(a[0].shape[:-2], w.shape[:-2])
+    batch = broadcast_shapes(a[0].shape[:-2], w.shape[:-2])
     if n == 0 or m == 0:
         return sr.zeros((*batch, n, m), w.dtype, w.device)
     return blocked_lifted_matmul(sr, a, sr.lift(w))
@@ -824,7 +825,7 @@ def blocked_lifted_matmul(sr: Semiring, a: State, lifted: State) -> State:
     broadcast-and-reduce over blocks of at most ``BLOCK_ELEMENTS`` products."""
     n, k = a[0].shape[-2], a[0].shape[-1]
     m = lifted[0].shape[-1]
-    batch = torch.broadcast_shapes(a[0].shape[:-2], lifted[0].shape[:-2])
+    batch = broadcast_shapes(a[0].shape[:-2], lifted[0].shape[:-2])
     per_row = max(1, k * m * max(1, _numel(batch)))
     if per_row <= BLOCK_ELEMENTS:
         rows, cols = max(1, BLOCK_ELEMENTS // per_row), m
@@ -883,7 +884,7 @@ def repair_underflow(
     if callable(lifted):
         lifted = lifted()
     n, k, m = a[0].shape[-2], a[0].shape[-1], lifted[0].shape[-1]
-    batch = torch.broadcast_shapes(a[0].shape[:-2], lifted[0].shape[:-2])
+    batch = broadcast_shapes(a[0].shape[:-2], lifted[0].shape[:-2])
     size = _numel(batch)
     flat_a = tuple(c.expand(*batch, n, k).reshape(size, n, k) for c in a)
     flat_w = tuple(c.expand(*batch, k, m).reshape(size, k, m) for c in lifted)

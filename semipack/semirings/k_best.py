@@ -23,6 +23,7 @@ import torch
 from torch import Tensor
 
 from ..kernels.blocking import BLOCK_ELEMENTS
+from ..kernels.shapes import broadcast_shapes
 from ._log import kept_log_abs, log_abs
 from .base import Semiring, Sign, State
 from .top_path import NO_SUCCESSOR, stored_paths
@@ -189,7 +190,7 @@ class KBest(Semiring):
         values, ids = self._stacked(a)  # [..., n, L, k]
         n, inner = values.shape[-3], values.shape[-2]
         m = log_w.shape[-1]
-        batch = torch.broadcast_shapes(values.shape[:-3], log_w.shape[:-2])
+        batch = broadcast_shapes(values.shape[:-3], log_w.shape[:-2])
         if n == 0 or m == 0:
             return self.zeros((*batch, n, m), log_w.dtype, log_w.device)
         values = values.expand(*batch, n, inner, self.k)
@@ -211,7 +212,7 @@ class KBest(Semiring):
                 # written straight into a [rows, cols, L, k] layout: candidate l*k + r, and
                 # flattening is a view (a plain add follows the inputs' strides, and the
                 # flatten then copied every candidate once more)
-                shape = torch.broadcast_shapes(v_blk.shape, w_blk.shape)
+                shape = broadcast_shapes(v_blk.shape, w_blk.shape)
                 cand = torch.add(v_blk, w_blk, out=v_blk.new_empty(shape)).flatten(-2)
                 out_cols.append(self._best(cand, i_blk.expand(cand.shape), owned=True))
             out_rows.append(tuple(torch.cat(p, -1) for p in zip(*out_cols, strict=True)))

@@ -27,11 +27,13 @@ _cut = compiled(_cut_eager, min_elements=SPECIAL_SAFE_MIN_ELEMENTS)
 def cut_below(part: Tensor, x: Tensor, threshold: float, zero: float) -> Tensor | None:
     """A new tensor: ``zero`` where ``x <= threshold``, ``part`` elsewhere (NaN in ``x`` keeps
     ``part``, as ``torch.threshold_backward`` does), laid out as ``part``. None where the
-    one-pass kernel does not pay or apply: compiled kernels off (``set_compile``), few entries
-    (the compiled call's guards cost more), operands of other layouts or dtypes, or memory that
-    is not one dense block; the caller then takes its eager form."""
+    one-pass kernel does not pay or apply: compiled kernels off (``set_compile``), another
+    device than the CPU, few entries (the compiled call's guards cost more), operands of other
+    layouts or dtypes, or memory that is not one dense block; the caller then takes its eager
+    form."""
     if (
         not compile_enabled()
+        or part.device.type != "cpu"  # an accelerator's select is one fast kernel already
         or part.numel() < SPECIAL_SAFE_MIN_ELEMENTS
         or part.shape != x.shape
         or part.stride() != x.stride()

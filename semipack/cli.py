@@ -182,6 +182,13 @@ def run(
     tokens = tokenizer.convert_ids_to_tokens(encoded["input_ids"][0])
     special = set(getattr(tokenizer, "all_special_ids", ()))
     if all(int(i) in special for i in encoded["input_ids"][0]):  # a zero-width space, say
+        unknown_id = getattr(tokenizer, "unk_token_id", None)
+        if unknown_id is not None and any(int(i) == unknown_id for i in encoded["input_ids"][0]):
+            raise SemipackError(
+                "the tokenizer knows none of the text's words: every one became its unknown "
+                f"token {tokenizer.unk_token} (a text in another script or language than the "
+                "model's vocabulary, or a tokenizer saved without its vocabulary?)"
+            )
         raise SemipackError("the text to explain has no tokens besides the special ones")
     masked = None
     if target == "mask":

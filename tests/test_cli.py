@@ -118,6 +118,7 @@ def test_the_best_branch_per_token_is_the_best_path_to_the_token(
         (["--model", "/no/such/dir"], "'/no/such/dir' is not a Hugging Face model directory"),
         (["--text", "   "], "the text to explain is empty"),
         (["--text", "\u200b"], "the text to explain has no tokens besides the special ones"),
+        (["--text", "\u6f22\u5b57"], "the tokenizer knows none of the text's words: every one"),
         (["--semirings", "Tropical"], "unknown semiring 'Tropical': choose from MaxProd, Log"),
         (["--target", "cls"], "unknown --target 'cls': use 'norm', 'token:N' or 'mask'"),
         (["--target", "mask", "--text", "the keys"], "--target mask needs a [MASK] token"),

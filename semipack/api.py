@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.nn.modules.module import register_module_forward_pre_hook
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils._pytree import tree_leaves
 
@@ -196,6 +197,9 @@ def _block(
             recorder = BlockPreHook(_batch_recorder(mode))
             handle = model.register_forward_pre_hook(recorder, with_kwargs=True)
             stack.callback(handle.remove)
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            hook = register_module_forward_pre_hook(_data_parallel_calls(mode))
+            stack.callback(hook.remove)
         stack.enter_context(mode)
         stack.callback(setattr, _blocks, "reached", mode.reached)
         yield model
@@ -316,6 +320,24 @@ def _parameters_now(
 
 def _leaf_name(name: str) -> str:
     return name.removeprefix("_orig_mod.")
+
+
+def _data_parallel_calls(mode: SemiringMode) -> Callable[..., None]:
+    """A global forward pre-hook: a ``DistributedDataParallel`` wrapper called in the block
+    (around the model that ``extend`` or ``Monitor`` was given: the module inside it, say) has
+    its parameters' gradients accumulated in place, as if the wrapper itself had been given.
+    Set aside for rollback instead, the reducer's bucket views were written over: with
+    ``gradient_as_bucket_view`` a zeroed ``.grad`` came out doubled, and gradients accumulated
+    under ``no_sync`` came out wrong and different on each process (trial 74)."""
+
+    def record(module: nn.Module, _args: tuple) -> None:
+        if isinstance(module, DistributedDataParallel):
+            known = {id(p) for p in mode.accumulate_in_place}
+            mode.accumulate_in_place.extend(
+                p for p in module.parameters() if p.requires_grad and id(p) not in known
+            )
+
+    return record
 
 
 def _data_parallel_parameters(model: nn.Module | None) -> list[torch.Tensor]:

@@ -173,19 +173,25 @@ def check_unreached_on_one_process(rank: int) -> None:
         _assert_same_values(q.semiring_grad, p.semiring_grad, pname)
 
 
-def check_ddp(name: str, rank: int, **ddp_options) -> None:
+def check_ddp(name: str, rank: int, inner: bool = False, **ddp_options) -> None:
     """Under DistributedDataParallel: ``.grad`` is plain DDP's averaged gradient, bitwise, and
     the reduced semiring values are the whole batch's. A second step without zeroing the
-    gradients, part of it under ``no_sync``, must accumulate as plain DDP does."""
+    gradients, part of it under ``no_sync``, must accumulate as plain DDP does. ``inner``:
+    ``extend`` is given the module inside the wrapper (a user's slip; with bucket views a
+    zeroed ``.grad`` came out doubled, and ``no_sync`` gradients wrong, trial 74)."""
     make = SEMIRINGS[name]
     ref = _reference(make)
     model, x, y = _data()
     xs, ys = _half(x, rank), _half(y, rank)
     plain = nn.parallel.DistributedDataParallel(copy.deepcopy(model), **ddp_options)
     wrapped = nn.parallel.DistributedDataParallel(copy.deepcopy(model), **ddp_options)
+    given = wrapped.module if inner else wrapped
     sr = make()
+    for ddp in (plain, wrapped):  # zeroed, not None: the gradients stay the buckets' views
+        for p in ddp.parameters():
+            p.grad = torch.zeros_like(p)
     _loss(plain, xs, ys).backward()
-    with semipack.extend(wrapped, sr, keep_state=True):
+    with semipack.extend(given, sr, keep_state=True):
         _loss(wrapped, xs, ys).backward()
     for a, b in zip(plain.parameters(), wrapped.parameters(), strict=True):
         assert torch.equal(a.grad, b.grad), "DDP's averaged gradient changed"
@@ -196,7 +202,7 @@ def check_ddp(name: str, rank: int, **ddp_options) -> None:
     with plain.no_sync():
         _loss(plain, xs, ys).backward()
     _loss(plain, 2 * xs, ys).backward()
-    with semipack.extend(wrapped, sr, keep_state=True):
+    with semipack.extend(given, sr, keep_state=True):
         with wrapped.no_sync():
             _loss(wrapped, xs, ys).backward()
         _loss(wrapped, 2 * xs, ys).backward()
@@ -288,6 +294,9 @@ def checks() -> dict[str, Callable[[int], None]]:
         "Entropy", rank, gradient_as_bucket_view=True, find_unused_parameters=True
     )
     out["DDP TopPath, static graph"] = lambda rank: check_ddp("TopPath", rank, static_graph=True)
+    out["DDP MaxProd, bucket views, the inner module given"] = lambda rank: check_ddp(
+        "MaxProd", rank, inner=True, gradient_as_bucket_view=True
+    )
     out["monitor under DDP"] = check_monitor
     out["monitor on one process only"] = check_monitor_on_one_process
     out["errors"] = check_errors

@@ -61,9 +61,10 @@ QUANTITIES = (
 )  # fmt: skip
 
 
-#: How long the first combining step waits for every process to reach its own (a Monitor
-#: made on one process alone would otherwise wait for the others' values until the process
-#: group's timeout, 30 minutes by default, and fail with the backend's error).
+#: How long a combining step waits for every process to reach its own (a Monitor made on one
+#: process alone, or step numbers that differ between processes, would otherwise wait for the
+#: others' values until the process group's timeout, 30 minutes by default, and fail with the
+#: backend's error).
 PEER_TIMEOUT = datetime.timedelta(minutes=5)
 
 #: Numbers the Monitors of this process that combine processes' values, in the order of their
@@ -104,8 +105,9 @@ class Monitor:
     process records the whole batch's summaries (pass the ``DistributedDataParallel``
     wrapper as ``model``, and sum the loss over examples for the values to be the whole
     batch's); ``splits`` stay per process. Every process must then create the Monitor and run
-    its steps (``log_dir=None`` on those that write no files): one made on a single process
-    raises at its first sampled step, after ``PEER_TIMEOUT``.
+    its steps with the same step numbers (``log_dir=None`` on those that write no files): one
+    made on a single process raises at its first sampled step, after ``PEER_TIMEOUT``, and
+    step numbers that differ between processes raise at the first sampled step they do.
     The semiring is ``Product(MaxProd(log=True), Entropy(flow=True))``: Entropy's state holds
     the log total flow as well, so no LogSum factor runs beside it. ``entropy=False``
     runs ``Product(MaxProd(log=True), LogSum())`` instead, the cheaper pass without entropies.
@@ -153,7 +155,8 @@ class Monitor:
         self._best: dict[str, int] = {}
         self._count = 0
         self._last_recorded: int | None = None
-        self._peers_met = False
+        #: under data parallelism: the store prefix of this monitor's meetings and their count
+        self._meetings: list | None = None
         self.log_dir = Path(log_dir) if log_dir is not None else None
         self._files: _Files | None = None
         if self.log_dir is not None:
@@ -210,7 +213,7 @@ class Monitor:
                 )
             combine = self._combines_processes()
             if combine:
-                self._meet_peers()
+                self._meet_peers(step)
             self._read_layers()
             self._clear()
             with ExitStack() as stack:
@@ -289,30 +292,57 @@ class Monitor:
             return False
         return any(isinstance(m, DistributedDataParallel) for m in self.model.modules())
 
-    def _meet_peers(self) -> None:
-        """At the first step that combines values, wait (at most ``PEER_TIMEOUT``) until every
-        process has reached its own Monitor's: a Monitor made on one process only (the usual
-        "log on rank 0") raises, naming the processes without one, instead of waiting for
-        their values until the process group times out."""
-        if self._peers_met:
-            return
+    def _meet_peers(self, step: int) -> None:
+        """At every step that combines values, wait (at most ``PEER_TIMEOUT``) until every
+        process has reached its own Monitor's sampled step of the same count, and check that
+        they all sampled the same step number. Through the process group's store, before any
+        collective: a Monitor made on one process only (the usual "log on rank 0") or step
+        numbers that differ between processes (a counter per process that one of them skips)
+        raise, naming the processes, where the combining collectives would pair with another
+        step's (wrong values) or wait until the process group timed out (30 minutes by
+        default) and fail with the backend's error."""
         store = dist.distributed_c10d._get_default_store()
-        prefix = f"semipack/monitor/{next(_COMBINING)}/"
-        store.set(prefix + str(dist.get_rank()), "1")
-        keys = [prefix + str(r) for r in range(dist.get_world_size())]
+        if self._meetings is None:
+            self._meetings = [f"semipack/monitor/{next(_COMBINING)}/", 0]
+        prefix, count = self._meetings
+        rank, world = dist.get_rank(), dist.get_world_size()
+        keys = [f"{prefix}{count}/{r}" for r in range(world)]
+        store.set(keys[rank], str(step))
         try:
             store.wait(keys, PEER_TIMEOUT)
         except RuntimeError:
             missing = [r for r, key in enumerate(keys) if not store.check([key])]
+            ranks = ", ".join(map(str, missing))
+            if count == 0:
+                raise SemipackError(
+                    f"Monitor: the processes of rank {ranks} did not reach a sampled Monitor "
+                    f"step within {PEER_TIMEOUT.total_seconds():g} s. Under "
+                    "DistributedDataParallel every sampled step combines every process's "
+                    "values, so every process must create the Monitor and run its steps, with "
+                    "the same step numbers: to write files on one process, pass log_dir there "
+                    "and log_dir=None on the others; to record one process's own batch alone, "
+                    "pass distributed=False"
+                ) from None
             raise SemipackError(
-                f"Monitor: the processes of rank {', '.join(map(str, missing))} did not reach a "
-                f"sampled Monitor step within {PEER_TIMEOUT.total_seconds():g} s. Under "
-                "DistributedDataParallel every sampled step combines every process's values, "
-                "so every process must create the Monitor and run its steps: to write files "
-                "on one process, pass log_dir there and log_dir=None on the others; to record "
-                "one process's own batch alone, pass distributed=False"
+                f"Monitor.step({step}): the processes of rank {ranks} did not reach their "
+                f"sampled step number {count + 1} within {PEER_TIMEOUT.total_seconds():g} s "
+                f"(this process, rank {rank}, did at step {step}). Under "
+                "DistributedDataParallel every process must pass the same step numbers to "
+                "monitor.step() (a global step, not a counter of each process's own), so that "
+                "they sample the same steps"
             ) from None
-        self._peers_met = True
+        steps = [int(store.get(key)) for key in keys]
+        if count > 0:  # every process has read the previous meeting's keys: drop this one's
+            store.delete_key(f"{prefix}{count - 1}/{rank}")
+        self._meetings[1] = count + 1
+        if len(set(steps)) > 1:
+            by_rank = ", ".join(f"rank {r}: {s}" for r, s in enumerate(steps))
+            raise SemipackError(
+                f"Monitor.step({step}): the processes sampled different steps ({by_rank}); "
+                "under DistributedDataParallel every process must pass the same step numbers "
+                "to monitor.step() (a global step, not a counter of each process's own), so "
+                "that their sampled steps combine the same step's values"
+            )
 
     def _record(self, step: int, splits: dict[str, Branches], log_scale: float = 0.0) -> None:
         """Summarise the step's values and write them out: every layer's summaries come to

@@ -279,6 +279,49 @@ def check_monitor_on_one_process(rank: int) -> None:
     assert all(p.grad is not None for p in wrapped.parameters())
 
 
+def check_monitor_step_numbers(rank: int) -> None:
+    """Step numbers that differ between processes (a counter per process that one of them
+    skips) made the combining collectives of different steps pair up, or wait until the group
+    timed out and fail with gloo's error (trial 74). Each sampled step now meets the others'
+    through the store first: different numbers raise on every process, naming them, and a
+    process that stops sampling is named after ``PEER_TIMEOUT``."""
+    import semipack.monitor as monitoring
+
+    model, x, y = _data()
+    wrapped = nn.parallel.DistributedDataParallel(copy.deepcopy(model))
+    monitor = semipack.Monitor(wrapped, every=1, tensorboard=False)
+    for step in (0, 2 + rank):  # rank 1 skipped a step number
+        try:
+            with monitor.step(step):
+                _loss(wrapped, _half(x, rank), _half(y, rank)).backward()
+        except semipack.SemipackError as refusal:
+            assert step == 2 + rank
+            assert str(refusal) == (
+                f"Monitor.step({step}): the processes sampled different steps (rank 0: 2, rank "
+                "1: 3); under DistributedDataParallel every process must pass the same step "
+                "numbers to monitor.step() (a global step, not a counter of each process's "
+                "own), so that their sampled steps combine the same step's values"
+            )
+        else:
+            assert step == 0
+    assert [r.step for r in monitor.records if r.quantity == "entropy_mean"][:1] == [0]
+    if rank == 0:  # rank 1 samples no more steps: named, before any collective
+        before, monitoring.PEER_TIMEOUT = monitoring.PEER_TIMEOUT, datetime.timedelta(seconds=3)
+        try:
+            with (
+                pytest.raises(
+                    semipack.SemipackError,
+                    match=r"Monitor\.step\(5\): the processes of rank 1 did not reach their "
+                    r"sampled step number 3 within 3 s \(this process, rank 0, did at step 5\)",
+                ),
+                monitor.step(5),
+            ):
+                pass
+        finally:
+            monitoring.PEER_TIMEOUT = before
+    dist.barrier()
+
+
 def checks() -> dict[str, Callable[[int], None]]:
     """Every check the processes run, by name."""
     out: dict[str, Callable[[int], None]] = {
@@ -298,6 +341,9 @@ def checks() -> dict[str, Callable[[int], None]]:
         "MaxProd", rank, inner=True, gradient_as_bucket_view=True
     )
     out["monitor under DDP"] = check_monitor
+    # before the Monitor made on one process: the processes' Monitors meet under the number of
+    # their first combining step, which that one took on rank 0 alone
+    out["monitor step numbers differ between processes"] = check_monitor_step_numbers
     out["monitor on one process only"] = check_monitor_on_one_process
     out["errors"] = check_errors
     return out

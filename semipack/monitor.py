@@ -113,7 +113,8 @@ class Monitor:
     runs ``Product(MaxProd(log=True), LogSum())`` instead, the cheaper pass without entropies.
     The records reach ``monitor.csv`` and TensorBoard every ``flush_secs`` seconds (writing a
     step at a time costs more than the summaries), and all of them on ``flush()``, ``close()``
-    (or leaving ``with Monitor(...) as monitor:``), an exception through ``step`` and at exit.
+    (or leaving ``with Monitor(...) as monitor:``), an exception through ``step`` and at exit;
+    steps sampled after ``close()`` are kept in ``records`` only (the first one warns).
     A ``log_dir`` that already holds a ``monitor.csv`` (an earlier run's, or another monitor
     writing there) is refused unless ``overwrite=True``, which replaces that file (TensorBoard
     keeps every run's event files in the folder), or ``resume=True``: a run resumed from a
@@ -263,13 +264,26 @@ class Monitor:
         _drop_values_of([*self.model.parameters(), *last_block_reached()])
 
     def _check_backward(self, step: int) -> None:
-        """A sampled step whose backward did not run inside the block has nothing to record."""
-        if not any(hasattr(p, "semiring_grad") for p in self.layers.values()):
+        """A sampled step whose backward did not run inside the block, or reached none of the
+        model's layers, has nothing to record; the values it gave to other tensors (another
+        model's parameters) are dropped as a recorded step's are."""
+        if any(hasattr(p, "semiring_grad") for p in self.layers.values()):
+            return
+        elsewhere = [t for t in last_block_reached() if hasattr(t, "semiring_grad")]
+        _drop_values_of(elsewhere)
+        if elsewhere:
             raise SemipackError(
-                f"Monitor.step({step}): no backward reached the model inside the block; call "
-                "loss.backward() inside `with monitor.step(...)` (a backward after the block "
-                "is a plain one: the sampled step would have nothing to record)"
+                f"Monitor.step({step}): the backward inside the block reached none of the "
+                f"monitored model's layers, only {len(elsewhere)} tensor(s) outside it: does "
+                "the step run another model than the one given to Monitor (a copy, an EMA "
+                "model, a model made again when a checkpoint was loaded)? Give Monitor the "
+                "model the step trains"
             )
+        raise SemipackError(
+            f"Monitor.step({step}): no backward reached the model inside the block; call "
+            "loss.backward() inside `with monitor.step(...)` (a backward after the block "
+            "is a plain one: the sampled step would have nothing to record)"
+        )
 
     def _check_splits(self, step: int, splits: dict[str, Branches]) -> None:
         """Each split module must be called by the step's forward (inside the block)."""
@@ -664,6 +678,7 @@ class _Files:
         self.pending: list[tuple[int, list[Record]]] = []  # (step, its records) per record
         self.written_at = time.monotonic()
         self.closed = False
+        self.warned_closed = False  # a sampled step after close was warned about
 
     def _rows(self, records: list[Record]) -> None:
         """The header and ``records``, flushed to the (emptied) file."""
@@ -684,6 +699,15 @@ class _Files:
         """Queue one sampled step's records; write everything out when it is time (after
         ``close`` the records stay in ``Monitor.records`` only, as before)."""
         if self.closed:
+            if not self.warned_closed:
+                self.warned_closed = True
+                warnings.warn(
+                    f"Monitor.step({step}) after the monitor was closed (close(), or the end "
+                    "of `with Monitor(...)`): its records are kept in monitor.records only, "
+                    "not written to monitor.csv or TensorBoard (once per monitor); close the "
+                    "monitor after the last step, or make a new one",
+                    stacklevel=5,
+                )
             return
         self.pending.append((step, rows))
         if time.monotonic() - self.written_at >= self.flush_secs:

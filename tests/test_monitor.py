@@ -219,6 +219,46 @@ def test_a_backward_after_the_step_block_is_refused_not_read_stale() -> None:
     assert {r.step for r in monitor.records} == {0, 2}
 
 
+def test_a_step_that_trains_another_model_is_named_and_leaves_it_no_values() -> None:
+    """Monitor given model A, the step trains B (an EMA copy, a model made again from a
+    checkpoint): the step said "no backward reached the model ... call loss.backward() inside",
+    although it was called there, and left B's parameters holding the pass's values (trial 74).
+    """
+    a, b = _model(), _model()
+    monitor = semipack.Monitor(a, every=1, tensorboard=False)
+    (x, y), _ = _batches(2)
+    count = len(list(b.parameters()))
+    message = (
+        r"Monitor\.step\(0\): the backward inside the block reached none of the monitored "
+        rf"model's layers, only {count} tensor\(s\) outside it: does the step run another model"
+    )
+    with pytest.raises(semipack.SemipackError, match=message), monitor.step(0):
+        nn.functional.cross_entropy(b(x), y).backward()
+    assert not any(hasattr(p, "semiring_grad") for p in b.parameters())
+    assert all(p.grad is not None for p in b.parameters())  # its training step stays plain
+    assert not monitor.records
+
+
+def test_a_step_after_close_warns_once_that_its_records_stay_in_memory(tmp_path) -> None:
+    """Steps after ``close()`` (a second epoch after ``with Monitor(...)``) recorded into
+    ``monitor.records`` and silently nowhere else (trial 74): the first one warns."""
+    model = _model()
+    (x, y), _ = _batches(2)
+    with semipack.Monitor(model, every=1, log_dir=tmp_path, tensorboard=False) as monitor:
+        with monitor.step(0):
+            nn.functional.cross_entropy(model(x), y).backward()
+    with pytest.warns(UserWarning, match=r"Monitor\.step\(1\) after the monitor was closed"):
+        with monitor.step(1):
+            nn.functional.cross_entropy(model(x), y).backward()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # once per monitor
+        with monitor.step(2):
+            nn.functional.cross_entropy(model(x), y).backward()
+    assert {r.step for r in monitor.records} == {0, 1, 2}
+    with open(tmp_path / "monitor.csv") as f:
+        assert {row["step"] for row in csv.DictReader(f)} == {"0"}
+
+
 def test_only_layers_the_backward_reaches_are_recorded() -> None:
     """``unused`` is not called; ``silenced`` is called but its output is multiplied by 0 (in
     the graph, no path): it records only that it is dead."""

@@ -244,12 +244,12 @@ def test_a_step_after_close_warns_once_that_its_records_stay_in_memory(tmp_path)
     ``monitor.records`` and silently nowhere else (trial 74): the first one warns."""
     model = _model()
     (x, y), _ = _batches(2)
-    with semipack.Monitor(model, every=1, log_dir=tmp_path, tensorboard=False) as monitor:
-        with monitor.step(0):
-            nn.functional.cross_entropy(model(x), y).backward()
-    with pytest.warns(UserWarning, match=r"Monitor\.step\(1\) after the monitor was closed"):
-        with monitor.step(1):
-            nn.functional.cross_entropy(model(x), y).backward()
+    monitor = semipack.Monitor(model, every=1, log_dir=tmp_path, tensorboard=False)
+    with monitor, monitor.step(0):
+        nn.functional.cross_entropy(model(x), y).backward()
+    closed = r"Monitor\.step\(1\) after the monitor was closed"
+    with pytest.warns(UserWarning, match=closed), monitor.step(1):
+        nn.functional.cross_entropy(model(x), y).backward()
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # once per monitor
         with monitor.step(2):

@@ -386,6 +386,7 @@ class Monitor:
             rows += [Record(step, name, q, v) for q, v in summary.items()]
         for name, split in splits.items():
             for use, share in _flow_shares(split).items():
+                use = _without_wrapper(self.model, use)
                 rows.append(Record(step, f"{name} -> {use}", "flow_share", share))
         if self._files is not None and self._files.resumed:  # the earlier run's later steps go
             self.records = [r for r in self.records if r.step < step]
@@ -622,6 +623,15 @@ def _to_host(tensors: list[Tensor]) -> list[Any]:
         for i, v in zip(positions, stacked, strict=True):
             out[i] = v
     return out
+
+
+def _without_wrapper(model: nn.Module, use: str) -> str:
+    """A use's name as the layers' are (``_layers``): without the ``module.`` of a
+    data-parallel wrapper given as the model, so a DDP run's flow shares line up with one
+    process's (they kept it, trial 74)."""
+    if isinstance(model, (nn.parallel.DistributedDataParallel, nn.DataParallel)):
+        return use.removeprefix("module.") if use != "module" else ROOT_MODULE
+    return use
 
 
 def _flow_shares(split: Branches) -> dict[str, float]:

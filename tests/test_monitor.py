@@ -279,6 +279,40 @@ def test_only_layers_the_backward_reaches_are_recorded() -> None:
     ]
 
 
+def test_a_data_parallel_wrapper_records_one_process_names_for_flow_shares_too() -> None:
+    """Layer rows drop a data-parallel wrapper's ``module.`` prefix; the flow shares' use names
+    kept it (``res -> module.2.inner.0``; trial 74), so the CSVs did not line up. The root
+    module's own uses (``module``) read as the model's root's."""
+
+    class Root(nn.Module):  # a use in the root's own forward: h + model[2](h)
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = _model()
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            h = self.net[1](self.net[0](x))
+            return self.net[3](h + self.net[2](h))
+
+    x, y = _batches(1)[0]
+    names = []
+    for wrap in (False, True):
+        torch.manual_seed(0)
+        root = Root()
+        model = nn.DataParallel(root) if wrap else root  # on the CPU: calls root itself
+        monitor = semipack.Monitor(
+            model, every=1, splits={"h": root.net[2].inner[0]}, tensorboard=False
+        )
+        with monitor.step(0):
+            nn.functional.cross_entropy(model(x), y).backward()
+        names.append(sorted({r.layer for r in monitor.records}))
+    assert names[0] == names[1]
+    assert {n for n in names[0] if "->" in n} == {
+        "h -> <root module>",  # the root's h + ...
+        "h -> net.2",  # the residual's h + ...
+        "h -> net.2.inner.0",
+    }
+
+
 def test_split_shares_are_the_last_micro_batchs_and_skip_validation(tmp_path: Path) -> None:
     """Gradient accumulation (two backwards in a step) with a forward under torch.no_grad
     before and after them (validation): the flow shares are the last backward's, like the

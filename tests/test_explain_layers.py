@@ -441,6 +441,85 @@ def test_a_target_that_is_not_callable_is_refused() -> None:
         semipack.explain_layers(model, semipack.MaxProd(), scalar)
 
 
+def test_a_parallel_blocks_feed_forward_hop_is_named_after_its_linear_map() -> None:
+    """A parallel block (Cohere, GPT-J, Falcon: the feed-forward part reads the normalised
+    input the attention reads) splits at that input into the attention's projections and the
+    feed-forward's; a hop by the latter read as the residual (trial 73). It is named as
+    ``explain_layers`` names the branch, after the first linear map; a sequential layer's
+    feed-forward part, after the residual add, leaves the hop the residual's."""
+    layers = [AttentionLayer("layers.0.self_attn", None, None, 2, 4)]
+
+    def step(module: str, index: tuple[int, ...], op: str = "op") -> PathStep:
+        return PathStep(f"{module} {index}", module, op, index, 0.0)
+
+    parallel = [
+        step("layers.0.input_layernorm", (0, 2, 1)),
+        step("layers.0.mlp.gate_proj", (0, 2, 5), "LinearFunction"),
+        step("layers.0.mlp", (0, 2, 5)),
+        step("layers.0.mlp.down_proj", (0, 2, 1), "LinearFunction"),
+        step("layers.0", (0, 2, 1)),  # the add of residual, attention and feed-forward
+    ]
+    (hop,) = _route(parallel, layers).hops
+    assert (hop.branch, hop.head, hop.token_in, hop.token_out) == ("mlp.gate_proj", None, 2, 2)
+    sequential = [
+        step("layers.0", (0, 2, 1)),  # the residual add after the attention
+        step("layers.0.post_attention_layernorm", (0, 2, 1)),
+        step("layers.0.mlp.up_proj", (0, 2, 3), "LinearFunction"),
+        step("layers.0.mlp.down_proj", (0, 2, 1), "LinearFunction"),
+        step("layers.0", (0, 2, 1)),
+    ]
+    (hop,) = _route(sequential, layers).hops
+    assert (hop.branch, hop.head) == ("residual", None)
+
+
+def test_cohere_routes_name_the_branches_explain_layers_splits() -> None:
+    """On a tiny Cohere model (parallel attention and feed-forward) every hop of each token's
+    top path is one of the branches ``explain_layers`` finds at that layer, or the residual; a
+    hop named after the feed-forward part runs through that layer's ``mlp`` in the path's own
+    steps, and a residual hop does not pass the layer's input norm (trial 73's model)."""
+    config = transformers.CohereConfig(
+        vocab_size=23, hidden_size=8, intermediate_size=12, num_hidden_layers=2,
+        num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=32,
+        pad_token_id=0, bos_token_id=1, eos_token_id=2,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = transformers.CohereForCausalLM._from_config(config, attn_implementation="sdpa")
+    model = model.double()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.3 * torch.randn_like(p))
+    ids = torch.tensor([[3, 5, 7, 4]])
+    words = model.get_input_embeddings()(ids).detach().requires_grad_()
+    top = semipack.TopPath()
+
+    def target() -> torch.Tensor:
+        return model(inputs_embeds=words).logits[0, -1, 3]
+
+    with semipack.extend(model, top):
+        target().backward()
+    layers = attention_layers(model)
+    paths = [top.path(words, (0, t, int(words.semiring_grad[0, t].argmax()))) for t in range(4)]
+    flow = semipack.explain_layers(model, semipack.MaxProd(), target)  # a pass of its own
+    named = [set(b) | {"residual"} for b in flow.branches]
+    seen = set()
+    for path, route in zip(paths, layer_routes(paths, layers), strict=True):
+        modules = [s.module or "" for s in path.steps]
+        for hop in route.hops:
+            assert hop.branch in named[hop.layer], (hop, named[hop.layer])
+            seen.add(hop.branch)
+            if hop.branch.startswith("mlp."):
+                assert f"model.layers.{hop.layer}.{hop.branch}" in modules
+            if hop.branch == "residual":
+                assert f"model.layers.{hop.layer}.input_layernorm" not in modules
+    assert any(b.startswith("mlp.") for b in seen), seen  # the case arises on this model
+    ax = plot_routes(layer_routes(paths, layers), list("abcd"), 2)
+    legend = [t.get_text() for t in ax.get_legend().get_texts()]
+    assert legend[-1] == "feed-forward beside attention"
+    olive = [line for line in ax.get_lines() if line.get_color() == "tab:olive"]
+    assert len(olive) == sum(b.startswith("mlp.") for r in layer_routes(paths, layers) for b in
+                             [h.branch for h in r.hops])  # fmt: skip
+
+
 def test_routes_read_llama_residual_adds_and_gpt2_fused_projection() -> None:
     """Llama- and GPT-2-family layers add the residual in the layer's own module
     (``layers.0``, not ``layers.0.something``); GPT-2's ``c_attn`` makes query, key and value

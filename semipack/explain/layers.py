@@ -887,7 +887,9 @@ class LayerHop:
     token_in: int  # the token at the layer's input where the path enters
     token_out: int  # the token at the layer's output where it leaves
     #: query, key, value; residual (no step inside the attention block); attention (steps
-    #: inside it, through a fused projection whose layout semipack does not read)
+    #: inside it, through a fused projection whose layout semipack does not read); in a
+    #: parallel block, the feed-forward part's first linear map (``mlp.up_proj``), which reads
+    #: the attention's input
     branch: str
     head: int | None  # the head of the projection it takes, None for residual and attention
     label: str = ""  # the layer's short label (``layer_labels``); ``L<layer>`` when empty
@@ -991,6 +993,9 @@ def layer_routes(paths: Sequence[Path], layers: Sequence[AttentionLayer]) -> lis
                 )
                 branch, head = "attention" if through else "residual", None
                 token_in = inside[0].index[1]
+                beside = None if through else _parallel_branch(inside, spec.name, owner)
+                if beside is not None:
+                    branch, token_in = beside
             else:
                 projection, (branch, head) = found
                 token_in = projection.index[1]
@@ -1000,6 +1005,32 @@ def layer_routes(paths: Sequence[Path], layers: Sequence[AttentionLayer]) -> lis
             example = int(inside[0].index[0])
         routes.append(LayerRoute(path.value, hops, path.rank, example if hops else None))
     return routes
+
+
+def _parallel_branch(inside: Sequence[PathStep], block: str, owner: str) -> tuple[str, int] | None:
+    """(branch, token) of a hop that leaves the attention block's input by another use in the
+    same layer: a parallel block's feed-forward part (Cohere, GPT-J, Falcon, GPT-NeoX with a
+    parallel residual, Phi), which reads the normalised input the attention reads (trial 73:
+    read as the residual). The path's first steps in the layer are then in submodules beside
+    the block (the shared norm), before any step of the layer's own (its residual add) or of
+    the block; the branch is named, as ``explain_layers`` names it, after the module of the
+    first linear map it takes (``mlp.up_proj``). A sequential layer's feed-forward part comes
+    after the residual add: a path through it crosses the attention layer by the residual.
+    None where the hop is no such one."""
+    if owner == block:
+        return None
+    for step in inside:
+        name = step.module or ""
+        if name == owner or _in_module(name, block) or not _in_module(name, owner):
+            return None  # the layer's own add (the residual) or the block came first
+        if step.op in _LINEAR_OPS:
+            return name.removeprefix(owner + "."), int(step.index[1])
+    return None
+
+
+#: Path-step ops of a linear map (``PathStep.op``: the autograd node's name less ``Backward``):
+#: the Linear extension's node, and the generic path's products.
+_LINEAR_OPS = frozenset({"LinearFunction", "Addmm", "Mm", "Bmm", "Mv"})
 
 
 def _shared_layer_residual(
@@ -1134,6 +1165,9 @@ def _projection(step: PathStep, spec: AttentionLayer) -> tuple[str, int] | None:
 _OWN_PROJECTIONS = frozenset(("LinearFunction", "MatmulFunction"))
 
 BRANCH_COLOURS = {"query": "tab:blue", "key": "tab:orange", "value": "tab:green"}
+_OTHER_COLOURS = {"residual": "grey", "attention": "tab:purple"}
+#: a parallel block's feed-forward branch (``LayerHop.branch`` names its linear map)
+BESIDE = "tab:olive"
 
 
 def plot_routes(
@@ -1160,9 +1194,7 @@ def plot_routes(
     for r, route in reversed(list(enumerate(routes))):  # the best drawn last, on top
         width, alpha = 1.0 + 2.0 / (1 + r), max(0.35, 1.0 / (1 + 0.3 * r))
         for hop in route.hops:
-            colour = BRANCH_COLOURS.get(
-                hop.branch, "tab:purple" if hop.branch == "attention" else "grey"
-            )
+            colour = BRANCH_COLOURS.get(hop.branch, _OTHER_COLOURS.get(hop.branch, BESIDE))
             ax.plot([hop.layer, hop.layer + 1], [hop.token_in, hop.token_out], color=colour,
                     linewidth=width, alpha=alpha, solid_capstyle="round")  # fmt: skip
             if hop.head is not None:
@@ -1175,8 +1207,11 @@ def plot_routes(
     ax.set_xlim(-0.2, layers + 0.2)
     ax.grid(axis="x", alpha=0.3)
     shown = [*BRANCH_COLOURS.items(), ("residual", "grey")]
-    if any(hop.branch == "attention" for route in routes for hop in route.hops):
+    drawn = {hop.branch for route in routes for hop in route.hops}
+    if "attention" in drawn:
         shown.append(("attention", "tab:purple"))
+    if drawn - set(BRANCH_COLOURS) - set(_OTHER_COLOURS):
+        shown.append(("feed-forward beside attention", BESIDE))
     handles = [plt.Line2D([], [], color=c, label=b) for b, c in shown]
     ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8)
     ax.set_title("paths across the layers, best widest (label: branch letter, head)")

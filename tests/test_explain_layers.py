@@ -512,12 +512,12 @@ def test_cohere_routes_name_the_branches_explain_layers_splits() -> None:
             if hop.branch == "residual":
                 assert f"model.layers.{hop.layer}.input_layernorm" not in modules
     assert any(b.startswith("mlp.") for b in seen), seen  # the case arises on this model
-    ax = plot_routes(layer_routes(paths, layers), list("abcd"), 2)
+    routes = layer_routes(paths, layers)
+    ax = plot_routes(routes, list("abcd"), 2)
     legend = [t.get_text() for t in ax.get_legend().get_texts()]
     assert legend[-1] == "feed-forward beside attention"
     olive = [line for line in ax.get_lines() if line.get_color() == "tab:olive"]
-    assert len(olive) == sum(b.startswith("mlp.") for r in layer_routes(paths, layers) for b in
-                             [h.branch for h in r.hops])  # fmt: skip
+    assert len(olive) == sum(h.branch.startswith("mlp.") for r in routes for h in r.hops)
 
 
 def test_routes_read_llama_residual_adds_and_gpt2_fused_projection() -> None:

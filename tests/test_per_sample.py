@@ -219,6 +219,37 @@ def _batch_norm_eval():
     return model, (torch.randn(3, 2, 4, 4),)
 
 
+class ExpandedToTheBatch(nn.Module):
+    """Parameters expanded to the batch and met by it on dim 0: a class token concatenated
+    before the tokens (ViT's ``cls.expand(N, -1, -1)``), a learned query added (Perceiver's
+    decoder), a bias viewed and expanded as the activations (``expand_as``), a gain
+    broadcast with ``torch.broadcast_to`` and multiplied in. They were refused ("a parameter of
+    shape (N, ...) spans the batch dim"; trial 73) although each example reads its own
+    entries only."""
+
+    def __init__(self, width: int = 4) -> None:
+        super().__init__()
+        self.embed = nn.Linear(3, width)
+        self.cls = nn.Parameter(torch.randn(1, 1, width))
+        self.query = nn.Parameter(torch.randn(1, width))
+        self.bias = nn.Parameter(torch.randn(width))
+        self.gain = nn.Parameter(torch.rand(width) + 0.5)
+        self.head = nn.Linear(width, 2)
+
+    def forward(self, x):  # x: [N, T, 3]
+        h = self.embed(x)
+        n = h.shape[0]
+        h = torch.cat([self.cls.expand(n, -1, -1), h], dim=1)  # [N, T + 1, width]
+        h = torch.tanh(h + self.query.expand(n, -1, -1))
+        h = h + self.bias.view(1, 1, -1).expand_as(h)
+        h = h * torch.broadcast_to(self.gain, (n, 1, h.shape[-1]))
+        return self.head(h)
+
+
+def _expanded_to_the_batch():
+    return ExpandedToTheBatch(), (torch.randn(3, 2, 3),)
+
+
 MODELS = {
     "mlp": _batch_mlp,
     "sequence_mlp": _sequence_mlp,
@@ -233,6 +264,7 @@ MODELS = {
     "batch_norm_eval": _batch_norm_eval,
     "computed_from_parameters": _computed_from_parameters,
     "matrix_products": _matrix_products,
+    "expanded_to_the_batch": _expanded_to_the_batch,
 }
 
 
@@ -669,10 +701,10 @@ def test_parameter_spanning_the_batch_refused():
     )
 
 
-def test_a_bias_expanded_as_the_batched_input_is_refused_as_spanning_the_batch():
-    """``b.view(1, C, 1, 1).expand_as(h)`` broadcasts the bias over the batch dim too: its
-    value spans the batch, refused as ``p.expand(N, ...)`` is (the refusal had said the
-    expand has no per-sample rule, trial 62)."""
+def test_a_bias_expanded_as_the_batched_input_has_rows():
+    """``b.view(1, C, 1, 1).expand_as(h)`` broadcasts the bias over the batch dim too; each
+    example reads its own entries of the expanded value, so the expand gives the rows (it was
+    refused as spanning the batch, trial 62's message; trial 73 asked for rows)."""
 
     class ExpandedBias(nn.Module):
         def __init__(self) -> None:
@@ -684,11 +716,33 @@ def test_a_bias_expanded_as_the_batched_input_is_refused_as_spanning_the_batch()
             h = self.conv(x)
             return torch.tanh(h + self.bias.view(1, 3, 1, 1).expand_as(h)).flatten(1)
 
-    _refused(
-        ExpandedBias(),
-        (torch.randn(4, 2, 6, 6),),
-        r"a parameter of shape \(4, 3, 4, 4\) spans the batch dim of an output of shape",
-    )
+    torch.manual_seed(0)
+    model = ExpandedBias().double()
+    x = torch.randn(4, 2, 6, 6, dtype=torch.float64)
+    for sr in (semipack.Real(), semipack.MaxProd(), semipack.Entropy()):
+        _rows_of_single_examples(model, lambda rows: _loss(model(x[rows])), sr, 4)
+
+
+def test_a_parameter_expanded_to_as_many_tokens_as_examples_is_no_batch():
+    """``x + p.expand(T, d)`` on ``x`` of shape [N, T, d] with T == N: the expanded dim 0 has
+    the batch's size but lands on the tokens, so it is no batch dim (its provisional mark is
+    refuted), and the add's rule sums the rows over the tokens as for any broadcast parameter."""
+
+    class Positions(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.embed = nn.Linear(2, 4)
+            self.position = nn.Parameter(torch.randn(4))
+
+        def forward(self, x):
+            h = self.embed(x)
+            return torch.tanh(h + self.position.expand(h.shape[1], -1))
+
+    torch.manual_seed(0)
+    model = Positions().double()
+    x = torch.randn(3, 3, 2, dtype=torch.float64)  # 3 examples of 3 tokens
+    for sr in (semipack.Real(), semipack.MaxProd()):
+        _rows_of_single_examples(model, lambda rows: _loss(model(x[rows])), sr, 3)
 
 
 class BufferTimesGain(nn.Module):
@@ -2005,3 +2059,49 @@ def test_siglip_vision_rows_with_its_position_table_frozen():
         for (name, row), g in zip(rows.items(), grads, strict=True):
             want = torch.zeros_like(row[i]) if g is None else g
             torch.testing.assert_close(row[i], want, rtol=1e-9, atol=1e-12, msg=name)
+
+
+def _torchvision_vit():
+    import torchvision
+
+    return torchvision.models.VisionTransformer(
+        image_size=32, patch_size=16, num_layers=1, num_heads=2, hidden_dim=8, mlp_dim=16,
+        num_classes=3,
+    ), lambda model, x: model(x)  # fmt: skip
+
+
+def _hf_vision(name: str):
+    import transformers
+
+    config = getattr(transformers, f"{name}Config")(
+        image_size=32, patch_size=16, num_channels=3, hidden_size=8, num_hidden_layers=1,
+        num_attention_heads=2, num_labels=3,
+        **({"mlp_ratio": 2} if name == "Dinov2" else {"intermediate_size": 16}),
+    )  # fmt: skip
+    cls = getattr(transformers, f"{name}ForImageClassification")
+    model = cls._from_config(config, attn_implementation="eager")
+    return model, lambda model, x: model(pixel_values=x).logits
+
+
+@pytest.mark.parametrize("family", ["torchvision ViT", "ViT", "Dinov2"])
+def test_vision_transformers_class_token_rows_are_per_example_gradients(family):
+    """A class token expanded to the batch and concatenated before the patches (and DINOv2's
+    mask token, unused here): Real's rows are each example's autograd gradient; ViT families
+    were refused before (trial 73)."""
+    torch.manual_seed(0)
+    model, run = _torchvision_vit() if family == "torchvision ViT" else _hf_vision(family)
+    model = model.double().eval()
+    x = torch.randn(3, 3, 32, 32, dtype=torch.float64)
+    with semipack.extend(model, semipack.Real(), per_sample=True):
+        _loss(run(model, x)).backward()
+    trained = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    for i in range(3):
+        grads = torch.autograd.grad(
+            _loss(run(model, x[i : i + 1])), [p for _, p in trained], allow_unused=True
+        )
+        for (name, p), want in zip(trained, grads, strict=True):
+            if want is None:  # not in the graph (DINOv2's mask token): no rows either
+                assert not hasattr(p, "semiring_grad_batch"), name
+                continue
+            # Hugging Face's eager attention takes its softmax in float32
+            torch.testing.assert_close(p.semiring_grad_batch[i], want, msg=f"{name} {i}")

@@ -16,8 +16,9 @@ Two kinds of entries:
   pass calls ``rule(semiring, node, state, input_nr)`` from a pre-hook on the node with the
   state of the node's output, and the rule returns the ``[N, *param.shape]`` rows of the
   parameter at ``input_nr``. Built in: a parameter broadcast into ``x * p``, ``x + p``,
-  ``x - p`` (a hand-written bias, gain or layer scale) and batch norm's affine parameters in
-  eval mode.
+  ``x - p`` (a hand-written bias, gain or layer scale), batch norm's affine parameters in
+  eval mode, and a parameter expanded to the batch (a class token, ``batch_expand_rows``: the
+  ``ExpandBackward0`` the batch following marked, once its dim 0 met the batch).
 """
 
 from __future__ import annotations
@@ -345,6 +346,39 @@ def _expand_step(sr: Semiring, node, rows: State, input_nr: int) -> State:
     return tuple(p.reshape(p.shape[0], *shape) for p in rows)
 
 
+#: Autograd node metadata: an ``ExpandBackward0`` whose output is a parameter (or a value
+#: computed from one alone) expanded to the batch on dim 0 (ViT's class token
+#: ``cls.expand(N, -1, -1)``, Perceiver's learned queries, ``b.view(1, C, 1, 1).expand_as(h)``):
+#: set by the block's batch following, with a provisional mark on dim 0 that must meet the
+#: batch there (``LAYER_MARKS_KEY``).
+EXPANDED_KEY = "semipack_expanded_over_batch"
+
+
+def expanded_over_batch(node) -> bool:
+    """Whether ``node`` expanded a parameter's value to the batch (``EXPANDED_KEY``): its
+    output's entry ``[n, ...]`` is read by example ``n`` alone once the mark met the batch on
+    dim 0, so the node computes the parameter's rows itself (``batch_expand_rows``)."""
+    return EXPANDED_KEY in node.metadata
+
+
+def batch_expand_rows(sr: Semiring, node, state: State, input_nr: int) -> State:
+    """Rows of the value ``node`` expanded to the batch: example ``n``'s are the state at its
+    own entries ``[n, ...]``, summed over every other dim the expand broadcast (new leading dims,
+    size-1 dims made larger), shaped ``[N, *value.shape]`` (a size-1 dim 0 of the value stays).
+    Where an expand broadcasts an entry over the examples, no other example reads it, so its row
+    is what example ``n`` alone gives (the batch following confirmed the dim as the batch's)."""
+    shape = tuple(node._saved_self_sym_sizes)
+    out = state[0].shape
+    inner = shape[1:] if len(shape) == len(out) else shape  # the value's dims below the batch
+    rest = out[1:]
+    leading = len(rest) - len(inner)
+    kept = [1 + leading + d for d, n in enumerate(inner) if n == 1 and rest[leading + d] != 1]
+    rows = sr.sum(state, kept, keepdim=True) if kept else state
+    if leading:
+        rows = sr.sum(rows, list(range(1, 1 + leading)))
+    return tuple(p.reshape(out[0], *shape) for p in rows)
+
+
 #: The ops a value computed from one parameter alone may pass through on its way to a row rule.
 PARAMETER_STEPS: dict[str, ParameterStep] = {
     "ToCopyBackward0": _same,
@@ -598,12 +632,15 @@ def mixing_reason(node, is_root: bool = False, batches: frozenset[int] = frozens
 
 __all__ = [
     "BATCHED_KEY",
+    "EXPANDED_KEY",
     "FACTORS_KEY",
     "MATMULS",
     "PARAMETER_STEPS",
     "PER_SAMPLE_NODES",
     "ParameterStep",
     "RowRule",
+    "batch_expand_rows",
+    "expanded_over_batch",
     "from_one_parameter",
     "has_per_sample_rule",
     "input_shape",

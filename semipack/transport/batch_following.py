@@ -37,10 +37,12 @@ from ..graph.batch_dims import batch_dim_after, call_name, dim_after_index
 from ..graph.provenance import OUTSIDE_MODEL, current_module
 from ..rules.per_sample import (
     BATCHED_KEY,
+    EXPANDED_KEY,
     FACTORS_KEY,
     LOST_BY_KEY,
     MATMULS,
     MERGING,
+    from_one_parameter,
     how_lost,
     parameter_projection,
 )
@@ -231,6 +233,8 @@ class BatchedTensors:
         if not self._tensors:
             return
         name = call_name(func)
+        if name in _EXPANDS and self._expanded_parameter(args, result):
+            return
         if (
             name in _SHAPED_LIKE_OTHER
             and args
@@ -387,6 +391,33 @@ class BatchedTensors:
                     "relative position buckets say, has no per-example rows)"
                 )
         return mixed
+
+    def _expanded_parameter(self, args: tuple, result: Any) -> bool:
+        """A parameter (or a value computed from one alone) expanded to the batch on dim 0
+        (``cls.expand(N, -1, -1)``): its result gets a provisional mark on dim 0, and its
+        ``ExpandBackward0`` computes the parameter's rows (``rules.per_sample.
+        batch_expand_rows``) if the mark meets the batch there, each example reading its own
+        entries; where it lands elsewhere or nowhere the rows are refused by that reason (a
+        table of as many entries as examples is no batch). Whether the call was one."""
+        x = args[0] if args else None
+        if not (
+            isinstance(x, Tensor)
+            and isinstance(result, Tensor)
+            and result.grad_fn is not None
+            and result.dim() > 0
+            and result.shape[0] in self.sizes - {1}
+            and (x.dim() < result.dim() or x.shape[0] == 1)
+            and self.batch_dim(x) is NOT_HELD
+            and not self.marks(x)
+            and from_one_parameter(x)
+        ):
+            return False
+        module = _module_name(current_module())
+        label = f"a parameter expanded to the batch{f' (module {module!r})' if module else ''}"
+        mark = self._mark(result, label, 0)
+        result.grad_fn.metadata[LAYER_MARKS_KEY] = (mark,)
+        result.grad_fn.metadata[EXPANDED_KEY] = True
+        return True
 
     def _mark_layer_input(self, func, args, kwargs, result) -> None:
         """A layer that computes rows (``LAYER_INPUTS``) called on an input not computed
@@ -565,6 +596,12 @@ class BatchedTensors:
         for t in self._sharing_memory(tensor):
             self._held[id(t)] = self._record(t)._replace(version=t._version)
 
+    def met_batch(self, node: Any) -> bool:
+        """Whether the provisional mark of ``node``'s value (a parameter expanded to the
+        batch, ``_expanded_parameter``) met the batch on dim 0, and nowhere else."""
+        marks = node.metadata.get(LAYER_MARKS_KEY, ())
+        return any(m in self.confirmed for m in marks) and not any(m in self.refuted for m in marks)
+
     def refutation(self, node: Any) -> str | None:
         """Why the layer call that made ``node`` has no per-sample rows: the mark on its
         input's batch dim was refuted, or, for an input built in the block (not a model
@@ -709,6 +746,8 @@ _SHAPED_BY_ARGUMENTS = frozenset(("new_zeros", "new_ones", "new_empty", "new_ful
 #: Calls that read only the shape or dtype of their second tensor (``p.expand_as(h)``): a
 #: result of a first tensor without the batch holds nothing of it.
 _SHAPED_LIKE_OTHER = frozenset(("expand_as", "view_as", "reshape_as", "type_as"))
+#: Calls that broadcast their first tensor to a larger shape (``_expanded_parameter``).
+_EXPANDS = frozenset(("expand", "expand_as", "broadcast_to"))
 
 
 def _keep_factors(func: Any, args: tuple, result: Any) -> None:

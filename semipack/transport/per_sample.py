@@ -28,6 +28,8 @@ from ..rules.per_sample import (
     BATCHED_KEY,
     FACTORS_KEY,
     PARAMETER_STEPS,
+    batch_expand_rows,
+    expanded_over_batch,
     has_per_sample_rule,
     mixing_reason,
     parameter_step,
@@ -85,6 +87,13 @@ def check_graph(
     (``hook_rules``), and the layer inputs computed from a parameter alone, by their node's id
     (``PerSampleRows``)."""
     is_batched = following.holds if following is not None else (lambda t: False)
+
+    def batch_expand(node: Any) -> bool:
+        """A parameter expanded to the batch whose dim 0 met the batch there: the expand
+        gives the rows. Where the mark landed elsewhere (a table of as many entries as
+        examples) the expand is a step like any other (``rules.per_sample.parameter_step``)."""
+        return expanded_over_batch(node) and following is not None and following.met_batch(node)
+
     generic: list[tuple[Any, int, Tensor]] = []
     seen: set[int] = set()
     stack = [t.grad_fn for t in roots if t.grad_fn is not None]
@@ -117,6 +126,10 @@ def check_graph(
             consumers.setdefault(id(nxt), []).append((node, input_nr))
             variable = getattr(nxt, "variable", None)
             known = variable is not None and id(variable) in params
+            if known and batch_expand(node):  # cls.expand(N, -1, -1): its own rows
+                generic.append((node, input_nr, variable))
+                stack.append(nxt)
+                continue
             if (
                 known
                 and MODULE_KEY in node.metadata
@@ -166,11 +179,14 @@ def check_graph(
                 )
             stack.append(nxt)
     for node, input_nr, variable in computed:
-        for use in _uses_of_computed(node, input_nr, variable, params, consumers, is_batched):
+        uses = _uses_of_computed(
+            node, input_nr, variable, params, consumers, is_batched, batch_expand
+        )
+        for use in uses:
             user, user_nr, _, steps = use
             problems = _layer_input_problems(user, params[id(variable)], following)
             misplaced += [(variable.dim(), problem) for problem in problems]
-            if row_rule(user.name()) is not None:
+            if row_rule(user.name()) is not None or batch_expand(user):
                 generic.append(use)
             else:  # a module extension: it reports the rows of the value it was given
                 computed_inputs[id(user.next_functions[user_nr][0])] = (variable, steps)
@@ -188,6 +204,7 @@ def _uses_of_computed(
     params: dict[int, str],
     consumers: dict[int, list[tuple[Any, int]]],
     is_batched: Callable[[Tensor], bool],
+    batch_expand: Callable[[Any], bool],
 ) -> list[tuple[Any, int, Tensor, tuple[Any, ...]]]:
     """The row-rule uses of a value computed from ``variable`` alone, starting at ``start``:
     each with the steps (``parameter_step``, outermost first) that take its rows back to the
@@ -202,6 +219,9 @@ def _uses_of_computed(
         if not uses:
             raise _computed_refused(params[id(variable)], steps, "reaches the loss itself")
         for user, user_nr in uses:
+            if batch_expand(user):  # ``b.view(1, C, 1, 1).expand_as(h)``: its rows
+                found.append((user, user_nr, variable, steps))
+                continue
             rule = row_rule(user.name())
             if (rule is not None and unbatched_operand(user, user_nr, is_batched) is None) or (
                 rule is None and has_per_sample_rule(user.name())
@@ -316,7 +336,7 @@ def hook_rules(
         by_node.setdefault(id(node), (node, []))[1].append((input_nr, param, *steps[:1]))
     handles = []
     for node, params in by_node.values():
-        rule = row_rule(node.name())
+        rule = batch_expand_rows if expanded_over_batch(node) else row_rule(node.name())
 
         def prehook(grad_outputs, node=node, params=params, rule=rule):
             msg = grad_outputs[0]

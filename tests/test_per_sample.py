@@ -2105,3 +2105,26 @@ def test_vision_transformers_class_token_rows_are_per_example_gradients(family):
                 continue
             # Hugging Face's eager attention takes its softmax in float32
             torch.testing.assert_close(p.semiring_grad_batch[i], want, msg=f"{name} {i}")
+
+
+def test_a_layer_on_the_batch_merged_with_the_tokens_is_named_as_such():
+    """OPT runs its feed-forward layers on ``h.reshape(N * T, d)``: the refusal offered only a
+    position table or a sequence-first layout as causes (trial 73); a multiple of the batch's
+    size names the merge first."""
+
+    class MergedFeedForward(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.embed = nn.Linear(2, 4)
+            self.fc = nn.Linear(4, 4)
+
+        def forward(self, x):  # x: [N, T, 2]
+            h = self.embed(x)
+            return self.fc(h.reshape(-1, h.shape[-1])).reshape(h.shape)
+
+    _refused(
+        MergedFeedForward(),
+        (torch.randn(2, 3, 2),),
+        r"'fc\.weight' \(6\), 'fc\.bias' \(6\) did not: .* A multiple of the batch's size "
+        r"\(6 = 2 x 3\): the batch merged with another dim by a reshape \(\[N \* T, d\]",
+    )

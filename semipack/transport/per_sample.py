@@ -443,7 +443,7 @@ class PerSampleRows:
             raise PerSampleError(
                 f"per-sample values: most parameters saw a batch of {batch} examples, but "
                 f"{named} did not: they were used on a tensor whose dim 0 is not the batch. "
-                + _why_not_the_batch({n for _, n in odd})
+                + _why_not_the_batch({n for _, n in odd}, batch)
             )
         if sizes and batches and sizes[0] not in batches:
             inputs = " or ".join(str(n) for n in sorted(batches))
@@ -472,12 +472,21 @@ class PerSampleRows:
         return out
 
 
-def _why_not_the_batch(sizes: set[int]) -> str:
+def _why_not_the_batch(sizes: set[int], batch: int) -> str:
     """The likely causes of layer inputs whose dim 0 has one of ``sizes`` instead of the
-    batch's: a dim 0 of 1 is a lookup shared by the batch, any other one a table or layout
-    that is not split by example (trial 66: MPNet's bucket table was told to pass position ids,
-    which changed nothing)."""
+    ``batch``'s: a dim 0 of 1 is a lookup shared by the batch, a multiple of the batch the
+    batch merged with another dim (trial 73: OPT's was told of tables and layouts only), any
+    other one a table or layout that is not split by example (trial 66: MPNet's bucket table
+    was told to pass position ids, which changed nothing)."""
     causes = []
+    merged = sorted(n for n in sizes if batch > 1 and n > batch and n % batch == 0)
+    if merged:
+        causes.append(
+            f"A multiple of the batch's size ({merged[0]} = {batch} x {merged[0] // batch}): "
+            "the batch merged with another dim by a reshape ([N * T, d], as OPT's feed-forward "
+            "layers and mixture-of-experts routing take their input: such layers have no "
+            "per-sample rows)"
+        )
     if 1 in sizes:
         causes.append(
             "A dim 0 of 1: a lookup broadcast over the batch (Hugging Face text models' "

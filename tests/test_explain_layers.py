@@ -470,6 +470,12 @@ def test_a_parallel_blocks_feed_forward_hop_is_named_after_its_linear_map() -> N
     ]
     (hop,) = _route(sequential, layers).hops
     assert (hop.branch, hop.head) == ("residual", None)
+    # a path from a feed-forward weight starts inside the layer: no branch of the attention's
+    # input (trial 75: it read as through mlp.up_proj)
+    (route,) = layer_routes(
+        [SemiringPath("layers.0.mlp.gate_proj.weight", (5, 1), -1.0, parallel[1:])], layers
+    )
+    assert [(h.branch, h.head) for h in route.hops] == [("residual", None)]
 
 
 def test_cohere_routes_name_the_branches_explain_layers_splits() -> None:

@@ -993,7 +993,7 @@ def layer_routes(paths: Sequence[Path], layers: Sequence[AttentionLayer]) -> lis
                 )
                 branch, head = "attention" if through else "residual", None
                 token_in = inside[0].index[1]
-                beside = None if through else _parallel_branch(inside, spec.name, owner)
+                beside = None if through else _parallel_branch(path.leaf, inside, spec.name, owner)
                 if beside is not None:
                     branch, token_in = beside
             else:
@@ -1007,7 +1007,9 @@ def layer_routes(paths: Sequence[Path], layers: Sequence[AttentionLayer]) -> lis
     return routes
 
 
-def _parallel_branch(inside: Sequence[PathStep], block: str, owner: str) -> tuple[str, int] | None:
+def _parallel_branch(
+    leaf: str, inside: Sequence[PathStep], block: str, owner: str
+) -> tuple[str, int] | None:
     """(branch, token) of a hop that leaves the attention block's input by another use in the
     same layer: a parallel block's feed-forward part (Cohere, GPT-J, Falcon, GPT-NeoX with a
     parallel residual, Phi), which reads the normalised input the attention reads (trial 73:
@@ -1015,9 +1017,11 @@ def _parallel_branch(inside: Sequence[PathStep], block: str, owner: str) -> tupl
     the block (the shared norm), before any step of the layer's own (its residual add) or of
     the block; the branch is named, as ``explain_layers`` names it, after the module of the
     first linear map it takes (``mlp.up_proj``). A sequential layer's feed-forward part comes
-    after the residual add: a path through it crosses the attention layer by the residual.
-    None where the hop is no such one."""
-    if owner == block:
+    after the residual add: a path through it crosses the attention layer by the residual; and
+    a path from a parameter of the layer (``leaf``, a feed-forward weight) enters it by no
+    branch of the attention's input (trial 75: a Llama feed-forward weight's path read as
+    through ``mlp.up_proj``). None where the hop is no such one."""
+    if owner == block or _in_module(leaf, owner):
         return None
     for step in inside:
         name = step.module or ""

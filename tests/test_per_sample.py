@@ -2128,3 +2128,43 @@ def test_a_layer_on_the_batch_merged_with_the_tokens_is_named_as_such():
         r"'fc\.weight' \(6\), 'fc\.bias' \(6\) did not: .* A multiple of the batch's size "
         r"\(6 = 2 x 3\): the batch merged with another dim by a reshape \(\[N \* T, d\]",
     )
+
+
+class _BroadcastWithTheBatch(nn.Module):
+    def __init__(self, mode: str) -> None:
+        super().__init__()
+        self.mode = mode
+        self.q = nn.Parameter(torch.randn(1, 2, 4))
+        self.p = nn.Parameter(torch.randn(1, 4))
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x):  # x: [N, 2, 4]
+        h = self.lin(x)
+        if self.mode == "broadcast_tensors":
+            a, b = torch.broadcast_tensors(self.q, h)
+            return a * b
+        n = x.shape[0]  # the batch merged with the tokens, and p expanded to match
+        return (h.reshape(n * 2, 4) * self.p.expand(n * 2, 4)).reshape(n, 2, 4)
+
+
+@pytest.mark.parametrize(
+    ("mode", "match"),
+    [
+        (
+            "broadcast_tensors",
+            r"parameter 'q' is used by ExpandBackward0, created by the root module, together "
+            r"with a value that carries the batch \(torch\.broadcast_tensors\(p, x\)",
+        ),
+        (
+            "merged",
+            r"parameter 'p' goes through ExpandBackward0, and the value computed from it is used "
+            r"by MulBackward0 with a value ViewBackward0 computed from the model's input in which "
+            r"no dim holds one example per index \('reshape' merged the batch",
+        ),
+    ],
+)
+def test_a_parameter_broadcast_with_the_batch_or_onto_a_merged_batch_is_named(mode, match):
+    """Both were refused with messages that contradicted themselves (an expand "has no
+    per-sample rule", while expands are supported) or hid the cause (the merged batch the same
+    model without the expand names; trial 75)."""
+    _refused(_BroadcastWithTheBatch(mode), (torch.randn(3, 2, 4),), match, semipack.Real())

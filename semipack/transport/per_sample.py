@@ -158,6 +158,15 @@ def check_graph(
                     )
                 generic.append((node, input_nr, variable))
             if known and not has_per_sample_rule(node.name()):
+                if node.name() in PARAMETER_STEPS and BATCHED_KEY in node.metadata:
+                    raise PerSampleError(
+                        f"per-sample values: parameter '{params[id(variable)]}' is used by "
+                        f"{node.name()}{f', created by {module},' if module else ''} together "
+                        "with a value that carries the batch (torch.broadcast_tensors(p, x) "
+                        "broadcasts both in one call): a cast, view or expand has per-sample rows "
+                        "on the parameter alone; broadcast it by itself (p.expand(...), "
+                        "torch.broadcast_to(p, x.shape)); see 'Per-sample values' in the README"
+                    )
                 if MODULE_KEY not in node.metadata:
                     raise PerSampleError(
                         f"per-sample values: parameter '{params[id(variable)]}' is used by "
@@ -223,12 +232,21 @@ def _uses_of_computed(
                 found.append((user, user_nr, variable, steps))
                 continue
             rule = row_rule(user.name())
-            if (rule is not None and unbatched_operand(user, user_nr, is_batched) is None) or (
+            operand = None if rule is None else unbatched_operand(user, user_nr, is_batched)
+            if (rule is not None and operand is None) or (
                 rule is None and has_per_sample_rule(user.name())
             ):
                 found.append((user, user_nr, variable, steps))
             elif MODULE_KEY in user.metadata and parameter_step(user, user_nr) is not None:
                 frontier.append((user, ((user, user_nr), *steps)))
+            elif operand is not None:  # a row rule, with an operand that need not be batched
+                chain = " -> ".join(node.name() for node, _ in reversed(steps))
+                raise PerSampleError(
+                    f"per-sample values: parameter '{params[id(variable)]}' goes through "
+                    f"{chain}, and the value computed from it is used by {user.name()} with "
+                    f"{operand}: that operand need not carry the batch, so the use is not split "
+                    "by example; see 'Per-sample values' in the README"
+                )
             else:
                 raise _computed_refused(params[id(variable)], steps, f"is used by {user.name()}")
     return found

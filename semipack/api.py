@@ -13,8 +13,6 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.nn.modules.module import register_module_forward_pre_hook
-from torch.nn.parallel import DistributedDataParallel
 from torch.utils._pytree import tree_leaves
 
 from .errors import PerSampleError, SemipackError
@@ -66,11 +64,10 @@ def extend(
     be combined (Entropy's entropy has lost the path mass). It is off by default because it
     holds the state beside the readout, up to one more leaf-sized tensor per component.
 
-    A ``DistributedDataParallel`` wrapper (``model`` itself or one of its modules) works
-    unchanged: its parameters' gradients accumulate in place, where its reducer reads and
-    averages them, so ``.grad`` is what plain DDP gives, ``no_sync`` accumulation and bucket
-    views included. Pass the wrapper, not the model inside it, which semipack cannot tell apart
-    from an undistributed one.
+    ``DistributedDataParallel`` works unchanged: leaves accumulate their gradients in place, as
+    in a plain backward, where its reducer reads and averages them, so ``.grad`` is what plain
+    DDP gives, ``no_sync`` accumulation and bucket views included, whichever module (the
+    wrapper, the model inside it, a part) is given and wherever its forward ran.
 
     ``per_sample=True`` also gives each parameter of ``model`` that a backward reaches
     ``.semiring_grad_batch``, shaped ``[N, *p.shape]``: row n is the semiring sum over the paths
@@ -161,7 +158,6 @@ def _block(
         )
     if per_sample:
         _check_per_sample(model, semiring, extensions)
-    data_parallel = _data_parallel_parameters(model)
     with ExitStack() as stack:
         stack.enter_context(collector_paused())
         _blocks.semiring = semiring
@@ -190,16 +186,12 @@ def _block(
             _parameters_now(model),
             reroute,
             keep_state,
-            data_parallel,
-            per_sample,
+            per_sample=per_sample,
         )
         if per_sample:
             recorder = BlockPreHook(_batch_recorder(mode))
             handle = model.register_forward_pre_hook(recorder, with_kwargs=True)
             stack.callback(handle.remove)
-        if torch.distributed.is_available() and torch.distributed.is_initialized():
-            hook = register_module_forward_pre_hook(_data_parallel_calls(mode))
-            stack.callback(hook.remove)
         stack.enter_context(mode)
         stack.callback(setattr, _blocks, "reached", mode.reached)
         yield model
@@ -320,38 +312,6 @@ def _parameters_now(
 
 def _leaf_name(name: str) -> str:
     return name.removeprefix("_orig_mod.")
-
-
-def _data_parallel_calls(mode: SemiringMode) -> Callable[..., None]:
-    """A global forward pre-hook: a ``DistributedDataParallel`` wrapper called in the block
-    (around the model that ``extend`` or ``Monitor`` was given: the module inside it, say) has
-    its parameters' gradients accumulated in place, as if the wrapper itself had been given.
-    Set aside for rollback instead, the reducer's bucket views were written over: with
-    ``gradient_as_bucket_view`` a zeroed ``.grad`` came out doubled, and gradients accumulated
-    under ``no_sync`` came out wrong and different on each process (trial 74)."""
-
-    def record(module: nn.Module, _args: tuple) -> None:
-        if isinstance(module, DistributedDataParallel):
-            known = {id(p) for p in mode.accumulate_in_place}
-            mode.accumulate_in_place.extend(
-                p for p in module.parameters() if p.requires_grad and id(p) not in known
-            )
-
-    return record
-
-
-def _data_parallel_parameters(model: nn.Module | None) -> list[torch.Tensor]:
-    """The parameters of every ``DistributedDataParallel`` module in ``model``: the engine must
-    accumulate their gradients in place (``transport.backward.GradLedger``)."""
-    if model is None:
-        return []
-    return [
-        p
-        for m in model.modules()
-        if isinstance(m, DistributedDataParallel)
-        for p in m.parameters()
-        if p.requires_grad
-    ]
 
 
 __all__ = ["extend", "grad"]

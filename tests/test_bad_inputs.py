@@ -1547,3 +1547,26 @@ def test_a_convolution_of_the_wrong_rank_raises_like_pytorch(padding) -> None:
         with semipack.extend(None, semipack.MaxProd()), pytest.raises(RuntimeError) as info:
             conv(x, w, padding=padding)
         assert str(info.value) == expected
+
+
+def test_a_failed_pass_puts_back_the_gradients_leaves_accumulated_in_place() -> None:
+    """Leaves accumulate into their ``.grad`` in place during the pass, as in a plain backward
+    (a DDP reducer reads it there; trial 75). A pass that fails after the last layer's weights
+    accumulated (QR's backward has no rule) leaves each ``.grad`` the same tensor, with the
+    values from before the pass."""
+    torch.manual_seed(0)
+    first, last = nn.Linear(3, 3), nn.Linear(3, 2)
+    before = {}
+    for p in [*first.parameters(), *last.parameters()]:
+        p.grad = torch.full_like(p, 0.5)
+        before[id(p)] = (p.grad, p.grad.clone())
+    x = torch.randn(3, 3)
+    with semipack.extend(nn.ModuleList([first, last]), semipack.MaxProd()):
+        loss = last(torch.linalg.qr(first(x))[0]).sum()
+        with pytest.raises(semipack.UnsupportedOpError):
+            loss.backward()
+    for p in [*first.parameters(), *last.parameters()]:
+        tensor, values = before[id(p)]
+        assert p.grad is tensor
+        assert torch.equal(p.grad, values)
+        assert not hasattr(p, "semiring_grad")

@@ -13,6 +13,7 @@ into a failure.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import datetime
 import gc
@@ -210,6 +211,36 @@ def check_ddp(name: str, rank: int, inner: bool = False, **ddp_options) -> None:
         assert torch.equal(a.grad, b.grad), "accumulated DDP gradient changed"
 
 
+def check_second_model_forward_before_the_block(rank: int) -> None:
+    """A GAN's step: the generator's DDP forward runs before the block, the discriminator's
+    (the module given to ``extend``) inside it, over two micro-batches, the first under both
+    models' ``no_sync``. The generator's ``.grad`` was set aside during the pass, so its
+    reducer averaged the new micro-batch's part alone: wrong, and different on each process
+    (trial 75). Every leaf accumulates in place now: both models' gradients are plain DDP's."""
+    torch.manual_seed(0)
+    generator, discriminator = nn.Linear(3, 4), nn.Sequential(nn.Linear(4, 4), nn.Tanh())
+    z = torch.randn(8, 3, generator=torch.Generator().manual_seed(rank))
+    grads = []
+    for semiring in (None, semipack.MaxProd()):
+        g = nn.parallel.DistributedDataParallel(copy.deepcopy(generator))
+        d = nn.parallel.DistributedDataParallel(copy.deepcopy(discriminator))
+        for micro in (0, 1):
+            syncing = contextlib.nullcontext() if micro else contextlib.ExitStack()
+            if not micro:
+                syncing.enter_context(g.no_sync())
+                syncing.enter_context(d.no_sync())
+            with syncing:
+                fake = g(z[4 * micro : 4 * micro + 4])
+                block = (
+                    semipack.extend(d.module, semiring) if semiring else contextlib.nullcontext()
+                )
+                with block:
+                    d(fake).sum().backward()
+        grads.append([p.grad.clone() for p in [*g.parameters(), *d.parameters()]])
+    for plain, extended in zip(*grads, strict=True):
+        assert torch.equal(plain, extended), "DDP's averaged gradient changed"
+
+
 def check_errors(rank: int) -> None:
     """Misuse raises the same error on every process instead of hanging a collective."""
     model, x, y = _data()
@@ -337,6 +368,9 @@ def checks() -> dict[str, Callable[[int], None]]:
         "Entropy", rank, gradient_as_bucket_view=True, find_unused_parameters=True
     )
     out["DDP TopPath, static graph"] = lambda rank: check_ddp("TopPath", rank, static_graph=True)
+    out["DDP, a second model's forward before the block"] = (
+        check_second_model_forward_before_the_block
+    )
     out["DDP MaxProd, bucket views, the inner module given"] = lambda rank: check_ddp(
         "MaxProd", rank, inner=True, gradient_as_bucket_view=True
     )

@@ -494,7 +494,7 @@ _CLAIM_LOCK = threading.Lock()
 def _claimed(leaves: Sequence[Tensor], names: dict[int, str] | None) -> Iterator[None]:
     """Hold ``leaves`` for this thread's pass; refuse leaves another thread's pass holds.
 
-    A pass hooks its leaves and swaps their ``.grad`` (``GradLedger``): two threads' passes
+    A pass hooks its leaves and keeps their ``.grad`` (``GradLedger``): two threads' passes
     over one parameter (a module shared by two models) handed each other's messages around and
     could crash the process. Passes of one thread may nest (a carry pass inside a readout)."""
     me = threading.get_ident()
@@ -506,7 +506,7 @@ def _claimed(leaves: Sequence[Tensor], names: dict[int, str] | None) -> Iterator
                 what = f"'{name}'" if name else f"a tensor of shape {tuple(leaf.shape)}"
                 raise SemipackError(
                     f"{what} is in a semiring backward running in another thread: two passes "
-                    "at once cannot share a parameter (each hooks it and swaps its .grad). Run "
+                    "at once cannot share a parameter (each hooks it and keeps its .grad). Run "
                     "them one after the other, or give each thread its own copy of the model"
                 )
         for leaf in leaves:
@@ -527,58 +527,55 @@ def _claimed(leaves: Sequence[Tensor], names: dict[int, str] | None) -> Iterator
 class GradLedger:
     """``.grad`` of every tensor a pass may write, as it was before the pass.
 
-    Tensors that already hold a gradient start the pass with ``.grad = None``, so the engine's
-    accumulation writes a fresh tensor; when the pass succeeds the old gradient is added to it
-    in place (``old += new``, the very operation PyTorch's accumulation runs, so the bits are
-    the same). When the pass fails, every ``.grad`` is put back. A tensor with post-accumulate
-    hooks keeps its gradient during the pass (the hooks must see the sum): it is restored only
-    if it had none. So does every tensor in ``in_place``: the parameters of a
-    ``DistributedDataParallel`` model, whose reducer reads the accumulated ``.grad`` (local
-    gradients accumulated under ``no_sync`` are averaged with the new ones) and may hold it as
-    a view of its own bucket, which the swap would overwrite.
+    A leaf accumulates its regular gradient into its ``.grad`` in place, as a plain backward
+    does, so whatever reads ``.grad`` during the backward sees PyTorch's values: its
+    post-accumulate hooks, and a ``DistributedDataParallel`` reducer, which reads the
+    accumulated ``.grad`` (local gradients accumulated under ``no_sync`` are averaged with the
+    new ones) and may hold it as a view of its bucket. (A leaf's ``.grad`` used to be set
+    aside during the pass and added back after it: a DDP model whose forward ran outside the
+    block, a GAN's generator, then averaged the new part alone, and its processes diverged,
+    trial 75.) For a failed pass a copy of each leaf's gradient is kept, and written back into
+    it. A retained non-leaf's ``.grad`` starts the pass as None, so the engine writes a fresh
+    tensor, and gets ``old + new`` when the pass succeeds (PyTorch's retain hook does the same:
+    a ``.grad`` the user kept from an earlier backward keeps its values). When the pass fails,
+    every ``.grad`` is put back.
     """
 
-    def __init__(self, tensors: Iterable[Tensor], in_place: Iterable[Tensor] = ()) -> None:
-        self.before: list[tuple[Tensor, Tensor | None, bool]] = []
+    def __init__(self, tensors: Iterable[Tensor]) -> None:
+        #: (tensor, its .grad before, swapped out for the pass, copy of its values)
+        self.before: list[tuple[Tensor, Tensor | None, bool, Tensor | None]] = []
         seen: set[int] = set()
-        kept = {id(t) for t in in_place}
         for t in tensors:
             if id(t) in seen:
                 continue
             seen.add(id(t))
             old = t.grad if t.is_leaf or t.retains_grad else None
-            swap = (
-                old is not None
-                and id(t) not in kept
-                and not getattr(t, "_post_accumulate_grad_hooks", None)
-            )
-            self.before.append((t, old, swap))
+            swap = old is not None and not t.is_leaf
+            values = old.detach().clone() if old is not None and t.is_leaf else None
+            self.before.append((t, old, swap, values))
             if swap:
                 t.grad = None
 
     def commit(self) -> None:
-        """The pass succeeded: each swapped-out gradient gets the new one added, in place for
-        a leaf (PyTorch accumulates a leaf's ``.grad`` in place) and into a new tensor for a
-        retained non-leaf (PyTorch's retain hook sets ``grad + new``: a ``.grad`` the user
-        kept from an earlier backward keeps its values)."""
-        for t, old, swap in self.before:
+        """The pass succeeded: each swapped-out gradient (a retained non-leaf's) gets the new
+        one added, into a new tensor, as PyTorch's retain hook does."""
+        for t, old, swap, _ in self.before:
             if not swap:
                 continue
             new = t.grad
             if isinstance(new, Message):
                 continue  # split by the caller first
-            if new is None:
-                t.grad = old
-            elif t.is_leaf:
-                old += new
-                t.grad = old
-            else:
-                t.grad = old + new
+            t.grad = old if new is None else old + new
 
     def roll_back(self) -> None:
-        """The pass failed: every ``.grad`` goes back to what it was before it."""
-        for t, old, swap in self.before:
-            if swap or old is None:
+        """The pass failed: every ``.grad`` goes back to what it was before it (a leaf's
+        tensor itself, with its values as they were)."""
+        for t, old, swap, values in self.before:
+            if values is not None:
+                with torch.no_grad():
+                    old.copy_(values)
+                t.grad = old
+            elif swap or old is None:
                 t.grad = old
 
 
@@ -595,7 +592,6 @@ def backward(
     watched: Sequence[Tensor] = (),
     retained: RetainedTensors | None = None,
     keep_state: bool = False,
-    accumulate_in_place: Sequence[Tensor] = (),
     per_sample: dict[int, str] | None = None,
     per_sample_batches: frozenset[int] = frozenset(),
     per_sample_following: BatchedTensors | None = None,
@@ -611,9 +607,8 @@ def backward(
 
     ``watched`` are tensors (the model's parameters) whose messages are captured even when the
     graph walk cannot see them beforehand (a reentrant checkpoint recomputes its graph inside
-    the backward). ``keep_state`` also stores each state as ``semiring_state``;
-    ``accumulate_in_place`` are tensors whose ``.grad`` the engine accumulates into directly
-    (``GradLedger``).
+    the backward). ``keep_state`` also stores each state as ``semiring_state``. Leaves
+    accumulate their regular gradients in place, as in a plain backward (``GradLedger``).
     """
     if create_graph:
         raise NotImplementedError("semipack does not support create_graph=True yet")
@@ -676,7 +671,7 @@ def backward(
             if retained is not None:  # retained for good (PyTorch's own retain_grad), so a
                 retained.add(t)  # later pass of the block treats its .grad as retained
     with path_recording(sr, tensors, leaf_names) as sr, _claimed(leaves, leaf_names):
-        ledger = GradLedger([*leaves, *kept], accumulate_in_place) if regular_grads else None
+        ledger = GradLedger([*leaves, *kept]) if regular_grads else None
         kept_grads = [] if regular_grads else [(t, _grad_of(t)) for t in kept]  # else the ledger
         read_early = not (keep_state or sr.trace is not None or scan.nested_backward)
         captured = LeafCaptures(read_early)

@@ -11,7 +11,7 @@ that have extensions to them.
 from __future__ import annotations
 
 import weakref
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Mapping
 
 import torch
 from torch import Tensor
@@ -61,7 +61,6 @@ class SemiringMode(TorchFunctionMode):
         parameters: Callable[[], tuple[list[Tensor], dict[int, str]]] = lambda: ([], {}),
         reroute: Mapping[Callable, Callable] | None = None,
         keep_state: bool = False,
-        accumulate_in_place: Iterable[Tensor] = (),
         per_sample: bool = False,
     ) -> None:
         super().__init__()
@@ -76,7 +75,6 @@ class SemiringMode(TorchFunctionMode):
         self.sr = sr
         self.regular_grads = regular_grads
         self.keep_state = keep_state
-        self.accumulate_in_place = list(accumulate_in_place)
         self.reroute = dict(reroute or {})
         self.retained = bw.RetainedTensors()
         #: with ``per_sample``: the device type on which a call of the block's forward ran
@@ -172,7 +170,6 @@ class SemiringMode(TorchFunctionMode):
                 watched=watched,
                 retained=self.retained,
                 keep_state=self.keep_state,
-                accumulate_in_place=self.accumulate_in_place,
                 per_sample=(
                     {id(p): names.get(id(p), "?") for p in watched} if self.per_sample else None
                 ),

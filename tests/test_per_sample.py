@@ -2083,19 +2083,21 @@ def _hf_vision(name: str):
     return model, lambda model, x: model(pixel_values=x).logits
 
 
-@pytest.mark.parametrize("family", ["torchvision ViT", "ViT", "Dinov2"])
-def test_vision_transformers_class_token_rows_are_per_example_gradients(family):
+@pytest.mark.parametrize(
+    ("family", "batch"), [("torchvision ViT", 3), ("torchvision ViT", 1), ("ViT", 3), ("Dinov2", 3)]
+)
+def test_vision_transformers_class_token_rows_are_per_example_gradients(family, batch):
     """A class token expanded to the batch and concatenated before the patches (and DINOv2's
     mask token, unused here): Real's rows are each example's autograd gradient; ViT families
-    were refused before (trial 73)."""
+    were refused before (trial 73), and a batch of one after that (trial 75)."""
     torch.manual_seed(0)
     model, run = _torchvision_vit() if family == "torchvision ViT" else _hf_vision(family)
     model = model.double().eval()
-    x = torch.randn(3, 3, 32, 32, dtype=torch.float64)
+    x = torch.randn(batch, 3, 32, 32, dtype=torch.float64)
     with semipack.extend(model, semipack.Real(), per_sample=True):
         _loss(run(model, x)).backward()
     trained = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-    for i in range(3):
+    for i in range(batch):
         grads = torch.autograd.grad(
             _loss(run(model, x[i : i + 1])), [p for _, p in trained], allow_unused=True
         )

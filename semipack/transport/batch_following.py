@@ -405,7 +405,9 @@ class BatchedTensors:
             and isinstance(result, Tensor)
             and result.grad_fn is not None
             and result.dim() > 0
-            and result.shape[0] in self.sizes - {1}
+            # a batch of one: expand(1, ...) too (a size-1 dim is no batch dim elsewhere,
+            # where it may broadcast over a larger batch)
+            and (result.shape[0] in self.sizes - {1} or self.sizes == {1} == {result.shape[0]})
             and (x.dim() < result.dim() or x.shape[0] == 1)
             and self.batch_dim(x) is NOT_HELD
             and not self.marks(x)

@@ -322,15 +322,18 @@ class Monitor:
         rank, world = dist.get_rank(), dist.get_world_size()
         keys = [f"{prefix}{count}/{r}" for r in range(world)]
         store.set(keys[rank], str(step))
+        timeout = PEER_TIMEOUT  # a timedelta, or seconds (trial 75 set 5.0: a crash followed)
+        if not isinstance(timeout, datetime.timedelta):
+            timeout = datetime.timedelta(seconds=float(timeout))
         try:
-            store.wait(keys, PEER_TIMEOUT)
+            store.wait(keys, timeout)
         except RuntimeError:
             missing = [r for r, key in enumerate(keys) if not store.check([key])]
             ranks = ", ".join(map(str, missing))
             if count == 0:
                 raise SemipackError(
                     f"Monitor: the processes of rank {ranks} did not reach a sampled Monitor "
-                    f"step within {PEER_TIMEOUT.total_seconds():g} s. Under "
+                    f"step within {timeout.total_seconds():g} s. Under "
                     "DistributedDataParallel every sampled step combines every process's "
                     "values, so every process must create the Monitor and run its steps, with "
                     "the same step numbers: to write files on one process, pass log_dir there "
@@ -339,7 +342,7 @@ class Monitor:
                 ) from None
             raise SemipackError(
                 f"Monitor.step({step}): the processes of rank {ranks} did not reach their "
-                f"sampled step number {count + 1} within {PEER_TIMEOUT.total_seconds():g} s "
+                f"sampled step number {count + 1} within {timeout.total_seconds():g} s "
                 f"(this process, rank {rank}, did at step {step}). Under "
                 "DistributedDataParallel every process must pass the same step numbers to "
                 "monitor.step() (a global step, not a counter of each process's own), so that "

@@ -697,7 +697,9 @@ def test_parameter_spanning_the_batch_refused():
     _refused(
         nn.Sequential(nn.Linear(3, 4), PerRow()),
         (torch.randn(5, 3),),
-        r"a parameter of shape \(5, 4\) spans the batch dim of an output of shape \(5, 4\)",
+        r"parameter '1\.table' \(or a value computed from it alone\) is used by AddBackward0, "
+        r"created by module '1', where its value, of shape \(5, 4\), spans the batch dim of the "
+        r"output, of shape \(5, 4\)",
     )
 
 
@@ -2170,3 +2172,40 @@ def test_a_parameter_broadcast_with_the_batch_or_onto_a_merged_batch_is_named(mo
     per-sample rule", while expands are supported) or hid the cause (the merged batch the same
     model without the expand names; trial 75)."""
     _refused(_BroadcastWithTheBatch(mode), (torch.randn(3, 2, 4),), match, semipack.Real())
+
+
+def test_refusals_inside_the_pass_and_parameters_without_rows_are_named():
+    """Two refusals read "a parameter of shape (3, 3, 4) spans the batch dim" (no parameter had
+    that shape) and "no rows reached parameter 'q'" with no cause (trial 75)."""
+
+    class Moved(nn.Module):  # the expanded query transposed before it meets the batch
+        def __init__(self) -> None:
+            super().__init__()
+            self.q = nn.Parameter(torch.randn(1, 3, 4))
+            self.lin = nn.Linear(4, 4)
+
+        def forward(self, x):  # x: [3, 3, 4], as many tokens as examples
+            return self.lin(x) + self.q.expand(x.shape[0], -1, -1).transpose(0, 1)
+
+    class Projected(nn.Module):  # the query is a Linear's input, not its weight
+        def __init__(self) -> None:
+            super().__init__()
+            self.q = nn.Parameter(torch.randn(1, 4))
+            self.proj = nn.Linear(4, 4)
+            self.lin = nn.Linear(4, 4)
+
+        def forward(self, x):
+            return self.lin(x) + self.proj(self.q).expand(x.shape[0], -1, -1)
+
+    _refused(
+        Moved(),
+        (torch.randn(3, 3, 4),),
+        r"parameter 'q' \(or a value computed from it alone\) is used by AddBackward0, created "
+        r"by the root module, where its value, of shape \(3, 3, 4\), spans the batch dim",
+    )
+    _refused(
+        Projected(),
+        (torch.randn(3, 2, 4),),
+        r"no rows reached parameter 'q', although the backward did: it is used where no rule "
+        r"computes its rows \(as the input of a layer, proj\(p\)",
+    )

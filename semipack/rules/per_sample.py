@@ -67,14 +67,16 @@ def _broadcast_rows(sr: Semiring, state: State, param_shape: Sequence[int]) -> S
     if len(shape) == len(out):
         if shape[0] != 1 and out[0] != 1:
             raise PerSampleError(
-                f"per-sample values: a parameter of shape {tuple(shape)} spans the batch dim of "
-                f"an output of shape {tuple(out)}"
+                f"per-sample values: its value, of shape {tuple(shape)}, spans the batch dim of "
+                f"the output, of shape {tuple(out)}, with no expand to the batch that met it "
+                "there: a table with a row per example, or an expanded value moved before it "
+                "met the batch, has no per-sample rows"
             )
         shape = shape[1:]
     if len(shape) >= len(out):
         raise PerSampleError(
-            f"per-sample values: a parameter of shape {tuple(param_shape)} is not broadcast "
-            f"over a batched output of shape {tuple(out)}"
+            f"per-sample values: its value, of shape {tuple(param_shape)}, is not broadcast "
+            f"over the batched output, of shape {tuple(out)}"
         )
     target = [1] * (len(out) - 1 - len(shape)) + shape
     dims = [d + 1 for d, size in enumerate(target) if size == 1 and out[d + 1] != 1]

@@ -362,7 +362,17 @@ def hook_rules(
                 return None
             sr = msg.semiring
             for input_nr, param, *steps in params:
-                state = rule(sr, node, msg.parts, input_nr)
+                try:
+                    state = rule(sr, node, msg.parts, input_nr)
+                except PerSampleError as refusal:  # name the parameter and the use
+                    module = _module_of(node)
+                    where = f", created by {module}," if module else ""
+                    reason = str(refusal).removeprefix("per-sample values: ")
+                    raise PerSampleError(
+                        f"per-sample values: parameter '{rows.names.get(id(param), '?')}' (or a "
+                        f"value computed from it alone) is used by {node.name()}{where} where "
+                        f"{reason}"
+                    ) from None
                 if steps:  # through a value computed from the parameter alone
                     state = rows_through(sr, state, steps[0], param)
                 rows.add(param, state)
@@ -451,7 +461,10 @@ class PerSampleRows:
         for p in params:
             if id(p) not in self.rows:
                 raise PerSampleError(
-                    f"per-sample values: no rows reached parameter '{self.names[id(p)]}'"
+                    f"per-sample values: no rows reached parameter '{self.names[id(p)]}', "
+                    "although the backward did: it is used where no rule computes its rows (as "
+                    "the input of a layer, proj(p), rather than its weight, or in a weight "
+                    "computed from two parameters); see 'Per-sample values' in the README"
                 )
         sizes = [self.rows[id(p)][0].shape[0] for p in params]
         if len(set(sizes)) > 1:

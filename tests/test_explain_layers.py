@@ -154,7 +154,7 @@ def _step(module: str, index: tuple[int, ...]) -> PathStep:
 
 def _route(steps: list[PathStep], layers: list[AttentionLayer]) -> LayerRoute:
     """The route of one hand-made path (its leaf and value do not matter here)."""
-    (route,) = layer_routes([SemiringPath("x", (0, 1, 2), -1.0, steps)], layers)
+    (route,) = layer_routes([SemiringPath("leaf 0", (0, 1, 2), -1.0, steps)], layers)
     return route
 
 
@@ -180,7 +180,7 @@ def test_routes_follow_hand_made_paths() -> None:
         _step("enc.layer.2.attention.self.value", (0, 4, 1)),
         _step("enc.layer.2.output.LayerNorm", (0, 0, 1)),
     ]
-    path = SemiringPath("x", (0, 1, 3), -1.0, steps)
+    path = SemiringPath("leaf 0", (0, 1, 3), -1.0, steps)
     (route,) = layer_routes([path], layers)
     got = [(h.layer, h.token_in, h.token_out, h.branch, h.head) for h in route.hops]
     assert got == [(0, 1, 4, "key", 1), (1, 4, 4, "residual", None), (2, 4, 0, "value", 0)]
@@ -202,7 +202,7 @@ def test_a_route_names_its_example() -> None:
             _step("enc.layer.0.output.LayerNorm", (example, 2, 0)),
             _step("enc.layer.1.output.LayerNorm", (example, 3, 0)),
         ]
-        return SemiringPath("x", (example, 2, 0), -1.0, steps)
+        return SemiringPath("leaf 0", (example, 2, 0), -1.0, steps)
 
     first, second = layer_routes([path(0), path(1)], layers)
     assert (first.example, second.example) == (0, 1)
@@ -470,12 +470,23 @@ def test_a_parallel_blocks_feed_forward_hop_is_named_after_its_linear_map() -> N
     ]
     (hop,) = _route(sequential, layers).hops
     assert (hop.branch, hop.head) == ("residual", None)
-    # a path from a feed-forward weight starts inside the layer: no branch of the attention's
-    # input (trial 75: it read as through mlp.up_proj)
+    # a path from a feed-forward weight starts past the attention's input: no hop through the
+    # layer (trial 75: it read as through mlp.up_proj; trial 76: as the residual)
     (route,) = layer_routes(
         [SemiringPath("layers.0.mlp.gate_proj.weight", (5, 1), -1.0, parallel[1:])], layers
     )
-    assert [(h.branch, h.head) for h in route.hops] == [("residual", None)]
+    assert route.hops == []
+    # a path from the attention's own weight still crosses it by its projection
+    (route,) = layer_routes(
+        [SemiringPath("layers.0.self_attn.k_proj.weight", (5, 1), -1.0, [
+            step("layers.0.self_attn.k_proj", (0, 2, 5)),
+            step("layers.0.self_attn", (0, 1, 3, 2)),
+            step("layers.0.self_attn.o_proj", (0, 3, 1)),
+            step("layers.0", (0, 3, 1)),
+        ])],
+        layers,
+    )  # fmt: skip
+    assert [(h.branch, h.head, h.token_in, h.token_out) for h in route.hops] == [("key", 1, 2, 3)]
 
 
 def test_cohere_routes_name_the_branches_explain_layers_splits() -> None:
@@ -539,7 +550,7 @@ def test_routes_read_llama_residual_adds_and_gpt2_fused_projection() -> None:
         _step("layers.1.self_attn.o_proj", (0, 2, 0)),
         _step("layers.1", (0, 2, 0)),
     ]
-    (route,) = layer_routes([SemiringPath("x", (0, 3, 1), -1.0, steps)], llama)
+    (route,) = layer_routes([SemiringPath("leaf 0", (0, 3, 1), -1.0, steps)], llama)
     got = [(h.layer, h.token_in, h.token_out, h.branch, h.head) for h in route.hops]
     assert got == [(0, 3, 3, "residual", None), (1, 3, 2, "key", 1)]
     gpt2 = [AttentionLayer(f"h.{i}.attn", None, None, 2, 4) for i in range(2)]
@@ -1268,7 +1279,7 @@ def test_a_route_through_the_blocks_own_projection_is_its_linear_branch() -> Non
         _step("blk.o", (0, 2, 5)),
         _step("blk", (0, 2, 5)),  # the residual add's output
     ]
-    (route,) = layer_routes([SemiringPath("x", (0, 1, 3), -1.0, steps)], layers)
+    (route,) = layer_routes([SemiringPath("leaf 0", (0, 1, 3), -1.0, steps)], layers)
     got = [(h.layer, h.token_in, h.token_out, h.branch, h.head) for h in route.hops]
     assert got == [(0, 1, 2, "linear", 1)]
 
@@ -1544,7 +1555,10 @@ def test_a_layer_with_self_and_cross_attention_keeps_its_residual_hops() -> None
     got = [
         [(h.layer, h.branch, h.head) for h in route.hops]
         for route in layer_routes(
-            [SemiringPath("x", (0,), -1.0, steps) for steps in (residual, cross, feed_forward)],
+            [
+                SemiringPath("leaf 0", (0,), -1.0, steps)
+                for steps in (residual, cross, feed_forward)
+            ],
             layers,
         )
     ]
@@ -1716,3 +1730,17 @@ def test_a_reentrant_checkpoint_is_named_as_the_cause() -> None:
     )
     with refused:
         semipack.explain_layers(model, semipack.LogSum(), target)
+
+
+def test_a_route_says_when_it_has_no_path_or_passes_no_layer() -> None:
+    """``describe`` read ``0  from ?: `` for a path that reaches nothing and ``<value>  from ?: ``
+    for one through no attention layer (trial 76); a path from a parameter names it."""
+    layers = [AttentionLayer("h.0.attn", None, None, 2, 4)]
+    (none,) = layer_routes([SemiringPath("leaf 0", (0, 1, 2), -math.inf, [])], layers)
+    assert none.describe() == "no path (its value is the zero)"
+    final_norm = [_step("ln_f", (0, 1, 2))]
+    (outside,) = layer_routes([SemiringPath("ln_f.weight", (2,), 0.0, final_norm)], layers)
+    assert outside.describe() == "1  from ln_f.weight[2]: through no attention layer"
+    steps = [_step("h.0", (0, 1, 2)), _step("h.0.attn", (0, 1, 2))]
+    (weight,) = layer_routes([SemiringPath("wte.weight", (7, 2), 0.0, steps)], layers)
+    assert weight.describe(list("abc")) == "1  from wte.weight[7, 2]: L0 residual"

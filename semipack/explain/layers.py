@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import csv
 import math
+import re
 import warnings
 from collections.abc import Callable, Sequence
 from contextlib import ExitStack, suppress
@@ -911,6 +912,9 @@ class LayerRoute:
     hops: list[LayerHop] = field(default_factory=list)
     rank: int = 0
     example: int | None = None
+    #: the path's start where it is a named tensor (a parameter, ``h.0.mlp.c_fc.weight[3, 1]``),
+    #: else empty (the tokens name where a path from the input starts)
+    start: str = ""
 
     def describe(self, tokens: Sequence[str] | Sequence[Sequence[str]] | None = None) -> str:
         """One line: the value, then each hop (runs of residual hops merged), tokens named.
@@ -946,9 +950,14 @@ class LayerRoute:
                 f"{hop.name} {hop.branch}{head}: {name(hop.token_in)} -> {name(hop.token_out)}"
             )
             start += 1
-        first = name(hops[0].token_in) if hops else "?"
+        if self.value == 0.0:  # the semiring zero: no path reaches the entry
+            return f"no path{f' from {self.start}' if self.start else ''} (its value is the zero)"
+        first = self.start or (name(hops[0].token_in) if hops else "")
         where = f" of example {self.example}" if self.example else ""
-        return f"{self.value:.4g}  from {first}{where}: " + ", ".join(parts)
+        start = f"  from {first}{where}" if first else ""
+        if not parts:
+            return f"{self.value:.4g}{start}: through no attention layer"
+        return f"{self.value:.4g}{start}: " + ", ".join(parts)
 
     def __str__(self) -> str:
         return self.describe()
@@ -978,6 +987,11 @@ def layer_routes(paths: Sequence[Path], layers: Sequence[AttentionLayer]) -> lis
             # blocks (self- and cross-attention) keeps each block's steps to that block, which
             # holds its residual add (BERT's decoder layers)
             owner = owners[i] if owners.count(owners[i]) == 1 else spec.name
+            if _in_module(path.leaf, owner) and not _in_module(path.leaf, spec.name):
+                # a path from a parameter of the layer beside its attention block (a
+                # feed-forward weight) starts past the block's input: no hop through the layer
+                # (it read as the residual, or as a feed-forward branch; trials 75 and 76)
+                continue
             inside = [s for s in path.steps if _in_module(s.module, owner) and len(s.index) == 3]
             if not inside and owner != owners[i]:
                 inside = _shared_layer_residual(path.steps, i, layers, owners)
@@ -993,7 +1007,7 @@ def layer_routes(paths: Sequence[Path], layers: Sequence[AttentionLayer]) -> lis
                 )
                 branch, head = "attention" if through else "residual", None
                 token_in = inside[0].index[1]
-                beside = None if through else _parallel_branch(path.leaf, inside, spec.name, owner)
+                beside = None if through else _parallel_branch(inside, spec.name, owner)
                 if beside is not None:
                     branch, token_in = beside
             else:
@@ -1003,13 +1017,16 @@ def layer_routes(paths: Sequence[Path], layers: Sequence[AttentionLayer]) -> lis
                 LayerHop(i, int(token_in), int(inside[-1].index[1]), branch, head, labels[i])
             )
             example = int(inside[0].index[0])
-        routes.append(LayerRoute(path.value, hops, path.rank, example if hops else None))
+        start = "" if _ANONYMOUS_LEAF.fullmatch(path.leaf) else f"{path.leaf}{list(path.index)}"
+        routes.append(LayerRoute(path.value, hops, path.rank, example if hops else None, start))
     return routes
 
 
-def _parallel_branch(
-    leaf: str, inside: Sequence[PathStep], block: str, owner: str
-) -> tuple[str, int] | None:
+#: How a path names a leaf that is no named parameter (``transport.backward``): ``leaf 3``.
+_ANONYMOUS_LEAF = re.compile(r"leaf \d+")
+
+
+def _parallel_branch(inside: Sequence[PathStep], block: str, owner: str) -> tuple[str, int] | None:
     """(branch, token) of a hop that leaves the attention block's input by another use in the
     same layer: a parallel block's feed-forward part (Cohere, GPT-J, Falcon, GPT-NeoX with a
     parallel residual, Phi), which reads the normalised input the attention reads (trial 73:
@@ -1017,11 +1034,9 @@ def _parallel_branch(
     the block (the shared norm), before any step of the layer's own (its residual add) or of
     the block; the branch is named, as ``explain_layers`` names it, after the module of the
     first linear map it takes (``mlp.up_proj``). A sequential layer's feed-forward part comes
-    after the residual add: a path through it crosses the attention layer by the residual; and
-    a path from a parameter of the layer (``leaf``, a feed-forward weight) enters it by no
-    branch of the attention's input (trial 75: a Llama feed-forward weight's path read as
-    through ``mlp.up_proj``). None where the hop is no such one."""
-    if owner == block or _in_module(leaf, owner):
+    after the residual add: a path through it crosses the attention layer by the residual.
+    None where the hop is no such one."""
+    if owner == block:
         return None
     for step in inside:
         name = step.module or ""

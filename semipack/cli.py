@@ -22,6 +22,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
 from torch import Tensor, nn
 from tqdm import tqdm
 
@@ -84,11 +85,16 @@ def load(model_dir: str, masked_lm: bool = False) -> tuple[nn.Module, object]:
         # a file that cannot be read is no question of the family: the families only where
         # transformers does not know the model
         unreadable = isinstance(error, (OSError, _safetensors_error()))
-        advice = (
-            "a file of the directory is corrupt or incomplete (save or download it again)"
-            if unreadable
-            else f"semipack explain takes {FAMILIES}"
-        )
+        if unreadable:
+            advice = "a file of the directory is corrupt or incomplete (save or download it again)"
+        elif masked_lm:  # a family the command takes may have no masked-language-model head
+            advice = (
+                "--target mask needs a masked-language model (a BERT-family encoder or "
+                "DistilBERT saved with its masked-language-model head); a decoder, GPT-2 or "
+                "Llama say, takes --target norm or token:N"
+            )
+        else:
+            advice = f"semipack explain takes {FAMILIES}"
         raise SemipackError(
             f"--model {model_dir!r}: transformers cannot load {kind} and its tokenizer from it "
             f"({type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}); "
@@ -207,7 +213,12 @@ def run(
     def forward(**inputs) -> Tensor:
         result = model(**inputs)
         output = result.logits if target == "mask" else result.last_hidden_state
-        return _target(output, encoded["attention_mask"], target, masked)
+        # a tokenizer saved without attention masks (model_input_names=["input_ids"]): one
+        # text, no padding, every token counts (trial 76: a KeyError)
+        mask = encoded.get("attention_mask")
+        if mask is None:
+            mask = torch.ones_like(encoded["input_ids"])
+        return _target(output, mask, target, masked)
 
     passes = [*semiring_names, "paths"]
     flows: dict[str, LayerFlow] = {}

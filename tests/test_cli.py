@@ -278,7 +278,34 @@ def test_unsupported_families_name_the_supported_ones(tiny_model_dir, tmp_path, 
     gpt2 = transformers.GPT2Config(vocab_size=len(WORDS), n_embd=8, n_layer=1, n_head=2)
     folder = _saved(tmp_path / "gpt2", transformers.GPT2Model(gpt2), tiny_model_dir)
     assert main(["explain", "--model", str(folder), "--target", "mask", "--text", "[MASK]"]) == 2
-    assert "cannot load a masked-language model (--target mask)" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "cannot load a masked-language model (--target mask)" in err
+    # not the families list, which names GPT-2 (trial 76)
+    assert "--target mask needs a masked-language model (a BERT-family encoder or" in err
+    assert "takes --target norm or token:N" in err
+    assert "semipack explain takes" not in err
+
+
+def test_a_tokenizer_without_attention_masks_runs(tiny_model_dir, tmp_path, capsys) -> None:
+    """A tokenizer saved with ``model_input_names=["input_ids"]`` gives no attention mask: the
+    target read it and failed with a raw KeyError (trial 76); one text has no padding."""
+    folder = tmp_path / "no_mask"
+    torch.manual_seed(0)
+    transformers.AutoModel.from_pretrained(str(tiny_model_dir)).save_pretrained(str(folder))
+    tokenizer = transformers.AutoTokenizer.from_pretrained(
+        str(tiny_model_dir), model_input_names=["input_ids"]
+    )
+    assert "attention_mask" not in tokenizer("the keys")
+    tokenizer.save_pretrained(str(folder))
+    for target in ("norm", "token:1"):
+        out = tmp_path / target.replace(":", "_")
+        assert main(["explain", "--model", str(folder), "--text", "the keys", "--target", target,
+                     "--semirings", "MaxProd", "--out", str(out)]) == 0  # fmt: skip
+        with_mask = tmp_path / f"with_mask_{target.replace(':', '_')}"
+        assert main(["explain", "--model", str(tiny_model_dir), "--text", "the keys",
+                     "--target", target, "--semirings", "MaxProd",
+                     "--out", str(with_mask)]) == 0  # fmt: skip
+        assert _rows(out) == _rows(with_mask)  # the same model: the same values
 
 
 def test_decoder_and_distilbert_directories_run(tiny_model_dir, tmp_path, capsys):

@@ -256,3 +256,11 @@ def test_a_padding_token_no_branch_reaches_is_left_out() -> None:
     )
     torch.testing.assert_close(table.mean, kept.mean)
     torch.testing.assert_close(table.share, kept.share)
+
+
+def test_the_printout_keeps_small_means_readable() -> None:
+    """A MaxProd mean of 7e-05 printed as 0.000 beside its 100% share (trial 76)."""
+    values = {"query": torch.tensor([7e-5, 7e-5]), "key": torch.tensor([1e-6, 2e-6])}
+    table = TokenTypeTable.from_values(values, torch.tensor([0, 0]), ["word"])
+    mean_row = str(table).splitlines()[1]
+    assert "7e-05" in mean_row and "1.5e-06" in mean_row

@@ -397,8 +397,9 @@ class BatchedTensors:
         (``cls.expand(N, -1, -1)``): its result gets a provisional mark on dim 0, and its
         ``ExpandBackward0`` computes the parameter's rows (``rules.per_sample.
         batch_expand_rows``) if the mark meets the batch there, each example reading its own
-        entries; where it lands elsewhere or nowhere the rows are refused by that reason (a
-        table of as many entries as examples is no batch). Whether the call was one."""
+        entries; where it lands elsewhere or nowhere (a dim of as many entries as examples
+        that is no batch), the expand is an ordinary step on the way to the rule of its use
+        (``rules.per_sample.parameter_step``). Whether the call was one."""
         x = args[0] if args else None
         if not (
             isinstance(x, Tensor)

@@ -1570,3 +1570,36 @@ def test_a_failed_pass_puts_back_the_gradients_leaves_accumulated_in_place() -> 
         assert p.grad is tensor
         assert torch.equal(p.grad, values)
         assert not hasattr(p, "semiring_grad")
+
+
+def test_a_gradient_that_cannot_be_written_in_place_does_not_stop_the_rollback() -> None:
+    """An expanded ``.grad`` (PyTorch accepts it, and replaces it rather than adding into it)
+    on a parameter the failed pass never reached: writing the saved values back into it
+    raised, hid the pass's own error and left the gradients after it changed (trial 77)."""
+
+    class Two(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4)
+
+        def forward(self, x):
+            return self.a(x) + self.b(x)
+
+    def boom(*_):
+        raise RuntimeError("boom from a hook")
+
+    torch.manual_seed(0)
+    model = Two()
+    model.a.weight.grad = torch.zeros(4).expand(4, 4)
+    before = {}
+    for p in (model.a.bias, model.b.weight, model.b.bias):
+        p.grad = torch.ones_like(p)
+        before[id(p)] = p.grad
+    model.a.register_full_backward_hook(boom)
+    chosen = [model.a.weight, model.b.weight, model.b.bias]
+    with semipack.extend(model, semipack.MaxProd()), pytest.raises(RuntimeError, match="boom"):
+        model(torch.randn(3, 4)).sum().backward(inputs=chosen)
+    assert torch.equal(model.a.weight.grad, torch.zeros(4, 4))
+    for p in (model.a.bias, model.b.weight, model.b.bias):
+        assert p.grad is before[id(p)]
+        assert torch.equal(p.grad, torch.ones_like(p))

@@ -13,6 +13,8 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
+from ..errors import MessageLostError
+from ..graph.provenance import current_site
 from ..messages import OpCall, per_component, register_rule, wrap_outputs
 from ..messages.message import Message
 
@@ -362,12 +364,29 @@ def copy_(call: OpCall):
     return dest
 
 
+def _accumulated_into(grad) -> MessageLostError:
+    """The engine adding a message into a tensor's ``.grad`` in place (``grad += message``):
+    it reached a tensor no leaf hook of the pass took it from (a backward run inside a custom
+    Function's backward, or a reentrant checkpoint, reaching a tensor outside the model's
+    parameters) that already held a gradient; without one the message lands in ``.grad`` and
+    the pass names it afterwards (trial 77: this read as a missing rule for ``add_``). The pass
+    then fails and puts every ``.grad`` back."""
+    return MessageLostError(
+        f"a tensor whose .grad (of shape {tuple(grad.shape)}) already held a gradient received "
+        "a semiring message through the engine's accumulation instead of through the pass's "
+        "leaf hooks (a backward run inside a custom autograd Function's backward or a reentrant "
+        "checkpoint, reaching a tensor outside the model's parameters)"
+    )
+
+
 def inplace_from(outofplace):
     """Make an in-place rule from an out-of-place one: compute, then write into ``self``."""
 
     def rule(call: OpCall):
         dest = call.args[0]
         if not isinstance(dest, Message):
+            if current_site()[0] == "torch::autograd::AccumulateGrad":
+                raise _accumulated_into(dest)
             raise call.error("an in-place op would write a semiring message into a plain tensor")
         functional = _functional_variant(call.func)
         result = outofplace(OpCall(functional, call.args, call.kwargs))

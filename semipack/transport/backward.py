@@ -13,6 +13,7 @@ count gradients twice; readouts it had already written into earlier ones are rem
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import threading
 import weakref
@@ -569,14 +570,21 @@ class GradLedger:
 
     def roll_back(self) -> None:
         """The pass failed: every ``.grad`` goes back to what it was before it (a leaf's
-        tensor itself, with its values as they were)."""
+        tensor itself, with its values as they were). Never raises, so the pass's own error
+        is the one the caller sees: a ``.grad`` that cannot be written in place (an expanded
+        tensor, which PyTorch accepts as a gradient and then replaces instead of adding into)
+        gets the saved values as a tensor of their own (trial 77: the copy failed, hid the
+        pass's error and left the gradients after it unrestored)."""
         for t, old, swap, values in self.before:
-            if values is not None:
-                with torch.no_grad():
-                    old.copy_(values)
-                t.grad = old
-            elif swap or old is None:
-                t.grad = old
+            try:
+                if values is not None and not torch.equal(old, values):
+                    with torch.no_grad():
+                        old.copy_(values)
+                if values is not None or swap or old is None:
+                    t.grad = old
+            except RuntimeError:
+                with contextlib.suppress(RuntimeError):
+                    t.grad = values if values is not None else old
 
 
 def backward(

@@ -96,6 +96,9 @@ MOVES: dict[str, Callable[[Tensor], Tensor]] = {
     "F.threshold": lambda x: F.threshold(x, 0.3, -1.0),
     "nn.Threshold": lambda x: torch.nn.Threshold(0.3, -1.0)(x),
     "F.logsigmoid": lambda x: F.logsigmoid(x),
+    # casts to another tensor's dtype, of another shape (trial 78: read as lost)
+    "type_as(other)": lambda x: x.type_as(torch.zeros(2, dtype=torch.float32)),
+    "to(other)": lambda x: x.to(torch.zeros(5, 2, dtype=torch.float32)),
     "transpose(0, 1)": lambda x: x.transpose(0, 1),
     "transpose(1, 2)": lambda x: x.transpose(1, 2),
     "torch.transpose": lambda x: torch.transpose(x, 0, 2),

@@ -2209,3 +2209,48 @@ def test_refusals_inside_the_pass_and_parameters_without_rows_are_named():
         r"no rows reached parameter 'q', although the backward did: it is used where no rule "
         r"computes its rows \(as the input of a layer, proj\(p\)",
     )
+
+
+def test_vit_masked_image_modelling_rows_are_per_example_gradients():
+    """Hugging Face ViT's masked image modelling blends a mask token expanded to the batch
+    with the patches by ``bool_masked_pos.unsqueeze(-1).type_as(mask_tokens)``: the cast to
+    another tensor's dtype read as a lost batch, so the model was refused (trial 78). Real's
+    rows, the mask token's included, are each example's autograd gradient."""
+    import transformers
+
+    config = transformers.ViTConfig(
+        hidden_size=8, num_hidden_layers=1, num_attention_heads=2, intermediate_size=16,
+        image_size=32, patch_size=16, encoder_stride=16,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    vit = transformers.ViTForMaskedImageModeling._from_config(config, attn_implementation="eager")
+    vit = vit.double().eval()
+
+    class Reconstruct(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.vit = vit
+
+        def forward(self, x, masked):
+            return self.vit(pixel_values=x, bool_masked_pos=masked).reconstruction
+
+    model = Reconstruct()
+    x = torch.randn(3, 3, 32, 32, dtype=torch.float64)
+    masked = torch.tensor([[True, False, False, True], [False, False, True, False], [True] * 4])
+    with semipack.extend(model, semipack.Real(), per_sample=True):
+        _loss(model(x, masked)).backward()
+    trained = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    assert hasattr(vit.vit.embeddings.mask_token, "semiring_grad_batch")
+    for i in range(3):
+        grads = torch.autograd.grad(
+            _loss(model(x[i : i + 1], masked[i : i + 1])), [p for _, p in trained],
+            allow_unused=True,
+        )  # fmt: skip
+        for (name, p), want in zip(trained, grads, strict=True):
+            if want is None:
+                assert not hasattr(p, "semiring_grad_batch"), name
+                continue
+            # the eager attention's softmax runs in float32 (README: float32 steps)
+            torch.testing.assert_close(
+                p.semiring_grad_batch[i], want, rtol=1e-6, atol=1e-6, msg=f"{name} {i}"
+            )

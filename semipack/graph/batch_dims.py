@@ -159,6 +159,16 @@ def _first_input_layout(func, args, kwargs, source, dim, out) -> int | None:
     return dim
 
 
+def _cast(func, args, kwargs, source, dim, out) -> int | None:
+    """A cast, also to another tensor's dtype or device (``a.type_as(h)``, ``a.to(h)``): the
+    first input's entries in its layout. The other tensor gives a dtype only; the broadcast
+    of both shapes, read as an elementwise call, lost the batch (trial 78: a ViT's masked
+    image modelling mask, ``bool_masked_pos.unsqueeze(-1).type_as(mask_tokens)``)."""
+    if not args or args[0] is not source or tuple(out.shape) != tuple(source.shape):
+        return None
+    return dim
+
+
 def _keeps_place(func, args, kwargs, source, dim, out) -> int | None:
     """Dims appended after the input's (``F.embedding``, ``one_hot``): the ids' dims stay;
     a table computed from the batch and looked up by other ids moves rows between examples."""
@@ -692,6 +702,7 @@ _HANDLERS: dict[str, Handler] = {
     **dict.fromkeys(("expand", "expand_as", "broadcast_to", "repeat", "tile"), _prepends),
     **dict.fromkeys(("embedding", "one_hot"), _keeps_place),
     "unfold": _unfolded,
+    **dict.fromkeys(("to", "type_as"), _cast),
     "__getitem__": _indexed,
     **dict.fromkeys(("select", "unbind"), _select),
     **dict.fromkeys(("cat", "concat", "concatenate", "stack"), _joined),

@@ -243,7 +243,14 @@ class BatchedTensors:
             and not self.marks(args[0])
         ):
             return  # p.expand_as(h): h gives the shape only, nothing of the batch
-        given = [t for t in tree_leaves((args, kwargs)) if isinstance(t, Tensor)]
+        # ``a.type_as(h)``, ``a.expand_as(h)``, ``a.to(h)``: the result is ``a``'s entries; the
+        # other tensor gives a dtype or a shape only, its batch none (trial 78: a ViT's masked
+        # image modelling mask, ``bool_masked_pos.type_as(mask_tokens)``, read as lost)
+        only_first = name in _SHAPED_LIKE_OTHER or (
+            name == "to" and len(args) > 1 and isinstance(args[1], Tensor)
+        )
+        sources = args[:1] if only_first else (args, kwargs)
+        given = [t for t in tree_leaves(sources) if isinstance(t, Tensor)]
         held = [(t, d) for t in given if (d := self.batch_dim(t)) is not NOT_HELD]
         marked = [(t, m) for t in given if (m := self.marks(t))]
         if not held and not marked:

@@ -141,6 +141,11 @@ class Monitor:
         resume: bool = False,
         extensions: bool = True,
     ) -> None:
+        if not isinstance(model, nn.Module):
+            raise TypeError(
+                f"Monitor expects the model, an nn.Module, got {type(model).__name__} (for "
+                "several models, one Monitor each, or an nn.ModuleList of them)"
+            )
         if isinstance(every, bool) or not isinstance(every, int) or every < 1:
             raise ValueError(f"Monitor(every=...) needs a positive integer, got {every!r}")
         if overwrite and resume:
@@ -420,11 +425,22 @@ class Monitor:
         written = []
         for quantity in dict.fromkeys(r.quantity for r in self.records):
             fig, ax = plt.subplots(figsize=(6, 3.4))
-            for layer, (steps, values) in self.series(quantity).items():
-                ax.plot(steps, values, label=layer, marker="." if len(steps) < 30 else None)
+            series = self.series(quantity)
+            # past matplotlib's 10-colour cycle two layers shared a colour (trial 78): then a
+            # colour each from a 20-colour map, and a line style per round of it beyond that
+            colours = plt.get_cmap("tab20").colors if len(series) > 10 else None
+            for k, (layer, (steps, values)) in enumerate(series.items()):
+                style = {}
+                if colours is not None:
+                    style = {"color": colours[k % 20], "linestyle": ("-", "--", ":")[k // 20 % 3]}
+                marker = "." if len(steps) < 30 else None
+                ax.plot(steps, values, label=layer, marker=marker, **style)
             ax.set_xlabel("step")
             ax.set_title(quantity)
-            ax.legend(fontsize=7, loc="best")
+            if len(series) > 10:  # outside the axes: a long legend hides the lines
+                ax.legend(fontsize=6, loc="upper left", bbox_to_anchor=(1.0, 1.0))
+            else:
+                ax.legend(fontsize=7, loc="best")
             fig.tight_layout()
             path = folder / f"{quantity}.png"
             fig.savefig(path, dpi=110, bbox_inches="tight")  # a long layer name kept whole

@@ -860,3 +860,47 @@ def test_a_gradient_penalty_trains_with_plain_bits_under_extensions_false() -> N
         torch.testing.assert_close(b, a, rtol=0, atol=0)
     monitor = semipack.Monitor(nn.Linear(2, 1), extensions=False, tensorboard=False)
     assert monitor.extensions is False
+
+
+def test_mistakes_in_the_model_argument_are_named() -> None:
+    """``Monitor([m1, m2])`` failed with an AttributeError, ``semipack.grad(loss, model)``
+    with an internal TypeError (trial 78)."""
+    with pytest.raises(TypeError, match=r"Monitor expects the model, an nn\.Module, got list"):
+        semipack.Monitor([_model(), _model()])
+    model = _model()
+    x, _ = _batches(1)[0]
+    loss = model(x).sum()
+    with pytest.raises(
+        TypeError,
+        match=r"semipack\.grad: inputs must be tensors, got a "
+        r"Sequential module \(for its parameters pass list\(module\.parameters",
+    ):
+        semipack.grad(loss, model, semipack.MaxProd())
+    with pytest.raises(TypeError, match=r"inputs must be tensors, got a str among them"):
+        semipack.grad(loss, [model[0].weight, "bias"], semipack.MaxProd())
+
+
+def test_a_plot_of_many_layers_gives_each_its_own_colour(tmp_path) -> None:
+    """Past matplotlib's 10-colour cycle two layers shared a colour (trial 78)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    model = nn.Sequential(*[nn.Linear(3, 3, dtype=F64) for _ in range(12)])
+    monitor = semipack.Monitor(model, every=1, log_dir=tmp_path, tensorboard=False)
+    x = torch.randn(4, 3, dtype=F64)
+    for step in range(2):
+        with monitor.step(step):
+            model(x).pow(2).sum().backward()
+    figures = []
+    import matplotlib.pyplot as plt
+
+    original = plt.close
+    plt.close = lambda fig=None: figures.append(fig)  # keep the figures to look at
+    try:
+        monitor.plot()
+    finally:
+        plt.close = original
+    lines = figures[0].axes[0].get_lines()
+    assert len(lines) == 12
+    styles = {(matplotlib.colors.to_hex(line.get_color()), line.get_linestyle()) for line in lines}
+    assert len(styles) == 12

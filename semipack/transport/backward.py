@@ -780,6 +780,30 @@ class InnerRuns:
         return [t for t in alive if t is not None]
 
 
+def _tensors(what: str, given: Any) -> list[Tensor]:
+    """``semipack.grad``'s ``outputs`` or ``inputs`` as a list of tensors, refused as
+    ``torch.autograd.grad`` refuses others (a module given as the inputs failed deep in the
+    pass with an internal TypeError; trial 78)."""
+    if isinstance(given, Tensor):
+        return [given]
+    if isinstance(given, torch.nn.Module):
+        raise TypeError(
+            f"semipack.grad: {what} must be tensors, got a {type(given).__name__} module "
+            "(for its parameters pass list(module.parameters()))"
+        )
+    try:
+        found = list(given)
+    except TypeError:
+        raise TypeError(
+            f"semipack.grad: {what} must be a tensor or a sequence of tensors, got "
+            f"{type(given).__name__}"
+        ) from None
+    wrong = [type(t).__name__ for t in found if not isinstance(t, Tensor)]
+    if wrong:
+        raise TypeError(f"semipack.grad: {what} must be tensors, got a {wrong[0]} among them")
+    return found
+
+
 def _refuse_stray_messages(leaves: Sequence[Tensor], regular_grads: bool) -> None:
     """Raise where a message ended in a ``.grad`` instead of a leaf hook (a backward run
     inside a custom Function's backward reaching a tensor no hook took it from), rather than
@@ -965,8 +989,8 @@ def grad(
     ``SemipackError`` before anything runs: those hooks would get no gradient to see.
     """
     sr = require_semiring(sr)
-    outputs = [outputs] if isinstance(outputs, Tensor) else list(outputs)
-    inputs = [inputs] if isinstance(inputs, Tensor) else list(inputs)
+    outputs = _tensors("outputs", outputs)
+    inputs = _tensors("inputs", inputs)
     if grad_outputs is None:
         grad_outputs = [None] * len(outputs)
     elif isinstance(grad_outputs, Tensor):

@@ -2254,3 +2254,31 @@ def test_vit_masked_image_modelling_rows_are_per_example_gradients():
             torch.testing.assert_close(
                 p.semiring_grad_batch[i], want, rtol=1e-6, atol=1e-6, msg=f"{name} {i}"
             )
+
+
+def test_a_sliced_parameter_has_rows():
+    """``pos[:, :T]`` (YOLOS cuts its position table to the tokens), a strided and a negative
+    slice, and one row of a stacked table (``w[1]``): the rows of each go back to its entries
+    of the parameter, the others get no path (refused as a slice or a select without a rule;
+    trial 78)."""
+
+    class Sliced(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.embed = nn.Linear(2, 4)
+            self.pos = nn.Parameter(torch.randn(1, 6, 4))
+            self.gain = nn.Parameter(torch.rand(8) + 0.5)
+            self.stacked = nn.Parameter(torch.rand(3, 4) + 0.5)  # one row per use: w[i]
+
+        def forward(self, x):  # x: [N, 3, 2]
+            h = self.embed(x) + self.pos[:, : x.shape[1]]
+            h = torch.tanh(h * self.gain[::2]) + self.pos[:, -3:]
+            return h * self.gain[1::2] * self.stacked[1]
+
+    torch.manual_seed(0)
+    model = Sliced().double()
+    x = torch.randn(3, 3, 2, dtype=torch.float64)
+    # (Entropy reads NaN where no path is, rows 0 and 2 of the stacked table: not compared)
+    for sr in (semipack.Real(), semipack.MaxProd(), semipack.LogSum()):
+        rows = _rows_of_single_examples(model, lambda r: _loss(model(x[r])), sr, 3)
+        assert rows["pos"].shape == (3, 1, 6, 4) and rows["stacked"].shape == (3, 3, 4)

@@ -348,6 +348,43 @@ def _expand_step(sr: Semiring, node, rows: State, input_nr: int) -> State:
     return tuple(p.reshape(p.shape[0], *shape) for p in rows)
 
 
+def _slice_step(sr: Semiring, node, rows: State, input_nr: int) -> State:
+    """``w[:, a:b:c]`` (YOLOS's position table cut to the tokens): the rows of the slice go
+    back to its entries of ``w``; the entries the slice leaves out get no path (the semiring's
+    zero)."""
+    shape = tuple(node._saved_self_sym_sizes)
+    dim = _signed(int(node._saved_dim)) % len(shape)
+    start, end, step = (
+        _signed(int(v)) for v in (node._saved_start, node._saved_end, node._saved_step)
+    )
+    window = slice(*slice(start, end, step).indices(shape[dim]))
+    n = rows[0].shape[0]
+    full = tuple(
+        torch.full((n, *shape), zero, dtype=r.dtype, device=r.device)
+        for r, zero in zip(rows, sr.zero, strict=True)
+    )
+    where = (slice(None),) * (dim + 1) + (window,)
+    for f, r in zip(full, rows, strict=True):
+        f[where] = r
+    return full
+
+
+def _select_step(sr: Semiring, node, rows: State, input_nr: int) -> State:
+    """``w[i]`` (a layer's own slice of a stacked table, YOLOS's ``mid_position_embeddings``):
+    the rows go back to entry ``i`` of the selected dim, every other entry gets no path."""
+    shape = tuple(node._saved_self_sym_sizes)
+    dim = _signed(int(node._saved_dim)) % len(shape)
+    index = _signed(int(node._saved_index)) % shape[dim]
+    n = rows[0].shape[0]
+    full = tuple(
+        torch.full((n, *shape), zero, dtype=r.dtype, device=r.device)
+        for r, zero in zip(rows, sr.zero, strict=True)
+    )
+    for f, r in zip(full, rows, strict=True):
+        f.select(dim + 1, index).copy_(r)
+    return full
+
+
 #: Autograd node metadata: an ``ExpandBackward0`` whose output is a parameter (or a value
 #: computed from one alone) expanded to the batch on dim 0 (ViT's class token
 #: ``cls.expand(N, -1, -1)``, Perceiver's learned queries, ``b.view(1, C, 1, 1).expand_as(h)``):
@@ -403,6 +440,8 @@ PARAMETER_STEPS: dict[str, ParameterStep] = {
     "SqueezeBackward1": _view_step,
     "SqueezeBackward2": _view_step,
     "ExpandBackward0": _expand_step,
+    "SliceBackward0": _slice_step,
+    "SelectBackward0": _select_step,
 }
 _ELEMENTWISE_STEPS = {
     "AddBackward0",

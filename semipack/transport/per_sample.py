@@ -182,7 +182,7 @@ def check_graph(
                     "operator), conv1d/conv2d, F.layer_norm, F.embedding and "
                     "nn.MultiheadAttention (the module extensions, with extensions=True), or by "
                     "x * p, x + p, x - p, or through casts, transposes, views, squeezes, "
-                    "expands and constant factors on the way there"
+                    "expands, slices, selected rows and constant factors on the way there"
                     + (" (write torch.mm(x, W) as x @ W)" if node.name() == "MmBackward0" else "")
                     + "; see 'Per-sample values' in the README"
                 )

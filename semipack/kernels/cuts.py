@@ -14,7 +14,7 @@ import torch
 from torch import Tensor
 
 from .compiled import compile_enabled, compiled
-from .logspace import SPECIAL_SAFE_MIN_ELEMENTS, _flat
+from .logspace import SPECIAL_SAFE_MIN_ELEMENTS, flat_on_host
 
 
 def _cut_eager(part: Tensor, x: Tensor, threshold: float, zero: float) -> Tensor:
@@ -27,23 +27,14 @@ _cut = compiled(_cut_eager, min_elements=SPECIAL_SAFE_MIN_ELEMENTS)
 def cut_below(part: Tensor, x: Tensor, threshold: float, zero: float) -> Tensor | None:
     """A new tensor: ``zero`` where ``x <= threshold``, ``part`` elsewhere (NaN in ``x`` keeps
     ``part``, as ``torch.threshold_backward`` does), laid out as ``part``. None where the
-    one-pass kernel does not pay or apply: compiled kernels off (``set_compile``), another
-    device than the CPU, few entries (the compiled call's guards cost more), operands of other
-    layouts or dtypes, or memory that is not one dense block; the caller then takes its eager
-    form."""
-    if (
-        not compile_enabled()
-        or part.device.type != "cpu"  # an accelerator's select is one fast kernel already
-        or part.numel() < SPECIAL_SAFE_MIN_ELEMENTS
-        or part.shape != x.shape
-        or part.stride() != x.stride()
-        or part.dtype != x.dtype
-        or part.device != x.device
-    ):
+    one-pass kernel does not pay or apply: compiled kernels off (``set_compile``), or no
+    flat views of both (``logspace.flat_on_host``: another device than the CPU, few entries,
+    operands of other layouts or dtypes, memory that is not one dense block); the caller then
+    takes its eager form."""
+    flat = flat_on_host(part, x) if compile_enabled() else None
+    if flat is None:  # an accelerator's select is one fast kernel already
         return None
-    flat_part, flat_x = _flat(part), _flat(x)
-    if flat_part is None or flat_x is None:
-        return None
+    flat_part, flat_x = flat
     out = _cut(flat_part, flat_x, threshold, zero)
     return torch.empty(0, dtype=part.dtype, device=part.device).set_(
         out.untyped_storage(), 0, part.shape, part.stride()

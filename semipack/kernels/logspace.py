@@ -80,7 +80,7 @@ def _flat(t: Tensor) -> Tensor | None:
     return flat.set_(t.untyped_storage(), t.storage_offset(), (t.numel(),), (1,))
 
 
-def _flat_on_host(*tensors: Tensor) -> list[Tensor] | None:
+def flat_on_host(*tensors: Tensor) -> list[Tensor] | None:
     """The 1-D views (``_flat``) the compiled elementwise forms run over, or None where they do
     not apply: CPU float32 or float64 tensors of one shape and layout, each one dense block, of
     at least ``SPECIAL_SAFE_MIN_ELEMENTS`` entries; not while torch.compile traces a kernel
@@ -107,7 +107,7 @@ def exp_(x: Tensor) -> Tensor:
     ``SPECIAL_SAFE_MIN_ELEMENTS``): the exponential of a log-space state or of its shifted
     entries. An accelerator's tensor (no slow path there) or one whose memory is not one dense
     block takes torch's."""
-    flat = _flat_on_host(x)
+    flat = flat_on_host(x)
     if flat is None:
         return x.exp_()
     _exp_in_place(*flat)
@@ -117,7 +117,7 @@ def exp_(x: Tensor) -> Tensor:
 def exp_into(x: Tensor, out: Tensor) -> Tensor:
     """``torch.exp(x, out=out)`` (a readout into the memory of ``p.semiring_grad``), vectorised
     on every input like ``exp_``."""
-    flat = _flat_on_host(x, out)
+    flat = flat_on_host(x, out)
     if flat is None:
         return torch.exp(x, out=out)
     _exp_into(*flat)
@@ -143,7 +143,7 @@ def log_magnitude_(mag: Tensor) -> Tensor:
         or torch.compiler.is_compiling()  # traced into a fused kernel: no host reads
     ):
         return mag.log_()
-    flat = _flat_on_host(mag) if compile_enabled() else None
+    flat = flat_on_host(mag) if compile_enabled() else None
     if flat is not None:
         _log_in_place(*flat)
         return mag
@@ -221,7 +221,7 @@ def xlogx(mag: Tensor) -> Tensor:
     an accelerator's) with those bits and without a zero reaching torch's log (see
     ``log_magnitude_``) or a bool mask; on the CPU from ``SPECIAL_SAFE_MIN_ELEMENTS`` entries
     the compiled form in one loop, with a log within float rounding of torch's."""
-    flat = _flat_on_host(mag) if mag.is_contiguous() else None  # the result comes contiguous
+    flat = flat_on_host(mag) if mag.is_contiguous() else None  # the result comes contiguous
     if flat is None:
         return _xlogx_eager(mag)
     return _xlogx(*flat).view(mag.shape)

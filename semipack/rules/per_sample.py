@@ -334,10 +334,10 @@ def _unsqueeze_step(sr: Semiring, node, rows: State, input_nr: int) -> State:
     return tuple(p.squeeze(_signed(int(node._saved_dim)) % rank + 1) for p in rows)
 
 
-def _expand_step(sr: Semiring, node, rows: State, input_nr: int) -> State:
-    """``w.expand(...)``: an entry of ``w`` feeds every entry it is broadcast to, so its row is
-    the semiring sum over them (the expanded size-1 dims and the new leading ones)."""
-    shape = tuple(node._saved_self_sym_sizes)
+def _summed_to(sr: Semiring, rows: State, shape: Sequence[int]) -> State:
+    """Rows ``[N, *out]`` of a value broadcast from ``shape`` to ``out``, as rows
+    ``[N, *shape]``: an entry feeds every entry it is broadcast to, so its row is the semiring
+    sum over them (the size-1 dims made larger and the new leading ones)."""
     out = rows[0].shape[1:]
     leading = len(out) - len(shape)
     kept = [1 + leading + d for d, n in enumerate(shape) if n == 1 and out[leading + d] != 1]
@@ -348,25 +348,34 @@ def _expand_step(sr: Semiring, node, rows: State, input_nr: int) -> State:
     return tuple(p.reshape(p.shape[0], *shape) for p in rows)
 
 
+def _expand_step(sr: Semiring, node, rows: State, input_nr: int) -> State:
+    """``w.expand(...)``: ``_summed_to`` the shape of ``w``."""
+    return _summed_to(sr, rows, tuple(node._saved_self_sym_sizes))
+
+
+def _placed(sr: Semiring, rows: State, shape: Sequence[int], where: tuple) -> State:
+    """Rows ``[N, *shape]`` holding ``rows`` at ``where`` (an index of ``shape``) and the
+    semiring's zero (no path) at every entry it leaves out."""
+    n = rows[0].shape[0]
+    full = tuple(
+        torch.full((n, *shape), zero, dtype=r.dtype, device=r.device)
+        for r, zero in zip(rows, sr.zero, strict=True)
+    )
+    for f, r in zip(full, rows, strict=True):
+        f[(slice(None), *where)] = r
+    return full
+
+
 def _slice_step(sr: Semiring, node, rows: State, input_nr: int) -> State:
     """``w[:, a:b:c]`` (YOLOS's position table cut to the tokens): the rows of the slice go
-    back to its entries of ``w``; the entries the slice leaves out get no path (the semiring's
-    zero)."""
+    back to its entries of ``w``; the entries the slice leaves out get no path."""
     shape = tuple(node._saved_self_sym_sizes)
     dim = _signed(int(node._saved_dim)) % len(shape)
     start, end, step = (
         _signed(int(v)) for v in (node._saved_start, node._saved_end, node._saved_step)
     )
     window = slice(*slice(start, end, step).indices(shape[dim]))
-    n = rows[0].shape[0]
-    full = tuple(
-        torch.full((n, *shape), zero, dtype=r.dtype, device=r.device)
-        for r, zero in zip(rows, sr.zero, strict=True)
-    )
-    where = (slice(None),) * (dim + 1) + (window,)
-    for f, r in zip(full, rows, strict=True):
-        f[where] = r
-    return full
+    return _placed(sr, rows, shape, (slice(None),) * dim + (window,))
 
 
 def _select_step(sr: Semiring, node, rows: State, input_nr: int) -> State:
@@ -375,14 +384,7 @@ def _select_step(sr: Semiring, node, rows: State, input_nr: int) -> State:
     shape = tuple(node._saved_self_sym_sizes)
     dim = _signed(int(node._saved_dim)) % len(shape)
     index = _signed(int(node._saved_index)) % shape[dim]
-    n = rows[0].shape[0]
-    full = tuple(
-        torch.full((n, *shape), zero, dtype=r.dtype, device=r.device)
-        for r, zero in zip(rows, sr.zero, strict=True)
-    )
-    for f, r in zip(full, rows, strict=True):
-        f.select(dim + 1, index).copy_(r)
-    return full
+    return _placed(sr, rows, shape, (slice(None),) * dim + (index,))
 
 
 #: Autograd node metadata: an ``ExpandBackward0`` whose output is a parameter (or a value
@@ -402,20 +404,14 @@ def expanded_over_batch(node) -> bool:
 
 def batch_expand_rows(sr: Semiring, node, state: State, input_nr: int) -> State:
     """Rows of the value ``node`` expanded to the batch: example ``n``'s are the state at its
-    own entries ``[n, ...]``, summed over every other dim the expand broadcast (new leading dims,
-    size-1 dims made larger), shaped ``[N, *value.shape]`` (a size-1 dim 0 of the value stays).
-    Where an expand broadcasts an entry over the examples, no other example reads it, so its row
-    is what example ``n`` alone gives (the batch following confirmed the dim as the batch's)."""
+    own entries ``[n, ...]``, summed over every other dim the expand broadcast
+    (``_summed_to`` the value's dims below the batch), shaped ``[N, *value.shape]`` (a size-1
+    dim 0 of the value stays). Where an expand broadcasts an entry over the examples, no other
+    example reads it, so its row is what example ``n`` alone gives (the batch following
+    confirmed the dim as the batch's)."""
     shape = tuple(node._saved_self_sym_sizes)
-    out = state[0].shape
-    inner = shape[1:] if len(shape) == len(out) else shape  # the value's dims below the batch
-    rest = out[1:]
-    leading = len(rest) - len(inner)
-    kept = [1 + leading + d for d, n in enumerate(inner) if n == 1 and rest[leading + d] != 1]
-    rows = sr.sum(state, kept, keepdim=True) if kept else state
-    if leading:
-        rows = sr.sum(rows, list(range(1, 1 + leading)))
-    return tuple(p.reshape(out[0], *shape) for p in rows)
+    inner = shape[1:] if len(shape) == state[0].dim() else shape  # the dims below the batch
+    return tuple(p.reshape(p.shape[0], *shape) for p in _summed_to(sr, state, inner))
 
 
 #: The ops a value computed from one parameter alone may pass through on its way to a row rule.

@@ -287,6 +287,8 @@ def test_a_pass_that_fails_in_its_readouts_changes_no_gradient(earlier_pass: boo
         model(ids).sum().backward()
     grads = [p.grad.clone() for p in model.parameters()]
     earlier = {n: p.semiring_grad.clone() for n, p in model.named_parameters() if earlier_pass}
+    # PyTorch reports every CUDA tensor as shared memory, which no readout is written into
+    reusable = earlier_pass and not model[2].weight.semiring_grad.is_shared()
     failing = semipack.extend(model, _FailsOnTableReadout(rows=10))
     with failing, pytest.raises(RuntimeError, match="the table's readout failed"):
         model(ids).sum().backward()
@@ -297,8 +299,10 @@ def test_a_pass_that_fails_in_its_readouts_changes_no_gradient(earlier_pass: boo
             assert not hasattr(p, "semiring_grad")
         elif hasattr(p, "semiring_grad"):  # the table's memory was handed to its readout
             assert torch.equal(p.semiring_grad, earlier[name]), name
-    if earlier_pass:  # the Linear layer's readouts were taken early, into their memory
+    if reusable:  # the Linear layer's readouts were taken early, into their memory
         assert not hasattr(model[2].weight, "semiring_grad")
+    elif earlier_pass:  # each kept as it was
+        assert all(hasattr(p, "semiring_grad") for p in model.parameters())
     # and a retry counts the gradient once
     with semipack.extend(model, semipack.MaxProd()):
         model(ids).sum().backward()
@@ -354,13 +358,16 @@ def test_a_readout_that_fails_while_writing_leaves_no_half_new_value(when, produ
         for n, p in model.named_parameters()
     }
     grads = [p.grad.clone() for p in model.parameters()]
+    # PyTorch reports every CUDA tensor as shared memory, which no readout is written into
+    first_written_into = [] if model[2].bias.grad.is_shared() else ["2.bias"]
     _FailsInReadoutInto.armed = when
     try:
         with semipack.extend(model, sr), pytest.raises(RuntimeError, match="readout_into failed"):
             model(5 * torch.randn(4, 16)).sum().backward()
     finally:
         _FailsInReadoutInto.armed = None
-    assert _assert_old_or_absent(model, earlier) == ["2.bias"]  # the first read out (as plain)
+    # the first read out (as plain) is removed where its memory was written into
+    assert _assert_old_or_absent(model, earlier) == first_written_into
     for p, g in zip(model.parameters(), grads, strict=True):
         assert torch.equal(p.grad, g)
 

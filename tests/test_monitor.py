@@ -38,7 +38,7 @@ def _model() -> nn.Sequential:
 
 
 def _batches(n: int):
-    g = torch.Generator().manual_seed(1)
+    g = torch.Generator(torch.get_default_device()).manual_seed(1)  # the GPU check runs on CUDA
     return [(torch.randn(5, 4, generator=g, dtype=F64), torch.randint(0, 3, (5,), generator=g))
             for _ in range(n)]  # fmt: skip
 

@@ -1,5 +1,5 @@
-"""CUDA checks of the ninth and tenth sessions' (2026-11-26) trust fixes, which have CPU tests
-only.
+"""CUDA checks of the ninth to seventeenth sessions' (2026-11-26 and 27) trust fixes, which have
+CPU tests only.
 
 Each listed test function runs with CUDA as the default device, so its models and inputs live
 on the GPU (where the engine runs hooks on its device threads, not the caller's). Run by
@@ -11,6 +11,8 @@ import sys
 import traceback
 
 import torch
+
+import semipack
 
 sys.path.insert(0, "tests")
 
@@ -55,7 +57,11 @@ CHECKS = [
         "test_a_weight_computed_from_a_buffer_is_refused_even_when_its_rows_match_the_batch",
         (),
     ),
-    ("test_per_sample", "test_a_pruned_weight_is_refused_by_name", ()),
+    (
+        "test_per_sample",
+        "test_a_value_computed_from_a_parameter_is_refused_where_a_use_has_no_rule",
+        (),
+    ),
     ("test_per_sample", "test_rows_equal_single_examples", ("gain_on_the_input", "max_prod")),
     (
         "test_bad_inputs",
@@ -68,6 +74,59 @@ CHECKS = [
         ("vmap",),
     ),
     ("test_bad_inputs", "test_a_hook_on_an_autograd_node_receives_the_message_as_documented", ()),
+    # the eleventh to seventeenth sessions': in-place accumulation and its rollback, readouts
+    # that fail half-way, hook order, per-sample expands and casts, subnormal convolutions
+    (
+        "test_bad_inputs",
+        "test_a_failed_pass_puts_back_the_gradients_leaves_accumulated_in_place",
+        (),
+    ),
+    (
+        "test_bad_inputs",
+        "test_a_gradient_that_cannot_be_written_in_place_does_not_stop_the_rollback",
+        (),
+    ),
+    ("test_memory_release", "test_a_pass_that_fails_in_its_readouts_changes_no_gradient", (False,)),
+    ("test_memory_release", "test_a_pass_that_fails_in_its_readouts_changes_no_gradient", (True,)),
+    (
+        "test_memory_release",
+        "test_a_readout_that_fails_while_writing_leaves_no_half_new_value",
+        ("after", True),
+    ),
+    (
+        "test_hook_order",
+        "test_parameter_hooks_fire_in_a_plain_backwards_order",
+        ("cnn", semipack.MaxProd),
+    ),
+    (
+        "test_hook_order",
+        "test_parameter_hooks_fire_in_a_plain_backwards_order",
+        ("bert", semipack.Entropy),
+    ),
+    (
+        "test_hook_order",
+        "test_training_with_noise_drawing_hooks_keeps_its_trajectory_under_the_monitor",
+        (),
+    ),
+    (
+        "test_extensions",
+        "test_multihead_attention_row_with_every_key_masked_runs_as_pytorch",
+        (semipack.MaxProd(),),
+    ),
+    ("test_per_sample", "test_a_bias_expanded_as_the_batched_input_has_rows", ()),
+    ("test_per_sample", "test_a_gain_computed_through_a_cast_has_each_examples_rows", ("entropy",)),
+    (
+        "test_per_sample",
+        "test_negative_dims_views_and_a_number_divisor_give_each_examples_rows",
+        (),
+    ),
+    (
+        "test_no_underflow",
+        "test_a_weight_near_the_smallest_subnormal_keeps_its_paths_in_a_convolution",
+        ("conv2d",),
+    ),
+    ("test_more_ops", "test_int32_ids_give_what_int64_ids_give", ({"per_sample": True},)),
+    ("test_monitor", "test_a_step_with_nan_values_records_unknowns_not_a_moved_top_path", ()),
 ]
 
 torch.set_default_device("cuda")

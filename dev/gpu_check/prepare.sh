@@ -13,7 +13,7 @@ done
 mkdir -p "$work/tree" .gpu/tv && (cd "$work/tree" && unzip -q "$work"/torch-*.whl)
 rm -rf "$work/tree/torch/include" "$work/tree/torch/bin" "$work/tree/torch/share"  # not imported
 tar cf - -C "$work/tree" . | xz -T2 -6 > "$work/torch.tar.xz"
-rm -rf .gpu/p[0-9]* && split -b 64000000 -d -a 1 "$work/torch.tar.xz" "$work/part"
+rm -rf .gpu/p[0-9]* && split -b 56000000 -d -a 1 "$work/torch.tar.xz" "$work/part"
 for part in "$work"/part[0-9]; do i=${part##*part}; mkdir -p ".gpu/p$i"; mv "$part" ".gpu/p$i/"; done
 mv "$work"/torchvision-*.whl .gpu/tv/ && cp dev/gpu_check/check.sh dev/gpu_check/stub.sh .gpu/
 ls .gpu

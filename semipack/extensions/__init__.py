@@ -1,9 +1,9 @@
 """Extensions: fused semiring backwards and named sites for supported torch functions.
 
 While ``semipack.extend`` is active, calls of ``F.linear``, ``x @ W`` with a 2-D parameter ``W``
-(``torch.matmul``), ``torch.conv1d``/``torch.conv2d``, ``F.layer_norm``, ``F.embedding``,
-``F.multi_head_attention_forward`` and ``F.scaled_dot_product_attention`` (from any module or
-user code) are routed to their extension,
+(``torch.matmul``) and ``torch.addmm(b, x, W)`` with one, ``torch.conv1d``/``torch.conv2d``,
+``F.layer_norm``, ``F.embedding``, ``F.multi_head_attention_forward`` and
+``F.scaled_dot_product_attention`` (from any module or user code) are routed to their extension,
 and Hugging Face "eager" attention is routed through transformers' attention registry.
 
 Each extension is an ``ExtensionFunction`` subclass (the template owns the backward) stating its

@@ -33,7 +33,7 @@ from ..errors import MessageLostError, PerSampleError
 from ..graph.provenance import current_module, current_site, under_legacy_backward_hook
 from ..graph.sites import Site, stamp
 from ..messages.message import Message
-from ..rules.per_sample import register_per_sample
+from ..rules.per_sample import MERGED_EXAMPLES_KEY, register_per_sample
 from ..semirings.base import Semiring, SparseRows, State
 from ..semirings.product import Product
 from ..transport.passes import autocast_on, graph_retained, in_carry_pass
@@ -293,6 +293,9 @@ class BackwardCall:
     ``inputs`` are the call's tensors as given to ``ExtensionFunction.run``, detached (None where
     the call got None); ``needs[i]`` says whether input ``i`` wants a message. ``options`` is
     ``run``'s non-tensor argument and ``kept`` what ``keep`` set aside in the forward.
+    ``examples``, for ``per_sample`` only: how many examples the batched inputs' batch dim
+    holds where the batch is merged with the dims after it there (``[N * T, d]``, the outer
+    factor; ``MERGED_EXAMPLES_KEY``), else None (one per index).
     """
 
     semiring: Semiring
@@ -301,6 +304,7 @@ class BackwardCall:
     needs: tuple[bool, ...]
     options: Any
     kept: Any
+    examples: int | None = None
 
 
 #: The tensor every extension node saves for backward (see ``ExtensionFunction.forward``).
@@ -538,7 +542,8 @@ class ExtensionFunction(torch.autograd.Function):
                 wanted = tuple(
                     p is not None and need for p, need in zip(params, needs, strict=True)
                 )
-                call = BackwardCall(sr, incoming, values, wanted, ctx.options, ctx.kept)
+                examples = ctx.metadata.get(MERGED_EXAMPLES_KEY)
+                call = BackwardCall(sr, incoming, values, wanted, ctx.options, ctx.kept, examples)
                 with _without_autocast(values):
                     per = _messages_per_factor(cls, call, per_sample=True)
                 for p, state in zip(params, per, strict=True):

@@ -85,7 +85,7 @@ class LayerNormFunction(ExtensionFunction):
         sr, need = call.semiring, call.needs
         if x.dim() <= len(shape) or m is None:
             raise unbatched(cls, x.shape)
-        n, width = x.shape[0], math.prod(shape)
+        n, width = call.examples or x.shape[0], math.prod(shape)
         dtype = sr.state_dtype(x.dtype)
         x_hat = ((x - mean) * rstd).to(dtype).reshape(n, -1, width)
         m_rows = tuple(p.reshape(n, -1, width) for p in m)

@@ -51,15 +51,18 @@ def linear_messages(
 
 
 def linear_per_sample(
-    sr: Semiring, m: State, x: Tensor, want_w: bool, want_b: bool
+    sr: Semiring, m: State, x: Tensor, want_w: bool, want_b: bool, examples: int | None = None
 ) -> tuple[State | None, State | None]:
     """Per-sample (weight, bias) states of ``x @ weight.T + bias``: ``[N, O, I]`` and ``[N, O]``.
 
     x: [N, ..., I], each part of m: [N, ..., O]; the token axes are contracted inside one
     batched semiring product per example block, so nothing larger than the output is built.
+    With ``examples`` (a batch merged with the tokens, ``x`` [N * T, ..., I]) dim 0 holds
+    that many examples, each a block of consecutive entries.
     """
-    n, i = x.shape[0], x.shape[-1]
-    tokens = math.prod(x.shape[1:-1])  # explicit: an empty batch has no size to infer from
+    n, i = examples or x.shape[0], x.shape[-1]
+    # explicit: an empty batch has no size to infer from
+    tokens = math.prod(x.shape[1:-1]) * (x.shape[0] // n if examples else 1)
     rows = tuple(p.reshape(n, tokens, p.shape[-1]) for p in m)
     m_w = m_b = None
     if want_w:
@@ -91,7 +94,9 @@ class LinearFunction(ExtensionFunction):
         x = call.inputs[0]
         if x.dim() < 2 or call.incoming[0] is None:
             raise unbatched(cls, x.shape)
-        m_w, m_b = linear_per_sample(call.semiring, call.incoming[0], x, *call.needs[1:])
+        m_w, m_b = linear_per_sample(
+            call.semiring, call.incoming[0], x, *call.needs[1:], call.examples
+        )
         return [None, m_w, m_b]
 
     @staticmethod

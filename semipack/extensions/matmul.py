@@ -15,6 +15,7 @@ everything else stays with the generic rules.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import replace
 
 import torch
@@ -57,6 +58,70 @@ class MatmulFunction(ExtensionFunction):
     @staticmethod
     def sites(out: Tensor) -> Sites:
         return LinearFunction.sites(out)
+
+
+def _addmm_as_linear(call: BackwardCall) -> BackwardCall:
+    """The call ``addmm(b, x, W)`` as ``F.linear(x, W.T, b)``, for ``LinearFunction``."""
+    bias, x, other = call.inputs
+    need_b, need_x, need_w = call.needs
+    return replace(call, inputs=[x, other.t(), bias], needs=(need_x, need_w, need_b))
+
+
+def _addmm_reads(needs: Sequence[bool]) -> tuple[int, ...]:
+    """``read_for`` of ``addmm(b, x, W)``: ``x`` for W's message, ``W`` for x's."""
+    return tuple(i for i, other in ((1, 2), (2, 1)) if needs[other])
+
+
+@per_sample_rule
+class AddmmFunction(ExtensionFunction):
+    """(b, x, W) -> b + x @ W with W: [k, n], x: [m, k], b: [n]; messages of
+    ``F.linear(x, W.T, b)``. Hugging Face's ``Conv1D`` (GPT-2's projections) calls
+    ``torch.addmm(bias, x.view(-1, k), weight)``: through the generic rules it had no site
+    names and no per-sample rows."""
+
+    reads = (1, 2)
+    read_for = staticmethod(_addmm_reads)
+    batched_inputs = (1,)
+
+    @staticmethod
+    def messages(call: BackwardCall) -> tuple[State | None, ...]:
+        m_x, m_w, m_b = LinearFunction.messages(_addmm_as_linear(call))
+        return m_b, m_x, _transposed(m_w)
+
+    @classmethod
+    def per_sample(cls, call: BackwardCall) -> list[State | None]:
+        _, m_w, m_b = LinearFunction.per_sample(_addmm_as_linear(call))
+        return [m_b, None, _transposed(m_w)]
+
+    @staticmethod
+    def sites(out: Tensor) -> Sites:
+        return (("output", ("row", "neuron")),)
+
+
+def _addmm_handler(addmm):
+    def handler(input: Tensor, mat1: Tensor, mat2: Tensor, **kwargs) -> Tensor:
+        fused = (
+            not kwargs  # beta=, alpha=, out=
+            and isinstance(input, Tensor)
+            and isinstance(mat1, Tensor)
+            and mat1.dim() == 2
+            and parameter_projection(mat1, mat2)
+            and tuple(input.shape) == (mat2.shape[1],)
+            and input.dtype == mat1.dtype
+        )
+        if not fused:
+            return addmm(input, mat1, mat2, **kwargs)
+        return AddmmFunction.run(torch.addmm, [input, mat1, mat2])
+
+    handler.__doc__ = (
+        f"``{addmm.__name__}`` inside ``extend``: ``b + x @ W`` with a parameter ``W`` as a "
+        "linear layer."
+    )
+    return handler
+
+
+addmm = extends(torch.addmm)(_addmm_handler(torch.addmm))
+tensor_addmm = extends(Tensor.addmm)(_addmm_handler(Tensor.addmm))
 
 
 def _matmul_handler(matmul):

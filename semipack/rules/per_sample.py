@@ -169,6 +169,16 @@ INSIDE_CALL_KEY = "semipack_inside_call"
 #: Node metadata: the call by which a value lost the batch (``transport.batch_following``).
 LOST_BY_KEY = "semipack_batch_lost_by"
 
+#: Node metadata of a layer call (a module extension's node) whose input holds the batch merged
+#: with the dims after it on the layer's batch dim (``x.reshape(N * T, d)``, the batch the outer
+#: factor): the number of examples there. The batch following stamps it on the layers that
+#: act on each index of that dim apart (``SPLITS_MERGED_BATCH``); their rows split it out again.
+MERGED_EXAMPLES_KEY = "semipack_merged_examples"
+
+#: The layers (``transport.batch_following.LAYER_INPUTS``' names) whose per-sample rows read a
+#: merged batch (``MERGED_EXAMPLES_KEY``): a linear map or a normalisation of the last dims.
+SPLITS_MERGED_BATCH = frozenset(("Linear", "LayerNorm"))
+
 
 def how_lost(call: str) -> str:
     """What the call ``call`` (a ``graph.batch_dims.call_name``) did to the batch, in words."""
@@ -672,8 +682,10 @@ __all__ = [
     "EXPANDED_KEY",
     "FACTORS_KEY",
     "MATMULS",
+    "MERGED_EXAMPLES_KEY",
     "PARAMETER_STEPS",
     "PER_SAMPLE_NODES",
+    "SPLITS_MERGED_BATCH",
     "ParameterStep",
     "RowRule",
     "batch_expand_rows",

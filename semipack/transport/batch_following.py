@@ -41,14 +41,13 @@ from ..rules.per_sample import (
     FACTORS_KEY,
     LOST_BY_KEY,
     MATMULS,
+    MERGED_EXAMPLES_KEY,
     MERGING,
+    SPLITS_MERGED_BATCH,
     from_one_parameter,
     how_lost,
     parameter_projection,
 )
-
-#: Autograd node metadata: with ``BATCHED_KEY`` None, the call after which the node's value
-#: had no dim holding one example per index.
 
 #: Autograd node metadata: why the layer call that made the node cannot compute per-sample
 #: rows (``misplaced_batch``, or a refuted mark); ``check_graph`` raises it when the node feeds
@@ -69,12 +68,26 @@ LAYER_INPUTS: dict[Any, tuple[str, int]] = {
 }
 
 
+#: ``torch.addmm(b, x, W)`` (Hugging Face's ``Conv1D``): with a parameter ``W``, a Linear
+#: whose input is the second argument.
+_ADDMMS = (torch.addmm, Tensor.addmm)
+
+
 def layer_of(func: Any, args: tuple) -> tuple[str, int] | None:
-    """``LAYER_INPUTS``' entry for a call, and ``x @ W`` with a parameter ``W``: a Linear
-    (the matmul extension computes its rows from ``x``'s dim 0)."""
+    """``LAYER_INPUTS``' entry for a call, and ``x @ W`` or ``addmm(b, x, W)`` with a
+    parameter ``W``: a Linear (the matmul and addmm extensions compute its rows from ``x``'s
+    dim 0)."""
     layer = LAYER_INPUTS.get(func)
     projection = func in MATMULS and len(args) >= 2 and parameter_projection(args[0], args[1])
-    return ("Linear", 0) if layer is None and projection else layer
+    affine = func in _ADDMMS and len(args) >= 3 and parameter_projection(args[1], args[2])
+    return ("Linear", 0) if layer is None and (projection or affine) else layer
+
+
+def _layer_input(func: Any, args: tuple, kwargs: dict) -> Any:
+    """The argument of a layer call (``layer_of``) whose batch dim the rows read."""
+    if func in _ADDMMS:
+        return args[1] if len(args) > 1 else kwargs.get("mat1")
+    return args[0] if args else kwargs.get("input", kwargs.get("query"))
 
 
 class NotHeld:
@@ -265,6 +278,11 @@ class BatchedTensors:
         problem = misplaced_batch(func, args, kwargs, self) if held else None
         if problem is not None:  # refused if the backward reaches one of its parameters
             _mark_nodes(result, problem)
+        examples = merged_examples(func, args, kwargs, self) if held else None
+        if examples is not None:  # read by the layer's node when it computes the rows
+            for t in tree_leaves(result):
+                if isinstance(t, Tensor) and t.grad_fn is not None:
+                    t.grad_fn.metadata[MERGED_EXAMPLES_KEY] = examples
         if func is Tensor.__setitem__ and given:
             self._follow_assignment(args)
             self._saw_write(args[0])
@@ -437,7 +455,7 @@ class BatchedTensors:
         if layer is None:
             return
         name, want = layer
-        x = args[0] if args else kwargs.get("input", kwargs.get("query"))
+        x = _layer_input(func, args, kwargs)
         if not isinstance(x, Tensor) or x.dim() <= want or x.shape[want] not in self.sizes - {1}:
             return
         if name == "Embedding" and x.dim() == 1:
@@ -726,12 +744,14 @@ def misplaced_batch(func: Any, args: tuple, kwargs: dict, batched: BatchedTensor
     if layer is None:
         return None
     name, want = layer
-    x = args[0] if args else kwargs.get("input", kwargs.get("query"))
+    x = _layer_input(func, args, kwargs)
     if not isinstance(x, Tensor) or x.dim() <= want:
         return None
     dim = batched.batch_dim(x)
     if dim is NOT_HELD or (dim == want and not batched.merged(x)):
         return None
+    if merged_examples(func, args, kwargs, batched) is not None:
+        return None  # the layer's rows split the batch out again
     if batched.merged(x):
         dim = None
     if dim is None and x.shape[want] not in batched.sizes - {1}:
@@ -748,6 +768,22 @@ def misplaced_batch(func: Any, args: tuple, kwargs: dict, batched: BatchedTensor
         f"Keep the batch in dim {want} of every layer's input (a sequence-first layout such "
         "as x.transpose(0, 1) gives one row per token)"
     )
+
+
+def merged_examples(func: Any, args: tuple, kwargs: dict, batched: BatchedTensors) -> int | None:
+    """The number of examples a layer call's input (``layer_of``) holds on its batch dim when
+    a reshape merged the batch there with the dims after it (``x.reshape(N * T, d)`` into
+    OPT's feed-forward, ``x.view(-1, d)`` into Hugging Face's ``Conv1D``), for the layers whose
+    rows split it out again (``SPLITS_MERGED_BATCH``); None for any other call or input."""
+    layer = layer_of(func, args)
+    if layer is None or layer[0] not in SPLITS_MERGED_BATCH:
+        return None
+    x = _layer_input(func, args, kwargs)
+    if not isinstance(x, Tensor) or x.dim() <= layer[1]:
+        return None
+    if batched.batch_dim(x) != layer[1] or not batched.merged(x):
+        return None
+    return batched.examples(x)
 
 
 #: Calls whose result's shape comes from their arguments, not from the tensor they are

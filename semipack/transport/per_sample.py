@@ -179,7 +179,7 @@ def check_graph(
                     f"per-sample values: parameter '{params[id(variable)]}' is used by "
                     f"{node.name()}{where}, which has no per-sample rule. Supported: "
                     "parameters used directly by F.linear, x @ W (torch.matmul, the @ "
-                    "operator), conv1d/conv2d, F.layer_norm, F.embedding and "
+                    "operator), torch.addmm(b, x, W), conv1d/conv2d, F.layer_norm, F.embedding and "
                     "nn.MultiheadAttention (the module extensions, with extensions=True), or by "
                     "x * p, x + p, x - p, or through casts, transposes, views, squeezes, "
                     "expands, slices, selected rows and constant factors on the way there"
@@ -514,9 +514,10 @@ def _why_not_the_batch(sizes: set[int], batch: int) -> str:
     if merged:
         causes.append(
             f"A multiple of the batch's size ({merged[0]} = {batch} x {merged[0] // batch}): "
-            "the batch merged with another dim by a reshape ([N * T, d], as OPT's feed-forward "
-            "layers and mixture-of-experts routing take their input: such layers have no "
-            "per-sample rows)"
+            "the batch merged with another dim by a reshape ([N * T, ...]): Linear and "
+            "LayerNorm layers, x @ W and torch.addmm split it out again (OPT's feed-forward, "
+            "GPT-2's Conv1D), other layers (a convolution, an embedding, mixture-of-experts "
+            "routing) have no per-sample rows there"
         )
     if 1 in sizes:
         causes.append(

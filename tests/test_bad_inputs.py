@@ -18,6 +18,7 @@ import torch.autograd.forward_ad as forward_ad
 import torch.nn.functional as F
 from helpers import MinProd, SquaresItsGradient
 from torch import Tensor, nn
+from torch.nn.utils.parametrizations import spectral_norm
 from torch.utils.checkpoint import checkpoint
 
 import semipack
@@ -861,6 +862,52 @@ def test_activation_checkpointing_gives_the_same_values(reentrant: bool, sr) -> 
     for p, q in zip(model.parameters(), reference.parameters(), strict=True):
         assert type(p.grad) is torch.Tensor
         torch.testing.assert_close(p.semiring_grad, q.semiring_grad, rtol=1e-12, atol=1e-12)
+
+
+def _checkpointed_block(kind: str) -> nn.ModuleList:
+    """A region of several extension layers (Linear, LayerNorm) and a stateful forward (batch
+    norm's running statistics, spectral norm's power iteration), then a head outside it."""
+    torch.manual_seed(0)
+    first = spectral_norm(nn.Linear(3, 8)) if kind == "spectral_norm" else nn.Linear(3, 8)
+    region = nn.Sequential(
+        first, nn.BatchNorm1d(8), nn.Tanh(), nn.Linear(8, 8), nn.LayerNorm(8), nn.Tanh()
+    )
+    return nn.ModuleList([region, nn.Linear(8, 3)]).to(DTYPE)
+
+
+@pytest.mark.parametrize("kind", ["batch_norm", "spectral_norm"])
+@pytest.mark.parametrize("backward_inside", [True, False])
+def test_a_non_reentrant_checkpoint_recomputes_its_region_once_per_backward(
+    kind: str, backward_inside: bool
+) -> None:
+    """Each extension's inner backward (a graph task of its own) recomputed the checkpointed
+    region again: the batch norm ran 4 times for a plain backward's 2 (and 7 for a region of
+    five extension layers), its running statistics, the spectral norm's vectors and a weight's
+    ``.grad`` (computed by PyTorch from the recomputed activations) came out unlike a plain
+    backward's, with the forward alone in the block too (trial 81)."""
+    x, y = data(6), torch.tensor([0, 1, 2, 1, 0, 2])
+    calls: list[int] = []
+
+    def run(model: nn.ModuleList) -> Tensor:
+        h = checkpoint(model[0], x, use_reentrant=False)
+        return F.cross_entropy(model[1](h), y)
+
+    plain = _checkpointed_block(kind)
+    plain[0][1].register_forward_hook(lambda *_: calls.append(0))
+    run(plain).backward()
+    model = _checkpointed_block(kind)
+    model[0][1].register_forward_hook(lambda *_: calls.append(1))
+    with semipack.extend(model, semipack.MaxProd()):
+        loss = run(model)
+        if backward_inside:
+            loss.backward()
+    if not backward_inside:
+        loss.backward()
+    assert calls == [0, 0, 1, 1]  # a forward and one recomputation each
+    for (name, p), q in zip(plain.named_parameters(), model.parameters(), strict=True):
+        assert torch.equal(p.grad, q.grad), name
+    for (name, b), c in zip(plain.named_buffers(), model.buffers(), strict=True):
+        assert torch.equal(b, c), name
 
 
 def test_reentrant_checkpointing_needs_regular_gradients() -> None:

@@ -67,6 +67,32 @@ def test_training_with_the_monitor_is_training_without_it(tmp_path: Path) -> Non
     assert sorted({r.step for r in monitor.records}) == [0, 2, 4]
 
 
+class _CheckpointedBatchNorm(nn.Module):
+    """A region with a batch norm under a non-reentrant checkpoint, then a head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.region = nn.Sequential(nn.Linear(4, 6), nn.BatchNorm1d(6), nn.Tanh())
+        self.head = nn.Linear(6, 3)
+
+    def forward(self, x):
+        return self.head(torch.utils.checkpoint.checkpoint(self.region, x, use_reentrant=False))
+
+
+def test_training_through_a_non_reentrant_checkpoint_is_training_without_the_monitor() -> None:
+    """Every sampled step recomputed the checkpointed region once more per extension in it:
+    the batch norm's statistics drifted from the plain run's (trial 81)."""
+    batches = _batches(3)
+    plain, watched = _CheckpointedBatchNorm().double(), _CheckpointedBatchNorm().double()
+    _train(plain, batches)
+    _train(watched, batches, semipack.Monitor(watched, every=1, tensorboard=False))
+    assert int(watched.region[1].num_batches_tracked) == 6  # a forward and a recomputation
+    pairs = zip(plain.state_dict().items(), watched.state_dict().values(), strict=True)
+    for (name, a), b in pairs:
+        assert torch.equal(a, b), name
+
+
 def _independent(model, x, y, semiring):
     for p in model.parameters():
         p.grad = None

@@ -22,7 +22,7 @@ call keeps its plain outputs and the generic path carries that tensor's messages
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from contextlib import ExitStack, contextmanager
+from contextlib import ExitStack, contextmanager, nullcontext
 from dataclasses import dataclass, replace
 from typing import Any, ClassVar
 
@@ -87,6 +87,54 @@ def wants_graph(*tensors: Tensor | None) -> bool:
 # --- the inner graph ---------------------------------------------------------------------------
 
 
+#: The qualified name's beginning of the pack hook ``torch.utils.checkpoint`` pushes for a
+#: non-reentrant checkpoint's forward.
+_CHECKPOINT_PACK = "_checkpoint_hook."
+
+
+class _CheckpointedTensors:
+    """The saved tensors of an inner graph recorded inside a non-reentrant checkpoint, each
+    read once per outer backward.
+
+    Why: under the checkpoint's hooks alone, each ``torch.autograd.grad`` over the inner graph
+    (a graph task of its own) recomputed the whole checkpointed region again: its forward ran
+    once per extension in it instead of once per backward, and a batch norm's running
+    statistics, a spectral norm's vectors, dropout's draws and with them ``.grad`` came out
+    unlike a plain backward's (trial 81). Here each tensor is packed by the checkpoint (its
+    recomputation runs the plain call, no extension runs in the backward, and saves the same
+    tensors), and ``read`` unpacks them all in the outer backward's graph task, where the
+    region is recomputed once, as a plain backward does; the inner backward then reads those
+    values (the recomputed ones, as a plain backward's nodes do)."""
+
+    def __init__(self, pack: Callable[[Tensor], Any], unpack: Callable[[Any], Tensor]) -> None:
+        self._pack, self._unpack = pack, unpack
+        self._slots: list[list[Any]] = []  # [checkpoint's handle, value read or None]
+
+    @staticmethod
+    def under_checkpoint() -> _CheckpointedTensors | None:
+        """For the non-reentrant checkpoint whose forward is running, or None."""
+        top = torch._C._autograd._top_saved_tensors_default_hooks(False)
+        if top is None or not getattr(top[0], "__qualname__", "").startswith(_CHECKPOINT_PACK):
+            return None
+        return _CheckpointedTensors(*top)
+
+    def hooks(self) -> torch.autograd.graph.saved_tensors_hooks:
+        return torch.autograd.graph.saved_tensors_hooks(self._packed, self._unpacked)
+
+    def _packed(self, t: Tensor) -> list[Any]:
+        slot = [self._pack(t), None]
+        self._slots.append(slot)
+        return slot
+
+    def _unpacked(self, slot: list[Any]) -> Tensor:
+        return slot[1] if slot[1] is not None else self._unpack(slot[0])
+
+    def read(self) -> None:
+        """Unpack every tensor in the running (outer) backward's graph task."""
+        for slot in self._slots:
+            slot[1] = self._unpack(slot[0])
+
+
 class InnerGraph:
     """A call's own ops, recorded under autograd on detached aliases of its inputs.
 
@@ -124,7 +172,9 @@ class InnerGraph:
             self.inputs.append(alias)
         self.versions = [None if t is None else t._version for t in self.inputs]
         created: list[torch.autograd.graph.Node] = []
-        with torch.enable_grad(), torch.autograd.graph.node_creation_hook(created.append):
+        self.checkpointed = _CheckpointedTensors.under_checkpoint()
+        hooks = self.checkpointed.hooks() if self.checkpointed is not None else nullcontext()
+        with torch.enable_grad(), torch.autograd.graph.node_creation_hook(created.append), hooks:
             self.outputs = fn(*self.inputs)
         self.escapes, self.reuses_an_input = _boundary(self._output_tensors(), self.inputs, created)
 
@@ -183,6 +233,8 @@ class InnerGraph:
             for e, g in zip(self.edges, grads, strict=False)
             if g is not None and e is not None
         ]
+        if self.checkpointed is not None and pairs:
+            self.checkpointed.read()
         return self._grads_by_position(
             pairs, self.inputs, retain_graph=self.retain, create_graph=False
         )

@@ -1877,6 +1877,96 @@ def test_a_second_argument_inside_a_dataclass_is_an_argument():
         torch.testing.assert_close(model.lin.weight.semiring_grad_batch[i], expected)
 
 
+class _ZerosThroughAMask(nn.Module):
+    """Zeros written into the activations through a padding mask given beside the batch: the
+    mask itself, widened to the features, or, as Wav2Vec2 builds its feature-level mask, a
+    fresh tensor with a one written at each example's last position (``zeros[(arange(N),
+    lengths - 1)] = 1``) and filled back along the tokens."""
+
+    def __init__(self, how: str) -> None:
+        super().__init__()
+        self.a, self.b, self.how = nn.Linear(4, 4), nn.Linear(4, 4), how
+
+    def forward(self, x, mask):  # x: [N, T, 4], mask: [N, T] bool
+        h = self.a(x)
+        if self.how == "mask":
+            h[~mask] = 0
+        elif self.how == "widened":
+            h[~mask[..., None].repeat(1, 1, h.shape[-1])] = 0
+        elif self.how == "flipped":  # another example's mask: mixes them
+            h[~mask.flip(0)] = 0
+        else:
+            rows = torch.arange(mask.shape[0])
+            rows = rows.flip(0) if self.how == "rebuilt from other rows" else rows
+            built = torch.zeros(mask.shape, dtype=torch.long)
+            built[(rows, mask.sum(-1) - 1)] = 1
+            h[~built.flip([-1]).cumsum(-1).flip([-1]).bool()] = 0
+        return self.b(h)
+
+
+@pytest.mark.parametrize(
+    "how", ["mask", "widened", "rebuilt", "flipped", "rebuilt from other rows"]
+)
+def test_zeros_written_through_a_padding_mask_keep_each_example_on_its_row(how):
+    """``h[~mask] = 0`` with a mask given beside the batch was refused as "an indexed
+    assignment wrote examples into other places" (trial 80: Wav2Vec2 with an attention mask),
+    although a constant written where each example's own mask says moves nothing. Its rows
+    are now each example's gradients; a mask whose rows are other examples' is still refused."""
+    torch.manual_seed(0)
+    x = torch.randn(3, 5, 4, dtype=torch.float64)
+    mask = torch.ones(3, 5, dtype=torch.bool)
+    mask[0, 3:] = False
+    mask[2, 4:] = False
+    model = _ZerosThroughAMask(how).double()
+    if how in ("flipped", "rebuilt from other rows"):
+        _refused(model, (x, mask), r"an indexed assignment wrote examples into other places")
+        return
+    with semipack.extend(model, semipack.Real(), per_sample=True):
+        _loss(model(x, mask)).backward()
+    for i in range(3):
+        grads = torch.autograd.grad(
+            _loss(model(x[i : i + 1], mask[i : i + 1])), list(model.parameters())
+        )
+        for (name, p), want in zip(model.named_parameters(), grads, strict=True):
+            torch.testing.assert_close(p.semiring_grad_batch[i], want, msg=f"{name} {i}")
+
+
+def test_wav2vec2_with_a_padding_mask_has_each_examples_rows():
+    """Hugging Face's Wav2Vec2 zeroes padded frames through a mask it builds from the lengths
+    in ``attention_mask`` (trial 80: refused). The convolutional feature encoder and the
+    weight-normed positional convolution are frozen (their rows are not supported: group norm,
+    weight norm); the other parameters' rows are each example's gradients."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = transformers.Wav2Vec2Config(
+        hidden_size=8, num_hidden_layers=1, num_attention_heads=2, intermediate_size=12,
+        conv_dim=(4, 4), conv_stride=(4, 2), conv_kernel=(8, 4), num_conv_pos_embeddings=4,
+        num_conv_pos_embedding_groups=2, feat_extract_norm="layer", do_stable_layer_norm=True,
+        hidden_dropout=0.0, attention_dropout=0.0, activation_dropout=0.0,
+        feat_proj_dropout=0.0, layerdrop=0.0, mask_time_prob=0.0,
+    )  # fmt: skip
+    model = transformers.Wav2Vec2Model._from_config(config, attn_implementation="sdpa")
+    model = model.double().eval()
+    model.feature_extractor.requires_grad_(False)
+    model.encoder.pos_conv_embed.requires_grad_(False)
+    audio = torch.randn(3, 120, dtype=torch.float64)
+    mask = torch.ones(3, 120, dtype=torch.long)
+    mask[1, 70:] = 0
+
+    def loss(sl):
+        return model(audio[sl], attention_mask=mask[sl]).last_hidden_state.tanh().sum()
+
+    with semipack.extend(model, semipack.Real(), per_sample=True):
+        loss(slice(None)).backward()
+    trained = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    for i in range(3):
+        grads = torch.autograd.grad(loss(slice(i, i + 1)), [p for _, p in trained])
+        for (name, p), want in zip(trained, grads, strict=True):
+            if name.endswith("k_proj.bias"):  # no path changes the loss: rounding noise only
+                continue
+            torch.testing.assert_close(p.semiring_grad_batch[i], want, msg=f"{name} {i}")
+
+
 @pytest.mark.parametrize("case", list(REFUSED_BESIDE_TOO))
 def test_second_arguments_and_writes_that_mix_examples_are_refused(case):
     _refused(

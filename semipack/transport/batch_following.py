@@ -522,6 +522,7 @@ class BatchedTensors:
             if value_marks:
                 lands = _landing(target, index, value)
                 kept = tuple((m, lands(d)) for m, d in value_marks) + kept
+            kept = self._rows_by_example(target, index) + kept
             if kept:
                 self._set_marks(target, kept)
                 if any(d is None for _, d in kept):
@@ -552,15 +553,51 @@ class BatchedTensors:
         if dim is None:  # written through a view or an alias: what shares its memory too
             self._lose(target, lost)
 
+    def _rows_by_example(self, target: Tensor, index: Any) -> tuple[Mark, ...]:
+        """The marks ``target[(torch.arange(N), j)] = v`` gives a fresh ``target``: row ``n``
+        is written at ``j[n]`` alone, so the marks of ``j``'s dim 0 (a model argument's
+        examples) are the target's dim 0's. Wav2Vec2 builds its feature-level padding mask
+        so from the lengths in its ``attention_mask``, then writes zeros through it; the mask
+        was taken for one mixing examples (trial 80)."""
+        if not (isinstance(index, tuple) and len(index) >= 2 and isinstance(index[0], Tensor)):
+            return ()
+        rows, n = index[0], target.shape[0] if target.dim() > 0 else -1
+        others = [e for e in index[1:] if isinstance(e, Tensor)]
+        if not (
+            rows.dim() == 1
+            and rows.shape[0] == n
+            and not rows.is_floating_point()
+            and rows.dtype != torch.bool
+            and self.batch_dim(rows) is NOT_HELD
+            and not self.marks(rows)
+            and others
+            and all(e.dim() == 1 and e.shape[0] == n for e in others)
+        ):
+            return ()
+        marks = tuple((m, 0) for e in others for m, d in self.marks(e) if d == 0)
+        if not marks or not torch.equal(rows.cpu(), torch.arange(n)):  # one read of N ids
+            return ()
+        return marks
+
     def _writes_whole(self, target: Tensor, index: Any, dim: int) -> bool:
         """Whether ``target[index] = ...`` writes every example alike: the index takes all of
-        ``dim``, or is an elementwise mask computed from the batch (on the same dim)."""
+        ``dim``, or is a mask over the leading dims whose examples are the target's on the same
+        dim: computed from the batch (``h[h < 0] = 0``), or from a model argument beside it
+        (Wav2Vec2's ``h[~mask[..., None].repeat(1, 1, d)] = 0`` with its padding mask; trial
+        80), whose mark the write confirms."""
         if isinstance(index, Tensor):
-            return (
+            if not (
                 index.dtype == torch.bool
-                and index.shape == target.shape
-                and self.batch_dim(index) == dim
-            )
+                and dim < index.dim() <= target.dim()
+                and index.shape == target.shape[: index.dim()]
+            ):
+                return False
+            held = self.batch_dim(index)
+            if held is not NOT_HELD:
+                return held == dim
+            marks = self.marks(index)
+            on_dim = any(d == dim for _, d in marks)
+            return on_dim and not self._judge_marks(marks, lambda d: d, dim, "__setitem__")
         entries = index if isinstance(index, tuple) else (index,)
         if any(e is Ellipsis for e in entries):
             rest = sum(e is not None for e in entries) - 1

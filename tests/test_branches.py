@@ -571,6 +571,53 @@ def test_touches_that_add_no_edge_are_no_uses_before_the_module() -> None:
         torch.testing.assert_close(split.values[use], want[use], rtol=1e-12, atol=0)
 
 
+class _TouchedInside(nn.Module):
+    """The block, whose output then reads its input's dtype, shape or values without an edge
+    from it (Gemma's RMSNorm ends in ``output.type_as(x)``)."""
+
+    def __init__(self, touch: str) -> None:
+        super().__init__()
+        self.block, self.touch = Block(), touch
+
+    def forward(self, h: Tensor) -> Tensor:
+        out = self.block(h)
+        if self.touch == "type_as":
+            return out.type_as(h)
+        if self.touch == "to":
+            return out.to(h)
+        if self.touch == "zeros_like":
+            return out + torch.zeros_like(h)
+        if self.touch == "new_zeros":
+            return out + h.new_zeros(h.shape)
+        if self.touch == "argmax":
+            return out * (h.argmax(-1, keepdim=True) >= 0)
+        return out * (h > -100)  # a comparison
+
+
+@pytest.mark.parametrize("touch", ["type_as", "to", "zeros_like", "new_zeros", "argmax", ">"])
+def test_touches_that_add_no_edge_inside_the_module_are_no_branches(touch: str) -> None:
+    """Inside the split module the same touches were named branches that no message reached:
+    ``names`` listed them and ``values`` had no entry (``KeyError`` in the README's loop), and
+    a token-type table showed an empty column (trial 80, Gemma's ``type_as``)."""
+    torch.manual_seed(0)
+    outer = _TouchedInside(touch).double()
+    for p in outer.parameters():
+        p.requires_grad_(False)
+    h = torch.randn(4, 2, 3, dtype=F64, requires_grad=True)
+    with semipack.extend(outer, semipack.MaxProd()):
+        with semipack.branches(outer) as split:
+            out = outer(h)
+        _loss(out).backward()
+    assert split.names == list(USES)
+    assert set(split.values) == set(USES)
+    # the oracle: each use of h a leaf of its own (the touches multiply by ones or add zeros)
+    copies = {use: h.detach().clone().requires_grad_() for use in USES}
+    with semipack.extend(outer.block, semipack.MaxProd()):
+        _loss(outer.block(h.detach(), copies)).backward()
+    for use in USES:
+        torch.testing.assert_close(split.values[use], copies[use].semiring_grad, rtol=1e-12, atol=0)
+
+
 def test_a_forward_no_backward_follows_keeps_the_last_backwards_values() -> None:
     """A forward after the last backward (a train-accuracy metric with grad mode on) starts a
     new split, but the last backward's values stay until a backward reaches it (trial 69: they

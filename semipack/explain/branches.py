@@ -250,13 +250,21 @@ class _SplitMode(TorchFunctionMode):
             label = labels[len(uses) + n] if labels else None
             made.append((self._alias(kwargs[k], module, label, op), kwargs[k]))
             kwargs[k] = made[-1][0]
+        listed_aliases: list[Tensor] = []
         for i in listed:  # torch.cat([h, g]), torch.stack: each listed use is a branch
             args[i] = type(args[i])(
-                self._alias(a, module, None, op) if self._is_split(a) else a for a in args[i]
+                listed_aliases.append(self._alias(a, module, None, op)) or listed_aliases[-1]
+                if self._is_split(a)
+                else a
+                for a in args[i]
             )
         if op in ADDS and not self._adds_a_value_of_the_split(args, kwargs, made):
             self.result.offsets.update(self.result.names[before:])
-        result = func(*args, **kwargs)
+        created: list[Any] = []
+        with torch.autograd.graph.node_creation_hook(created.append):
+            result = func(*args, **kwargs)
+        aliases = [alias for alias, _ in made] + listed_aliases  # in the order of their names
+        self._forget_edgeless(before, aliases, created)
         original = next((t for alias, t in made if result is alias), None)
         if original is not None:
             # A call that hands its argument back (``h.to(torch.float32)`` of a float32 ``h``,
@@ -321,6 +329,30 @@ class _SplitMode(TorchFunctionMode):
                 return True
             stack.extend(n for n, _ in node.next_functions if n is not None)
         return False
+
+    def _forget_edgeless(self, first: int, aliases: list[Tensor], created: list[Any]) -> None:
+        """Drop the branches named from position ``first`` on (one per alias in ``aliases``)
+        whose alias no node the call ``created`` has an edge from: the call read its dtype or
+        shape only (``y.type_as(h)``, ``torch.zeros_like(h)``, ``h.new_zeros(...)``), or its
+        result takes no gradient (``h.argmax()``, ``h > 0``). Such a branch never received a
+        message: ``names`` listed it and ``values`` had no entry (trial 80: Gemma's RMSNorm
+        ends in ``output.type_as(x)``)."""
+        reached = {id(n) for node in created for n, _ in node.next_functions if n is not None}
+        names = self.result.names[first:]
+        edgeless = {
+            name
+            for name, alias in zip(names, aliases, strict=True)
+            if alias.grad_fn is not None and id(alias.grad_fn) not in reached
+        }
+        for name in reversed(names):
+            if name not in edgeless:
+                continue
+            self.result.names.remove(name)
+            self.result.ops.pop(name, None)
+            self.result.offsets.discard(name)
+            base, _, number = name.partition("#")
+            if self.counts.get(base) == int(number or 1):  # the last one named: no gap
+                self.counts[base] -= 1
 
     def _forget(self, first: int) -> None:
         """Drop the branches named from position ``first`` on (aliases no op used)."""

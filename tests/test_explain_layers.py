@@ -1366,6 +1366,19 @@ def test_layers_are_labelled_by_their_own_index() -> None:
         "L0 attention",
         "L0 crossattention",
     ]
+    # layers of several stacks (BART's encoder and decoder, CLIP's towers) were labelled by
+    # position, L0 to L3 (trial 80)
+    bart = ["encoder.layers.0.self_attn", "encoder.layers.1.self_attn"]
+    bart += ["decoder.layers.0.self_attn", "decoder.layers.0.encoder_attn"]
+    assert layer_labels(bart) == [
+        "encoder L0",
+        "encoder L1",
+        "decoder L0 self_attn",
+        "decoder L0 encoder_attn",
+    ]
+    towers = ["text_model.encoder.layers.0.self_attn", "vision_model.encoder.layers.0.self_attn"]
+    assert layer_labels(towers) == ["text_model L0", "vision_model L0"]
+    assert layer_labels(["a.layers.0.attn", "a.extra.0.attn"]) == ["a.layers L0", "a.extra L0"]
 
 
 def test_a_route_through_list_items_credits_each_layer_with_its_own_hops() -> None:

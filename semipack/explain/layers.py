@@ -1100,11 +1100,18 @@ def layer_labels(names: Sequence[str]) -> list[str]:
     the layer's own index in the model (the last number in its module name:
     ``encoder.layer.2.attention`` is ``L2`` also when the layers given start there), the
     block's own name added where two blocks share an index (``L0 attention``, ``L0
-    crossattention``); ``L<position>`` where the names hold no index, or where their labels
-    would still not be distinct."""
+    crossattention``), and the stack's where the layers come from several (``encoder L0``,
+    ``decoder L0 self_attn``: BART's, CLIP's towers; trial 80 found them labelled by
+    position); ``L<position>`` where the names hold no index, or where their labels would
+    still not be distinct."""
     numbers = [[part for part in name.split(".") if part.isdigit()] for name in names]
     if all(numbers):
         labels = [f"L{int(found[-1])}" for found in numbers]
+        stacks = [_stack_of(name) for name in names]
+        if len(set(stacks)) > 1:
+            firsts = [stack.split(".")[0] for stack in stacks]
+            tags = firsts if len(set(firsts)) == len(set(stacks)) else stacks
+            labels = [f"{tag} {label}" for tag, label in zip(tags, labels, strict=True)]
         repeated = {label for label in labels if labels.count(label) > 1}
         labels = [
             f"{label} {name.rsplit('.', 1)[-1]}" if label in repeated else label
@@ -1113,6 +1120,14 @@ def layer_labels(names: Sequence[str]) -> list[str]:
         if len(set(labels)) == len(labels):
             return labels
     return [f"L{i}" for i in range(len(names))]
+
+
+def _stack_of(name: str) -> str:
+    """The module path before a layer's index (``decoder.layers`` of
+    ``decoder.layers.0.self_attn``)."""
+    parts = name.split(".")
+    last = max(i for i, part in enumerate(parts) if part.isdigit())
+    return ".".join(parts[:last])
 
 
 def _one_sentence(tokens: Sequence[str] | Sequence[Sequence[str]]) -> bool:

@@ -1536,6 +1536,55 @@ def test_phi3_fused_projection_is_read_and_an_unknown_one_is_not_called_residual
     assert route.describe().endswith(": L0 attention: token 1 -> token 3")
 
 
+def test_a_grouped_query_key_or_value_hop_names_the_query_heads_sharing_it() -> None:
+    """With grouped-query attention a route's key or value hop names a key/value head, where
+    the head table beside it counts query heads (trial 80: "L0 value head 1" beside "head 2:
+    100%"). The hop now says which query heads share it; a query hop, and a key hop of
+    attention with as many key/value heads as query heads, stay as they were."""
+    config = transformers.MistralConfig(
+        vocab_size=20, hidden_size=16, num_hidden_layers=1, num_attention_heads=4,
+        num_key_value_heads=2, intermediate_size=16, max_position_embeddings=16,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = transformers.MistralModel._from_config(config, attn_implementation="eager")
+    layers = attention_layers(model)
+    assert (layers[0].num_heads, layers[0].head_dim) == (4, 4)
+
+    def through(projection: str, unit: int) -> LayerRoute:
+        return _route(
+            [
+                _step(f"layers.0.self_attn.{projection}", (0, 1, unit)),
+                _step("layers.0.self_attn", (0, 1, 3, 1)),
+                _step("layers.0.self_attn.o_proj", (0, 3, 5)),
+                _step("layers.0", (0, 3, 5)),
+            ],
+            layers,
+        )
+
+    value = through("v_proj", 5)  # key/value head 1 of 2: query heads 2 and 3 read it
+    assert [(h.branch, h.head, h.query_heads) for h in value.hops] == [("value", 1, (2, 3))]
+    assert value.describe().endswith(
+        ": L0 value head 1 (shared by query heads 2-3): token 1 -> token 3"
+    )
+    key = through("k_proj", 2)
+    assert [(h.branch, h.head, h.query_heads) for h in key.hops] == [("key", 0, (0, 1))]
+    query = through("q_proj", 13)
+    assert [(h.branch, h.head, h.query_heads) for h in query.hops] == [("query", 3, None)]
+    assert query.describe().endswith(": L0 query head 3: token 1 -> token 3")
+    plain = [
+        AttentionLayer("layers.0.self_attn", layers[0].block, layers[0].heads_input, 2, 4)
+    ]  # two heads of width 4 in an 8-unit key projection: as many as the queries'
+    key = _route(
+        [
+            _step("layers.0.self_attn.k_proj", (0, 1, 6)),
+            _step("layers.0.self_attn", (0, 1, 3, 1)),
+            _step("layers.0", (0, 3, 5)),
+        ],
+        plain,
+    )
+    assert [(h.branch, h.head, h.query_heads) for h in key.hops] == [("key", 1, None)]
+
+
 def test_a_layer_with_self_and_cross_attention_keeps_its_residual_hops() -> None:
     """A pre-norm decoder layer (Whisper, BART) holds self- and cross-attention and makes the
     residual adds itself: each block kept only its own steps, so a path crossing by the

@@ -894,6 +894,9 @@ class LayerHop:
     branch: str
     head: int | None  # the head of the projection it takes, None for residual and attention
     label: str = ""  # the layer's short label (``layer_labels``); ``L<layer>`` when empty
+    #: with grouped-query attention, the first and last query head that share the key or value
+    #: head ``head`` (``head`` counts key/value heads there, tables count query heads)
+    query_heads: tuple[int, int] | None = None
 
     @property
     def name(self) -> str:
@@ -946,6 +949,9 @@ class LayerRoute:
                 start = end + 1
                 continue
             head = "" if hop.head is None else f" head {hop.head}"
+            if hop.query_heads is not None:
+                first_head, last_head = hop.query_heads
+                head += f" (shared by query heads {first_head}-{last_head})"
             parts.append(
                 f"{hop.name} {hop.branch}{head}: {name(hop.token_in)} -> {name(hop.token_out)}"
             )
@@ -1013,8 +1019,11 @@ def layer_routes(paths: Sequence[Path], layers: Sequence[AttentionLayer]) -> lis
             else:
                 projection, (branch, head) = found
                 token_in = projection.index[1]
+            shared = _query_heads(spec, found[0], branch, head) if found is not None else None
             hops.append(
-                LayerHop(i, int(token_in), int(inside[-1].index[1]), branch, head, labels[i])
+                LayerHop(
+                    i, int(token_in), int(inside[-1].index[1]), branch, head, labels[i], shared
+                )
             )
             example = int(inside[0].index[0])
         start = "" if _ANONYMOUS_LEAF.fullmatch(path.leaf) else f"{path.leaf}{list(path.index)}"
@@ -1193,6 +1202,27 @@ def _projection(step: PathStep, spec: AttentionLayer) -> tuple[str, int] | None:
         return "linear", unit // spec.head_dim
     branch = branch_name(name, spec.name)
     return (branch, unit // spec.head_dim) if branch in BRANCH_ORDER[:3] else None
+
+
+def _query_heads(
+    spec: AttentionLayer, step: PathStep, branch: str, head: int | None
+) -> tuple[int, int] | None:
+    """The query heads sharing key or value head ``head`` of a grouped-query attention block
+    whose key and value projections are modules of their own (Llama, Mistral, Qwen2: fewer
+    output units than the queries'); None elsewhere (trial 80: a route named a key/value head
+    where the head table beside it counts query heads)."""
+    if branch not in ("key", "value") or head is None or step.module == spec.name:
+        return None
+    try:
+        projection = spec.block.get_submodule(step.module.removeprefix(spec.name + "."))
+    except AttributeError:
+        return None
+    width = getattr(projection, "out_features", None)
+    shared = None if width is None else width // spec.head_dim
+    if not shared or shared >= spec.num_heads or spec.num_heads % shared:
+        return None
+    group = spec.num_heads // shared
+    return head * group, head * group + group - 1
 
 
 #: The nodes of a linear layer's output (its extension's, ``x @ W``'s), ``[batch, tokens, units]``.

@@ -23,6 +23,12 @@ from torch.utils.checkpoint import checkpoint
 
 import semipack
 
+
+def _generator() -> torch.Generator:
+    """On the default device: the GPU check (``dev/gpu_check``) runs these tests on CUDA."""
+    return torch.Generator(torch.get_default_device())
+
+
 DTYPE = torch.float64
 
 
@@ -34,7 +40,7 @@ def mlp(seed: int = 0) -> nn.Sequential:
 
 
 def data(batch: int = 2, seed: int = 1) -> Tensor:
-    return torch.randn(batch, 3, generator=torch.Generator().manual_seed(seed), dtype=DTYPE)
+    return torch.randn(batch, 3, generator=_generator().manual_seed(seed), dtype=DTYPE)
 
 
 def plain_grads(model: nn.Module, loss_fn) -> list[Tensor | None]:

@@ -21,6 +21,12 @@ from torch import Tensor, nn
 
 import semipack
 
+
+def _generator() -> torch.Generator:
+    """On the default device: the GPU check (``dev/gpu_check``) runs these tests on CUDA."""
+    return torch.Generator(torch.get_default_device())
+
+
 F64 = torch.float64
 pytestmark = pytest.mark.usefixtures("single_thread")
 USES = ("block.q", "block.k", "block.v", "block")
@@ -59,13 +65,11 @@ def _net() -> Net:
 
 
 def _loss(out: Tensor) -> Tensor:
-    return (
-        out * torch.randn(out.shape, generator=torch.Generator().manual_seed(1), dtype=F64)
-    ).sum()
+    return (out * torch.randn(out.shape, generator=_generator().manual_seed(1), dtype=F64)).sum()
 
 
 def _x() -> Tensor:
-    return torch.randn(4, 2, generator=torch.Generator().manual_seed(2), dtype=F64).requires_grad_()
+    return torch.randn(4, 2, generator=_generator().manual_seed(2), dtype=F64).requires_grad_()
 
 
 @pytest.mark.parametrize("extensions", [True, False], ids=["extensions", "generic"])

@@ -127,6 +127,35 @@ CHECKS = [
     ),
     ("test_more_ops", "test_int32_ids_give_what_int64_ids_give", ({"per_sample": True},)),
     ("test_monitor", "test_a_step_with_nan_values_records_unknowns_not_a_moved_top_path", ()),
+    # the eighteenth session's: non-reentrant checkpoints, merged batches, masked writes
+    (
+        "test_bad_inputs",
+        "test_a_non_reentrant_checkpoint_recomputes_its_region_once_per_backward",
+        ("batch_norm", True),
+    ),
+    (
+        "test_bad_inputs",
+        "test_a_non_reentrant_checkpoint_recomputes_its_region_once_per_backward",
+        ("spectral_norm", False),
+    ),
+    (
+        "test_monitor",
+        "test_training_through_a_non_reentrant_checkpoint_is_training_without_the_monitor",
+        (),
+    ),
+    ("test_per_sample", "test_gpt2_and_opt_layers_on_the_merged_batch", ("gpt2",)),
+    ("test_per_sample", "test_gpt2_and_opt_layers_on_the_merged_batch", ("opt",)),
+    (
+        "test_per_sample",
+        "test_zeros_written_through_a_padding_mask_keep_each_example_on_its_row",
+        ("rebuilt",),
+    ),
+    ("test_per_sample", "test_wav2vec2_with_a_padding_mask_has_each_examples_rows", ()),
+    (
+        "test_branches",
+        "test_touches_that_add_no_edge_inside_the_module_are_no_branches",
+        ("type_as",),
+    ),
 ]
 
 torch.set_default_device("cuda")

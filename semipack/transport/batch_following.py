@@ -575,8 +575,8 @@ class BatchedTensors:
         ):
             return ()
         marks = tuple((m, 0) for e in others for m, d in self.marks(e) if d == 0)
-        if not marks or not torch.equal(rows.cpu(), torch.arange(n)):  # one read of N ids
-            return ()
+        if not marks or not torch.equal(rows, torch.arange(n, device=rows.device)):
+            return ()  # one read of N ids
         return marks
 
     def _writes_whole(self, target: Tensor, index: Any, dim: int) -> bool:

@@ -251,13 +251,13 @@ class _SplitMode(TorchFunctionMode):
             made.append((self._alias(kwargs[k], module, label, op), kwargs[k]))
             kwargs[k] = made[-1][0]
         listed_aliases: list[Tensor] = []
+
+        def listed_alias(a: Tensor) -> Tensor:
+            listed_aliases.append(self._alias(a, module, None, op))
+            return listed_aliases[-1]
+
         for i in listed:  # torch.cat([h, g]), torch.stack: each listed use is a branch
-            args[i] = type(args[i])(
-                listed_aliases.append(self._alias(a, module, None, op)) or listed_aliases[-1]
-                if self._is_split(a)
-                else a
-                for a in args[i]
-            )
+            args[i] = type(args[i])(listed_alias(a) if self._is_split(a) else a for a in args[i])
         if op in ADDS and not self._adds_a_value_of_the_split(args, kwargs, made):
             self.result.offsets.update(self.result.names[before:])
         created: list[Any] = []

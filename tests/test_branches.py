@@ -622,6 +622,60 @@ def test_touches_that_add_no_edge_inside_the_module_are_no_branches(touch: str) 
         torch.testing.assert_close(split.values[use], copies[use].semiring_grad, rtol=1e-12, atol=0)
 
 
+class _Square(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: Tensor) -> Tensor:
+        ctx.save_for_backward(x)
+        return x * x
+
+    @staticmethod
+    def backward(ctx, g: Tensor) -> Tensor:
+        (x,) = ctx.saved_tensors
+        return 2 * x * g
+
+
+class _WithAFunction(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(3, 3)
+
+    def forward(self, h: Tensor) -> Tensor:
+        return self.lin(h) + _Square.apply(h)
+
+
+@pytest.mark.parametrize("backward_inside", [True, False])
+def test_a_use_by_a_custom_function_is_named_as_in_no_branch(backward_inside: bool) -> None:
+    """``Function.apply`` goes through no torch function mode: a custom Function's use of the
+    split tensor got no alias, and its paths were missing from every branch with no word
+    (trial 82: the branches fell short of the split tensor's value). It warns now, naming the
+    node, and ``unseen_uses`` lists it; a module's backward hooks, whose identity node PyTorch
+    makes the same way, are no such use."""
+    torch.manual_seed(0)
+    block = _WithAFunction().double()
+    h = torch.randn(4, 3, dtype=F64, requires_grad=True)
+    warned = pytest.warns(UserWarning, match=r"used by _SquareBackward, made by a call the block")
+    with warned, semipack.extend(block, semipack.Real()):
+        with semipack.branches(block) as split:
+            out = block(h)
+            if backward_inside:
+                out.pow(2).sum().backward()
+        if not backward_inside:
+            out.pow(2).sum().backward()
+    assert split.names == ["lin"] and split.unseen_uses == ["_SquareBackward"]
+    hooked = _WithAFunction().double()
+    hooked.forward = lambda h: hooked.lin(h) * h  # type: ignore[method-assign]
+    hooked.register_full_backward_hook(lambda *_: None)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with semipack.extend(hooked, semipack.Real()):
+            with semipack.branches(hooked) as split:
+                out = hooked(h)
+            out.pow(2).sum().backward()
+    assert split.names == ["lin", "<root module>"] and split.unseen_uses == []
+    total = split.values["lin"] + split.values["<root module>"]  # Real: the branches add up
+    torch.testing.assert_close(total, torch.autograd.grad(hooked(h).pow(2).sum(), h)[0])
+
+
 def test_a_forward_no_backward_follows_keeps_the_last_backwards_values() -> None:
     """A forward after the last backward (a train-accuracy metric with grad mode on) starts a
     new split, but the last backward's values stay until a backward reaches it (trial 69: they

@@ -79,6 +79,10 @@ class Branches:
     #: refuses such a layer); a use no backward reaches, a logged ``h.norm().item()``, has no
     #: path and is not listed
     used_before: list[str] = field(default_factory=list)
+    #: uses of the split tensor made where this block sees no call (a custom
+    #: ``autograd.Function``'s ``apply``, code below Python) whose nodes a backward then
+    #: reached, by node name: their paths are in no branch
+    unseen_uses: list[str] = field(default_factory=list)
     split: Tensor | None = None
     calls: int = 0
     #: calls of the split module under ``torch.no_grad`` (a validation forward, a reentrant
@@ -209,9 +213,37 @@ class _SplitMode(TorchFunctionMode):
         #: whether the block is open (a backward inside it re-arms the watch for uses
         #: before the module's next call)
         self.inside = False
+        #: calls of this mode running (``__torch_function__`` nested)
+        self.calling = 0
+        #: the node a use of the split tensor has an edge to (kept alive: ids are compared)
+        self.split_nodes: list[Any] = []
+
+    def watch_unseen(self, node: Any, late: list) -> None:
+        """A node created while the block is open (``node_creation_hook``): one with an edge
+        from the split tensor, made outside any call this mode saw (``Function.apply`` of a
+        custom ``autograd.Function`` does not go through torch function modes), is a use
+        no alias carries. Its paths would be missing from every branch, silently (trial 82:
+        ``h @ W + Sq.apply(h)`` split into one branch whose value fell short of ``h``'s): a
+        backward reaching it records it in ``unseen_uses``, which warns."""
+        if self.calling or self.target is None or _OPEN_SPLITS.aliasing:
+            return
+        if node.name() == MODULE_HOOK_NODE:  # a module with backward hooks: its input's copy,
+            return  # whose uses the mode sees (``_behind_module_hook``)
+        if torch._C._current_graph_task_id() != -1:  # made in a backward (a recomputation)
+            return
+        split_nodes = {id(n) for n in self.split_nodes}
+        split_nodes.update(id(f.grad_fn) for f in self.forms if f.grad_fn is not None)
+        if any(n is not None and id(n) in split_nodes for n, _ in node.next_functions):
+            node.register_prehook(_mark_unseen_use(self.result, node.name(), late))
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
+        self.calling += 1  # nodes made inside a call this mode sees are no unseen uses
+        try:
+            return self._call(func, args, kwargs or {})
+        finally:
+            self.calling -= 1
+
+    def _call(self, func, args, kwargs):
         if _OPEN_SPLITS.aliasing:  # another split making its alias
             return func(*args, **kwargs)
         watching = self.target is None and self.earlier_uses is not None
@@ -523,6 +555,7 @@ def branches(at: nn.Module | Tensor, inputs: Sequence[Tensor] = ()) -> Iterator[
         record = Branches(split=tensor, arguments=arguments, calls=1)
         calls.append(record)
         mode.result, mode.target, mode.forms, mode.counts = record, tensor, [tensor], {}
+        mode.split_nodes = [_gradient_node(tensor)]
         state.since += 1
         result.calls = state.since
         if state.task is None:  # before any backward: the latest call is shown
@@ -576,8 +609,9 @@ def branches(at: nn.Module | Tensor, inputs: Sequence[Tensor] = ()) -> Iterator[
         take(at)
     else:
         raise TypeError(f"semipack.branches splits at a module or a tensor, got {type(at)}")
+    watching = torch.autograd.graph.node_creation_hook(lambda n: mode.watch_unseen(n, late))
     try:
-        with mode:
+        with mode, watching:
             mode.inside = state.open = True
             _OPEN_SPLITS.modes.append(mode)
             yield result
@@ -603,18 +637,22 @@ def branches(at: nn.Module | Tensor, inputs: Sequence[Tensor] = ()) -> Iterator[
         raise SemipackError(
             f"semipack.branches: {type(at).__name__} was not called inside the block"
         )
+    name = type(at).__name__ if isinstance(at, nn.Module) else "the split tensor"
+    if result.unseen_uses:  # a backward inside the block reached them
+        _warn_unseen(name, result.unseen_uses)
     if isinstance(at, nn.Module):
-        name = type(at).__name__
-        if result.used_before:  # a backward inside the block reached them
+        if result.used_before:
             _warn_used_before(name, result.used_before)
         if len(state.reached) > 1:
             _warn_calls(name, len(state.reached))
-        # a backward after the block warns when it finds either
-        late[0] = lambda what: (
-            _warn_calls(name, len(state.reached))
-            if what == _CALLS
-            else _warn_used_before(name, [what])
-        )
+    # a backward after the block warns when it finds any of them
+    late[0] = lambda what: (
+        _warn_calls(name, len(state.reached))
+        if what == _CALLS
+        else _warn_unseen(name, [what.removeprefix(_UNSEEN)])
+        if what.startswith(_UNSEEN)
+        else _warn_used_before(name, [what])
+    )
 
 
 #: Why a tensor computed with grad mode on does not require grad.
@@ -666,6 +704,7 @@ def _show(result: Branches, record: Branches) -> None:
         record.arguments,
         record.split,
     )
+    result.unseen_uses = record.unseen_uses
 
 
 def _warn_used_before(module: str, calls: Sequence[str]) -> None:
@@ -683,6 +722,45 @@ def _warn_calls(module: str, n: int) -> None:
         "instead, or run the module once per backward",
         stacklevel=user_stacklevel(),
     )
+
+
+#: What ``late`` is told, before a node's name, when a backward reaches an unseen use.
+_UNSEEN = "<unseen>"
+
+
+def _gradient_node(t: Tensor) -> Any:
+    """The node a use of ``t`` has an edge to: its ``grad_fn``, a leaf's ``AccumulateGrad``
+    (found through a view, which no split may take for a use)."""
+    if t.grad_fn is not None:
+        return t.grad_fn
+    with _making_alias():
+        return torch.autograd.graph.get_gradient_edge(t).node
+
+
+def _warn_unseen(module: str, nodes: Sequence[str]) -> None:
+    warnings.warn(
+        f"semipack.branches: {module}'s input was used by {', '.join(nodes)}, made by a call "
+        "the block does not see (a custom autograd.Function's apply, code below Python): "
+        "those uses' paths are in no branch, and the branches do not add up to the split "
+        "tensor's value",
+        stacklevel=user_stacklevel(),
+    )
+
+
+def _mark_unseen_use(record: Branches, node_name: str, late: list):
+    """A pre-hook for the node of an unseen use (``_SplitMode.watch_unseen``): once a
+    backward's message reaches it, its paths are in no branch."""
+
+    def hook(grad_outputs):
+        if node_name in record.unseen_uses or in_carry_pass():
+            return None
+        if any(isinstance(g, Message) for g in grad_outputs):
+            record.unseen_uses.append(node_name)
+            if late[0] is not None:
+                late[0](_UNSEEN + node_name)
+        return None
+
+    return hook
 
 
 def _mark_used_before(record: Branches, call: str, late: list):

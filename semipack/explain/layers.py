@@ -573,6 +573,7 @@ def explain_layers(
             raise SemipackError("explain_layers: target() must return a scalar tensor")
         with warnings.catch_warnings():  # refused below, by name
             warnings.filterwarnings("ignore", "semipack.branches: .* used before the module")
+            warnings.filterwarnings("ignore", "semipack.branches: .* the block does not see")
             scalar.backward()
     _check_after_backward(layers, splits, contexts)
     factors = semiring.semirings if isinstance(semiring, Product) else (semiring,)
@@ -750,6 +751,17 @@ def _check_after_backward(
             "called, so the paths through that use would be in no branch and missing from the "
             "layer's total; pass layers=[AttentionLayer(...), ...] naming a block that holds "
             "every use of its input"
+        )
+    unseen = [
+        f"{spec.name} (by {', '.join(split.unseen_uses)})"
+        for spec, split in zip(layers, splits, strict=True)
+        if split.unseen_uses
+    ]
+    if unseen:
+        raise SemipackError(
+            f"explain_layers: the input of {', '.join(unseen)} was used by a call semipack "
+            "does not see (a custom autograd.Function's apply, code below Python), so the "
+            "paths through that use would be in no branch and missing from the layer's total"
         )
 
 

@@ -1376,9 +1376,17 @@ def test_layers_are_labelled_by_their_own_index() -> None:
         "decoder L0 self_attn",
         "decoder L0 encoder_attn",
     ]
+    assert layer_labels([f"model.{name}" for name in bart]) == layer_labels(bart)  # wrapped
     towers = ["text_model.encoder.layers.0.self_attn", "vision_model.encoder.layers.0.self_attn"]
     assert layer_labels(towers) == ["text_model L0", "vision_model L0"]
-    assert layer_labels(["a.layers.0.attn", "a.extra.0.attn"]) == ["a.layers L0", "a.extra L0"]
+    assert layer_labels([f"clip.{name}" for name in towers]) == ["text_model L0", "vision_model L0"]
+    assert layer_labels(["a.layers.0.attn", "a.extra.0.attn"]) == ["layers L0", "extra L0"]
+    # T5 numbers its blocks and, inside each, its sub-layers: the block is the layer's index
+    # (trial 82: the first version of the stacks read the sub-layer's)
+    t5 = [f"encoder.block.{i}.layer.0.SelfAttention" for i in range(3)]
+    assert layer_labels(t5) == ["L0", "L1", "L2"]
+    t5 = [f"decoder.block.{i}.layer.{j}.{b}" for i in range(2) for j, b in enumerate(("S", "C"))]
+    assert layer_labels(t5) == ["L0 S", "L0 C", "L1 S", "L1 C"]
 
 
 def test_a_route_through_list_items_credits_each_layer_with_its_own_hops() -> None:
@@ -1583,6 +1591,24 @@ def test_a_grouped_query_key_or_value_hop_names_the_query_heads_sharing_it() -> 
         plain,
     )
     assert [(h.branch, h.head, h.query_heads) for h in key.hops] == [("key", 1, None)]
+    # Phi-3's fused qkv_proj, [4 query heads | 2 key heads | 2 value heads] of width 8 (trial
+    # 82: read, but not annotated)
+    config = transformers.Phi3Config(
+        vocab_size=40, hidden_size=32, num_hidden_layers=1, num_attention_heads=4,
+        num_key_value_heads=2, intermediate_size=64, max_position_embeddings=32, pad_token_id=1,
+    )  # fmt: skip
+    phi3 = transformers.Phi3Model._from_config(config, attn_implementation="eager")
+    block = phi3.layers[0].self_attn
+    phi3_layers = [AttentionLayer("layers.0.self_attn", block, block.o_proj, 4, 8)]
+    value = _route(
+        [
+            _step("layers.0.self_attn.qkv_proj", (0, 1, 32 + 16 + 9)),  # value head 1
+            _step("layers.0.self_attn", (0, 1, 3, 1)),
+            _step("layers.0", (0, 3, 5)),
+        ],
+        phi3_layers,
+    )
+    assert [(h.branch, h.head, h.query_heads) for h in value.hops] == [("value", 1, (2, 3))]
 
 
 def test_a_layer_with_self_and_cross_attention_keeps_its_residual_hops() -> None:

@@ -1118,37 +1118,49 @@ def _owner(name: str) -> str:
 
 def layer_labels(names: Sequence[str]) -> list[str]:
     """Short labels of attention layers for tables, pictures and routes: ``L<k>`` with ``k``
-    the layer's own index in the model (the last number in its module name:
-    ``encoder.layer.2.attention`` is ``L2`` also when the layers given start there), the
-    block's own name added where two blocks share an index (``L0 attention``, ``L0
-    crossattention``), and the stack's where the layers come from several (``encoder L0``,
-    ``decoder L0 self_attn``: BART's, CLIP's towers; trial 80 found them labelled by
-    position); ``L<position>`` where the names hold no index, or where their labels would
-    still not be distinct."""
-    numbers = [[part for part in name.split(".") if part.isdigit()] for name in names]
-    if all(numbers):
-        labels = [f"L{int(found[-1])}" for found in numbers]
-        stacks = [_stack_of(name) for name in names]
-        if len(set(stacks)) > 1:
-            firsts = [stack.split(".")[0] for stack in stacks]
-            tags = firsts if len(set(firsts)) == len(set(stacks)) else stacks
-            labels = [f"{tag} {label}" for tag, label in zip(tags, labels, strict=True)]
-        repeated = {label for label in labels if labels.count(label) > 1}
-        labels = [
-            f"{label} {name.rsplit('.', 1)[-1]}" if label in repeated else label
-            for label, name in zip(labels, names, strict=True)
-        ]
-        if len(set(labels)) == len(labels):
-            return labels
-    return [f"L{i}" for i in range(len(names))]
+    the layer's own index in the model (``encoder.layer.2.attention`` is ``L2`` also when the
+    layers given start there; of several numbers in a name, the first that tells the layers of
+    one kind apart, T5's block in ``encoder.block.2.layer.0.SelfAttention``, or the last where
+    one layer is of its kind), the block's own
+    name added where two blocks share an index (``L0 attention``, ``L0 crossattention``), and
+    the stack's where the layers come from several (``encoder L0``, ``decoder L0 self_attn``:
+    BART's, also inside a wrapper, ``model.encoder.layers``; CLIP's towers ``text_model L0``;
+    trial 80 found them labelled by position); ``L<position>`` where the names hold no index,
+    or where their labels would still not be distinct."""
+    parts = [name.split(".") for name in names]
+    if not all(any(p.isdigit() for p in ps) for ps in parts):
+        return [f"L{i}" for i in range(len(names))]
+    kinds = [tuple("#" if p.isdigit() else p for p in ps) for ps in parts]
+    places = []  # per name, the position of its index among its parts
+    for ps, kind in zip(parts, kinds, strict=True):
+        numbered = [i for i, p in enumerate(ps) if p.isdigit()]
+        same = [q for q, k in zip(parts, kinds, strict=True) if k == kind]
+        varying = [i for i in numbered if len({q[i] for q in same}) > 1]
+        places.append(varying[0] if varying else numbered[-1])
+    labels = [f"L{int(ps[at])}" for ps, at in zip(parts, places, strict=True)]
+    stacks = [tuple(ps[:at]) for ps, at in zip(parts, places, strict=True)]
+    if len(set(stacks)) > 1:
+        labels = [f"{tag} {label}" for tag, label in zip(_stack_tags(stacks), labels, strict=True)]
+    repeated = {label for label in labels if labels.count(label) > 1}
+    labels = [
+        f"{label} {name.rsplit('.', 1)[-1]}" if label in repeated else label
+        for label, name in zip(labels, names, strict=True)
+    ]
+    return labels if len(set(labels)) == len(labels) else [f"L{i}" for i in range(len(names))]
 
 
-def _stack_of(name: str) -> str:
-    """The module path before a layer's index (``decoder.layers`` of
-    ``decoder.layers.0.self_attn``)."""
-    parts = name.split(".")
-    last = max(i for i, part in enumerate(parts) if part.isdigit())
-    return ".".join(parts[:last])
+def _stack_tags(stacks: Sequence[tuple[str, ...]]) -> list[str]:
+    """A short name per stack of layers (the module path before the layers' index): the first
+    part in which the stacks differ (``encoder`` and ``decoder`` of ``model.encoder.layers`` and
+    ``model.decoder.layers``), or the whole path where that part does not tell them apart."""
+    first = next(
+        i
+        for i in range(max(len(s) for s in stacks) + 1)
+        if len({s[i] if i < len(s) else None for s in stacks}) > 1
+    )
+    tags = [s[first] if first < len(s) else ".".join(s) for s in stacks]
+    distinct = len(set(tags)) == len(set(stacks))
+    return tags if distinct else [".".join(s) for s in stacks]
 
 
 def _one_sentence(tokens: Sequence[str] | Sequence[Sequence[str]]) -> bool:
@@ -1220,21 +1232,34 @@ def _query_heads(
     spec: AttentionLayer, step: PathStep, branch: str, head: int | None
 ) -> tuple[int, int] | None:
     """The query heads sharing key or value head ``head`` of a grouped-query attention block
-    whose key and value projections are modules of their own (Llama, Mistral, Qwen2: fewer
-    output units than the queries'); None elsewhere (trial 80: a route named a key/value head
-    where the head table beside it counts query heads)."""
-    if branch not in ("key", "value") or head is None or step.module == spec.name:
+    (fewer key/value heads than query heads: Llama, Mistral, Qwen2, Phi-3's fused
+    ``qkv_proj``, GPTBigCode's multi-query ``c_attn``); None elsewhere (trial 80: a route
+    named a key/value head where the head table beside it counts query heads)."""
+    if branch not in ("key", "value") or head is None:
         return None
-    try:
-        projection = spec.block.get_submodule(step.module.removeprefix(spec.name + "."))
-    except AttributeError:
-        return None
-    width = getattr(projection, "out_features", None)
-    shared = None if width is None else width // spec.head_dim
+    shared = _key_value_heads(spec, step)
     if not shared or shared >= spec.num_heads or spec.num_heads % shared:
         return None
     group = spec.num_heads // shared
     return head * group, head * group + group - 1
+
+
+def _key_value_heads(spec: AttentionLayer, step: PathStep) -> int | None:
+    """How many key (or value) heads the projection of ``step`` makes, where it can be read."""
+    name = step.module or ""
+    if name == spec.name + ".qkv_proj" and type(spec.block).__name__ == "Phi3Attention":
+        width = spec.num_heads * spec.head_dim
+        return (spec.block.qkv_proj.weight.shape[0] - width) // 2 // spec.head_dim
+    if name.endswith(".c_attn"):
+        return 1 if _fused_layout(spec.block) == "multi-query" else None
+    if name == spec.name:
+        return None
+    try:
+        projection = spec.block.get_submodule(name.removeprefix(spec.name + "."))
+    except AttributeError:
+        return None
+    width = getattr(projection, "out_features", None)
+    return None if width is None else width // spec.head_dim
 
 
 #: The nodes of a linear layer's output (its extension's, ``x @ W``'s), ``[batch, tokens, units]``.

@@ -594,7 +594,7 @@ def test_bert_position_ids_broadcast_refused():
     with semipack.extend(model.eval(), semipack.MaxProd(), per_sample=True):
         loss = model(ids).last_hidden_state.sum()
         with pytest.raises(
-            PerSampleError, match=r"'embeddings.position_embeddings.weight' \(1\)"
+            PerSampleError, match=r"'embeddings.position_embeddings.weight' \(1 row\)"
         ) as e:
             loss.backward()
     assert "pass position_ids of shape [N, T]" in str(e.value)
@@ -628,7 +628,9 @@ def test_a_relative_position_table_is_named_as_the_cause():
         with pytest.raises(PerSampleError) as refused:
             loss.backward()
     message = str(refused.value)
-    assert "most parameters saw a batch of 2 examples, but 'bias.weight' (5) did not" in message
+    assert (
+        "the model's input has 2 examples in dim 0, but 'bias.weight' (5 rows) did not" in message
+    )
     assert "relative-position bucket table" in message and "position_ids" not in message
     assert all(p.grad is None for p in model.parameters())
 
@@ -2278,9 +2280,10 @@ def test_a_layer_on_the_batch_merged_with_the_tokens_is_named_as_such():
     _refused(
         MergedConvolution(),
         (torch.randn(2, 3, 2),),
-        r"'fc\.bias' \(6\), 'fc\.weight' \(6\) did not: .* A multiple of the batch's size "
-        r"\(6 = 2 x 3\): the batch merged with another dim by a reshape \(\[N \* T, \.\.\.\]\): "
-        r"Linear and LayerNorm layers, x @ W and torch\.addmm split it out again",
+        r"'fc\.bias' \(6 rows\), 'fc\.weight' \(6 rows\) did not: .* A multiple of the batch's "
+        r"size \(6 = 2 x 3\): the batch merged with another dim by a reshape "
+        r"\(\[N \* T, \.\.\.\]\): Linear and LayerNorm layers, x @ W and torch\.addmm split it "
+        r"out again",
     )
 
 

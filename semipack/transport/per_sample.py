@@ -179,7 +179,7 @@ def check_graph(
                     f"per-sample values: parameter '{params[id(variable)]}' is used by "
                     f"{node.name()}{where}, which has no per-sample rule. Supported: "
                     "parameters used directly by F.linear, x @ W (torch.matmul, the @ "
-                    "operator), torch.addmm(b, x, W), conv1d/conv2d, F.layer_norm, F.embedding and "
+                    "operator), torch.addmm(b, x, W) (a 1-D b, no beta or alpha), conv1d/conv2d, F.layer_norm, F.embedding and "
                     "nn.MultiheadAttention (the module extensions, with extensions=True), or by "
                     "x * p, x + p, x - p, or through casts, transposes, views, squeezes, "
                     "expands, slices, selected rows and constant factors on the way there"
@@ -467,23 +467,20 @@ class PerSampleRows:
                     "computed from two parameters); see 'Per-sample values' in the README"
                 )
         sizes = [self.rows[id(p)][0].shape[0] for p in params]
-        if len(set(sizes)) > 1:
-            batch = max(set(sizes), key=sizes.count)
+        if batches:  # the model's input says how many examples there are
+            batch = min(batches - {1}, default=min(batches))
+            odd = [(p, n) for p, n in zip(params, sizes, strict=True) if n not in batches]
+            seen = "the model's input has " + " or ".join(str(n) for n in sorted(batches))
+        else:  # most parameters' rows do (trial 82: a merged batch's 12 rows read "12 examples")
+            batch = max(set(sizes), key=sizes.count, default=0)
             odd = [(p, n) for p, n in zip(params, sizes, strict=True) if n != batch]
-            named = ", ".join(f"'{self.names[id(p)]}' ({n})" for p, n in odd)
+            seen = f"most parameters saw {batch}"
+        if odd:
+            named = ", ".join(f"'{self.names[id(p)]}' ({n} row{'s' * (n != 1)})" for p, n in odd)
             raise PerSampleError(
-                f"per-sample values: most parameters saw a batch of {batch} examples, but "
-                f"{named} did not: they were used on a tensor whose dim 0 is not the batch. "
+                f"per-sample values: {seen} examples in dim 0, but {named} did not: they were "
+                "used on a tensor whose dim 0 is not the batch. "
                 + _why_not_the_batch({n for _, n in odd}, batch)
-            )
-        if sizes and batches and sizes[0] not in batches:
-            inputs = " or ".join(str(n) for n in sorted(batches))
-            raise PerSampleError(
-                f"per-sample values: the parameters saw a batch of {sizes[0]} rows, but the "
-                f"model's input has {inputs} examples in dim 0: a layer saw a tensor whose dim "
-                "0 is not the batch (a sequence-first layout such as x.transpose(0, 1), or "
-                "examples flattened with tokens, x.reshape(N * T, -1)). Keep the batch in dim "
-                "0 of every layer's input"
             )
 
     def results(self, params: Sequence[Tensor], keep_state: bool) -> list[tuple[Tensor, dict]]:
@@ -517,7 +514,9 @@ def _why_not_the_batch(sizes: set[int], batch: int) -> str:
             "the batch merged with another dim by a reshape ([N * T, ...]): Linear and "
             "LayerNorm layers, x @ W and torch.addmm split it out again (OPT's feed-forward, "
             "GPT-2's Conv1D), other layers (a convolution, an embedding, mixture-of-experts "
-            "routing) have no per-sample rows there"
+            "routing) have no per-sample rows there, nor has a second model argument merged "
+            "so (GPT-2's cross-attention on encoder_hidden_states), or a merged batch whose "
+            "examples were reordered"
         )
     if 1 in sizes:
         causes.append(

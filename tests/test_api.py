@@ -242,6 +242,24 @@ def test_backward_inputs_with_a_non_leaf_above_another_input(regular_grads, exte
         x.grad = lin1.weight.grad = None
 
 
+@pytest.mark.parametrize(
+    ("semiring", "no_path"),
+    [(semipack.MaxProd, 0.0), (semipack.Boolean, False), (semipack.LogSum, -math.inf)],
+)
+def test_a_retained_tensor_whose_gradient_is_a_made_zero_has_no_path(semiring, no_path) -> None:
+    """``prod`` over two exact zeros hands back a zero tensor it made (no message): a leaf read
+    it as "no path" but a retained tensor in the same place got no ``semiring_grad`` at all
+    (trial 83)."""
+    x = torch.tensor([0.0, 0.0, 3.0], dtype=torch.float64, requires_grad=True)
+    with semipack.extend(None, semiring()):
+        h = x * 1.0
+        h.retain_grad()
+        h.prod().backward()
+    assert torch.equal(h.grad, torch.zeros(3, dtype=torch.float64))
+    for t in (x, h):
+        assert t.semiring_grad.tolist() == [no_path] * 3
+
+
 @pytest.mark.parametrize("regular_grads", [True, False])
 def test_a_retained_tensor_listed_in_inputs(regular_grads) -> None:
     """``h.retain_grad()`` then ``backward(inputs=[h, x])``: ``h`` is read once, as PyTorch

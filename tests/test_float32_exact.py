@@ -476,6 +476,26 @@ def test_exact_products_of_exp_erf_logsumexp_and_bce() -> None:
     torch.testing.assert_close(got[0].double(), math.log(3) + F.logsigmoid(-x.double()[0]))
 
 
+def test_expm1_and_logaddexp_keep_the_edges_their_formulas_lose() -> None:
+    """expm1's ``grad * (result + 1)`` cancels to 0 below x = -37 in float64 and loses digits
+    from -20 (4% off at -36), logaddexp's ``grad / (1 + exp(other - self))`` overflows to 0
+    where the other operand is larger by more than 745: both read as no edge, or a wrong one
+    (trial 83). Their logs are exact: e^x's, and logsigmoid(self - other)."""
+    sr = semipack.MaxProd(log=True)
+    x = torch.tensor([-40.0, -36.0, -20.0, 0.5, 3.0], dtype=F64)
+    assert torch.expm1(x[0]) + 1 == 0  # the formula's factor: no edge at -40
+    torch.testing.assert_close(_log_value(torch.expm1, x, True, sr), x, rtol=0, atol=0)
+    torch.testing.assert_close(_log_value(lambda t: t.clone().expm1_(), x, True, sr), x)
+    x = torch.tensor([-740.0, -3.0, 0.0, 800.0], dtype=F64)
+    other = torch.tensor([0.0, 1.0, 0.0, -5.0], dtype=F64)
+    assert 1 / (1 + torch.exp(other[0] - x[0])) == 0
+    want = F.logsigmoid(x - other)
+    torch.testing.assert_close(_log_value(lambda t: torch.logaddexp(t, other), x, False, sr), want)
+    torch.testing.assert_close(_log_value(lambda t: torch.logaddexp(other, t), x, False, sr), want)
+    boolean = _log_value(lambda t: torch.logaddexp(t, other), x, False, semipack.Boolean())
+    assert boolean.tolist() == [True] * 4
+
+
 def test_soft_margin_and_glu_saturate_exactly() -> None:
     sr = semipack.MaxProd(log=True)
     x = torch.tensor([120.0, -3.0, 0.5])

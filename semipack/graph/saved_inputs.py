@@ -52,6 +52,7 @@ class SavedInput:
 _TANH = FunctionSpec("TanhBackward0")
 _SIGMOID = FunctionSpec("SigmoidBackward0")
 _EXP = FunctionSpec("ExpBackward0")
+_EXPM1 = FunctionSpec("Expm1Backward0")
 
 #: The functions whose input is recorded, as the torch-function mode sees them.
 RECORDED_FUNCTIONS: dict[Callable[..., Any], FunctionSpec] = {
@@ -68,6 +69,11 @@ RECORDED_FUNCTIONS: dict[Callable[..., Any], FunctionSpec] = {
     torch.Tensor.exp: _EXP,
     torch.exp_: FunctionSpec("ExpBackward0", in_place=True),
     torch.Tensor.exp_: FunctionSpec("ExpBackward0", in_place=True),
+    torch.expm1: _EXPM1,
+    torch.Tensor.expm1: _EXPM1,
+    torch.special.expm1: _EXPM1,
+    torch.expm1_: FunctionSpec("Expm1Backward0", in_place=True),
+    torch.Tensor.expm1_: FunctionSpec("Expm1Backward0", in_place=True),
     torch.softmax: FunctionSpec("SoftmaxBackward0", dtype_position=2),
     torch.Tensor.softmax: FunctionSpec("SoftmaxBackward0", dtype_position=2),
     torch.special.softmax: FunctionSpec("SoftmaxBackward0", dtype_position=2),

@@ -10,7 +10,7 @@ from ..kernels.shapes import broadcast_shapes
 from ..messages import OpCall, register_rule
 from ..messages.message import Message, register_regular
 from ..semirings.base import normalize_dims
-from .exact_products import exact_product
+from .exact_products import exact_product, exact_quotient
 from .structural import inplace_from
 
 aten = torch.ops.aten
@@ -107,6 +107,9 @@ def div(call: OpCall):
     a, b = call["self"], call["other"]
     if not isinstance(a, Message) or isinstance(b, Message):
         raise call.error("only a message divided by a plain tensor has a semiring meaning")
+    exact = exact_quotient(call)
+    if exact is not None:
+        return exact
     # IEEE division even for a Python scalar: ``x / 0`` has the edge weight inf, as in PyTorch
     divisor = b if isinstance(b, Tensor) else torch.tensor(b, dtype=torch.float64)
     return _scale(call, torch.reciprocal(divisor.to(call.weight_dtype)))

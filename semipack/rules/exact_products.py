@@ -1,7 +1,8 @@
 """Exact log-space edge weights for saturating factors that backward formulas build as tensors.
 
-Some backward formulas compute their derivative as plain tensors and multiply the message by it:
-exp's ``grad * result``, erf's ``2/sqrt(pi) * exp(-x^2) * grad`` (erfc's with a minus),
+Some backward formulas compute their derivative as plain tensors and multiply the message by it
+(or divide it by one): exp's ``grad * result``, expm1's ``grad * (result + 1)``, logaddexp's
+``grad / (1 + exp(other - self))``, erf's ``2/sqrt(pi) * exp(-x^2) * grad`` (erfc's with a minus),
 logsumexp's ``grad * exp(x - result)`` and binary_cross_entropy_with_logits'
 ``(sigmoid(x) - t) * grad``. The ``mul`` rule only sees the finished factor, already rounded to 0
 where the function saturates (e^-110, erf'(10), sigmoid(20) - 1 in float32). For these autograd
@@ -61,6 +62,49 @@ def _matches(factor: Tensor, expected: Tensor) -> bool:
     return factor.shape == expected.shape and torch.allclose(
         factor, expected, rtol=1e-6, atol=0.0, equal_nan=True
     )
+
+
+def exact_quotient(call: OpCall) -> Message | None:
+    """The ``div`` of a message by one of the divisors of ``EXACT_DIVISORS``, in log form; None
+    otherwise."""
+    if call.semiring.linear_weights:
+        return None
+    node = torch._C._current_autograd_node()
+    divisor_of = None if node is None else EXACT_DIVISORS.get(node.name())
+    msg, plain = call["self"], call["other"]
+    if divisor_of is None or not isinstance(msg, Message) or not isinstance(plain, Tensor):
+        return None
+    if isinstance(plain, Message):
+        return None
+    with torch.no_grad():
+        exact = divisor_of(node, plain, call)
+    if exact is None:
+        return None
+    log_abs, sign = exact
+    return call.wrap(call.run_regular(), call.semiring.scale_log(msg.parts, log_abs, sign))
+
+
+def _logaddexp(node: Any, divisor: Tensor, call: OpCall) -> tuple[Tensor, Sign] | None:
+    """LogaddexpBackward0: ``grad / (1 + exp(other - self))`` for self (and the mirror for
+    other). The divisor overflows to inf where the other operand is larger by about 709 (745
+    where its inverse is a subnormal), and the edge, e^(self - result), read as no edge (trial
+    83); its log, logsigmoid(self - other), is exact."""
+    a, b = node._saved_self, node._saved_other
+    for x, y in ((a, b), (b, a)):
+        if _matches(divisor, 1 + torch.exp(y - x)):
+            return logd.log_sigmoid_of((x - y).to(call.weight_dtype)).expand(divisor.shape), 1.0
+    return None
+
+
+def _expm1(node: Any, factor: Tensor, call: OpCall) -> tuple[Tensor, Sign] | None:
+    """Expm1Backward0: ``grad * (result + 1)``: e^x, which ``result + 1`` loses to cancellation
+    below x = -20 and to 0 below -37 (trial 83: no path at -40); its log is the input
+    recorded in the forward."""
+    result = node._saved_result
+    if not _matches(factor, result + 1):
+        return None
+    x = recorded_input("Expm1Backward0", result)
+    return None if x is None else logd.exp_log_derivative(x.to(call.weight_dtype))
 
 
 def _exp(node: Any, factor: Tensor, call: OpCall) -> tuple[Tensor, Sign] | None:
@@ -132,8 +176,14 @@ def _bce_with_logits(node: Any, factor: Tensor, call: OpCall) -> tuple[Tensor, S
 #: Node name -> (whether the formula puts the message first, exact factor).
 EXACT_FACTORS: dict[str, tuple[bool, ExactFactor]] = {
     "ExpBackward0": (True, _exp),
+    "Expm1Backward0": (True, _expm1),
     "ErfBackward0": (False, _erf(negate=False)),
     "ErfcBackward0": (False, _erf(negate=True)),
     "LogsumexpBackward0": (True, _logsumexp),
     "BinaryCrossEntropyWithLogitsBackward0": (False, _bce_with_logits),
+}
+
+#: Node name -> the exact divisor: f(node, divisor, call) -> (log|1 / divisor|, sign) or None.
+EXACT_DIVISORS: dict[str, ExactFactor] = {
+    "LogaddexpBackward0": _logaddexp,
 }

@@ -724,7 +724,7 @@ def backward(
             if rows is not None:
                 batched = [t for t in leaves if id(t) in captured and id(t) in per_sample]
                 rows.check(batched, per_sample_batches)
-            retained_messages = _split_retained(kept)
+            retained_messages = _split_retained(kept, sr)
             # Every readout before anything is stored or committed: one can still fail.
             with own_kernels_compiled():  # the readouts (Entropy's is a fused kernel)
                 results = _read_all(sr, captured, retained_messages, leaves, keep_state)
@@ -852,16 +852,20 @@ def _grad_of(t: Tensor) -> Tensor | None:
     return t.grad if t.is_leaf or t.retains_grad else None
 
 
-def _split_retained(kept: Sequence[Tensor]) -> list[tuple[Tensor, Message]]:
+def _split_retained(kept: Sequence[Tensor], sr: Semiring) -> list[tuple[Tensor, Message]]:
     """Turn Messages left in retained tensors' ``.grad`` into regular gradients; return the
-    messages, whose results are stored once the pass is known to have succeeded."""
+    messages, whose results are stored once the pass is known to have succeeded. A plain
+    tensor of exact zeros there is "no path", as at a leaf (``_check``: ``prod`` over two
+    zeros returns one it made; the retained tensor got no ``semiring_grad``, trial 83)."""
     out = []
     for t in kept:
         msg = t.grad
-        if not isinstance(msg, Message):
-            continue
-        t.grad = msg.regular_grad
-        out.append((t, msg))
+        if isinstance(msg, Message):
+            t.grad = msg.regular_grad
+            out.append((t, msg))
+        elif isinstance(msg, Tensor) and bool((msg == 0).all()):
+            no_path = sr.zeros(msg.shape, msg.dtype, msg.device)
+            out.append((t, Message(msg, no_path, sr, msg.dtype)))
     return out
 
 

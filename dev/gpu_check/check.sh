@@ -21,9 +21,11 @@ sed -i 's/            if not cudnn_compatible:/            if False:  # device c
 export PYTHONPATH=/tmp/site:$PWD LD_PRELOAD=/tmp/stub/libmissing.so
 python3 -c "import torch, semipack; print(torch.__version__, torch.cuda.get_device_name())" || exit 4
 set -o pipefail
-timeout 120 python3 -m pytest -q -p no:cacheprovider -n 6 -rfEs tests/test_cuda.py \
+# CUDA_TESTS=0 skips the tests and BENCH=0 the benchmarks (a run of extra_cuda.py alone)
+[ "${CUDA_TESTS:-1}" = 0 ] || timeout 120 python3 -m pytest -q -p no:cacheprovider -n 6 -rfEs tests/test_cuda.py \
   tests/test_float32_exact.py tests/test_new_op_rules.py tests/test_recurrent.py \
   tests/test_kernels_rowwise.py -k "cuda or gpu" 2>&1 | tee "$OUT/pytest.txt" | tail -40
+[ "${BENCH:-1}" = 0 ] && exit 0
 # WORKLOADS (default: all seven) and HOST_CHECKS=0 (skip the host-read comparison) shorten a run
 WORKLOADS=${WORKLOADS:-resnet18_train bert_layer linear conv2d resnet18_eval \
   mobilenet_v3_small_eval gpt2_tiny}

@@ -740,29 +740,31 @@ def _check_after_backward(
             "a shared module) would be missing: run the model once in target(), on a batch "
             "holding every input"
         )
-    early = [
-        f"{spec.name} (by {', '.join(split.used_before)})"
-        for spec, split in zip(layers, splits, strict=True)
-        if split.used_before
-    ]
-    if early:
-        raise SemipackError(
-            f"explain_layers: the input of {', '.join(early)} was used before the block was "
-            "called, so the paths through that use would be in no branch and missing from the "
-            "layer's total; pass layers=[AttentionLayer(...), ...] naming a block that holds "
-            "every use of its input"
-        )
-    unseen = [
-        f"{spec.name} (by {', '.join(split.unseen_uses)})"
-        for spec, split in zip(layers, splits, strict=True)
-        if split.unseen_uses
-    ]
-    if unseen:
-        raise SemipackError(
-            f"explain_layers: the input of {', '.join(unseen)} was used by a call semipack "
-            "does not see (a custom autograd.Function's apply, code below Python), so the "
-            "paths through that use would be in no branch and missing from the layer's total"
-        )
+    for uses, how, advice in (
+        (
+            lambda split: split.used_before,
+            "before the block was called",
+            "; pass layers=[AttentionLayer(...), ...] naming a block that holds every use of "
+            "its input",
+        ),
+        (
+            lambda split: split.unseen_uses,
+            "by a call semipack does not see (a custom autograd.Function's apply, code below "
+            "Python)",
+            "",
+        ),
+    ):
+        found = [
+            f"{spec.name} (by {', '.join(uses(split))})"
+            for spec, split in zip(layers, splits, strict=True)
+            if uses(split)
+        ]
+        if found:
+            raise SemipackError(
+                f"explain_layers: the input of {', '.join(found)} was used {how}, so the paths "
+                f"through that use would be in no branch and missing from the layer's "
+                f"total{advice}"
+            )
 
 
 def _dropout_active(model: nn.Module) -> bool:

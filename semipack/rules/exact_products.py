@@ -38,18 +38,39 @@ TWO_OVER_SQRT_PI = 2.0 / math.sqrt(math.pi)
 
 def exact_product(call: OpCall) -> Message | None:
     """The ``mul`` of a message by one of the factors above, in log form; None otherwise."""
-    if call.semiring.linear_weights:
-        return None
-    node = torch._C._current_autograd_node()
+    node = _running_node(call)
     entry = None if node is None else EXACT_FACTORS.get(node.name())
     if entry is None:
         return None
     message_first, factor_of = entry
     msg, plain = (call["self"], call["other"]) if message_first else (call["other"], call["self"])
+    return _scaled_exactly(call, node, factor_of, msg, plain)
+
+
+def exact_quotient(call: OpCall) -> Message | None:
+    """The ``div`` of a message by one of the divisors of ``EXACT_DIVISORS``, in log form; None
+    otherwise."""
+    node = _running_node(call)
+    divisor_of = None if node is None else EXACT_DIVISORS.get(node.name())
+    if divisor_of is None:
+        return None
+    return _scaled_exactly(call, node, divisor_of, call["self"], call["other"])
+
+
+def _running_node(call: OpCall) -> Any:
+    """The autograd node whose backward runs the call, for a semiring with log-form weights."""
+    return None if call.semiring.linear_weights else torch._C._current_autograd_node()
+
+
+def _scaled_exactly(
+    call: OpCall, node: Any, exact_of: ExactFactor, msg: Any, plain: Any
+) -> Message | None:
+    """``msg`` scaled by ``exact_of``'s log-form weight for the plain operand, or None where
+    the operands are not a message and a plain tensor or the formula does not match."""
     if not isinstance(msg, Message) or not isinstance(plain, Tensor) or isinstance(plain, Message):
         return None
     with torch.no_grad():
-        exact = factor_of(node, plain, call)
+        exact = exact_of(node, plain, call)
     if exact is None:
         return None
     log_abs, sign = exact
@@ -62,26 +83,6 @@ def _matches(factor: Tensor, expected: Tensor) -> bool:
     return factor.shape == expected.shape and torch.allclose(
         factor, expected, rtol=1e-6, atol=0.0, equal_nan=True
     )
-
-
-def exact_quotient(call: OpCall) -> Message | None:
-    """The ``div`` of a message by one of the divisors of ``EXACT_DIVISORS``, in log form; None
-    otherwise."""
-    if call.semiring.linear_weights:
-        return None
-    node = torch._C._current_autograd_node()
-    divisor_of = None if node is None else EXACT_DIVISORS.get(node.name())
-    msg, plain = call["self"], call["other"]
-    if divisor_of is None or not isinstance(msg, Message) or not isinstance(plain, Tensor):
-        return None
-    if isinstance(plain, Message):
-        return None
-    with torch.no_grad():
-        exact = divisor_of(node, plain, call)
-    if exact is None:
-        return None
-    log_abs, sign = exact
-    return call.wrap(call.run_regular(), call.semiring.scale_log(msg.parts, log_abs, sign))
 
 
 def _logaddexp(node: Any, divisor: Tensor, call: OpCall) -> tuple[Tensor, Sign] | None:

@@ -1266,6 +1266,40 @@ def test_a_use_of_the_input_before_the_block_and_a_shared_heads_module_are_refus
         semipack.explain_layers(shared, semipack.LogSum(), lambda: shared(x).sum(), layers=specs)
 
 
+class _Cube(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        ctx.save_for_backward(x)
+        return x**3
+
+    @staticmethod
+    def backward(ctx, g):
+        (x,) = ctx.saved_tensors
+        return 3 * x**2 * g
+
+
+class _CubedInput(_ResidualInside):
+    """The block, plus a custom Function of its input added to its output."""
+
+    def forward(self, x):
+        return super().forward(x) + _Cube.apply(x)
+
+
+def test_a_layer_whose_input_a_custom_function_uses_is_refused() -> None:
+    """A custom Function's ``apply`` goes through no torch function mode: its use of the
+    layer's input was in no branch, and the layer's total fell short with no word (trial
+    82). explain_layers refuses the layer, naming the node."""
+    torch.manual_seed(0)
+    block = _CubedInput(False).double()
+    x = torch.randn(1, 3, 4, dtype=torch.float64, requires_grad=True)
+    spec = AttentionLayer("", block, block.o, 2, 2)
+    refused = pytest.raises(
+        semipack.SemipackError, match=r"\(by _CubeBackward\) was used by a call semipack does"
+    )
+    with refused:
+        semipack.explain_layers(block, semipack.LogSum(), lambda: block(x).sum(), layers=[spec])
+
+
 def test_a_route_through_the_blocks_own_projection_is_its_linear_branch() -> None:
     """A block that makes a projection itself (``F.linear(h, self.wv)``): explain_layers
     names that branch ``linear``, routes read a path through it as ``residual`` without a head

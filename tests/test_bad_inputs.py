@@ -942,6 +942,46 @@ def test_a_call_given_back_to_the_plain_path_inside_a_checkpoint_is_counted_once
         assert p.semiring_grad.shape == p.shape
 
 
+@pytest.mark.parametrize("attention", ["eager", "sdpa"])
+def test_hugging_face_gradient_checkpointing_trains_as_plain(attention: str) -> None:
+    """A BERT in train mode (dropout) with non-reentrant gradient checkpointing: ``.grad`` and
+    the random stream after the backward are a plain backward's. Eager attention runs its
+    extension in the recomputation too; the checkpoint's count of saved tensors had put the
+    extension's own check before the inner graph and raised (trial 85)."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = transformers.BertConfig(
+        vocab_size=40, hidden_size=16, num_hidden_layers=2, num_attention_heads=2,
+        intermediate_size=24, max_position_embeddings=16,
+    )  # fmt: skip
+    model = transformers.BertModel._from_config(config, attn_implementation=attention)
+    model = model.to(DTYPE).train()
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    ids = torch.randint(0, 40, (2, 7))
+    twin = copy.deepcopy(model)
+    torch.manual_seed(5)
+    model(ids).last_hidden_state.pow(2).sum().backward()
+    after_plain = torch.rand(3)
+    torch.manual_seed(5)
+    with semipack.extend(twin, semipack.MaxProd()):
+        twin(ids).last_hidden_state.pow(2).sum().backward()
+    assert torch.equal(torch.rand(3), after_plain)
+    for (name, p), q in zip(model.named_parameters(), twin.parameters(), strict=True):
+        assert (p.grad is None and q.grad is None) or torch.equal(p.grad, q.grad), name
+    # the attention module alone in a checkpoint, extended itself
+    block = model.encoder.layer[0].attention.self.eval()
+    block.zero_grad()
+    h = torch.randn(1, 5, 16, dtype=DTYPE, requires_grad=True)
+    checkpoint(lambda t: block(t)[0], h, use_reentrant=False).sum().backward()
+    plain = [p.grad.clone() for p in block.parameters()]
+    block.zero_grad()
+    with semipack.extend(block, semipack.Real()):
+        checkpoint(lambda t: block(t)[0], h, use_reentrant=False).sum().backward()
+    for p, want in zip(block.parameters(), plain, strict=True):
+        assert torch.equal(p.grad, want)
+        torch.testing.assert_close(p.semiring_grad, want, rtol=1e-12, atol=1e-15)
+
+
 def test_reentrant_checkpointing_needs_regular_gradients() -> None:
     model, x = mlp(), data().requires_grad_()
     with semipack.extend(model, semipack.MaxProd(), regular_grads=False):

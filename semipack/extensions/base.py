@@ -130,9 +130,11 @@ class _CheckpointedTensors:
     def commit(self) -> None:
         """Hand the saved tensors to the checkpoint, in the order they were saved, once the
         extension uses the inner graph (right after it is recorded, before any other op
-        saves a tensor). An inner graph given up for the plain call, which saves its own
-        (an input used twice, ``sdpa(q, q, q)``), hands none: the checkpoint counts the
-        tensors saved in the forward against its recomputation's (trial 82: 11 against 6)."""
+        saves a tensor: ``draws``, which a recomputation runs after the inner graph where
+        the extension runs there too, Hugging Face's eager attention; trial 85). An inner graph
+        given up for the plain call, which saves its own (an input used twice, ``sdpa(q, q,
+        q)``), hands none: the checkpoint counts the tensors saved in the forward against its
+        recomputation's (trial 82: 11 against 6)."""
         for slot in self._slots:
             slot[0], slot[2] = self._pack(slot[2]), None
 
@@ -540,10 +542,12 @@ class ExtensionFunction(torch.autograd.Function):
             # whose ops (the casts included) the generic rules carry.
             return cls.keep(fn(*inputs))[0]
         inner = InnerGraph(fn, inputs)
-        if inner.escapes or inner.reuses_an_input or not cls.draws(inner, options):
+        if inner.escapes or inner.reuses_an_input:
             return cls.keep(inner.plain_outputs())[0]
-        if inner.checkpointed is not None:
+        if inner.checkpointed is not None:  # before ``draws``, which may save tensors too
             inner.checkpointed.commit()
+        if not cls.draws(inner, options):
+            return cls.keep(inner.plain_outputs())[0]
         order = cls.edge_order or range(len(inputs))
         out = cls.apply(inner, options, *(inputs[i] for i in order))
         module = current_module()

@@ -258,6 +258,11 @@ def test_a_retained_tensor_whose_gradient_is_a_made_zero_has_no_path(semiring, n
     assert torch.equal(h.grad, torch.zeros(3, dtype=torch.float64))
     for t in (x, h):
         assert t.semiring_grad.tolist() == [no_path] * 3
+    with semipack.extend(None, semiring(), regular_grads=False):  # .grad left as it was
+        h = x * 1.0
+        h.retain_grad()
+        h.prod().backward()
+    assert h.grad is None and h.semiring_grad.tolist() == [no_path] * 3
 
 
 @pytest.mark.parametrize("regular_grads", [True, False])

@@ -662,6 +662,11 @@ def test_a_use_by_a_custom_function_is_named_as_in_no_branch(backward_inside: bo
         if not backward_inside:
             out.pow(2).sum().backward()
     assert split.names == ["lin"] and split.unseen_uses == ["_SquareBackward"]
+    tensor_split = pytest.warns(UserWarning, match=r"the split tensor was used by _SquareBackward")
+    with tensor_split, semipack.extend(block, semipack.Real()):
+        g = h * 1.0
+        with semipack.branches(g) as split:
+            block(g).pow(2).sum().backward()
     hooked = _WithAFunction().double()
     hooked.forward = lambda h: hooked.lin(h) * h  # type: ignore[method-assign]
     hooked.register_full_backward_hook(lambda *_: None)
@@ -674,6 +679,24 @@ def test_a_use_by_a_custom_function_is_named_as_in_no_branch(backward_inside: bo
     assert split.names == ["lin", "<root module>"] and split.unseen_uses == []
     total = split.values["lin"] + split.values["<root module>"]  # Real: the branches add up
     torch.testing.assert_close(total, torch.autograd.grad(hooked(h).pow(2).sum(), h)[0])
+
+
+def test_backward_hooks_on_the_split_module_and_a_submodule_keep_every_branch() -> None:
+    """Full backward hooks on the split module and on a submodule put two identity nodes in a
+    row before the submodule's input: its use was in no branch, silently (trial 85; BackPACK's
+    extended modules, and BERT's attention with its self-attention, the same)."""
+    torch.manual_seed(0)
+    block = _WithAFunction().double()
+    block.forward = lambda h: block.lin(h) * h  # type: ignore[method-assign]
+    block.register_full_backward_hook(lambda *_: None)
+    block.lin.register_full_backward_hook(lambda *_: None)
+    x = torch.randn(3, 3, dtype=F64, requires_grad=True)
+    with semipack.extend(block, semipack.Real()), semipack.branches(block) as split:
+        h = x * 1.0
+        h.retain_grad()
+        block(h).pow(2).sum().backward()
+    assert split.names == ["lin", "<root module>"]
+    torch.testing.assert_close(split.values["lin"] + split.values["<root module>"], h.grad)
 
 
 def test_a_forward_no_backward_follows_keeps_the_last_backwards_values() -> None:

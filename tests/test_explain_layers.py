@@ -1415,6 +1415,8 @@ def test_layers_are_labelled_by_their_own_index() -> None:
     assert layer_labels(towers) == ["text_model L0", "vision_model L0"]
     assert layer_labels([f"clip.{name}" for name in towers]) == ["text_model L0", "vision_model L0"]
     assert layer_labels(["a.layers.0.attn", "a.extra.0.attn"]) == ["layers L0", "extra L0"]
+    odd = layer_labels(["h.0.attn", "h.1.attn", "h.2.attn.inner.0"])  # no number for a stack
+    assert odd == ["h L0", "h L1", "h.2.attn.inner L0"]
     # T5 numbers its blocks and, inside each, its sub-layers: the block is the layer's index
     # (trial 82: the first version of the stacks read the sub-layer's)
     t5 = [f"encoder.block.{i}.layer.0.SelfAttention" for i in range(3)]

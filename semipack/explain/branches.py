@@ -439,16 +439,19 @@ _NOT_USES = {"__get__", "__set__", "size", "dim", "numel", "stride", "is_contigu
 
 
 def _behind_module_hook(a: Tensor, t: Tensor) -> bool:
-    """Whether ``a`` is ``t`` passed through the identity node PyTorch puts in front of (or
-    behind) a module with full backward hooks or backward pre-hooks: output ``i`` of that node
-    is its input ``i``, whose edge leads to ``t``'s node (its AccumulateGrad for a leaf)."""
-    node = a.grad_fn
-    if node is None or node.name() != MODULE_HOOK_NODE:
-        return False
-    fn, nr = node.next_functions[a.output_nr]
-    if t.grad_fn is None:
-        return getattr(fn, "variable", None) is t
-    return fn is t.grad_fn and nr == t.output_nr
+    """Whether ``a`` is ``t`` passed through the identity nodes PyTorch puts in front of (or
+    behind) modules with full backward hooks or backward pre-hooks: output ``i`` of such a node
+    is its input ``i``, whose edge leads to ``t``'s node (its AccumulateGrad for a leaf), or to
+    another such node (the split module's and a submodule's hooks: trial 85 found the
+    submodule's use in no branch, silently)."""
+    node, nr = a.grad_fn, a.output_nr
+    while node is not None and node.name() == MODULE_HOOK_NODE:
+        node, nr = node.next_functions[nr]
+        if t.grad_fn is None and getattr(node, "variable", None) is t:
+            return True
+        if t.grad_fn is not None and node is t.grad_fn and nr == t.output_nr:
+            return True
+    return False
 
 
 def _records_a_use(result: Any) -> bool:
@@ -637,9 +640,10 @@ def branches(at: nn.Module | Tensor, inputs: Sequence[Tensor] = ()) -> Iterator[
         raise SemipackError(
             f"semipack.branches: {type(at).__name__} was not called inside the block"
         )
-    name = type(at).__name__ if isinstance(at, nn.Module) else "the split tensor"
+    name = type(at).__name__
+    subject = f"{name}'s input" if isinstance(at, nn.Module) else "the split tensor"
     if result.unseen_uses:  # a backward inside the block reached them
-        _warn_unseen(name, result.unseen_uses)
+        _warn_unseen(subject, result.unseen_uses)
     if isinstance(at, nn.Module):
         if result.used_before:
             _warn_used_before(name, result.used_before)
@@ -649,7 +653,7 @@ def branches(at: nn.Module | Tensor, inputs: Sequence[Tensor] = ()) -> Iterator[
     late[0] = lambda what: (
         _warn_calls(name, len(state.reached))
         if what == _CALLS
-        else _warn_unseen(name, [what.removeprefix(_UNSEEN)])
+        else _warn_unseen(subject, [what.removeprefix(_UNSEEN)])
         if what.startswith(_UNSEEN)
         else _warn_used_before(name, [what])
     )
@@ -737,9 +741,9 @@ def _gradient_node(t: Tensor) -> Any:
         return torch.autograd.graph.get_gradient_edge(t).node
 
 
-def _warn_unseen(module: str, nodes: Sequence[str]) -> None:
+def _warn_unseen(subject: str, nodes: Sequence[str]) -> None:
     warnings.warn(
-        f"semipack.branches: {module}'s input was used by {', '.join(nodes)}, made by a call "
+        f"semipack.branches: {subject} was used by {', '.join(nodes)}, made by a call "
         "the block does not see (a custom autograd.Function's apply, code below Python): "
         "those uses' paths are in no branch, and the branches do not add up to the split "
         "tensor's value",

@@ -1161,7 +1161,7 @@ def _stack_tags(stacks: Sequence[tuple[str, ...]]) -> list[str]:
         if len({s[i] if i < len(s) else None for s in stacks}) > 1
     )
     tags = [s[first] if first < len(s) else ".".join(s) for s in stacks]
-    distinct = len(set(tags)) == len(set(stacks))
+    distinct = len(set(tags)) == len(set(stacks)) and not any(t.isdigit() for t in tags)
     return tags if distinct else [".".join(s) for s in stacks]
 
 

@@ -724,7 +724,7 @@ def backward(
             if rows is not None:
                 batched = [t for t in leaves if id(t) in captured and id(t) in per_sample]
                 rows.check(batched, per_sample_batches)
-            retained_messages = _split_retained(kept, sr)
+            retained_messages = _split_retained(kept, sr, kept_grads)
             # Every readout before anything is stored or committed: one can still fail.
             with own_kernels_compiled():  # the readouts (Entropy's is a fused kernel)
                 results = _read_all(sr, captured, retained_messages, leaves, keep_state)
@@ -852,11 +852,16 @@ def _grad_of(t: Tensor) -> Tensor | None:
     return t.grad if t.is_leaf or t.retains_grad else None
 
 
-def _split_retained(kept: Sequence[Tensor], sr: Semiring) -> list[tuple[Tensor, Message]]:
+def _split_retained(
+    kept: Sequence[Tensor], sr: Semiring, kept_grads: Sequence[tuple[Tensor, Any]]
+) -> list[tuple[Tensor, Message]]:
     """Turn Messages left in retained tensors' ``.grad`` into regular gradients; return the
     messages, whose results are stored once the pass is known to have succeeded. A plain
     tensor of exact zeros there is "no path", as at a leaf (``_check``: ``prod`` over two
-    zeros returns one it made; the retained tensor got no ``semiring_grad``, trial 83)."""
+    zeros returns one it made; the retained tensor got no ``semiring_grad``, trial 83); without
+    regular gradients (``kept_grads``: each tensor's ``.grad`` before the pass) it is no
+    regular gradient either, and ``.grad`` is what it was (trial 85)."""
+    before = {id(t): old for t, old in kept_grads}
     out = []
     for t in kept:
         msg = t.grad
@@ -866,6 +871,8 @@ def _split_retained(kept: Sequence[Tensor], sr: Semiring) -> list[tuple[Tensor, 
         elif isinstance(msg, Tensor) and bool((msg == 0).all()):
             no_path = sr.zeros(msg.shape, msg.dtype, msg.device)
             out.append((t, Message(msg, no_path, sr, msg.dtype)))
+            if id(t) in before:
+                t.grad = before[id(t)]
     return out
 
 

@@ -471,15 +471,16 @@ class PerSampleRows:
         if batches:  # the model's input says how many examples there are
             batch = min(batches - {1}, default=min(batches))
             odd = [(p, n) for p, n in zip(params, sizes, strict=True) if n not in batches]
-            seen = "the model's input has " + " or ".join(str(n) for n in sorted(batches))
+            counts = " or ".join(str(n) for n in sorted(batches))
+            seen = f"the model's input has {counts} example{'s' * (batches != {1})}"
         else:  # most parameters' rows do (trial 82: a merged batch's 12 rows read "12 examples")
             batch = max(set(sizes), key=sizes.count, default=0)
             odd = [(p, n) for p, n in zip(params, sizes, strict=True) if n != batch]
-            seen = f"most parameters saw {batch}"
+            seen = f"most parameters saw {batch} example{'s' * (batch != 1)}"
         if odd:
             named = ", ".join(f"'{self.names[id(p)]}' ({n} row{'s' * (n != 1)})" for p, n in odd)
             raise PerSampleError(
-                f"per-sample values: {seen} examples in dim 0, but {named} did not: they were "
+                f"per-sample values: {seen} in dim 0, but {named} did not: they were "
                 "used on a tensor whose dim 0 is not the batch. "
                 + _why_not_the_batch({n for _, n in odd}, batch)
             )
@@ -527,7 +528,7 @@ def _why_not_the_batch(sizes: set[int], batch: int) -> str:
             "shared by the batch: freeze that embedding, requires_grad_(False), for the other "
             "parameters' rows)"
         )
-    if sizes - {1}:
+    if sizes - {1} - set(merged):
         causes.append(
             "Another size: a table the model builds from positions rather than from its input "
             "(a relative-position bucket table [T, T], as T5 and MPNet build: such a layer has "

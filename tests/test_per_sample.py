@@ -1051,6 +1051,60 @@ def test_a_loss_computed_by_the_model_is_not_mixing():
             torch.testing.assert_close(p.semiring_grad_batch[i], expected)
 
 
+class _PositionsSelected(nn.Module):
+    """Positions computed from the ids, looked up in a table with ``index_select`` on the
+    flattened positions and split back (M2M100's sinusoidal positions)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb, self.lin = nn.Embedding(20, 4), nn.Linear(4, 2)
+        self.register_buffer("table", torch.randn(16, 4))
+
+    def forward(self, ids):
+        n, t = ids.shape
+        positions = torch.cumsum(ids.ne(0).long(), 1)
+        table = self.table.index_select(0, positions.view(-1)).view(n, t, -1)
+        return self.lin(self.emb(ids) + table)
+
+
+def test_a_table_selected_by_positions_computed_from_the_batch_keeps_its_rows():
+    """``table.index_select(0, pos.view(-1))`` with positions computed from the ids was
+    refused ("'index_select' mixed, split or picked the examples", trial 84), where
+    ``table[pos]`` had rows: the index picks rows of the table for each of its own entries."""
+    model = _PositionsSelected().double()
+    ids = torch.tensor([[3, 5, 7, 2, 6], [4, 9, 2, 0, 0], [1, 3, 3, 8, 1]])
+    with semipack.extend(model, semipack.Real(), per_sample=True):
+        model(ids).pow(2).sum().backward()
+    for i in range(3):
+        grads = torch.autograd.grad(model(ids[i : i + 1]).pow(2).sum(), list(model.parameters()))
+        for (name, p), want in zip(model.named_parameters(), grads, strict=True):
+            torch.testing.assert_close(p.semiring_grad_batch[i], want, msg=f"{name} {i}")
+
+
+def test_a_loss_the_model_scales_after_its_reduction_is_not_mixing():
+    """``e.sum() / 3`` (ViTMAE's ``(loss * mask).sum() / mask.sum()``): the reduction was
+    refused as mixing the batch because the division, not the sum, is the root (trial 84).
+    Scalars after the model's reduction are its loss too; the rows equal single examples'."""
+
+    class ScaledLoss(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            torch.manual_seed(0)
+            self.hidden = nn.Linear(3, 4)
+
+        def forward(self, x):
+            return (self.hidden(x).tanh() ** 2).sum() / 3.0 + 1.0
+
+    model, x = ScaledLoss().double(), torch.randn(5, 3, dtype=torch.float64)
+    with semipack.extend(model, semipack.Real(), per_sample=True):
+        model(x).backward()
+    for p in model.parameters():
+        for i in range(5):
+            expected = torch.autograd.grad(model(x[i : i + 1]), p)[0]
+            torch.testing.assert_close(p.semiring_grad_batch[i], expected)
+
+
 def test_a_layer_whose_dim_0_is_not_the_batch_is_refused():
     """The rows follow dim 0 of each layer's input: a sequence-first layer inside a
     batch-first model would give one row per token, silently."""

@@ -182,7 +182,7 @@ def test_text_markdown_and_bar_chart(tmp_path) -> None:
     reference = {"first": {"query": 0.17}, "repeated": {"key": 0.27}}
     markdown = table.to_markdown(reference)
     assert markdown.splitlines()[0] == "| token type | tokens | query | key |"
-    assert "| first | 1 | 0.200 (100%), paper 0.17 | 0.100 (0%) |" in markdown
+    assert "| first | 1 | 0.2 (100%), paper 0.17 | 0.1 (0%) |" in markdown
     path = tmp_path / "bars.png"
     fig = table.bar_chart(path, reference=reference, title="t")
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and path.stat().st_size > 1000
@@ -264,3 +264,40 @@ def test_the_printout_keeps_small_means_readable() -> None:
     table = TokenTypeTable.from_values(values, torch.tensor([0, 0]), ["word"])
     mean_row = str(table).splitlines()[1]
     assert "7e-05" in mean_row and "1.5e-06" in mean_row
+
+
+def test_projections_of_other_names_are_not_read_as_the_residual() -> None:
+    """``attention_branch`` read every name it did not know as the residual: a block's
+    ``to_q``, ``to_k`` and ``to_v`` were joined with its residual add into one column, 100%
+    (trial 84, Funnel's ``q_head``). Linear uses keep their module's name; and a mean of nine
+    characters ran into the token count, and Markdown rounded small means to 0.000."""
+    torch.manual_seed(0)
+
+    class Attention(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.to_q, self.to_k, self.to_v, self.out = (torch.nn.Linear(8, 8) for _ in range(4))
+
+        def forward(self, x):
+            scores = self.to_q(x) @ self.to_k(x).transpose(-1, -2)
+            return x + self.out(torch.softmax(scores, -1) @ self.to_v(x))
+
+    block = Attention().double()
+    model = torch.nn.Sequential(torch.nn.Embedding(20, 8).double(), block)
+    ids = torch.randint(0, 20, (1, 6))
+    with semipack.extend(model, semipack.MaxProd()):
+        with semipack.branches(block) as split:
+            out = model(ids)
+        out[0, 0].sum().backward()
+    table = semipack.TokenTypeTable.from_branches(
+        split, torch.zeros(1, 6, dtype=torch.long), ["all"], short=attention_branch
+    )
+    assert table.branch_names == ("to_q", "to_k", "to_v", "residual")
+    assert attention_branch("layer.0.attention.self.query") == "query"
+    small = semipack.TokenTypeTable.from_values(
+        {"query": torch.tensor([[4.342e-07]]), "value": torch.tensor([[0.5]])},
+        torch.tensor([[0]]),
+        ["A"],
+    )
+    assert str(small).splitlines()[1].split() == ["mean", "A", "1", "4.342e-07", "0.5"]
+    assert "| A | 1 | 4.342e-07 (0%) | 0.5 (100%) |" in small.to_markdown()

@@ -42,16 +42,24 @@ PROJECTIONS = {
 }  # fmt: skip
 
 
-def attention_branch(name: str) -> str:
+def attention_branch(name: str, op: str | None = None) -> str:
     """The short name of an attention block's branch: ``query``, ``key`` or ``value`` for a
     name ending with that projection (``...self.query``, ``...q_proj``, ``...q``), ``qkv``
-    for GPT-2's fused ``...c_attn`` and DeBERTa's (v1) ``...in_proj``,
+    for GPT-2's fused ``...c_attn`` and DeBERTa's (v1) ``...in_proj``, the module's own name
+    for another linear map (``op``, the call that made the use, ``Branches.ops``: a Funnel's
+    ``q_head``, a ``to_q``; trial 84 found them read as the residual, and joined with it), and
     ``residual`` for any other use (in BERT the only other use of the block's input is the
     residual add in ``...attention.output``)."""
     last = name.rsplit(".", 1)[-1]
     if ":" in last:  # one call given the tensor as several arguments (multi-head attention)
         return PROJECTIONS.get(last.rsplit(":", 1)[-1].split("#")[0], "residual")
-    return PROJECTIONS.get(last, "residual")
+    if last in PROJECTIONS:
+        return PROJECTIONS[last]
+    return last.split("#")[0] if op in _LINEAR_CALLS else "residual"
+
+
+#: ``Branches.ops`` of a use by a linear map (a projection of its own, not a residual).
+_LINEAR_CALLS = frozenset(("linear", "matmul", "__matmul__", "addmm", "mm", "conv1d"))
 
 
 @dataclass(frozen=True)
@@ -163,7 +171,10 @@ class TokenTypeTable:
         """
         if not split.messages:
             raise ValueError("the split has no branch values: run the backward first")
-        rename = short or (lambda name: name)
+        if short is attention_branch:  # it reads the call that made each use too
+            rename = lambda name: attention_branch(name, split.ops.get(name))  # noqa: E731
+        else:
+            rename = short or (lambda name: name)
         first = next(iter(split.messages.values()))
         sr = first.semiring
         joined: dict[str, Any] = {}
@@ -223,15 +234,18 @@ class TokenTypeTable:
         )
 
     def __str__(self) -> str:
-        width = max(8, *(len(b) + 1 for b in self.branch_names))
+        # means with 4 significant digits: a MaxProd mean of 7e-05 read 0.000 beside its 100%
+        # share (trial 76); each column one wider than its longest cell ("4.342e-07" is nine
+        # characters: it ran into the token count, trial 84)
+        grids = (("mean", self.mean, "{:.4g}"), ("share", self.share, "{:.1%}"))
+        texts = [[fmt.format(v) for v in grid.reshape(-1).tolist()] for _, grid, fmt in grids]
+        width = max(8, *(len(b) + 1 for b in self.branch_names), *(len(t) + 1 for t in texts[0]))
         label = max(len(t) for t in self.type_names)
         head = f"{'':6}{'':{label}} {'tokens':>7}" + "".join(
             f"{b:>{width}}" for b in self.branch_names
         )
         lines = [head]
-        # means with 4 significant digits: a MaxProd mean of 7e-05 read 0.000 beside its 100%
-        # share (trial 76)
-        for what, grid, fmt in (("mean", self.mean, "{:.4g}"), ("share", self.share, "{:.1%}")):
+        for what, grid, fmt in grids:
             for i, type_name in enumerate(self.type_names):
                 cells = "".join(f"{fmt.format(v):>{width}}" for v in grid[i].tolist())
                 first = what if i == 0 else ""
@@ -247,7 +261,7 @@ class TokenTypeTable:
         for i, type_name in enumerate(self.type_names):
             cells = []
             for j, branch in enumerate(self.branch_names):
-                cell = f"{float(self.mean[i, j]):.3f} ({float(self.share[i, j]):.0%})"
+                cell = f"{float(self.mean[i, j]):.4g} ({float(self.share[i, j]):.0%})"
                 ref = (reference or {}).get(type_name, {}).get(branch)
                 if ref is not None:
                     cell += f", paper {ref:.2f}"

@@ -254,6 +254,19 @@ def _indexed(func, args, kwargs, source, dim, out) -> int | None:
     return _index_place(source, args[1], dim, out)
 
 
+def _index_selected(func, args, kwargs, source, dim, out) -> int | None:
+    """``x.index_select(d, index)``: along ``d`` of ``x`` it picks entries, as ``narrow``
+    does; an index computed from the batch picks rows of ``x`` for each of its own entries, as
+    ``x[:, ..., index]`` does (M2M100's positions, ``table.index_select(0, pos.view(-1))``,
+    were refused as picking examples; trial 84)."""
+    index = args[2] if len(args) > 2 else kwargs.get("index")
+    if source is index and args and args[0] is not source:
+        d = args[1] if len(args) > 1 else kwargs.get("dim", 0)
+        d = d % max(args[0].dim(), 1)
+        return _index_tensor_place(args[0], (slice(None),) * d + (source,), source, dim, out)
+    return _SELECTED_ALONG(func, args, kwargs, source, dim, out)
+
+
 def _index_tensor_place(
     indexed: Tensor, index: Any, source: Tensor, dim: int, out: Tensor
 ) -> int | None:
@@ -425,6 +438,9 @@ def _along(position: int, default: Any = 0, *, removes: bool = False) -> Handler
         return dim
 
     return handler
+
+
+_SELECTED_ALONG = _along(1, None)
 
 
 def _picked_by(position: int) -> Handler:
@@ -768,7 +784,6 @@ _HANDLERS: dict[str, Handler] = {
     **dict.fromkeys(
         (
             "narrow",
-            "index_select",
             "index_add",
             "index_copy",
             "index_fill",
@@ -776,6 +791,7 @@ _HANDLERS: dict[str, Handler] = {
         ),
         _along(1, None),
     ),
+    "index_select": _index_selected,
     "repeat_interleave": _along(2, None),
     "take_along_dim": _picked_by(2),
     **dict.fromkeys(("gather", "scatter", "scatter_add", "scatter_reduce"), _picked_by(1)),

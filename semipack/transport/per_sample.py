@@ -97,7 +97,7 @@ def check_graph(
     generic: list[tuple[Any, int, Tensor]] = []
     seen: set[int] = set()
     stack = [t.grad_fn for t in roots if t.grad_fn is not None]
-    root_ids = {id(node) for node in stack}
+    root_ids = _scalar_tail(stack)
     unbatched: list[Any] = []  # nodes inside the model whose values lost the batch
     misplaced: list[tuple[int, str]] = []  # layers whose input has the batch elsewhere: the
     # parameter's dims (a layer's weight is named before its bias) and the message
@@ -205,6 +205,27 @@ def check_graph(
     if batches - {1}:
         _refuse_lost_batch(unbatched, params)
     return generic, computed_inputs
+
+
+def _scalar_tail(roots: Sequence[Any]) -> set[int]:
+    """The ids of the root nodes and of every node that feeds them through 0-dim values only:
+    the model's own scalar loss, reduced and then scaled (ViTMAE's ``(loss * mask).sum() /
+    mask.sum()``, ``e.sum() / 3``; trial 84 found the reduction refused as mixing the batch,
+    which it is only when a non-scalar value reads its result)."""
+    ids: set[int] = set()
+    stack = [node for node in roots if node is not None]
+    while stack:
+        node = stack.pop()
+        if id(node) in ids:
+            continue
+        ids.add(id(node))
+        for nxt, _ in node.next_functions:
+            if nxt is None or getattr(nxt, "variable", None) is not None:
+                continue
+            metadata = getattr(nxt, "_input_metadata", ())
+            if metadata and all(len(m.shape) == 0 for m in metadata):
+                stack.append(nxt)
+    return ids
 
 
 def _uses_of_computed(

@@ -1029,9 +1029,12 @@ def test_flipping_features_is_not_mixing():
         torch.testing.assert_close(model.l.weight.semiring_grad_batch[i], expected)
 
 
-def test_a_loss_computed_by_the_model_is_not_mixing():
+@pytest.mark.parametrize("scaled", [False, True], ids=["sum", "sum / 3 + 1"])
+def test_a_loss_computed_by_the_model_is_not_mixing(scaled: bool):
     """A model that returns its own scalar loss (a sum over the batch, the root) mixes no
-    examples: the rows equal single examples' gradients."""
+    examples: the rows equal single examples' gradients. Also scaled after its reduction
+    (``e.sum() / 3``, ViTMAE's ``(loss * mask).sum() / mask.sum()``): the reduction was
+    refused as mixing the batch because the division, not the sum, is the root (trial 84)."""
 
     class WithLoss(nn.Module):
         def __init__(self) -> None:
@@ -1040,7 +1043,8 @@ def test_a_loss_computed_by_the_model_is_not_mixing():
             self.hidden, self.out = nn.Linear(3, 4), nn.Linear(4, 2)
 
         def forward(self, x):
-            return self.out(self.hidden(x).tanh()).tanh().sum()
+            loss = self.out(self.hidden(x).tanh()).tanh().sum()
+            return loss / 3.0 + 1.0 if scaled else loss
 
     model, x = WithLoss().double(), torch.randn(5, 3, dtype=torch.float64)
     with semipack.extend(model, semipack.Real(), per_sample=True):
@@ -1080,29 +1084,6 @@ def test_a_table_selected_by_positions_computed_from_the_batch_keeps_its_rows():
         grads = torch.autograd.grad(model(ids[i : i + 1]).pow(2).sum(), list(model.parameters()))
         for (name, p), want in zip(model.named_parameters(), grads, strict=True):
             torch.testing.assert_close(p.semiring_grad_batch[i], want, msg=f"{name} {i}")
-
-
-def test_a_loss_the_model_scales_after_its_reduction_is_not_mixing():
-    """``e.sum() / 3`` (ViTMAE's ``(loss * mask).sum() / mask.sum()``): the reduction was
-    refused as mixing the batch because the division, not the sum, is the root (trial 84).
-    Scalars after the model's reduction are its loss too; the rows equal single examples'."""
-
-    class ScaledLoss(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            torch.manual_seed(0)
-            self.hidden = nn.Linear(3, 4)
-
-        def forward(self, x):
-            return (self.hidden(x).tanh() ** 2).sum() / 3.0 + 1.0
-
-    model, x = ScaledLoss().double(), torch.randn(5, 3, dtype=torch.float64)
-    with semipack.extend(model, semipack.Real(), per_sample=True):
-        model(x).backward()
-    for p in model.parameters():
-        for i in range(5):
-            expected = torch.autograd.grad(model(x[i : i + 1]), p)[0]
-            torch.testing.assert_close(p.semiring_grad_batch[i], expected)
 
 
 def test_a_layer_whose_dim_0_is_not_the_batch_is_refused():

@@ -101,8 +101,9 @@ class _CheckpointedTensors:
     once per extension in it instead of once per backward, and a batch norm's running
     statistics, a spectral norm's vectors, dropout's draws and with them ``.grad`` came out
     unlike a plain backward's (trial 81). Here each tensor is packed by the checkpoint (its
-    recomputation runs the plain call, no extension runs in the backward, and saves the same
-    tensors), and ``read`` unpacks them all in the outer backward's graph task, where the
+    recomputation saves the same tensors: the plain call where no extension runs in the
+    backward, the same inner graph where one does, Hugging Face's eager attention; see
+    ``commit``), and ``read`` unpacks them all in the outer backward's graph task, where the
     region is recomputed once, as a plain backward does; the inner backward then reads those
     values (the recomputed ones, as a plain backward's nodes do)."""
 

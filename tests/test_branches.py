@@ -699,6 +699,22 @@ def test_backward_hooks_on_the_split_module_and_a_submodule_keep_every_branch() 
     torch.testing.assert_close(split.values["lin"] + split.values["<root module>"], h.grad)
 
 
+def test_an_aten_op_given_the_split_tensor_twice_names_its_arguments() -> None:
+    """``torch.ops.aten.mul.Tensor(h, h)``: its signature is ``(*args, **kwargs)``, and the two
+    uses were named ``:args`` and ``:kwargs`` although both are positional (trial 85). The
+    op's schema names them."""
+    torch.manual_seed(0)
+    block = _WithAFunction().double()
+    block.forward = lambda h: block.lin(h) + torch.ops.aten.mul.Tensor(h, h)  # type: ignore
+    x = torch.randn(3, 3, dtype=F64, requires_grad=True)
+    with semipack.extend(block, semipack.Real()), semipack.branches(block) as split:
+        h = x * 1.0
+        h.retain_grad()
+        block(h).pow(2).sum().backward()
+    assert split.names == ["lin", "<root module>:self", "<root module>:other"]
+    torch.testing.assert_close(sum(split.values.values()), h.grad)
+
+
 def test_a_forward_no_backward_follows_keeps_the_last_backwards_values() -> None:
     """A forward after the last backward (a train-accuracy metric with grad mode on) starts a
     new split, but the last backward's values stay until a backward reaches it (trial 69: they

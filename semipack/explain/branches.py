@@ -486,11 +486,22 @@ def _call_name(func: Callable[..., Any]) -> str:
 
 
 def _argument_labels(func: Callable[..., Any], uses: list[int], named: list[str]) -> list[str]:
-    """Parameter names of the positions and keywords where one call uses the split tensor."""
-    try:
-        params = list(inspect.signature(func).parameters)
-    except (TypeError, ValueError):
+    """Parameter names of the positions and keywords where one call uses the split tensor
+    (``arg<i>`` where the position has no name of its own: ``*args``)."""
+    schema = getattr(func, "_schema", None)  # an ATen op overload: its schema's names
+    if schema is not None:
+        params = [a.name for a in schema.arguments if not a.kwarg_only]
+    else:
+        try:
+            parameters = inspect.signature(func).parameters.values()
+        except (TypeError, ValueError):
+            parameters = []
+        positional = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
         params = []
+        for p in parameters:  # up to ``*args`` (trial 85: torch.ops calls read "args")
+            if p.kind not in positional:
+                break
+            params.append(p.name)
     labels = [params[i] if i < len(params) else f"arg{i}" for i in uses]
     return labels + named
 

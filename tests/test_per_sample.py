@@ -2322,6 +2322,33 @@ def test_a_layer_on_the_batch_merged_with_the_tokens_is_named_as_such():
     )
 
 
+def test_rows_are_checked_against_the_batch_of_the_call_the_backward_reached():
+    """Every parameter's rows on a merged batch (10 rows for 2 examples) are refused, and a
+    batch of one run earlier in the block (a no-grad metric) neither makes a position table's
+    single row pass beside the others' three nor marks that table as one example's row
+    (trial 85: the message blamed an add for mixing the examples)."""
+    merged = nn.Sequential(nn.Flatten(0, 1), nn.Conv1d(3, 2, 1))
+    _refused(merged, (torch.randn(2, 5, 3, 4),), r"'1\.bias' \(10 rows\), '1\.weight' \(10 rows\)")
+
+    class Positions(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.tok, self.pos, self.lin = nn.Embedding(10, 4), nn.Embedding(5, 4), nn.Linear(4, 2)
+
+        def forward(self, ids, pos):
+            return self.lin(self.tok(ids) + self.pos(pos))
+
+    model, ids, pos = Positions(), torch.randint(0, 10, (3, 5)), torch.arange(5)[None]
+    with semipack.extend(model, semipack.Real(), per_sample=True):
+        with torch.no_grad():
+            model(ids[:1], pos)
+        loss = model(ids, pos).sum()
+        with pytest.raises(
+            PerSampleError, match=r"has 3 examples in dim 0, but 'pos.weight' \(1 row"
+        ):
+            loss.backward()
+
+
 class _BroadcastWithTheBatch(nn.Module):
     def __init__(self, mode: str) -> None:
         super().__init__()

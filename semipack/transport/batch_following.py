@@ -150,6 +150,11 @@ class BatchedTensors:
         self.sizes.add(int(first.shape[0]))
         self.add(first)
         for t in others:
+            # each call marks its own arguments: a position table [1, T] marked by an earlier
+            # call with a batch of one was taken for one example's row at the next call, and
+            # its broadcast read as mixing the examples (trial 85)
+            if self._marked.get(id(t)) is t:
+                del self._marked[id(t)]
             if t.dim() > 0 and t.shape[0] == first.shape[0] and self.batch_dim(t) is NOT_HELD:
                 self._of_arguments.add(self._mark(t, "a model argument beside the batch"))
 

@@ -489,14 +489,19 @@ class PerSampleRows:
                     "computed from two parameters); see 'Per-sample values' in the README"
                 )
         sizes = [self.rows[id(p)][0].shape[0] for p in params]
-        if batches:  # the model's input says how many examples there are
+        # the batch: the size most parameters' rows have among the model inputs' (a merged
+        # batch's 12 rows read "12 examples", trial 82), or among all where none has one; every
+        # parameter must have it (a batch of one from an earlier call in the block made a
+        # position table's single row pass beside the others' three, trial 85)
+        known = [n for n in sizes if n in batches]
+        if batches and not known:  # no parameter saw the batch: every one is odd
             batch = min(batches - {1}, default=min(batches))
-            odd = [(p, n) for p, n in zip(params, sizes, strict=True) if n not in batches]
-            counts = " or ".join(str(n) for n in sorted(batches))
-            seen = f"the model's input has {counts} example{'s' * (batches != {1})}"
-        else:  # most parameters' rows do (trial 82: a merged batch's 12 rows read "12 examples")
-            batch = max(set(sizes), key=sizes.count, default=0)
-            odd = [(p, n) for p, n in zip(params, sizes, strict=True) if n != batch]
+        else:
+            batch = max(set(known or sizes), key=sizes.count, default=0)
+        odd = [(p, n) for p, n in zip(params, sizes, strict=True) if n != batch]
+        if batches:
+            seen = f"the model's input has {batch} example{'s' * (batch != 1)}"
+        else:
             seen = f"most parameters saw {batch} example{'s' * (batch != 1)}"
         if odd:
             named = ", ".join(f"'{self.names[id(p)]}' ({n} row{'s' * (n != 1)})" for p, n in odd)

@@ -662,6 +662,14 @@ def test_a_use_by_a_custom_function_is_named_as_in_no_branch(backward_inside: bo
         if not backward_inside:
             out.pow(2).sum().backward()
     assert split.names == ["lin"] and split.unseen_uses == ["_SquareBackward"]
+    block.register_full_backward_hook(lambda *_: None)  # behind two hook copies (trial 86)
+    block.lin.register_full_backward_hook(lambda *_: None)
+    hooked = pytest.warns(UserWarning, match=r"used by _SquareBackward")
+    with hooked, semipack.extend(block, semipack.Real()), semipack.branches(block) as split:
+        block(h).pow(2).sum().backward()
+    assert split.unseen_uses == ["_SquareBackward"]
+    block._backward_hooks.clear()
+    block.lin._backward_hooks.clear()
     tensor_split = pytest.warns(UserWarning, match=r"the split tensor was used by _SquareBackward")
     with tensor_split, semipack.extend(block, semipack.Real()):
         g = h * 1.0

@@ -1055,6 +1055,29 @@ def test_a_loss_computed_by_the_model_is_not_mixing(scaled: bool):
             torch.testing.assert_close(p.semiring_grad_batch[i], expected)
 
 
+@pytest.mark.parametrize("tail", ["square", "product"])
+def test_a_nonlinear_function_of_the_models_reduced_loss_mixes_the_examples(tail: str):
+    """``e.sum() ** 2`` or ``e.sum() * e.mean()`` after the reduction mixes the examples'
+    terms: accepted with the scaled loss, its rows differed from single examples' silently
+    (trial 86). Refused, naming the reduction."""
+
+    class Tail(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(3, 2)
+
+        def forward(self, x):
+            e = self.lin(x).pow(2)
+            return e.sum() ** 2 if tail == "square" else e.sum() * e.mean()
+
+    model = Tail().double()
+    x = torch.randn(5, 3, dtype=torch.float64)
+    with semipack.extend(model, semipack.Real(), per_sample=True):
+        loss = model(x)
+        with pytest.raises(PerSampleError, match=r"reduces over every dim, the batch included"):
+            loss.backward()
+
+
 class _PositionsSelected(nn.Module):
     """Positions computed from the ids, looked up in a table with ``index_select`` on the
     flattened positions and split back (M2M100's sinusoidal positions)."""

@@ -294,6 +294,11 @@ def test_projections_of_other_names_are_not_read_as_the_residual() -> None:
     )
     assert table.branch_names == ("to_q", "to_k", "to_v", "residual")
     assert attention_branch("layer.0.attention.self.query") == "query"
+    # a second call of a projection, and nn.MultiheadAttention(batch_first=True)'s one
+    # transpose of its input for the three projections (trial 86: a column of its own, and
+    # the residual)
+    assert attention_branch("attn.q_proj#2", "linear") == "query"
+    assert attention_branch("layer.self_attn", "transpose") == "qkv"
     small = semipack.TokenTypeTable.from_values(
         {"query": torch.tensor([[4.342e-07]]), "value": torch.tensor([[0.5]])},
         torch.tensor([[0]]),

@@ -227,14 +227,16 @@ class _SplitMode(TorchFunctionMode):
         backward reaching it records it in ``unseen_uses``, which warns."""
         if self.calling or self.target is None or _OPEN_SPLITS.aliasing:
             return
-        if node.name() == MODULE_HOOK_NODE:  # a module with backward hooks: its input's copy,
-            return  # whose uses the mode sees (``_behind_module_hook``)
         if torch._C._current_graph_task_id() != -1:  # made in a backward (a recomputation)
             return
         split_nodes = {id(n) for n in self.split_nodes}
         split_nodes.update(id(f.grad_fn) for f in self.forms if f.grad_fn is not None)
-        if any(n is not None and id(n) in split_nodes for n, _ in node.next_functions):
-            node.register_prehook(_mark_unseen_use(self.result, node.name(), late))
+        if not any(n is not None and id(n) in split_nodes for n, _ in node.next_functions):
+            return
+        if node.name() == MODULE_HOOK_NODE:  # a module with backward hooks: its input's copy,
+            self.split_nodes.append(node)  # whose uses are the split tensor's (trial 86: one
+            return  # behind two such copies was not watched)
+        node.register_prehook(_mark_unseen_use(self.result, node.name(), late))
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         self.calling += 1  # nodes made inside a call this mode sees are no unseen uses

@@ -53,9 +53,12 @@ def attention_branch(name: str, op: str | None = None) -> str:
     last = name.rsplit(".", 1)[-1]
     if ":" in last:  # one call given the tensor as several arguments (multi-head attention)
         return PROJECTIONS.get(last.rsplit(":", 1)[-1].split("#")[0], "residual")
+    last = last.split("#")[0]  # a second call of one projection: the same branch (trial 86)
     if last in PROJECTIONS:
         return PROJECTIONS[last]
-    return last.split("#")[0] if op in _LINEAR_CALLS else "residual"
+    if op == "transpose" and last == "self_attn":  # nn.MultiheadAttention(batch_first=True)
+        return "qkv"  # turns its input sequence-first once, for its three projections
+    return last if op in _LINEAR_CALLS else "residual"
 
 
 #: ``Branches.ops`` of a use by a linear map (a projection of its own, not a residual).

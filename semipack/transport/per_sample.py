@@ -207,11 +207,25 @@ def check_graph(
     return generic, computed_inputs
 
 
+#: Nodes of a 0-dim value linear in their one graph input (or a sum of such inputs): the scalar
+#: tail a model may put after its loss's reduction and still mix no examples.
+_LINEAR_SCALAR_NODES = frozenset(
+    (
+        "AddBackward0", "AddBackward1", "SubBackward0", "SubBackward1", "NegBackward0",
+        "MulBackward0", "MulBackward1", "DivBackward0", "DivBackward1", "CloneBackward0",
+        "ViewBackward0", "SumBackward0", "ToCopyBackward0",
+    )
+)  # fmt: skip
+
+
 def _scalar_tail(roots: Sequence[Any]) -> set[int]:
-    """The ids of the root nodes and of every node that feeds them through 0-dim values only:
-    the model's own scalar loss, reduced and then scaled (ViTMAE's ``(loss * mask).sum() /
-    mask.sum()``, ``e.sum() / 3``; trial 84 found the reduction refused as mixing the batch,
-    which it is only when a non-scalar value reads its result)."""
+    """The ids of the root nodes and of every node that feeds them through 0-dim values and
+    linear steps only: the model's own scalar loss, reduced and then scaled or shifted
+    (ViTMAE's ``(loss * mask).sum() / mask.sum()``, ``e.sum() / 3 + 1``; trial 84 found the
+    reduction refused as mixing the batch). A product or quotient of two values computed from
+    the input, or any other function of the reduced value (``e.sum() ** 2``), mixes the
+    examples' terms: its reduction stays refused (trial 86 found ``e.sum() ** 2`` given
+    rows unlike single examples')."""
     ids: set[int] = set()
     stack = [node for node in roots if node is not None]
     while stack:
@@ -219,6 +233,12 @@ def _scalar_tail(roots: Sequence[Any]) -> set[int]:
         if id(node) in ids:
             continue
         ids.add(id(node))
+        edges = [nxt for nxt, _ in node.next_functions if nxt is not None]
+        linear = node.name() in _LINEAR_SCALAR_NODES and (
+            len(edges) == 1 or node.name() not in ("MulBackward0", "DivBackward0")
+        )
+        if not linear:
+            continue
         for nxt, _ in node.next_functions:
             if nxt is None or getattr(nxt, "variable", None) is not None:
                 continue

@@ -1300,6 +1300,18 @@ def test_a_layer_whose_input_a_custom_function_uses_is_refused() -> None:
         semipack.explain_layers(block, semipack.LogSum(), lambda: block(x).sum(), layers=[spec])
 
 
+def test_a_model_with_full_backward_hooks_is_refused_with_advice_it_can_follow() -> None:
+    """explain_layers passes without regular gradients; the hooks' refusal advised
+    ``extend(..., regular_grads=True)``, an argument explain_layers does not take (trial 86,
+    a BackPACK-extended model)."""
+    torch.manual_seed(0)
+    layer = nn.TransformerEncoderLayer(8, 2, 16, dropout=0.0, batch_first=True).eval()
+    layer.register_full_backward_hook(lambda *_: None)
+    x = torch.randn(1, 4, 8, requires_grad=True)
+    with pytest.raises(semipack.SemipackError, match=r"explain_layers runs its pass without"):
+        semipack.explain_layers(layer, semipack.MaxProd(), lambda: layer(x)[0, 1].sum())
+
+
 def test_a_route_through_the_blocks_own_projection_is_its_linear_branch() -> None:
     """A block that makes a projection itself (``F.linear(h, self.wv)``): explain_layers
     names that branch ``linear``, routes read a path through it as ``residual`` without a head

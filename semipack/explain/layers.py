@@ -574,7 +574,17 @@ def explain_layers(
         with warnings.catch_warnings():  # refused below, by name
             warnings.filterwarnings("ignore", "semipack.branches: .* used before the module")
             warnings.filterwarnings("ignore", "semipack.branches: .* the block does not see")
-            scalar.backward()
+            try:
+                scalar.backward()
+            except SemipackError as error:
+                if "full backward hooks" not in str(error):
+                    raise
+                raise SemipackError(  # its advice named an extend argument this call has not
+                    "explain_layers runs its pass without regular gradients, and modules with "
+                    "full backward hooks or backward pre-hooks (BackPACK's extensions among "
+                    "them) receive the regular gradient: run explain_layers on the model "
+                    "without those hooks (before backpack.extend, or on a copy of it; trial 86)"
+                ) from error
     _check_after_backward(layers, splits, contexts)
     factors = semiring.semirings if isinstance(semiring, Product) else (semiring,)
     flows = tuple(

@@ -670,6 +670,17 @@ def test_a_use_by_a_custom_function_is_named_as_in_no_branch(backward_inside: bo
     assert split.unseen_uses == ["_SquareBackward"]
     block._backward_hooks.clear()
     block.lin._backward_hooks.clear()
+    # a hooked module's other input used by a custom Function is no use of the split tensor
+    # (trial 87: the hook node's outputs were not told apart)
+    two = _WithAFunction().double()
+    two.forward = lambda h, g: two.lin(h) + _Square.apply(g)  # type: ignore[method-assign]
+    two.register_full_backward_hook(lambda *_: None)
+    g = torch.randn(4, 3, dtype=F64, requires_grad=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with semipack.extend(two, semipack.Real()), semipack.branches(two) as split:
+            two(h, g).pow(2).sum().backward()
+    assert split.unseen_uses == []
     tensor_split = pytest.warns(UserWarning, match=r"the split tensor was used by _SquareBackward")
     with tensor_split, semipack.extend(block, semipack.Real()):
         g = h * 1.0

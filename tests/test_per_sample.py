@@ -1044,7 +1044,8 @@ def test_a_loss_computed_by_the_model_is_not_mixing(scaled: bool):
 
         def forward(self, x):
             loss = self.out(self.hidden(x).tanh()).tanh().sum()
-            return loss / 3.0 + 1.0 if scaled else loss
+            # (trial 87: a view of the scalar, ``unsqueeze(0).squeeze()``, was refused)
+            return (loss / 3.0 + 1.0).unsqueeze(0).squeeze() if scaled else loss
 
     model, x = WithLoss().double(), torch.randn(5, 3, dtype=torch.float64)
     with semipack.extend(model, semipack.Real(), per_sample=True):
@@ -1055,7 +1056,7 @@ def test_a_loss_computed_by_the_model_is_not_mixing(scaled: bool):
             torch.testing.assert_close(p.semiring_grad_batch[i], expected)
 
 
-@pytest.mark.parametrize("tail", ["square", "product"])
+@pytest.mark.parametrize("tail", ["square", "product", "reciprocal"])
 def test_a_nonlinear_function_of_the_models_reduced_loss_mixes_the_examples(tail: str):
     """``e.sum() ** 2`` or ``e.sum() * e.mean()`` after the reduction mixes the examples'
     terms: accepted with the scaled loss, its rows differed from single examples' silently
@@ -1068,6 +1069,8 @@ def test_a_nonlinear_function_of_the_models_reduced_loss_mixes_the_examples(tail
 
         def forward(self, x):
             e = self.lin(x).pow(2)
+            if tail == "reciprocal":  # trial 87: a quotient is linear in its numerator only
+                return torch.tensor(3.0, dtype=x.dtype) / e.sum()
             return e.sum() ** 2 if tail == "square" else e.sum() * e.mean()
 
     model = Tail().double()
@@ -2350,6 +2353,12 @@ def test_rows_are_checked_against_the_batch_of_the_call_the_backward_reached():
     batch of one run earlier in the block (a no-grad metric) neither makes a position table's
     single row pass beside the others' three nor marks that table as one example's row
     (trial 85: the message blamed an add for mixing the examples)."""
+    flat = nn.Sequential(nn.Flatten(0, 1), nn.Linear(3, 2)).double()
+    with semipack.extend(flat, semipack.Real(), per_sample=True):  # a no-grad warm-up of N * T
+        with torch.no_grad():  # examples made the merged batch read as a batch (trial 87)
+            flat(torch.randn(4, 6, 3, dtype=torch.float64))
+        flat(torch.randn(2, 2, 3, dtype=torch.float64)).pow(2).sum().backward()
+    assert flat[1].weight.semiring_grad_batch.shape == (2, 2, 3)
     merged = nn.Sequential(nn.Flatten(0, 1), nn.Conv1d(3, 2, 1))
     _refused(merged, (torch.randn(2, 5, 3, 4),), r"'1\.bias' \(10 rows\), '1\.weight' \(10 rows\)")
 

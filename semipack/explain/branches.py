@@ -215,8 +215,8 @@ class _SplitMode(TorchFunctionMode):
         self.inside = False
         #: calls of this mode running (``__torch_function__`` nested)
         self.calling = 0
-        #: the node a use of the split tensor has an edge to (kept alive: ids are compared)
-        self.split_nodes: list[Any] = []
+        #: the (node, output) edges a use of the split tensor has (kept alive: ids are compared)
+        self.split_nodes: list[tuple[Any, int]] = []
 
     def watch_unseen(self, node: Any, late: list) -> None:
         """A node created while the block is open (``node_creation_hook``): one with an edge
@@ -229,13 +229,22 @@ class _SplitMode(TorchFunctionMode):
             return
         if torch._C._current_graph_task_id() != -1:  # made in a backward (a recomputation)
             return
-        split_nodes = {id(n) for n in self.split_nodes}
-        split_nodes.update(id(f.grad_fn) for f in self.forms if f.grad_fn is not None)
-        if not any(n is not None and id(n) in split_nodes for n, _ in node.next_functions):
+        split_edges = {(id(n), nr) for n, nr in self.split_nodes}
+        split_edges.update(
+            (id(f.grad_fn), f.output_nr) for f in self.forms if f.grad_fn is not None
+        )
+        reached = [
+            i
+            for i, (n, nr) in enumerate(node.next_functions)
+            if n is not None and (id(n), nr) in split_edges
+        ]
+        if not reached:
             return
-        if node.name() == MODULE_HOOK_NODE:  # a module with backward hooks: its input's copy,
-            self.split_nodes.append(node)  # whose uses are the split tensor's (trial 86: one
-            return  # behind two such copies was not watched)
+        if node.name() == MODULE_HOOK_NODE:  # a module with backward hooks: output i is its
+            # input i's copy, whose uses are the split tensor's (trial 86: one behind two such
+            # copies was not watched); its other outputs are other inputs' (trial 87)
+            self.split_nodes += [(node, i) for i in reached]
+            return
         node.register_prehook(_mark_unseen_use(self.result, node.name(), late))
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
@@ -571,7 +580,7 @@ def branches(at: nn.Module | Tensor, inputs: Sequence[Tensor] = ()) -> Iterator[
         record = Branches(split=tensor, arguments=arguments, calls=1)
         calls.append(record)
         mode.result, mode.target, mode.forms, mode.counts = record, tensor, [tensor], {}
-        mode.split_nodes = [_gradient_node(tensor)]
+        mode.split_nodes = [(_gradient_node(tensor), tensor.output_nr)]
         state.since += 1
         result.calls = state.since
         if state.task is None:  # before any backward: the latest call is shown

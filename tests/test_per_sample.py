@@ -2356,6 +2356,34 @@ def test_a_layer_on_the_batch_merged_with_the_tokens_is_named_as_such():
     )
 
 
+@pytest.mark.parametrize("loss", ["cross entropy / 2", "mse + z-loss", "bce * 1"])
+def test_a_fused_loss_inside_the_model_scaled_after_has_rows(loss: str):
+    """A fused loss (``NllLossBackward0``...) inside the model followed by a scale or an added
+    term (``.loss / accum_steps``, a z-loss) was refused by this session's tail (trial 89)."""
+
+    class WithLoss(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(4, 3)
+
+        def forward(self, x, y):
+            o = self.lin(x)
+            if loss == "cross entropy / 2":
+                return F.cross_entropy(o, y, reduction="sum") / 2
+            if loss == "mse + z-loss":
+                return F.mse_loss(o, torch.zeros_like(o), reduction="sum") + 0.1 * (o**2).sum()
+            return F.binary_cross_entropy_with_logits(o, torch.ones_like(o), reduction="sum") * 1.0
+
+    torch.manual_seed(0)
+    model = WithLoss().double()
+    x, y = torch.randn(4, 4, dtype=torch.float64), torch.tensor([0, 2, 1, 1])
+    with semipack.extend(model, semipack.Real(), per_sample=True):
+        model(x, y).backward()
+    for i in range(4):
+        want = torch.autograd.grad(model(x[i : i + 1], y[i : i + 1]), model.lin.weight)[0]
+        torch.testing.assert_close(model.lin.weight.semiring_grad_batch[i], want)
+
+
 def test_a_forward_that_turns_grad_on_inside_no_grad_has_rows():
     """A forward that enables grad itself, called under ``torch.no_grad()``, records its graph;
     its batch must be followed (trial 88: a fix that skipped no-grad calls refused it)."""

@@ -229,6 +229,13 @@ _LINEAR_SCALAR_NODES = frozenset(
 _TAIL_NODES = _LINEAR_SCALAR_NODES | {"MeanBackward0"}
 
 
+def _fused_loss(name: str) -> bool:
+    """Whether autograd node ``name`` is a fused loss (``cross_entropy``'s ``NllLossBackward0``,
+    ``MseLossBackward0``, BCE...): a sum or mean of per-example terms, the loss's own reduction
+    (trial 89: followed by ``/ accum_steps`` or an added z-loss it was refused)."""
+    return "Loss" in name or name.startswith(("BinaryCrossEntropy", "KlDiv"))
+
+
 def _scalar_tail(roots: Sequence[Any]) -> set[int]:
     """The ids of the root nodes and of every node that feeds them through 0-dim values and
     linear steps only: the model's own scalar loss, reduced and then scaled or shifted
@@ -249,7 +256,9 @@ def _scalar_tail(roots: Sequence[Any]) -> set[int]:
         one_edge = len(edges) == 1 and (
             name != "DivBackward0" or node.next_functions[0][0] is not None
         )
-        linear = name in _TAIL_NODES and (name not in ("MulBackward0", "DivBackward0") or one_edge)
+        linear = (name in _TAIL_NODES or _fused_loss(name)) and (
+            name not in ("MulBackward0", "DivBackward0") or one_edge
+        )
         if not linear:  # not the loss's own (``e.var()``, ``e[0, 0]``: trial 88 found them
             continue  # taken for it, the rows unlike single examples')
         ids.add(id(node))

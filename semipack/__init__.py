@@ -10,6 +10,7 @@ from . import distributed, rules  # noqa: F401  (rules registers the built-in op
 from .api import extend, grad
 from .errors import (
     MessageLostError,
+    ModuleHooksError,
     PerSampleError,
     SemipackError,
     StateShapeError,
@@ -51,6 +52,7 @@ __all__ = [
     "MaxProd",
     "Message",
     "MessageLostError",
+    "ModuleHooksError",
     "Monitor",
     "OpCall",
     "PerSampleError",

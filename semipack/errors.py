@@ -139,6 +139,11 @@ class StateShapeError(SemipackError):
     entry's paths to every entry it is copied to."""
 
 
+class ModuleHooksError(SemipackError):
+    """Modules with full backward hooks or backward pre-hooks (BackPACK's extensions among
+    them) are in a pass that computes no regular gradient, which those hooks receive."""
+
+
 class MessageLostError(SemipackError):
     """A plain gradient reached a place where a semiring message was required."""
 

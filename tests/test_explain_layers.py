@@ -1308,8 +1308,9 @@ def test_a_model_with_full_backward_hooks_is_refused_with_advice_it_can_follow()
     layer = nn.TransformerEncoderLayer(8, 2, 16, dropout=0.0, batch_first=True).eval()
     layer.register_full_backward_hook(lambda *_: None)
     x = torch.randn(1, 4, 8, requires_grad=True)
-    with pytest.raises(semipack.SemipackError, match=r"explain_layers runs its pass without"):
+    with pytest.raises(semipack.SemipackError, match=r"explain_layers runs its pass without") as e:
         semipack.explain_layers(layer, semipack.MaxProd(), lambda: layer(x)[0, 1].sum())
+    assert isinstance(e.value.__cause__, semipack.ModuleHooksError)
 
 
 def test_a_route_through_the_blocks_own_projection_is_its_linear_branch() -> None:

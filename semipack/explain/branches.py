@@ -215,8 +215,28 @@ class _SplitMode(TorchFunctionMode):
         self.inside = False
         #: calls of this mode running (``__torch_function__`` nested)
         self.calling = 0
-        #: the (node, output) edges a use of the split tensor has (kept alive: ids are compared)
-        self.split_nodes: list[tuple[Any, int]] = []
+        #: the (node id, output) edges a use of the split tensor or of one of its forms has,
+        #: kept as forms and hook copies appear (read at every node the block creates), and
+        #: the nodes they name (kept alive: ids are compared)
+        self.split_edges: set[tuple[int, int]] = set()
+        self._edge_nodes: list[Any] = []
+
+    def split_at(self, tensor: Tensor | None) -> None:
+        """Split ``tensor`` from now on (None: nothing, until the module's next call)."""
+        self.forms = [] if tensor is None else [tensor]
+        self.split_edges, self._edge_nodes = set(), []
+        if tensor is not None:
+            self._add_edge(_gradient_node(tensor), tensor.output_nr)
+
+    def _add_form(self, t: Tensor) -> None:
+        """``t`` is the split tensor too (a copy behind module hooks, another split's alias)."""
+        self.forms.append(t)
+        if t.grad_fn is not None:
+            self._add_edge(t.grad_fn, t.output_nr)
+
+    def _add_edge(self, node: Any, output_nr: int) -> None:
+        self._edge_nodes.append(node)
+        self.split_edges.add((id(node), output_nr))
 
     def watch_unseen(self, node: Any, late: list) -> None:
         """A node created while the block is open (``node_creation_hook``): one with an edge
@@ -229,21 +249,18 @@ class _SplitMode(TorchFunctionMode):
             return
         if torch._C._current_graph_task_id() != -1:  # made in a backward (a recomputation)
             return
-        split_edges = {(id(n), nr) for n, nr in self.split_nodes}
-        split_edges.update(
-            (id(f.grad_fn), f.output_nr) for f in self.forms if f.grad_fn is not None
-        )
         reached = [
             i
             for i, (n, nr) in enumerate(node.next_functions)
-            if n is not None and (id(n), nr) in split_edges
+            if n is not None and (id(n), nr) in self.split_edges
         ]
         if not reached:
             return
         if node.name() == MODULE_HOOK_NODE:  # a module with backward hooks: output i is its
             # input i's copy, whose uses are the split tensor's (trial 86: one behind two such
             # copies was not watched); its other outputs are other inputs' (trial 87)
-            self.split_nodes += [(node, i) for i in reached]
+            for i in reached:
+                self._add_edge(node, i)
             return
         node.register_prehook(_mark_unseen_use(self.result, node.name(), late))
 
@@ -422,7 +439,7 @@ class _SplitMode(TorchFunctionMode):
         if any(a is f for f in self.forms):
             return True
         if any(_behind_module_hook(a, f) for f in self.forms):
-            self.forms.append(a)
+            self._add_form(a)
             return True
         return False
 
@@ -437,7 +454,7 @@ class _SplitMode(TorchFunctionMode):
             alias = of.view_as(of)
         for other in _OPEN_SPLITS.modes:
             if other is not self and other._is_split(of):
-                other.forms.append(alias)
+                other._add_form(alias)
         self.result.names.append(name)
         self.result.ops[name] = op
         self.on_alias(name, alias)
@@ -579,8 +596,8 @@ def branches(at: nn.Module | Tensor, inputs: Sequence[Tensor] = ()) -> Iterator[
             )
         record = Branches(split=tensor, arguments=arguments, calls=1)
         calls.append(record)
-        mode.result, mode.target, mode.forms, mode.counts = record, tensor, [tensor], {}
-        mode.split_nodes = [(_gradient_node(tensor), tensor.output_nr)]
+        mode.result, mode.target, mode.counts = record, tensor, {}
+        mode.split_at(tensor)
         state.since += 1
         result.calls = state.since
         if state.task is None:  # before any backward: the latest call is shown
@@ -605,7 +622,8 @@ def branches(at: nn.Module | Tensor, inputs: Sequence[Tensor] = ()) -> Iterator[
         """After a backward: watch for uses before the module's next call again (a split
         tensor stays split)."""
         if mode.inside and isinstance(at, nn.Module):
-            mode.target, mode.forms, mode.earlier_uses = None, [], {}
+            mode.target, mode.earlier_uses = None, {}
+            mode.split_at(None)
 
     state.rearm = rearm
 
@@ -647,7 +665,7 @@ def branches(at: nn.Module | Tensor, inputs: Sequence[Tensor] = ()) -> Iterator[
         if isinstance(at, nn.Module):
             handles[0].remove()
         mode.target = None
-        mode.forms = []
+        mode.split_at(None)
     if result.split is not None and not result.names and mode.uses_without_grad:
         raise SemipackError(
             "semipack.branches: the split tensor was used only where autograd records nothing "

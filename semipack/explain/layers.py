@@ -30,7 +30,7 @@ import torch
 from torch import Tensor, nn
 
 from ..api import extend
-from ..errors import SemipackError
+from ..errors import ModuleHooksError, SemipackError
 from ..graph.sites import ROOT_MODULE
 from ..messages.paths import Path, PathStep
 from ..semirings import Entropy, KBest, Product, Real, Semiring, SignedMaxProd
@@ -576,9 +576,7 @@ def explain_layers(
             warnings.filterwarnings("ignore", "semipack.branches: .* the block does not see")
             try:
                 scalar.backward()
-            except SemipackError as error:
-                if "full backward hooks" not in str(error):
-                    raise
+            except ModuleHooksError as error:
                 raise SemipackError(  # its advice named an extend argument this call has not
                     "explain_layers runs its pass without regular gradients, and modules with "
                     "full backward hooks or backward pre-hooks (BackPACK's extensions among "

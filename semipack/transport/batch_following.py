@@ -280,10 +280,11 @@ class BatchedTensors:
             node = t.grad_fn
             if node is not None and BATCHED_KEY not in node.metadata and t is not written:
                 self._stamp_late_node(t, d)
-        problem = misplaced_batch(func, args, kwargs, self) if held else None
+        examples = merged_examples(func, args, kwargs, self) if held else None
+        # a layer whose rows split a merged batch out again has its batch where they read it
+        problem = misplaced_batch(func, args, kwargs, self) if held and not examples else None
         if problem is not None:  # refused if the backward reaches one of its parameters
             _mark_nodes(result, problem)
-        examples = merged_examples(func, args, kwargs, self) if held else None
         if examples is not None:  # read by the layer's node when it computes the rows
             for t in tree_leaves(result):
                 if isinstance(t, Tensor) and t.grad_fn is not None:
@@ -781,7 +782,8 @@ def misplaced_batch(func: Any, args: tuple, kwargs: dict, batched: BatchedTensor
     an input computed from the model's input whose batch is not where the layer's rows read
     it, because it moved to another dim or was lost while that dim kept a batch's size. Its
     rows would be one per token (``x.transpose(0, 1)`` with as many tokens as examples),
-    silently."""
+    silently. The caller asks ``merged_examples`` first: a merged batch those rows split out
+    again is in its place."""
     layer = layer_of(func, args)
     if layer is None:
         return None
@@ -792,8 +794,6 @@ def misplaced_batch(func: Any, args: tuple, kwargs: dict, batched: BatchedTensor
     dim = batched.batch_dim(x)
     if dim is NOT_HELD or (dim == want and not batched.merged(x)):
         return None
-    if merged_examples(func, args, kwargs, batched) is not None:
-        return None  # the layer's rows split the batch out again
     if batched.merged(x):
         dim = None
     if dim is None and x.shape[want] not in batched.sizes - {1}:

@@ -37,7 +37,7 @@ from torch import Tensor, nn
 from torch.autograd.graph import Node
 from torch.utils.hooks import RemovableHandle
 
-from ..errors import SemipackError
+from ..errors import ModuleHooksError, SemipackError
 from ..graph.provenance import MODULE_KEY
 from ..graph.sites import ROOT_MODULE
 from ..messages.message import MODULE_HOOK_NODE, Message, unsupported
@@ -271,7 +271,7 @@ class SealedMessage(Message):
         )
 
 
-def hooks_need_regular_gradients(nodes: Iterable[Node], computed_by: str) -> SemipackError:
+def hooks_need_regular_gradients(nodes: Iterable[Node], computed_by: str) -> ModuleHooksError:
     """The error for module-hook nodes in a pass without regular gradients (``computed_by``
     names that pass), naming the modules whose forward created them where the block's module
     tracker stamped them. Raised before the pass, so no hook has run and nothing is changed."""
@@ -282,7 +282,7 @@ def hooks_need_regular_gradients(nodes: Iterable[Node], computed_by: str) -> Sem
         if shown is not None and repr(shown) not in names:
             names.append(repr(shown))
     where = f" (their hook nodes were made in the forward of {', '.join(names)})" if names else ""
-    return SemipackError(
+    return ModuleHooksError(
         f"modules with full backward hooks or backward pre-hooks are in this graph{where}; "
         "such hooks (BackPACK's extensions among them) receive the regular gradient, which "
         f"{computed_by} does not compute: run loss.backward() inside "

@@ -1,10 +1,11 @@
-"""The hand-written AVX2 max-plus kernels (dense and pruned) against the definition.
+"""The hand-written max-plus kernels (dense, pruned, convolution taps) against the definition.
 
 The reference is the broadcast ``(a[:, :, None] + b[None]).max(1)``: values bit for bit and the
 first argmax. Random operands with scattered and whole-row ``-inf``, integer-valued operands
 (many ties), every tile/panel remainder and both orientations of the pruned kernel are covered;
-a hypothesis test draws the rest. Skipped where the kernel cannot be built (no AVX2 or no C
-compiler), where the compiled and eager kernels take over.
+a hypothesis test draws the rest. Every test runs on the AVX2 build and, where the CPU has
+AVX-512, on the AVX-512 build too (16 lanes per register, other tile heights). Skipped where the
+kernel cannot be built (no AVX2 or no C compiler), where the compiled and eager kernels take over.
 """
 
 from __future__ import annotations
@@ -21,6 +22,20 @@ pytestmark = pytest.mark.skipif(
     not native.native_available(), reason="native max-plus kernel unavailable here"
 )
 NEG_INF = float("-inf")
+WIDE = native._cpu_capability() == "AVX512"
+
+
+@pytest.fixture(
+    scope="module", autouse=True, params=[False, True] if WIDE else [False],
+    ids=lambda wide: "avx512" if wide else "avx2",
+)  # fmt: skip
+def vector_width(request):
+    """Each test on each build of the kernels this CPU runs (module scope: hypothesis tests
+    refuse function-scoped fixtures)."""
+    previous = native.set_avx512(request.param)
+    assert native.native_width() == (16 if request.param else 8)
+    yield
+    native.set_avx512(previous)
 
 
 def reference(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -49,8 +64,9 @@ def assert_exact(got: tuple, want: tuple) -> None:
         assert torch.equal(got[1], want[1])
 
 
-# Shapes cover: fewer rows than a tile, row and column remainders (tiles of 6 / 3 rows, panels
-# of 16 columns, sweeps of 32), k = 1, single columns, and batches.
+# Shapes cover: fewer rows than a tile, row and column remainders (tiles of 6 / 3 rows in the
+# AVX2 build, 12 / 8 in the AVX-512 one, panels of 16 columns, sweeps of 32), k = 1, single
+# columns, and batches.
 SHAPES = [
     (1, 1, 1, 1),
     (1, 5, 7, 3),
@@ -58,6 +74,7 @@ SHAPES = [
     (1, 13, 40, 33),
     (2, 97, 20, 16),
     (3, 8, 9, 70),
+    (1, 25, 6, 47),
 ]
 
 
@@ -88,6 +105,57 @@ def test_pruned_kernel_is_exact(shape, ties, top):
     assert_exact((values, index), want)
     assert 0 <= kept <= shape[0] * shape[1]
     assert_exact(native.maxplus_pruned_f32(a[0], b[0], False, top)[:2], (want[0], None))
+
+
+@pytest.mark.parametrize("shape", [(5, 7, 3), (13, 40, 33), (97, 20, 16), (25, 6, 47)], ids=str)
+@pytest.mark.parametrize("ties", [False, True], ids=["reals", "ties"])
+def test_tap_kernels_read_and_write_rows_through_tables(shape, ties):
+    """The convolution taps' kernels: ``gather`` reads b's rows through a table (into a packed
+    b of more rows, at an offset), ``scatter_max`` maxes its product into rows of ``out`` named
+    by a table, keeping what is there on ties and carrying the winner's id (TopPath)."""
+    n, k, m = shape
+    a, b = operands(1, n, k, m, seed=11 + n, ties=ties)
+    a, b = a[0], b[0]
+    gen = torch.Generator().manual_seed(n)
+    big = torch.randn(3 * k + 2, m, generator=gen).abs().log()
+    rows = torch.randperm(3 * k, generator=gen)[:k]  # distinct rows of big, past an offset of 2
+    big[2 + rows] = b
+    want = reference(a, b)
+    panels = native.pack_panels_f32(big)
+    assert_exact(native.maxplus_gather_f32(a, panels, rows, 2, m, with_index=True), want)
+    assert_exact(native.maxplus_gather_f32(a, panels, rows, 2, m), (want[0], None))
+
+    out = torch.randn(2 * n + 1, m, generator=gen) * 3
+    if ties:
+        out = out.round()
+    out_ids = torch.randint(-5, 0, out.shape, generator=gen)
+    ids = torch.randint(0, 1000, (n, k), generator=gen)
+    targets = torch.randperm(2 * n, generator=gen)[:n]
+    expected, expected_ids = out.clone(), out_ids.clone()
+    wins = want[0] > out[1 + targets]  # strictly larger replaces
+    expected[1 + targets] = torch.where(wins, want[0], out[1 + targets])
+    expected_ids[1 + targets] = torch.where(wins, ids.gather(1, want[1]), out_ids[1 + targets])
+    plain = out.clone()
+    native.maxplus_scatter_max_f32(a, native.pack_panels_f32(b), plain, targets, 1)
+    assert torch.equal(plain, expected)
+    native.maxplus_scatter_max_f32(a, native.pack_panels_f32(b), out, targets, 1, ids, out_ids)
+    assert torch.equal(out, expected) and torch.equal(out_ids, expected_ids)
+
+
+@pytest.mark.skipif(not WIDE, reason="no AVX-512 on this CPU")
+def test_both_builds_give_the_same_bits_on_a_large_product():
+    """Tiles and thread blocks of both widths over a product large enough to be threaded."""
+    a, b = operands(1, 300, 200, 100, seed=9)
+    got = []
+    previous = native.set_avx512(False)
+    try:
+        for wide in (False, True):
+            native.set_avx512(wide)
+            got.append(native.maxplus_f32(a, b, with_index=True))
+    finally:
+        native.set_avx512(previous)
+    assert_exact(got[1], got[0])
+    assert_exact(got[0], reference(a, b))
 
 
 def test_pruning_skips_pairs_that_cannot_win():

@@ -1,4 +1,4 @@
-"""Hand-written AVX2 max-plus kernel, compiled with the system C compiler on first use.
+"""Hand-written AVX2 / AVX-512 max-plus kernels, compiled with the system C compiler on first use.
 
 Why not only inductor: the max-plus product is bound by the two vector ports that run its add
 and max, and a hand register-blocked loop keeps them busy (about 39 G pairs/s on two Zen 3
@@ -9,6 +9,13 @@ releases the GIL, and a small thread pool splits the work across ``torch.get_num
 The kernel is optional: without a C compiler, on a CPU without AVX2, on other platforms or with
 ``SEMIPACK_NATIVE=0`` (or :func:`set_native(False) <set_native>`) :func:`maxplus_f32` is not
 available and callers use the compiled or eager kernels, which give the same values.
+
+Two builds of the same sources: with AVX2 and FMA, and with AVX-512 as well, where the max-plus
+kernels hold 16 lanes in one register instead of two (``vec16.h``). A core that runs 512-bit
+operations at full width does twice the max-plus pairs per cycle with it. The wider build is
+loaded where PyTorch reports AVX-512 (:func:`torch.backends.cpu.get_cpu_capability`) and it
+builds; ``SEMIPACK_NATIVE_AVX512=0`` (or :func:`set_avx512(False) <set_avx512>`) keeps the AVX2
+one. Both give the same bits (lane-wise exact operations only).
 """
 
 from __future__ import annotations
@@ -42,8 +49,10 @@ _SOURCES = tuple(
     )
 )
 #: Headers the sources include (part of the build's cache key).
-_HEADERS = tuple(Path(__file__).with_name(name) for name in ("vector_math.h",))
+_HEADERS = tuple(Path(__file__).with_name(name) for name in ("vector_math.h", "vec16.h"))
 _FLAGS = ("-O3", "-mavx2", "-mfma", "-std=c11", "-fopenmp", "-shared", "-fPIC")
+#: Added for the AVX-512 build (``vec16.h`` then holds 16 lanes in one register).
+_AVX512_FLAGS = ("-mavx512f", "-mavx512dq", "-mavx512vl", "-mavx512bw")
 #: Columns of a packed panel of ``b`` in maxplus.c.
 PANEL_COLS = 16
 #: Below this many pairs one thread does the whole product.
@@ -83,12 +92,31 @@ _SIGNATURES: dict[str, tuple[str | None, str]] = {
     "semipack_depthwise_channels_weight_f32": (None, "ppppp" + "q" * 12 + "i"),
 }
 
-_state = {"enabled": os.environ.get("SEMIPACK_NATIVE", "1") not in ("0", "false", "no")}
+_OFF = ("0", "false", "no")
+_state = {
+    "enabled": os.environ.get("SEMIPACK_NATIVE", "1") not in _OFF,
+    "avx512": os.environ.get("SEMIPACK_NATIVE_AVX512", "1") not in _OFF,
+}
 
 
 def set_native(enabled: bool) -> None:
     """Use (or stop using) the hand-written kernel for the whole process."""
     _state["enabled"] = bool(enabled)
+
+
+def set_avx512(enabled: bool) -> bool:
+    """Use the AVX-512 build of the kernels where the CPU has AVX-512 (the default), or the
+    AVX2 build everywhere: the same values, for comparing the two. Returns the previous
+    setting."""
+    previous, _state["avx512"] = _state["avx512"], bool(enabled)
+    return previous
+
+
+def native_width() -> int | None:
+    """Float lanes per vector register of the kernels in use: 16 (AVX-512), 8 (AVX2), or None
+    where no native kernel can run."""
+    lib = _library() if _state["enabled"] else None
+    return None if lib is None else 16 if lib is _build(True) else 8
 
 
 def no_nan_or_posinf(*tensors: Tensor) -> bool:
@@ -114,25 +142,43 @@ def _cache_dir() -> Path:
         return Path(tempfile.gettempdir()) / "semipack"
 
 
-@functools.cache
 def _library() -> ctypes.CDLL | None:
-    """Build (once per source version) and load the kernel; ``None`` where it cannot run."""
+    """The kernels' library for this CPU (AVX-512 where it has it, see :func:`set_avx512`);
+    ``None`` where no build can run."""
+    if _state["avx512"] and _cpu_capability() == "AVX512":
+        wide = _build(True)
+        if wide is not None:
+            return wide
+    return _build(False)
+
+
+@functools.cache
+def _cpu_capability() -> str:
+    """PyTorch's vector ISA for this CPU ("AVX2", "AVX512", ...), read once."""
+    return torch.backends.cpu.get_cpu_capability()
+
+
+@functools.cache
+def _build(avx512: bool) -> ctypes.CDLL | None:
+    """Build (once per source version and width) and load the kernels; ``None`` where they
+    cannot run."""
     if platform.machine() not in ("x86_64", "AMD64") or platform.system() != "Linux":
         return None
-    if torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):
+    if _cpu_capability() not in ("AVX2", "AVX512"):
         return None
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if compiler is None:
         return None
+    flags = (*_FLAGS, *_AVX512_FLAGS) if avx512 else _FLAGS
     source = b"".join(path.read_bytes() for path in (*_SOURCES, *_HEADERS))
-    digest = hashlib.sha256(source + " ".join(_FLAGS).encode()).hexdigest()[:16]
+    digest = hashlib.sha256(source + " ".join(flags).encode()).hexdigest()[:16]
     target = _cache_dir() / f"kernels-{digest}.so"
     try:
         if not target.exists():
             target.parent.mkdir(parents=True, exist_ok=True)
             partial = target.with_name(f"{target.stem}.{os.getpid()}.partial.so")
             subprocess.run(
-                [compiler, *_FLAGS, *map(str, _SOURCES), "-o", str(partial), "-lm"],
+                [compiler, *flags, *map(str, _SOURCES), "-o", str(partial), "-lm"],
                 check=True,
                 capture_output=True,
                 timeout=300,
@@ -141,9 +187,10 @@ def _library() -> ctypes.CDLL | None:
         lib = ctypes.CDLL(str(target))
     except (OSError, subprocess.SubprocessError) as exc:
         detail = getattr(exc, "stderr", b"") or b""
+        instead = "the AVX2 build" if avx512 else "the compiled kernels"
         warnings.warn(
-            f"semipack: building the native max-plus kernel failed ({exc}; "
-            f"{detail.decode(errors='replace')[:500]}); using the compiled kernels instead",
+            f"semipack: building the native max-plus kernel{' with AVX-512' * avx512} failed "
+            f"({exc}; {detail.decode(errors='replace')[:500]}); using {instead} instead",
             RuntimeWarning,
             stacklevel=3,
         )

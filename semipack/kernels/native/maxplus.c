@@ -1,12 +1,13 @@
-/* Max-plus matrix products for x86-64 with AVX2, called through ctypes (see ../native.py).
+/* Max-plus matrix products for x86-64 with AVX2 or AVX-512, called through ctypes (see
+   __init__.py); the vector width comes from vec16.h.
 
    out[s, i, j] = max_k a[s, i, k] + b[s, k, j]
 
-   Why hand-written: the product is an add and a max per pair, so on an AVX2 core it is bound
-   by the two vector ports that run them. A register tile of ROWS x 16 outputs (12 accumulators)
-   reuses each loaded 16-wide row of b for ROWS rows of a and each broadcast a[i, k] for 16
-   columns, which keeps the loop on those ports (about 7 pairs per cycle per core measured, vs
-   about 4.5 for the inductor-generated loop).
+   Why hand-written: the product is an add and a max per pair, so it is bound by the two
+   vector ports that run them. A register tile of ROWS x 16 outputs reuses each loaded 16-wide
+   row of b for ROWS rows of a and each broadcast a[i, k] for 16 columns, which keeps the loop
+   on those ports (AVX2: about 7.5 of the 8 pairs per cycle per core the ports allow, vs about
+   4.5 for the inductor-generated loop; AVX-512 doubles the lanes per operation).
 
    Layout: b comes packed as panels of 16 columns, [s][panel][k][16], padded with -inf, so the
    inner loop reads 64 contiguous bytes per k. a is read through strides, so a transposed
@@ -24,8 +25,10 @@
 #include <stdlib.h>
 #include <string.h>
 
-#define ROWS 6
-#define ARGMAX_ROWS 3
+#include "vec16.h"
+
+#define ROWS V16_ROWS
+#define ARGMAX_ROWS V16_ARGMAX_ROWS
 
 typedef struct {
     const float *a;
@@ -52,31 +55,22 @@ static inline __attribute__((always_inline)) void tile_loop(const problem *p, co
                                                             const int64_t *rows_of_b, float *out,
                                                             int rows, int cols) {
     const float *ar[ROWS];
-    __m256 lo[ROWS], hi[ROWS];
-#pragma GCC unroll 8
+    v16 acc[ROWS];
+#pragma GCC unroll 16
     for (int r = 0; r < ROWS; r++) {
         ar[r] = a + (r < rows ? r : 0) * p->a_i;
-        lo[r] = hi[r] = _mm256_set1_ps(-INFINITY);
+        acc[r] = v16_set1(-INFINITY);
     }
     const int64_t step = p->a_k;
     int64_t at = 0;
     for (int64_t k = 0; k < p->k; k++, at += step) {
-        const float *row = panel + (rows_of_b ? rows_of_b[k] : k) * 16;
-        const __m256 b0 = _mm256_load_ps(row);
-        const __m256 b1 = _mm256_load_ps(row + 8);
-#pragma GCC unroll 8
-        for (int r = 0; r < ROWS; r++) {
-            const __m256 x = _mm256_broadcast_ss(ar[r] + at);
-            lo[r] = _mm256_max_ps(lo[r], _mm256_add_ps(x, b0));
-            hi[r] = _mm256_max_ps(hi[r], _mm256_add_ps(x, b1));
-        }
+        const v16 b = v16_load(panel + (rows_of_b ? rows_of_b[k] : k) * 16);
+#pragma GCC unroll 16
+        for (int r = 0; r < ROWS; r++) acc[r] = v16_max(acc[r], v16_add(v16_bcast(ar[r] + at), b));
     }
     float tile[ROWS * 16];
-#pragma GCC unroll 8
-    for (int r = 0; r < ROWS; r++) {
-        _mm256_storeu_ps(tile + r * 16, lo[r]);
-        _mm256_storeu_ps(tile + r * 16 + 8, hi[r]);
-    }
+#pragma GCC unroll 16
+    for (int r = 0; r < ROWS; r++) v16_store(tile + r * 16, acc[r]);
     copy_out(out, p->o_i, tile, rows, cols);
 }
 
@@ -92,38 +86,31 @@ static inline __attribute__((always_inline)) void tile_argmax_loop(
     const problem *p, const float *a, const float *panel, const int64_t *rows_of_b, float *out,
     int64_t *index, int rows, int cols) {
     const float *ar[ARGMAX_ROWS];
-    __m256 lo[ARGMAX_ROWS], hi[ARGMAX_ROWS], ilo[ARGMAX_ROWS], ihi[ARGMAX_ROWS];
-#pragma GCC unroll 8
+    v16 acc[ARGMAX_ROWS], arg[ARGMAX_ROWS];
+#pragma GCC unroll 16
     for (int r = 0; r < ARGMAX_ROWS; r++) {
         ar[r] = a + (r < rows ? r : 0) * p->a_i;
-        lo[r] = hi[r] = _mm256_set1_ps(-INFINITY);
-        ilo[r] = ihi[r] = _mm256_setzero_ps();
+        acc[r] = v16_set1(-INFINITY);
+        arg[r] = v16_set1(0.0f);
     }
     const int64_t step = p->a_k;
     int64_t at = 0;
-    __m256 kk = _mm256_setzero_ps();
-    const __m256 one = _mm256_set1_ps(1.0f);
-    for (int64_t k = 0; k < p->k; k++, at += step, kk = _mm256_add_ps(kk, one)) {
-        const float *row = panel + (rows_of_b ? rows_of_b[k] : k) * 16;
-        const __m256 b0 = _mm256_load_ps(row);
-        const __m256 b1 = _mm256_load_ps(row + 8);
-#pragma GCC unroll 8
+    v16 kk = v16_set1(0.0f);
+    const v16 one = v16_set1(1.0f);
+    for (int64_t k = 0; k < p->k; k++, at += step, kk = v16_add(kk, one)) {
+        const v16 b = v16_load(panel + (rows_of_b ? rows_of_b[k] : k) * 16);
+#pragma GCC unroll 16
         for (int r = 0; r < ARGMAX_ROWS; r++) {
-            const __m256 x = _mm256_broadcast_ss(ar[r] + at);
-            const __m256 s0 = _mm256_add_ps(x, b0), s1 = _mm256_add_ps(x, b1);
-            ilo[r] = _mm256_blendv_ps(ilo[r], kk, _mm256_cmp_ps(s0, lo[r], _CMP_GT_OQ));
-            ihi[r] = _mm256_blendv_ps(ihi[r], kk, _mm256_cmp_ps(s1, hi[r], _CMP_GT_OQ));
-            lo[r] = _mm256_max_ps(lo[r], s0);
-            hi[r] = _mm256_max_ps(hi[r], s1);
+            const v16 s = v16_add(v16_bcast(ar[r] + at), b);
+            arg[r] = v16_take_greater(arg[r], kk, s, acc[r]);
+            acc[r] = v16_max(acc[r], s);
         }
     }
     float tile[ARGMAX_ROWS * 16], where[ARGMAX_ROWS * 16];
-#pragma GCC unroll 8
+#pragma GCC unroll 16
     for (int r = 0; r < ARGMAX_ROWS; r++) {
-        _mm256_storeu_ps(tile + r * 16, lo[r]);
-        _mm256_storeu_ps(tile + r * 16 + 8, hi[r]);
-        _mm256_storeu_ps(where + r * 16, ilo[r]);
-        _mm256_storeu_ps(where + r * 16 + 8, ihi[r]);
+        v16_store(tile + r * 16, acc[r]);
+        v16_store(where + r * 16, arg[r]);
     }
     copy_out(out, p->o_i, tile, rows, cols);
     for (int r = 0; r < rows; r++)
@@ -195,60 +182,48 @@ void semipack_maxplus_f32(const float *a, int64_t a_s, int64_t a_i, int64_t a_k,
 
 /* Max over candidate ks of row `arow` against panels p and p+1 (p+1 may equal p). */
 static void sweep_values(const float *arow, const int32_t *cand, int64_t count, const float *pa,
-                         const float *pb, __m256 acc[4]) {
-    __m256 v0 = _mm256_set1_ps(-INFINITY), v1 = v0, v2 = v0, v3 = v0;
-    __m256 w0 = v0, w1 = v0, w2 = v0, w3 = v0;
+                         const float *pb, v16 acc[2]) {
+    v16 v0 = v16_set1(-INFINITY), v1 = v0, w0 = v0, w1 = v0;
     int64_t t = 0;
     for (; t + 1 < count; t += 2) {
         const int64_t k0 = cand[t] * 16, k1 = cand[t + 1] * 16;
-        const __m256 x0 = _mm256_broadcast_ss(arow + cand[t]);
-        const __m256 x1 = _mm256_broadcast_ss(arow + cand[t + 1]);
-        v0 = _mm256_max_ps(v0, _mm256_add_ps(x0, _mm256_load_ps(pa + k0)));
-        v1 = _mm256_max_ps(v1, _mm256_add_ps(x0, _mm256_load_ps(pa + k0 + 8)));
-        v2 = _mm256_max_ps(v2, _mm256_add_ps(x0, _mm256_load_ps(pb + k0)));
-        v3 = _mm256_max_ps(v3, _mm256_add_ps(x0, _mm256_load_ps(pb + k0 + 8)));
-        w0 = _mm256_max_ps(w0, _mm256_add_ps(x1, _mm256_load_ps(pa + k1)));
-        w1 = _mm256_max_ps(w1, _mm256_add_ps(x1, _mm256_load_ps(pa + k1 + 8)));
-        w2 = _mm256_max_ps(w2, _mm256_add_ps(x1, _mm256_load_ps(pb + k1)));
-        w3 = _mm256_max_ps(w3, _mm256_add_ps(x1, _mm256_load_ps(pb + k1 + 8)));
+        const v16 x0 = v16_bcast(arow + cand[t]), x1 = v16_bcast(arow + cand[t + 1]);
+        v0 = v16_max(v0, v16_add(x0, v16_load(pa + k0)));
+        v1 = v16_max(v1, v16_add(x0, v16_load(pb + k0)));
+        w0 = v16_max(w0, v16_add(x1, v16_load(pa + k1)));
+        w1 = v16_max(w1, v16_add(x1, v16_load(pb + k1)));
     }
     if (t < count) {
         const int64_t k0 = cand[t] * 16;
-        const __m256 x0 = _mm256_broadcast_ss(arow + cand[t]);
-        v0 = _mm256_max_ps(v0, _mm256_add_ps(x0, _mm256_load_ps(pa + k0)));
-        v1 = _mm256_max_ps(v1, _mm256_add_ps(x0, _mm256_load_ps(pa + k0 + 8)));
-        v2 = _mm256_max_ps(v2, _mm256_add_ps(x0, _mm256_load_ps(pb + k0)));
-        v3 = _mm256_max_ps(v3, _mm256_add_ps(x0, _mm256_load_ps(pb + k0 + 8)));
+        const v16 x0 = v16_bcast(arow + cand[t]);
+        v0 = v16_max(v0, v16_add(x0, v16_load(pa + k0)));
+        v1 = v16_max(v1, v16_add(x0, v16_load(pb + k0)));
     }
-    acc[0] = _mm256_max_ps(v0, w0);
-    acc[1] = _mm256_max_ps(v1, w1);
-    acc[2] = _mm256_max_ps(v2, w2);
-    acc[3] = _mm256_max_ps(v3, w3);
+    acc[0] = v16_max(v0, w0);
+    acc[1] = v16_max(v1, w1);
 }
 
 /* As sweep_values, with the first k attaining each max (candidates are in increasing order). */
 static void sweep_argmax(const float *arow, const int32_t *cand, int64_t count, const float *pa,
-                         const float *pb, __m256 acc[4], __m256 idx[4]) {
-    __m256 v[4], at[4];
-    for (int c = 0; c < 4; c++) {
-        v[c] = _mm256_set1_ps(-INFINITY);
-        at[c] = _mm256_setzero_ps();
+                         const float *pb, v16 acc[2], v16 idx[2]) {
+    v16 v[2], at[2];
+    for (int c = 0; c < 2; c++) {
+        v[c] = v16_set1(-INFINITY);
+        at[c] = v16_set1(0.0f);
     }
     for (int64_t t = 0; t < count; t++) {
         const int64_t k0 = cand[t] * 16;
-        const __m256 x = _mm256_broadcast_ss(arow + cand[t]);
-        const __m256 kk = _mm256_set1_ps((float)cand[t]);
-        const __m256 s[4] = {
-            _mm256_add_ps(x, _mm256_load_ps(pa + k0)), _mm256_add_ps(x, _mm256_load_ps(pa + k0 + 8)),
-            _mm256_add_ps(x, _mm256_load_ps(pb + k0)), _mm256_add_ps(x, _mm256_load_ps(pb + k0 + 8))};
-#pragma GCC unroll 4
-        for (int c = 0; c < 4; c++) {
-            at[c] = _mm256_blendv_ps(at[c], kk, _mm256_cmp_ps(s[c], v[c], _CMP_GT_OQ));
-            v[c] = _mm256_max_ps(v[c], s[c]);
+        const v16 x = v16_bcast(arow + cand[t]);
+        const v16 kk = v16_set1((float)cand[t]);
+        const v16 s[2] = {v16_add(x, v16_load(pa + k0)), v16_add(x, v16_load(pb + k0))};
+#pragma GCC unroll 2
+        for (int c = 0; c < 2; c++) {
+            at[c] = v16_take_greater(at[c], kk, s[c], v[c]);
+            v[c] = v16_max(v[c], s[c]);
         }
     }
-#pragma GCC unroll 4
-    for (int c = 0; c < 4; c++) {
+#pragma GCC unroll 2
+    for (int c = 0; c < 2; c++) {
         acc[c] = v[c];
         idx[c] = at[c];
     }
@@ -273,16 +248,12 @@ static float upper_bounds(const float *arow, const float *bmax, float *ub, int64
     return best;
 }
 
-/* The smallest of the first `valid` (<= 32) lanes of four accumulators. */
-static float min_lanes(const __m256 acc[4], int64_t valid) {
+/* The smallest of the first `valid` (<= 32) lanes of two accumulators. */
+static float min_lanes(const v16 acc[2], int64_t valid) {
+    if (valid == 32) return v16_min_lanes(v16_min(acc[0], acc[1]));
     float tmp[32], low = INFINITY;
-    if (valid == 32) {
-        const __m256 v = _mm256_min_ps(_mm256_min_ps(acc[0], acc[1]), _mm256_min_ps(acc[2], acc[3]));
-        const __m128 h = _mm_min_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-        const __m128 q = _mm_min_ps(h, _mm_movehl_ps(h, h));
-        return _mm_cvtss_f32(_mm_min_ss(q, _mm_shuffle_ps(q, q, 1)));
-    }
-    for (int c = 0; c < 4; c++) _mm256_storeu_ps(tmp + 8 * c, acc[c]);
+    v16_store(tmp, acc[0]);
+    v16_store(tmp + 16, acc[1]);
     for (int64_t c = 0; c < valid; c++) low = tmp[c] < low ? tmp[c] : low;
     return low;
 }
@@ -362,7 +333,7 @@ int64_t semipack_maxplus_pruned_f32(const float *a, int64_t a_i, const float *bm
                 const float *pb = p + 1 < panels_n ? pa + k * 16 : pa;
                 const int64_t valid = m - p * 16 < 32 ? m - p * 16 : 32;
                 for (int r = 0; r < rows; r++) {
-                    __m256 acc[4];
+                    v16 acc[2];
                     sweep_values(a + (c0 + r) * a_i, cand + start[r], start[r + 1] - start[r], pa,
                                  pb, acc);
                     const float low = min_lanes(acc, valid);
@@ -381,20 +352,20 @@ int64_t semipack_maxplus_pruned_f32(const float *a, int64_t a_i, const float *bm
                 const float *pb = p + 1 < panels_n ? pa + k * 16 : pa;
                 const int64_t valid = m - p * 16 < 32 ? m - p * 16 : 32;
                 for (int r = 0; r < rows; r++) {
-                    __m256 acc[4], at[4];
+                    v16 acc[2], at[2];
                     float tmp[32], where[32];
                     const float *arow = a + (c0 + r) * a_i;
                     const int64_t count = start[r + 1] - start[r];
                     float *dst = out + (c0 + r) * o_i + p * 16;
                     if (index) {
                         sweep_argmax(arow, cand + start[r], count, pa, pb, acc, at);
-                        for (int c = 0; c < 4; c++) _mm256_storeu_ps(where + 8 * c, at[c]);
+                        for (int c = 0; c < 2; c++) v16_store(where + 16 * c, at[c]);
                         int64_t *dst_index = index + (c0 + r) * o_i + p * 16;
                         for (int64_t c = 0; c < valid; c++) dst_index[c] = (int64_t)where[c];
                     } else {
                         sweep_values(arow, cand + start[r], count, pa, pb, acc);
                     }
-                    for (int c = 0; c < 4; c++) _mm256_storeu_ps(tmp + 8 * c, acc[c]);
+                    for (int c = 0; c < 2; c++) v16_store(tmp + 16 * c, acc[c]);
                     memcpy(dst, tmp, sizeof(float) * (size_t)valid);
                 }
             }

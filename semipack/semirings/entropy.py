@@ -8,6 +8,7 @@ from typing import Any, NamedTuple
 import torch
 from torch import Tensor
 
+from ..kernels import blas
 from ..kernels.compiled import FUSED_MIN_ELEMENTS, compiled
 from ..kernels.exclusive import exclusive_logsumexp
 from ..kernels.logspace import (
@@ -113,8 +114,8 @@ class Entropy(Semiring):
         scaled, c = column_scaled(log_w)
         # |w| log|w| = e^c w' log|w|: the common factor e^c cancels in the mean surprisal.
         scaled_log = torch.where(scaled > 0, scaled * log_w, 0.0)
-        s = torch.matmul(e, scaled)
-        mean = _mean_surprisal(s, torch.matmul(e * a[1], scaled), torch.matmul(e, scaled_log))
+        s = blas.matmul(e, scaled)
+        mean = _mean_surprisal(s, blas.matmul(e * a[1], scaled), blas.matmul(e, scaled_log))
         out = (log_magnitude_(s).add_(m).add_(c), mean)
         return repair_underflow(self, a, lambda: self.lift_log(log_w), out, shift=m + c)
 
@@ -157,8 +158,8 @@ class Entropy(Semiring):
         # Σ_k e_k|w_kj| (R_k - log|w_kj|) = (e∘R) @ |w| - e @ (|w| log|w|): three BLAS calls.
         e, m = shifted_exp(a[0], -1)
         mag, mag_log_mag = _magnitudes(w.to(e.dtype))
-        s = torch.matmul(e, mag)
-        out = _entropy_pair(s, torch.matmul(e * a[1], mag), m, torch.matmul(e, mag_log_mag))
+        s = blas.matmul(e, mag)
+        out = _entropy_pair(s, blas.matmul(e * a[1], mag), m, blas.matmul(e, mag_log_mag))
         return repair_underflow(self, a, lambda: self.lift(w), out, shift=m)
 
     def index_plus(self, dest: State, dim: int, index: Tensor, src: State) -> State:
@@ -301,7 +302,7 @@ def _entropy_product(
     e_r: Tensor | list[Tensor],
     w: Tensor,
     shift: Tensor,
-    contract: Callable[[Tensor, Tensor], Tensor] = torch.matmul,
+    contract: Callable[[Tensor, Tensor], Tensor] = blas.matmul,
 ) -> State:
     """(log Z, mean surprisal) of ``e ⊗ w`` with ``e_r = e * R``: three products ``contract``
     (a matmul, or a convolution's sums) of the shifted message with |w| and |w| log|w|.
@@ -317,7 +318,7 @@ def _entropy_product(
     mag, mag_log_mag = _magnitudes(w)
     weighted = contract(e_r.pop() if isinstance(e_r, list) else e_r, mag)
     total = contract(e, mag)
-    if contract is torch.matmul:
+    if contract is blas.matmul:
         return _entropy_pair(total, _less_product(weighted, e, mag_log_mag), shift)
     return _entropy_pair(total, weighted, shift, contract(e, mag_log_mag))
 
@@ -329,7 +330,7 @@ def _less_product(weighted: Tensor, e: Tensor, right: Tensor) -> Tensor:
     Entropy backward). The sums round in another order than a separate product and subtraction,
     within float rounding of them."""
     if weighted.dim() == e.dim() == right.dim() == 2:
-        return weighted.addmm_(e, right, alpha=-1)
+        return blas.subtract_product(weighted, e, right)
     if weighted.dim() == e.dim() == right.dim() == 3 and e.shape[0] == right.shape[0]:
         return weighted.baddbmm_(e, right, alpha=-1)
     return weighted.sub_(torch.matmul(e, right))
@@ -350,6 +351,6 @@ def _entropy_product_log(e: Tensor, e_r: Tensor, log_w: Tensor, shift: Tensor) -
     """``_entropy_product`` for non-negative weights given as logarithms [..., k, j]: each
     column is scaled to a maximum of 1 first (``|w| = e^c w'``; e^c cancels in the mean)."""
     scaled, c = column_scaled(log_w)
-    total, weighted = torch.matmul(e, scaled), torch.matmul(e_r, scaled)
+    total, weighted = blas.matmul(e, scaled), blas.matmul(e_r, scaled)
     scaled_log = torch.where(scaled > 0, scaled * log_w, 0.0)
     return _entropy_pair(total, _less_product(weighted, e, scaled_log), shift + c)

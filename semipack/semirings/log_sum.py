@@ -8,6 +8,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from ..kernels import blas
 from ..kernels.exclusive import exclusive_logsumexp
 from ..kernels.logspace import exp, exp_, log_add_exp, log_magnitude_plus_
 from ..kernels.native import native_available, softmax_log_sum_f32
@@ -129,7 +130,7 @@ class LogSum(Semiring):
         e, m = shifted_exp(a[0], -1)
         log_w = self.log_magnitude(log_abs.to(e.dtype))
         scaled, c = column_scaled(log_w)
-        out = (torch.matmul(e, scaled).log_().add_(m).add_(c),)
+        out = (blas.matmul(e, scaled).log_().add_(m).add_(c),)
         return repair_underflow(self, a, (log_w,), out, shift=m + c)
 
     def uses_edge_signs(self) -> bool:
@@ -154,7 +155,7 @@ class LogSum(Semiring):
         # log Σ_k exp(a_k) |w_kj|  =  m + log( exp(a - m) @ |w| ), with m the row max of a.
         e, m = shifted_exp(a[0], -1)
         mag = self.magnitude(w.to(e.dtype))
-        out = (log_magnitude_plus_(torch.matmul(e, mag), m),)
+        out = (log_magnitude_plus_(blas.matmul(e, mag), m),)
         return repair_underflow(self, a, lambda: (mag.log(),), out, shift=m)
 
     def index_plus(self, dest: State, dim: int, index: Tensor, src: State) -> State:
@@ -212,13 +213,13 @@ class LogSum(Semiring):
         e = exp_(m[0] - shift)
         by_right = by_left = total = None
         if right is not None:
-            by_right = (log_magnitude_plus_(torch.matmul(e, self.kept_magnitude(right)), shift),)
+            by_right = (log_magnitude_plus_(blas.matmul(e, self.kept_magnitude(right)), shift),)
         if left is not None:
-            by_left = torch.matmul(e.transpose(-1, -2), self.magnitude(left))
+            by_left = blas.matmul(e.transpose(-1, -2), self.magnitude(left))
             by_left = (log_magnitude_plus_(by_left, shift),)
         if left_log is not None:
             scaled, c = column_scaled(self.log_magnitude(left_log))
-            by_left = (torch.matmul(e.transpose(-1, -2), scaled).log_().add_(shift).add_(c),)
+            by_left = (blas.matmul(e.transpose(-1, -2), scaled).log_().add_(shift).add_(c),)
         if want_sum:
             total = (log_magnitude_plus_(e.sum(-2), shift),)
         return by_right, by_left, total

@@ -66,6 +66,16 @@ def test_large_products_run_on_onednn_within_float32_rounding(counted, shape):
     assert_near_float64(got, a, b)
 
 
+def test_a_small_transposed_left_operand_is_copied_to_onednn(counted):
+    """A sentence's weight message: e^T [1536, 20] @ x [20, 384]."""
+    e, x = operands(20, 1536, 384, seed=4)  # e [20, 1536], x's rows: the first 20 of [1536, 384]
+    e_t, x = e.t(), x[:20]
+    got = blas.matmul(e_t, x)
+    assert counted["linear"] == 1
+    assert got.shape == (1536, 384) and got.is_contiguous()
+    assert_near_float64(got, e_t, x)
+
+
 def test_batched_rows_are_one_product(counted):
     a, b = operands(4 * 64, 96, 200, seed=1)
     got = blas.matmul(a.reshape(4, 64, 96), b)
@@ -82,8 +92,9 @@ def test_other_products_are_torch_matmul_bit_for_bit(counted, case):
         a, b = a[:8, :16], b[:16, :8]
     elif case == "float64":
         a, b = a.double(), b.double()
-    elif case == "transposed rows":  # a weight message's e^T: oneDNN would copy it whole
-        a = a.t().contiguous().t()
+    elif case == "transposed rows":  # a large weight message's e^T: it would be copied whole
+        a = torch.rand(blas.ONEDNN_COPY_MAX + 1, 4).t().contiguous().t()
+        b = b[:4]
     elif case == "batched right":
         a, b = a.reshape(2, 128, 128), torch.stack([b, b])
     elif case == "grad":

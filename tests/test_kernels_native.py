@@ -571,3 +571,57 @@ def test_envelope_kernel_keeps_a_tiny_line_where_the_others_cancel(n):
     want = (a.double()[0, :, None] * (1 + x.double()[0, :, None] * x.double()[0]).abs()).amax(0)
     torch.testing.assert_close(best[0].double(), want, rtol=2e-7, atol=0)
     assert best[0, 2] > 0 and int(arg[0, 2]) == 1
+
+
+@pytest.mark.parametrize(
+    ("value", "on"),
+    [("0", False), ("false", False), (" False ", False), ("OFF", False), ("no", False),
+     ("1", True), ("yes", True), ("", True)],
+)  # fmt: skip
+def test_environment_switches_read_every_spelling_of_off(monkeypatch, value, on):
+    from semipack.kernels.switches import switched_on
+
+    monkeypatch.setenv("SEMIPACK_SOME_KERNEL", value)
+    assert switched_on("SEMIPACK_SOME_KERNEL") is on
+
+
+def test_the_width_in_use_builds_no_other_library(monkeypatch):
+    """With AVX-512 switched off, asking the width builds (and loads) the AVX2 library only."""
+    built = []
+    real = native._build
+    monkeypatch.setattr(native, "_build", lambda avx512: built.append(avx512) or real(avx512))
+    previous = native.set_avx512(False)
+    try:
+        assert native.native_width() == 8
+    finally:
+        native.set_avx512(previous)
+    assert built == [False]
+
+
+def test_threads_building_at_once_all_get_the_library(monkeypatch, tmp_path):
+    """Two threads of one process building into an empty cache: each gets the library, with
+    no warning (they shared the partial file's name, and the slower one's rename failed)."""
+    import threading
+    import warnings
+
+    monkeypatch.setenv("SEMIPACK_CACHE_DIR", str(tmp_path))
+    native._build.cache_clear()
+    got, caught = [], []
+
+    def build() -> None:
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            got.append(native._build(False))
+        caught.extend(seen)
+
+    try:
+        threads = [threading.Thread(target=build) for _ in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    finally:
+        native._build.cache_clear()  # later tests load from the usual cache again
+    assert len(got) == 2 and all(lib is not None for lib in got)
+    assert not [w for w in caught if "failed" in str(w.message)]
+    assert [p.name for p in tmp_path.iterdir() if "partial" in p.name] == []

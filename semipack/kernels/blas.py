@@ -18,22 +18,23 @@ fixed cost per call (about 13 µs) exceeded MKL's whole product at 64 x 16 x 64.
 
 from __future__ import annotations
 
-import os
-
 import torch
 from torch import Tensor
+
+from .switches import switched_on
 
 #: Most entries of a left operand that is not row-major (a weight message's transposed
 #: message) copied to row-major so that its product runs on oneDNN. oneDNN would copy it
 #: anyway; a BERT layer's [3072, 1024] one (12 MB) raised the backward's peak memory, while
-#: a sentence's [1536, 20] one costs nothing and its product took 76 µs on oneDNN against
-#: 572 µs on MKL (whose AVX2 path is slowest with an inner size this short).
-ONEDNN_COPY_MAX = 1 << 18
+#: its [768, 1024] ones (3 MB) did not, and took the layer's Entropy backward from 4.96x to
+#: 4.65x a plain one; a sentence's [1536, 20] one took 76 µs on oneDNN against 572 µs on MKL
+#: (whose AVX2 path is slowest with an inner size this short).
+ONEDNN_COPY_MAX = 1 << 20
 #: Smallest product (n * k * m multiply-adds) sent to oneDNN. At 384 x 20 x 384 (2.9 M) oneDNN
 #: took 27 µs against MKL's 32 µs on two threads; at 64 x 16 x 64 (65 k), 13 µs against 3 µs.
 ONEDNN_MIN_MACS = 1 << 20
 
-_state = {"enabled": os.environ.get("SEMIPACK_ONEDNN", "1") not in ("0", "false", "no")}
+_state = {"enabled": switched_on("SEMIPACK_ONEDNN")}
 
 
 def set_onednn(enabled: bool) -> bool:

@@ -8,19 +8,20 @@ implementation for the rest of the process, with one warning naming the kernel.
 from __future__ import annotations
 
 import functools
-import os
 import warnings
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
+from .switches import switched_on
+
 #: Below this many entries an elementwise kernel runs eagerly: on one core the fused Entropy
 #: readout of 7.7k entries took as long as its eager ops (the compiled call's guards), at 147k
 #: 0.06 ms against 0.32 ms (``benchmarks/bench_kernel_costs.py``).
 FUSED_MIN_ELEMENTS = 1 << 15
 
-_state = {"enabled": os.environ.get("SEMIPACK_COMPILE", "1") not in ("0", "false", "no")}
+_state = {"enabled": switched_on("SEMIPACK_COMPILE")}
 
 
 def set_compile(enabled: bool) -> None:

@@ -28,6 +28,7 @@ import platform
 import shutil
 import subprocess
 import tempfile
+import threading
 import warnings
 from collections.abc import Callable
 from pathlib import Path
@@ -35,6 +36,8 @@ from typing import Any, TypeVar
 
 import torch
 from torch import Tensor
+
+from ..switches import switched_on
 
 _SOURCES = tuple(
     Path(__file__).with_name(name)
@@ -92,11 +95,13 @@ _SIGNATURES: dict[str, tuple[str | None, str]] = {
     "semipack_depthwise_channels_weight_f32": (None, "ppppp" + "q" * 12 + "i"),
 }
 
-_OFF = ("0", "false", "no")
 _state = {
-    "enabled": os.environ.get("SEMIPACK_NATIVE", "1") not in _OFF,
-    "avx512": os.environ.get("SEMIPACK_NATIVE_AVX512", "1") not in _OFF,
+    "enabled": switched_on("SEMIPACK_NATIVE"),
+    "avx512": switched_on("SEMIPACK_NATIVE_AVX512"),
 }
+#: One build at a time: threads of one process would share the partial file's name, and the
+#: cache of ``_build`` keeps whichever result a thread reached first.
+_building = threading.Lock()
 
 
 def set_native(enabled: bool) -> None:
@@ -114,9 +119,16 @@ def set_avx512(enabled: bool) -> bool:
 
 def native_width() -> int | None:
     """Float lanes per vector register of the kernels in use: 16 (AVX-512), 8 (AVX2), or None
-    where no native kernel can run."""
-    lib = _library() if _state["enabled"] else None
-    return None if lib is None else 16 if lib is _build(True) else 8
+    where no native kernel can run (builds only the library that is in use)."""
+    if not _state["enabled"]:
+        return None
+    if _wants_avx512() and _build(True) is not None:
+        return 16
+    return 8 if _build(False) is not None else None
+
+
+def _wants_avx512() -> bool:
+    return _state["avx512"] and _cpu_capability() == "AVX512"
 
 
 def no_nan_or_posinf(*tensors: Tensor) -> bool:
@@ -145,7 +157,7 @@ def _cache_dir() -> Path:
 def _library() -> ctypes.CDLL | None:
     """The kernels' library for this CPU (AVX-512 where it has it, see :func:`set_avx512`);
     ``None`` where no build can run."""
-    if _state["avx512"] and _cpu_capability() == "AVX512":
+    if _wants_avx512():
         wide = _build(True)
         if wide is not None:
             return wide
@@ -162,6 +174,11 @@ def _cpu_capability() -> str:
 def _build(avx512: bool) -> ctypes.CDLL | None:
     """Build (once per source version and width) and load the kernels; ``None`` where they
     cannot run."""
+    with _building:
+        return _build_locked(avx512)
+
+
+def _build_locked(avx512: bool) -> ctypes.CDLL | None:
     if platform.machine() not in ("x86_64", "AMD64") or platform.system() != "Linux":
         return None
     if _cpu_capability() not in ("AVX2", "AVX512"):
@@ -176,7 +193,8 @@ def _build(avx512: bool) -> ctypes.CDLL | None:
     try:
         if not target.exists():
             target.parent.mkdir(parents=True, exist_ok=True)
-            partial = target.with_name(f"{target.stem}.{os.getpid()}.partial.so")
+            tag = f"{os.getpid()}.{threading.get_ident()}"  # other processes build too
+            partial = target.with_name(f"{target.stem}.{tag}.partial.so")
             subprocess.run(
                 [compiler, *flags, *map(str, _SOURCES), "-o", str(partial), "-lm"],
                 check=True,

@@ -284,30 +284,34 @@ taken there).
   add named sites, exact regular gradients from the module's own ops, and the attention
   internals on top paths.
 - **MaxProd.** A BERT-base layer at 8 x 128 tokens needs 14.5 G add-max pairs for its six
-  linear layers (input and weight messages). The hand-written AVX2 kernel
-  (`semipack/kernels/native/maxplus.c`) runs a dense product at about 40-45 G pairs/s on this
-  2-core machine, which alone would take about 2 plain backwards. The pruned kernel skips, exactly,
+  linear layers (input and weight messages). The hand-written kernel
+  (`semipack/kernels/native/maxplus.c`) runs a dense product at about 58 G pairs/s per core
+  in its AVX-512 build (31 in its AVX2 one: this Zen 5 core issues two 512-bit adds or maxes
+  per cycle, as many as 256-bit ones), faster than MKL's float32 product on this CPU (about 50
+  G multiply-adds/s per core: its AVX2 path). The pruned kernel skips, exactly,
   every pair that cannot be the max (a bound from the best candidates of each row); max-product
   messages span orders of magnitude, so in this layer it keeps 2-20% of the pairs in the better
   of the two orientations. Its speed depends on the data: where messages are flat nothing can be
   pruned and the dense kernel runs (the layer then takes about 3.5-4 plain backwards).
 - **LogSum.** Its twelve BLAS products (input and weight messages of six linear layers) are the
   same work as the plain backward's twelve, so 2x is its floor here (the plain backward is
-  almost all matrix products: 188 ms of its ~200 ms in torch.profiler). The rest is elementwise:
+  almost all matrix products: 188 ms of its ~200 ms in torch.profiler) as long as both run on
+  the same BLAS. They do not: the plain backward's products run on MKL, whose float32 path on
+  AMD processors is AVX2 (about 50 G multiply-adds/s per core here), while the semiring's input
+  messages and its smaller weight messages run on oneDNN's AVX-512 path (about 118 G/s;
+  `semipack/kernels/blas.py`), so a ratio can fall below the floor column. The rest is elementwise:
   one shared exponentiation per linear and attention message (`semipack/messages/shared_shift.py`),
   the logarithms of the results, the LayerNorm all-pairs sums (native kernel, about 16 ms per
   LayerNorm), the softmax messages (native kernel) and the GELU edge weights: about 0.1 s.
-  The ratio moves by about 10% between runs on this shared machine (2.36x-2.8x over the runs of
-  two sessions, the plain backward itself taking 0.16-0.23 s): the layer sits at or just above
-  the 2.5x target.
+  The ratio moves by about 10% between runs on this shared machine.
 - **Entropy floor.** Each linear message is three BLAS products (the expectation semiring's
   product rule; dual-number multiplication has bilinear rank 3) instead of one: with the input
   and weight messages and the regular gradient that is 48 products against the plain backward's
   12, four times the work of a backward that is almost all products. The exact entropy through a
   LayerNorm also needs log|J_ij| for every (token, i, j): J is symmetric up to a per-row factor,
   so the native kernel (`semipack/kernels/native/normalization.c`) evaluates each unordered pair
-  once, 0.6 G logarithms per layer, about 0.12 s per LayerNorm. About 5x plain is the floor; 3x
-  is out of reach for exact arithmetic on this CPU.
+  once, 0.6 G logarithms per layer, about 0.12 s per LayerNorm. About 5x plain is the floor at
+  MKL's speed; with most of the products on oneDNN (above) the layer runs below it.
 - **Memory.** Module extensions free their saved state as soon as their backward has run (as a
   plain backward frees a node's saved tensors), attention messages are built over chunks of the
   batch, and activation rules build the new state in the memory of their edge weights.
@@ -333,8 +337,7 @@ taken there).
   offsets: the weight message reads it in place, the input message is added with max straight
   into the padded message (no copy, pack, slice read or write-back per tap; ResNet-18 train
   MaxProd 6.7x -> 5.6x single-thread). The max-plus kernel runs near the two vector ports'
-  peak here (about 27 G pairs/s on one core), so the products alone are about 1.7x the plain
-  backward.
+  peak here (about 57 G pairs/s on one core in its AVX-512 build, 27-31 in its AVX2 one).
 - **Whole models on small inputs.** The ratios sit far above their floors because a plain
   backward of one sentence or two images is a few milliseconds of large matrix products, while
   every semiring node also pays elementwise work over its whole output (edge weights in log

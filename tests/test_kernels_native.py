@@ -246,7 +246,7 @@ def test_kept_fraction_estimate_counts_the_candidates():
 
 
 @pytest.mark.parametrize(
-    ("rows", "n"), [(3, 1), (4, 7), (2, 8), (3, 9), (5, 16), (2, 37), (2, 768)]
+    ("rows", "n"), [(3, 1), (4, 7), (2, 8), (3, 9), (5, 16), (3, 17), (2, 37), (2, 48), (2, 768)]
 )
 def test_norm_entropy_sums_match_float64_definition(rows, n):
     """S, T, U of normalization.c against the same sums over the broadcast pairs in float64."""

@@ -15,7 +15,9 @@ kernels hold 16 lanes in one register instead of two (``vec16.h``). A core that 
 operations at full width does twice the max-plus pairs per cycle with it. The wider build is
 loaded where PyTorch reports AVX-512 (:func:`torch.backends.cpu.get_cpu_capability`) and it
 builds; ``SEMIPACK_NATIVE_AVX512=0`` (or :func:`set_avx512(False) <set_avx512>`) keeps the AVX2
-one. Both give the same bits (lane-wise exact operations only).
+one. The max-plus kernels of both give the same bits (lane-wise exact operations only); Entropy's
+all-pairs normalisation sums (``normalization.c``) group their partial sums over 16 lanes in the
+wider build, so they round differently.
 """
 
 from __future__ import annotations

@@ -73,10 +73,66 @@ static void row_sums_symmetric(const float *a, const float *r, const float *xh, 
     }
 }
 
+#if defined(__AVX512F__)
+/* row_sums_symmetric on 16 lanes (the AVX-512 build): the same pairs and terms; output j's
+   terms from i < j add in the same order, output i's own partial sums group into other
+   lanes, so those sums round differently (tests compare both builds with float64). */
+#define SUMS_LANES 16
+struct pair_row16 { __m512 x, a, r; };
+struct pair_acc16 { __m512 s, t, u; };
+
+static inline void pair_block16(const struct pair_row16 *p, const float *a, const float *r,
+                                const float *xh, float *s, float *t, float *u, int64_t j,
+                                __mmask16 keep_j, __mmask16 keep_i, struct pair_acc16 *acc) {
+    const __m512 one = _mm512_set1_ps(1.0f), tiny = _mm512_set1_ps(FLT_MIN);
+    const __m512 xj = _mm512_loadu_ps(xh + j), aj = _mm512_loadu_ps(a + j);
+    const __m512 rj = _mm512_loadu_ps(r + j);
+    const __m512 c = _mm512_abs_ps(_mm512_fmadd_ps(p->x, xj, one));
+    const __m512 lc = log_ps16(_mm512_max_ps(c, tiny));
+    const __m512 to_j = _mm512_maskz_mul_ps(keep_j, p->a, c);
+    const __m512 to_i = _mm512_maskz_mul_ps(keep_i, aj, c);
+    _mm512_storeu_ps(s + j, _mm512_add_ps(_mm512_loadu_ps(s + j), to_j));
+    _mm512_storeu_ps(t + j, _mm512_fmadd_ps(to_j, p->r, _mm512_loadu_ps(t + j)));
+    _mm512_storeu_ps(u + j, _mm512_fmadd_ps(to_j, lc, _mm512_loadu_ps(u + j)));
+    acc->s = _mm512_add_ps(acc->s, to_i);
+    acc->t = _mm512_fmadd_ps(to_i, rj, acc->t);
+    acc->u = _mm512_fmadd_ps(to_i, lc, acc->u);
+}
+
+static void row_sums_symmetric16(const float *a, const float *r, const float *xh, int64_t padded,
+                                 int64_t n, float *s, float *t, float *u) {
+    const __m512 zero = _mm512_setzero_ps();
+    for (int64_t j = 0; j < padded; j++) s[j] = t[j] = u[j] = 0.0f;
+    for (int64_t i = 0; i < n; i++) {
+        const struct pair_row16 p = {_mm512_set1_ps(xh[i]), _mm512_set1_ps(a[i]),
+                                     _mm512_set1_ps(r[i])};
+        struct pair_acc16 acc0 = {zero, zero, zero}, acc1 = acc0;
+        const int64_t first = i & ~(int64_t)15;
+        /* the block holding i: lanes before i take no part; lane i counts once, as output j */
+        const int at = (int)(i - first);
+        const __mmask16 from_i = (__mmask16)(0xFFFFu << at), after_i = (__mmask16)(0xFFFEu << at);
+        pair_block16(&p, a, r, xh, s, t, u, first, from_i, after_i, &acc0);
+        int64_t j = first + 16;
+        for (; j + 32 <= padded; j += 32) { /* two independent blocks: their chains overlap */
+            pair_block16(&p, a, r, xh, s, t, u, j, 0xFFFF, 0xFFFF, &acc0);
+            pair_block16(&p, a, r, xh, s, t, u, j + 16, 0xFFFF, 0xFFFF, &acc1);
+        }
+        for (; j < padded; j += 16) pair_block16(&p, a, r, xh, s, t, u, j, 0xFFFF, 0xFFFF, &acc1);
+        s[i] += _mm512_reduce_add_ps(_mm512_add_ps(acc0.s, acc1.s));
+        t[i] += _mm512_reduce_add_ps(_mm512_add_ps(acc0.t, acc1.t));
+        u[i] += _mm512_reduce_add_ps(_mm512_add_ps(acc0.u, acc1.u));
+    }
+}
+#define ROW_SUMS row_sums_symmetric16
+#else
+#define SUMS_LANES 8
+#define ROW_SUMS row_sums_symmetric
+#endif
+
 /* Returns 0, or -1 when a thread could not allocate its work buffers. */
 int semipack_norm_entropy_sums_f32(const float *a, const float *r, const float *xh, int64_t rows,
                                     int64_t n, float *s, float *t, float *u, int threads) {
-    const int64_t padded = (n + 7) & ~(int64_t)7;
+    const int64_t padded = (n + SUMS_LANES - 1) / SUMS_LANES * SUMS_LANES;
     int failed = 0;
 #pragma omp parallel num_threads(threads) reduction(| : failed)
     {
@@ -93,7 +149,7 @@ int semipack_norm_entropy_sums_f32(const float *a, const float *r, const float *
                 memcpy(ap, a + row * n, n * sizeof(float));
                 memcpy(rp, r + row * n, n * sizeof(float));
                 memcpy(xp, xh + row * n, n * sizeof(float));
-                row_sums_symmetric(ap, rp, xp, padded, n, sp, tp, up);
+                ROW_SUMS(ap, rp, xp, padded, n, sp, tp, up);
                 memcpy(s + row * n, sp, n * sizeof(float));
                 memcpy(t + row * n, tp, n * sizeof(float));
                 memcpy(u + row * n, up, n * sizeof(float));

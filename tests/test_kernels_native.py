@@ -625,3 +625,28 @@ def test_threads_building_at_once_all_get_the_library(monkeypatch, tmp_path):
     assert len(got) == 2 and all(lib is not None for lib in got)
     assert not [w for w in caught if "failed" in str(w.message)]
     assert [p.name for p in tmp_path.iterdir() if "partial" in p.name] == []
+
+
+@pytest.mark.skipif(not WIDE, reason="no AVX-512 on this CPU")
+def test_sorted_sums_walk_the_tree_to_the_same_bits_in_both_builds():
+    """The AVX-512 build walks U's tree for 8 queries at once, the AVX2 one for 4: each query
+    visits the same nodes in the same order, so S, T and U have the same bits (rows with exact
+    cancellations, zero entries and sources too few for the moments' translation)."""
+    gen = torch.Generator().manual_seed(12)
+    for rows, n in [(4, 3000), (3, 17), (2, 40), (16, 1024)]:
+        a = torch.rand(rows, n, generator=gen)
+        a[torch.rand(rows, n, generator=gen) < 0.5] = 0.0
+        r = torch.rand(rows, n, generator=gen)
+        x_hat = torch.randn(rows, n, generator=gen) * 2
+        x_hat[0, :5] = 0.0
+        x_hat[1] = -1 / x_hat[1, 0]  # 1 + x_i x_0 = 0: exact cancellations
+        got = []
+        previous = native.set_avx512(False)
+        try:
+            for wide in (False, True):
+                native.set_avx512(wide)
+                got.append(native.norm_sorted_sums_f32(a, x_hat, r, with_log=True))
+        finally:
+            native.set_avx512(previous)
+        for narrow, wide in zip(*got, strict=True):
+            assert torch.equal(narrow, wide)

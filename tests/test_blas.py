@@ -143,3 +143,28 @@ def test_semiring_backward_with_onednn_products_matches_float64(counted, semirin
     assert counted["linear"] >= 2  # the float32 run took oneDNN for its input messages
     for got, want in zip(results[torch.float32], results[torch.float64], strict=True):
         torch.testing.assert_close(got, want, rtol=2e-5, atol=2e-5)
+
+
+def test_a_product_onednn_refuses_falls_back_to_torch_matmul_for_good(monkeypatch):
+    """A build whose oneDNN op raises (another platform's, a missing primitive): the product
+    comes from ``torch.matmul``, one warning says so, and later products skip oneDNN."""
+    calls = []
+
+    class Refusing:
+        def __call__(self, *args):
+            calls.append("linear")
+            raise RuntimeError("no primitive for this shape")
+
+        def binary(self, *args):
+            calls.append("binary")
+            raise RuntimeError("no primitive for this shape")
+
+    monkeypatch.setattr(blas, "_LINEAR", Refusing())
+    monkeypatch.setitem(blas._state, "enabled", True)
+    a, b = operands(256, 128, 64, seed=5)
+    with pytest.warns(RuntimeWarning, match="oneDNN's product failed"):
+        got = blas.matmul(a, b)
+    assert torch.equal(got, torch.matmul(a, b))
+    c = torch.rand(256, 64)
+    assert torch.equal(blas.subtract_product(c.clone(), a, b), c.clone().addmm_(a, b, alpha=-1))
+    assert calls == ["linear"]  # switched off after the first failure

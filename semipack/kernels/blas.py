@@ -18,6 +18,9 @@ fixed cost per call (about 13 µs) exceeded MKL's whole product at 64 x 16 x 64.
 
 from __future__ import annotations
 
+import platform
+import warnings
+
 import torch
 from torch import Tensor
 
@@ -45,10 +48,23 @@ def set_onednn(enabled: bool) -> bool:
 
 
 def _linear_op():
-    """oneDNN's 2-D product op, or None where this PyTorch build lacks it."""
-    if not torch.backends.mkldnn.is_available():
+    """oneDNN's 2-D product op, or None where this PyTorch build lacks it or the CPU is not
+    x86-64 (the speed measured here is oneDNN's x86 AVX-512 path; elsewhere ``torch.matmul``'s
+    own choice stands)."""
+    if platform.machine() not in ("x86_64", "AMD64") or not torch.backends.mkldnn.is_available():
         return None
     return getattr(getattr(torch.ops, "mkldnn", None), "_linear_pointwise", None)
+
+
+def _failed(exc: Exception) -> None:
+    """oneDNN refused a product: every later one takes ``torch.matmul`` (one warning)."""
+    _state["enabled"] = False
+    warnings.warn(
+        f"semipack: oneDNN's product failed ({type(exc).__name__}: {exc}); using torch.matmul "
+        "from now on",
+        RuntimeWarning,
+        stacklevel=3,
+    )
 
 
 _LINEAR = _linear_op()
@@ -62,7 +78,11 @@ def matmul(a: Tensor, b: Tensor) -> Tensor:
     if not _on_onednn(a, b):
         return torch.matmul(a, b)
     rows = a.reshape(-1, a.shape[-1]).contiguous()  # copied if not row-major (ONEDNN_COPY_MAX)
-    out = _LINEAR(rows, b.transpose(0, 1), None, "none", [], "")
+    try:
+        out = _LINEAR(rows, b.transpose(0, 1), None, "none", [], "")
+    except RuntimeError as exc:
+        _failed(exc)
+        return torch.matmul(a, b)
     return out.reshape(*a.shape[:-1], b.shape[1])
 
 
@@ -90,7 +110,8 @@ def subtract_product(c: Tensor, a: Tensor, b: Tensor) -> Tensor:
     place: exact) where ``matmul`` would run there, else BLAS subtracts the product from ``c``
     in place as it accumulates (``addmm_``: no third product-sized tensor)."""
     if c.dim() == 2 and c.dtype == a.dtype and c.is_contiguous() and _on_onednn(a, b):
-        out = _LINEAR.binary(a.contiguous(), c, b.transpose(0, 1), None, "sub")
-        del c
-        return out.neg_()
+        try:
+            return _LINEAR.binary(a.contiguous(), c, b.transpose(0, 1), None, "sub").neg_()
+        except RuntimeError as exc:
+            _failed(exc)
     return c.addmm_(a, b, alpha=-1)

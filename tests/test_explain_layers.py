@@ -1071,9 +1071,13 @@ def test_token_labels_per_example() -> None:
         tokens=words,
     )  # fmt: skip
     for example, labels in enumerate(words):
-        assert sorted({row[4] for row in flow.rows(example)}) == labels
+        assert sorted({row[5] for row in flow.rows(example)}) == labels
+        assert {row[3] for row in flow.rows(example)} == {example}
         lines = flow.token_table(example).splitlines()[2:]
         assert [line.split()[0] for line in lines] == labels
+    every = flow.rows()  # every example, each row saying which
+    assert every == flow.rows(0) + flow.rows(1)
+    assert {(row[3], row[5]) for row in every} == {(e, w) for e, ws in enumerate(words) for w in ws}
     with pytest.raises(semipack.SemipackError, match="tokens: 3 label lists for 2 examples"):
         semipack.explain_layers(
             model, semipack.MaxProd(), lambda: model(input_ids=ids).last_hidden_state.sum(),

@@ -2582,3 +2582,32 @@ def test_a_sliced_parameter_has_rows():
     for sr in (semipack.Real(), semipack.MaxProd(), semipack.LogSum()):
         rows = _rows_of_single_examples(model, lambda r: _loss(model(x[r])), sr, 3)
         assert rows["pos"].shape == (3, 1, 6, 4) and rows["stacked"].shape == (3, 3, 4)
+
+
+class _TableFirst(nn.Module):
+    """A model whose first tensor argument is not the batch: a position table, or a
+    temperature of shape [1]."""
+
+    def __init__(self, combine: str) -> None:
+        super().__init__()
+        self.lin = nn.Linear(5, 5)
+        self.combine = combine
+
+    def forward(self, first: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(x + first) if self.combine == "add" else self.lin(x) * first
+
+
+@pytest.mark.parametrize(
+    ("combine", "first", "x"),
+    [("add", (4, 5), (3, 4, 5)), ("scale", (1,), (3, 5))],
+    ids=["position table first", "temperature first"],
+)
+def test_refusals_name_the_argument_taken_as_the_batch(combine, first, x):
+    """The batch is dim 0 of the model's first tensor argument: where that is not the batch,
+    the refusal says which tensor it took (it blamed the real batch's layout, trial 91)."""
+    model = _TableFirst(combine)
+    args = (torch.randn(first), torch.randn(x))
+    shape = re.escape(f"the model's first tensor argument, of shape {first}")
+    with pytest.raises(semipack.PerSampleError, match=shape):
+        with semipack.extend(model, semipack.Real(), per_sample=True):
+            model(*args).square().sum().backward()

@@ -443,19 +443,24 @@ class LayerFlow:
         grid = self.total[:, example].T
         return grid.double().masked_fill(~self.reached(grid), math.nan)
 
-    def rows(self, example: int = 0) -> list[tuple[str, str, str, int, str, float]]:
-        """(semiring, layer label, branch, token index, token, value) for every branch, ``all``
-        (every path) and ``head h``: the CSV's rows."""
-        self._example(example)
-        labels, layer_names = self._labels(example), self.labels
+    def rows(self, example: int | None = None) -> list[tuple[str, str, str, int, int, str, float]]:
+        """(semiring, layer label, branch, example, token index, token, value) for every branch,
+        ``all`` (every path) and ``head h``: the CSV's rows, of every example of the batch (or
+        of ``example`` alone; it was example 0 alone, unlabelled, before)."""
+        batch = self.total.shape[1]
+        if example is not None:
+            self._example(example)
+        examples = range(batch) if example is None else [example % batch]
         out = []
-        for i, layer in enumerate(self.branches):
-            columns = {n: v[example] for n, v in layer.items()} | {"all": self.total[i, example]}
-            for h in range(self.heads.shape[-1]):
-                columns[f"head {h}"] = self.heads[i, example, :, h]
-            for name, values in columns.items():
-                for t, v in enumerate(values.tolist()):
-                    out.append((self.semiring, layer_names[i], name, t, labels[t], v))
+        for e in examples:
+            labels = self._labels(e)
+            for i, layer in enumerate(self.branches):
+                columns = {n: v[e] for n, v in layer.items()} | {"all": self.total[i, e]}
+                for h in range(self.heads.shape[-1]):
+                    columns[f"head {h}"] = self.heads[i, e, :, h]
+                for name, values in columns.items():
+                    for t, v in enumerate(values.tolist()):
+                        out.append((self.semiring, self.labels[i], name, e, t, labels[t], v))
         return out
 
     def plot_branch_shares(self, path: str | FilePath | None = None, ax=None, example: int = 0):
@@ -1353,12 +1358,12 @@ def _save(plt, fig, path: str | FilePath | None, ax):
     return ax
 
 
-def write_csv(flows: Sequence[LayerFlow], path: str | FilePath, example: int = 0) -> None:
-    """Every flow's ``rows`` in one CSV file (semiring, layer, branch, token_index, token,
-    value)."""
+def write_csv(flows: Sequence[LayerFlow], path: str | FilePath, example: int | None = None) -> None:
+    """Every flow's ``rows`` in one CSV file (semiring, layer, branch, example, token_index,
+    token, value): every example of the batch, or ``example`` alone."""
     with open(path, "w", newline="") as f:
         writer = csv.writer(f)
-        writer.writerow(["semiring", "layer", "branch", "token_index", "token", "value"])
+        writer.writerow(["semiring", "layer", "branch", "example", "token_index", "token", "value"])
         for flow in flows:
             writer.writerows(flow.rows(example))
 

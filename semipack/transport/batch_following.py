@@ -139,6 +139,8 @@ class BatchedTensors:
         self._marked_nodes: list[tuple[dict, tuple[Mark, ...]]] = []
         #: dim-0 sizes of the model's inputs
         self.sizes: set[int] = set()
+        #: which tensor the batch was taken from, for messages
+        self.batch_source = "the model's first tensor argument"
 
     # --- what is held -------------------------------------------------------------------------
 
@@ -148,6 +150,9 @@ class BatchedTensors:
         ids; a table of as many classes as examples must not count as examples)."""
         first, *others = tensors
         self.sizes.add(int(first.shape[0]))
+        self.batch_source = (
+            f"the model's first tensor argument, of shape {tuple(first.shape)}"
+        )
         self.add(first)
         for t in others:
             # each call marks its own arguments: a position table [1, T] marked by an earlier
@@ -806,7 +811,8 @@ def misplaced_batch(func: Any, args: tuple, kwargs: dict, batched: BatchedTensor
     module = _module_name(current_module())
     return (
         f"{name}{f' ({module})' if module else ''} on an input of shape {tuple(x.shape)} "
-        f"computed from the model's input in which {where}: its rows would not be examples. "
+        f"computed from the model's input in which {where}: its rows would not be examples "
+        f"(the batch is dim 0 of {batched.batch_source}: pass the batch first). "
         f"Keep the batch in dim {want} of every layer's input (a sequence-first layout such "
         "as x.transpose(0, 1) gives one row per token)"
     )

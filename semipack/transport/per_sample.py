@@ -524,9 +524,12 @@ class PerSampleRows:
                 raise _disagree(self.names[id(param)], before[0].shape[0], rows[0].shape[0])
             self.rows[id(param)] = rows if before is None else self.sr.plus(before, rows)
 
-    def check(self, params: Sequence[Tensor], batches: frozenset[int] = frozenset()) -> None:
+    def check(
+        self, params: Sequence[Tensor], batches: frozenset[int] = frozenset(), source: str = ""
+    ) -> None:
         """Raise unless every parameter in ``params`` has rows, all of one batch size, and
-        that size is the dim 0 of a model input (``batches``, when known)."""
+        that size is the dim 0 of a model input (``batches``, when known; ``source`` says which
+        tensor the batch was taken from)."""
         if self.empty:
             return
         for p in params:
@@ -549,7 +552,8 @@ class PerSampleRows:
             batch = max(set(known or sizes), key=sizes.count, default=0)
         odd = [(p, n) for p, n in zip(params, sizes, strict=True) if n != batch]
         if batches:
-            seen = f"the model's input has {batch} example{'s' * (batch != 1)}"
+            taken = f" ({source})" if source else ""
+            seen = f"the model's input{taken} has {batch} example{'s' * (batch != 1)}"
         else:
             seen = f"most parameters saw {batch} example{'s' * (batch != 1)}"
         if odd:

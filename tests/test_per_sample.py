@@ -629,7 +629,8 @@ def test_a_relative_position_table_is_named_as_the_cause():
             loss.backward()
     message = str(refused.value)
     assert (
-        "the model's input has 2 examples in dim 0, but 'bias.weight' (5 rows) did not" in message
+        "the model's first tensor argument, of shape (2, 5, 3) has 2 examples in dim 0 (the "
+        "batch), but 'bias.weight' (5 rows) did not" in message
     )
     assert "relative-position bucket table" in message and "position_ids" not in message
     assert all(p.grad is None for p in model.parameters())
@@ -2429,7 +2430,7 @@ def test_rows_are_checked_against_the_batch_of_the_call_the_backward_reached():
             model(ids[:1], pos)
         loss = model(ids, pos).sum()
         with pytest.raises(
-            PerSampleError, match=r"has 3 examples in dim 0, but 'pos.weight' \(1 row"
+            PerSampleError, match=r"has 3 examples in dim 0 \(the batch\), but 'pos.weight' \(1 row"
         ):
             loss.backward()
 
@@ -2608,6 +2609,6 @@ def test_refusals_name_the_argument_taken_as_the_batch(combine, first, x):
     model = _TableFirst(combine)
     args = (torch.randn(first), torch.randn(x))
     shape = re.escape(f"the model's first tensor argument, of shape {first}")
-    with pytest.raises(semipack.PerSampleError, match=shape):
-        with semipack.extend(model, semipack.Real(), per_sample=True):
-            model(*args).square().sum().backward()
+    block = semipack.extend(model, semipack.Real(), per_sample=True)
+    with pytest.raises(semipack.PerSampleError, match=shape), block:
+        model(*args).square().sum().backward()

@@ -150,9 +150,7 @@ class BatchedTensors:
         ids; a table of as many classes as examples must not count as examples)."""
         first, *others = tensors
         self.sizes.add(int(first.shape[0]))
-        self.batch_source = (
-            f"the model's first tensor argument, of shape {tuple(first.shape)}"
-        )
+        self.batch_source = f"the model's first tensor argument, of shape {tuple(first.shape)}"
         self.add(first)
         for t in others:
             # each call marks its own arguments: a position table [1, T] marked by an earlier

@@ -551,15 +551,15 @@ class PerSampleRows:
         else:
             batch = max(set(known or sizes), key=sizes.count, default=0)
         odd = [(p, n) for p, n in zip(params, sizes, strict=True) if n != batch]
+        examples = f"{batch} example{'s' * (batch != 1)} in dim 0"
         if batches:
-            taken = f" ({source})" if source else ""
-            seen = f"the model's input{taken} has {batch} example{'s' * (batch != 1)}"
+            seen = f"{source or 'the model input'} has {examples} (the batch)"
         else:
-            seen = f"most parameters saw {batch} example{'s' * (batch != 1)}"
+            seen = f"most parameters saw {examples}"
         if odd:
             named = ", ".join(f"'{self.names[id(p)]}' ({n} row{'s' * (n != 1)})" for p, n in odd)
             raise PerSampleError(
-                f"per-sample values: {seen} in dim 0, but {named} did not: they were "
+                f"per-sample values: {seen}, but {named} did not: they were "
                 "used on a tensor whose dim 0 is not the batch. "
                 + _why_not_the_batch({n for _, n in odd}, batch)
             )

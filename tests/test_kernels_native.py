@@ -650,3 +650,26 @@ def test_sorted_sums_walk_the_tree_to_the_same_bits_in_both_builds():
             native.set_avx512(previous)
         for narrow, wide in zip(*got, strict=True):
             assert torch.equal(narrow, wide)
+
+
+@pytest.mark.parametrize("ties", [False, True], ids=["reals", "ties"])
+def test_long_inner_sizes_keep_the_first_argmax(ties):
+    """An inner size of 9000 (panels far past the L1 cache; ties far apart keep the earliest
+    k), dense and gathered products, against the definition."""
+    n, k, m = 20, 9000, 33
+    a, b = operands(1, n, k, m, seed=21, ties=ties)
+    a, b = a[0], b[0]
+    if ties:  # the best value of row 2 reached at k = 100, again at 5000 and 8500
+        a[2] = -50.0
+        a[2, [100, 5000, 8500]] = 10.0
+        b[[100, 5000, 8500]] = 0.0
+    want = reference(a, b)
+    assert_exact(
+        native.maxplus_f32(a[None], b[None], with_index=True), tuple(w[None] for w in want)
+    )
+    rows = torch.arange(k)
+    panels = native.pack_panels_f32(b)
+    assert_exact(native.maxplus_gather_f32(a, panels, rows, 0, m, with_index=True), want)
+    assert_exact(native.maxplus_gather_f32(a, panels, rows, 0, m), (want[0], None))
+    if ties:
+        assert torch.equal(want[1][2], torch.full((m,), 100))

@@ -2425,14 +2425,21 @@ def test_rows_are_checked_against_the_batch_of_the_call_the_backward_reached():
             return self.lin(self.tok(ids) + self.pos(pos))
 
     model, ids, pos = Positions(), torch.randint(0, 10, (3, 5)), torch.arange(5)[None]
-    with semipack.extend(model, semipack.Real(), per_sample=True):
-        with torch.no_grad():
-            model(ids[:1], pos)
-        loss = model(ids, pos).sum()
-        with pytest.raises(
-            PerSampleError, match=r"has 3 examples in dim 0 \(the batch\), but 'pos.weight' \(1 row"
-        ):
-            loss.backward()
+    message = (
+        r"the model's first tensor argument, of shape \(3, 5\) has 3 examples in dim 0 "
+        r"\(the batch\), but 'pos.weight' \(1 row"
+    )
+    for no_grad_call_first in (True, False):  # the message names the batch's own call's input
+        with semipack.extend(model, semipack.Real(), per_sample=True):
+            if no_grad_call_first:
+                with torch.no_grad():
+                    model(ids[:1], pos)
+            loss = model(ids, pos).sum()
+            if not no_grad_call_first:  # a later call on a batch of one (trial 92)
+                with torch.no_grad():
+                    model(ids[:1], pos)
+            with pytest.raises(PerSampleError, match=message):
+                loss.backward()
 
 
 class _BroadcastWithTheBatch(nn.Module):

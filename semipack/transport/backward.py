@@ -723,8 +723,8 @@ def backward(
             _refuse_stray_messages(reached, regular_grads)
             if rows is not None:
                 batched = [t for t in leaves if id(t) in captured and id(t) in per_sample]
-                source = getattr(per_sample_following, "batch_source", "")
-                rows.check(batched, per_sample_batches, source)
+                sources = getattr(per_sample_following, "batch_sources", None)
+                rows.check(batched, per_sample_batches, sources)
             retained_messages = _split_retained(kept, sr, kept_grads)
             # Every readout before anything is stored or committed: one can still fail.
             with own_kernels_compiled():  # the readouts (Entropy's is a fused kernel)

@@ -139,8 +139,10 @@ class BatchedTensors:
         self._marked_nodes: list[tuple[dict, tuple[Mark, ...]]] = []
         #: dim-0 sizes of the model's inputs
         self.sizes: set[int] = set()
-        #: which tensor the batch was taken from, for messages
+        #: which tensor the batch was taken from, for messages: at the latest call (the one
+        #: a forward-time message is about), and per batch size (the backward's checks)
         self.batch_source = "the model's first tensor argument"
+        self.batch_sources: dict[int, str] = {}
 
     # --- what is held -------------------------------------------------------------------------
 
@@ -151,6 +153,7 @@ class BatchedTensors:
         first, *others = tensors
         self.sizes.add(int(first.shape[0]))
         self.batch_source = f"the model's first tensor argument, of shape {tuple(first.shape)}"
+        self.batch_sources.setdefault(int(first.shape[0]), self.batch_source)
         self.add(first)
         for t in others:
             # each call marks its own arguments: a position table [1, T] marked by an earlier

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import math
 import threading
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -525,11 +525,14 @@ class PerSampleRows:
             self.rows[id(param)] = rows if before is None else self.sr.plus(before, rows)
 
     def check(
-        self, params: Sequence[Tensor], batches: frozenset[int] = frozenset(), source: str = ""
+        self,
+        params: Sequence[Tensor],
+        batches: frozenset[int] = frozenset(),
+        sources: Mapping[int, str] | None = None,
     ) -> None:
         """Raise unless every parameter in ``params`` has rows, all of one batch size, and
-        that size is the dim 0 of a model input (``batches``, when known; ``source`` says which
-        tensor the batch was taken from)."""
+        that size is the dim 0 of a model input (``batches``, when known; ``sources`` says, per
+        batch size, which tensor the batch was taken from)."""
         if self.empty:
             return
         for p in params:
@@ -553,7 +556,8 @@ class PerSampleRows:
         odd = [(p, n) for p, n in zip(params, sizes, strict=True) if n != batch]
         examples = f"{batch} example{'s' * (batch != 1)} in dim 0"
         if batches:
-            seen = f"{source or 'the model input'} has {examples} (the batch)"
+            source = (sources or {}).get(batch, "the model's input")
+            seen = f"{source} has {examples} (the batch)"
         else:
             seen = f"most parameters saw {examples}"
         if odd:

@@ -813,7 +813,8 @@ def misplaced_batch(func: Any, args: tuple, kwargs: dict, batched: BatchedTensor
     return (
         f"{name}{f' ({module})' if module else ''} on an input of shape {tuple(x.shape)} "
         f"computed from the model's input in which {where}: its rows would not be examples "
-        f"(the batch is dim 0 of {batched.batch_source}: pass the batch first). "
+        f"(the batch is dim 0 of {batched.batch_source}; if that is not the batch, pass the "
+        "batch as the first argument). "
         f"Keep the batch in dim {want} of every layer's input (a sequence-first layout such "
         "as x.transpose(0, 1) gives one row per token)"
     )

@@ -21,7 +21,8 @@ pytestmark = pytest.mark.skipif(blas._LINEAR is None, reason="no oneDNN in this 
 
 @pytest.fixture
 def counted(monkeypatch):
-    """Counts the products that run on oneDNN."""
+    """Counts the products that run on oneDNN, switched on whatever ``SEMIPACK_ONEDNN`` says."""
+    monkeypatch.setitem(blas._state, "enabled", True)
     calls = {"linear": 0, "binary": 0}
     real = blas._LINEAR
 

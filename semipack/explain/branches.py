@@ -791,36 +791,31 @@ def _warn_unseen(subject: str, nodes: Sequence[str]) -> None:
     )
 
 
-def _mark_unseen_use(record: Branches, node_name: str, late: list):
-    """A pre-hook for the node of an unseen use (``_SplitMode.watch_unseen``): once a
-    backward's message reaches it, its paths are in no branch."""
+def _mark_reached(found: list[str], name: str, said: str, late: list):
+    """A pre-hook for a node whose paths are in no branch: once a backward's message reaches
+    it, ``name`` joins ``found`` (``Branches.unseen_uses``, ``used_before``) and ``late[0]``,
+    when set, is told ``said``."""
 
     def hook(grad_outputs):
-        if node_name in record.unseen_uses or in_carry_pass():
+        if name in found or in_carry_pass():
             return None
         if any(isinstance(g, Message) for g in grad_outputs):
-            record.unseen_uses.append(node_name)
+            found.append(name)
             if late[0] is not None:
-                late[0](_UNSEEN + node_name)
+                late[0](said)
         return None
 
     return hook
+
+
+def _mark_unseen_use(record: Branches, node_name: str, late: list):
+    """The pre-hook of an unseen use's node (``_SplitMode.watch_unseen``)."""
+    return _mark_reached(record.unseen_uses, node_name, _UNSEEN + node_name, late)
 
 
 def _mark_used_before(record: Branches, call: str, late: list):
-    """A pre-hook for the node of a use of the split tensor made before the module's call:
-    once a backward's message reaches it, the use has paths, which are in no branch."""
-
-    def hook(grad_outputs):
-        if call in record.used_before or in_carry_pass():
-            return None
-        if any(isinstance(g, Message) for g in grad_outputs):
-            record.used_before.append(call)
-            if late[0] is not None:
-                late[0](call)
-        return None
-
-    return hook
+    """The pre-hook of a use of the split tensor made before the module's call."""
+    return _mark_reached(record.used_before, call, call, late)
 
 
 def _read_branch(

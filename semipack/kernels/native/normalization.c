@@ -20,114 +20,110 @@
 
 #include "vector_math.h"
 
-struct pair_row { __m256 x, a, r; };   /* x̂_i, a_i, r_i broadcast */
-struct pair_acc { __m256 s, t, u; };   /* output i's partial sums */
+/* The sums take SUMS_LANES outputs j per vector: 8 (AVX2) or 16 (AVX-512), through the few
+   operations below, written once. Output j's terms from i < j add in the same order in both
+   builds; output i's own partial sums group over the lanes (four 8-lane or two 16-lane
+   accumulators), so those sums round differently in the two builds (both are checked against
+   float64 in the tests). */
+#if defined(__AVX512F__)
+#define SUMS_LANES 16
+typedef __m512 vf;
+typedef __mmask16 vfmask;
+static inline vf vf_set1(float x) { return _mm512_set1_ps(x); }
+static inline vf vf_load(const float *p) { return _mm512_loadu_ps(p); }
+static inline void vf_store(float *p, vf v) { _mm512_storeu_ps(p, v); }
+static inline vf vf_add(vf a, vf b) { return _mm512_add_ps(a, b); }
+static inline vf vf_mul(vf a, vf b) { return _mm512_mul_ps(a, b); }
+static inline vf vf_fmadd(vf a, vf b, vf c) { return _mm512_fmadd_ps(a, b, c); }
+static inline vf vf_max(vf a, vf b) { return _mm512_max_ps(a, b); }
+static inline vf vf_andnot(vf a, vf b) { return _mm512_andnot_ps(a, b); }
+static inline vf vf_keep(vfmask m, vf a) { return _mm512_maskz_mov_ps(m, a); }
+static inline vf vf_log(vf x) { return log_ps16(x); }
+static inline float vf_hsum(vf v) { return _mm512_reduce_add_ps(v); }
+static inline vfmask vfm_from_bits(int bits) { return (vfmask)bits; }
+#else
+#define SUMS_LANES 8
+typedef __m256 vf;
+typedef __m256 vfmask;
+static inline vf vf_set1(float x) { return _mm256_set1_ps(x); }
+static inline vf vf_load(const float *p) { return _mm256_loadu_ps(p); }
+static inline void vf_store(float *p, vf v) { _mm256_storeu_ps(p, v); }
+static inline vf vf_add(vf a, vf b) { return _mm256_add_ps(a, b); }
+static inline vf vf_mul(vf a, vf b) { return _mm256_mul_ps(a, b); }
+static inline vf vf_fmadd(vf a, vf b, vf c) { return _mm256_fmadd_ps(a, b, c); }
+static inline vf vf_max(vf a, vf b) { return _mm256_max_ps(a, b); }
+static inline vf vf_andnot(vf a, vf b) { return _mm256_andnot_ps(a, b); }
+static inline vf vf_keep(vfmask m, vf a) { return _mm256_and_ps(a, m); }
+static inline vf vf_log(vf x) { return log_ps(x); }
+static inline float vf_hsum(vf v) { return hsum(v); }
+static inline vfmask vfm_from_bits(int bits) {
+    const __m256i lane_bits = _mm256_setr_epi32(1, 2, 4, 8, 16, 32, 64, 128);
+    return _mm256_castsi256_ps(
+        _mm256_cmpeq_epi32(_mm256_and_si256(lane_bits, _mm256_set1_epi32(bits)), lane_bits));
+}
+#endif
+/* independent accumulators per sweep of 32 outputs: their chains overlap */
+#define SUMS_BLOCKS (32 / SUMS_LANES)
 
-/* The pairs (i, j..j+7): terms for outputs j (masked by keep_j) into s, t, u; terms for output
-   i (masked by keep_i) into acc. */
+struct pair_row { vf x, a, r; };   /* x̂_i, a_i, r_i broadcast */
+struct pair_acc { vf s, t, u; };   /* output i's partial sums */
+
+/* The pairs (i, j..j+SUMS_LANES-1): terms for outputs j (masked by keep_j) into s, t, u; terms
+   for output i (masked by keep_i) into acc. */
 static inline void pair_block(const struct pair_row *p, const float *a, const float *r,
                               const float *xh, float *s, float *t, float *u, int64_t j,
-                              __m256 keep_j, __m256 keep_i, struct pair_acc *acc) {
-    const __m256 one = _mm256_set1_ps(1.0f), tiny = _mm256_set1_ps(FLT_MIN);
-    const __m256 sign = _mm256_set1_ps(-0.0f);
-    const __m256 xj = _mm256_loadu_ps(xh + j), aj = _mm256_loadu_ps(a + j);
-    const __m256 rj = _mm256_loadu_ps(r + j);
-    const __m256 c = _mm256_andnot_ps(sign, _mm256_fmadd_ps(p->x, xj, one));
-    const __m256 lc = log_ps(_mm256_max_ps(c, tiny));
-    const __m256 to_j = _mm256_and_ps(_mm256_mul_ps(p->a, c), keep_j);
-    const __m256 to_i = _mm256_and_ps(_mm256_mul_ps(aj, c), keep_i);
-    _mm256_storeu_ps(s + j, _mm256_add_ps(_mm256_loadu_ps(s + j), to_j));
-    _mm256_storeu_ps(t + j, _mm256_fmadd_ps(to_j, p->r, _mm256_loadu_ps(t + j)));
-    _mm256_storeu_ps(u + j, _mm256_fmadd_ps(to_j, lc, _mm256_loadu_ps(u + j)));
-    acc->s = _mm256_add_ps(acc->s, to_i);
-    acc->t = _mm256_fmadd_ps(to_i, rj, acc->t);
-    acc->u = _mm256_fmadd_ps(to_i, lc, acc->u);
+                              vfmask keep_j, vfmask keep_i, struct pair_acc *acc) {
+    const vf one = vf_set1(1.0f), tiny = vf_set1(FLT_MIN), sign = vf_set1(-0.0f);
+    const vf xj = vf_load(xh + j), aj = vf_load(a + j), rj = vf_load(r + j);
+    const vf c = vf_andnot(sign, vf_fmadd(p->x, xj, one));
+    const vf lc = vf_log(vf_max(c, tiny));
+    const vf to_j = vf_keep(keep_j, vf_mul(p->a, c));
+    const vf to_i = vf_keep(keep_i, vf_mul(aj, c));
+    vf_store(s + j, vf_add(vf_load(s + j), to_j));
+    vf_store(t + j, vf_fmadd(to_j, p->r, vf_load(t + j)));
+    vf_store(u + j, vf_fmadd(to_j, lc, vf_load(u + j)));
+    acc->s = vf_add(acc->s, to_i);
+    acc->t = vf_fmadd(to_i, rj, acc->t);
+    acc->u = vf_fmadd(to_i, lc, acc->u);
+}
+
+/* The accumulators of output i added pairwise, then across the lanes. */
+static inline float acc_total(const struct pair_acc *acc, int which) {
+    vf v[SUMS_BLOCKS];
+    for (int b = 0; b < SUMS_BLOCKS; b++) v[b] = which == 0 ? acc[b].s : which == 1 ? acc[b].t : acc[b].u;
+#if SUMS_BLOCKS == 4
+    return vf_hsum(vf_add(vf_add(v[0], v[1]), vf_add(v[2], v[3])));
+#else
+    return vf_hsum(vf_add(v[0], v[1]));
+#endif
 }
 
 static void row_sums_symmetric(const float *a, const float *r, const float *xh, int64_t padded,
                                int64_t n, float *s, float *t, float *u) {
-    const __m256 lane = _mm256_setr_ps(0.f, 1.f, 2.f, 3.f, 4.f, 5.f, 6.f, 7.f);
-    const __m256 zero = _mm256_setzero_ps();
+    const vf zero = vf_set1(0.0f);
+    const int full = (1 << SUMS_LANES) - 1;
+    const vfmask all = vfm_from_bits(full);
     for (int64_t j = 0; j < padded; j++) s[j] = t[j] = u[j] = 0.0f;
     for (int64_t i = 0; i < n; i++) {
-        const struct pair_row p = {_mm256_set1_ps(xh[i]), _mm256_set1_ps(a[i]),
-                                   _mm256_set1_ps(r[i])};
-        struct pair_acc acc0 = {zero, zero, zero}, acc1 = acc0, acc2 = acc0, acc3 = acc0;
-        const int64_t first = i & ~(int64_t)7;
-        /* the block holding i: lanes before i take no part; lane i counts once, as output j */
-        const __m256 index = _mm256_add_ps(lane, _mm256_set1_ps((float)(first - i)));
-        pair_block(&p, a, r, xh, s, t, u, first, _mm256_cmp_ps(index, zero, _CMP_GE_OQ),
-                   _mm256_cmp_ps(index, zero, _CMP_GT_OQ), &acc0);
-        const __m256 all = _mm256_castsi256_ps(_mm256_set1_epi32(-1));
-        int64_t j = first + 8;
-        for (; j + 32 <= padded; j += 32) { /* four independent blocks: their chains overlap */
-            pair_block(&p, a, r, xh, s, t, u, j, all, all, &acc0);
-            pair_block(&p, a, r, xh, s, t, u, j + 8, all, all, &acc1);
-            pair_block(&p, a, r, xh, s, t, u, j + 16, all, all, &acc2);
-            pair_block(&p, a, r, xh, s, t, u, j + 24, all, all, &acc3);
-        }
-        for (; j < padded; j += 8) pair_block(&p, a, r, xh, s, t, u, j, all, all, &acc1);
-        s[i] += hsum(_mm256_add_ps(_mm256_add_ps(acc0.s, acc1.s), _mm256_add_ps(acc2.s, acc3.s)));
-        t[i] += hsum(_mm256_add_ps(_mm256_add_ps(acc0.t, acc1.t), _mm256_add_ps(acc2.t, acc3.t)));
-        u[i] += hsum(_mm256_add_ps(_mm256_add_ps(acc0.u, acc1.u), _mm256_add_ps(acc2.u, acc3.u)));
-    }
-}
-
-#if defined(__AVX512F__)
-/* row_sums_symmetric on 16 lanes (the AVX-512 build): the same pairs and terms; output j's
-   terms from i < j add in the same order, output i's own partial sums group into other
-   lanes, so those sums round differently (tests compare both builds with float64). */
-#define SUMS_LANES 16
-struct pair_row16 { __m512 x, a, r; };
-struct pair_acc16 { __m512 s, t, u; };
-
-static inline void pair_block16(const struct pair_row16 *p, const float *a, const float *r,
-                                const float *xh, float *s, float *t, float *u, int64_t j,
-                                __mmask16 keep_j, __mmask16 keep_i, struct pair_acc16 *acc) {
-    const __m512 one = _mm512_set1_ps(1.0f), tiny = _mm512_set1_ps(FLT_MIN);
-    const __m512 xj = _mm512_loadu_ps(xh + j), aj = _mm512_loadu_ps(a + j);
-    const __m512 rj = _mm512_loadu_ps(r + j);
-    const __m512 c = _mm512_abs_ps(_mm512_fmadd_ps(p->x, xj, one));
-    const __m512 lc = log_ps16(_mm512_max_ps(c, tiny));
-    const __m512 to_j = _mm512_maskz_mul_ps(keep_j, p->a, c);
-    const __m512 to_i = _mm512_maskz_mul_ps(keep_i, aj, c);
-    _mm512_storeu_ps(s + j, _mm512_add_ps(_mm512_loadu_ps(s + j), to_j));
-    _mm512_storeu_ps(t + j, _mm512_fmadd_ps(to_j, p->r, _mm512_loadu_ps(t + j)));
-    _mm512_storeu_ps(u + j, _mm512_fmadd_ps(to_j, lc, _mm512_loadu_ps(u + j)));
-    acc->s = _mm512_add_ps(acc->s, to_i);
-    acc->t = _mm512_fmadd_ps(to_i, rj, acc->t);
-    acc->u = _mm512_fmadd_ps(to_i, lc, acc->u);
-}
-
-static void row_sums_symmetric16(const float *a, const float *r, const float *xh, int64_t padded,
-                                 int64_t n, float *s, float *t, float *u) {
-    const __m512 zero = _mm512_setzero_ps();
-    for (int64_t j = 0; j < padded; j++) s[j] = t[j] = u[j] = 0.0f;
-    for (int64_t i = 0; i < n; i++) {
-        const struct pair_row16 p = {_mm512_set1_ps(xh[i]), _mm512_set1_ps(a[i]),
-                                     _mm512_set1_ps(r[i])};
-        struct pair_acc16 acc0 = {zero, zero, zero}, acc1 = acc0;
-        const int64_t first = i & ~(int64_t)15;
+        const struct pair_row p = {vf_set1(xh[i]), vf_set1(a[i]), vf_set1(r[i])};
+        struct pair_acc acc[SUMS_BLOCKS];
+        for (int b = 0; b < SUMS_BLOCKS; b++) acc[b] = (struct pair_acc){zero, zero, zero};
+        const int64_t first = i & ~(int64_t)(SUMS_LANES - 1);
         /* the block holding i: lanes before i take no part; lane i counts once, as output j */
         const int at = (int)(i - first);
-        const __mmask16 from_i = (__mmask16)(0xFFFFu << at), after_i = (__mmask16)(0xFFFEu << at);
-        pair_block16(&p, a, r, xh, s, t, u, first, from_i, after_i, &acc0);
-        int64_t j = first + 16;
-        for (; j + 32 <= padded; j += 32) { /* two independent blocks: their chains overlap */
-            pair_block16(&p, a, r, xh, s, t, u, j, 0xFFFF, 0xFFFF, &acc0);
-            pair_block16(&p, a, r, xh, s, t, u, j + 16, 0xFFFF, 0xFFFF, &acc1);
-        }
-        for (; j < padded; j += 16) pair_block16(&p, a, r, xh, s, t, u, j, 0xFFFF, 0xFFFF, &acc1);
-        s[i] += _mm512_reduce_add_ps(_mm512_add_ps(acc0.s, acc1.s));
-        t[i] += _mm512_reduce_add_ps(_mm512_add_ps(acc0.t, acc1.t));
-        u[i] += _mm512_reduce_add_ps(_mm512_add_ps(acc0.u, acc1.u));
+        pair_block(&p, a, r, xh, s, t, u, first, vfm_from_bits(full & (full << at)),
+                   vfm_from_bits(full & (full << (at + 1))), &acc[0]);
+        int64_t j = first + SUMS_LANES;
+        for (; j + 32 <= padded; j += 32)
+            for (int b = 0; b < SUMS_BLOCKS; b++)
+                pair_block(&p, a, r, xh, s, t, u, j + b * SUMS_LANES, all, all, &acc[b]);
+        for (; j < padded; j += SUMS_LANES)
+            pair_block(&p, a, r, xh, s, t, u, j, all, all, &acc[1]);
+        s[i] += acc_total(acc, 0);
+        t[i] += acc_total(acc, 1);
+        u[i] += acc_total(acc, 2);
     }
 }
-#define ROW_SUMS row_sums_symmetric16
-#else
-#define SUMS_LANES 8
-#define ROW_SUMS row_sums_symmetric
-#endif
 
 /* Returns 0, or -1 when a thread could not allocate its work buffers. */
 int semipack_norm_entropy_sums_f32(const float *a, const float *r, const float *xh, int64_t rows,
@@ -149,7 +145,7 @@ int semipack_norm_entropy_sums_f32(const float *a, const float *r, const float *
                 memcpy(ap, a + row * n, n * sizeof(float));
                 memcpy(rp, r + row * n, n * sizeof(float));
                 memcpy(xp, xh + row * n, n * sizeof(float));
-                ROW_SUMS(ap, rp, xp, padded, n, sp, tp, up);
+                row_sums_symmetric(ap, rp, xp, padded, n, sp, tp, up);
                 memcpy(s + row * n, sp, n * sizeof(float));
                 memcpy(t + row * n, tp, n * sizeof(float));
                 memcpy(u + row * n, up, n * sizeof(float));

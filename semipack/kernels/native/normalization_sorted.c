@@ -37,7 +37,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#define SERIES_TERMS 20 /* even: see the Horner chains in tree_xlogx4 and tree_xlogx8 */
+#define SERIES_TERMS 20 /* even: see the Horner chains in tree_xlogx */
 #define FAR_RATIO 0.5
 #define LEAF_SIZE 8
 #define MAX_DEPTH 64
@@ -574,97 +574,162 @@ static int64_t tree_build(struct node *nodes, int64_t *count, const double *xs, 
     return id;
 }
 
-/* log x for 4 doubles, x > 0 finite and normal: x = m 2^e with m in [sqrt(1/2), sqrt(2)),
+/* U's tree walk takes U_LANES queries at once: 4 doubles (AVX2) or 8 (AVX-512) per vector,
+   through the few operations below, written once. A lane's sum does not depend on the lanes
+   beside it: it visits the nodes whose ancestors were all near for it, far ones through their
+   series and leaves directly, in the same depth-first order, with the same operations. So each
+   query's U has the same bits in both builds, in half the walks with 8 lanes. Masks are vectors
+   in AVX2 and mask registers in AVX-512; the walk's stack keeps them as lane bits. */
+#if defined(__AVX512F__)
+#define U_LANES 8
+typedef __m512d vd;
+typedef __mmask8 vmask;
+static inline vd vd_set1(double x) { return _mm512_set1_pd(x); }
+static inline vd vd_load(const double *p) { return _mm512_loadu_pd(p); }
+static inline void vd_store(double *p, vd v) { _mm512_storeu_pd(p, v); }
+static inline vd vd_add(vd a, vd b) { return _mm512_add_pd(a, b); }
+static inline vd vd_sub(vd a, vd b) { return _mm512_sub_pd(a, b); }
+static inline vd vd_mul(vd a, vd b) { return _mm512_mul_pd(a, b); }
+static inline vd vd_div(vd a, vd b) { return _mm512_div_pd(a, b); }
+static inline vd vd_fmadd(vd a, vd b, vd c) { return _mm512_fmadd_pd(a, b, c); }
+static inline vd vd_max(vd a, vd b) { return _mm512_max_pd(a, b); }
+static inline vd vd_xor(vd a, vd b) { return _mm512_xor_pd(a, b); }
+static inline vd vd_andnot(vd a, vd b) { return _mm512_andnot_pd(a, b); }
+static inline vd vd_or_bits(vd a, long long bits) {
+    return _mm512_castsi512_pd(_mm512_or_si512(_mm512_castpd_si512(a), _mm512_set1_epi64(bits)));
+}
+static inline vd vd_and_bits(vd a, long long bits) {
+    return _mm512_castsi512_pd(_mm512_and_si512(_mm512_castpd_si512(a), _mm512_set1_epi64(bits)));
+}
+/* the biased exponent field (bits 52..62) of each lane, kept as an integer in the lane */
+static inline vd vd_exponent_bits(vd a) {
+    return _mm512_castsi512_pd(_mm512_srli_epi64(_mm512_castpd_si512(a), 52));
+}
+static inline vmask vd_cmp_gt(vd a, vd b) { return _mm512_cmp_pd_mask(a, b, _CMP_GT_OQ); }
+static inline vmask vd_cmp_le(vd a, vd b) { return _mm512_cmp_pd_mask(a, b, _CMP_LE_OQ); }
+static inline vd vd_select(vmask m, vd if_set, vd if_clear) {
+    return _mm512_mask_blend_pd(m, if_clear, if_set);
+}
+static inline vd vd_keep(vmask m, vd a) { return _mm512_maskz_mov_pd(m, a); }
+static inline vmask vm_and(vmask a, vmask b) { return a & b; }
+static inline vmask vm_andnot(vmask a, vmask b) { return (vmask)(~a & b); }
+static inline int vm_bits(vmask m) { return (int)m; }
+static inline vmask vm_from_bits(int bits) { return (vmask)bits; }
+#else
+#define U_LANES 4
+typedef __m256d vd;
+typedef __m256d vmask;
+static inline vd vd_set1(double x) { return _mm256_set1_pd(x); }
+static inline vd vd_load(const double *p) { return _mm256_loadu_pd(p); }
+static inline void vd_store(double *p, vd v) { _mm256_storeu_pd(p, v); }
+static inline vd vd_add(vd a, vd b) { return _mm256_add_pd(a, b); }
+static inline vd vd_sub(vd a, vd b) { return _mm256_sub_pd(a, b); }
+static inline vd vd_mul(vd a, vd b) { return _mm256_mul_pd(a, b); }
+static inline vd vd_div(vd a, vd b) { return _mm256_div_pd(a, b); }
+static inline vd vd_fmadd(vd a, vd b, vd c) { return _mm256_fmadd_pd(a, b, c); }
+static inline vd vd_max(vd a, vd b) { return _mm256_max_pd(a, b); }
+static inline vd vd_xor(vd a, vd b) { return _mm256_xor_pd(a, b); }
+static inline vd vd_andnot(vd a, vd b) { return _mm256_andnot_pd(a, b); }
+static inline vd vd_or_bits(vd a, long long bits) {
+    return _mm256_castsi256_pd(_mm256_or_si256(_mm256_castpd_si256(a), _mm256_set1_epi64x(bits)));
+}
+static inline vd vd_and_bits(vd a, long long bits) {
+    return _mm256_castsi256_pd(_mm256_and_si256(_mm256_castpd_si256(a), _mm256_set1_epi64x(bits)));
+}
+static inline vd vd_exponent_bits(vd a) {
+    return _mm256_castsi256_pd(_mm256_srli_epi64(_mm256_castpd_si256(a), 52));
+}
+static inline vmask vd_cmp_gt(vd a, vd b) { return _mm256_cmp_pd(a, b, _CMP_GT_OQ); }
+static inline vmask vd_cmp_le(vd a, vd b) { return _mm256_cmp_pd(a, b, _CMP_LE_OQ); }
+static inline vd vd_select(vmask m, vd if_set, vd if_clear) {
+    return _mm256_blendv_pd(if_clear, if_set, m);
+}
+static inline vd vd_keep(vmask m, vd a) { return _mm256_and_pd(m, a); }
+static inline vmask vm_and(vmask a, vmask b) { return _mm256_and_pd(a, b); }
+static inline vmask vm_andnot(vmask a, vmask b) { return _mm256_andnot_pd(a, b); }
+static inline int vm_bits(vmask m) { return _mm256_movemask_pd(m); }
+static inline vmask vm_from_bits(int bits) {
+    const __m256i lane_bits = _mm256_setr_epi64x(1, 2, 4, 8);
+    return _mm256_castsi256_pd(
+        _mm256_cmpeq_epi64(_mm256_and_si256(lane_bits, _mm256_set1_epi64x(bits)), lane_bits));
+}
+#endif
+
+/* log x per lane, x > 0 finite and normal: x = m 2^e with m in [sqrt(1/2), sqrt(2)),
    log m = 2 atanh(f / (2 + f)), f = m - 1, as the odd series in s = f / (2 + f) (|s| <= 0.172,
    ten terms reach 1e-17), and e ln 2 with ln 2 split in two: within a few ulp of libm's log. */
-static inline __m256d log_pd(__m256d x) {
-    const __m256i bits = _mm256_castpd_si256(x);
-    const __m256i mant_mask = _mm256_set1_epi64x(0x000fffffffffffffLL);
-    __m256d m = _mm256_castsi256_pd(
-        _mm256_or_si256(_mm256_and_si256(bits, mant_mask), _mm256_set1_epi64x(0x3ff0000000000000LL)));
+static inline vd log_vd(vd x) {
+    vd m = vd_or_bits(vd_and_bits(x, 0x000fffffffffffffLL), 0x3ff0000000000000LL);
     /* the biased exponent as a double: 2^52 + e written into the mantissa, minus 2^52 */
-    const __m256i biased = _mm256_srli_epi64(bits, 52);
-    __m256d e = _mm256_sub_pd(
-        _mm256_castsi256_pd(_mm256_or_si256(biased, _mm256_set1_epi64x(0x4330000000000000LL))),
-        _mm256_set1_pd(4503599627370496.0 + 1023.0));
-    const __m256d big = _mm256_cmp_pd(m, _mm256_set1_pd(1.4142135623730951), _CMP_GT_OQ);
-    m = _mm256_blendv_pd(m, _mm256_mul_pd(m, _mm256_set1_pd(0.5)), big);
-    e = _mm256_add_pd(e, _mm256_and_pd(big, _mm256_set1_pd(1.0)));
-    const __m256d f = _mm256_sub_pd(m, _mm256_set1_pd(1.0));
-    const __m256d sv = _mm256_div_pd(f, _mm256_add_pd(f, _mm256_set1_pd(2.0)));
-    const __m256d z = _mm256_mul_pd(sv, sv);
-    __m256d p = _mm256_set1_pd(1.0 / 21.0);
-    for (int k = 9; k >= 1; k--) p = _mm256_fmadd_pd(p, z, _mm256_set1_pd(1.0 / (2 * k + 1)));
+    vd e = vd_sub(vd_or_bits(vd_exponent_bits(x), 0x4330000000000000LL),
+                  vd_set1(4503599627370496.0 + 1023.0));
+    const vmask big = vd_cmp_gt(m, vd_set1(1.4142135623730951));
+    m = vd_select(big, vd_mul(m, vd_set1(0.5)), m);
+    e = vd_select(big, vd_add(e, vd_set1(1.0)), e);
+    const vd f = vd_sub(m, vd_set1(1.0));
+    const vd sv = vd_div(f, vd_add(f, vd_set1(2.0)));
+    const vd z = vd_mul(sv, sv);
+    vd p = vd_set1(1.0 / 21.0);
+    for (int k = 9; k >= 1; k--) p = vd_fmadd(p, z, vd_set1(1.0 / (2 * k + 1)));
     /* log m = 2 s + 2 s z p */
-    const __m256d two_s = _mm256_add_pd(sv, sv);
-    const __m256d log_m = _mm256_fmadd_pd(_mm256_mul_pd(two_s, z), p, two_s);
-    const __m256d ln2_hi = _mm256_set1_pd(6.93147180369123816490e-01);
-    const __m256d ln2_lo = _mm256_set1_pd(1.90821492927058770002e-10);
-    return _mm256_fmadd_pd(e, ln2_hi, _mm256_fmadd_pd(e, ln2_lo, log_m));
+    const vd two_s = vd_add(sv, sv);
+    const vd log_m = vd_fmadd(vd_mul(two_s, z), p, two_s);
+    return vd_fmadd(e, vd_set1(6.93147180369123816490e-01),
+                    vd_fmadd(e, vd_set1(1.90821492927058770002e-10), log_m));
 }
 
-/* sum_i a_i |1 + x_i t| log |1 + x_i t| over the tree, for 4 queries at once (neighbours in sorted order, so their walks through the tree
-   nearly coincide): each visited node takes the lanes that reach it; far lanes add the series,
-   the others open it. */
-static void tree_xlogx4(const struct node *nodes, const double *xs, const double *as,
-                        const double *t4, double *out4) {
+/* sum_i a_i |1 + x_i t| log |1 + x_i t| over the tree, for U_LANES queries at once (neighbours in
+   sorted order, so their walks through the tree nearly coincide): each visited node takes the
+   lanes that reach it; far lanes add the series, the others open it. */
+static void tree_xlogx(const struct node *nodes, const double *xs, const double *as,
+                       const double *tq, double *out) {
     int64_t stack[2 * MAX_DEPTH];
     int masks[2 * MAX_DEPTH];
     int top = 0;
-    const __m256d sign = _mm256_set1_pd(-0.0), one = _mm256_set1_pd(1.0);
-    const __m256d zero = _mm256_setzero_pd(), rho = _mm256_set1_pd(FAR_RATIO);
-    const __m256d tiny = _mm256_set1_pd(DBL_MIN);
-    const __m256d t = _mm256_loadu_pd(t4), at = _mm256_andnot_pd(sign, t);
-    const __m256d lane_bits = _mm256_castsi256_pd(_mm256_setr_epi64x(1, 2, 4, 8));
-    __m256d total = zero;
+    const vd sign = vd_set1(-0.0), one = vd_set1(1.0);
+    const vd zero = vd_set1(0.0), rho = vd_set1(FAR_RATIO);
+    const vd tiny = vd_set1(DBL_MIN);
+    const vd t = vd_load(tq), at = vd_andnot(sign, t);
+    vd total = zero;
     stack[top] = 0;
-    masks[top++] = 15;
+    masks[top++] = (1 << U_LANES) - 1;
     while (top > 0) {
         top--;
         const struct node *nd = &nodes[stack[top]];
-        const int lanes = masks[top];
-        const __m256d mask = _mm256_castsi256_pd(_mm256_cmpeq_epi64(
-            _mm256_and_si256(_mm256_castpd_si256(lane_bits), _mm256_set1_epi64x(lanes)),
-            _mm256_castpd_si256(lane_bits)));
-        const __m256d u0 = _mm256_fmadd_pd(_mm256_set1_pd(nd->centre), t, one);
-        const __m256d v = _mm256_andnot_pd(sign, u0);
-        const __m256d far = _mm256_and_pd(
-            mask, _mm256_cmp_pd(_mm256_mul_pd(_mm256_set1_pd(nd->half), at),
-                                _mm256_mul_pd(rho, v), _CMP_LE_OQ));
-        const int far_lanes = _mm256_movemask_pd(far);
+        const vmask lanes = vm_from_bits(masks[top]);
+        const vd u0 = vd_fmadd(vd_set1(nd->centre), t, one);
+        const vd v = vd_andnot(sign, u0);
+        const vmask far =
+            vm_and(lanes, vd_cmp_le(vd_mul(vd_set1(nd->half), at), vd_mul(rho, v)));
+        const int far_lanes = vm_bits(far);
         if (far_lanes) {
-            const __m256d live = _mm256_and_pd(far, _mm256_cmp_pd(v, zero, _CMP_GT_OQ));
-            const __m256d st = _mm256_blendv_pd(_mm256_xor_pd(t, sign), t,
-                                                _mm256_cmp_pd(u0, zero, _CMP_GT_OQ));
-            const __m256d vs = _mm256_max_pd(v, tiny);
-            const __m256d w = _mm256_div_pd(_mm256_xor_pd(st, sign), vs);
-            const __m256d w2 = _mm256_mul_pd(w, w);
-            __m256d even = _mm256_set1_pd(nd->coef[SERIES_TERMS]);
-            __m256d odd = _mm256_set1_pd(nd->coef[SERIES_TERMS - 1]);
+            const vmask live = vm_and(far, vd_cmp_gt(v, zero));
+            const vd st = vd_select(vd_cmp_gt(u0, zero), t, vd_xor(t, sign));
+            const vd vs = vd_max(v, tiny);
+            const vd w = vd_div(vd_xor(st, sign), vs);
+            const vd w2 = vd_mul(w, w);
+            vd even = vd_set1(nd->coef[SERIES_TERMS]);
+            vd odd = vd_set1(nd->coef[SERIES_TERMS - 1]);
             for (int e = SERIES_TERMS - 2; e >= 4; e -= 2) {
-                even = _mm256_fmadd_pd(even, w2, _mm256_set1_pd(nd->coef[e]));
-                odd = _mm256_fmadd_pd(odd, w2, _mm256_set1_pd(nd->coef[e - 1]));
+                even = vd_fmadd(even, w2, vd_set1(nd->coef[e]));
+                odd = vd_fmadd(odd, w2, vd_set1(nd->coef[e - 1]));
             }
-            even = _mm256_fmadd_pd(even, w2, _mm256_set1_pd(nd->coef[2]));
-            const __m256d series = _mm256_mul_pd(w2, _mm256_fmadd_pd(w, odd, even));
-            const __m256d m0 = _mm256_set1_pd(nd->coef[0]), m1 = _mm256_set1_pd(nd->coef[1]);
-            const __m256d st_m1 = _mm256_mul_pd(st, m1);
-            const __m256d lead = _mm256_fmadd_pd(vs, m0, st_m1);
-            const __m256d term = _mm256_fmadd_pd(
-                lead, log_pd(vs), _mm256_fmadd_pd(vs, series, st_m1));
-            total = _mm256_add_pd(total, _mm256_and_pd(live, term));
+            even = vd_fmadd(even, w2, vd_set1(nd->coef[2]));
+            const vd series = vd_mul(w2, vd_fmadd(w, odd, even));
+            const vd m0 = vd_set1(nd->coef[0]), m1 = vd_set1(nd->coef[1]);
+            const vd st_m1 = vd_mul(st, m1);
+            const vd lead = vd_fmadd(vs, m0, st_m1);
+            const vd term = vd_fmadd(lead, log_vd(vs), vd_fmadd(vs, series, st_m1));
+            total = vd_add(total, vd_keep(live, term));
         }
-        const int near_lanes = lanes & ~far_lanes;
+        const int near_lanes = vm_bits(lanes) & ~far_lanes;
         if (!near_lanes) continue;
         if (nd->left < 0) {
-            const __m256d near = _mm256_andnot_pd(far, mask);
+            const vmask near = vm_andnot(far, lanes);
             for (int64_t k = nd->lo; k < nd->hi; k++) {
-                const __m256d c = _mm256_andnot_pd(
-                    sign, _mm256_fmadd_pd(_mm256_set1_pd(xs[k]), t, one));
-                const __m256d term = _mm256_mul_pd(_mm256_mul_pd(_mm256_set1_pd(as[k]), c),
-                                                   log_pd(_mm256_max_pd(c, tiny)));
-                const __m256d keep = _mm256_and_pd(near, _mm256_cmp_pd(c, zero, _CMP_GT_OQ));
-                total = _mm256_add_pd(total, _mm256_and_pd(keep, term));
+                const vd c = vd_andnot(sign, vd_fmadd(vd_set1(xs[k]), t, one));
+                const vd term = vd_mul(vd_mul(vd_set1(as[k]), c), log_vd(vd_max(c, tiny)));
+                total = vd_add(total, vd_keep(vm_and(near, vd_cmp_gt(c, zero)), term));
             }
         } else {
             stack[top] = nd->right;
@@ -673,107 +738,8 @@ static void tree_xlogx4(const struct node *nodes, const double *xs, const double
             masks[top++] = near_lanes;
         }
     }
-    _mm256_storeu_pd(out4, total);
+    vd_store(out, total);
 }
-
-#if defined(__AVX512F__)
-/* log_pd and tree_xlogx4 on 8 lanes (the AVX-512 build). A lane's sum does not depend on the
-   lanes beside it: it visits the nodes whose ancestors were all near for it, far ones through
-   their series and leaves directly, in the same depth-first order, with the same operations.
-   So each query's U has the same bits as in the 4-lane walk, in half the walks. */
-static inline __m512d log_pd8(__m512d x) {
-    const __m512i bits = _mm512_castpd_si512(x);
-    __m512d m = _mm512_castsi512_pd(_mm512_or_si512(
-        _mm512_and_si512(bits, _mm512_set1_epi64(0x000fffffffffffffLL)),
-        _mm512_set1_epi64(0x3ff0000000000000LL)));
-    const __m512i biased = _mm512_srli_epi64(bits, 52);
-    __m512d e = _mm512_sub_pd(
-        _mm512_castsi512_pd(_mm512_or_si512(biased, _mm512_set1_epi64(0x4330000000000000LL))),
-        _mm512_set1_pd(4503599627370496.0 + 1023.0));
-    const __mmask8 big = _mm512_cmp_pd_mask(m, _mm512_set1_pd(1.4142135623730951), _CMP_GT_OQ);
-    m = _mm512_mask_mul_pd(m, big, m, _mm512_set1_pd(0.5));
-    e = _mm512_mask_add_pd(e, big, e, _mm512_set1_pd(1.0));
-    const __m512d f = _mm512_sub_pd(m, _mm512_set1_pd(1.0));
-    const __m512d sv = _mm512_div_pd(f, _mm512_add_pd(f, _mm512_set1_pd(2.0)));
-    const __m512d z = _mm512_mul_pd(sv, sv);
-    __m512d p = _mm512_set1_pd(1.0 / 21.0);
-    for (int k = 9; k >= 1; k--) p = _mm512_fmadd_pd(p, z, _mm512_set1_pd(1.0 / (2 * k + 1)));
-    const __m512d two_s = _mm512_add_pd(sv, sv);
-    const __m512d log_m = _mm512_fmadd_pd(_mm512_mul_pd(two_s, z), p, two_s);
-    const __m512d ln2_hi = _mm512_set1_pd(6.93147180369123816490e-01);
-    const __m512d ln2_lo = _mm512_set1_pd(1.90821492927058770002e-10);
-    return _mm512_fmadd_pd(e, ln2_hi, _mm512_fmadd_pd(e, ln2_lo, log_m));
-}
-
-static void tree_xlogx8(const struct node *nodes, const double *xs, const double *as,
-                        const double *t8, double *out8) {
-    int64_t stack[2 * MAX_DEPTH];
-    __mmask8 masks[2 * MAX_DEPTH];
-    int top = 0;
-    const __m512d one = _mm512_set1_pd(1.0), zero = _mm512_setzero_pd();
-    const __m512d rho = _mm512_set1_pd(FAR_RATIO), tiny = _mm512_set1_pd(DBL_MIN);
-    const __m512d sign = _mm512_set1_pd(-0.0);
-    const __m512d t = _mm512_loadu_pd(t8), at = _mm512_abs_pd(t), neg_t = _mm512_xor_pd(t, sign);
-    __m512d total = zero;
-    stack[top] = 0;
-    masks[top++] = 0xFF;
-    while (top > 0) {
-        top--;
-        const struct node *nd = &nodes[stack[top]];
-        const __mmask8 lanes = masks[top];
-        const __m512d u0 = _mm512_fmadd_pd(_mm512_set1_pd(nd->centre), t, one);
-        const __m512d v = _mm512_abs_pd(u0);
-        const __mmask8 far = _mm512_mask_cmp_pd_mask(
-            lanes, _mm512_mul_pd(_mm512_set1_pd(nd->half), at), _mm512_mul_pd(rho, v),
-            _CMP_LE_OQ);
-        if (far) {
-            const __mmask8 live = far & _mm512_cmp_pd_mask(v, zero, _CMP_GT_OQ);
-            /* st: t where u0 > 0, else -t (the 4-lane form's sign flip: the same bits) */
-            const __m512d st =
-                _mm512_mask_blend_pd(_mm512_cmp_pd_mask(u0, zero, _CMP_GT_OQ), neg_t, t);
-            const __m512d vs = _mm512_max_pd(v, tiny);
-            const __m512d w = _mm512_div_pd(_mm512_xor_pd(st, sign), vs);
-            const __m512d w2 = _mm512_mul_pd(w, w);
-            __m512d even = _mm512_set1_pd(nd->coef[SERIES_TERMS]);
-            __m512d odd = _mm512_set1_pd(nd->coef[SERIES_TERMS - 1]);
-            for (int e = SERIES_TERMS - 2; e >= 4; e -= 2) {
-                even = _mm512_fmadd_pd(even, w2, _mm512_set1_pd(nd->coef[e]));
-                odd = _mm512_fmadd_pd(odd, w2, _mm512_set1_pd(nd->coef[e - 1]));
-            }
-            even = _mm512_fmadd_pd(even, w2, _mm512_set1_pd(nd->coef[2]));
-            const __m512d series = _mm512_mul_pd(w2, _mm512_fmadd_pd(w, odd, even));
-            const __m512d m0 = _mm512_set1_pd(nd->coef[0]), m1 = _mm512_set1_pd(nd->coef[1]);
-            const __m512d st_m1 = _mm512_mul_pd(st, m1);
-            const __m512d lead = _mm512_fmadd_pd(vs, m0, st_m1);
-            const __m512d term =
-                _mm512_fmadd_pd(lead, log_pd8(vs), _mm512_fmadd_pd(vs, series, st_m1));
-            total = _mm512_mask_add_pd(total, live, total, term);
-        }
-        const __mmask8 near = lanes & (__mmask8)~far;
-        if (!near) continue;
-        if (nd->left < 0) {
-            for (int64_t k = nd->lo; k < nd->hi; k++) {
-                const __m512d c = _mm512_abs_pd(_mm512_fmadd_pd(_mm512_set1_pd(xs[k]), t, one));
-                const __m512d term = _mm512_mul_pd(_mm512_mul_pd(_mm512_set1_pd(as[k]), c),
-                                                   log_pd8(_mm512_max_pd(c, tiny)));
-                const __mmask8 keep = near & _mm512_cmp_pd_mask(c, zero, _CMP_GT_OQ);
-                total = _mm512_mask_add_pd(total, keep, total, term);
-            }
-        } else {
-            stack[top] = nd->right;
-            masks[top++] = near;
-            stack[top] = nd->left;
-            masks[top++] = near;
-        }
-    }
-    _mm512_storeu_pd(out8, total);
-}
-#define U_LANES 8
-#define TREE_XLOGX tree_xlogx8
-#else
-#define U_LANES 4
-#define TREE_XLOGX tree_xlogx4
-#endif
 
 /* ---- rows ----------------------------------------------------------------------------------- */
 
@@ -835,7 +801,7 @@ static void row_sums(const float *a, const float *r, const float *x, int64_t n, 
     for (int64_t k = 0; k < n; k += U_LANES) {
         double tq[U_LANES], uq[U_LANES];
         for (int lane = 0; lane < U_LANES; lane++) tq[lane] = queries[k + lane < n ? k + lane : n - 1];
-        TREE_XLOGX(nodes, xs, as, tq, uq);
+        tree_xlogx(nodes, xs, as, tq, uq);
         for (int lane = 0; lane < U_LANES && k + lane < n; lane++)
             u_out[order_x[k + lane]] = (float)uq[lane];
     }

@@ -21,6 +21,13 @@ static inline float hsum(__m256 v) {
     return _mm_cvtss_f32(x);
 }
 
+/* The Cephes logf polynomial after its leading 7.0376836292e-2: STEP(c) for each coefficient
+   in Horner order, shared by log_ps and log_ps16 so that both evaluate the same polynomial. */
+#define SEMIPACK_LOG_POLY(STEP)                                                                  \
+    STEP(-1.1514610310e-1f) STEP(1.1676998740e-1f) STEP(-1.2420140846e-1f)                        \
+    STEP(1.4249322787e-1f) STEP(-1.6668057665e-1f) STEP(2.0000714765e-1f)                         \
+    STEP(-2.4999993993e-1f) STEP(3.3333331174e-1f)
+
 static inline __m256 log_ps(__m256 x) {
     const __m256i bits = _mm256_castps_si256(x);
     __m256i e = _mm256_sub_epi32(_mm256_srli_epi32(bits, 23), _mm256_set1_epi32(127));
@@ -31,14 +38,9 @@ static inline __m256 log_ps(__m256 x) {
     e = _mm256_sub_epi32(e, _mm256_castps_si256(big)); /* big lanes are -1: e + 1 */
     const __m256 f = _mm256_sub_ps(m, _mm256_set1_ps(1.0f));
     __m256 p = _mm256_set1_ps(7.0376836292e-2f);
-    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(-1.1514610310e-1f));
-    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.1676998740e-1f));
-    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(-1.2420140846e-1f));
-    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.4249322787e-1f));
-    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(-1.6668057665e-1f));
-    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(2.0000714765e-1f));
-    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(-2.4999993993e-1f));
-    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(3.3333331174e-1f));
+#define SEMIPACK_LOG_STEP(c) p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(c));
+    SEMIPACK_LOG_POLY(SEMIPACK_LOG_STEP)
+#undef SEMIPACK_LOG_STEP
     const __m256 f2 = _mm256_mul_ps(f, f);
     __m256 y = _mm256_mul_ps(_mm256_mul_ps(p, f2), f);
     const __m256 ef = _mm256_cvtepi32_ps(e);
@@ -60,14 +62,9 @@ static inline __m512 log_ps16(__m512 x) {
     e = _mm512_mask_add_epi32(e, big, e, _mm512_set1_epi32(1));
     const __m512 f = _mm512_sub_ps(m, _mm512_set1_ps(1.0f));
     __m512 p = _mm512_set1_ps(7.0376836292e-2f);
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(-1.1514610310e-1f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.1676998740e-1f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(-1.2420140846e-1f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.4249322787e-1f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(-1.6668057665e-1f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.0000714765e-1f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(-2.4999993993e-1f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(3.3333331174e-1f));
+#define SEMIPACK_LOG_STEP(c) p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(c));
+    SEMIPACK_LOG_POLY(SEMIPACK_LOG_STEP)
+#undef SEMIPACK_LOG_STEP
     const __m512 f2 = _mm512_mul_ps(f, f);
     __m512 y = _mm512_mul_ps(_mm512_mul_ps(p, f2), f);
     const __m512 ef = _mm512_cvtepi32_ps(e);

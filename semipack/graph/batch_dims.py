@@ -440,6 +440,7 @@ def _along(position: int, default: Any = 0, *, removes: bool = False) -> Handler
     return handler
 
 
+#: a dim argument at position 1: ``narrow``, ``index_add``, ... and ``index_select``'s own
 _SELECTED_ALONG = _along(1, None)
 
 
@@ -789,7 +790,7 @@ _HANDLERS: dict[str, Handler] = {
             "index_fill",
             "index_reduce",
         ),
-        _along(1, None),
+        _SELECTED_ALONG,
     ),
     "index_select": _index_selected,
     "repeat_interleave": _along(2, None),

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 
 import semipack
 import semipack.messages.normalization as knorm
-from semipack.kernels.compiled import compile_enabled
+from semipack.kernels.compiled import compile_enabled, set_compile
 from semipack.kernels.exclusive import exclusive_logsumexp, exclusive_max, exclusive_min
 from semipack.messages.jacobian import contract_rows
 from semipack.messages.normalization import normalized_messages
@@ -806,32 +806,100 @@ def test_log_add_exp_and_entropy_plus_match_float64(shape) -> None:
     torch.testing.assert_close(got_r.double(), want_r, rtol=1e-5, atol=1e-6, equal_nan=True)
 
 
+def _affine_case(sr: Semiring) -> tuple[State, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A per-channel affine map's inputs, [4, 8, 1600] (past FUSED_MIN_ELEMENTS): channel 2's
+    x̂ is all exactly 0 (its gain has no edge), channel 3 has a few zeros, sample 1 and channel
+    5 have no path, and channel 6's one large message meets x̂ = 0 while the others lie 120
+    nats below it (the shifted gain sum underflows: the recomputed channels)."""
+    gen = torch.Generator().manual_seed(0)
+    here = torch.get_default_device()  # drawn on the CPU, placed where the tests run
+
+    def draw(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=gen, device="cpu").to(here)
+
+    x = draw(4, 8, 1600)
+    mean = draw(1, 8, 1)
+    invstd = draw(1, 8, 1).abs() + 0.5
+    x[:, 2] = mean[0, 2]
+    x[0, 3, :5] = mean[0, 3]
+    x[:, 6, 0] = mean[0, 6]
+    m = tuple(p.clone() for p in sr.lift(draw(4, 8, 1600) * 3))
+    m[0][1] = NEG_INF
+    m[0][:, 5] = NEG_INF
+    m[0][:, 6, 0] = 30.0
+    m[0][:, 6, 1:] -= 120.0
+    return m, x, mean, invstd
+
+
 @pytest.mark.parametrize("compiled", [True, False])
-def test_eval_batch_norm_gain_and_bias_max_plus_kernel(compiled, monkeypatch):
-    """An eval-mode batch norm's gain and bias messages in MaxProd come from one fused kernel
-    (compiled from FUSED_MIN_ELEMENTS entries): against the generic rule's ops (scale by x̂,
-    max over batch and positions), with a channel whose x̂ is all exactly 0 (its gain has no
-    edge: -inf), scattered zeros of x̂ and a sample without a path (-inf messages)."""
-    from semipack.kernels.normalization import affine_params_max_plus
+@pytest.mark.parametrize("name", ["MaxProd", "LogSum", "LogCount", "Entropy"])
+def test_per_channel_gain_and_bias_messages_equal_the_float64_definition(
+    name, compiled, monkeypatch
+):
+    """The gain's and bias's messages of a per-channel affine map (every batch norm, layer norm
+    and group norm ends in one) from one fused reduction per algebra (compiled from
+    FUSED_MIN_ELEMENTS entries), against ``scale`` by x̂ and ``sum`` over batch and positions
+    in float64; where there is no edge or no path, exactly the same."""
+    from semipack.messages.normalization import affine_param_messages
 
     kcompiled = importlib.import_module("semipack.kernels.compiled")
     monkeypatch.setitem(kcompiled._state, "enabled", compiled)
-    sr = semipack.MaxProd()
-    gen = torch.Generator().manual_seed(0)
-    x = torch.randn(4, 8, 40, 40, generator=gen)  # 51200 entries, past FUSED_MIN_ELEMENTS
-    mean, invstd = torch.randn(8, generator=gen), torch.rand(8, generator=gen) + 0.5
-    m = torch.randn(4, 8, 40, 40, generator=gen) * 3
-    x[:, 2] = mean[2]
-    x[0, 3, :5] = mean[3]
-    m[1] = float("-inf")
-    per_channel = (1, 8, 1, 1)
-    x_hat = (x - mean.reshape(per_channel)) * invstd.reshape(per_channel)
-    want_w = sr.sum(sr.scale((m,), x_hat), [0, 2, 3])[0]
-    want_b = sr.sum((m,), [0, 2, 3])[0]
-    rows, stats = (4, 8, -1), (1, 8, 1)
-    got_w, got_b = affine_params_max_plus(
-        m.reshape(rows), x.reshape(rows), mean.reshape(stats), invstd.reshape(stats)
+    sr = getattr(semipack, name)()
+    m, x, mean, invstd = _affine_case(sr)
+    got_w, got_b = affine_param_messages(sr, m, x, mean, invstd)
+    m64 = tuple(p.double() for p in m)
+    x_hat = (x.double() - mean.double()) * invstd.double()
+    want_w = sr.sum(sr.scale(m64, x_hat), [0, 2])
+    want_b = sr.sum(m64, [0, 2])
+    for got, want in ((got_w, want_w), (got_b, want_b)):
+        assert got[0].dtype == torch.float32 and got[0].shape == (8,)
+        assert torch.equal(got[0] == NEG_INF, want[0] == NEG_INF)
+        for g, w in zip(got, want, strict=True):
+            torch.testing.assert_close(g.double(), w, rtol=2e-6, atol=2e-6)
+    assert got_w[0][2] == NEG_INF and got_w[0][5] == NEG_INF and got_b[0][5] == NEG_INF
+    # channel 6: its gain sum underflowed after the shift and was recomputed
+    assert -125 < got_w[0][6] < -100
+
+
+@pytest.mark.parametrize("train", [True, False])
+@pytest.mark.parametrize("name", ["MaxProd", "LogSum", "Entropy"])
+def test_norm_layers_gains_and_biases_equal_the_generic_ops(name, train):
+    """Batch norm (eval and train), group norm and layer norm (module extension) hand their
+    gains and biases the fused per-channel reduction on activations past FUSED_MIN_ELEMENTS:
+    the same semiring values as with compilation off (each layer's generic ``scale`` and
+    ``sum``), within float32 rounding."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        torch.nn.Conv2d(3, 8, 3, padding=1),
+        torch.nn.BatchNorm2d(8),
+        torch.nn.GroupNorm(2, 8),
+        torch.nn.Flatten(),
+        torch.nn.LayerNorm(8 * 24 * 24),
+        torch.nn.Linear(8 * 24 * 24, 3),
     )
-    assert got_w[2] == float("-inf") and torch.isfinite(got_w[torch.arange(8) != 2]).all()
-    torch.testing.assert_close(got_w, want_w, rtol=1e-6, atol=0)
-    assert torch.equal(got_b, want_b)
+    with torch.no_grad():
+        model[1].running_mean.uniform_(-0.2, 0.2)
+        model[1].running_var.uniform_(0.5, 2.0)
+    model.train(train)
+    x = torch.randn(8, 3, 24, 24)
+    norms = [model[1], model[2], model[4]]
+
+    def run() -> list[torch.Tensor]:
+        model.zero_grad()
+        with semipack.extend(model, getattr(semipack, name)()):
+            model(x).logsumexp(-1).sum().backward()
+        out = [p.semiring_grad.clone() for n in norms for p in (n.weight, n.bias)]
+        for n in norms:
+            for p in (n.weight, n.bias):
+                del p.semiring_grad
+        return out
+
+    fused = run()
+    before = compile_enabled()
+    set_compile(False)
+    try:
+        generic = run()
+    finally:
+        set_compile(before)
+    for got, want in zip(fused, generic, strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)

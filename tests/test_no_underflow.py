@@ -132,9 +132,9 @@ def test_float32_model_keeps_the_float64_oracles_paths(name: str) -> None:
 
 
 def test_the_one_reduction_check_finds_exactly_the_low_entries() -> None:
-    """``repair_underflow`` first asks whether ``min(out) - shift`` is below the floor: for one
-    shift this must agree with the entry-by-entry test, at the boundary too, and a NaN minimum
-    must not hide a low entry."""
+    """``repair_underflow`` first asks whether ``min(out) - shift`` is below the floor (per row
+    for one shift per row, as a per-product shift has): this must agree with the entry-by-entry
+    test, at the boundary too, and a NaN minimum must not hide a low entry."""
     from semipack.semirings.base import _none_below, precise_log_floor
 
     floor = precise_log_floor(torch.float32)
@@ -150,8 +150,20 @@ def test_the_one_reduction_check_finds_exactly_the_low_entries() -> None:
         assert _none_below(out, shift, floor) == entrywise or (
             torch.isnan(out).any() and not _none_below(out, shift, floor)
         ), trial
-    row_shift = torch.zeros(7, 1)  # one shift per row: never decided by the reduction
-    assert not _none_below(torch.zeros(7, 5), row_shift, floor)
+    for trial in range(400):
+        row_shift = torch.randn(3, 7, 1) * 50
+        out = row_shift + floor + torch.randn(3, 7, 5) * (10.0 ** (trial % 5 - 3))
+        if trial % 7 == 0:
+            out[1, 2, 3] = float("nan")
+        if trial % 11 == 0:
+            out[2, 0, 0] = floor + row_shift[2, 0, 0]
+        entrywise = not bool(((out - row_shift) < floor).any())
+        assert _none_below(out, row_shift, floor) == entrywise or (
+            torch.isnan(out).any() and not _none_below(out, row_shift, floor)
+        ), trial
+    # a shift per column (or any that would broadcast the rows) is left to the full check
+    assert not _none_below(torch.zeros(7, 5), torch.zeros(1, 5), floor)
+    assert not _none_below(torch.zeros(7, 5), torch.zeros(2, 7, 1), floor)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])

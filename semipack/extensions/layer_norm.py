@@ -51,7 +51,7 @@ def layer_norm_messages(
         )
         m_x = tuple(p.reshape(x.shape) for p in flat)
     if need[1] or need[2]:
-        w, b = sr.sum(sr.scale(m_rows, x_hat), [0]), sr.sum(m_rows, [0])
+        w, b = norm_rules.param_messages(sr, tuple(p[..., None] for p in m_rows), x_hat[..., None])
         if need[1] and weight is not None:
             m_w = tuple(p.reshape(shape) for p in w)
         if need[2] and bias is not None:

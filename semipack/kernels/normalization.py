@@ -35,8 +35,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from .compiled import FUSED_MIN_ELEMENTS, compiled
-from .logspace import finite_or_zero, log_magnitude_, shifted_exp
+from .logspace import finite_or_zero, shifted_exp
 from .native import (
     norm_abs_reduce_f32,
     norm_entropy_sums_f32,
@@ -368,36 +367,3 @@ BOOLEAN = CentredPairsKernel(boolean_fused, boolean_sorted, as_floats=True)
 #: pairs on, compilation included, from the first pass (MiniLM sentence: 10.0 s -> 6.0 s; later
 #: passes 5.0 s -> 1.5 s).
 SIGNED = CentredPairsKernel(signed_fused, all_pairs=False, compile_min_pairs=1 << 20)
-
-
-# --- an eval-mode batch norm's gain and bias (per-channel affine map) ----------------------------
-def _affine_params_max_plus_eager(
-    m: Tensor, x: Tensor, mean: Tensor, invstd: Tensor
-) -> tuple[Tensor, Tensor]:
-    """Max-product messages of an eval-mode batch norm's gain and bias: per channel c, the
-    maximum over (n, l) of ``m + log|x̂|`` (a gain's edge carries x̂ = (x - mean_c) invstd_c)
-    and of ``m`` (a bias's edge carries 1). ``m``, ``x``: [N, C, L] in the state dtype;
-    ``mean``, ``invstd``: [1, C, 1]; returns ([C], [C]). The ops of the generic rule
-    (``Semiring.scale`` then ``Semiring.sum``), so the same values."""
-    x_hat = (x - mean) * invstd
-    gain = log_magnitude_(x_hat.abs_()).add_(m).amax((0, 2))
-    return gain, m.amax((0, 2))
-
-
-def _affine_params_max_plus_fused(
-    m: Tensor, x: Tensor, mean: Tensor, invstd: Tensor
-) -> tuple[Tensor, Tensor]:
-    """What inductor compiles: both reductions in one pass over ``m`` and ``x``, no x̂ or
-    ``m + log|x̂|`` written to memory (the eager form makes four message-sized passes). The
-    same ops, but inductor's vectorised log may differ from ``torch.log`` in the last bit: the
-    gain's messages then differ from the eager form's by an ulp or two (both equally close to
-    float64); the bias's max is exact."""
-    if not torch.compiler.is_compiling():
-        return _affine_params_max_plus_eager(m, x, mean, invstd)
-    x_hat = (x - mean) * invstd
-    return (m + x_hat.abs().log()).amax((0, 2)), m.amax((0, 2))
-
-
-affine_params_max_plus = compiled(
-    _affine_params_max_plus_eager, _affine_params_max_plus_fused, min_elements=FUSED_MIN_ELEMENTS
-)

@@ -29,7 +29,8 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
-from ..kernels.compiled import compile_enabled, compiled
+from ..kernels.affine_params import CHANNEL_REDUCE, AffineParams
+from ..kernels.compiled import FUSED_MIN_ELEMENTS, compile_enabled, compiled
 from ..kernels.native import native_available
 from ..kernels.normalization import (
     CentredPairsKernel,
@@ -38,11 +39,12 @@ from ..kernels.normalization import (
     pair_magnitudes,
 )
 from ..semirings import Semiring, State
-from ..semirings.base import kernel_owner
+from ..semirings.base import kernel_owner, precise_log_floor
 from .jacobian import contract_rows, identity_block
 
 __all__ = [
     "COMPILE_MIN_PAIRS",
+    "affine_param_messages",
     "centred_block",
     "centred_pairs",
     "compiled_normalization",
@@ -206,4 +208,86 @@ def _fix_outliers(sr: Semiring, m: State, x_hat: Tensor, out: State, as_floats: 
     out = tuple(o.clone() for o in out)
     for o, f in zip(out, fixed, strict=True):
         o[rows, cols] = f.to(o.dtype)
+    return out
+
+
+# --- the gain's and bias's messages of a per-channel affine map ----------------------------------
+def affine_param_messages(
+    sr: Semiring, m: State, x: Tensor, mean: Tensor, invstd: Tensor
+) -> tuple[State, State]:
+    """(gain, bias) messages of ``y = g_c x̂ + b_c`` with ``x̂ = (x - mean) * invstd``: per
+    channel c, ``⊕ of m ⊗ lift(x̂)`` and ``⊕ of m`` over the channel's entries.
+
+    ``m``'s parts and ``x``: [A, C, B] in the state dtype (the channel on dim 1; the sums run
+    over dims 0 and 2); ``mean`` and ``invstd`` broadcast against ``x`` (``[1, C, 1]``; a
+    caller holding x̂ passes it with 0 and 1). Returns two [C] states. From
+    ``FUSED_MIN_ELEMENTS`` entries a semiring with ``affine_params_kernel`` runs it compiled
+    (one pass, nothing message-sized written); its channels whose gain sum fell below
+    ``precise_log_floor`` of their shift are recomputed with ``scale`` and ``sum``.
+    """
+    fused = sr.affine_params_kernel()
+    owner = kernel_owner(sr, "affine_params_kernel") if fused is not None else None
+    if (
+        isinstance(owner, type)
+        and compile_enabled()
+        and x.numel() >= FUSED_MIN_ELEMENTS
+        and all(p.dtype == x.dtype for p in m)
+    ):
+        with torch.no_grad():
+            gain, bias, shift = compiled_affine_params(owner)(*m, x, mean, invstd)
+        if shift is not None:
+            gain = _repair_gains(sr, m, x, mean, invstd, gain, bias, shift)
+        return gain, bias
+    gain, bias, _ = _affine_params_generic(sr, *m, x, mean, invstd)
+    return gain, bias
+
+
+def _affine_params_generic(sr: Semiring, *args: Tensor) -> AffineParams:
+    """The reference: the semiring's ``scale`` by x̂ and ``sum``; no shift to check."""
+    *m, x, mean, invstd = args
+    x_hat = (x - mean) * invstd
+    dims = list(CHANNEL_REDUCE)
+    return sr.sum(sr.scale(tuple(m), x_hat), dims), sr.sum(tuple(m), dims), None
+
+
+@functools.cache
+def compiled_affine_params(owner: type[Semiring]) -> Callable[..., AffineParams]:
+    """``owner().affine_params_kernel()`` compiled, with the generic ops as its eager form;
+    built once per built-in class (``kernel_owner``)."""
+    sr = owner()
+
+    def eager(*args: Tensor) -> AffineParams:
+        return _affine_params_generic(sr, *args)
+
+    eager.__name__ = eager.__qualname__ = f"affine_params_{owner.__name__}"
+    return compiled(eager, sr.affine_params_kernel())
+
+
+def _repair_gains(
+    sr: Semiring,
+    m: State,
+    x: Tensor,
+    mean: Tensor,
+    invstd: Tensor,
+    gain: State,
+    bias: State,
+    shift: Tensor,
+) -> State:
+    """Channels with a path (the bias's sum is never below its largest term, 1) whose gain
+    sum lies below ``precise_log_floor`` nats under the shift: its terms may have underflowed
+    (x̂ tiny where the messages are large), so they are recomputed with the generic ops."""
+    low = (gain[0] - shift < precise_log_floor(gain[0].dtype)) & ~sr.is_zero(bias)
+    if not bool(low.any()):
+        return gain
+    channels = low.nonzero().flatten()
+
+    def picked(t: Tensor) -> Tensor:
+        return t.index_select(1, channels) if t.shape[1] != 1 else t
+
+    exact, _, _ = _affine_params_generic(
+        sr, *(picked(p) for p in m), picked(x), picked(mean), picked(invstd)
+    )
+    out = tuple(g.clone() for g in gain)
+    for o, e in zip(out, exact, strict=True):
+        o[channels] = e.to(o.dtype)
     return out

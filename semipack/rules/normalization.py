@@ -16,10 +16,9 @@ import math
 import torch
 from torch import Tensor
 
-from ..kernels.normalization import affine_params_max_plus
 from ..messages import OpCall, register_rule
 from ..messages.jacobian import contract_rows, identity_block
-from ..messages.normalization import normalized_messages
+from ..messages.normalization import affine_param_messages, normalized_messages
 from ..semirings.base import Semiring, State
 
 aten = torch.ops.aten
@@ -69,9 +68,12 @@ def gain_block(gain: Tensor, gain_per_row: bool, rows: slice) -> Tensor:
     return gain[None, :, None]
 
 
-def _param_messages(sr: Semiring, m: State, x_hat: Tensor, reduce_dims: list[int]):
-    """(weight, bias) messages: weight edges carry x̂, bias edges carry 1."""
-    return sr.sum(sr.scale(m, x_hat), reduce_dims), sr.sum(m, reduce_dims)
+def param_messages(sr: Semiring, m: State, x_hat: Tensor) -> tuple[State, State]:
+    """(weight, bias) messages of a norm's affine map from x̂ itself: weight edges carry x̂,
+    bias edges carry 1. ``m``'s parts and ``x_hat``: [A, C, B], summed over dims 0 and 2 into
+    [C] (``affine_param_messages``)."""
+    origin = x_hat.new_zeros((1, 1, 1))
+    return affine_param_messages(sr, m, x_hat, origin, torch.ones_like(origin))
 
 
 def _outputs(call: OpCall, regular, grad_in, grad_w, grad_b, mask):
@@ -103,7 +105,7 @@ def layer_norm_backward(call: OpCall):
             p.reshape(x.shape) for p in normalized_contract(sr, m, x_hat, rstd, gain, False)
         )
     if mask[1] or mask[2]:
-        w, b = _param_messages(sr, m, x_hat, [0])
+        w, b = param_messages(sr, tuple(p[..., None] for p in m), x_hat[..., None])
         shape = tuple(call["normalized_shape"])
         grad_w = tuple(p.reshape(shape) for p in w) if mask[1] and weight is not None else None
         grad_b = (
@@ -156,7 +158,7 @@ def _batch_norm_train(call: OpCall, msg, mean: Tensor, invstd: Tensor, mask):
     if mask[0]:
         grad_in = back(normalized_contract(sr, m, x_hat, invstd, gain, True))
     if mask[1] or mask[2]:
-        w, b = _param_messages(sr, m, x_hat, [1])
+        w, b = param_messages(sr, tuple(p[None] for p in m), x_hat[None])
         grad_w = w if mask[1] and weight is not None else None
         grad_b = b if mask[2] else None
     return _outputs(call, call.run_regular(), grad_in, grad_w, grad_b, mask)
@@ -179,18 +181,14 @@ def _batch_norm_eval(call: OpCall, msg, mean: Tensor, invstd: Tensor, mask):
         gain = gains(weight, channels, dtype, x.device).reshape(per_channel)
         grad_in = sr.scale(msg.parts, gain * invstd)
     if mask[1] or mask[2]:
-        if sr.is_max_plus():  # both reductions in one fused pass over the message and input
-            rows = (x.shape[0], channels, -1)
-            w, b = affine_params_max_plus(
-                msg.parts[0].reshape(rows),
-                x.to(dtype).reshape(rows),
-                mean.reshape(1, channels, 1),
-                invstd.reshape(1, channels, 1),
-            )
-            w, b = (w,), (b,)
-        else:
-            x_hat = (x.to(dtype) - mean) * invstd
-            w, b = _param_messages(sr, msg.parts, x_hat, [0, *range(2, x.dim())])
+        rows = (x.shape[0], channels, -1)
+        w, b = affine_param_messages(
+            sr,
+            tuple(p.reshape(rows) for p in msg.parts),
+            x.to(dtype).reshape(rows),
+            mean.reshape(1, channels, 1),
+            invstd.reshape(1, channels, 1),
+        )
         grad_w = w if mask[1] and weight is not None else None
         grad_b = b if mask[2] else None
     return _outputs(call, call.run_regular(), grad_in, grad_w, grad_b, mask)
@@ -227,7 +225,7 @@ def group_norm_backward(call: OpCall):
     if mask[1] or mask[2]:
         per_channel = (batch, channels, -1)
         m = tuple(p.reshape(per_channel) for p in msg.parts)
-        w, b = _param_messages(sr, m, x_hat.reshape(per_channel), [0, 2])
+        w, b = param_messages(sr, m, x_hat.reshape(per_channel))
         grad_w = w if mask[1] and weight is not None else None
         grad_b = b if mask[2] else None
     return _outputs(call, call.run_regular(), grad_in, grad_w, grad_b, mask)

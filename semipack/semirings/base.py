@@ -28,6 +28,7 @@ import torch
 from torch import Tensor
 
 from ..kernels import logspace
+from ..kernels.affine_params import AffineParams
 from ..kernels.blocking import BLOCK_ELEMENTS
 from ..kernels.normalization import CentredPairsKernel
 from ..kernels.reuse import same_memory
@@ -85,6 +86,7 @@ DERIVED_OPERATIONS: dict[str, tuple[str, ...]] = {
     "compiles_rowwise": ("lift_log", "scale_log", "exclusive_plus"),
     "normalization_closed_form": (),
     "normalization_kernel": (),
+    "affine_params_kernel": (),
     "shared_shift_products": (),
     "shared_shift_conv": (),
 }
@@ -595,6 +597,12 @@ class Semiring:
         layer's centred Jacobian J' (``kernels.normalization``), or None: dense Jacobian."""
         return None
 
+    def affine_params_kernel(self) -> Callable[..., AffineParams] | None:
+        """This semiring's fused expression for the gain's and bias's messages of a
+        per-channel affine map (``kernels.affine_params``: ``(*m, x, mean, invstd)`` ->
+        (gain, bias, shift)), or None: the generic ``scale`` and ``sum``."""
+        return None
+
     def shared_shift_products(
         self,
         m: State,
@@ -949,12 +957,21 @@ def kernel_owner(sr: Semiring, operation: str) -> type[Semiring] | Semiring:
 
 def _none_below(out: Tensor, shift: Tensor | float | None, floor: float) -> bool:
     """Whether no entry of ``out - shift`` is below ``floor``, from one reduction, where
-    ``shift`` is one number: rounding ``x - shift`` is monotone in ``x``, so the smallest
-    difference is the difference of the smallest entry. (A NaN minimum proves nothing.)"""
-    if shift is None or (isinstance(shift, Tensor) and shift.numel() != 1) or out.numel() == 0:
+    ``shift`` is one number or one per row (``[..., n, 1]`` beside ``out`` [..., n, m], the
+    row maxima of a per-product shift): rounding ``x - s`` is monotone in ``x``, so the
+    smallest difference in a row is its smallest entry's difference. A NaN minimum proves
+    nothing (the comparison is False)."""
+    if shift is None or out.numel() == 0:
         return False
-    lowest = out.amin() - shift
-    return bool(lowest >= floor)
+    if not isinstance(shift, Tensor) or shift.numel() == 1:
+        lowest = out.amin() - shift
+        return bool(lowest >= floor)
+    if out.dim() < 2 or shift.dim() > out.dim() or shift.shape[-1] != 1:
+        return False
+    rows = out.amin(-1, keepdim=True)
+    if broadcast_shapes(rows.shape, shift.shape) != rows.shape:
+        return False  # a shift that would broadcast the rows: the full check
+    return bool(((rows - shift) >= floor).all())
 
 
 def _edge_columns(sr: Semiring, lifted: State) -> Tensor:

@@ -8,7 +8,8 @@ from typing import Any, NamedTuple
 import torch
 from torch import Tensor
 
-from ..kernels import blas
+from ..kernels import affine_params, blas
+from ..kernels.affine_params import AffineParams
 from ..kernels.compiled import FUSED_MIN_ELEMENTS, compiled
 from ..kernels.exclusive import exclusive_logsumexp
 from ..kernels.logspace import (
@@ -185,6 +186,9 @@ class Entropy(Semiring):
 
     def normalization_kernel(self) -> CentredPairsKernel | None:
         return ENTROPY
+
+    def affine_params_kernel(self) -> Callable[..., AffineParams] | None:
+        return affine_params.entropy
 
     def shared_shift_products(
         self,

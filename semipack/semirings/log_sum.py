@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 from torch import Tensor
 
-from ..kernels import blas
+from ..kernels import affine_params, blas
+from ..kernels.affine_params import AffineParams
 from ..kernels.exclusive import exclusive_logsumexp
 from ..kernels.logspace import exp, exp_, log_add_exp, log_magnitude_plus_
 from ..kernels.native import native_available, softmax_log_sum_f32
@@ -43,6 +44,7 @@ MAGNITUDE_KERNELS = (
     "lift_is_multiplicative",
     "softmax_closed_form",
     "normalization_kernel",
+    "affine_params_kernel",
 )
 
 #: The log-form operations, which go through ``log_magnitude``.
@@ -154,7 +156,7 @@ class LogSum(Semiring):
     def matmul(self, a: State, w: Tensor) -> State:
         # log Σ_k exp(a_k) |w_kj|  =  m + log( exp(a - m) @ |w| ), with m the row max of a.
         e, m = shifted_exp(a[0], -1)
-        mag = self.magnitude(w.to(e.dtype))
+        mag = self.kept_magnitude(w.to(e.dtype))  # a model weight's |W| is kept across passes
         out = (log_magnitude_plus_(blas.matmul(e, mag), m),)
         return repair_underflow(self, a, lambda: (mag.log(),), out, shift=m)
 
@@ -198,6 +200,9 @@ class LogSum(Semiring):
 
     def normalization_kernel(self) -> CentredPairsKernel | None:
         return LOG_SUM
+
+    def affine_params_kernel(self) -> Callable[..., AffineParams] | None:
+        return affine_params.log_sum
 
     def shared_shift_products(
         self,
@@ -256,6 +261,9 @@ class LogCount(LogSum):
 
     def normalization_kernel(self) -> CentredPairsKernel | None:
         return LOG_COUNT
+
+    def affine_params_kernel(self) -> Callable[..., AffineParams] | None:
+        return affine_params.log_count
 
 
 def column_scaled(log_w: Tensor) -> tuple[Tensor, Tensor]:

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch import Tensor
 
+from ..kernels import affine_params
+from ..kernels.affine_params import AffineParams
 from ..kernels.exclusive import exclusive_max
 from ..kernels.logspace import exp
 from ..kernels.normalization import MAX_PROD, CentredPairsKernel
@@ -80,6 +83,9 @@ class MaxProd(Semiring):
 
     def is_max_plus(self) -> bool:
         return uses_methods_of(self, MaxProd, "lift", "plus", "times", "sum", "zero", "one")
+
+    def affine_params_kernel(self) -> Callable[..., AffineParams] | None:
+        return affine_params.max_plus if self.is_max_plus() else None
 
     def matmul_lifted(self, a: State, lifted: State) -> State:
         return (maxplus(a[0], lifted[0]),)

@@ -1,4 +1,4 @@
-"""CUDA checks of the ninth to seventeenth sessions' (2026-11-26 and 27) trust fixes, which have
+"""CUDA checks of the ninth to twentieth sessions' (2026-11-26 and 27) trust fixes, which have
 CPU tests only.
 
 Each listed test function runs with CUDA as the default device, so its models and inputs live
@@ -10,9 +10,15 @@ import importlib
 import sys
 import traceback
 
+import pytest
 import torch
 
 import semipack
+
+
+class _Patch(pytest.MonkeyPatch):
+    """A test's ``monkeypatch`` argument, undone after the check (see the loop below)."""
+
 
 sys.path.insert(0, "tests")
 
@@ -168,6 +174,95 @@ CHECKS = [
         "test_a_retained_tensor_whose_gradient_is_a_made_zero_has_no_path",
         (semipack.MaxProd, 0.0),
     ),
+    # the nineteenth session's: explain rows per example, per-sample refusals naming the batch
+    ("test_explain_layers", "test_token_labels_per_example", ()),
+    (
+        "test_per_sample",
+        "test_rows_are_checked_against_the_batch_of_the_call_the_backward_reached",
+        (),
+    ),
+    (
+        "test_per_sample",
+        "test_refusals_name_the_argument_taken_as_the_batch",
+        ("add", (4, 5), (3, 4, 5)),
+    ),
+    (
+        "test_per_sample",
+        "test_refusals_name_the_argument_taken_as_the_batch",
+        ("scale", (1,), (3, 5)),
+    ),
+    # the twentieth session's: norm layers' gains and biases from one fused reduction (inductor on
+    # CUDA: triton), with the recomputed channels
+    (
+        "test_kernels_rowwise",
+        "test_per_channel_gain_and_bias_messages_equal_the_float64_definition",
+        ("MaxProd", True, _Patch()),
+    ),
+    (
+        "test_kernels_rowwise",
+        "test_per_channel_gain_and_bias_messages_equal_the_float64_definition",
+        ("MaxProd", False, _Patch()),
+    ),
+    (
+        "test_kernels_rowwise",
+        "test_per_channel_gain_and_bias_messages_equal_the_float64_definition",
+        ("LogSum", True, _Patch()),
+    ),
+    (
+        "test_kernels_rowwise",
+        "test_per_channel_gain_and_bias_messages_equal_the_float64_definition",
+        ("LogSum", False, _Patch()),
+    ),
+    (
+        "test_kernels_rowwise",
+        "test_per_channel_gain_and_bias_messages_equal_the_float64_definition",
+        ("LogCount", True, _Patch()),
+    ),
+    (
+        "test_kernels_rowwise",
+        "test_per_channel_gain_and_bias_messages_equal_the_float64_definition",
+        ("LogCount", False, _Patch()),
+    ),
+    (
+        "test_kernels_rowwise",
+        "test_per_channel_gain_and_bias_messages_equal_the_float64_definition",
+        ("Entropy", True, _Patch()),
+    ),
+    (
+        "test_kernels_rowwise",
+        "test_per_channel_gain_and_bias_messages_equal_the_float64_definition",
+        ("Entropy", False, _Patch()),
+    ),
+    (
+        "test_kernels_rowwise",
+        "test_norm_layers_gains_and_biases_equal_the_generic_ops",
+        ("MaxProd", True),
+    ),
+    (
+        "test_kernels_rowwise",
+        "test_norm_layers_gains_and_biases_equal_the_generic_ops",
+        ("MaxProd", False),
+    ),
+    (
+        "test_kernels_rowwise",
+        "test_norm_layers_gains_and_biases_equal_the_generic_ops",
+        ("LogSum", True),
+    ),
+    (
+        "test_kernels_rowwise",
+        "test_norm_layers_gains_and_biases_equal_the_generic_ops",
+        ("LogSum", False),
+    ),
+    (
+        "test_kernels_rowwise",
+        "test_norm_layers_gains_and_biases_equal_the_generic_ops",
+        ("Entropy", True),
+    ),
+    (
+        "test_kernels_rowwise",
+        "test_norm_layers_gains_and_biases_equal_the_generic_ops",
+        ("Entropy", False),
+    ),
 ]
 
 torch.set_default_device("cuda")
@@ -179,3 +274,7 @@ for module, test, args in CHECKS:
     except BaseException as error:  # report every failure, run the rest
         last = traceback.format_exception(error)[-1].strip()
         print("FAIL", name, "->", last[:400], flush=True)
+    finally:
+        for arg in args:
+            if isinstance(arg, pytest.MonkeyPatch):
+                arg.undo()

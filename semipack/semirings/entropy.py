@@ -167,9 +167,10 @@ class Entropy(Semiring):
         peak = finite_or_zero(index_reduce(dest[0], dim, index, src[0], "amax"))
         e_dest = exp_(dest[0] - peak)
         e_src = exp_(src[0] - peak.index_select(dim, index))
-        total = e_dest.index_add(dim, index, e_src)
-        weighted = (e_dest * dest[1]).index_add(dim, index, e_src * src[1])
-        mean = torch.where(total > 0, weighted / total, torch.zeros_like(total))
+        # e_dest and the products are fresh: the sums are added into them in place
+        weighted = torch.mul(e_dest, dest[1]).index_add_(dim, index, e_src.mul(src[1]))
+        total = e_dest.index_add_(dim, index, e_src)
+        mean = _mean_surprisal(total, weighted, torch.zeros((), dtype=total.dtype))
         return (log_magnitude_plus_(total, peak), mean)
 
     # --- fast paths of the message math -------------------------------------------------------

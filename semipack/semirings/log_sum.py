@@ -163,9 +163,9 @@ class LogSum(Semiring):
     def index_plus(self, dest: State, dim: int, index: Tensor, src: State) -> State:
         peak = index_reduce(dest[0], dim, index, src[0], "amax")
         peak = finite_or_zero(peak)
-        e_dest = exp_(dest[0] - peak)
+        e_dest = exp_(dest[0] - peak)  # fresh: the sources are added into it in place
         e_src = exp_(src[0] - peak.index_select(dim, index))
-        return (log_magnitude_plus_(e_dest.index_add(dim, index, e_src), peak),)
+        return (log_magnitude_plus_(e_dest.index_add_(dim, index, e_src), peak),)
 
     # --- fast paths of the message math -------------------------------------------------------
     def lift_is_multiplicative(self) -> bool:

@@ -903,3 +903,32 @@ def test_norm_layers_gains_and_biases_equal_the_generic_ops(name, train):
         set_compile(before)
     for got, want in zip(fused, generic, strict=True):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("case", ["huge activations", "an infinite entry", "a NaN entry"])
+@pytest.mark.parametrize("name", ["MaxProd", "LogSum", "LogCount", "Entropy"])
+def test_per_channel_gains_of_extreme_inputs_are_the_generic_ops(name, case):
+    """Activations of 1e35 (e |x̂| summed in float32 overflowed to inf where the log-domain
+    sum is about 90; trial 93), and a channel holding an infinite or NaN x̂ (the generic ops'
+    conventions for them apply: the fused kernel hands those channels back): the fused
+    gain and bias messages equal the generic ops' in float64 (NaN where they give NaN)."""
+    from semipack.messages.normalization import _affine_params_generic, affine_param_messages
+
+    sr = getattr(semipack, name)()
+    gen = torch.Generator().manual_seed(3)
+    here = torch.get_default_device()
+    x = torch.randn(8, 3, 4096, generator=gen, device="cpu").to(here)
+    if case == "huge activations":
+        x = x * 1e35
+    else:
+        x[0, 1, 0] = float("inf") if case == "an infinite entry" else float("nan")
+    mean, invstd = torch.zeros(1, 3, 1, device=here), torch.ones(1, 3, 1, device=here)
+    m = sr.lift(torch.randn(8, 3, 4096, generator=gen, device="cpu").to(here))
+    got = affine_param_messages(sr, m, x, mean, invstd)
+    # the generic ops in float64 (a mean surprisal near -80 here sums 32768 float32 terms)
+    m64 = tuple(p.double() for p in m)
+    want = _affine_params_generic(sr, *m64, x.double(), mean.double(), invstd.double())[:2]
+    for got_state, want_state in zip(got, want, strict=True):
+        for g, w in zip(got_state, want_state, strict=True):
+            assert torch.isfinite(g[0]) and torch.isfinite(g[2])  # the ordinary channels
+            torch.testing.assert_close(g.double(), w, rtol=2e-6, atol=2e-5, equal_nan=True)

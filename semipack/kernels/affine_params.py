@@ -18,13 +18,19 @@ against ``x`` (``[1, C, 1]`` or ``[A, C, 1]``); the kernels compute x̂ = (x - m
 themselves, so no x̂ is written either. Results are ``[C]``.
 
 The log-space algebras shift each channel by its largest message M_c first (``e = exp(m -
-M_c) <= 1``, as their matmuls do) and return M_c as the third value: a gain's sum far below it
-may have underflowed, and ``messages.normalization.affine_param_messages`` recomputes those
-channels with the generic ops (the test of ``semirings.base.repair_underflow``). A bias's sum
-holds the term 1 of its largest entry, so it never does.
+M_c) <= 1``, as their matmuls do) and scale the gain's edges by the channel's largest |x̂|
+(A_c, so ``|x̂| / A_c <= 1``: a sum of huge activations times e would overflow float32 where the
+log-domain definition is finite), and return, as the third value, which channels need the
+generic ops instead (``messages.normalization.affine_param_messages`` recomputes them): those
+whose shifted gain sum fell below ``precise_log_floor`` (its terms may have underflowed: x̂
+tiny where the messages are large), and those with a non-finite x̂ or a NaN or ``+inf``
+message, where the generic ops' conventions for infinite weights apply. A bias's sum holds the
+term 1 of its largest entry, so it never underflows.
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 from torch import Tensor
@@ -34,7 +40,7 @@ from .logspace import finite_or_zero
 #: The dims the per-channel reductions run over in the [A, C, B] layout.
 CHANNEL_REDUCE = (0, 2)
 
-#: (gain state, bias state, shift per channel or None).
+#: (gain state, bias state, which channels to recompute with the generic ops, or None).
 AffineParams = tuple[tuple[Tensor, ...], tuple[Tensor, ...], Tensor | None]
 
 
@@ -42,35 +48,65 @@ def _x_hat(x: Tensor, mean: Tensor, invstd: Tensor) -> Tensor:
     return (x - mean) * invstd
 
 
-def _shifted(m: Tensor) -> tuple[Tensor, Tensor]:
-    """``(exp(m - M), M)`` with M the finite maximum of each channel, kept as [1, C, 1]."""
-    shift = finite_or_zero(m.amax(CHANNEL_REDUCE, keepdim=True))
-    return torch.exp(m - shift), shift
+def _reduced(t: Tensor) -> Tensor:
+    return t.sum(CHANNEL_REDUCE)
+
+
+class _Shifted:
+    """The shifted messages and scaled edges of the log-space kernels, [A, C, B] each, with
+    the per-channel shift ``log_scale`` of the gain's sums ([C]) and the channels the generic
+    ops must recompute (``unusual``: a NaN or +inf message, a non-finite x̂)."""
+
+    def __init__(self, m: Tensor, x_hat: Tensor) -> None:
+        top = m.amax(CHANNEL_REDUCE, keepdim=True)
+        shift = finite_or_zero(top)
+        self.e = torch.exp(m - shift)
+        mag = x_hat.abs()
+        widest = mag.amax(CHANNEL_REDUCE, keepdim=True)
+        scale = torch.where((widest > 0) & (widest < float("inf")), widest, 1.0)
+        self.mag, self.scaled = mag, mag / scale
+        self.bias_shift = shift.reshape(-1)
+        self.gain_shift = (shift + torch.log(scale)).reshape(-1)
+        finite = torch.isfinite(x_hat).to(m.dtype).amin(CHANNEL_REDUCE)
+        self.unusual = (~(top < float("inf"))).reshape(-1) | (finite < 1)
+
+    def recompute(self, gain_log: Tensor, gain_shift: Tensor, bias_log: Tensor) -> Tensor:
+        """Which channels the generic ops recompute: the unusual ones, and those with a path
+        (a bias sum) whose gain sum lies below the floor under its shift (the floor of
+        ``semirings.base.precise_log_floor``: log(tiny / eps) of the dtype)."""
+        info = torch.finfo(gain_log.dtype)
+        floor = math.log(info.tiny) - math.log(info.eps)
+        low = (gain_log - gain_shift < floor) & (bias_log > float("-inf"))
+        return self.unusual | low
 
 
 def max_plus(m: Tensor, x: Tensor, mean: Tensor, invstd: Tensor) -> AffineParams:
-    """MaxProd: ``max (m + log|x̂|)`` and ``max m`` per channel (no shift: a max is exact)."""
+    """MaxProd: ``max (m + log|x̂|)`` and ``max m`` per channel (a max is exact: nothing to
+    recompute)."""
     gain = (m + _x_hat(x, mean, invstd).abs().log()).amax(CHANNEL_REDUCE)
     return (gain,), (m.amax(CHANNEL_REDUCE),), None
 
 
-def _log_sums(m: Tensor, edge: Tensor) -> AffineParams:
-    e, shift = _shifted(m)
-    gain = (e * edge).sum(CHANNEL_REDUCE)
-    bias = e.sum(CHANNEL_REDUCE)
-    shift = shift.reshape(-1)
-    return (torch.log(gain) + shift,), (torch.log(bias) + shift,), shift
+def _log_sums(m: Tensor, x_hat: Tensor, count: bool) -> AffineParams:
+    s = _Shifted(m, x_hat)
+    if count:  # an edge counts 1: nothing to scale
+        edge, gain_shift = (s.mag != 0).to(m.dtype), s.bias_shift
+    else:
+        edge, gain_shift = s.scaled, s.gain_shift
+    gain = torch.log(_reduced(s.e * edge)) + gain_shift
+    bias = torch.log(_reduced(s.e)) + s.bias_shift
+    return (gain,), (bias,), s.recompute(gain, gain_shift, bias)
 
 
 def log_sum(m: Tensor, x: Tensor, mean: Tensor, invstd: Tensor) -> AffineParams:
     """LogSum: ``log Σ e^m |x̂|`` and ``log Σ e^m`` per channel."""
-    return _log_sums(m, _x_hat(x, mean, invstd).abs())
+    return _log_sums(m, _x_hat(x, mean, invstd), count=False)
 
 
 def log_count(m: Tensor, x: Tensor, mean: Tensor, invstd: Tensor) -> AffineParams:
     """LogCount: ``log Σ e^m [x̂ != 0]`` and ``log Σ e^m`` per channel (a NaN x̂ counts as an
-    edge, as ``LogCount.magnitude`` has it)."""
-    return _log_sums(m, (_x_hat(x, mean, invstd) != 0).to(m.dtype))
+    edge, as ``LogCount.magnitude`` has it; it sends the channel to the generic ops)."""
+    return _log_sums(m, _x_hat(x, mean, invstd), count=True)
 
 
 def entropy(
@@ -79,23 +115,21 @@ def entropy(
     """Entropy's (log mass, mean surprisal) states. An entry's gain edge multiplies its mass
     by |x̂| and adds ``-log|x̂|`` to its surprisal; the channel's mean is weighted by the
     masses: ``Σ e|x̂| (R - log|x̂|) / Σ e|x̂|``, each term formed before summing (no difference
-    of two large sums). A channel without mass gets the mean 0, as ``Entropy.sum`` gives."""
-    e, shift = _shifted(log_mass)
-    mag = _x_hat(x, mean, invstd).abs()
-    weighted = e * mag
-    gain_mass = weighted.sum(CHANNEL_REDUCE)
+    of two large sums). A channel without mass gets the mean 0, as ``Entropy.sum`` gives; a NaN
+    sum stays NaN."""
+    s = _Shifted(log_mass, _x_hat(x, mean, invstd))
+    weighted = s.e * s.scaled
+    gain_mass = _reduced(weighted)
     # an entry without an edge (x̂ = 0) adds nothing; 0 * (R - log 0) would be NaN
-    gain_r = torch.where(mag > 0, weighted * (surprisal - torch.log(mag)), 0.0)
-    gain_r = gain_r.sum(CHANNEL_REDUCE)
-    bias_mass = e.sum(CHANNEL_REDUCE)
-    bias_r = (e * surprisal).sum(CHANNEL_REDUCE)
-    shift = shift.reshape(-1)
+    gain_r = _reduced(torch.where(s.mag > 0, weighted * (surprisal - torch.log(s.mag)), 0.0))
+    bias_mass = _reduced(s.e)
+    bias_r = _reduced(s.e * surprisal)
     gain = (
-        torch.log(gain_mass) + shift,
-        torch.where(gain_mass > 0, gain_r / gain_mass, 0.0),
+        torch.log(gain_mass) + s.gain_shift,
+        torch.where(gain_mass == 0, 0.0, gain_r / gain_mass),
     )
     bias = (
-        torch.log(bias_mass) + shift,
-        torch.where(bias_mass > 0, bias_r / bias_mass, 0.0),
+        torch.log(bias_mass) + s.bias_shift,
+        torch.where(bias_mass == 0, 0.0, bias_r / bias_mass),
     )
-    return gain, bias, shift
+    return gain, bias, s.recompute(gain[0], s.gain_shift, bias[0])

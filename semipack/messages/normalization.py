@@ -39,7 +39,7 @@ from ..kernels.normalization import (
     pair_magnitudes,
 )
 from ..semirings import Semiring, State
-from ..semirings.base import kernel_owner, precise_log_floor
+from ..semirings.base import kernel_owner
 from .jacobian import contract_rows, identity_block
 
 __all__ = [
@@ -222,8 +222,9 @@ def affine_param_messages(
     over dims 0 and 2); ``mean`` and ``invstd`` broadcast against ``x`` (``[1, C, 1]``; a
     caller holding x̂ passes it with 0 and 1). Returns two [C] states. From
     ``FUSED_MIN_ELEMENTS`` entries a semiring with ``affine_params_kernel`` runs it compiled
-    (one pass, nothing message-sized written); its channels whose gain sum fell below
-    ``precise_log_floor`` of their shift are recomputed with ``scale`` and ``sum``.
+    (one pass, nothing message-sized written); the channels it flags (a gain sum that may have
+    underflowed, a non-finite x̂, a NaN or ``+inf`` message) are recomputed with ``scale`` and
+    ``sum``.
     """
     fused = sr.affine_params_kernel()
     owner = kernel_owner(sr, "affine_params_kernel") if fused is not None else None
@@ -234,16 +235,16 @@ def affine_param_messages(
         and all(p.dtype == x.dtype for p in m)
     ):
         with torch.no_grad():
-            gain, bias, shift = compiled_affine_params(owner)(*m, x, mean, invstd)
-        if shift is not None:
-            gain = _repair_gains(sr, m, x, mean, invstd, gain, bias, shift)
+            gain, bias, recompute = compiled_affine_params(owner)(*m, x, mean, invstd)
+        if recompute is not None:
+            gain, bias = _recomputed(sr, m, x, mean, invstd, gain, bias, recompute)
         return gain, bias
     gain, bias, _ = _affine_params_generic(sr, *m, x, mean, invstd)
     return gain, bias
 
 
 def _affine_params_generic(sr: Semiring, *args: Tensor) -> AffineParams:
-    """The reference: the semiring's ``scale`` by x̂ and ``sum``; no shift to check."""
+    """The reference: the semiring's ``scale`` by x̂ and ``sum`` (nothing to recompute)."""
     *m, x, mean, invstd = args
     x_hat = (x - mean) * invstd
     dims = list(CHANNEL_REDUCE)
@@ -263,7 +264,7 @@ def compiled_affine_params(owner: type[Semiring]) -> Callable[..., AffineParams]
     return compiled(eager, sr.affine_params_kernel())
 
 
-def _repair_gains(
+def _recomputed(
     sr: Semiring,
     m: State,
     x: Tensor,
@@ -271,23 +272,25 @@ def _repair_gains(
     invstd: Tensor,
     gain: State,
     bias: State,
-    shift: Tensor,
-) -> State:
-    """Channels with a path (the bias's sum is never below its largest term, 1) whose gain
-    sum lies below ``precise_log_floor`` nats under the shift: its terms may have underflowed
-    (x̂ tiny where the messages are large), so they are recomputed with the generic ops."""
-    low = (gain[0] - shift < precise_log_floor(gain[0].dtype)) & ~sr.is_zero(bias)
-    if not bool(low.any()):
-        return gain
-    channels = low.nonzero().flatten()
+    channels: Tensor,
+) -> tuple[State, State]:
+    """The kernel's (gain, bias) with the ``channels`` ([C] bool) it flagged recomputed by the
+    generic ops: a gain sum that may have underflowed, or an input where the generic ops'
+    conventions for infinite weights and NaN apply."""
+    if not bool(channels.any()):
+        return gain, bias
+    picked_channels = channels.nonzero().flatten()
 
     def picked(t: Tensor) -> Tensor:
-        return t.index_select(1, channels) if t.shape[1] != 1 else t
+        return t.index_select(1, picked_channels) if t.shape[1] != 1 else t
 
-    exact, _, _ = _affine_params_generic(
+    exact = _affine_params_generic(
         sr, *(picked(p) for p in m), picked(x), picked(mean), picked(invstd)
     )
-    out = tuple(g.clone() for g in gain)
-    for o, e in zip(out, exact, strict=True):
-        o[channels] = e.to(o.dtype)
-    return out
+    out = []
+    for kernel_state, exact_state in zip((gain, bias), exact[:2], strict=True):
+        state = tuple(c.clone() for c in kernel_state)
+        for c, e in zip(state, exact_state, strict=True):
+            c[picked_channels] = e.to(c.dtype)
+        out.append(state)
+    return out[0], out[1]

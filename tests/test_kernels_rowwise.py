@@ -905,11 +905,16 @@ def test_norm_layers_gains_and_biases_equal_the_generic_ops(name, train):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("case", ["huge activations", "an infinite entry", "a NaN entry"])
+@pytest.mark.parametrize(
+    "case", ["huge activations", "subnormal shifted terms", "an infinite entry", "a NaN entry"]
+)
 @pytest.mark.parametrize("name", ["MaxProd", "LogSum", "LogCount", "Entropy"])
 def test_per_channel_gains_of_extreme_inputs_are_the_generic_ops(name, case):
     """Activations of 1e35 (e |x̂| summed in float32 overflowed to inf where the log-domain
-    sum is about 90; trial 93), and a channel holding an infinite or NaN x̂ (the generic ops'
+    sum is about 90; trial 93), messages 103.6 nats below their channel's largest (on an x̂
+    of 0) meeting x̂ of 1e10 (each exp(m - M) subnormal, with 1-3 significant bits, lifted
+    above the recompute floor by |x̂|: 0.34 nats off; trial 93), and a channel holding an
+    infinite or NaN x̂ (the generic ops'
     conventions for them apply: the fused kernel hands those channels back): the fused
     gain and bias messages equal the generic ops' in float64 (NaN where they give NaN)."""
     from semipack.messages.normalization import _affine_params_generic, affine_param_messages
@@ -924,6 +929,12 @@ def test_per_channel_gains_of_extreme_inputs_are_the_generic_ops(name, case):
         x[0, 1, 0] = float("inf") if case == "an infinite entry" else float("nan")
     mean, invstd = torch.zeros(1, 3, 1, device=here), torch.ones(1, 3, 1, device=here)
     m = sr.lift(torch.randn(8, 3, 4096, generator=gen, device="cpu").to(here))
+    if case == "subnormal shifted terms":
+        x = (x.abs() + 0.5) * 1e10
+        x[0, :, 0] = 0.0
+        m = tuple(p.clone() for p in m)
+        m[0][:] = -103.6
+        m[0][0, :, 0] = 0.0
     got = affine_param_messages(sr, m, x, mean, invstd)
     # the generic ops in float64 (a mean surprisal near -80 here sums 32768 float32 terms)
     m64 = tuple(p.double() for p in m)

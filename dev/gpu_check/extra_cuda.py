@@ -263,6 +263,86 @@ CHECKS = [
         "test_norm_layers_gains_and_biases_equal_the_generic_ops",
         ("Entropy", False),
     ),
+    (
+        "test_kernels_rowwise",
+        "test_per_channel_gains_of_extreme_inputs_are_the_generic_ops",
+        ("MaxProd", "huge activations"),
+    ),
+    (
+        "test_kernels_rowwise",
+        "test_per_channel_gains_of_extreme_inputs_are_the_generic_ops",
+        ("MaxProd", "subnormal shifted terms"),
+    ),
+    (
+        "test_kernels_rowwise",
+        "test_per_channel_gains_of_extreme_inputs_are_the_generic_ops",
+        ("MaxProd", "an infinite entry"),
+    ),
+    (
+        "test_kernels_rowwise",
+        "test_per_channel_gains_of_extreme_inputs_are_the_generic_ops",
+        ("MaxProd", "a NaN entry"),
+    ),
+    (
+        "test_kernels_rowwise",
+        "test_per_channel_gains_of_extreme_inputs_are_the_generic_ops",
+        ("LogSum", "huge activations"),
+    ),
+    (
+        "test_kernels_rowwise",
+        "test_per_channel_gains_of_extreme_inputs_are_the_generic_ops",
+        ("LogSum", "subnormal shifted terms"),
+    ),
+    (
+        "test_kernels_rowwise",
+        "test_per_channel_gains_of_extreme_inputs_are_the_generic_ops",
+        ("LogSum", "an infinite entry"),
+    ),
+    (
+        "test_kernels_rowwise",
+        "test_per_channel_gains_of_extreme_inputs_are_the_generic_ops",
+        ("LogSum", "a NaN entry"),
+    ),
+    (
+        "test_kernels_rowwise",
+        "test_per_channel_gains_of_extreme_inputs_are_the_generic_ops",
+        ("LogCount", "huge activations"),
+    ),
+    (
+        "test_kernels_rowwise",
+        "test_per_channel_gains_of_extreme_inputs_are_the_generic_ops",
+        ("LogCount", "subnormal shifted terms"),
+    ),
+    (
+        "test_kernels_rowwise",
+        "test_per_channel_gains_of_extreme_inputs_are_the_generic_ops",
+        ("LogCount", "an infinite entry"),
+    ),
+    (
+        "test_kernels_rowwise",
+        "test_per_channel_gains_of_extreme_inputs_are_the_generic_ops",
+        ("LogCount", "a NaN entry"),
+    ),
+    (
+        "test_kernels_rowwise",
+        "test_per_channel_gains_of_extreme_inputs_are_the_generic_ops",
+        ("Entropy", "huge activations"),
+    ),
+    (
+        "test_kernels_rowwise",
+        "test_per_channel_gains_of_extreme_inputs_are_the_generic_ops",
+        ("Entropy", "subnormal shifted terms"),
+    ),
+    (
+        "test_kernels_rowwise",
+        "test_per_channel_gains_of_extreme_inputs_are_the_generic_ops",
+        ("Entropy", "an infinite entry"),
+    ),
+    (
+        "test_kernels_rowwise",
+        "test_per_channel_gains_of_extreme_inputs_are_the_generic_ops",
+        ("Entropy", "a NaN entry"),
+    ),
 ]
 
 torch.set_default_device("cuda")

@@ -656,8 +656,10 @@ def test_k_best_softmax_rows_match_the_dense_jacobian(k: int) -> None:
 @pytest.mark.parametrize("shape", [(300, 200), (7, 5)], ids=["fused", "eager"])
 def test_entropy_elementwise_kernels_equal_their_eager_forms(shape) -> None:
     """The Entropy readout and mean surprisal run compiled on large states: the same bits as
-    the eager ops, with "no path" (-inf), zero totals, infinities and NaN among the entries."""
-    from semipack.semirings.entropy import _entropy_readout, _mean_surprisal
+    the eager ops, with "no path" (-inf), zero totals, infinities and NaN among the entries;
+    the state pair's one-loop kernel gives the bits of its two halves' kernels."""
+    from semipack.kernels.logspace import log_magnitude_plus_
+    from semipack.semirings.entropy import _entropy_pair, _entropy_readout, _mean_surprisal
 
     torch.manual_seed(0)
     log_z, mean = torch.randn(shape) * 30, torch.randn(shape)
@@ -675,6 +677,18 @@ def test_entropy_elementwise_kernels_equal_their_eager_forms(shape) -> None:
     want = _mean_surprisal.eager(total, weighted.clone(), less)
     assert torch.equal(got.isnan(), want.isnan())
     assert torch.equal(got.nan_to_num(), want.nan_to_num())
+    # both halves of a product's state in one loop: the bits of the mean's and the log's own
+    # kernels, one after the other
+    shift = torch.tensor(-3.25)
+    for subtracted in (None, less):
+        got = _entropy_pair(total.clone(), weighted.clone(), shift, subtracted)
+        alone = total.clone()
+        zero = torch.zeros(())
+        mean = _mean_surprisal(alone, weighted.clone(), zero if subtracted is None else less)
+        want = (log_magnitude_plus_(alone, shift), mean)
+        for g, w in zip(got, want, strict=True):
+            assert torch.equal(g.isnan(), w.isnan())
+            assert torch.equal(g.nan_to_num(), w.nan_to_num())
 
 
 @pytest.mark.parametrize(

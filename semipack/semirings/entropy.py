@@ -15,6 +15,7 @@ from ..kernels.exclusive import exclusive_logsumexp
 from ..kernels.logspace import (
     exp_,
     finite_surprisal,
+    flat_on_host,
     fused_log_add_exp,
     log_magnitude_plus_,
     xlogx,
@@ -293,12 +294,46 @@ def _mean_fused(total: Tensor, weighted: Tensor, less: Tensor) -> Tensor:
 _mean_surprisal = compiled(_mean_eager, _mean_fused, min_elements=FUSED_MIN_ELEMENTS)
 
 
+def _pair_eager(total: Tensor, weighted: Tensor, less: Tensor, shift: Tensor) -> State:
+    mean = _mean_eager(total, weighted, less)
+    return log_magnitude_plus_(total, shift), mean
+
+
+def _pair_fused(total: Tensor, weighted: Tensor, less: Tensor, shift: Tensor) -> State:
+    mean = torch.where(total > 0, (weighted - less) / total, 0.0)
+    return total.copy_(torch.log(total) + shift), weighted.copy_(mean)
+
+
+#: Both halves of a product's state, the mean surprisal and log Z, in one loop over the sums,
+#: written into them (the two compiled calls before read ``total`` twice and paid two calls'
+#: guards: a 384 x 384 weight message's pair, 0.12 ms of its 0.3 ms of elementwise work).
+_pair = compiled(_pair_eager, _pair_fused, min_elements=FUSED_MIN_ELEMENTS)
+
+
 def _entropy_pair(
     total: Tensor, weighted: Tensor, shift: Tensor, less: Tensor | None = None
 ) -> State:
     """(log Z, mean surprisal) from the shifted sums Σ e w and Σ e w R (less Σ e w log w when
-    given); ``weighted`` may be overwritten, ``total`` is."""
-    mean = _mean_surprisal(total, weighted, torch.zeros(()) if less is None else less)
+    given); ``weighted`` may be overwritten, ``total`` is. Host tensors of one layout with one
+    shift (the shared-shift products) take the one-loop kernel over their flat memory."""
+    less = torch.zeros((), dtype=total.dtype) if less is None else less
+    flat = None
+    if total.numel() >= FUSED_MIN_ELEMENTS:  # below it the kernel's eager form would run
+        pieces = (total, weighted) if less.numel() == 1 else (total, weighted, less)
+        flat = flat_on_host(*pieces)
+    if (
+        flat is not None
+        and isinstance(shift, Tensor)
+        and shift.numel() == 1
+        and shift.dtype == total.dtype
+        and shift.device == total.device
+        and less.dtype == total.dtype
+    ):
+        if less.numel() == 1:
+            flat.append(less.reshape(()))
+        _pair(*flat, shift.reshape(()))
+        return (total, weighted)
+    mean = _mean_surprisal(total, weighted, less)
     return (log_magnitude_plus_(total, shift), mean)
 
 

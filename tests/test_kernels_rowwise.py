@@ -658,8 +658,13 @@ def test_entropy_elementwise_kernels_equal_their_eager_forms(shape) -> None:
     """The Entropy readout and mean surprisal run compiled on large states: the same bits as
     the eager ops, with "no path" (-inf), zero totals, infinities and NaN among the entries;
     the state pair's one-loop kernel gives the bits of its two halves' kernels."""
-    from semipack.kernels.logspace import log_magnitude_plus_
-    from semipack.semirings.entropy import _entropy_pair, _entropy_readout, _mean_surprisal
+    from semipack.kernels.logspace import exp_, log_magnitude_plus_
+    from semipack.semirings.entropy import (
+        _entropy_pair,
+        _entropy_readout,
+        _mean_surprisal,
+        _shared_shift,
+    )
 
     torch.manual_seed(0)
     log_z, mean = torch.randn(shape) * 30, torch.randn(shape)
@@ -689,6 +694,17 @@ def test_entropy_elementwise_kernels_equal_their_eager_forms(shape) -> None:
         for g, w in zip(got, want, strict=True):
             assert torch.equal(g.isnan(), w.isnan())
             assert torch.equal(g.nan_to_num(), w.nan_to_num())
+    # a message's shifted exponential and its product with the surprisal in one loop, written
+    # in the message's own layout (channels-last included)
+    for layout in (torch.contiguous_format, torch.channels_last):
+        log_z4 = torch.randn(2, *shape, 3) - 3
+        log_z4.view(-1)[::5] = float("-inf")
+        log_z4 = log_z4.to(memory_format=layout)
+        r4 = torch.rand(log_z4.shape).to(memory_format=layout)
+        e, e_r, shift = _shared_shift((log_z4, r4))
+        want_e = exp_(log_z4 - shift)
+        assert e.stride() == log_z4.stride()
+        assert torch.equal(e, want_e) and torch.equal(e_r, want_e * r4)
 
 
 @pytest.mark.parametrize(

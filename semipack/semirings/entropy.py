@@ -45,8 +45,35 @@ def _shared_shift(m: State) -> tuple[Tensor, Tensor, Tensor] | None:
     shift = global_shift(log_z)
     if shift is None:
         return None
+    if log_z.numel() >= FUSED_MIN_ELEMENTS and shift.dtype == log_z.dtype:
+        # written into tensors of the message's own layout, over their flat memory
+        e, e_r = torch.empty_like(log_z), torch.empty_like(log_z)
+        flat = flat_on_host(log_z, surprisal, e, e_r)
+        if flat is not None:
+            _shifted_pair(*flat, shift.reshape(()))
+            return e, e_r, shift
     e = exp_(log_z - shift)
     return e, e * surprisal, shift
+
+
+def _shifted_pair_eager(
+    log_z: Tensor, surprisal: Tensor, e: Tensor, e_r: Tensor, shift: Tensor
+) -> None:
+    torch.exp(log_z - shift, out=e)
+    torch.mul(e, surprisal, out=e_r)
+
+
+def _shifted_pair_fused(
+    log_z: Tensor, surprisal: Tensor, e: Tensor, e_r: Tensor, shift: Tensor
+) -> None:
+    shifted = torch.exp(log_z - shift)
+    e.copy_(shifted)
+    e_r.copy_(shifted * surprisal)
+
+
+#: ``e = exp(log Z - shift)`` and ``e * R`` of a message in one loop (eagerly three passes, the
+#: exponential a compiled call of its own).
+_shifted_pair = compiled(_shifted_pair_eager, _shifted_pair_fused, min_elements=FUSED_MIN_ELEMENTS)
 
 
 class EntropyFlow(NamedTuple):

@@ -658,7 +658,7 @@ def test_entropy_elementwise_kernels_equal_their_eager_forms(shape) -> None:
     """The Entropy readout and mean surprisal run compiled on large states: the same bits as
     the eager ops, with "no path" (-inf), zero totals, infinities and NaN among the entries;
     the state pair's one-loop kernel gives the bits of its two halves' kernels."""
-    from semipack.kernels.logspace import exp_, log_magnitude_plus_
+    from semipack.kernels.logspace import abs_and_xlogx, exp_, log_magnitude_plus_, xlogx
     from semipack.semirings.entropy import (
         _entropy_pair,
         _entropy_readout,
@@ -694,6 +694,18 @@ def test_entropy_elementwise_kernels_equal_their_eager_forms(shape) -> None:
         for g, w in zip(got, want, strict=True):
             assert torch.equal(g.isnan(), w.isnan())
             assert torch.equal(g.nan_to_num(), w.nan_to_num())
+    # an activation's magnitudes and their |x| log|x| in one loop: the bits of the two kernels
+    x = torch.randn(shape)
+    x.view(-1)[::6] = 0.0
+    x.view(-1)[1::6] = -0.0
+    x.view(-1)[2::17] = float("nan")
+    mag, mag_log_mag = abs_and_xlogx(x)
+    assert torch.equal(mag.isnan(), x.isnan()) and torch.equal(
+        mag.nan_to_num(), x.abs().nan_to_num()
+    )
+    want = xlogx(x.abs())
+    assert torch.equal(mag_log_mag.isnan(), want.isnan())
+    assert torch.equal(mag_log_mag.nan_to_num(), want.nan_to_num())
     # a message's shifted exponential and its product with the surprisal in one loop, written
     # in the message's own layout (channels-last included)
     for layout in (torch.contiguous_format, torch.channels_last):

@@ -13,12 +13,12 @@ from ..kernels.affine_params import AffineParams
 from ..kernels.compiled import FUSED_MIN_ELEMENTS, compiled
 from ..kernels.exclusive import exclusive_logsumexp
 from ..kernels.logspace import (
+    abs_and_xlogx,
     exp_,
     finite_surprisal,
     flat_on_host,
     fused_log_add_exp,
     log_magnitude_plus_,
-    xlogx,
 )
 from ..kernels.normalization import ENTROPY, CentredPairsKernel
 from ..kernels.shared_shift import ConvolutionSums, global_shift
@@ -408,8 +408,7 @@ def _magnitudes(w: Tensor) -> tuple[Tensor, Tensor]:
     (``kernels.weight_cache``): shared, read only."""
 
     def make() -> tuple[Tensor, Tensor]:
-        mag = w.abs()
-        return mag, xlogx(mag)
+        return abs_and_xlogx(w)
 
     return WEIGHTS.derived(w, "entropy magnitudes", make)
 

@@ -384,10 +384,10 @@ def test_sorted_kernels_take_long_finite_rows_only(monkeypatch):
 
     monkeypatch.setattr(knorm, "norm_sorted_max_f32", record("sorted", (0, None)))
     monkeypatch.setattr(knorm, "norm_abs_reduce_f32", record("pairs", 0))
-    monkeypatch.setattr(knorm, "_max_prod_from_best", record("done", None))
+    monkeypatch.setattr(knorm, "_max_prod_from_best_compiled", record("done", None))
     monkeypatch.setattr(knorm, "norm_sorted_sums_f32", record("sorted sums", (0, 0, 0)))
     monkeypatch.setattr(knorm, "norm_entropy_sums_f32", record("pair sums", (0, 0, 0)))
-    monkeypatch.setattr(knorm, "_entropy_from_sums", record("done", None))
+    monkeypatch.setattr(knorm, "_entropy_readout_of_sums", record("done", None))
     for kernel, n in (
         ("max", knorm.SORTED_MIN_ENTRIES_MAX),
         ("entropy", knorm.SORTED_MIN_ENTRIES_ENTROPY),
@@ -673,3 +673,34 @@ def test_long_inner_sizes_keep_the_first_argmax(ties):
     assert_exact(native.maxplus_gather_f32(a, panels, rows, 0, m), (want[0], None))
     if ties:
         assert torch.equal(want[1][2], torch.full((m,), 100))
+
+
+@pytest.mark.parametrize("n", [1024, 640], ids=["sorted", "all pairs"])
+def test_native_normalization_readouts_compiled_equal_their_eager_forms(n, monkeypatch):
+    """From FUSED_MIN_ELEMENTS entries the native kernels' readouts (the scaling of the sums,
+    the i = j corrections, log Z, the mean) run as one compiled loop: within float32 rounding
+    of the eager ops, with rows without a path (-inf) and zeros of x̂ among the entries."""
+    from semipack.kernels import normalization as knorm
+
+    gen = torch.Generator().manual_seed(n)
+    rows = 64
+    x = torch.randn(rows, n, generator=gen)
+    x_hat = (x - x.mean(-1, keepdim=True)) / x.std(-1, unbiased=False, keepdim=True)
+    x_hat[:, 7] = 0.0
+    log_z, surprisal = torch.randn(rows, n, generator=gen) * 3, torch.rand(rows, n, generator=gen)
+    log_z[3] = float("-inf")
+    log_z[5, ::4] = float("-inf")
+    assert rows * n >= knorm.FUSED_MIN_ELEMENTS
+    kernels = {
+        "entropy": (knorm.entropy_native, (log_z, surprisal, x_hat), "_entropy_readout_of_sums"),
+        "max": (knorm.max_prod_native, (log_z, x_hat), "_max_prod_from_best_compiled"),
+        "sum": (knorm.log_sum_native, (log_z, x_hat), "_log_sum_from_total_compiled"),
+    }
+    for kernel, args, readout in kernels.values():
+        got = kernel(*args)
+        with monkeypatch.context() as patch:
+            patch.setattr(knorm, readout, getattr(knorm, readout).eager)
+            want = kernel(*args)
+        for g, w in zip(got, want, strict=True):
+            assert torch.equal(g.isinf(), w.isinf()) and torch.equal(g.isnan(), w.isnan())
+            torch.testing.assert_close(g, w, rtol=1e-6, atol=1e-6)

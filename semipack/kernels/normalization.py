@@ -35,6 +35,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from .compiled import FUSED_MIN_ELEMENTS, compiled
 from .logspace import finite_or_zero, shifted_exp
 from .native import (
     norm_abs_reduce_f32,
@@ -151,7 +152,7 @@ def max_prod_native(m: Tensor, x_hat: Tensor) -> tuple[Tensor]:
         best = norm_sorted_max_f32(a, x_hat)[0]
     else:
         best = norm_abs_reduce_f32(a, x_hat, reduce_max=True)
-    return _max_prod_from_best(a, shift, x_hat, best)
+    return _max_prod_from_best_compiled(a, shift, x_hat, best)
 
 
 def _max_prod_from_best(a: Tensor, shift: Tensor, x_hat: Tensor, best: Tensor) -> tuple[Tensor]:
@@ -159,6 +160,11 @@ def _max_prod_from_best(a: Tensor, shift: Tensor, x_hat: Tensor, best: Tensor) -
     holds (outside the outlier columns), so one more maximum makes it exact."""
     _, right = _diagonal_terms(a, x_hat)
     return (torch.maximum(best / x_hat.shape[-1], right).log() + shift,)
+
+
+#: The native kernels' readouts in one compiled loop over [rows, n] from FUSED_MIN_ELEMENTS
+#: entries (eagerly six to eight passes: 2-3 ms for 64 rows of 8192 on one core).
+_max_prod_from_best_compiled = compiled(_max_prod_from_best, min_elements=FUSED_MIN_ELEMENTS)
 
 
 def top_path_fused(m: Tensor, ids: Tensor, x_hat: Tensor) -> tuple[Tensor, Tensor]:
@@ -209,13 +215,16 @@ def log_sum_native(m: Tensor, x_hat: Tensor) -> tuple[Tensor]:
         total = norm_sorted_sums_f32(a, x_hat)[0]
     else:
         total = norm_abs_reduce_f32(a, x_hat, reduce_max=False)
-    return _log_sum_from_total(a, shift, x_hat, total)
+    return _log_sum_from_total_compiled(a, shift, x_hat, total)
 
 
 def _log_sum_from_total(a: Tensor, shift: Tensor, x_hat: Tensor, total: Tensor) -> tuple[Tensor]:
     """``total`` = Σ_i a_i |1 + x̂_i x̂_j|, the diagonal included with the off-diagonal formula."""
     wrong, right = _diagonal_terms(a, x_hat)
     return ((total / x_hat.shape[-1] - wrong + right).clamp_min(0.0).log() + shift,)
+
+
+_log_sum_from_total_compiled = compiled(_log_sum_from_total, min_elements=FUSED_MIN_ELEMENTS)
 
 
 def log_count_fused(m: Tensor, x_hat: Tensor) -> tuple[Tensor]:
@@ -291,8 +300,29 @@ def entropy_native(log_z: Tensor, surprisal: Tensor, x_hat: Tensor) -> tuple[Ten
         s_c, t_c, u_c = norm_sorted_sums_f32(a, x_hat, r, with_log=True)
     else:
         s_c, t_c, u_c = norm_entropy_sums_f32(a, r, x_hat)
-    u = (u_c - math.log(n) * s_c) / n
+    log_n = torch.tensor(math.log(n), dtype=a.dtype)
+    return _entropy_readout_of_sums(a, r, shift, x_hat, s_c, t_c, u_c, log_n)
+
+
+def _entropy_readout_of_sums_eager(
+    a: Tensor,
+    r: Tensor,
+    shift: Tensor,
+    x_hat: Tensor,
+    s_c: Tensor,
+    t_c: Tensor,
+    u_c: Tensor,
+    log_n: Tensor,
+) -> tuple[Tensor, Tensor]:
+    n = x_hat.shape[-1]
+    u = (u_c - log_n * s_c) / n
     return _entropy_from_sums(a, r, shift, x_hat, s_c / n, t_c / n, u)
+
+
+#: The native sums' readout (their scaling by n, the i = j corrections, log Z and the mean):
+#: about twenty elementwise ops over [rows, n], one loop compiled (a train-mode batch norm's
+#: 64 channels of 8192 entries: 7.5 -> 1.2 ms on one core).
+_entropy_readout_of_sums = compiled(_entropy_readout_of_sums_eager, min_elements=FUSED_MIN_ELEMENTS)
 
 
 def _entropy_from_sums(

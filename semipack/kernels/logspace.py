@@ -80,6 +80,30 @@ def _flat(t: Tensor) -> Tensor | None:
     return flat.set_(t.untyped_storage(), t.storage_offset(), (t.numel(),), (1,))
 
 
+def flat_views(*tensors: Tensor) -> list[Tensor] | None:
+    """The 1-D views (``_flat``: in memory order, without a base) of tensors of one shape and
+    layout on one device, or None where one is not a dense block, the layouts differ, or
+    torch.compile is tracing. Why: a compiled elementwise kernel called on the tensors
+    themselves is compiled again for every new pattern of size-1 dims (a 1 x 1 convolution's
+    weight beside a 3 x 3 one's: torch.compile specialises sizes 0 and 1) and every base a
+    view carries, until its recompilation limit; on one flat view it compiles once."""
+    first = tensors[0]
+    if torch.compiler.is_compiling() or not all(
+        t.shape == first.shape and t.stride() == first.stride() and t.device == first.device
+        for t in tensors
+    ):
+        return None
+    flat = [_flat(t) for t in tensors]
+    return None if any(f is None for f in flat) else flat
+
+
+def shaped_like(flat: Tensor, like: Tensor) -> Tensor:
+    """A result computed over ``flat_views`` (1-D, in ``like``'s memory order) with ``like``'s
+    shape and strides, on the result's own memory."""
+    out = torch.empty(0, dtype=flat.dtype, device=flat.device)
+    return out.set_(flat.untyped_storage(), flat.storage_offset(), like.shape, like.stride())
+
+
 def flat_on_host(*tensors: Tensor) -> list[Tensor] | None:
     """The 1-D views (``_flat``) the compiled elementwise forms run over, or None where they do
     not apply: CPU float32 or float64 tensors of one shape and layout, each one dense block, of

@@ -26,6 +26,7 @@ import torch
 from torch import Tensor
 
 from ..kernels.compiled import FUSED_MIN_ELEMENTS, compiled
+from ..kernels.logspace import flat_views
 from ..kernels.shared_shift import SHARED_SHIFT_SPAN, global_shift
 from ..kernels.weight_cache import WEIGHTS
 from ..semirings import Semiring, State
@@ -179,4 +180,5 @@ def _smallest_magnitude(t: Tensor) -> float:
     """The smallest non-zero ``|t|`` (``inf`` where none; NaN where ``t`` holds one)."""
     if t.numel() == 0:
         return math.inf
-    return float(_nonzero_magnitude_min_fused(t.reshape(-1)))
+    flat = flat_views(t)  # no base to guard on: compiled once for every shape
+    return float(_nonzero_magnitude_min_fused(flat[0] if flat else t.detach().reshape(-1)))

@@ -17,8 +17,10 @@ from ..kernels.logspace import (
     exp_,
     finite_surprisal,
     flat_on_host,
+    flat_views,
     fused_log_add_exp,
     log_magnitude_plus_,
+    shaped_like,
 )
 from ..kernels.normalization import ENTROPY, CentredPairsKernel
 from ..kernels.shared_shift import ConvolutionSums, global_shift
@@ -168,7 +170,11 @@ class Entropy(Semiring):
         return a[0] == float("-inf")
 
     def readout(self, a: State) -> Tensor | EntropyFlow:
-        entropy = _entropy_readout(a[0], a[1])
+        flat = flat_views(a[0], a[1]) if a[0].numel() >= FUSED_MIN_ELEMENTS else None
+        if flat is not None and a[1].dtype == a[0].dtype:  # compiled once, whatever the shape
+            entropy = shaped_like(_entropy_readout(*flat), a[0])
+        else:
+            entropy = _entropy_readout(a[0], a[1])
         return EntropyFlow(entropy, a[0]) if self.flow else entropy
 
     def readout_into(self, a: State, into: Any) -> Any:
@@ -180,7 +186,12 @@ class Entropy(Semiring):
             or not uses_methods_of(self, Entropy, "readout")
         ):
             return super().readout_into(a, into)
-        entropy = _entropy_readout_into(a[0], a[1], on_memory_of(earlier))
+        entropy = on_memory_of(earlier)
+        flat = flat_views(a[0], a[1], entropy) if a[0].numel() >= FUSED_MIN_ELEMENTS else None
+        if flat is not None:
+            _entropy_readout_into(*flat)
+        else:
+            entropy = _entropy_readout_into(a[0], a[1], entropy)
         return EntropyFlow(entropy, a[0]) if self.flow else entropy
 
     def matmul(self, a: State, w: Tensor) -> State:

@@ -270,6 +270,17 @@ CHECKS = [
     ),
     (
         "test_kernels_rowwise",
+        "test_entropy_elementwise_kernels_equal_their_eager_forms",
+        ((300, 200),),
+    ),
+    ("test_kernels_rowwise", "test_entropy_elementwise_kernels_equal_their_eager_forms", ((7, 5),)),
+    (
+        "test_kernels_rowwise",
+        "test_elementwise_kernels_compile_once_for_every_pattern_of_size_one_dims",
+        (),
+    ),
+    (
+        "test_kernels_rowwise",
         "test_per_channel_gains_of_extreme_inputs_are_the_generic_ops",
         ("MaxProd", "subnormal shifted terms"),
     ),

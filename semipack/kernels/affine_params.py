@@ -53,9 +53,10 @@ def _reduced(t: Tensor) -> Tensor:
 
 
 class _Shifted:
-    """The shifted messages and scaled edges of the log-space kernels, [A, C, B] each, with
-    the per-channel shift ``log_scale`` of the gain's sums ([C]) and the channels the generic
-    ops must recompute (``unusual``: a NaN or +inf message, a non-finite x̂)."""
+    """The shifted messages ``e`` and the scaled edges of the log-space kernels, [A, C, B]
+    each, with the per-channel shifts of the bias's and the gain's sums ([C]: M_c, and M_c +
+    log A_c) and the channels the generic ops must recompute (``unusual``: a NaN or +inf
+    message, a non-finite x̂)."""
 
     def __init__(self, m: Tensor, x_hat: Tensor) -> None:
         top = m.amax(CHANNEL_REDUCE, keepdim=True)

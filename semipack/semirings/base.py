@@ -600,7 +600,8 @@ class Semiring:
     def affine_params_kernel(self) -> Callable[..., AffineParams] | None:
         """This semiring's fused expression for the gain's and bias's messages of a
         per-channel affine map (``kernels.affine_params``: ``(*m, x, mean, invstd)`` ->
-        (gain, bias, shift)), or None: the generic ``scale`` and ``sum``."""
+        (gain, bias, the channels to recompute with the generic ops or None)), or None: the
+        generic ``scale`` and ``sum``."""
         return None
 
     def shared_shift_products(

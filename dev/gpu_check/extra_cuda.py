@@ -191,83 +191,7 @@ CHECKS = [
         "test_refusals_name_the_argument_taken_as_the_batch",
         ("scale", (1,), (3, 5)),
     ),
-    # the twentieth session's: norm layers' gains and biases from one fused reduction (inductor on
-    # CUDA: triton), with the recomputed channels
-    (
-        "test_kernels_rowwise",
-        "test_per_channel_gain_and_bias_messages_equal_the_float64_definition",
-        ("MaxProd", True, _Patch()),
-    ),
-    (
-        "test_kernels_rowwise",
-        "test_per_channel_gain_and_bias_messages_equal_the_float64_definition",
-        ("MaxProd", False, _Patch()),
-    ),
-    (
-        "test_kernels_rowwise",
-        "test_per_channel_gain_and_bias_messages_equal_the_float64_definition",
-        ("LogSum", True, _Patch()),
-    ),
-    (
-        "test_kernels_rowwise",
-        "test_per_channel_gain_and_bias_messages_equal_the_float64_definition",
-        ("LogSum", False, _Patch()),
-    ),
-    (
-        "test_kernels_rowwise",
-        "test_per_channel_gain_and_bias_messages_equal_the_float64_definition",
-        ("LogCount", True, _Patch()),
-    ),
-    (
-        "test_kernels_rowwise",
-        "test_per_channel_gain_and_bias_messages_equal_the_float64_definition",
-        ("LogCount", False, _Patch()),
-    ),
-    (
-        "test_kernels_rowwise",
-        "test_per_channel_gain_and_bias_messages_equal_the_float64_definition",
-        ("Entropy", True, _Patch()),
-    ),
-    (
-        "test_kernels_rowwise",
-        "test_per_channel_gain_and_bias_messages_equal_the_float64_definition",
-        ("Entropy", False, _Patch()),
-    ),
-    (
-        "test_kernels_rowwise",
-        "test_norm_layers_gains_and_biases_equal_the_generic_ops",
-        ("MaxProd", True),
-    ),
-    (
-        "test_kernels_rowwise",
-        "test_norm_layers_gains_and_biases_equal_the_generic_ops",
-        ("MaxProd", False),
-    ),
-    (
-        "test_kernels_rowwise",
-        "test_norm_layers_gains_and_biases_equal_the_generic_ops",
-        ("LogSum", True),
-    ),
-    (
-        "test_kernels_rowwise",
-        "test_norm_layers_gains_and_biases_equal_the_generic_ops",
-        ("LogSum", False),
-    ),
-    (
-        "test_kernels_rowwise",
-        "test_norm_layers_gains_and_biases_equal_the_generic_ops",
-        ("Entropy", True),
-    ),
-    (
-        "test_kernels_rowwise",
-        "test_norm_layers_gains_and_biases_equal_the_generic_ops",
-        ("Entropy", False),
-    ),
-    (
-        "test_kernels_rowwise",
-        "test_per_channel_gains_of_extreme_inputs_are_the_generic_ops",
-        ("MaxProd", "huge activations"),
-    ),
+    # the twentieth session's: elementwise kernels compiled once per dtype, whatever the shape
     (
         "test_kernels_rowwise",
         "test_entropy_elementwise_kernels_equal_their_eager_forms",
@@ -279,81 +203,36 @@ CHECKS = [
         "test_elementwise_kernels_compile_once_for_every_pattern_of_size_one_dims",
         (),
     ),
+]
+# the twentieth session's: norm layers' gains and biases from one fused reduction (inductor on
+# CUDA: triton), with the recomputed channels and extreme inputs
+_NORM_ALGEBRAS = ("MaxProd", "LogSum", "LogCount", "Entropy")
+CHECKS += [
+    (
+        "test_kernels_rowwise",
+        "test_per_channel_gain_and_bias_messages_equal_the_float64_definition",
+        (name, compiled, _Patch()),
+    )
+    for name in _NORM_ALGEBRAS
+    for compiled in (True, False)
+]
+CHECKS += [
+    (
+        "test_kernels_rowwise",
+        "test_norm_layers_gains_and_biases_equal_the_generic_ops",
+        (name, train),
+    )
+    for name in ("MaxProd", "LogSum", "Entropy")
+    for train in (True, False)
+]
+CHECKS += [
     (
         "test_kernels_rowwise",
         "test_per_channel_gains_of_extreme_inputs_are_the_generic_ops",
-        ("MaxProd", "subnormal shifted terms"),
-    ),
-    (
-        "test_kernels_rowwise",
-        "test_per_channel_gains_of_extreme_inputs_are_the_generic_ops",
-        ("MaxProd", "an infinite entry"),
-    ),
-    (
-        "test_kernels_rowwise",
-        "test_per_channel_gains_of_extreme_inputs_are_the_generic_ops",
-        ("MaxProd", "a NaN entry"),
-    ),
-    (
-        "test_kernels_rowwise",
-        "test_per_channel_gains_of_extreme_inputs_are_the_generic_ops",
-        ("LogSum", "huge activations"),
-    ),
-    (
-        "test_kernels_rowwise",
-        "test_per_channel_gains_of_extreme_inputs_are_the_generic_ops",
-        ("LogSum", "subnormal shifted terms"),
-    ),
-    (
-        "test_kernels_rowwise",
-        "test_per_channel_gains_of_extreme_inputs_are_the_generic_ops",
-        ("LogSum", "an infinite entry"),
-    ),
-    (
-        "test_kernels_rowwise",
-        "test_per_channel_gains_of_extreme_inputs_are_the_generic_ops",
-        ("LogSum", "a NaN entry"),
-    ),
-    (
-        "test_kernels_rowwise",
-        "test_per_channel_gains_of_extreme_inputs_are_the_generic_ops",
-        ("LogCount", "huge activations"),
-    ),
-    (
-        "test_kernels_rowwise",
-        "test_per_channel_gains_of_extreme_inputs_are_the_generic_ops",
-        ("LogCount", "subnormal shifted terms"),
-    ),
-    (
-        "test_kernels_rowwise",
-        "test_per_channel_gains_of_extreme_inputs_are_the_generic_ops",
-        ("LogCount", "an infinite entry"),
-    ),
-    (
-        "test_kernels_rowwise",
-        "test_per_channel_gains_of_extreme_inputs_are_the_generic_ops",
-        ("LogCount", "a NaN entry"),
-    ),
-    (
-        "test_kernels_rowwise",
-        "test_per_channel_gains_of_extreme_inputs_are_the_generic_ops",
-        ("Entropy", "huge activations"),
-    ),
-    (
-        "test_kernels_rowwise",
-        "test_per_channel_gains_of_extreme_inputs_are_the_generic_ops",
-        ("Entropy", "subnormal shifted terms"),
-    ),
-    (
-        "test_kernels_rowwise",
-        "test_per_channel_gains_of_extreme_inputs_are_the_generic_ops",
-        ("Entropy", "an infinite entry"),
-    ),
-    (
-        "test_kernels_rowwise",
-        "test_per_channel_gains_of_extreme_inputs_are_the_generic_ops",
-        ("Entropy", "a NaN entry"),
-    ),
+        (name, case),
+    )
+    for name in _NORM_ALGEBRAS
+    for case in ("huge activations", "subnormal shifted terms", "an infinite entry", "a NaN entry")
 ]
 
 torch.set_default_device("cuda")

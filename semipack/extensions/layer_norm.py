@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from ..messages.normalization import affine_param_messages
 from ..rules import normalization as norm_rules
 from ..semirings.base import Semiring, State
 from .base import (
@@ -51,7 +52,7 @@ def layer_norm_messages(
         )
         m_x = tuple(p.reshape(x.shape) for p in flat)
     if need[1] or need[2]:
-        w, b = norm_rules.param_messages(sr, tuple(p[..., None] for p in m_rows), x_hat[..., None])
+        w, b = affine_param_messages(sr, tuple(p[..., None] for p in m_rows), x_hat[..., None])
         if need[1] and weight is not None:
             m_w = tuple(p.reshape(shape) for p in w)
         if need[2] and bias is not None:

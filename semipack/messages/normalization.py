@@ -213,14 +213,14 @@ def _fix_outliers(sr: Semiring, m: State, x_hat: Tensor, out: State, as_floats: 
 
 # --- the gain's and bias's messages of a per-channel affine map ----------------------------------
 def affine_param_messages(
-    sr: Semiring, m: State, x: Tensor, mean: Tensor, invstd: Tensor
+    sr: Semiring, m: State, x: Tensor, mean: Tensor | None = None, invstd: Tensor | None = None
 ) -> tuple[State, State]:
     """(gain, bias) messages of ``y = g_c x̂ + b_c`` with ``x̂ = (x - mean) * invstd``: per
     channel c, ``⊕ of m ⊗ lift(x̂)`` and ``⊕ of m`` over the channel's entries.
 
     ``m``'s parts and ``x``: [A, C, B] in the state dtype (the channel on dim 1; the sums run
-    over dims 0 and 2); ``mean`` and ``invstd`` broadcast against ``x`` (``[1, C, 1]``; a
-    caller holding x̂ passes it with 0 and 1). Returns two [C] states. From
+    over dims 0 and 2); ``mean`` and ``invstd`` broadcast against ``x`` (``[1, C, 1]``), or
+    are both None where ``x`` is x̂ already. Returns two [C] states. From
     ``FUSED_MIN_ELEMENTS`` entries a semiring with ``affine_params_kernel`` runs it compiled
     (one pass, nothing message-sized written); the channels it flags (a gain sum that may have
     underflowed, a non-finite x̂, a NaN or ``+inf`` message) are recomputed with ``scale`` and
@@ -234,21 +234,27 @@ def affine_param_messages(
         and x.numel() >= FUSED_MIN_ELEMENTS
         and all(p.dtype == x.dtype for p in m)
     ):
+        if mean is None or invstd is None:  # x is x̂: the kernel's centring does nothing
+            mean = x.new_zeros((1, 1, 1))
+            invstd = torch.ones_like(mean)
         with torch.no_grad():
             gain, bias, recompute = compiled_affine_params(owner)(*m, x, mean, invstd)
         if recompute is not None:
             gain, bias = _recomputed(sr, m, x, mean, invstd, gain, bias, recompute)
         return gain, bias
-    gain, bias, _ = _affine_params_generic(sr, *m, x, mean, invstd)
-    return gain, bias
+    x_hat = x if mean is None or invstd is None else (x - mean) * invstd
+    return _generic_sums(sr, m, x_hat)
+
+
+def _generic_sums(sr: Semiring, m: State, x_hat: Tensor) -> tuple[State, State]:
+    dims = list(CHANNEL_REDUCE)
+    return sr.sum(sr.scale(m, x_hat), dims), sr.sum(m, dims)
 
 
 def _affine_params_generic(sr: Semiring, *args: Tensor) -> AffineParams:
     """The reference: the semiring's ``scale`` by x̂ and ``sum`` (nothing to recompute)."""
     *m, x, mean, invstd = args
-    x_hat = (x - mean) * invstd
-    dims = list(CHANNEL_REDUCE)
-    return sr.sum(sr.scale(tuple(m), x_hat), dims), sr.sum(tuple(m), dims), None
+    return (*_generic_sums(sr, tuple(m), (x - mean) * invstd), None)
 
 
 @functools.cache

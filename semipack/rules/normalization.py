@@ -68,14 +68,6 @@ def gain_block(gain: Tensor, gain_per_row: bool, rows: slice) -> Tensor:
     return gain[None, :, None]
 
 
-def param_messages(sr: Semiring, m: State, x_hat: Tensor) -> tuple[State, State]:
-    """(weight, bias) messages of a norm's affine map from x̂ itself: weight edges carry x̂,
-    bias edges carry 1. ``m``'s parts and ``x_hat``: [A, C, B], summed over dims 0 and 2 into
-    [C] (``affine_param_messages``)."""
-    origin = x_hat.new_zeros((1, 1, 1))
-    return affine_param_messages(sr, m, x_hat, origin, torch.ones_like(origin))
-
-
 def _outputs(call: OpCall, regular, grad_in, grad_w, grad_b, mask):
     reals = list(regular) if regular is not None else [None, None, None]
     outs = []
@@ -105,7 +97,7 @@ def layer_norm_backward(call: OpCall):
             p.reshape(x.shape) for p in normalized_contract(sr, m, x_hat, rstd, gain, False)
         )
     if mask[1] or mask[2]:
-        w, b = param_messages(sr, tuple(p[..., None] for p in m), x_hat[..., None])
+        w, b = affine_param_messages(sr, tuple(p[..., None] for p in m), x_hat[..., None])
         shape = tuple(call["normalized_shape"])
         grad_w = tuple(p.reshape(shape) for p in w) if mask[1] and weight is not None else None
         grad_b = (
@@ -158,7 +150,7 @@ def _batch_norm_train(call: OpCall, msg, mean: Tensor, invstd: Tensor, mask):
     if mask[0]:
         grad_in = back(normalized_contract(sr, m, x_hat, invstd, gain, True))
     if mask[1] or mask[2]:
-        w, b = param_messages(sr, tuple(p[None] for p in m), x_hat[None])
+        w, b = affine_param_messages(sr, tuple(p[None] for p in m), x_hat[None])
         grad_w = w if mask[1] and weight is not None else None
         grad_b = b if mask[2] else None
     return _outputs(call, call.run_regular(), grad_in, grad_w, grad_b, mask)
@@ -225,7 +217,7 @@ def group_norm_backward(call: OpCall):
     if mask[1] or mask[2]:
         per_channel = (batch, channels, -1)
         m = tuple(p.reshape(per_channel) for p in msg.parts)
-        w, b = param_messages(sr, m, x_hat.reshape(per_channel))
+        w, b = affine_param_messages(sr, m, x_hat.reshape(per_channel))
         grad_w = w if mask[1] and weight is not None else None
         grad_b = b if mask[2] else None
     return _outputs(call, call.run_regular(), grad_in, grad_w, grad_b, mask)

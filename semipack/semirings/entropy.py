@@ -47,14 +47,15 @@ def _shared_shift(m: State) -> tuple[Tensor, Tensor, Tensor] | None:
     shift = global_shift(log_z)
     if shift is None:
         return None
-    big = log_z.numel() >= FUSED_MIN_ELEMENTS and shift.dtype == log_z.dtype
-    if big and flat_on_host(log_z, surprisal) is not None:
-        # written into tensors of the message's own layout, over their flat memory
+    flat = None
+    if log_z.numel() >= FUSED_MIN_ELEMENTS and shift.dtype == log_z.dtype:
+        flat = flat_on_host(log_z, surprisal)
+    if flat is not None:
+        # written into tensors of the message's own layout (empty_like keeps a dense tensor's
+        # strides), over their flat memory
         e, e_r = torch.empty_like(log_z), torch.empty_like(log_z)
-        flat = flat_on_host(log_z, surprisal, e, e_r)
-        if flat is not None:
-            _shifted_pair(*flat, shift.reshape(()))
-            return e, e_r, shift
+        _shifted_pair(*flat, *flat_views(e, e_r), shift.reshape(()))
+        return e, e_r, shift
     e = exp_(log_z - shift)
     return e, e * surprisal, shift
 

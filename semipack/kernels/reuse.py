@@ -57,18 +57,69 @@ def _baseline_refs() -> tuple[int, int, int]:
 _ALONE_AS_ATTRIBUTE, _ALONE_AS_ITEM, _ALONE_STORAGE = _baseline_refs()
 
 
+def _base_refs(view: Tensor) -> tuple[Tensor, int]:
+    """``view``'s base tensor and its reference count as seen from here (a calibrated
+    baseline): PyTorch keeps one Python object per tensor, so a holder of the base in Python
+    holds this very object."""
+    base = view._base
+    return base, sys.getrefcount(base)
+
+
+def _view_baseline() -> tuple[int, int]:
+    """The counts of ``_base_refs`` and of the base's owners (``_use_count``) for a view whose
+    base nothing else holds: the view's own record of its base, and the object made here."""
+    view = torch.empty(4).view(2, 2)
+    base, refs = _base_refs(view)
+    return refs, base._use_count()
+
+
+_ALONE_BASE_REFS, _ALONE_BASE_USES = _view_baseline()
+
+
 def _alone(value: Any, refs: int, baseline: int, other_processes: bool = True) -> bool:
     """Whether no one but its holder can reach ``value``: no other Python reference, no other
-    owner of the tensor (a view, a graph that saved it), no other owner of its memory (another
-    tensor on it, a holder of its storage object) and, with ``other_processes``, no other
-    process (shared memory, as a ``torch.multiprocessing`` queue leaves a tensor it sent;
-    PyTorch reports every CUDA tensor as shared)."""
+    owner of the tensor (a graph that saved it), no other owner of its memory (another tensor
+    on it, a holder of its storage object) and, with ``other_processes``, no other process
+    (shared memory, as a ``torch.multiprocessing`` queue leaves a tensor it sent; PyTorch
+    reports every CUDA tensor as shared). A view counts when its base is held by nothing but
+    the view (a backward formula's reshaped result): its memory has no other owner."""
     if type(value) is not Tensor or refs > baseline or value._use_count() != 1:
         return False
     if other_processes and value.is_shared():
         return False
+    owners = 2  # the tensor and, while held here, its storage object
+    if value._base is not None:
+        base, base_refs = _base_refs(value)
+        if base_refs > _ALONE_BASE_REFS or base._use_count() > _ALONE_BASE_USES:
+            return False
+        del base
+        owners = 3  # and the base, which only the view holds
     storage, storage_refs = _storage_refs(value)  # one more owner of the memory while held here
-    return storage_refs <= _ALONE_STORAGE and torch._C._storage_Use_Count(storage._cdata) <= 2
+    return storage_refs <= _ALONE_STORAGE and torch._C._storage_Use_Count(storage._cdata) <= owners
+
+
+def alone_in_attribute(owner: Any, name: str) -> bool:
+    """Whether ``owner.<name>`` is a tensor nothing but ``owner`` holds, in this process or
+    another (``_alone``): one a new value may be written into."""
+    value, refs = _attribute_refs(owner, name)
+    return _alone(value, refs, _ALONE_AS_ATTRIBUTE)
+
+
+def alone_in_items(owner: Any, name: str) -> list[bool]:
+    """For ``owner.<name>``, a tuple nothing but ``owner`` holds: whether each item is a tensor
+    nothing but the tuple holds (``_alone``); all False for a tuple held elsewhere."""
+    items, refs = _attribute_refs(owner, name)
+    if type(items) is not tuple:
+        return []
+    if refs > _ALONE_AS_ATTRIBUTE:
+        return [False] * len(items)
+    del items
+    items = owner.__dict__[name]
+    out = []
+    for i in range(len(items)):
+        value, refs = _item_refs(items, i)
+        out.append(_alone(value, refs, _ALONE_AS_ITEM))
+    return out
 
 
 def unheld_value(t: Tensor, name: str) -> Any:

@@ -32,6 +32,7 @@ from ..errors import (
 from ..graph.provenance import current_site, root_class
 from ..semirings.base import Semiring, SparseRows, State
 from ..semirings.product import Product
+from .donation import NONE, donations
 from .rule_table import rule_for
 
 
@@ -197,10 +198,12 @@ def dispatch(func: OpOverload, args: tuple, kwargs: dict) -> Any:
     rule = rule_for(func)
     if rule is None:
         raise unsupported(func)
+    # before any local name refers to the message: the reference counts are calibrated so
+    donated = donations(args) if rule in DONATION_RULES and args else NONE
     first = _first_message(args, kwargs)
     if first is not None and isinstance(first.semiring, Product):
-        return dispatch_product(rule, func, args, kwargs, first.semiring)
-    out = rule(OpCall(func, args, kwargs))
+        return dispatch_product(rule, func, args, kwargs, first.semiring, donated)
+    out = rule(OpCall(func, args, kwargs, donated))
     if out is None and func._schema.returns:
         raise unsupported(func, f"its rule returned None {RULE_DEFECT}")
     return out
@@ -231,7 +234,14 @@ def register_regular(rule: Callable[..., Any], regular: Callable[[OpCall], Any])
     RULE_REGULAR[rule] = regular
 
 
-def dispatch_product(rule, func: OpOverload, args: tuple, kwargs: dict, product: Product) -> Any:
+def dispatch_product(
+    rule,
+    func: OpOverload,
+    args: tuple,
+    kwargs: dict,
+    product: Product,
+    donated: frozenset[int] = NONE,
+) -> Any:
     """Run ``rule`` once per factor of ``product``: each message replaced by its factor's slice
     of the state (the same tensors: an in-place rule writes into the product's state) under the
     factor's semiring, the regular gradient only in the first factor's call. The outputs'
@@ -251,7 +261,7 @@ def dispatch_product(rule, func: OpOverload, args: tuple, kwargs: dict, product:
             return Message(carried, product.split(x.parts)[i], factor, x.dtype)
 
         call_args, call_kwargs = map_arguments(narrow, args, kwargs)
-        results.append(rule(OpCall(func, call_args, call_kwargs)))
+        results.append(rule(OpCall(func, call_args, call_kwargs, donated)))
     if func._schema.is_mutable and isinstance(args[0], Message):
         return args[0]  # written in place, factor by factor, through the shared tensors
     if isinstance(results[0], Message):  # the common case, without pytree's bookkeeping
@@ -274,8 +284,13 @@ def dispatch_product(rule, func: OpOverload, args: tuple, kwargs: dict, product:
 class OpCall:
     """One aten call that involves messages, with helpers shared by all rules."""
 
-    def __init__(self, func: OpOverload, args: tuple, kwargs: dict) -> None:
+    def __init__(
+        self, func: OpOverload, args: tuple, kwargs: dict, donated: frozenset[int] = NONE
+    ) -> None:
         self.func, self.args, self.kwargs = func, args, kwargs
+        #: ids of the first message's tensors this call may write into (``messages.donation``;
+        #: only for rules in ``DONATION_RULES``, empty otherwise)
+        self.donated = donated
         flat = flat_arguments(args, kwargs)
         for t in flat:
             if isinstance(t, Tensor) and t.is_complex():
@@ -343,6 +358,22 @@ class OpCall:
         args, kwargs = map_arguments(_regular_of, args, kwargs)
         return self.func(*args, **kwargs)
 
+    def run_regular_donated(self) -> Any:
+        """``run_regular()`` of an elementwise op on its first argument, the message, written
+        into that message's regular gradient where the call may (``donated``): the op's
+        ``out=`` overload computes the same values, and the node then holds one regular
+        gradient, as a plain backward does, instead of two."""
+        msg = self.args[0] if self.args else None
+        regular = msg.regular_grad if isinstance(msg, Message) else None
+        out_op = _out_overload(self.func)
+        if regular is None or id(regular) not in self.donated or out_op is None:
+            return self.run_regular()
+        args, kwargs = map_arguments(_regular_of, self.args, self.kwargs)
+        for a in flat_arguments(args, kwargs):
+            if isinstance(a, Tensor) and (a.shape != regular.shape or a.dtype != regular.dtype):
+                return self.run_regular()  # broadcast or promoted: not the same layout
+        return out_op[0](*args, **kwargs, **{out_op[1]: regular})
+
     def state(self, x: Any, shape: Sequence[int] | None = None) -> State:
         """The semiring state of an argument in a message slot.
 
@@ -399,6 +430,31 @@ class OpCall:
         """The semiring's zero ("no path") of ``shape``, in the state dtypes and on the device
         of this call."""
         return self.semiring.zeros(shape, self.dtype, self.device)
+
+
+@functools.cache
+def _out_overload(func: OpOverload) -> tuple[OpOverload, str] | None:
+    """The ``out=`` overload of ``func`` (same arguments plus one output tensor) and the name of
+    its output argument, or None."""
+    names = [a.name for a in func._schema.arguments]
+    for name in func.overloadpacket.overloads():
+        overload = getattr(func.overloadpacket, name)
+        arguments = overload._schema.arguments
+        outs = [a.name for a in arguments if a.is_out]
+        if len(outs) == 1 and [a.name for a in arguments if not a.is_out] == names:
+            return overload, outs[0]
+    return None
+
+
+#: Rules that may write into the first message's tensors (``OpCall.donated``); the others get
+#: an empty set without the check's cost.
+DONATION_RULES: set[Callable[..., Any]] = set()
+
+
+def accepts_donations(rule: Callable[..., Any]) -> Callable[..., Any]:
+    """Decorator: ``rule`` receives ``OpCall.donated`` (see ``messages.donation``)."""
+    DONATION_RULES.add(rule)
+    return rule
 
 
 @functools.cache

@@ -25,7 +25,7 @@ from ..graph.saved_inputs import recorded_input
 from ..kernels import log_derivatives as logd
 from ..kernels.cuts import cut_below
 from ..messages import OpCall, call_by_name, register_rule
-from ..messages.message import Message
+from ..messages.message import Message, accepts_donations
 from ..semirings.base import Sign
 
 aten = torch.ops.aten
@@ -218,6 +218,7 @@ class _ReluCut:
 
 
 @register_rule(*ACTIVATION_BACKWARDS)
+@accepts_donations
 def activation(call: OpCall):
     """Elementwise activations' backward ops: each output entry has one edge, the exact
     local derivative (from the recorded input in log form where it saturates)."""
@@ -228,7 +229,7 @@ def activation(call: OpCall):
     else:
         parts = call.semiring.scale_log_owned(msg.parts, *exact)
     # The regular gradient after the message: its temporaries are gone by then (peak memory).
-    return call.wrap(call.run_regular(), parts)
+    return call.wrap(call.run_regular_donated(), parts)
 
 
 def _soft_margin(call: OpCall) -> tuple[Tensor, Sign]:

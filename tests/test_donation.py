@@ -1,0 +1,257 @@
+"""An activation writes its new regular gradient into the incoming one's memory when nothing
+else holds that message or tensor (``messages.donation``). Each test holds the incoming
+gradient another way (a second consumer, a hook, ``retain_grad``, the caller's own gradient, a
+broadcast) and checks every value against PyTorch's autograd and against a pass that donates
+nothing; the first checks that the write happens at all where nothing else holds it."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import semipack
+from semipack.kernels import reuse
+from semipack.messages import donation
+from semipack.messages.message import OpCall
+
+SEMIRINGS: dict[str, Callable[[], semipack.Semiring]] = {
+    "MaxProd": semipack.MaxProd,
+    "LogSum": semipack.LogSum,
+    "Entropy": semipack.Entropy,
+    "Product": lambda: semipack.Product(semipack.MaxProd(), semipack.Entropy()),
+}
+
+
+class _Net(nn.Module):
+    """Linear, GELU, Linear on [2, 3, 5]: the GELU's incoming gradient is the second linear
+    layer's reshaped matrix product (a view whose base nothing else holds)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.a, self.b = nn.Linear(5, 7), nn.Linear(7, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(F.gelu(self.a(x)))
+
+
+def _written_into(monkeypatch: pytest.MonkeyPatch) -> list[bool]:
+    """For each ``run_regular_donated`` from now on: whether its result is in the memory of
+    the incoming regular gradient."""
+    seen: list[bool] = []
+    original = OpCall.run_regular_donated
+
+    def spy(self: OpCall):
+        incoming = self.args[0].regular_grad
+        out = original(self)
+        if incoming is not None:  # a Product's later factors carry no regular gradient
+            seen.append(out.data_ptr() == incoming.data_ptr())
+        return out
+
+    monkeypatch.setattr(OpCall, "run_regular_donated", spy)
+    return seen
+
+
+def _pass(
+    model: nn.Module,
+    x: torch.Tensor,
+    sr: semipack.Semiring | None,
+    loss: Callable[[torch.Tensor], torch.Tensor],
+) -> list[torch.Tensor]:
+    """Every leaf's gradient, then (with a semiring) every leaf's semiring gradient."""
+    leaves = [*model.parameters(), x]
+    for t in leaves:
+        t.grad = None
+    if sr is None:
+        loss(model(x)).backward()
+        return [t.grad.clone() for t in leaves]
+    with semipack.extend(model, sr):
+        loss(model(x)).backward()
+    values = [t.grad.clone() for t in leaves]
+    for t in leaves:
+        readout = t.semiring_grad
+        values.extend(r.clone() for r in (readout if isinstance(readout, tuple) else (readout,)))
+    return values
+
+
+def _assert_same(got: list[torch.Tensor], expected: list[torch.Tensor]) -> None:
+    """Equal bits, NaN (an Entropy readout where no path reaches) matching NaN."""
+    assert len(got) == len(expected)
+    for g, e in zip(got, expected, strict=True):
+        assert torch.equal(g, e) or (
+            torch.equal(g.nan_to_num(), e.nan_to_num()) and bool((g.isnan() == e.isnan()).all())
+        )
+
+
+def _undonated(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(donation, "_ALONE", {})
+
+
+def _check(
+    monkeypatch: pytest.MonkeyPatch,
+    name: str,
+    model: nn.Module,
+    loss: Callable[[torch.Tensor], torch.Tensor],
+) -> list[bool]:
+    """Run ``loss(model(x))`` plain, with a semiring, and with a semiring donating nothing:
+    the regular gradients must equal autograd's and every value the undonated pass's. Returns
+    whether each activation wrote into its incoming gradient."""
+    x = torch.randn(2, 3, 5, generator=torch.Generator().manual_seed(1)).requires_grad_(True)
+    plain = _pass(model, x, None, loss)
+    with monkeypatch.context() as m:
+        _undonated(m)
+        reference = _pass(model, x, SEMIRINGS[name](), loss)
+    written = _written_into(monkeypatch)
+    got = _pass(model, x, SEMIRINGS[name](), loss)
+    _assert_same(got[: len(plain)], plain)
+    _assert_same(got, reference)
+    return written
+
+
+@pytest.mark.parametrize("name", SEMIRINGS)
+def test_an_activation_writes_its_regular_gradient_into_the_incoming_one(
+    monkeypatch: pytest.MonkeyPatch, name: str
+) -> None:
+    assert set(donation._ALONE) == set(donation._NODES)  # every node calibrated on this PyTorch
+    weights = torch.randn(2, 3, 4, generator=torch.Generator().manual_seed(2))
+    written = _check(monkeypatch, name, _Net(), lambda y: (y * weights).sum())
+    assert written == [True]
+
+
+class _TwoConsumers(nn.Module):
+    """GELU and SiLU of two linear maps, added: the addition hands one gradient object to both
+    activations' nodes."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.a, self.b = nn.Linear(5, 4), nn.Linear(5, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.gelu(self.a(x)) + F.silu(self.b(x))
+
+
+@pytest.mark.parametrize("name", SEMIRINGS)
+def test_a_gradient_handed_to_two_consumers_is_written_into_by_the_last_only(
+    monkeypatch: pytest.MonkeyPatch, name: str
+) -> None:
+    weights = torch.randn(2, 3, 4, generator=torch.Generator().manual_seed(2))
+    written = _check(monkeypatch, name, _TwoConsumers(), lambda y: (y * weights).sum())
+    assert written == [False, True]  # the second runs when the first has let it go
+
+
+class _Held(nn.Module):
+    """Linear, then GELU, whose input gradient ``hold`` keeps a way (and records its value
+    when the hook ran); a second linear layer gives the GELU a fresh incoming gradient."""
+
+    def __init__(self, hold: str) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.a, self.b, self.hold = nn.Linear(5, 7), nn.Linear(7, 4), hold
+        self.kept: list[torch.Tensor] = []
+        self.at_hook: list[torch.Tensor] = []
+        self.retained: torch.Tensor | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = F.gelu(self.a(x))
+        if self.hold == "hook":
+
+            def keep(g: torch.Tensor) -> None:
+                self.kept.append(g)
+                self.at_hook.append(g.clone())
+
+            h.register_hook(keep)
+        elif self.hold == "retain_grad":
+            h.retain_grad()
+            self.retained = h
+        return self.b(h)
+
+
+@pytest.mark.parametrize("hold", ["hook", "retain_grad"])
+@pytest.mark.parametrize("name", ["MaxProd", "Product"])
+def test_a_gradient_a_hook_or_retain_grad_holds_is_not_written_into(
+    monkeypatch: pytest.MonkeyPatch, name: str, hold: str
+) -> None:
+    weights = torch.randn(2, 3, 4, generator=torch.Generator().manual_seed(2))
+    model = _Held(hold)
+    x = torch.randn(2, 3, 5, generator=torch.Generator().manual_seed(1)).requires_grad_(True)
+    loss = lambda y: (y * weights).sum()  # noqa: E731
+    _pass(model, x, None, loss)
+    plain_h_grad = model.retained.grad.clone() if hold == "retain_grad" else None
+    written = _written_into(monkeypatch)
+    _pass(model, x, SEMIRINGS[name](), loss)
+    if hold == "hook":  # the hook holds the very tensor
+        assert written == [False]
+        (kept,), (at_hook,) = model.kept[-1:], model.at_hook[-1:]
+        assert torch.equal(kept, at_hook)
+    else:  # retain_grad keeps a copy (PyTorch's hook clones the gradient it retains)
+        assert type(model.retained.grad) is torch.Tensor
+        assert torch.equal(model.retained.grad, plain_h_grad)
+
+
+@pytest.mark.parametrize("name", ["MaxProd", "Entropy"])
+def test_the_callers_own_gradient_is_not_written_into(
+    monkeypatch: pytest.MonkeyPatch, name: str
+) -> None:
+    torch.manual_seed(0)
+    layer = nn.Linear(5, 7)
+    x = torch.randn(3, 5)
+    gradient = torch.randn(3, 7)
+    before = gradient.clone()
+    written = _written_into(monkeypatch)
+    with semipack.extend(layer, SEMIRINGS[name]()):
+        F.gelu(layer(x)).backward(gradient)
+    assert written == [False]
+    assert torch.equal(gradient, before)
+
+
+@pytest.mark.parametrize("name", ["MaxProd", "LogSum"])
+def test_a_broadcast_gradient_is_not_written_into(
+    monkeypatch: pytest.MonkeyPatch, name: str
+) -> None:
+    """A sum's gradient reaches the GELU as its scalar seed expanded (stride 0): no memory of
+    its own per entry, so an ``out=`` write would fail."""
+    written = _check(monkeypatch, name, nn.Sequential(nn.Linear(5, 4), nn.GELU()), torch.sum)
+    assert written == [False]
+
+
+@pytest.mark.parametrize("node", sorted(donation._NODES))
+def test_the_calibration_refuses_counts_that_do_not_tell_one_holder_from_two(
+    monkeypatch: pytest.MonkeyPatch, node: str
+) -> None:
+    forward, op = donation._NODES[node]
+    assert donation._calibrate(node, forward, op) == donation._ALONE[node]
+    monkeypatch.setattr(donation, "_holders", lambda message: (1, 1))
+    assert donation._calibrate(node, forward, op) is None
+
+
+def test_a_view_counts_as_alone_only_while_nothing_else_holds_its_base() -> None:
+    class Owner:
+        pass
+
+    owner = Owner()
+    owner.value = torch.zeros(6).view(2, 3)
+    assert reuse.alone_in_attribute(owner, "value")
+    base = owner.value._base
+    assert not reuse.alone_in_attribute(owner, "value")
+    del base
+    assert reuse.alone_in_attribute(owner, "value")
+    other_view = owner.value._base.view(3, 2)
+    assert not reuse.alone_in_attribute(owner, "value")
+    del other_view
+    owner.value = torch.zeros(6)
+    storage = owner.value.untyped_storage()
+    assert not reuse.alone_in_attribute(owner, "value")
+    del storage
+    assert reuse.alone_in_attribute(owner, "value")
+
+
+def test_only_tensors_with_memory_of_their_own_per_entry_are_donated() -> None:
+    assert donation._dense(torch.zeros(2, 3))
+    assert donation._dense(torch.zeros(2, 3, 4, 5).to(memory_format=torch.channels_last))
+    assert not donation._dense(torch.zeros(()).expand(3))
+    assert not donation._dense(torch.zeros(3, 4).t())

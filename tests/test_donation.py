@@ -17,6 +17,7 @@ import semipack
 from semipack.kernels import reuse
 from semipack.messages import donation
 from semipack.messages.message import OpCall
+from semipack.rules import pointwise
 
 SEMIRINGS: dict[str, Callable[[], semipack.Semiring]] = {
     "MaxProd": semipack.MaxProd,
@@ -26,22 +27,33 @@ SEMIRINGS: dict[str, Callable[[], semipack.Semiring]] = {
 }
 
 
+ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "gelu": F.gelu,
+    "relu": torch.relu,
+    "silu": F.silu,
+    "relu6": F.relu6,
+}
+
+
 class _Net(nn.Module):
-    """Linear, GELU, Linear on [2, 3, 5]: the GELU's incoming gradient is the second linear
+    """Linear, an activation, Linear on [2, 3, 5] (or [2, 3, 64, 5] into 128 units: large
+    enough for the compiled kernels): the activation's incoming gradient is the second linear
     layer's reshaped matrix product (a view whose base nothing else holds)."""
 
-    def __init__(self) -> None:
+    def __init__(self, activation: str = "gelu", width: int = 7) -> None:
         super().__init__()
         torch.manual_seed(0)
-        self.a, self.b = nn.Linear(5, 7), nn.Linear(7, 4)
+        self.a, self.b = nn.Linear(5, width), nn.Linear(width, 4)
+        self.activation = ACTIVATIONS[activation]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.b(F.gelu(self.a(x)))
+        return self.b(self.activation(self.a(x)))
 
 
 def _written_into(monkeypatch: pytest.MonkeyPatch) -> list[bool]:
     """For each ``run_regular_donated`` from now on: whether its result is in the memory of
-    the incoming regular gradient."""
+    the incoming regular gradient; and for each ReLU cut of a state, whether it wrote into the
+    incoming state (same list, before the call's regular entry)."""
     seen: list[bool] = []
     original = OpCall.run_regular_donated
 
@@ -52,7 +64,15 @@ def _written_into(monkeypatch: pytest.MonkeyPatch) -> list[bool]:
             seen.append(out.data_ptr() == incoming.data_ptr())
         return out
 
+    cut = pointwise._ReluCut.__call__
+
+    def cut_spy(self, part, zero, in_place=False):
+        out = cut(self, part, zero, in_place)
+        seen.append(out.data_ptr() == part.data_ptr())
+        return out
+
     monkeypatch.setattr(OpCall, "run_regular_donated", spy)
+    monkeypatch.setattr(pointwise._ReluCut, "__call__", cut_spy)
     return seen
 
 
@@ -96,11 +116,12 @@ def _check(
     name: str,
     model: nn.Module,
     loss: Callable[[torch.Tensor], torch.Tensor],
+    shape: tuple[int, ...] = (2, 3, 5),
 ) -> list[bool]:
     """Run ``loss(model(x))`` plain, with a semiring, and with a semiring donating nothing:
     the regular gradients must equal autograd's and every value the undonated pass's. Returns
-    whether each activation wrote into its incoming gradient."""
-    x = torch.randn(2, 3, 5, generator=torch.Generator().manual_seed(1)).requires_grad_(True)
+    whether each activation wrote into its incoming tensors (``_written_into``)."""
+    x = torch.randn(shape, generator=torch.Generator().manual_seed(1)).requires_grad_(True)
     plain = _pass(model, x, None, loss)
     with monkeypatch.context() as m:
         _undonated(m)
@@ -112,36 +133,53 @@ def _check(
     return written
 
 
+def _components(name: str) -> int:
+    return len(SEMIRINGS[name]().components)
+
+
+@pytest.mark.parametrize("size", ["small", "large"])
+@pytest.mark.parametrize("activation", ["gelu", "relu"])
 @pytest.mark.parametrize("name", SEMIRINGS)
-def test_an_activation_writes_its_regular_gradient_into_the_incoming_one(
-    monkeypatch: pytest.MonkeyPatch, name: str
+def test_an_activation_writes_its_results_into_the_incoming_message(
+    monkeypatch: pytest.MonkeyPatch, name: str, activation: str, size: str
 ) -> None:
+    """Where nothing else holds the message: GELU its regular gradient, ReLU every tensor
+    (a large state takes the compiled in-place cut)."""
     assert set(donation._ALONE) == set(donation._NODES)  # every node calibrated on this PyTorch
-    weights = torch.randn(2, 3, 4, generator=torch.Generator().manual_seed(2))
-    written = _check(monkeypatch, name, _Net(), lambda y: (y * weights).sum())
-    assert written == [True]
+    shape = (2, 3, 5) if size == "small" else (2, 3, 64, 5)
+    width = 7 if size == "small" else 128  # 2 x 3 x 64 x 128 = 49k entries
+    weights = torch.randn(*shape[:-1], 4, generator=torch.Generator().manual_seed(2))
+    model = _Net(activation, width)
+    written = _check(monkeypatch, name, model, lambda y: (y * weights).sum(), shape)
+    states = _components(name) if activation == "relu" else 0
+    assert written == [True] * (states + 1)
 
 
 class _TwoConsumers(nn.Module):
-    """GELU and SiLU of two linear maps, added: the addition hands one gradient object to both
-    activations' nodes."""
+    """Two activations of two linear maps, added: the addition hands one gradient object to
+    both activations' nodes."""
 
-    def __init__(self) -> None:
+    def __init__(self, first: str, second: str) -> None:
         super().__init__()
         torch.manual_seed(0)
         self.a, self.b = nn.Linear(5, 4), nn.Linear(5, 4)
+        self.first, self.second = ACTIVATIONS[first], ACTIVATIONS[second]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.gelu(self.a(x)) + F.silu(self.b(x))
+        return self.first(self.a(x)) + self.second(self.b(x))
 
 
+@pytest.mark.parametrize("pair", [("gelu", "silu"), ("relu", "relu6"), ("relu", "gelu")])
 @pytest.mark.parametrize("name", SEMIRINGS)
 def test_a_gradient_handed_to_two_consumers_is_written_into_by_the_last_only(
-    monkeypatch: pytest.MonkeyPatch, name: str
+    monkeypatch: pytest.MonkeyPatch, name: str, pair: tuple[str, str]
 ) -> None:
     weights = torch.randn(2, 3, 4, generator=torch.Generator().manual_seed(2))
-    written = _check(monkeypatch, name, _TwoConsumers(), lambda y: (y * weights).sum())
-    assert written == [False, True]  # the second runs when the first has let it go
+    model = _TwoConsumers(*pair)
+    written = _check(monkeypatch, name, model, lambda y: (y * weights).sum())
+    # the second runs once the first has let the message go; the later branch's node first
+    states = [_components(name) if a == "relu" else 0 for a in reversed(pair)]
+    assert written == [False] * (states[0] + 1) + [True] * (states[1] + 1)
 
 
 class _Held(nn.Module):

@@ -24,6 +24,19 @@ def _cut_eager(part: Tensor, x: Tensor, threshold: float, zero: float) -> Tensor
 _cut = compiled(_cut_eager, min_elements=SPECIAL_SAFE_MIN_ELEMENTS)
 
 
+def _cut_in_place_eager(part: Tensor, x: Tensor, threshold: float, zero: float) -> Tensor:
+    return part.masked_fill_(x <= threshold, zero)
+
+
+def _cut_in_place_fused(part: Tensor, x: Tensor, threshold: float, zero: float) -> Tensor:
+    return part.copy_(torch.where(x <= threshold, zero, part))
+
+
+_cut_in_place = compiled(
+    _cut_in_place_eager, _cut_in_place_fused, min_elements=SPECIAL_SAFE_MIN_ELEMENTS
+)
+
+
 def cut_below(part: Tensor, x: Tensor, threshold: float, zero: float) -> Tensor | None:
     """A new tensor: ``zero`` where ``x <= threshold``, ``part`` elsewhere (NaN in ``x`` keeps
     ``part``, as ``torch.threshold_backward`` does), laid out as ``part``. None where the
@@ -39,3 +52,14 @@ def cut_below(part: Tensor, x: Tensor, threshold: float, zero: float) -> Tensor 
     return torch.empty(0, dtype=part.dtype, device=part.device).set_(
         out.untyped_storage(), 0, part.shape, part.stride()
     )
+
+
+def cut_below_in_place(part: Tensor, x: Tensor, threshold: float, zero: float) -> bool:
+    """``cut_below`` written into ``part`` (a state nothing else holds, ``messages.donation``):
+    True where done, False where the one-pass kernel does not apply (the caller then cuts
+    another way)."""
+    flat = flat_on_host(part, x) if compile_enabled() else None
+    if flat is None:
+        return False
+    _cut_in_place(*flat, threshold, zero)
+    return True

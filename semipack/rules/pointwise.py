@@ -23,7 +23,7 @@ from torch import Tensor
 
 from ..graph.saved_inputs import recorded_input
 from ..kernels import log_derivatives as logd
-from ..kernels.cuts import cut_below
+from ..kernels.cuts import cut_below, cut_below_in_place
 from ..messages import OpCall, call_by_name, register_rule
 from ..messages.message import Message, accepts_donations
 from ..semirings.base import Sign
@@ -163,16 +163,22 @@ def exact_log_derivative(call: OpCall) -> tuple[Tensor, Sign] | None:
 
 
 @register_rule(aten.threshold_backward.default)
+@accepts_donations
 def threshold_backward(call: OpCall):
     """ReLU (threshold): an edge of weight exactly 1 where ``self > threshold`` (the message
     passes unchanged: ⊗ one), none elsewhere (the semiring zero). The same values as scaling by
     the 0/1 derivative, without building it and taking its logarithm (a ResNet's ReLUs spent 6%
     of its MaxProd backward there). Entries are cut where torch's own backward zeroes the
-    gradient, ``self <= threshold`` (a NaN input passes, as there)."""
+    gradient, ``self <= threshold`` (a NaN input passes, as there). The cut is written into
+    the incoming state and regular gradient where nothing else holds them (``call.donated``):
+    the node then allocates nothing, as a plain ReLU's backward allocates one gradient."""
     _, msg = _message_arg(call)
     cut = _ReluCut(call["self"], call["threshold"])
-    parts = tuple(cut(p, zero) for p, zero in zip(msg.parts, call.semiring.zero, strict=True))
-    return call.wrap(call.run_regular(), parts)
+    parts = tuple(
+        cut(p, zero, id(p) in call.donated)
+        for p, zero in zip(msg.parts, call.semiring.zero, strict=True)
+    )
+    return call.wrap(call.run_regular_donated(), parts)
 
 
 class _ReluCut:
@@ -187,7 +193,9 @@ class _ReluCut:
         self.x, self.threshold = x, threshold
         self._offsets: dict[float, Tensor] = {}
 
-    def __call__(self, part: Tensor, zero: float | bool) -> Tensor:
+    def __call__(self, part: Tensor, zero: float | bool, in_place: bool = False) -> Tensor:
+        """``part`` cut where the input is off: a new tensor, or ``part`` itself written over
+        with ``in_place`` (a state nothing else holds)."""
         x, threshold = self.x, self.threshold
         plus_zero = zero == 0.0 and math.copysign(1.0, zero) > 0  # threshold_backward's own
         if (
@@ -197,10 +205,15 @@ class _ReluCut:
         ):
             return torch.where(x <= threshold, zero, part)
         if not plus_zero:
-            one_pass = cut_below(part, x, threshold, zero)
+            if in_place and cut_below_in_place(part, x, threshold, zero):
+                return part
+            one_pass = None if in_place else cut_below(part, x, threshold, zero)
             if one_pass is not None:
                 return one_pass
-        kept = aten.threshold_backward(part, x, threshold)  # a new tensor, 0 where cut
+        if in_place:  # 0 where cut, in the incoming state's memory
+            kept = aten.threshold_backward.grad_input(part, x, threshold, grad_input=part)
+        else:
+            kept = aten.threshold_backward(part, x, threshold)  # a new tensor, 0 where cut
         return kept if plus_zero else kept.add_(self._offset(zero))
 
     def _offset(self, zero: float) -> Tensor:

@@ -6,8 +6,11 @@ nothing; the first checks that the write happens at all where nothing else holds
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from collections.abc import Callable
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -293,3 +296,108 @@ def test_only_tensors_with_memory_of_their_own_per_entry_are_donated() -> None:
     assert donation._dense(torch.zeros(2, 3, 4, 5).to(memory_format=torch.channels_last))
     assert not donation._dense(torch.zeros(()).expand(3))
     assert not donation._dense(torch.zeros(3, 4).t())
+
+
+def _plain_and_semiring_grads(
+    model: nn.Module, run: Callable[[], torch.Tensor], sr: semipack.Semiring
+) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    model.zero_grad(set_to_none=True)
+    run().backward()
+    plain = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad(set_to_none=True)
+    with semipack.extend(model, sr):
+        run().backward()
+    return plain, [p.grad.clone() for p in model.parameters()]
+
+
+def test_an_op_whose_result_follows_its_input_layout_keeps_the_plain_bits() -> None:
+    """LeakyReLU lays its gradient out like its input: on a transposed input the plain result
+    is transposed, and the bias's sum below adds in that order (trial 96)."""
+    torch.manual_seed(0)
+    layer = nn.Linear(16, 512)
+    x, c = torch.randn(256, 16), torch.randn(512, 256)
+    plain, got = _plain_and_semiring_grads(
+        layer, lambda: (F.leaky_relu(layer(x).t()) * c).sum(), semipack.MaxProd()
+    )
+    for p, g in zip(plain, got, strict=True):
+        assert torch.equal(p, g)
+
+
+@pytest.mark.parametrize("name", ["MaxProd", "Product"])
+def test_a_channels_last_map_of_one_by_one_keeps_the_plain_bits(name: str) -> None:
+    """On [N, C, 1, 1] a channels-last gradient (C, 1, C, C) passes ``is_contiguous`` while
+    Hardswish's input is (C, 1, 1, 1), whose layout its gradient takes (MobileNetV3's squeeze
+    blocks; trial 96)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.Conv2d(16, 576, 1),
+        nn.BatchNorm2d(576),
+        nn.Hardswish(),
+        nn.Conv2d(576, 576, 5, padding=2, groups=576),
+        nn.Flatten(),
+    )
+    model = model.eval().to(memory_format=torch.channels_last)
+    x = torch.randn(2, 16, 1, 1).to(memory_format=torch.channels_last)
+    w = torch.randn(2, 576)
+    plain, got = _plain_and_semiring_grads(model, lambda: (model(x) * w).sum(), SEMIRINGS[name]())
+    for p, g in zip(plain, got, strict=True):
+        assert torch.equal(p, g)
+
+
+@pytest.mark.parametrize("wrap", ["from_numpy", "frombuffer"])
+def test_memory_from_outside_pytorch_is_never_written_into(wrap: str) -> None:
+    """A hook may hand back a gradient on a numpy array's or a buffer's memory: no other
+    tensor holds that storage, but its maker does (trial 96)."""
+    torch.manual_seed(0)
+    model = _Net()
+    x = torch.randn(2, 3, 5)
+    memory = np.full((2, 3, 7), 0.5, dtype=np.float32)
+    buffer = bytearray(memory.tobytes())
+
+    def outside(g: torch.Tensor) -> torch.Tensor:
+        if wrap == "from_numpy":
+            return torch.from_numpy(memory)
+        return torch.frombuffer(buffer, dtype=torch.float32).view(2, 3, 7)
+
+    with semipack.extend(model, semipack.MaxProd()):
+        h = model.a(x)
+        h.register_hook(outside)  # the incoming gradient of nothing: h's own, below GELU
+        g = F.gelu(h)
+        g.register_hook(outside)  # GELU's incoming gradient
+        model.b(g).sum().backward()
+    assert (memory == 0.5).all()
+    assert (np.frombuffer(buffer, dtype=np.float32) == 0.5).all()
+
+
+def test_a_tracer_active_while_calibrating_does_not_lower_the_bar() -> None:
+    """A trace function that reads each frame's locals holds one more reference to every
+    local: counts calibrated under it would take a message one Python object holds for one
+    nothing holds, once the tracer is gone (trial 96)."""
+
+    def tracer(frame, event, arg):
+        frame.f_locals  # noqa: B018 - what debuggers and snooping tools do
+        return tracer
+
+    forward, op = donation._NODES["GeluBackward0"]
+    sys.settrace(tracer)
+    try:
+        with reuse.calibrating():
+            shielded = donation._calibrate("GeluBackward0", forward, op)
+            baselines = reuse._baseline_refs()
+        exposed = donation._calibrate("GeluBackward0", forward, op)
+    finally:
+        sys.settrace(None)
+    assert shielded == donation._ALONE["GeluBackward0"]
+    assert baselines == (reuse._ALONE_AS_ATTRIBUTE, reuse._ALONE_AS_ITEM, reuse._ALONE_STORAGE)
+    assert exposed != shielded  # the tracer does change the counts it is shielded from
+
+
+@pytest.mark.parametrize("mode", ["torch.no_grad()", "torch.inference_mode()"])
+def test_semipack_imports_and_calibrates_under_a_gradient_mode(mode: str) -> None:
+    code = (
+        f"import torch\nwith {mode}:\n    import semipack\n"
+        "from semipack.messages import donation\n"
+        "assert set(donation._ALONE) == set(donation._NODES), donation._ALONE\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-2000:]

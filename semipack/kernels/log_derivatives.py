@@ -175,17 +175,19 @@ QUOTIENT_DEGREE = 9
 
 
 def _newton_root(bracket: Callable[[Tensor], Tensor], guess: float) -> float:
-    """The root of ``bracket`` near ``guess``: float64 Newton steps with autograd slopes."""
-    x = torch.tensor(guess, dtype=torch.float64)
-    for _ in range(100):
-        x = x.detach().requires_grad_(True)
-        y = bracket(x)
-        (slope,) = torch.autograd.grad(y, x)
-        step = (y / slope).item()
-        x = x.detach() - step
-        if abs(step) <= 1e-16 * abs(x.item()):
-            break
-    return x.item()
+    """The root of ``bracket`` near ``guess``: float64 Newton steps with autograd slopes (with
+    gradients on: semipack may be imported under ``torch.no_grad()`` or ``inference_mode()``)."""
+    with torch.inference_mode(False), torch.enable_grad():
+        x = torch.tensor(guess, dtype=torch.float64)
+        for _ in range(100):
+            x = x.detach().requires_grad_(True)
+            y = bracket(x)
+            (slope,) = torch.autograd.grad(y, x)
+            step = (y / slope).item()
+            x = x.detach() - step
+            if abs(step) <= 1e-16 * abs(x.item()):
+                break
+        return x.item()
 
 
 def _quotient_polynomial(

@@ -13,11 +13,14 @@ survives a new pass.
 
 from __future__ import annotations
 
+import contextlib
 import sys
+from collections.abc import Iterator
 from typing import Any
 
 import torch
 from torch import Tensor
+from torch.utils._python_dispatch import _disable_current_modes
 
 #: Attribute name of the probe used to measure the baseline reference counts.
 _PROBE = "semipack_probe"
@@ -43,6 +46,28 @@ def _storage_refs(value: Tensor) -> tuple[Any, int]:
     return storage, sys.getrefcount(storage)
 
 
+@contextlib.contextmanager
+def calibrating() -> Iterator[None]:
+    """The state reference counts are calibrated in: no trace or profile function (a tracer
+    that reads a frame's locals holds one more reference to each: a baseline measured under
+    one would count a held value as alone once it is gone), no torch function or dispatch
+    mode, gradients on, outside inference mode (semipack may be imported under any of them)."""
+    trace, profile = sys.gettrace(), sys.getprofile()
+    sys.settrace(None)
+    sys.setprofile(None)
+    try:
+        with (
+            _disable_current_modes(),
+            torch._C.DisableTorchFunction(),
+            torch.inference_mode(False),
+            torch.enable_grad(),
+        ):
+            yield
+    finally:
+        sys.settrace(trace)
+        sys.setprofile(profile)
+
+
 def _baseline_refs() -> tuple[int, int, int]:
     """The counts of ``_attribute_refs``, ``_item_refs`` and ``_storage_refs`` for objects with
     no other holder (measured, not assumed: they depend on the interpreter)."""
@@ -54,7 +79,8 @@ def _baseline_refs() -> tuple[int, int, int]:
     return attribute, item, storage
 
 
-_ALONE_AS_ATTRIBUTE, _ALONE_AS_ITEM, _ALONE_STORAGE = _baseline_refs()
+with calibrating():
+    _ALONE_AS_ATTRIBUTE, _ALONE_AS_ITEM, _ALONE_STORAGE = _baseline_refs()
 
 
 def _base_refs(view: Tensor) -> tuple[Tensor, int]:
@@ -73,7 +99,8 @@ def _view_baseline() -> tuple[int, int]:
     return refs, base._use_count()
 
 
-_ALONE_BASE_REFS, _ALONE_BASE_USES = _view_baseline()
+with calibrating():
+    _ALONE_BASE_REFS, _ALONE_BASE_USES = _view_baseline()
 
 
 def _alone(value: Any, refs: int, baseline: int, other_processes: bool = True) -> bool:
@@ -82,11 +109,16 @@ def _alone(value: Any, refs: int, baseline: int, other_processes: bool = True) -
     on it, a holder of its storage object) and, with ``other_processes``, no other process
     (shared memory, as a ``torch.multiprocessing`` queue leaves a tensor it sent; PyTorch
     reports every CUDA tensor as shared). A view counts when its base is held by nothing but
-    the view (a backward formula's reshaped result): its memory has no other owner."""
+    the view (a backward formula's reshaped result): its memory has no other owner. Memory
+    PyTorch did not allocate (``torch.from_numpy``, ``torch.frombuffer``) never counts."""
     if type(value) is not Tensor or refs > baseline or value._use_count() != 1:
         return False
     if other_processes and value.is_shared():
         return False
+    storage = value.untyped_storage()
+    if not storage.resizable():  # memory from outside PyTorch's allocator (numpy, a buffer,
+        return False  # DLPack): whoever made the tensor holds it
+    del storage
     owners = 2  # the tensor and, while held here, its storage object
     if value._base is not None:
         base, base_refs = _base_refs(value)

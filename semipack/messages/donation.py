@@ -34,7 +34,7 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.utils._pytree import tree_map
 
-from ..kernels.reuse import alone_in_attribute, alone_in_items
+from ..kernels.reuse import alone_in_attribute, alone_in_items, calibrating
 
 aten = torch.ops.aten
 
@@ -140,11 +140,12 @@ def _calibrate(node: str, forward: Callable[[Tensor], Tensor], op: Any) -> tuple
 
 
 #: node name -> the ``_holders`` of a message its node holds for one call alone
-_ALONE: dict[str, tuple[int, int]] = {
-    name: counts
-    for name, (forward, op) in _NODES.items()
-    if (counts := _calibrate(name, forward, op)) is not None
-}
+with calibrating():
+    _ALONE: dict[str, tuple[int, int]] = {
+        name: counts
+        for name, (forward, op) in _NODES.items()
+        if (counts := _calibrate(name, forward, op)) is not None
+    }
 
 
 def donations(args: tuple) -> frozenset[int]:

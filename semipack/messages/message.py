@@ -370,8 +370,15 @@ class OpCall:
             return self.run_regular()
         args, kwargs = map_arguments(_regular_of, self.args, self.kwargs)
         for a in flat_arguments(args, kwargs):
-            if isinstance(a, Tensor) and (a.shape != regular.shape or a.dtype != regular.dtype):
-                return self.run_regular()  # broadcast or promoted: not the same layout
+            if isinstance(a, Tensor) and (
+                a.shape != regular.shape
+                or a.dtype != regular.dtype
+                or a.stride() != regular.stride()
+            ):
+                # broadcast, promoted, or laid out otherwise: the op's own result could take
+                # another layout (LeakyReLU's follows its input, and on a channels-last map of
+                # 1 x 1 the strides of size-1 dims decide), and the ops below it round by it
+                return self.run_regular()
         return out_op[0](*args, **kwargs, **{out_op[1]: regular})
 
     def state(self, x: Any, shape: Sequence[int] | None = None) -> State:

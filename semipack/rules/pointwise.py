@@ -173,9 +173,10 @@ def threshold_backward(call: OpCall):
     the incoming state and regular gradient where nothing else holds them (``call.donated``):
     the node then allocates nothing, as a plain ReLU's backward allocates one gradient."""
     _, msg = _message_arg(call)
-    cut = _ReluCut(call["self"], call["threshold"])
-    parts = tuple(
-        cut(p, zero, id(p) in call.donated)
+    x = call["self"]
+    cut = _ReluCut(x, call["threshold"])
+    parts = tuple(  # in place only in the layout the op's own result would take
+        cut(p, zero, id(p) in call.donated and p.stride() == x.stride())
         for p, zero in zip(msg.parts, call.semiring.zero, strict=True)
     )
     return call.wrap(call.run_regular_donated(), parts)

@@ -6,12 +6,12 @@
 
 Every ratio is measured in the same run against that run's plain backward; the variants of a
 workload are timed in turns, round after round, and each keeps its fastest round. Times come
-from this process; peak memory from a child process whose allocator returns freed memory to the
-OS (which slows allocation, hence the separate process). "fused" runs with module extensions
-(the default of ``semipack.extend``), "generic" with ``extensions=False`` (every op through the
-per-op rules). For the Linear layer the naive baseline computes the max-plus products by
-broadcasting to [batch, out, in] and reducing; it is timed on 1/16 of the rows and scaled, since
-the full broadcast needs ~9.7 GB per product.
+from this process; peak memory from child processes, one per variant, whose allocator returns
+freed memory to the OS (which slows allocation, hence the separate processes). "fused" runs
+with module extensions (the default of ``semipack.extend``), "generic" with
+``extensions=False`` (every op through the per-op rules). For the Linear layer the naive
+baseline computes the max-plus products by broadcasting to [batch, out, in] and reducing; it is
+timed on 1/16 of the rows and scaled, since the full broadcast needs ~9.7 GB per product.
 """
 
 from __future__ import annotations
@@ -133,13 +133,16 @@ def run_times(names: list[str], repeats: int) -> dict:
     return {"seconds": out, "descriptions": descriptions}
 
 
-def run_memory(names: list[str]) -> dict:
-    """{(workload, semiring, path): peak bytes}, in a process with a returning allocator."""
+def run_memory(names: list[str], variant: tuple[str, str] | None = None) -> dict:
+    """{(workload, semiring, path): peak bytes}, in a process with a returning allocator; only
+    ``variant`` where given."""
     out = {}
     for name in names:
         workload = WORKLOADS[name]()
         reset = clear_results(workload.leaves())
         for semiring, path in _variants(name):
+            if variant is not None and (semiring, path) != variant:
+                continue
             out[(name, semiring, path)] = memory_of(_step(workload, semiring, path), reset)
         if name == "linear":
             model, x = workload.model, _linear_input(workload)
@@ -149,11 +152,19 @@ def run_memory(names: list[str]) -> dict:
 
 
 def memory_in_child(names: list[str]) -> dict:
+    """Peak memory of every variant, each in a child process of its own: in one process a
+    variant's leftovers shift the next one's peak (a BERT layer's Entropy pass peaked 11 MB
+    higher after a MaxProd pass than alone, 134 against 123 MB, and not in later passes)."""
     env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536")
-    cmd = [sys.executable, __file__, "--memory-child", "--workloads", *names]
-    done = subprocess.run(cmd, env=env, capture_output=True, text=True, check=True)
-    payload = json.loads(done.stdout.strip().splitlines()[-1])
-    return {tuple(k.split("|")): v for k, v in payload.items()}
+    out = {}
+    for name in tqdm(names, desc="memory"):
+        for semiring, path in _variants(name):
+            cmd = [sys.executable, __file__, "--memory-child", "--workloads", name]
+            cmd += ["--variant", f"{semiring}|{path}"]
+            done = subprocess.run(cmd, env=env, capture_output=True, text=True, check=True)
+            payload = json.loads(done.stdout.strip().splitlines()[-1])
+            out.update({tuple(k.split("|")): v for k, v in payload.items()})
+    return out
 
 
 def combine(times: dict, memory: dict) -> list[dict]:
@@ -231,9 +242,11 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--write", type=Path, default=None, help="write the results as markdown")
     parser.add_argument("--memory-child", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--variant", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.memory_child:
-        memory = run_memory(args.workloads)
+        variant = tuple(args.variant.split("|")) if args.variant else None
+        memory = run_memory(args.workloads, variant)
         print(json.dumps({"|".join(k): v for k, v in memory.items()}))
         return
     times = run_times(args.workloads, args.repeats)
@@ -265,9 +278,10 @@ by up to 40% within a run; the fastest round is the least disturbed one). Time i
 the backward alone (the forward runs before the timer starts, inside `semipack.extend`); the
 regular gradient is computed alongside in every semiring row. Peak memory is the peak resident
 memory during forward + backward above the memory before the forward (Linux high-water mark), so
-it includes the saved activations a backward keeps alive; it is taken in a child process of the
-same run whose allocator returns freed memory to the OS (that slows allocation, so times are not
-taken there).
+it includes the saved activations a backward keeps alive; it is taken in child processes of the
+same run, one per variant (in one process a variant's leftovers shifted the next one's peak),
+whose allocator returns freed memory to the OS (that slows allocation, so times are not taken
+there).
 
 - **fused**: `semipack.extend(model, semiring)`: module extensions and fused kernels.
 - **generic**: `semipack.extend(model, semiring, extensions=False)`: every aten op through its

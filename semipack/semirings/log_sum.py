@@ -217,14 +217,16 @@ class LogSum(Semiring):
             return None
         e = exp_(m[0] - shift)
         by_right = by_left = total = None
-        if right is not None:
-            by_right = (log_magnitude_plus_(blas.matmul(e, self.kept_magnitude(right)), shift),)
+        # ``left`` first: its |x| (a layer's input, made here) is gone before the other
+        # product's state exists (see ``Entropy.shared_shift_products``)
         if left is not None:
             by_left = blas.matmul(e.transpose(-1, -2), self.magnitude(left))
             by_left = (log_magnitude_plus_(by_left, shift),)
         if left_log is not None:
             scaled, c = column_scaled(self.log_magnitude(left_log))
             by_left = (blas.matmul(e.transpose(-1, -2), scaled).log_().add_(shift).add_(c),)
+        if right is not None:
+            by_right = (log_magnitude_plus_(blas.matmul(e, self.kept_magnitude(right)), shift),)
         if want_sum:
             total = (log_magnitude_plus_(e.sum(-2), shift),)
         return by_right, by_left, total

@@ -328,20 +328,18 @@ there).
   MKL's speed; with most of the products on oneDNN (above) the layer runs below it.
 - **Memory.** Module extensions free their saved state as soon as their backward has run (as a
   plain backward frees a node's saved tensors), attention messages are built over chunks of the
-  batch, and activation rules build the new state in the memory of their edge weights.
-  `benchmarks/memory_trace.py` reads the resident memory at each autograd node: the MaxProd and
-  LogSum peak is inside the GELU of the feed-forward block. When it starts, the backward holds
-  what a plain backward holds there (54 MB) plus the incoming 1024 x 3072 state (12 MB) and the
-  results so far (9.4 MB for the second feed-forward weight, 3 MB for the residual's state); the
-  node then adds the new state and the regular gradient (12 MB each). 1.5x plain would need one
-  of them to overwrite an incoming tensor, but the autograd engine can hand one gradient object
-  to several consumers (the two branches of an addition), so overwriting it could silently
-  corrupt another message: semipack does not. Tried on 2026-11-26 and not landed: the C++ use
-  count (`Tensor._use_count()`, which PyTorch reads before `swap_tensors`) tells a message the
-  engine still holds for a second consumer apart (5 against 4 in a calibration probe), but the
-  GELU's incoming regular gradient here is a view (the Linear extension's reshaped matrix
-  product), so writing over it would need views of private bases accepted as well.
-  Entropy carries two state components: about 2x.
+  batch, activation rules build the new state in the memory of their edge weights, and write
+  their regular gradient (ReLU its state too) into the incoming message where nothing else
+  holds it (README, "How it works"). `benchmarks/memory_trace.py` reads the resident memory at
+  each autograd node (its hooks make the engine hold each node's incoming gradient, so the
+  activations there write into nothing). The GELU of the feed-forward block was the MaxProd and
+  LogSum peak: it held what a plain backward holds there (54 MB) plus the incoming 1024 x 3072
+  state and regular gradient, the results so far (9.4 MB for the second feed-forward weight, 3 MB
+  for the residual's state), and added the new state and regular gradient (12 MB each); with the
+  new regular gradient in the incoming one's memory the peak is 93 MB (LogSum), and MaxProd's,
+  96 MB, is in the feed-forward linear layers. Entropy carries two state components: its peak,
+  123 MB (1.86x), is in the first feed-forward layer's backward, whose weight message is taken
+  before its input's so that the input's magnitudes and e·r are freed first.
 - **Convolutions.** LogSum, LogCount and Entropy run PyTorch's own convolution backward (oneDNN
   direct kernels) on the exponentiated message and |x|, |W|: the same work as the plain backward
   per product (Entropy: three products per message). The other semirings take one kernel tap at

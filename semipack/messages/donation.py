@@ -4,18 +4,20 @@ freed the moment they return.
 
 A semiring message carries more than a gradient (the regular gradient and one or more state
 components), so an activation's node holds the incoming and the new message at once: on a BERT
-layer's GELU that is four 12 MB tensors where a plain backward holds two, and it is the pass's
-peak. Writing the new regular gradient into the incoming one's memory removes one of them.
+layer's GELU that is four 12 MB tensors where a plain backward holds two, and it was the pass's
+peak. Writing the new regular gradient into the incoming one's memory removes one of them; a
+ReLU writes its cut state into the incoming state as well, and then allocates nothing.
 
 The engine hands one gradient object to several consumers (an addition passes its gradient to
 both summands unchanged), so writing into a message is allowed only when the engine holds it
 for this call alone and nothing but the message holds the tensor written into:
 
 - the message: its count of C++ owners (the engine's buffers) and of Python references equal
-  those of a message held for this call alone. Those counts depend on PyTorch's engine and
-  dispatcher, so they are measured once, here, by running a probe gradient through the engine
-  (``_calibrate``); where a probe held twice does not count higher than one held once, nothing
-  is ever donated.
+  those of a message held for this call alone. Those counts depend on PyTorch's engine, on the
+  autograd node that calls the op and on the dispatcher, so they are measured at import, here,
+  for each node of ``_NODES``, by running a probe gradient through the engine (``_calibrate``);
+  where a probe held twice does not count higher than one held once, that node donates nothing,
+  and so does every node not in ``_NODES``.
 - each tensor: ``kernels.reuse`` rules out every other holder (Python references, other tensors
   on its memory, a graph that saved it, other processes).
 

@@ -103,13 +103,16 @@ with calibrating():
     _ALONE_BASE_REFS, _ALONE_BASE_USES = _view_baseline()
 
 
-def _alone(value: Any, refs: int, baseline: int, other_processes: bool = True) -> bool:
+def _alone(
+    value: Any, refs: int, baseline: int, other_processes: bool = True, views: bool = False
+) -> bool:
     """Whether no one but its holder can reach ``value``: no other Python reference, no other
     owner of the tensor (a graph that saved it), no other owner of its memory (another tensor
     on it, a holder of its storage object) and, with ``other_processes``, no other process
     (shared memory, as a ``torch.multiprocessing`` queue leaves a tensor it sent; PyTorch
-    reports every CUDA tensor as shared). A view counts when its base is held by nothing but
-    the view (a backward formula's reshaped result): its memory has no other owner. Memory
+    reports every CUDA tensor as shared). With ``views``, a view counts when its base is held
+    by nothing but the view (a backward formula's reshaped result): its memory has no other
+    owner (PyTorch's engine counts a view as shared, and ``held_only_by`` follows it). Memory
     PyTorch did not allocate (``torch.from_numpy``, ``torch.frombuffer``) never counts."""
     if type(value) is not Tensor or refs > baseline or value._use_count() != 1:
         return False
@@ -121,6 +124,8 @@ def _alone(value: Any, refs: int, baseline: int, other_processes: bool = True) -
     del storage
     owners = 2  # the tensor and, while held here, its storage object
     if value._base is not None:
+        if not views:
+            return False
         base, base_refs = _base_refs(value)
         if base_refs > _ALONE_BASE_REFS or base._use_count() > _ALONE_BASE_USES:
             return False
@@ -134,7 +139,7 @@ def alone_in_attribute(owner: Any, name: str) -> bool:
     """Whether ``owner.<name>`` is a tensor nothing but ``owner`` holds, in this process or
     another (``_alone``): one a new value may be written into."""
     value, refs = _attribute_refs(owner, name)
-    return _alone(value, refs, _ALONE_AS_ATTRIBUTE)
+    return _alone(value, refs, _ALONE_AS_ATTRIBUTE, views=True)
 
 
 def alone_in_items(owner: Any, name: str) -> list[bool]:
@@ -150,7 +155,7 @@ def alone_in_items(owner: Any, name: str) -> list[bool]:
     out = []
     for i in range(len(items)):
         value, refs = _item_refs(items, i)
-        out.append(_alone(value, refs, _ALONE_AS_ITEM))
+        out.append(_alone(value, refs, _ALONE_AS_ITEM, views=True))
     return out
 
 

@@ -400,7 +400,9 @@ def test_a_tracer_active_while_calibrating_does_not_lower_the_bar() -> None:
     assert exposed != shielded  # the tracer does change the counts it is shielded from
 
 
-@pytest.mark.parametrize("mode", ["torch.no_grad()", "torch.inference_mode()"])
+@pytest.mark.parametrize(
+    "mode", ["torch.no_grad()", "torch.inference_mode()", "torch.autograd.detect_anomaly()"]
+)
 def test_semipack_imports_and_calibrates_under_a_gradient_mode(mode: str) -> None:
     code = (
         f"import torch\nwith {mode}:\n    import semipack\n"

@@ -51,7 +51,8 @@ def calibrating() -> Iterator[None]:
     """The state reference counts are calibrated in: no trace or profile function (a tracer
     that reads a frame's locals holds one more reference to each: a baseline measured under
     one would count a held value as alone once it is gone), no torch function or dispatch
-    mode, gradients on, outside inference mode (semipack may be imported under any of them)."""
+    mode, gradients on, outside inference mode and anomaly detection (semipack may be imported
+    under any of them)."""
     trace, profile = sys.gettrace(), sys.getprofile()
     sys.settrace(None)
     sys.setprofile(None)
@@ -61,6 +62,7 @@ def calibrating() -> Iterator[None]:
             torch._C.DisableTorchFunction(),
             torch.inference_mode(False),
             torch.enable_grad(),
+            torch.autograd.set_detect_anomaly(False),
         ):
             yield
     finally:

@@ -144,7 +144,7 @@ def run_memory(names: list[str], variant: tuple[str, str] | None = None) -> dict
             if variant is not None and (semiring, path) != variant:
                 continue
             out[(name, semiring, path)] = memory_of(_step(workload, semiring, path), reset)
-        if name == "linear":
+        if name == "linear" and (name, "plain backward", "-") in out:
             model, x = workload.model, _linear_input(workload)
             broadcast = x.shape[0] * model.out_features * model.in_features * 4
             out[(name, "MaxProd", "naive")] = out[(name, "plain backward", "-")] + broadcast

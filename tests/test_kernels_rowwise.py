@@ -662,6 +662,7 @@ def test_entropy_elementwise_kernels_equal_their_eager_forms(shape) -> None:
     from semipack.semirings.entropy import (
         _entropy_pair,
         _entropy_readout,
+        _mean_kernel,
         _mean_surprisal,
         _shared_shift,
     )
@@ -679,7 +680,17 @@ def test_entropy_elementwise_kernels_equal_their_eager_forms(shape) -> None:
     total.view(-1)[::5] = 0.0
     total.view(-1)[2::9] = float("inf")
     got = _mean_surprisal(total, weighted.clone(), less)
-    want = _mean_surprisal.eager(total, weighted.clone(), less)
+    want = _mean_kernel.eager(total, weighted.clone(), less)
+    assert torch.equal(got.isnan(), want.isnan())
+    assert torch.equal(got.nan_to_num(), want.nan_to_num())
+    # over flat views with a 0-d subtrahend, and on a transposed layout: the same bits
+    scalar = torch.tensor(0.5)
+    got = _mean_surprisal(total, weighted.clone(), scalar)
+    want = _mean_kernel.eager(total, weighted.clone(), scalar)
+    assert torch.equal(got.isnan(), want.isnan())
+    assert torch.equal(got.nan_to_num(), want.nan_to_num())
+    got = _mean_surprisal(total.t(), weighted.t().clone(), less.t())
+    want = _mean_kernel.eager(total.t(), weighted.t().clone(), less.t())
     assert torch.equal(got.isnan(), want.isnan())
     assert torch.equal(got.nan_to_num(), want.nan_to_num())
     # both halves of a product's state in one loop: the bits of the mean's and the log's own
@@ -1017,3 +1028,25 @@ def test_elementwise_kernels_compile_once_for_every_pattern_of_size_one_dims() -
     for fn in (entropy._readout_fused, entropy._readout_into_fused):
         assert len(_debug_get_cache_entry_list(fn.__code__)) <= 2
     assert len(_debug_get_cache_entry_list(shared_shift._nonzero_magnitude_min.__code__)) <= 2
+
+
+def test_log_plus_with_a_shift_per_row_equals_the_eager_log_and_add() -> None:
+    """``log_magnitude_plus_`` with a row maximum as the shift ([..., N, 1]) runs as
+    [rows, cols] views (one compiled variant whatever the rank); any other broadcast takes the
+    eager log and add. Zeros (no path) give -inf, NaN stays NaN; the compiled log is within
+    float32 rounding of torch's."""
+    from semipack.kernels.logspace import _rows, log_magnitude_, log_magnitude_plus_
+
+    torch.manual_seed(0)
+    for shape, shift_shape in [((4, 300, 64), (4, 300, 1)), ((300, 128), (1, 128))]:
+        mag = torch.rand(shape)
+        mag.view(-1)[::7] = 0.0
+        mag.view(-1)[3::11] = float("nan")
+        shift = torch.randn(shift_shape) * 10
+        assert (_rows(mag, shift) is not None) == (shift_shape[-1] == 1)
+        got = log_magnitude_plus_(mag.clone(), shift)
+        want = log_magnitude_(mag.clone()).add_(shift)
+        assert torch.equal(got.isnan(), want.isnan())
+        assert torch.equal(got.isneginf(), want.isneginf())
+        finite = want.isfinite()
+        torch.testing.assert_close(got[finite], want[finite], rtol=3e-7, atol=1e-6)

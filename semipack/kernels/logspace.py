@@ -216,7 +216,33 @@ def log_magnitude_plus_(mag: Tensor, shift: Tensor | float) -> Tensor:
         if flat is not None and flat_shift is not None:
             _log_plus(flat, flat_shift)
             return mag
-    return _log_plus(mag, shift)
+    rows = _rows(mag, shift)
+    if rows is not None:
+        _log_plus(*rows)
+        return mag
+    # Any other broadcast: compiled, each rank and pattern of size-1 dims was a variant of its
+    # own, and a run over several models reached torch.compile's recompilation limit
+    return log_magnitude_(mag).add_(shift)
+
+
+def _rows(mag: Tensor, shift: Tensor) -> tuple[Tensor, Tensor] | None:
+    """``mag`` as [rows, cols] and a shift per row (``shift`` of ``mag``'s shape with a last
+    dim of 1: a row maximum) as [rows, 1], both contiguous views without a base (``_flat``:
+    one compiled variant, whatever the rank); None for any other pair."""
+    if (
+        mag.dim() == 0
+        or shift.shape != (*mag.shape[:-1], 1)
+        or not mag.is_contiguous()
+        or not shift.is_contiguous()
+    ):
+        return None
+    cols = mag.shape[-1]
+    rows = mag.numel() // max(cols, 1)
+    out = []
+    for t, width in ((mag, cols), (shift, 1)):
+        view = torch.empty(0, dtype=t.dtype, device=t.device)
+        out.append(view.set_(t.untyped_storage(), t.storage_offset(), (rows, width), (width, 1)))
+    return out[0], out[1]
 
 
 def finite_surprisal(log_w: Tensor) -> Tensor:

@@ -350,7 +350,22 @@ def _mean_fused(total: Tensor, weighted: Tensor, less: Tensor) -> Tensor:
 
 #: The mean surprisal (weighted - less) / total, 0 where the total is 0, in one loop (the
 #: eager form's four passes over a weight-sized message cost as much as its products).
-_mean_surprisal = compiled(_mean_eager, _mean_fused, min_elements=FUSED_MIN_ELEMENTS)
+_mean_kernel = compiled(_mean_eager, _mean_fused, min_elements=FUSED_MIN_ELEMENTS)
+
+
+def _mean_surprisal(total: Tensor, weighted: Tensor, less: Tensor) -> Tensor:
+    """``_mean_kernel``, written into ``weighted``, over flat views (``flat_views``) where the
+    operands share a layout (``less`` may be a number, 0-d): called on the tensors themselves,
+    each rank and each operand made by another compiled kernel (which carries other dispatch
+    keys) was a variant of its own, seven in one process of the benchmark workloads, one short
+    of torch.compile's recompilation limit."""
+    if total.numel() >= FUSED_MIN_ELEMENTS:
+        scalar = less.dim() == 0
+        flat = flat_views(total, weighted) if scalar else flat_views(total, weighted, less)
+        if flat is not None:
+            _mean_kernel(flat[0], flat[1], less if scalar else flat[2])
+            return weighted
+    return _mean_kernel(total, weighted, less)
 
 
 def _pair_eager(total: Tensor, weighted: Tensor, less: Tensor, shift: Tensor) -> State:

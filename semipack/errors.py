@@ -111,13 +111,21 @@ class UnsupportedOpError(SemipackError):
                     f"in the README), or register a rule with {hint.split(' (see')[0]} if it "
                     "has one meaning everywhere."
                 )
-            message = (
-                f"semipack has no semiring rule for {op} {where}{origin}. {register}"
-                " (A hook on a tensor created before entering semipack.extend receives semiring "
-                "messages and runs inside that node: if the op is the hook's, set the hook up "
-                "inside the block, where it sees the regular gradient.)"
+            hook = (
+                ""  # the node's own backward op: no hook of the user's calls that
+                if node and _own_backward_op(op, node)
+                else " (A hook on a tensor created before entering semipack.extend receives "
+                "semiring messages and runs inside that node: if the op is the hook's, set the "
+                "hook up inside the block, where it sees the regular gradient.)"
             )
+            message = f"semipack has no semiring rule for {op} {where}{origin}. {register}{hook}"
         super().__init__(message)
+
+
+def _own_backward_op(op: str, node: str) -> bool:
+    """Whether ``op`` is a built-in node's own backward op (``aten._embedding_bag_backward`` in
+    ``EmbeddingBagBackward0``): the op lacks a rule, and the hint about hooks would mislead."""
+    return re.fullmatch(r"(.+)Backward\d+", node) is not None and "backward" in op
 
 
 def _one_step_of(op: str, node: str) -> bool:

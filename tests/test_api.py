@@ -426,9 +426,7 @@ def test_unsupported_op_names_op_node_module_and_fix() -> None:
         "semipack has no semiring rule for aten.grid_sampler_2d_backward.default in the "
         "backward of GridSampler2DBackward0, created by module 'head.1'. Register one with "
         "@semipack.register_rule(torch.ops.aten.grid_sampler_2d_backward.default) (see "
-        "'Adding an op rule' in the README). (A hook on a tensor created before entering "
-        "semipack.extend receives semiring messages and runs inside that node: if the op is the "
-        "hook's, set the hook up inside the block, where it sees the regular gradient.)"
+        "'Adding an op rule' in the README)."
     )
     assert all(not m._forward_hooks and not m._forward_pre_hooks for m in model.modules())
 

@@ -4,11 +4,15 @@
     MALLOC_MMAP_THRESHOLD_=65536 python benchmarks/memory_trace.py bert_layer plain
 
 For each node that runs (in order) it prints the resident memory above the pre-forward level
-when the node starts ("at start") and the high-water mark while it ran ("peak inside"), read from
-Linux's /proc/self/status. The gap between the two is the node's own temporaries; "at start" is
-what the backward holds between nodes (saved activations, gradients, messages, results). Set the
-mmap threshold as shown so that freed tensors go back to the OS and the numbers follow live
-tensors (as in benchmarks/run.py's memory column).
+when the node starts ("at start") and the high-water mark from then until the next node starts
+("peak inside": the node's own work, and the engine's adding of its results into the next
+nodes' inputs), read from Linux's /proc/self/status. The gap between the two is the node's
+own temporaries; "at start" is what the backward holds between nodes (saved activations,
+gradients, messages, results). Only pre-hooks are set: a hook that runs after a node makes
+the engine hold the node's incoming gradient until then, and activations then no longer write
+into it (``messages.donation``), so the trace would show another backward than the one it
+measures. Set the mmap threshold as shown so that freed tensors go back to the OS and the
+numbers follow live tensors (as in benchmarks/run.py's memory column).
 """
 
 from __future__ import annotations
@@ -47,27 +51,30 @@ def _graph_nodes(root: Node | None) -> list[Node]:
     return list(seen)
 
 
-def _before(node: Node, starts: dict[Node, float], base: float):
+def _before(node: Node, base: float, rows: list):
+    """A pre-hook: closes the previous row with the high-water mark since it started, and
+    opens this node's row with the memory now."""
+
     def hook(grads):
-        starts[node] = _status_mb("VmRSS:") - base
+        _close(rows, base)
+        rows.append([node.name(), _status_mb("VmRSS:") - base, None])
         _reset_high_water_mark()
 
     return hook
 
 
-def _after(node: Node, starts: dict[Node, float], base: float, rows: list):
-    def hook(grad_inputs, grad_outputs):
-        rows.append((node.name(), starts[node], _status_mb("VmHWM:") - base))
-
-    return hook
+def _close(rows: list, base: float) -> None:
+    if rows and rows[-1][2] is None:
+        rows[-1][2] = _status_mb("VmHWM:") - base
 
 
 def trace(
     workload_name: str, semiring_name: str, extensions: bool
 ) -> list[tuple[str, float, float]]:
-    """[(node name, MB at start, MB peak inside)] for one backward after a warm-up run."""
+    """[(node name, MB at start, MB peak until the next node starts)] for one backward after a
+    warm-up run (the last node's peak runs to the end of the backward: the leaves' results)."""
     workload = WORKLOADS[workload_name]()
-    rows: list[tuple[str, float, float]] = []
+    rows: list[list] = []
     for _ in range(2):  # the first pass compiles kernels and fills caches
         rows.clear()
         for leaf in workload.leaves():
@@ -82,15 +89,14 @@ def trace(
             context = semipack.extend(workload.model, sr, extensions=extensions)
             context.__enter__()
         loss = workload.loss()
-        starts: dict[Node, float] = {}
         handles = []  # removed after the pass: AccumulateGrad nodes outlive the graph
         for node in _graph_nodes(loss.grad_fn):
-            handles.append(node.register_prehook(_before(node, starts, base)))
-            handles.append(node.register_hook(_after(node, starts, base, rows)))
+            handles.append(node.register_prehook(_before(node, base, rows)))
         loss.backward()
+        _close(rows, base)
         for handle in handles:
             handle.remove()
-        del loss, handles, starts  # nodes keep their saved state alive
+        del loss, handles  # nodes keep their saved state alive
         if context is not None:
             context.__exit__(None, None, None)
     return rows

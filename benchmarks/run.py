@@ -331,9 +331,10 @@ there).
   batch, activation rules build the new state in the memory of their edge weights, and write
   their regular gradient (ReLU its state too) into the incoming message where nothing else
   holds it (README, "How it works"). `benchmarks/memory_trace.py` reads the resident memory at
-  each autograd node (its hooks make the engine hold each node's incoming gradient, so the
-  activations there write into nothing). The GELU of the feed-forward block was the MaxProd and
-  LogSum peak: it held what a plain backward holds there (54 MB) plus the incoming 1024 x 3072
+  each autograd node (with pre-hooks only: a hook after a node would make the engine hold its
+  incoming gradient, and the activations would write into nothing). The GELU of the
+  feed-forward block was the MaxProd and LogSum peak: it held what a plain backward holds
+  there (54 MB) plus the incoming 1024 x 3072
   state and regular gradient, the results so far (9.4 MB for the second feed-forward weight, 3 MB
   for the residual's state), and added the new state and regular gradient (12 MB each); with the
   new regular gradient in the incoming one's memory the peak is 93 MB (LogSum), and MaxProd's,

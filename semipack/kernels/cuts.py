@@ -14,7 +14,7 @@ import torch
 from torch import Tensor
 
 from .compiled import compile_enabled, compiled
-from .logspace import SPECIAL_SAFE_MIN_ELEMENTS, flat_on_host
+from .logspace import SPECIAL_SAFE_MIN_ELEMENTS, flat_on_host, on_memory
 
 
 def _cut_eager(part: Tensor, x: Tensor, threshold: float, zero: float) -> Tensor:
@@ -49,9 +49,7 @@ def cut_below(part: Tensor, x: Tensor, threshold: float, zero: float) -> Tensor 
         return None
     flat_part, flat_x = flat
     out = _cut(flat_part, flat_x, threshold, zero)
-    return torch.empty(0, dtype=part.dtype, device=part.device).set_(
-        out.untyped_storage(), 0, part.shape, part.stride()
-    )
+    return on_memory(out, part.shape, part.stride())
 
 
 def cut_below_in_place(part: Tensor, x: Tensor, threshold: float, zero: float) -> bool:

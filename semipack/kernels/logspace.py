@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 import torch
 from torch import Tensor
@@ -66,6 +67,14 @@ _exp_into = compiled(_exp_into_eager, _exp_into_fused, min_elements=SPECIAL_SAFE
 _log_in_place = compiled(_log_eager, _log_fused, min_elements=SPECIAL_SAFE_MIN_ELEMENTS)
 
 
+def on_memory(t: Tensor, shape: Sequence[int], stride: Sequence[int]) -> Tensor:
+    """A new tensor on ``t``'s memory (from its storage offset) with ``shape`` and ``stride``,
+    and no base: a view would carry ``t``, and torch.compile guards on a base's sizes and
+    strides; a new tensor object also ends weak references and memos keyed by ``t``."""
+    fresh = torch.empty(0, dtype=t.dtype, device=t.device)
+    return fresh.set_(t.untyped_storage(), t.storage_offset(), tuple(shape), tuple(stride))
+
+
 def _flat(t: Tensor) -> Tensor | None:
     """``t``'s entries as a 1-D view in memory order, or None where its memory is not one dense
     block (overlapping or with gaps): an elementwise kernel may then run over the view, whatever
@@ -74,10 +83,7 @@ def _flat(t: Tensor) -> Tensor | None:
         order = sorted(range(t.dim()), key=lambda d: (t.stride(d), t.shape[d]), reverse=True)
         if not t.permute(order).is_contiguous():
             return None
-    # A new tensor on the memory, not a view: a view carries its base, and torch.compile
-    # guards on the base's sizes and strides (one recompilation per layout, up to its limit).
-    flat = torch.empty(0, dtype=t.dtype, device=t.device)
-    return flat.set_(t.untyped_storage(), t.storage_offset(), (t.numel(),), (1,))
+    return on_memory(t, (t.numel(),), (1,))  # no base: one compiled variant per layout
 
 
 def flat_views(*tensors: Tensor) -> list[Tensor] | None:
@@ -100,8 +106,7 @@ def flat_views(*tensors: Tensor) -> list[Tensor] | None:
 def shaped_like(flat: Tensor, like: Tensor) -> Tensor:
     """A result computed over ``flat_views`` (1-D, in ``like``'s memory order) with ``like``'s
     shape and strides, on the result's own memory."""
-    out = torch.empty(0, dtype=flat.dtype, device=flat.device)
-    return out.set_(flat.untyped_storage(), flat.storage_offset(), like.shape, like.stride())
+    return on_memory(flat, like.shape, like.stride())
 
 
 def flat_on_host(*tensors: Tensor) -> list[Tensor] | None:
@@ -238,11 +243,7 @@ def _rows(mag: Tensor, shift: Tensor) -> tuple[Tensor, Tensor] | None:
         return None
     cols = mag.shape[-1]
     rows = mag.numel() // max(cols, 1)
-    out = []
-    for t, width in ((mag, cols), (shift, 1)):
-        view = torch.empty(0, dtype=t.dtype, device=t.device)
-        out.append(view.set_(t.untyped_storage(), t.storage_offset(), (rows, width), (width, 1)))
-    return out[0], out[1]
+    return on_memory(mag, (rows, cols), (cols, 1)), on_memory(shift, (rows, 1), (1, 1))
 
 
 def finite_surprisal(log_w: Tensor) -> Tensor:

@@ -120,10 +120,6 @@ def _alone(
         return False
     if other_processes and value.is_shared():
         return False
-    storage = value.untyped_storage()
-    if not storage.resizable():  # memory from outside PyTorch's allocator (numpy, a buffer,
-        return False  # DLPack): whoever made the tensor holds it
-    del storage
     owners = 2  # the tensor and, while held here, its storage object
     if value._base is not None:
         if not views:
@@ -134,7 +130,12 @@ def _alone(
         del base
         owners = 3  # and the base, which only the view holds
     storage, storage_refs = _storage_refs(value)  # one more owner of the memory while held here
-    return storage_refs <= _ALONE_STORAGE and torch._C._storage_Use_Count(storage._cdata) <= owners
+    return (
+        storage_refs <= _ALONE_STORAGE
+        and torch._C._storage_Use_Count(storage._cdata) <= owners
+        # memory from outside PyTorch's allocator (numpy, a buffer, DLPack): its maker holds it
+        and storage.resizable()
+    )
 
 
 def alone_in_attribute(owner: Any, name: str) -> bool:

@@ -731,8 +731,7 @@ def linear_from_log(log_abs: Tensor, sign: Sign) -> Tensor:
 def on_memory_of(t: Tensor) -> Tensor:
     """A new tensor object on ``t``'s memory (same shape and strides): the result is a new
     value, so weak references to ``t`` and memos keyed by its identity end with ``t``."""
-    fresh = torch.empty(0, dtype=t.dtype, device=t.device)
-    return fresh.set_(t.untyped_storage(), t.storage_offset(), t.shape, t.stride())
+    return logspace.on_memory(t, t.shape, t.stride())
 
 
 def _rows_over(zero_row: Tensor, n: int, rows: Tensor, values: Tensor, into: Any) -> Tensor:

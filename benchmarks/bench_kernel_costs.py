@@ -17,6 +17,8 @@ Each line is a median of ``--repeats`` timed runs (after a warm-up) on one threa
   ``FUSED_MIN_ELEMENTS`` sits);
 * LogSum's plus (``torch.logaddexp``, whose CPU kernel has a scalar log1p) against the fused
   ``log_add_exp``, on one BERT layer's residual state (8 x 128 x 768);
+* Entropy's message toward a weight in three sums against two (``stacked_sums``): ResNet-18's
+  3x3 convolutions and MiniLM's linear layers on a 20-token sentence;
 * ReLU's cut of a log-space message (ResNet-18's stem, 2 x 64 x 112 x 112): ``torch.where`` on
   the bool mask against the rule's ``threshold_backward`` and infinite offset (same bits);
 * a fresh 30522 x 384 zero table (MiniLM's vocabulary) against filling one that exists: the
@@ -166,6 +168,53 @@ def log_plus(repeats: int) -> None:
     where = median_ms(lambda: torch.where(x <= 0, float("-inf"), part), repeats)
     cut = median_ms(lambda: _ReluCut(x, 0.0)(part, float("-inf")), repeats)
     print(f"ReLU cut of 1.6M entries (ms): torch.where {where:.3f}, threshold_backward {cut:.3f}")
+
+
+def stacked_sums(repeats: int) -> None:
+    """Entropy's message toward a weight as three sums (e·r |x|, e |x|, e |x| log|x|) against
+    two (``semirings.entropy._stacked_sums``: [e·r; e] against [|x|; -|x| log|x|] over twice
+    the batch, then e |x|), each with its magnitudes of x: ResNet-18's 3x3 convolutions at
+    batch 2 and 224 x 224, and a sentence's 20 tokens through MiniLM's linear layers."""
+    from semipack.kernels import blas
+    from semipack.messages.shared_shift import _ConvSums
+
+    torch.manual_seed(0)
+    print("Entropy's weight message, three sums -> two, magnitudes of x included (ms):")
+    for channels, side in ((64, 56), (128, 28), (256, 14), (512, 7)):
+        x = torch.randn(2, channels, side, side)
+        sums = _ConvSums(x, torch.rand(channels, channels, 3, 3), ConvGeometry.of(2, 1, 1, 1))
+        three, two = _weight_sums(x, torch.rand(2, channels, side, side), sums.to_weight)
+        print(
+            f"  conv {channels} -> {channels}, {side} x {side}  "
+            f"{median_ms(three, repeats):7.2f} -> {median_ms(two, repeats):7.2f}"
+        )
+    for outputs, inputs in ((384, 384), (1536, 384), (384, 1536)):
+        x = torch.randn(20, inputs)
+        three, two = _weight_sums(x, torch.rand(20, outputs), lambda g, v: blas.matmul(g.t(), v))
+        print(
+            f"  linear {inputs} -> {outputs}, 20 rows  "
+            f"{median_ms(three, repeats):7.2f} -> {median_ms(two, repeats):7.2f}"
+        )
+
+
+def _weight_sums(
+    x: torch.Tensor, e: torch.Tensor, over_batch: Callable[[torch.Tensor, torch.Tensor], object]
+) -> tuple[Callable[[], object], Callable[[], object]]:
+    """The three-sum and the two-sum forms of ``stacked_sums``, each a callable."""
+    from semipack.kernels.logspace import abs_and_xlogx, stacked_magnitudes
+
+    e_r = torch.rand_like(e)
+    pair = torch.cat([e_r, e])
+
+    def three() -> None:
+        mag, mag_log_mag = abs_and_xlogx(x)
+        over_batch(e_r, mag), over_batch(e, mag), over_batch(e, mag_log_mag)
+
+    def two() -> None:
+        stacked = stacked_magnitudes(x)
+        over_batch(e, stacked[: x.shape[0]]), over_batch(pair, stacked)
+
+    return three, two
 
 
 def max_plus(repeats: int) -> None:
@@ -346,6 +395,7 @@ SECTIONS: dict[str, Callable[[int], None]] = {
     "weight_forms": weight_forms,
     "fused_readout": fused_readout,
     "log_plus": log_plus,
+    "stacked_sums": stacked_sums,
     "max_plus": max_plus,
     "depthwise_rates": depthwise_rates,
     "conv_layer_costs": conv_layer_costs,

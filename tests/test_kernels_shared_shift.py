@@ -80,14 +80,33 @@ def test_only_the_sum_like_log_semirings_take_it() -> None:
 
 @pytest.mark.parametrize("sr", SUM_LIKE, ids=lambda s: s.name)
 @pytest.mark.parametrize("spread", [10.0, 80.0])
-def test_linear_messages_equal_per_product_shifts(sr: Semiring, spread: float) -> None:
-    """Both sides of the span threshold give the per-product values."""
-    m = message(sr, (6, 5), spread=spread, seed=6)
-    x, w = weights(6, 4, seed=7), weights(5, 4, seed=8)
+@pytest.mark.parametrize("rows", [6, 3], ids=["many_rows", "few_rows"])
+def test_linear_messages_equal_per_product_shifts(
+    sr: Semiring, spread: float, rows: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Both sides of the span threshold give the per-product values. Entropy's weight message
+    over few rows (at most a quarter of the layer's inputs and outputs) sums ``[e·r; e]``
+    against ``[|x|; -|x| log|x|]`` in one product (``_stacked_sums``), over many in two."""
+    from semipack.semirings import entropy
+
+    stacked: list[torch.Size] = []
+    original = entropy.stacked_magnitudes
+
+    def spy(x: torch.Tensor):
+        stacked.append(x.shape)
+        return original(x)
+
+    monkeypatch.setattr(entropy, "stacked_magnitudes", spy)
+    inputs, outputs = (4, 5) if rows == 6 else (12, 16)
+    m = message(sr, (rows, outputs), spread=spread, seed=6)
+    x, w = weights(rows, inputs, seed=7), weights(outputs, inputs, seed=8)
     m_x, m_w, m_b = linear_messages(sr, m, x, w, True, True, True)
     assert_states_close(sr, m_x, sr.matmul(m, w))
     assert_states_close(sr, m_w, sr.matmul(tuple(p.t() for p in m), x))
     assert_states_close(sr, m_b, sr.sum(m, [0]))
+    took_shared_shift = spread < SHARED_SHIFT_SPAN
+    few = rows == 3 and isinstance(sr, semipack.Entropy) and took_shared_shift
+    assert stacked == ([x.shape] if few else [])
 
 
 CONV_GEOMETRIES = {
@@ -100,16 +119,30 @@ CONV_GEOMETRIES = {
 }
 
 
+def _in_layout(t: torch.Tensor, layout: str) -> torch.Tensor:
+    """``t`` (same values) in memory order ``layout``: "contiguous", "channels_last" (4-D),
+    or "batch_inner" (the batch dim innermost but one: no batch-stacked form)."""
+    if layout == "channels_last" and t.dim() == 4:
+        return t.contiguous(memory_format=torch.channels_last)
+    if layout == "batch_inner":
+        return t.transpose(0, 1).contiguous().transpose(0, 1)
+    return t
+
+
 @pytest.mark.parametrize("sr", SUM_LIKE, ids=lambda s: s.name)
 @pytest.mark.parametrize("geometry", list(CONV_GEOMETRIES))
+@pytest.mark.parametrize("layout", ["contiguous", "channels_last", "batch_inner"])
 def test_conv_messages_through_torch_convolution_match_the_window_maps(
-    sr: Semiring, geometry: str
+    sr: Semiring, geometry: str, layout: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Input, weight and bias messages from PyTorch's convolution backward on the shifted
     messages equal the im2col reference (window index maps and the semiring's own matmul and
-    plus), including exact zeros of inputs and weights (no edge) and entries without a path."""
+    plus), including exact zeros of inputs and weights (no edge) and entries without a path.
+    Entropy's weight message takes two sums where the batch dim is outermost in memory
+    (contiguous, channels-last: ``[e·r; e]`` against ``[|x|; -|x| log|x|]``), three elsewhere."""
     from conv_reference import window_map_messages
 
+    from semipack.messages import shared_shift
     from semipack.messages.shared_shift import shared_shift_conv
 
     g = dict(CONV_GEOMETRIES[geometry])
@@ -119,12 +152,58 @@ def test_conv_messages_through_torch_convolution_match_the_window_maps(
     out = torch.nn.functional.conv1d if x.dim() == 3 else torch.nn.functional.conv2d
     out_shape = out(x, w, None, g["stride"], g["padding"], g["dilation"], groups).shape
     m = message(sr, tuple(out_shape), spread=25.0, seed=9)
+    x, m = _in_layout(x, layout), tuple(_in_layout(p, layout) for p in m)
     geometry = ConvGeometry.of(x.dim() - 2, g["stride"], g["padding"], g["dilation"], groups)
     args = (sr, m, x, w, geometry, (True, True, True))
+    sums: list[tuple[bool, int]] = []  # (toward the weight, batch) of each convolution sum
+    run = shared_shift._ConvSums._run
+
+    def counted(self, g, x, w, mask):
+        sums.append((mask[1], g.shape[0]))
+        return run(self, g, x, w, mask)
+
+    monkeypatch.setattr(shared_shift._ConvSums, "_run", counted)
     fast = shared_shift_conv(*args)
     assert fast is not None
     for got, want in zip(fast, window_map_messages(*args), strict=True):
         assert_states_close(sr, got, want)
+    n = x.shape[0]
+    to_weight = sorted(batch for toward_weight, batch in sums if toward_weight)
+    if not isinstance(sr, semipack.Entropy):
+        assert to_weight == [n]
+    elif layout == "batch_inner":
+        assert to_weight == [n, n, n]
+    else:
+        assert to_weight == [n, 2 * n]
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "channels_last", "batch_inner"])
+@pytest.mark.parametrize("size", [(2, 3, 4, 5), (2, 16, 32, 33)], ids=["eager", "compiled"])
+def test_stacked_magnitudes_are_the_magnitudes_and_their_negated_x_log_x(
+    layout: str, size: tuple[int, ...]
+) -> None:
+    """``[|x|; -|x| log|x|]`` in one tensor of 2N examples, each half in ``x``'s layout: the
+    bits of ``abs_and_xlogx`` (zeros, -0.0, NaN and infinities among the entries; 0 log 0 = 0),
+    eagerly and compiled (from 16k entries); None where the batch dim is not outermost."""
+    from semipack.kernels.logspace import abs_and_xlogx, stacked_magnitudes
+
+    x = torch.randn(size, generator=torch.Generator().manual_seed(3))
+    flat = x.view(-1)
+    flat[::7], flat[1::7], flat[2::11], flat[3::13] = 0.0, -0.0, float("nan"), float("-inf")
+    x = _in_layout(x, layout)
+    stacked = stacked_magnitudes(x)
+    if layout == "batch_inner":
+        assert stacked is None
+        return
+    n = x.shape[0]
+    mag, neg = stacked[:n], stacked[n:]
+    assert stacked.shape == (2 * n, *x.shape[1:])
+    assert mag.stride() == neg.stride() == x.stride()
+    want_mag, want_xlogx = abs_and_xlogx(x.contiguous())
+    for got, want in ((mag, want_mag), (neg, -want_xlogx)):
+        assert torch.equal(got.isnan(), want.isnan())
+        assert torch.equal(got.nan_to_num(), want.nan_to_num())
+    assert torch.equal(neg[x == 0], torch.zeros(int((x == 0).sum())))  # 0 log 0 = 0
 
 
 @pytest.mark.parametrize("sr", SUM_LIKE, ids=lambda s: s.name)

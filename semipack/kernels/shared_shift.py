@@ -68,5 +68,6 @@ class ConvolutionSums(Protocol):
         ...
 
     def to_weight(self, g: Tensor, x: Tensor) -> Tensor:
-        """Σ g·x over batch and positions for each weight entry."""
+        """Σ g·x over batch and positions for each weight entry (``g`` and ``x`` of one
+        batch, which may be longer than ``B``: several sums added in one)."""
         ...

@@ -14,13 +14,16 @@ from ..kernels.compiled import FUSED_MIN_ELEMENTS, compiled
 from ..kernels.exclusive import exclusive_logsumexp
 from ..kernels.logspace import (
     abs_and_xlogx,
+    batch_stacked,
     exp_,
+    exp_into,
     finite_surprisal,
     flat_on_host,
     flat_views,
     fused_log_add_exp,
     log_magnitude_plus_,
     shaped_like,
+    stacked_magnitudes,
 )
 from ..kernels.normalization import ENTROPY, CentredPairsKernel
 from ..kernels.shared_shift import ConvolutionSums, global_shift
@@ -39,25 +42,44 @@ from .base import (
 )
 from .log_sum import column_scaled
 
+#: ``(g, x) -> Σ g·x`` over some dims: a matmul, a convolution's sums.
+Contraction = Callable[[Tensor, Tensor], Tensor]
+
 
 def _shared_shift(m: State) -> tuple[Tensor, Tensor, Tensor] | None:
     """``(e, e·r, shift)`` with ``e = exp(log Z - shift)`` for the state ``(log Z, r)`` of a
     message, or None where its finite entries span too many nats for one shift."""
+    shifted = _shared_shift_stacked(m, stacked=False)
+    return None if shifted is None else shifted[:3]
+
+
+def _shared_shift_stacked(
+    m: State, stacked: bool = True
+) -> tuple[Tensor, Tensor, Tensor, Tensor | None] | None:
+    """``_shared_shift``'s ``(e, e·r, shift)`` and, with ``stacked``, ``[e·r; e]``: both in
+    one tensor of [2N, ...] (``batch_stacked``; None where the message's layout has no such
+    form), e·r and e its halves. A convolution's weight message then sums e·r |x| and
+    e |x| log|x| over the batch in one call (``_entropy_conv_to_weight``)."""
     log_z, surprisal = m
     shift = global_shift(log_z)
     if shift is None:
         return None
+    pair = batch_stacked(log_z) if stacked else None
+    if pair is not None:
+        n = log_z.shape[0]
+        e_r, e = pair[:n], pair[n:]
+    else:  # tensors of the message's own layout (empty_like keeps a dense tensor's strides)
+        e, e_r = torch.empty_like(log_z), torch.empty_like(log_z)
     flat = None
     if log_z.numel() >= FUSED_MIN_ELEMENTS and shift.dtype == log_z.dtype:
         flat = flat_on_host(log_z, surprisal)
-    if flat is not None:
-        # written into tensors of the message's own layout (empty_like keeps a dense tensor's
-        # strides), over their flat memory
-        e, e_r = torch.empty_like(log_z), torch.empty_like(log_z)
-        _shifted_pair(*flat, *flat_views(e, e_r), shift.reshape(()))
-        return e, e_r, shift
-    e = exp_(log_z - shift)
-    return e, e * surprisal, shift
+    out = flat_views(e, e_r) if flat is not None else None
+    if out is not None:  # written over their flat memory, in one loop
+        _shifted_pair(*flat, *out, shift.reshape(()))
+    else:
+        exp_into(log_z - shift, e)
+        torch.mul(e, surprisal, out=e_r)
+    return e, e_r, shift, pair
 
 
 def _shifted_pair_eager(
@@ -240,10 +262,14 @@ class Entropy(Semiring):
         want_sum: bool = False,
         left_log: Tensor | None = None,
     ) -> Products | None:
-        shifted = _shared_shift(m)
+        # a linear layer's rows stacked ([e·r; e]) where they are few (``_stacked_sums``); many
+        # rows (a BERT layer's 1024) gain nothing, and e·r freed early keeps the peak lower
+        rows, outputs = m[0].shape[-2:]
+        stack = left is not None and m[0].dim() == 2 and 4 * rows <= min(outputs, left.shape[-1])
+        shifted = _shared_shift_stacked(m, stacked=stack)
         if shifted is None:
             return None
-        e, e_r, shift = shifted
+        e, e_r, shift, pair = shifted
         del shifted
         by_right = by_left = total = None
         if want_sum:
@@ -264,10 +290,13 @@ class Entropy(Semiring):
         if left_log is not None:
             by_left = _entropy_product_log(e_t, e_r.transpose(-1, -2), left_log, shift)
         elif left is not None:
-            handed_over = [e_r.transpose(-1, -2)]  # e·r's last read: freed once read
-            del e_r
-            by_left = _entropy_product(e_t, handed_over, left, shift)
-        del e_t
+            if pair is not None:
+                by_left = _stacked_sums(e, pair, left, shift, _rows_product)
+            if by_left is None:
+                handed_over = [e_r.transpose(-1, -2)]  # e·r's last read: freed once read
+                del e_r
+                by_left = _entropy_product(e_t, handed_over, left, shift)
+        del e_t, pair
         if right is not None:
             handed_over = []
             if right_weighted is None:  # the only product: e·r is freed once read
@@ -281,12 +310,16 @@ class Entropy(Semiring):
     def shared_shift_conv(
         self, m: State, sums: ConvolutionSums, mask: Sequence[bool]
     ) -> Products | None:
-        shifted = _shared_shift(m)
+        shifted = _shared_shift_stacked(m, stacked=bool(mask[1]))
         if shifted is None:
             return None
-        e, e_r, shift = shifted
+        e, e_r, shift, pair = shifted
         to_in = _entropy_product(e, e_r, sums.w, shift, sums.to_input) if mask[0] else None
-        to_w = _entropy_product(e, e_r, sums.x, shift, sums.to_weight) if mask[1] else None
+        to_w = None
+        if mask[1]:
+            to_w = _stacked_sums(e, pair, sums.x, shift, sums.to_weight)
+            if to_w is None:
+                to_w = _entropy_product(e, e_r, sums.x, shift, sums.to_weight)
         bias = None
         if mask[2]:
             dims = [d for d in range(e.dim()) if d != 1]
@@ -440,6 +473,30 @@ def _entropy_product(
     if contract is blas.matmul:
         return _entropy_pair(total, _less_product(weighted, e, mag_log_mag), shift)
     return _entropy_pair(total, weighted, shift, contract(e, mag_log_mag))
+
+
+def _stacked_sums(
+    e: Tensor, pair: Tensor | None, x: Tensor, shift: Tensor, over_batch: Contraction
+) -> State | None:
+    """The message toward the operand that meets ``x`` summed over the batch dim 0 (a linear
+    layer's weight: its rows; a convolution's weight: examples and positions) in two sums,
+    not three: ``Σ e·r |x| - Σ e |x| log|x|`` is one sum over 2N rows, ``pair = [e·r; e]``
+    against ``[|x|; -|x| log|x|]`` (``stacked_magnitudes``), then ``Σ e |x|``. Why: sums over
+    few rows (a sentence's 20 tokens, ResNet-18's last stage of 2 x 7 x 7 positions) run far
+    below the machine's peak, bound by writing their results, and one sum over twice the rows
+    costs little more than one (``benchmarks/bench_kernel_costs.py --only stacked_sums``). Within
+    float rounding of the three sums (the terms are added in another order). None where
+    ``pair`` or ``x`` has no batch-stacked form. ``over_batch(g, x)``: Σ over dim 0 of g·x."""
+    stacked = stacked_magnitudes(x) if pair is not None else None
+    if stacked is None:
+        return None
+    mag = stacked[: x.shape[0]]
+    return _entropy_pair(over_batch(e, mag), over_batch(pair, stacked), shift)
+
+
+def _rows_product(g: Tensor, x: Tensor) -> Tensor:
+    """Σ over rows of g·x: ``gᵀ @ x`` ([N, O], [N, I] -> [O, I])."""
+    return blas.matmul(g.t(), x)
 
 
 def _less_product(weighted: Tensor, e: Tensor, right: Tensor) -> Tensor:

@@ -16,7 +16,6 @@ from ..kernels.logspace import (
     abs_and_xlogx,
     batch_stacked,
     exp_,
-    exp_into,
     finite_surprisal,
     flat_on_host,
     flat_views,
@@ -59,7 +58,7 @@ def _shared_shift_stacked(
     """``_shared_shift``'s ``(e, e·r, shift)`` and, with ``stacked``, ``[e·r; e]``: both in
     one tensor of [2N, ...] (``batch_stacked``; None where the message's layout has no such
     form), e·r and e its halves. A convolution's weight message then sums e·r |x| and
-    e |x| log|x| over the batch in one call (``_entropy_conv_to_weight``)."""
+    e |x| log|x| over the batch in one call (``_stacked_sums``)."""
     log_z, surprisal = m
     shift = global_shift(log_z)
     if shift is None:
@@ -77,7 +76,7 @@ def _shared_shift_stacked(
     if out is not None:  # written over their flat memory, in one loop
         _shifted_pair(*flat, *out, shift.reshape(()))
     else:
-        exp_into(log_z - shift, e)
+        exp_(torch.sub(log_z, shift, out=e))  # the ops (and bits) of exp_(log_z - shift)
         torch.mul(e, surprisal, out=e_r)
     return e, e_r, shift, pair
 

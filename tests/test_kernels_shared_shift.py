@@ -131,15 +131,19 @@ def _in_layout(t: torch.Tensor, layout: str) -> torch.Tensor:
 
 @pytest.mark.parametrize("sr", SUM_LIKE, ids=lambda s: s.name)
 @pytest.mark.parametrize("geometry", list(CONV_GEOMETRIES))
-@pytest.mark.parametrize("layout", ["contiguous", "channels_last", "batch_inner"])
+@pytest.mark.parametrize(
+    "layout", ["contiguous", "channels_last", "batch_inner", "message_batch_inner"]
+)
 def test_conv_messages_through_torch_convolution_match_the_window_maps(
     sr: Semiring, geometry: str, layout: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Input, weight and bias messages from PyTorch's convolution backward on the shifted
     messages equal the im2col reference (window index maps and the semiring's own matmul and
     plus), including exact zeros of inputs and weights (no edge) and entries without a path.
-    Entropy's weight message takes two sums where the batch dim is outermost in memory
-    (contiguous, channels-last: ``[e·r; e]`` against ``[|x|; -|x| log|x|]``), three elsewhere."""
+    Entropy's weight message takes two sums where the input's batch dim is outermost in memory
+    (contiguous, channels-last: ``[e·r; e]`` against ``[|x|; -|x| log|x|]``; a message in
+    another layout, as a train-mode batch norm hands over, is stacked in the standard one),
+    three elsewhere."""
     from conv_reference import window_map_messages
 
     from semipack.messages import shared_shift
@@ -152,7 +156,10 @@ def test_conv_messages_through_torch_convolution_match_the_window_maps(
     out = torch.nn.functional.conv1d if x.dim() == 3 else torch.nn.functional.conv2d
     out_shape = out(x, w, None, g["stride"], g["padding"], g["dilation"], groups).shape
     m = message(sr, tuple(out_shape), spread=25.0, seed=9)
-    x, m = _in_layout(x, layout), tuple(_in_layout(p, layout) for p in m)
+    if layout == "message_batch_inner":
+        m = tuple(_in_layout(p, "batch_inner") for p in m)
+    else:
+        x, m = _in_layout(x, layout), tuple(_in_layout(p, layout) for p in m)
     geometry = ConvGeometry.of(x.dim() - 2, g["stride"], g["padding"], g["dilation"], groups)
     args = (sr, m, x, w, geometry, (True, True, True))
     sums: list[tuple[bool, int]] = []  # (toward the weight, batch) of each convolution sum

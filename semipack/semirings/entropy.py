@@ -63,7 +63,13 @@ def _shared_shift_stacked(
     shift = global_shift(log_z)
     if shift is None:
         return None
-    pair = batch_stacked(log_z) if stacked else None
+    pair = None
+    if stacked and log_z.dim() > 0 and log_z.shape[0] > 0:
+        # in the message's layout, else in the standard one (a train-mode batch norm hands its
+        # messages over channel-major): then by the eager ops, not the one-loop kernel
+        pair = batch_stacked(log_z)
+        if pair is None:
+            pair = log_z.new_empty((2 * log_z.shape[0], *log_z.shape[1:]))
     if pair is not None:
         n = log_z.shape[0]
         e_r, e = pair[:n], pair[n:]

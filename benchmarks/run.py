@@ -293,6 +293,12 @@ there).
 
 ## Reading the table
 
+- **The machine.** The line above the table names the CPU. The kernel rates below were measured
+  on an AMD EPYC Zen 5 with AVX-512 (2026-11-27). On an AVX2-only EPYC (Zen 3, 2026-11-28,
+  half its time stolen by the hypervisor), semipack's max-plus kernels run their AVX2 build and
+  oneDNN its AVX2 path, so the semiring products lose their lead over MKL's. The same code gave
+  ratios up to 1.8x higher there (a BERT layer's Entropy: 7.2x against 4.1x; MiniLM's sentence:
+  MaxProd 5.2x against 4.0x).
 - **fused vs generic.** Both paths call the same kernels (the semiring's matmul, the row-wise
   softmax/normalisation kernels, the convolution paths), so their times are close; extensions
   add named sites, exact regular gradients from the module's own ops, and the attention
@@ -300,8 +306,8 @@ there).
 - **MaxProd.** A BERT-base layer at 8 x 128 tokens needs 14.5 G add-max pairs for its six
   linear layers (input and weight messages). The hand-written kernel
   (`semipack/kernels/native/maxplus.c`) runs a dense product at about 58 G pairs/s per core
-  in its AVX-512 build (31 in its AVX2 one: this Zen 5 core issues two 512-bit adds or maxes
-  per cycle, as many as 256-bit ones), faster than MKL's float32 product on this CPU (about 50
+  in its AVX-512 build (31 in its AVX2 one: a Zen 5 core issues two 512-bit adds or maxes
+  per cycle, as many as 256-bit ones), faster than MKL's float32 product on that CPU (about 50
   G multiply-adds/s per core: its AVX2 path). The pruned kernel skips, exactly,
   every pair that cannot be the max (a bound from the best candidates of each row); max-product
   messages span orders of magnitude, so in this layer it keeps 2-20% of the pairs in the better

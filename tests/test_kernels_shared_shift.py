@@ -222,3 +222,35 @@ def test_conv_with_a_wide_message_falls_back_to_the_window_maps(sr: Semiring) ->
     m[0][0, 0, 0, 0], m[0][0, 0, 0, 1] = 0.0, SHARED_SHIFT_SPAN + 5.0
     mask = (True, True, True)
     assert shared_shift_conv(sr, m, x, w, ConvGeometry.of(2, 1, 0, 1), mask) is None
+
+
+@pytest.mark.parametrize("layout", ["channels_last", "batch_inner"])
+def test_a_large_message_in_another_layout_than_the_input_gives_the_reference_values(
+    layout: str,
+) -> None:
+    """Entropy's ``[e·r; e]`` is made in the message's layout where it has one with the batch
+    outermost, else in the standard layout. A message of at least ``FUSED_MIN_ELEMENTS``
+    entries takes the one-loop kernel over flat memory only where e's layout is the message's:
+    a channel-major message (a train-mode batch norm's) written flat into standard-layout
+    halves scrambled every entry (found 2026-11-28 before it landed). Against the im2col
+    reference and against the same message contiguous (the same bits)."""
+    from conv_reference import window_map_messages
+
+    from semipack.kernels.compiled import FUSED_MIN_ELEMENTS
+    from semipack.messages.shared_shift import shared_shift_conv
+
+    sr = semipack.Entropy()
+    x, w = weights(2, 3, 48, 48, seed=11), weights(8, 3, 3, 3, seed=12)
+    m = message(sr, (2, 8, 48, 48), spread=25.0, seed=13)
+    assert m[0].numel() >= FUSED_MIN_ELEMENTS
+    geometry = ConvGeometry.of(2, 1, 1, 1)
+    mask = (True, True, False)
+    moved = tuple(_in_layout(p, layout) for p in m)
+    assert moved[0].stride() != m[0].stride()
+    got = shared_shift_conv(sr, moved, x, w, geometry, mask)
+    same_values = shared_shift_conv(sr, m, x, w, geometry, mask)
+    reference = window_map_messages(sr, m, x, w, geometry, mask)
+    for i in range(2):
+        for g, s in zip(got[i], same_values[i], strict=True):
+            assert torch.equal(g.nan_to_num(), s.nan_to_num())
+        assert_states_close(sr, got[i], reference[i])

@@ -78,7 +78,9 @@ def _shared_shift_stacked(
     flat = None
     if log_z.numel() >= FUSED_MIN_ELEMENTS and shift.dtype == log_z.dtype:
         flat = flat_on_host(log_z, surprisal)
-    out = flat_views(e, e_r) if flat is not None else None
+    out = None
+    if flat is not None and e.stride() == log_z.stride():  # flat views in one memory order
+        out = flat_views(e, e_r)
     if out is not None:  # written over their flat memory, in one loop
         _shifted_pair(*flat, *out, shift.reshape(()))
     else:

@@ -254,3 +254,44 @@ def test_a_large_message_in_another_layout_than_the_input_gives_the_reference_va
         for g, s in zip(got[i], same_values[i], strict=True):
             assert torch.equal(g.nan_to_num(), s.nan_to_num())
         assert_states_close(sr, got[i], reference[i])
+
+
+@pytest.mark.parametrize("train", [True, False], ids=["train", "eval"])
+def test_a_conv_net_gives_the_three_sum_values_with_its_weight_sums_stacked(
+    train: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A convolution, batch norm (train mode hands its messages over channel-major), ReLU and
+    a convolution, on messages above ``FUSED_MIN_ELEMENTS``: every parameter's Entropy with the
+    weight sums stacked equals the values with three sums (``stacked=False``) within float32
+    rounding, with the same NaN entries, and ``p.grad`` is autograd's, bit for bit."""
+    from semipack.semirings import entropy
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        torch.nn.Conv2d(3, 16, 3, padding=1),
+        torch.nn.BatchNorm2d(16),
+        torch.nn.ReLU(),
+        torch.nn.Conv2d(16, 16, 3, padding=1),
+    ).train(train)
+    x = torch.randn(4, 3, 48, 48)
+    weights_out = torch.randn(4, 16, 48, 48)
+
+    def run() -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+        model.zero_grad(set_to_none=True)
+        with semipack.extend(model, semipack.Entropy()):
+            (model(x) * weights_out).sum().backward()
+        return {n: (p.semiring_grad.clone(), p.grad.clone()) for n, p in model.named_parameters()}
+
+    stacked = run()
+    original = entropy._shared_shift_stacked
+    monkeypatch.setattr(
+        entropy, "_shared_shift_stacked", lambda m, stacked=True: original(m, stacked=False)
+    )
+    three = run()
+    model.zero_grad(set_to_none=True)
+    (model(x) * weights_out).sum().backward()
+    for name, p in model.named_parameters():
+        (got, got_grad), (want, _) = stacked[name], three[name]
+        assert torch.equal(got_grad, p.grad)
+        assert torch.equal(got.isnan(), want.isnan())
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5, equal_nan=True)

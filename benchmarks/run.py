@@ -297,8 +297,8 @@ there).
   on an AMD EPYC Zen 5 with AVX-512 (2026-11-27). On an AVX2-only EPYC (Zen 3, 2026-11-28,
   half its time stolen by the hypervisor), semipack's max-plus kernels run their AVX2 build and
   oneDNN its AVX2 path, so the semiring products lose their lead over MKL's. The same code gave
-  ratios up to 1.8x higher there (a BERT layer's Entropy: 7.2x against 4.1x; MiniLM's sentence:
-  MaxProd 5.2x against 4.0x).
+  ratios up to about 1.9x higher there (a BERT layer's Entropy: 7.2-7.8x against 4.1x; MiniLM's
+  sentence: MaxProd 5.2-5.4x against 4.0x).
 - **fused vs generic.** Both paths call the same kernels (the semiring's matmul, the row-wise
   softmax/normalisation kernels, the convolution paths), so their times are close; extensions
   add named sites, exact regular gradients from the module's own ops, and the attention

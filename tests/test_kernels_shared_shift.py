@@ -121,7 +121,8 @@ CONV_GEOMETRIES = {
 
 def _in_layout(t: torch.Tensor, layout: str) -> torch.Tensor:
     """``t`` (same values) in memory order ``layout``: "contiguous", "channels_last" (4-D),
-    or "batch_inner" (the batch dim innermost but one: no batch-stacked form)."""
+    or "batch_inner" (channel-major: the channel dim outermost in memory, then the batch dim;
+    no batch-stacked form)."""
     if layout == "channels_last" and t.dim() == 4:
         return t.contiguous(memory_format=torch.channels_last)
     if layout == "batch_inner":

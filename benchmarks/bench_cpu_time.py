@@ -17,11 +17,10 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
-from collections.abc import Callable
 
 import torch
 from cases import WORKLOADS
-from common import backward_step
+from common import backward_seconds, backward_step
 
 import semipack
 
@@ -35,14 +34,6 @@ def semiring_named(name: str) -> semipack.Semiring:
     if not (isinstance(cls, type) and issubclass(cls, semipack.Semiring)):
         raise SystemExit(f"not a built-in semiring: {name!r}")
     return cls()
-
-
-def cpu_seconds(step: Callable[[], Callable[[], object]]) -> float:
-    """CPU time of one backward (the forward runs before the clock starts)."""
-    backward = step()
-    start = time.process_time()
-    backward()
-    return time.process_time() - start
 
 
 def main() -> None:
@@ -62,7 +53,7 @@ def main() -> None:
         times: dict[str, list[float]] = {key: [] for key in steps}
         for _ in range(args.repeats):
             for key, step in steps.items():
-                times[key].append(cpu_seconds(step))
+                times[key].append(backward_seconds(step, time.process_time))
         plain = statistics.median(times["plain"])
         ratios = "  ".join(
             f"{key} {statistics.median(times[key]) / plain:.2f}x" for key in args.semirings

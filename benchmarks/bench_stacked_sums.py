@@ -16,12 +16,11 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
 from collections.abc import Callable
 
 import torch
 from cases import WORKLOADS
-from common import backward_step
+from common import backward_seconds, backward_step
 
 import semipack
 import semipack.semirings.entropy as entropy
@@ -38,10 +37,7 @@ _STACKED = entropy._shared_shift_stacked
 def _time(variant: str, steps: dict[str, Callable[[], Callable[[], object]]]) -> float:
     """Seconds of one backward of ``variant`` (its forward runs before the clock starts)."""
     entropy._shared_shift_stacked = _unstacked if variant == "three sums" else _STACKED
-    backward = steps["plain" if variant == "plain" else "entropy"]()
-    start = time.perf_counter()
-    backward()
-    return time.perf_counter() - start
+    return backward_seconds(steps["plain" if variant == "plain" else "entropy"])
 
 
 def main() -> None:

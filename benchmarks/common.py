@@ -55,16 +55,21 @@ class Measurement:
     peak_bytes: int
 
 
+def backward_seconds(
+    step: Callable[[], Callable[[], object]], clock: Callable[[], float] = time.perf_counter
+) -> float:
+    """Seconds of one backward by ``clock``: ``step()`` runs a forward (before the clock
+    starts) and returns the backward to time."""
+    backward = step()
+    start = clock()
+    backward()
+    return clock() - start
+
+
 def time_backward(step: Callable[[], Callable[[], object]], repeats: int = 3) -> float:
     """Median backward time; ``step()`` runs a forward and returns the backward to time."""
     step()()  # warm-up: compiles kernels, fills caches
-    times = []
-    for _ in range(repeats):
-        backward = step()
-        start = time.perf_counter()
-        backward()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    return statistics.median(backward_seconds(step) for _ in range(repeats))
 
 
 def time_backwards_interleaved(
@@ -83,10 +88,7 @@ def time_backwards_interleaved(
     times: dict[object, list[float]] = {key: [] for key in steps}
     for _ in range(repeats):
         for key, step in steps.items():
-            backward = step()
-            start = time.perf_counter()
-            backward()
-            times[key].append(time.perf_counter() - start)
+            times[key].append(backward_seconds(step))
     return {key: min(t) for key, t in times.items()}
 
 

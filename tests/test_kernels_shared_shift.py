@@ -16,9 +16,15 @@ F64 = torch.float64
 SUM_LIKE = [semipack.LogSum(), semipack.LogCount(), semipack.Entropy()]
 
 
+def _generator(seed: int) -> torch.Generator:
+    """A seeded generator on the default device (``dev/gpu_check/extra_cuda.py`` runs these tests
+    with CUDA as the default device, whose tensors a CPU generator cannot fill)."""
+    return torch.Generator(torch.get_default_device()).manual_seed(seed)
+
+
 def message(sr: Semiring, shape: tuple[int, ...], spread: float, seed: int):
     """A state whose log-normaliser spans ``spread`` nats, with some entries without a path."""
-    gen = torch.Generator().manual_seed(seed)
+    gen = _generator(seed)
     log_z = torch.rand(shape, generator=gen, dtype=F64) * spread
     log_z[..., 1, :2] = float("-inf")
     if isinstance(sr, semipack.Entropy):
@@ -27,7 +33,7 @@ def message(sr: Semiring, shape: tuple[int, ...], spread: float, seed: int):
 
 
 def weights(*shape: int, seed: int) -> torch.Tensor:
-    gen = torch.Generator().manual_seed(seed)
+    gen = _generator(seed)
     w = torch.randn(shape, generator=gen, dtype=F64)
     return torch.where(torch.rand(shape, generator=gen, dtype=F64) < 0.2, 0.0, w)
 
@@ -195,7 +201,7 @@ def test_stacked_magnitudes_are_the_magnitudes_and_their_negated_x_log_x(
     eagerly and compiled (from 16k entries); None where the batch dim is not outermost."""
     from semipack.kernels.logspace import abs_and_xlogx, stacked_magnitudes
 
-    x = torch.randn(size, generator=torch.Generator().manual_seed(3))
+    x = torch.randn(size, generator=_generator(3))
     flat = x.view(-1)
     flat[::7], flat[1::7], flat[2::11], flat[3::13] = 0.0, -0.0, float("nan"), float("-inf")
     x = _in_layout(x, layout)

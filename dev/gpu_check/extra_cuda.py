@@ -1,4 +1,4 @@
-"""CUDA checks of the ninth to twentieth sessions' (2026-11-26 and 27) trust fixes, which have
+"""CUDA checks of the ninth to twenty-second sessions' (2026-11-26 to 28) changes, which have
 CPU tests only.
 
 Each listed test function runs with CUDA as the default device, so its models and inputs live
@@ -230,6 +230,39 @@ CHECKS += [
     for case in ("huge activations", "subnormal shifted terms", "an infinite entry", "a NaN entry")
 ]
 
+# the twenty-second session's: Entropy's weight message in two sums ([e·r; e] stacked along the
+# batch), in every layout, and a conv net through it
+_SHARED_SHIFT = "test_kernels_shared_shift"
+CHECKS += [
+    (
+        _SHARED_SHIFT,
+        "test_conv_messages_through_torch_convolution_match_the_window_maps",
+        (semipack.Entropy(), geometry, layout, _Patch()),
+    )
+    for geometry in ("conv2d", "strided_dilated", "conv1d", "depthwise")
+    for layout in ("contiguous", "channels_last", "batch_inner", "message_batch_inner")
+]
+CHECKS += [
+    (_SHARED_SHIFT, "test_linear_messages_equal_per_product_shifts", (sr, 10.0, rows, _Patch()))
+    for sr in (semipack.Entropy(), semipack.LogSum())
+    for rows in (6, 3)
+]
+CHECKS += [
+    (
+        _SHARED_SHIFT,
+        "test_a_large_message_in_another_layout_than_the_input_gives_the_reference_values",
+        (layout,),
+    )
+    for layout in ("channels_last", "batch_inner")
+]
+CHECKS += [
+    (
+        _SHARED_SHIFT,
+        "test_a_conv_net_gives_the_three_sum_values_with_its_weight_sums_stacked",
+        (train, _Patch()),
+    )
+    for train in (True, False)
+]
 torch.set_default_device("cuda")
 for module, test, args in CHECKS:
     name = f"{module}.{test}{args if args else ''}"

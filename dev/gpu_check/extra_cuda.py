@@ -263,6 +263,7 @@ CHECKS += [
     )
     for train in (True, False)
 ]
+
 torch.set_default_device("cuda")
 for module, test, args in CHECKS:
     name = f"{module}.{test}{args if args else ''}"

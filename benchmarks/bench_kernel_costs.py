@@ -8,8 +8,8 @@ Each line is a median of ``--repeats`` timed runs (after a warm-up) on one threa
   network's activations), and ``log_magnitude_`` on the half-zero tensor (the same bits);
 * ``torch.where`` on a boolean mask against ``finite_or_zero``'s float op (the same bits);
 * torch's exp and log on 2M entries, ordinary ones, half of them -inf (or 0 for the log) and
-  all of them with subnormal exponentials, against the compiled ``exp_`` and
-  ``log_magnitude_`` (``SPECIAL_SAFE_MIN_ELEMENTS``);
+  all of them with subnormal exponentials, against ``exp_`` and ``log_magnitude_``
+  (``SPECIAL_SAFE_MIN_ELEMENTS``) compiled and by the native float32 loops;
 * the weight fingerprint's read speed (``kernels/native/fingerprint.c``) on 40 MB, and for one
   MiniLM feed-forward weight (384 x 1536): its fingerprint, its log|W| and its max-plus product
   with a 20-token message (what the weight cache saves on one sentence);
@@ -56,6 +56,7 @@ from torch import nn
 
 import semipack
 import semipack.rules.convolution as convolution
+from semipack.kernels import logspace
 from semipack.kernels.logspace import exp_, finite_or_zero, log_add_exp, log_magnitude_
 from semipack.kernels.native import (
     depthwise_f32,
@@ -100,10 +101,21 @@ def elementwise(repeats: int) -> None:
     special_values(repeats)
 
 
+@contextlib.contextmanager
+def _native_loops_off():
+    """The compiled exp and log instead of the native float32 loops (``logspace.native_loops``)."""
+    kept = logspace.native_loops
+    logspace.native_loops = lambda t: False
+    try:
+        yield
+    finally:
+        logspace.native_loops = kept
+
+
 def special_values(repeats: int) -> None:
-    """torch's exp and log against the compiled ``exp_`` / ``log_magnitude_`` on 2M entries: on
-    ordinary numbers, with half of them a log-space zero (-inf; 0 for the log), and all of
-    them with a subnormal exp (near -90)."""
+    """torch's exp and log against ``exp_`` / ``log_magnitude_`` on 2M entries, compiled and by
+    the native float32 loops (``elementwise.c``): on ordinary numbers, with half of them a
+    log-space zero (-inf; 0 for the log), and all of them with a subnormal exp (near -90)."""
     torch.manual_seed(0)
     n = 2_000_000
     ordinary = torch.randn(n)
@@ -113,17 +125,22 @@ def special_values(repeats: int) -> None:
         "half -inf": torch.where(half, float("-inf"), ordinary),
         "all near -90": -90.0 - torch.rand(n),
     }
-    print("exp of 2M entries (ms): torch.exp | exp_ (compiled, clone included)")
+
+    def both(op: Callable[[torch.Tensor], object], v: torch.Tensor) -> tuple[float, float]:
+        with _native_loops_off():
+            compiled = median_ms(lambda: op(v.clone()), repeats)
+        return compiled, median_ms(lambda: op(v.clone()), repeats)
+
+    print("exp of 2M entries (ms): torch.exp | exp_ compiled | exp_ native (clone included)")
     for name, v in inputs.items():
         eager = median_ms(lambda v=v: v.exp(), repeats)
-        fast = median_ms(lambda v=v: exp_(v.clone()), repeats)
-        print(f"  {name:14s} {eager:8.3f} {fast:8.3f}")
+        print(f"  {name:14s} {eager:8.3f} {'{:8.3f} {:8.3f}'.format(*both(exp_, v))}")
     positive = torch.rand(n) + 0.1
-    print("log of 2M entries (ms): torch.log | log_magnitude_ (compiled, clone included)")
+    print("log of 2M entries (ms): torch.log | log_magnitude_ compiled | native (clone included)")
     for name, v in {"ordinary": positive, "half zeros": torch.where(half, 0.0, positive)}.items():
         eager = median_ms(lambda v=v: v.log(), repeats)
-        fast = median_ms(lambda v=v: log_magnitude_(v.clone()), repeats)
-        print(f"  {name:14s} {eager:8.3f} {fast:8.3f}")
+        print(f"  {name:14s} {eager:8.3f} {'{:8.3f} {:8.3f}'.format(*both(log_magnitude_, v))}")
+    print(f"  (a clone alone: {median_ms(lambda: positive.clone(), repeats):.3f})")
 
 
 def memory(repeats: int) -> None:

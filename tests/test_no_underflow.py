@@ -249,13 +249,20 @@ def test_the_special_safe_exp_and_log_keep_every_value(dtype, layout) -> None:
     assert bool(given[mag == 0].eq(float("-inf")).all())
 
 
-def test_the_special_safe_forms_leave_other_tensors_to_torch(monkeypatch) -> None:
-    """The compiled forms see only what they can run over flat: CPU float32/float64 tensors of
-    one dense block; an expanded (overlapping) tensor, bfloat16, or two layouts go to torch's
-    own op, with torch's bits."""
+@pytest.mark.parametrize("native", [True, False])
+def test_the_special_safe_forms_leave_other_tensors_to_torch(monkeypatch, native) -> None:
+    """The compiled forms (and the native float32 loops where they run) see only what they can
+    run over flat: CPU float32/float64 tensors of one dense block; an expanded (overlapping)
+    tensor, bfloat16, or two layouts go to torch's own op, with torch's bits."""
     from semipack.kernels import logspace
 
     calls: list[str] = []
+    if native:
+        if not logspace.native_available():
+            pytest.skip("no native kernels here")
+        monkeypatch.setattr(logspace, "exp_f32", lambda x, out: calls.append("exp_") or out)
+    else:
+        monkeypatch.setattr(logspace, "native_loops", lambda t: False)
     monkeypatch.setattr(logspace, "_exp_in_place", lambda x: calls.append("exp_") or x.exp_())
     monkeypatch.setattr(
         logspace, "_exp_into", lambda x, out: calls.append("exp_into") or torch.exp(x, out=out)
@@ -335,10 +342,15 @@ def test_float_op_forms_of_masked_logs_give_the_masked_bits() -> None:
 def test_the_branch_free_forms_for_accelerators_give_the_same_bits(name, monkeypatch) -> None:
     """On a GPU the shortcuts decided by reading a value back (no zeros to guard in a log, no
     vanishing weight to cut) run branch-free. Forced on the CPU, the whole backward gives the
-    same bits: a ReLU network (exact zeros in large logs) with weights far below the cut."""
+    same bits: a ReLU network (exact zeros in large logs) with weights far below the cut. The
+    host's float32 exp and log are torch's here on both sides: the native loops round
+    differently (within one ulp, ``test_kernels_elementwise.py``), and what is compared is the
+    branches."""
     from torch.utils._pytree import tree_leaves
 
     from semipack.kernels import logspace
+
+    monkeypatch.setattr(logspace, "native_loops", lambda t: False)
 
     class MaskedSoftmax(torch.nn.Module):
         def forward(self, h: torch.Tensor) -> torch.Tensor:

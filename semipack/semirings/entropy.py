@@ -21,9 +21,11 @@ from ..kernels.logspace import (
     flat_views,
     fused_log_add_exp,
     log_magnitude_plus_,
+    native_loops,
     shaped_like,
     stacked_magnitudes,
 )
+from ..kernels.native import exp_f32
 from ..kernels.normalization import ENTROPY, CentredPairsKernel
 from ..kernels.shared_shift import ConvolutionSums, global_shift
 from ..kernels.weight_cache import WEIGHTS
@@ -81,7 +83,10 @@ def _shared_shift_stacked(
     out = None
     if flat is not None and e.stride() == log_z.stride():  # flat views in one memory order
         out = flat_views(e, e_r)
-    if out is not None:  # written over their flat memory, in one loop
+    if out is not None and native_loops(log_z):  # the native exp's bits, as exp_ gives them
+        exp_f32(flat[0], out[0], float(shift))
+        torch.mul(out[0], flat[1], out=out[1])
+    elif out is not None:  # written over their flat memory, in one loop
         _shifted_pair(*flat, *out, shift.reshape(()))
     else:
         exp_(torch.sub(log_z, shift, out=e))  # the ops (and bits) of exp_(log_z - shift)
@@ -438,6 +443,7 @@ def _entropy_pair(
         flat = flat_on_host(*pieces)
     if (
         flat is not None
+        and not native_loops(total)  # there the native log (log_magnitude_plus_'s) is faster
         and isinstance(shift, Tensor)
         and shift.numel() == 1
         and shift.dtype == total.dtype

@@ -49,6 +49,7 @@ _SOURCES = tuple(
         "normalization_sorted.c",
         "softmax.c",
         "fingerprint.c",
+        "elementwise.c",
         "depthwise.c",
         "depthwise_channels.c",
     )
@@ -74,8 +75,8 @@ T = TypeVar("T")
 #: caller kept from an earlier call (``computed``: none kept).
 Memo = Callable[[Tensor, str, Callable[[], Any]], Any]
 
-#: ctypes codes of the C signatures below: a pointer, an int64_t, an int.
-_C_TYPES = {"p": ctypes.c_void_p, "q": ctypes.c_int64, "i": ctypes.c_int}
+#: ctypes codes of the C signatures below: a pointer, an int64_t, an int, a float.
+_C_TYPES = {"p": ctypes.c_void_p, "q": ctypes.c_int64, "i": ctypes.c_int, "f": ctypes.c_float}
 #: Each exported function: (return type or None for void, parameter types), in those codes.
 _SIGNATURES: dict[str, tuple[str | None, str]] = {
     "semipack_maxplus_f32": (None, "pqqqpppqqqqqqi"),
@@ -87,6 +88,8 @@ _SIGNATURES: dict[str, tuple[str | None, str]] = {
     "semipack_norm_sorted_max_f32": ("i", "ppqqppi"),
     "semipack_norm_sorted_sums_f32": ("i", "pppqqpppi"),
     "semipack_fingerprint": (None, "pqp"),
+    "semipack_exp_f32": (None, "ppqfi"),
+    "semipack_log_plus_f32": (None, "ppqqqqi"),
     "semipack_maxplus_gather_f32": (None, "pqqpqpppqqqqi"),
     "semipack_maxplus_scatter_max_f32": (None, "pqqpppqppqqqi"),
     "semipack_depthwise_input_f32": (None, "ppp" + "q" * 15 + "i"),
@@ -462,6 +465,55 @@ def depthwise_channels_f32(
 
 def _threads(pairs: int) -> int:
     return torch.get_num_threads() if pairs >= THREADED_MIN_PAIRS else 1
+
+
+#: Below this many entries one thread runs an elementwise loop (``exp_f32``, ``log_plus_f32``):
+#: waking the other threads costs more than the few microseconds the loop takes.
+ELEMENTWISE_THREADED_MIN = 1 << 16
+
+
+def _elementwise_threads(entries: int) -> int:
+    return torch.get_num_threads() if entries >= ELEMENTWISE_THREADED_MIN else 1
+
+
+def exp_f32(x: Tensor, out: Tensor, shift: float = 0.0) -> Tensor:
+    """``out = exp(x - shift)`` over two 1-D contiguous float32 CPU tensors of one size (``out``
+    may be ``x``; ``shift`` a float32 number, subtracted as torch's ``x - shift``), within one
+    ulp, subnormal results kept, specials as torch's (elementwise.c)."""
+    lib = _library()
+    assert lib is not None and x.dtype == out.dtype == torch.float32
+    assert x.dim() == out.dim() == 1 and x.is_contiguous() and out.is_contiguous()
+    assert x.numel() == out.numel() and x.device.type == out.device.type == "cpu"
+    lib.semipack_exp_f32(
+        x.data_ptr(), out.data_ptr(), x.numel(), shift, _elementwise_threads(x.numel())
+    )
+    return out
+
+
+def log_plus_f32(mag: Tensor, shift: Tensor | None) -> Tensor:
+    """``mag = log(mag) + shift`` in place, ``mag`` a contiguous float32 CPU tensor [rows, cols]
+    of magnitudes (>= 0 or NaN; log 0 = -inf), ``shift`` None, one entry, [rows, 1] or
+    [rows, cols] contiguous float32; the log within one ulp (elementwise.c)."""
+    lib = _library()
+    assert lib is not None and mag.dtype == torch.float32 and mag.dim() == 2
+    assert mag.is_contiguous() and mag.device.type == "cpu"
+    rows, cols = mag.shape
+    strides = (0, 0)
+    if shift is not None:
+        assert shift.dtype == torch.float32 and shift.is_contiguous()
+        assert shift.device.type == "cpu"
+        if shift.numel() != 1:
+            strides = (1, 0) if tuple(shift.shape) == (rows, 1) else (cols, 1)
+            assert tuple(shift.shape) in ((rows, 1), (rows, cols))
+    lib.semipack_log_plus_f32(
+        mag.data_ptr(),
+        None if shift is None else shift.data_ptr(),
+        rows,
+        cols,
+        *strides,
+        _elementwise_threads(mag.numel()),
+    )
+    return mag
 
 
 def _panels(b: Tensor) -> Tensor:

@@ -12,7 +12,8 @@ from hypothesis import strategies as st
 from semipack.kernels import native
 
 pytestmark = pytest.mark.skipif(
-    not native.native_available(), reason="no native kernels on this machine"
+    not native.native_available(),
+    reason="native kernels not available here or switched off (SEMIPACK_NATIVE=0)",
 )
 
 SPECIAL_EXPONENTS = [

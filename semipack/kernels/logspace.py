@@ -27,7 +27,9 @@ def checks_on_host(t: Tensor) -> bool:
     return t.device.type == "cpu"
 
 
-#: From this many entries ``exp_``, ``exp_into`` and ``log_magnitude_`` run compiled on the CPU.
+#: From this many entries ``exp_``, ``exp_into`` and ``log_magnitude_`` run their own loops on
+#: the CPU: the native float32 ones (``native_loops``) or compiled ones (float64, or without
+#: the native library).
 #: ATen's CPU exp and log leave their vectorised loop for a scalar one on each group of 8 or 16
 #: entries that holds a special value, and log-space states are full of them: exp(-inf) (a
 #: state's "no path"), an exp that underflows (an entry far below its row's shift), log(0).
@@ -35,7 +37,10 @@ def checks_on_host(t: Tensor) -> bool:
 #: them -inf, 38 ms all near -90; log 1.5 ms, 15 ms with half zeros. Inductor's loops stay
 #: vectorised on every input (0.7-1.8 ms with a copy of the input; ``benchmarks/
 #: bench_kernel_costs.py --only elementwise``), within one ulp of the exact value as torch's
-#: are. Below this size a compiled call's guards cost more.
+#: are. Below this size a compiled call's guards cost more. The native float32 loops
+#: (``kernels/native/elementwise.c``) are faster than inductor's on tensors that fit in the
+#: cache (both are bound by memory beyond it) and pay no compiled call's guards (about 0.1 ms
+#: a call, tens of calls in a pass).
 SPECIAL_SAFE_MIN_ELEMENTS = 1 << 14
 
 
@@ -142,8 +147,9 @@ def native_loops(t: Tensor) -> bool:
 def exp_(x: Tensor) -> Tensor:
     """``x.exp_()``, in place, without ATen's scalar slow path on -inf and underflow (see
     ``SPECIAL_SAFE_MIN_ELEMENTS``): the exponential of a log-space state or of its shifted
-    entries. An accelerator's tensor (no slow path there) or one whose memory is not one dense
-    block takes torch's."""
+    entries. A float32 CPU tensor runs the native loop (``native_loops``), a float64 one the
+    compiled loop. An accelerator's tensor (no slow path there) or one whose memory is not one
+    dense block takes torch's."""
     flat = flat_on_host(x)
     if flat is None:
         return x.exp_()
@@ -176,7 +182,8 @@ def exp(x: Tensor) -> Tensor:
 def log_magnitude_(mag: Tensor) -> Tensor:
     """``mag.log_()`` for magnitudes (entries >= 0, or NaN), in place: exact zeros (``-inf``,
     no path) never reach ATen's scalar slow path. On the CPU from ``SPECIAL_SAFE_MIN_ELEMENTS``
-    entries it is the compiled log (vectorised on zeros too); where compiling is switched off,
+    entries it is the native float32 loop or the compiled log (both vectorised on zeros too);
+    for float64 where compiling is switched off (or float32 without the native library),
     one reduction finds whether there are zeros, and if so each is replaced by 1 before torch's
     log and the result gets ``-inf`` there (the same bits as ``mag.log_()``). (A GPU's log has
     no slow path for zeros: there it is the plain log.)"""
@@ -217,7 +224,9 @@ def log_magnitude_plus_(mag: Tensor, shift: Tensor | float) -> Tensor:
     (a product's ``log(e @ |w|) + shift``). Eagerly that is three passes over ``mag`` (the
     search for zeros, the log, the add); compiled, one, with the same ``-inf`` at zeros and
     NaN at NaN and a log within float rounding of torch's (a MiniLM feed-forward weight's
-    LogSum message: 1.1 ms eagerly, 0.4 ms compiled, on one core). A shift that would
+    LogSum message: 1.1 ms eagerly, 0.4 ms compiled, on one core). Float32 CPU tensors take
+    the native loop (``native_loops``) at every size: one pass, cheaper than the eager form's
+    three even on a few entries. A shift that would
     broadcast ``mag`` to another shape or dtype takes the eager form, and so does an
     accelerator's tensor: there the log has no search for zeros, and the compiled call's
     guards cost more host time than the second kernel launch they save."""

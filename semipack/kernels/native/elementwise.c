@@ -46,13 +46,7 @@ static inline __m256 exp_readout_ps(__m256 x) {
     const __m256 back = _mm256_sub_ps(r, hi);
     const __m256 r_err = _mm256_add_ps(_mm256_sub_ps(hi, _mm256_sub_ps(r, back)),
                                        _mm256_sub_ps(lo, back));
-    /* (exp(r) - 1 - r) / r^2 on |r| <= ln2 / 2: the Cephes expf polynomial */
-    __m256 p = _mm256_set1_ps(1.9875691500e-4f);
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+    const __m256 p = exp_poly_ps(r); /* (exp(r) - 1 - r) / r^2 */
     /* 1 + r + r_err + p r^2 with one rounding that matters: 1 + r exactly as head + tail */
     const __m256 one = _mm256_set1_ps(1.0f);
     const __m256 head = _mm256_add_ps(one, r);

@@ -83,7 +83,7 @@ def _shared_shift_stacked(
     out = None
     if flat is not None and e.stride() == log_z.stride():  # flat views in one memory order
         out = flat_views(e, e_r)
-    if out is not None and native_loops(log_z):  # the native exp's bits, as exp_ gives them
+    if out is not None and native_loops(log_z):  # the bits exp_(log_z - shift) gives
         exp_f32(flat[0], out[0], float(shift))
         torch.mul(out[0], flat[1], out=out[1])
     elif out is not None:  # written over their flat memory, in one loop
@@ -435,7 +435,10 @@ def _entropy_pair(
 ) -> State:
     """(log Z, mean surprisal) from the shifted sums Σ e w and Σ e w R (less Σ e w log w when
     given); ``weighted`` may be overwritten, ``total`` is. Host tensors of one layout with one
-    shift (the shared-shift products) take the one-loop kernel over their flat memory."""
+    shift (the shared-shift products) take the one-loop kernel over their flat memory, except
+    float32 ones where the native loops run (``native_loops``): there the mean's kernel and
+    the native log (``log_magnitude_plus_``) are faster than the compiled log in one loop, and
+    log Z has the bits every other float32 log-space sum gets."""
     less = torch.zeros((), dtype=total.dtype) if less is None else less
     flat = None
     if total.numel() >= FUSED_MIN_ELEMENTS:  # below it the kernel's eager form would run

@@ -139,8 +139,9 @@ def flat_on_host(*tensors: Tensor) -> list[Tensor] | None:
 
 def native_loops(t: Tensor) -> bool:
     """Whether the hand-written float32 loops (``native.exp_f32``, ``native.log_plus_f32``)
-    take ``t``: a float32 CPU tensor, with the native library available. They run several
-    times faster than the compiled loops (no per-call guards either), within one ulp too."""
+    take ``t``: a float32 CPU tensor, with the native library available. They take about half
+    the compiled loops' time on tensors in cache and pay no per-call guards, within one ulp
+    too."""
     return t.dtype == torch.float32 and t.device.type == "cpu" and native_available()
 
 
@@ -193,11 +194,12 @@ def log_magnitude_(mag: Tensor) -> Tensor:
         or torch.compiler.is_compiling()  # traced into a fused kernel: no host reads
     ):
         return mag.log_()
-    flat = flat_on_host(mag)
-    if flat is not None and native_loops(mag):
+    native = native_loops(mag)
+    flat = flat_on_host(mag) if native or compile_enabled() else None
+    if flat is not None and native:
         log_plus_f32(flat[0].view(1, -1), None)
         return mag
-    if flat is not None and compile_enabled():
+    if flat is not None:
         _log_in_place(*flat)
         return mag
     if not bool(mag.amin() == 0):

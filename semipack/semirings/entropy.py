@@ -441,12 +441,13 @@ def _entropy_pair(
     log Z has the bits every other float32 log-space sum gets."""
     less = torch.zeros((), dtype=total.dtype) if less is None else less
     flat = None
-    if total.numel() >= FUSED_MIN_ELEMENTS:  # below it the kernel's eager form would run
+    # below FUSED_MIN_ELEMENTS the kernel's eager form would run; where the native loops run,
+    # the native log (log_magnitude_plus_'s) is faster than the kernel
+    if total.numel() >= FUSED_MIN_ELEMENTS and not native_loops(total):
         pieces = (total, weighted) if less.numel() == 1 else (total, weighted, less)
         flat = flat_on_host(*pieces)
     if (
         flat is not None
-        and not native_loops(total)  # there the native log (log_magnitude_plus_'s) is faster
         and isinstance(shift, Tensor)
         and shift.numel() == 1
         and shift.dtype == total.dtype

@@ -15,6 +15,7 @@ import torch
 from oracle import build_graph, dynamic_programming
 
 import semipack
+from semipack.kernels.native import native_available
 from semipack.messages.shared_shift import shared_shift_products
 
 SUM_LIKE = [semipack.LogSum, semipack.LogCount, semipack.Entropy]
@@ -167,12 +168,16 @@ def test_the_one_reduction_check_finds_exactly_the_low_entries() -> None:
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
-def test_the_zero_safe_logarithm_gives_torchs_bits(dtype) -> None:
+def test_the_zero_safe_logarithm_gives_torchs_bits(dtype, monkeypatch) -> None:
     """``log_magnitude_`` keeps exact zeros away from torch's log (a slow path there) and, below
     ``SPECIAL_SAFE_MIN_ELEMENTS`` entries (eager), gives the same bits as ``log_``: zeros, NaN,
-    infinity, subnormals, ordinary values."""
+    infinity, subnormals, ordinary values. (Float32 takes the native loop where the library
+    is built, with its own last bits: ``test_native_loops_give_the_same_bits_at_any_size``
+    and ``tests/test_kernels_elementwise.py``; here the eager form is tested.)"""
+    from semipack.kernels import logspace
     from semipack.kernels.logspace import ZERO_SAFE_MIN_ELEMENTS, log_magnitude_
 
+    monkeypatch.setattr(logspace, "native_loops", lambda t: False)
     torch.manual_seed(0)
     x = torch.randn(ZERO_SAFE_MIN_ELEMENTS * 3).abs().to(dtype)
     x[::3] = 0.0
@@ -454,3 +459,42 @@ def test_a_weight_near_the_smallest_subnormal_keeps_its_paths_in_a_convolution(k
     total = run(semipack.LogSum(), 2, [1.0, 0.3])
     assert total == pytest.approx(math.log(1.3 * w.item()), abs=1e-5)
     assert run(semipack.Entropy(), 4, [1.0] * 4) == pytest.approx(math.log(4), abs=1e-3)
+
+
+@pytest.mark.skipif(not native_available(), reason="needs the native library")
+def test_native_loops_give_the_same_bits_at_any_size() -> None:
+    """Float32 CPU log-space values get the native loops' bits whatever the size of the tensor
+    that holds them: two paths that lift the same entries in tensors of different sizes (a
+    depthwise kernel's log of x and the per-tap path's of its zero-padded copy) must agree bit
+    for bit, which a size threshold between torch's ops and the loops broke. Each prefix of a
+    tensor, computed alone, equals the same entries computed in the whole; and both are within
+    one ulp of float64's exact values (``tests/test_kernels_elementwise.py`` holds the loops to
+    that on every special value)."""
+    from semipack.kernels.logspace import exp_, exp_into, log_magnitude_, log_magnitude_plus_
+
+    torch.manual_seed(0)
+    whole = torch.randn(40_000) * 30
+    whole[::5] = float("-inf")
+    magnitudes = whole.exp().abs()
+    magnitudes[::7] = 0.0
+    logs = log_magnitude_(magnitudes.clone())
+    exps = exp_(whole.clone())
+    exps_into = exp_into(whole, torch.empty_like(whole))
+    logs_plus = log_magnitude_plus_(magnitudes.clone(), torch.tensor(1.5))
+    for n in (1, 7, 16, 100, 4_095, 4_096, 16_383, 16_384, 40_000):
+        assert torch.equal(log_magnitude_(magnitudes[:n].clone()), logs[:n]), n
+        assert torch.equal(exp_(whole[:n].clone()), exps[:n]), n
+        assert torch.equal(exp_into(whole[:n], torch.empty(n)), exps_into[:n]), n
+        plus = log_magnitude_plus_(magnitudes[:n].clone(), torch.tensor(1.5))
+        assert torch.equal(plus, logs_plus[:n]), n
+    exact_log = magnitudes.double().log()
+    exact_exp = whole.double().exp()
+    ulp_log = torch.finfo(torch.float32).eps * exact_log.abs().clamp_min(1e-30)
+    finite = exact_log.isfinite()
+    assert torch.equal(logs.isfinite(), finite)
+    assert bool(((logs.double() - exact_log)[finite].abs() <= ulp_log[finite]).all())
+    finfo = torch.finfo(torch.float32)
+    nonzero = (exact_exp > finfo.tiny) & (exact_exp < finfo.max)  # normal float32 results
+    ulp_exp = finfo.eps * exact_exp
+    assert torch.equal(exps.isinf(), exact_exp >= finfo.max)  # overflow where float32 does
+    assert bool(((exps.double() - exact_exp)[nonzero].abs() <= ulp_exp[nonzero]).all())

@@ -27,9 +27,9 @@ def checks_on_host(t: Tensor) -> bool:
     return t.device.type == "cpu"
 
 
-#: From this many entries ``exp_``, ``exp_into`` and ``log_magnitude_`` run their own loops on
-#: the CPU: the native float32 ones (``native_loops``) or compiled ones (float64, or without
-#: the native library).
+#: From this many entries ``exp_``, ``exp_into`` and ``log_magnitude_`` run compiled loops on
+#: the CPU (float64, or float32 without the native library); the native float32 loops
+#: (``native_loops``) run at every size.
 #: ATen's CPU exp and log leave their vectorised loop for a scalar one on each group of 8 or 16
 #: entries that holds a special value, and log-space states are full of them: exp(-inf) (a
 #: state's "no path"), an exp that underflows (an entry far below its row's shift), log(0).
@@ -115,16 +115,19 @@ def shaped_like(flat: Tensor, like: Tensor) -> Tensor:
     return on_memory(flat, like.shape, like.stride())
 
 
-def flat_on_host(*tensors: Tensor) -> list[Tensor] | None:
+def flat_on_host(
+    *tensors: Tensor, min_elements: int = SPECIAL_SAFE_MIN_ELEMENTS
+) -> list[Tensor] | None:
     """The 1-D views (``_flat``) the compiled elementwise forms run over, or None where they do
     not apply: CPU float32 or float64 tensors of one shape and layout, each one dense block, of
-    at least ``SPECIAL_SAFE_MIN_ELEMENTS`` entries; not while torch.compile traces a kernel
-    that calls these functions (a fused normalisation's shifted exponential: ``set_`` fails in
-    its fake tensors, and inductor fuses the plain op anyway)."""
+    at least ``min_elements`` entries (the compiled forms' threshold by default; the native
+    loops take any non-empty tensor); not while torch.compile traces a kernel that calls these
+    functions (a fused normalisation's shifted exponential: ``set_`` fails in its fake
+    tensors, and inductor fuses the plain op anyway)."""
     first = tensors[0]
     if torch.compiler.is_compiling():
         return None
-    if first.numel() < SPECIAL_SAFE_MIN_ELEMENTS or not all(
+    if first.numel() < max(min_elements, 1) or not all(
         checks_on_host(t)
         and t.dtype in (torch.float32, torch.float64)
         and t.shape == first.shape
@@ -141,8 +144,17 @@ def native_loops(t: Tensor) -> bool:
     """Whether the hand-written float32 loops (``native.exp_f32``, ``native.log_plus_f32``)
     take ``t``: a float32 CPU tensor, with the native library available. They take about half
     the compiled loops' time on tensors in cache and pay no per-call guards, within one ulp
-    too."""
+    too. They take such a tensor at every size (one dense block, not empty): with a size
+    threshold, two paths that lift the same values in tensors of different sizes (a depthwise
+    kernel's log of x, the per-tap path's of its padded copy) got torch's bits on one side and
+    the loop's on the other."""
     return t.dtype == torch.float32 and t.device.type == "cpu" and native_available()
+
+
+def _smallest(t: Tensor) -> int:
+    """The fewest entries for which ``t`` leaves torch's op: any where the native loops take
+    it, else the compiled loops' threshold."""
+    return 1 if native_loops(t) else SPECIAL_SAFE_MIN_ELEMENTS
 
 
 def exp_(x: Tensor) -> Tensor:
@@ -151,7 +163,7 @@ def exp_(x: Tensor) -> Tensor:
     entries. A float32 CPU tensor runs the native loop (``native_loops``), a float64 one the
     compiled loop. An accelerator's tensor (no slow path there) or one whose memory is not one
     dense block takes torch's."""
-    flat = flat_on_host(x)
+    flat = flat_on_host(x, min_elements=_smallest(x))
     if flat is None:
         return x.exp_()
     if native_loops(x):
@@ -164,7 +176,7 @@ def exp_(x: Tensor) -> Tensor:
 def exp_into(x: Tensor, out: Tensor) -> Tensor:
     """``torch.exp(x, out=out)`` (a readout into the memory of ``p.semiring_grad``), vectorised
     on every input like ``exp_``."""
-    flat = flat_on_host(x, out)
+    flat = flat_on_host(x, out, min_elements=_smallest(x))
     if flat is None:
         return torch.exp(x, out=out)
     if native_loops(x):
@@ -182,23 +194,22 @@ def exp(x: Tensor) -> Tensor:
 
 def log_magnitude_(mag: Tensor) -> Tensor:
     """``mag.log_()`` for magnitudes (entries >= 0, or NaN), in place: exact zeros (``-inf``,
-    no path) never reach ATen's scalar slow path. On the CPU from ``SPECIAL_SAFE_MIN_ELEMENTS``
-    entries it is the native float32 loop or the compiled log (both vectorised on zeros too);
-    for float64 where compiling is switched off (or float32 without the native library),
-    one reduction finds whether there are zeros, and if so each is replaced by 1 before torch's
-    log and the result gets ``-inf`` there (the same bits as ``mag.log_()``). (A GPU's log has
-    no slow path for zeros: there it is the plain log.)"""
-    if (
-        mag.numel() < ZERO_SAFE_MIN_ELEMENTS
-        or not checks_on_host(mag)
-        or torch.compiler.is_compiling()  # traced into a fused kernel: no host reads
-    ):
+    no path) never reach ATen's scalar slow path. A dense float32 CPU tensor takes the native
+    loop at every size (``native_loops``); float64 from ``SPECIAL_SAFE_MIN_ELEMENTS`` entries
+    the compiled log (both vectorised on zeros too); otherwise, from ``ZERO_SAFE_MIN_ELEMENTS``
+    entries, one reduction finds whether there are zeros, and if so each is replaced by 1
+    before torch's log and the result gets ``-inf`` there (the same bits as ``mag.log_()``).
+    (A GPU's log has no slow path for zeros: there it is the plain log.)"""
+    if not checks_on_host(mag) or torch.compiler.is_compiling():  # traced: no host reads
         return mag.log_()
     native = native_loops(mag)
-    flat = flat_on_host(mag) if native or compile_enabled() else None
-    if flat is not None and native:
+    flat = flat_on_host(mag, min_elements=1) if native else None
+    if flat is not None:
         log_plus_f32(flat[0].view(1, -1), None)
         return mag
+    if mag.numel() < ZERO_SAFE_MIN_ELEMENTS:
+        return mag.log_()
+    flat = flat_on_host(mag) if not native and compile_enabled() else None
     if flat is not None:
         _log_in_place(*flat)
         return mag

@@ -17,6 +17,7 @@ position to one strided slice of the output (the forward convolution's edges, re
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 from collections.abc import Sequence
@@ -209,12 +210,10 @@ class _MaxPlusTaps:
     ) -> None:
         self.grid = grid  # [B, *padded]
         self.ids = ids  # whether states carry successor ids (TopPath)
-        index = torch.zeros((), dtype=torch.int64)
-        for dim, (size, step) in enumerate(zip([grid[0], *out_size], [1, *stride], strict=True)):
-            index = index[..., None] + torch.arange(size, dtype=torch.int64) * (
-                step * math.prod(grid[dim + 1 :])
-            )
-        self.rows = index.reshape(-1).contiguous()  # tap 0's row of each output position
+        # tap 0's row of each output position
+        key = (tuple(grid), tuple(out_size), tuple(stride))
+        small = grid[0] * math.prod(out_size) <= KEPT_ROWS_MAX_POSITIONS
+        self.rows = _kept_output_rows(*key) if small else _output_rows(*key)
         self.panels: Tensor | None = None
         #: per tap, its [O, C] lifted weights packed for the kernel
         self.weight_panels: dict[tuple[int, ...], Tensor] = {}
@@ -274,6 +273,27 @@ class _MaxPlusTaps:
             return
         flat_ids = dest[1].reshape(flat.shape)
         maxplus_scatter_max_f32(rows[0], panels, flat, self.rows, start, rows[1], flat_ids)
+
+
+#: Row tables of at most this many output positions (128 KiB) are kept for the next pass.
+KEPT_ROWS_MAX_POSITIONS = 1 << 14
+
+
+def _output_rows(grid: Sequence[int], out_size: Sequence[int], stride: Sequence[int]) -> Tensor:
+    """The row of the ``[B·padded, C]`` grid (``grid`` [B, *padded]) that each output position
+    reads at tap 0, in output order (int64)."""
+    index = torch.zeros((), dtype=torch.int64)
+    for dim, (size, step) in enumerate(zip([grid[0], *out_size], [1, *stride], strict=True)):
+        index = index[..., None] + torch.arange(size, dtype=torch.int64) * (
+            step * math.prod(grid[dim + 1 :])
+        )
+    return index.reshape(-1).contiguous()
+
+
+#: ``_output_rows`` of small convolutions, shared (read-only) by every later call with the
+#: same geometry: a model runs the same convolutions at every pass, and on small planes these
+#: few ops were a visible share of a convolution's fixed cost. At most 128 tables of 128 KiB.
+_kept_output_rows = functools.lru_cache(maxsize=128)(_output_rows)
 
 
 def _depthwise_tap(

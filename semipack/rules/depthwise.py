@@ -27,6 +27,7 @@ one with a channel multiplier (``few_channels_max_plus``).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections.abc import Sequence
 
@@ -41,7 +42,7 @@ from ..kernels.native import (
 )
 from ..kernels.weight_cache import no_nan_or_posinf_kept
 from ..messages.windows import ConvGeometry
-from ..semirings._log import log_abs
+from ..semirings._log import log_magnitude_
 from ..semirings.base import Semiring, State
 
 Messages = tuple[State | None, State | None, State | None]
@@ -75,12 +76,7 @@ def depthwise_max_plus(
         return None
     m = m_parts[0]
     lw = sr.kept_lift(w)[0].reshape(w.shape[0], *w.shape[2:])
-    lx = None
-    if mask[1]:  # log|x| of the padded input: the padding is -inf, no edge (the log of the
-        # unpadded x: a log that meets zeros takes a slower path)
-        (pad_h, pad_w) = geometry.padding
-        pads = (pad_w, pad_w, pad_h, pad_h)
-        lx = torch.nn.functional.pad(log_abs(x, torch.float32), pads, value=float("-inf"))
+    lx = _padded_log_abs(x, geometry.padding) if mask[1] else None
     if not no_nan_or_posinf_kept(m, *([lw] if mask[0] else []), *([] if lx is None else [lx])):
         return None  # the kernel's max would not propagate a NaN
     successors = m_parts[1].expand(m.shape).contiguous() if ids else None
@@ -211,6 +207,19 @@ def _weight_message(
     return depthwise_f32(m, lw, lx, stride, dilation, False, True, successors)[1]
 
 
+def _padded_log_abs(x: Tensor, padding: Sequence[int]) -> Tensor:
+    """log|x| of ``x`` [B, C, H, W] zero-padded by ``padding`` (rows, columns) on each side:
+    ``-inf`` in the padding, no edge. One buffer and one log over all of it, where the log of
+    x and then a padded copy took two allocations and two passes (a 56 x 56 layer's lift cost
+    more than its kernel). The per-tap path lifts the same padded input (``per_tap_messages``'
+    ``x_pad``): the same number of entries takes the same log loop, so the same bits."""
+    (pad_h, pad_w), (height, width) = padding, x.shape[2:]
+    padded = x.new_zeros((*x.shape[:2], height + 2 * pad_h, width + 2 * pad_w))
+    inside = padded[:, :, pad_h : pad_h + height, pad_w : pad_w + width]
+    torch.abs(x.detach(), out=inside)
+    return log_magnitude_(padded)
+
+
 def _shape_only(shape: Sequence[int]) -> Tensor:
     """A float32 tensor of ``shape`` without memory, for an operand the kernel does not read."""
     return torch.empty(1, dtype=torch.float32, device="cpu").expand(*shape)
@@ -231,10 +240,7 @@ def _input_by_phases(
     [B, C * M, Ho, Wo], ``lw`` [C * M, KH, KW]. Entries no tap reads (a kernel smaller than
     the stride, rows past the last window) get no message."""
     (sh, sw), (ho, wo) = stride, m.shape[2:]
-    values = torch.full(tuple(planes), float("-inf"), dtype=torch.float32, device="cpu")
-    ids = None
-    if successors is not None:
-        ids = torch.full(tuple(planes), no_successor, dtype=torch.int64, device="cpu")
+    phases = []  # (sub-kernel, its stride-1 plane's rows and columns, where its inputs lie)
     for s in range(sh):
         for r in range(sw):
             sub = lw[:, s::sh, r::sw]
@@ -245,16 +251,34 @@ def _input_by_phases(
             at_cols = _inside(r, sw, cols, padding[1], planes[3])
             if at_rows is None or at_cols is None:
                 continue  # the phase's entries are all padding
-            phase = _shape_only((*planes[:2], rows, cols))
-            got = depthwise_f32(
-                m, sub, phase, (1, 1), (1, 1), True, False, successors, no_successor
-            )
-            source = (slice(None), slice(None), at_rows[0], at_cols[0])
-            target = (slice(None), slice(None), at_rows[1], at_cols[1])
-            values[target] = got[0][0][source]
-            if ids is not None:
-                ids[target] = got[0][1][source]
+            phases.append((sub, rows, cols, at_rows, at_cols))
+    # Every entry some phase writes: no fill first (the fill wrote the whole plane once more).
+    covered = _covers([at_rows[1] for *_, at_rows, _ in phases], planes[2]) and _covers(
+        [at_cols[1] for *_, at_cols in phases], planes[3]
+    )
+    fill = torch.empty if covered else functools.partial(torch.full, fill_value=float("-inf"))
+    values = fill(tuple(planes), dtype=torch.float32, device="cpu")
+    ids = None
+    if successors is not None:
+        fill = torch.empty if covered else functools.partial(torch.full, fill_value=no_successor)
+        ids = fill(tuple(planes), dtype=torch.int64, device="cpu")
+    for sub, rows, cols, at_rows, at_cols in phases:
+        phase = _shape_only((*planes[:2], rows, cols))
+        got = depthwise_f32(m, sub, phase, (1, 1), (1, 1), True, False, successors, no_successor)
+        source = (slice(None), slice(None), at_rows[0], at_cols[0])
+        target = (slice(None), slice(None), at_rows[1], at_cols[1])
+        values[target] = got[0][0][source]
+        if ids is not None:
+            ids[target] = got[0][1][source]
     return (values,) if ids is None else (values, ids)
+
+
+def _covers(slices: Sequence[slice], size: int) -> bool:
+    """Whether ``slices`` of an axis of ``size`` entries together hold every entry."""
+    seen: set[int] = set()
+    for part in slices:
+        seen.update(range(size)[part])
+    return len(seen) == size
 
 
 def _inside(phase: int, stride: int, count: int, pad: int, size: int) -> tuple[slice, slice] | None:

@@ -9,9 +9,11 @@ that ends each log-space product, Entropy's shifted exponentials) run the native
 ``kernels/native/elementwise.c`` or the compiled ones. This script times, in one process and
 in turns round after round, a semiring backward with the native loops, one with the compiled
 loops (the switch patched to say no, in ``logspace`` and in ``semirings.entropy``, which
-imports it), and a plain backward; it prints each variant's median and fastest round (the
-first two rounds are warm-up) and the medians' ratio to the plain one. The machines these
-numbers come from are shared: read medians, and expect spreads of 10-20%.
+imports it), one with the native loops only from 16k entries and torch's ops below (the
+routing before they ran at every size: ``native_from_16k``), and a plain backward; it prints
+each variant's median and fastest round (the first two rounds are warm-up) and the medians'
+ratio to the plain one. The machines these numbers come from are shared: read medians, and
+expect spreads of 10-20%.
 """
 
 from __future__ import annotations
@@ -28,6 +30,23 @@ from common import backward_step
 import semipack
 from semipack.kernels import logspace
 from semipack.semirings import entropy
+
+
+@contextlib.contextmanager
+def native_from_16k() -> Iterator[None]:
+    """The native loops for ``exp_``, ``exp_into`` and ``log_magnitude_`` only from
+    ``SPECIAL_SAFE_MIN_ELEMENTS`` entries, torch's ops below (the routing before the twenty-fifth
+    session, when they ran at every size), for the block."""
+    kept = logspace._native_block
+
+    def large(t) -> bool:
+        return t.numel() >= logspace.SPECIAL_SAFE_MIN_ELEMENTS and kept(t)
+
+    logspace._native_block = large
+    try:
+        yield
+    finally:
+        logspace._native_block = kept
 
 
 @contextlib.contextmanager
@@ -56,13 +75,16 @@ def main() -> None:
     semiring = backward_step(work.model, work.loss, getattr(semipack, args.semiring)())
     variants: dict[str, Callable[[], Callable[[], object]]] = {
         "native loops": semiring,
+        "native from 16k": semiring,
         "compiled loops": semiring,
         "plain": plain,
     }
     times: dict[str, list[float]] = {name: [] for name in variants}
     for round_ in range(args.rounds + 2):
         for name, step in variants.items():
-            context = compiled_loops() if name == "compiled loops" else contextlib.nullcontext()
+            context = {"compiled loops": compiled_loops, "native from 16k": native_from_16k}.get(
+                name, contextlib.nullcontext
+            )()
             with context:
                 backward = step()
                 start = time.perf_counter()

@@ -265,7 +265,7 @@ def test_the_special_safe_forms_leave_other_tensors_to_torch(monkeypatch, native
     if native:
         if not logspace.native_available():
             pytest.skip("no native kernels here")
-        monkeypatch.setattr(logspace, "exp_f32", lambda x, out: calls.append("exp_") or out)
+        monkeypatch.setattr(logspace, "exp_block_f32", lambda x, out: calls.append("exp_"))
     else:
         monkeypatch.setattr(logspace, "native_loops", lambda t: False)
     monkeypatch.setattr(logspace, "_exp_in_place", lambda x: calls.append("exp_") or x.exp_())
@@ -285,6 +285,14 @@ def test_the_special_safe_forms_leave_other_tensors_to_torch(monkeypatch, native
     out = torch.empty(n, 4)  # contiguous: another layout than dense's
     assert torch.equal(logspace.exp_into(dense, out), torch.exp(dense))
     assert calls == ["exp_"]
+    if native:  # the native loops take a dense float32 tensor of any size, no other
+        logspace.exp_(torch.randn(3, 5).t())
+        logspace.exp_into(torch.randn(7), torch.empty(7))
+        assert calls == ["exp_"] * 3
+        for other in (torch.randn(5, 7)[:, :3], torch.randn(7, dtype=torch.float64)):
+            want = other.exp()
+            assert torch.equal(logspace.exp_(other), want)  # in place, a view with gaps too
+        assert calls == ["exp_"] * 3
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])

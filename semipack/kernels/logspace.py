@@ -9,7 +9,7 @@ import torch
 from torch import Tensor
 
 from .compiled import FUSED_MIN_ELEMENTS, compile_enabled, compiled
-from .native import exp_f32, log_plus_f32, native_available
+from .native import exp_block_f32, log_block_f32, log_plus_f32, native_available
 from .shapes import broadcast_shapes
 
 #: From this many entries a logarithm of magnitudes looks for exact zeros first: torch's
@@ -115,19 +115,16 @@ def shaped_like(flat: Tensor, like: Tensor) -> Tensor:
     return on_memory(flat, like.shape, like.stride())
 
 
-def flat_on_host(
-    *tensors: Tensor, min_elements: int = SPECIAL_SAFE_MIN_ELEMENTS
-) -> list[Tensor] | None:
+def flat_on_host(*tensors: Tensor) -> list[Tensor] | None:
     """The 1-D views (``_flat``) the compiled elementwise forms run over, or None where they do
     not apply: CPU float32 or float64 tensors of one shape and layout, each one dense block, of
-    at least ``min_elements`` entries (the compiled forms' threshold by default; the native
-    loops take any non-empty tensor); not while torch.compile traces a kernel that calls these
-    functions (a fused normalisation's shifted exponential: ``set_`` fails in its fake
-    tensors, and inductor fuses the plain op anyway)."""
+    at least ``SPECIAL_SAFE_MIN_ELEMENTS`` entries; not while torch.compile traces a kernel
+    that calls these functions (a fused normalisation's shifted exponential: ``set_`` fails in
+    its fake tensors, and inductor fuses the plain op anyway)."""
     first = tensors[0]
     if torch.compiler.is_compiling():
         return None
-    if first.numel() < max(min_elements, 1) or not all(
+    if first.numel() < SPECIAL_SAFE_MIN_ELEMENTS or not all(
         checks_on_host(t)
         and t.dtype in (torch.float32, torch.float64)
         and t.shape == first.shape
@@ -148,13 +145,25 @@ def native_loops(t: Tensor) -> bool:
     threshold, two paths that lift the same values in tensors of different sizes (a depthwise
     kernel's log of x, the per-tap path's of its padded copy) got torch's bits on one side and
     the loop's on the other."""
-    return t.dtype == torch.float32 and t.device.type == "cpu" and native_available()
+    return t.dtype == torch.float32 and t.is_cpu and native_available()
 
 
-def _smallest(t: Tensor) -> int:
-    """The fewest entries for which ``t`` leaves torch's op: any where the native loops take
-    it, else the compiled loops' threshold."""
-    return 1 if native_loops(t) else SPECIAL_SAFE_MIN_ELEMENTS
+def _dense_block(t: Tensor) -> bool:
+    """Whether ``t``'s entries fill one block of memory (in some order of its dims)."""
+    if t.is_contiguous():
+        return True
+    order = sorted(range(t.dim()), key=lambda d: (t.stride(d), t.shape[d]), reverse=True)
+    return t.permute(order).is_contiguous()
+
+
+def _native_block(t: Tensor) -> bool:
+    """Whether the native loops run over ``t``'s memory: ``native_loops``, not empty, one dense
+    block, and not traced by torch.compile. Checked here, once, so that the call itself is
+    a bare ctypes call: on a tensor of a few entries the loops then cost about what torch's
+    op does (a checked call through flat views cost 20 us more)."""
+    return (
+        native_loops(t) and t.numel() > 0 and _dense_block(t) and not torch.compiler.is_compiling()
+    )
 
 
 def exp_(x: Tensor) -> Tensor:
@@ -163,12 +172,12 @@ def exp_(x: Tensor) -> Tensor:
     entries. A float32 CPU tensor runs the native loop (``native_loops``), a float64 one the
     compiled loop. An accelerator's tensor (no slow path there) or one whose memory is not one
     dense block takes torch's."""
-    flat = flat_on_host(x, min_elements=_smallest(x))
+    if _native_block(x):
+        exp_block_f32(x, x)
+        return x
+    flat = flat_on_host(x)
     if flat is None:
         return x.exp_()
-    if native_loops(x):
-        exp_f32(flat[0], flat[0])
-        return x
     _exp_in_place(*flat)
     return x
 
@@ -176,12 +185,18 @@ def exp_(x: Tensor) -> Tensor:
 def exp_into(x: Tensor, out: Tensor) -> Tensor:
     """``torch.exp(x, out=out)`` (a readout into the memory of ``p.semiring_grad``), vectorised
     on every input like ``exp_``."""
-    flat = flat_on_host(x, out, min_elements=_smallest(x))
+    if (
+        _native_block(x)
+        and out.dtype == x.dtype
+        and out.device == x.device
+        and out.shape == x.shape
+        and out.stride() == x.stride()
+    ):
+        exp_block_f32(x, out)
+        return out
+    flat = flat_on_host(x, out)
     if flat is None:
         return torch.exp(x, out=out)
-    if native_loops(x):
-        exp_f32(*flat)
-        return out
     _exp_into(*flat)
     return out
 
@@ -200,16 +215,16 @@ def log_magnitude_(mag: Tensor) -> Tensor:
     entries, one reduction finds whether there are zeros, and if so each is replaced by 1
     before torch's log and the result gets ``-inf`` there (the same bits as ``mag.log_()``).
     (A GPU's log has no slow path for zeros: there it is the plain log.)"""
-    if not checks_on_host(mag) or torch.compiler.is_compiling():  # traced: no host reads
-        return mag.log_()
-    native = native_loops(mag)
-    flat = flat_on_host(mag, min_elements=1) if native else None
-    if flat is not None:
-        log_plus_f32(flat[0].view(1, -1), None)
+    if _native_block(mag):
+        log_block_f32(mag)
         return mag
-    if mag.numel() < ZERO_SAFE_MIN_ELEMENTS:
+    if (
+        mag.numel() < ZERO_SAFE_MIN_ELEMENTS
+        or not checks_on_host(mag)
+        or torch.compiler.is_compiling()  # traced into a fused kernel: no host reads
+    ):
         return mag.log_()
-    flat = flat_on_host(mag) if not native and compile_enabled() else None
+    flat = flat_on_host(mag) if not native_loops(mag) and compile_enabled() else None
     if flat is not None:
         _log_in_place(*flat)
         return mag

@@ -490,6 +490,22 @@ def exp_f32(x: Tensor, out: Tensor, shift: float = 0.0) -> Tensor:
     return out
 
 
+def exp_block_f32(x: Tensor, out: Tensor) -> None:
+    """``out = exp(x)`` over the memory of two float32 CPU tensors of one shape and strides
+    whose entries are one dense block (any order of dims; ``out`` may be ``x``). No checks:
+    the caller (``kernels.logspace``) has made them, so that a tensor of a few entries pays a
+    ctypes call and not the checked wrappers' tens of microseconds."""
+    n = x.numel()
+    _library().semipack_exp_f32(x.data_ptr(), out.data_ptr(), n, 0.0, _elementwise_threads(n))
+
+
+def log_block_f32(mag: Tensor) -> None:
+    """``mag = log(mag)`` in place over the memory of a float32 CPU tensor whose entries are one
+    dense block, unchecked as ``exp_block_f32``."""
+    n = mag.numel()
+    _library().semipack_log_plus_f32(mag.data_ptr(), None, 1, n, 0, 0, _elementwise_threads(n))
+
+
 def log_plus_f32(mag: Tensor, shift: Tensor | None) -> Tensor:
     """``mag = log(mag) + shift`` in place, ``mag`` a contiguous float32 CPU tensor [rows, cols]
     of magnitudes (>= 0 or NaN; log 0 = -inf), ``shift`` None, one entry, [rows, 1] or

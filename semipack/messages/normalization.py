@@ -24,6 +24,7 @@ contracts the dense Jacobian (``contract_rows``), which is also each kernel's ea
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Callable
 
 import torch
@@ -31,6 +32,7 @@ from torch import Tensor
 
 from ..kernels.affine_params import CHANNEL_REDUCE, AffineParams
 from ..kernels.compiled import FUSED_MIN_ELEMENTS, compile_enabled, compiled
+from ..kernels.logspace import checks_on_host
 from ..kernels.native import native_available
 from ..kernels.normalization import (
     CentredPairsKernel,
@@ -164,13 +166,22 @@ def _kernel_inputs(sr: Semiring, m: State, x_hat: Tensor) -> bool:
     infinite weight (+inf in a component whose "no path" is -inf). They shift each row by its
     largest message and drop NaN in their maxima, so such a row would come out partly finite;
     the dense Jacobian gives what the definition does (a NaN or infinite message reaches every
-    output of its row that it has an edge to). One value is read back for all the checks (on a
-    GPU each read waits for the queued kernels)."""
+    output of its row that it has an edge to). On a GPU one value is read back for all the
+    checks (each read waits for the queued kernels); on the CPU each is read as it comes."""
     if x_hat.numel() == 0:
         return True
     # One reduction per tensor, no full-size mask: min and max propagate NaN, and an infinity
     # is the extreme it is.
     low, high = torch.aminmax(x_hat)
+    if checks_on_host(x_hat):  # a few small ops fewer per layer norm
+        if not (math.isfinite(low) and math.isfinite(high)):
+            return False
+        for c, zero in zip(m, sr.zero, strict=True):
+            if c.is_floating_point() and c.numel() > 0:
+                top = float(c.amax())
+                if math.isnan(top) if zero == float("inf") else not top < float("inf"):
+                    return False
+        return True
     flags = [~torch.isfinite(low), ~torch.isfinite(high)]
     for c, zero in zip(m, sr.zero, strict=True):
         if not c.is_floating_point():

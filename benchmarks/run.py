@@ -293,12 +293,14 @@ there).
 
 ## Reading the table
 
-- **The machine.** The line above the table names the CPU. The kernel rates below were measured
-  on an AMD EPYC Zen 5 with AVX-512 (2026-11-27). On an AVX2-only EPYC (Zen 3, 2026-11-28,
-  half its time stolen by the hypervisor), semipack's max-plus kernels run their AVX2 build and
-  oneDNN its AVX2 path, so the semiring products lose their lead over MKL's. The same code gave
-  ratios up to about 1.9x higher there (a BERT layer's Entropy: 7.2-7.8x against 4.1x; MiniLM's
-  sentence: MaxProd 5.2-5.4x against 4.0x).
+- **The machine.** The line above the table names the CPU: the table is from an AVX2-only AMD
+  EPYC (Zen 3, 2026-11-28, the twenty-fifth session's code: the native exp and log loops at
+  every size, the depthwise lifts in one buffer; a VM whose speed drifts within a run). The
+  kernel rates below were measured on an AMD EPYC Zen 5 with AVX-512 (2026-11-27). On the
+  AVX2 machine semipack's max-plus kernels run their AVX2 build and oneDNN its AVX2 path, so
+  the semiring products lose their lead over MKL's: the Zen 5 VM gave ratios up to about 1.9x
+  lower with the code of 2026-11-27 (a BERT layer's Entropy 4.1x against 7.5x here, LogSum
+  2.2x against 3.1x, MaxProd 2.0x against 2.9x; MiniLM's sentence MaxProd 4.0x).
 - **fused vs generic.** Both paths call the same kernels (the semiring's matmul, the row-wise
   softmax/normalisation kernels, the convolution paths), so their times are close; extensions
   add named sites, exact regular gradients from the module's own ops, and the attention
@@ -374,7 +376,19 @@ there).
   The sentence's plain backward takes 19-28 ms, and the fastest of its rounds moves its ratios
   most: the two runs of 2026-11-26's tenth session gave MaxProd 4.13x and 6.74x, LogSum 3.97x
   and 6.96x, Entropy 6.30x and 10.96x, with MaxProd's own time 0.116 s and 0.126 s (the table
-  is the second run; the first run's plain round was 28 ms, the second's 19 ms).
+  is the second run; the first run's plain round was 28 ms, the second's 19 ms). Since
+  2026-11-28 the exponentials and logarithms over whole float32 tensors (readouts into
+  `p.semiring_grad`, the logarithm ending each log-space product, the lifts of weights and
+  inputs) run semipack's own AVX2 loops (`kernels/native/elementwise.c`), at every size since
+  the twenty-fifth session (before, from 16k entries, with torch's ops below: the same value
+  could get other last bits in a smaller tensor). `OMP_NUM_THREADS=2 python
+  benchmarks/bench_native_loops.py --semiring S --rounds 15` (one process, the variants in
+  turns, medians; 11 rounds for Entropy and for MobileNetV3-small), the sentence's backward
+  with the loops at every size / from 16k / compiled loops instead: MaxProd 171 / 175 / 192
+  ms, LogSum 177 / 212 / 231 ms, Entropy 378 / 407 / 411 ms (plain 41-52 ms);
+  MobileNetV3-small MaxProd 267 / 266 / 265 ms (plain 52 ms). The table's run gave the
+  sentence MaxProd 0.226 s, LogSum 0.220 s and Entropy 0.327 s with a plain round of 32 ms;
+  the run of the twenty-fourth session's code, 0.191, 0.197 and 0.346 s with 28 ms.
 - **Convolutional models.** ResNet-18 and MobileNetV3 MaxProd pay the convolution max-plus
   products above (per tap, against oneDNN); 2-D depthwise convolutions have native MaxProd and
   TopPath kernels (`native/depthwise.c`: at stride 1 each block of input entries gathers its
@@ -409,7 +423,14 @@ there).
   maxima. A 5x5 layer of 96 channels on 14 x 14 takes about 2.6x its plain backward with the
   kernels and 7.0x per tap; its extra time per multiply-add is 0.7 ns against 0.08 for a
   dense 3x3 convolution (a layer with 25 multiply-adds per output pays its per-node costs over
-  few of them).
+  few of them). Since the twenty-fifth session the log of x is taken in one zero-padded buffer
+  (one allocation and one pass, where the log and then a padded copy took two), the strided
+  input message skips its -inf fill where the phases write every entry, and small
+  convolutions keep their row tables across passes: the same command, base and new code in
+  turns, two runs each (2026-11-28, Zen 3), MobileNetV3's 3x3 stride-2 layer on 112 x 112
+  planes MaxProd 3.2-3.5 -> 2.4-2.9 ms, TopPath 7.5-8.7 -> 4.7-6.1, the one on 56 x 56 TopPath
+  5.9-7.2 -> 5.6-5.8; the other layers moved within the runs' spread, and whole-model runs
+  could not resolve the change (a plain backward's CPU time moved between 39 and 59 ms).
   PyTorch's vectorised log takes a slow path for every exact zero (3.9 ms for 430k entries
   half of them zeros, 0.43 ms without zeros,
   `bench_kernel_costs.py`), and half of a ReLU network's activations are zeros: logarithms of

@@ -378,6 +378,57 @@ def test_max_plus_taps_without_copies_equal_the_per_tap_products(
             assert len(g) == len(e) and all(torch.equal(a, b) for a, b in zip(g, e, strict=True))
 
 
+def test_kept_row_tables_are_shared_read_only_and_equal_fresh_ones() -> None:
+    """Small convolutions keep their row tables across passes (``_kept_output_rows``): two
+    passes of a model whose two convolutions share a geometry give the same MaxProd and TopPath
+    values, paths included, as a pass after the cache is cleared; the kept table is one object
+    for both layers, and after the passes it still equals a freshly built one (the kernels only
+    read it). Tables above ``KEPT_ROWS_MAX_POSITIONS`` positions are built each time."""
+    import semipack.rules.convolution as conv
+    from semipack.kernels.native import native_available
+
+    if not native_available():
+        pytest.skip("no native kernels here")
+    torch.manual_seed(5)
+    model = nn.Sequential(
+        nn.Conv2d(6, 6, 3, padding=1), nn.ReLU(), nn.Conv2d(6, 6, 3, padding=1), nn.Flatten()
+    )
+    x = torch.randn(2, 6, 7, 9)
+
+    def values(sr):
+        model.zero_grad()
+        with semipack.extend(model, sr):
+            model(x).sum().backward()
+        got = [p.semiring_grad.clone() for p in model.parameters()]
+        if isinstance(sr, semipack.TopPath):
+            got.append(torch.tensor([sr.path(model[0].weight, (1, 2, 0, 1)).value]))
+        return got
+
+    for sr in (semipack.MaxProd(), semipack.TopPath()):
+        conv._kept_output_rows.cache_clear()
+        first = values(sr)
+        info = conv._kept_output_rows.cache_info()
+        assert info.misses == 1 and info.hits >= 1  # one geometry, both layers
+        second = values(sr)
+        assert conv._kept_output_rows.cache_info().misses == 1
+        conv._kept_output_rows.cache_clear()
+        fresh = values(sr)
+        for a, b, c in zip(first, second, fresh, strict=True):
+            assert torch.equal(a, b) and torch.equal(a, c)
+    key = ((2, 9, 11), (7, 9), (1, 1))
+    kept = conv._kept_output_rows(*key)
+    assert kept is conv._kept_output_rows(*key)
+    assert torch.equal(kept, conv._output_rows(*key))
+    # every output position's row of the padded grid, from first principles
+    want = [b * 99 + r * 11 + c for b in range(2) for r in range(7) for c in range(9)]
+    assert kept.tolist() == want
+    assert conv.KEPT_ROWS_MAX_POSITIONS >= 2 * 7 * 9
+    before = conv._kept_output_rows.cache_info()
+    large = conv._MaxPlusTaps([1, 131, 130], [129, 128], [1, 1], ids=False)
+    assert large.rows.numel() == 129 * 128 > conv.KEPT_ROWS_MAX_POSITIONS
+    assert conv._kept_output_rows.cache_info() == before  # built, not kept
+
+
 def _ids(shape) -> torch.Tensor:
     """Distinct successor ids for a message of ``shape`` (TopPath's second component)."""
     return torch.arange(math.prod(shape), dtype=torch.int64).reshape(shape) + 100

@@ -81,14 +81,21 @@ def on_memory(t: Tensor, shape: Sequence[int], stride: Sequence[int]) -> Tensor:
     return fresh.set_(t.untyped_storage(), t.storage_offset(), tuple(shape), tuple(stride))
 
 
+def _dense_block(t: Tensor) -> bool:
+    """Whether ``t``'s entries fill one block of memory (in some order of its dims)."""
+    if t.is_contiguous():
+        return True
+    order = sorted(range(t.dim()), key=lambda d: (t.stride(d), t.shape[d]), reverse=True)
+    return t.permute(order).is_contiguous()
+
+
 def _flat(t: Tensor) -> Tensor | None:
     """``t``'s entries as a 1-D view in memory order, or None where its memory is not one dense
-    block (overlapping or with gaps): an elementwise kernel may then run over the view, whatever
-    the dims' order (a convolution's channels-last messages, a transposed state)."""
-    if not t.is_contiguous():
-        order = sorted(range(t.dim()), key=lambda d: (t.stride(d), t.shape[d]), reverse=True)
-        if not t.permute(order).is_contiguous():
-            return None
+    block (overlapping or with gaps, ``_dense_block``): an elementwise kernel may then run over
+    the view, whatever the dims' order (a convolution's channels-last messages, a transposed
+    state)."""
+    if not _dense_block(t):
+        return None
     return on_memory(t, (t.numel(),), (1,))  # no base: one compiled variant per layout
 
 
@@ -146,14 +153,6 @@ def native_loops(t: Tensor) -> bool:
     kernel's log of x, the per-tap path's of its padded copy) got torch's bits on one side and
     the loop's on the other."""
     return t.dtype == torch.float32 and t.is_cpu and native_available()
-
-
-def _dense_block(t: Tensor) -> bool:
-    """Whether ``t``'s entries fill one block of memory (in some order of its dims)."""
-    if t.is_contiguous():
-        return True
-    order = sorted(range(t.dim()), key=lambda d: (t.stride(d), t.shape[d]), reverse=True)
-    return t.permute(order).is_contiguous()
 
 
 def _native_block(t: Tensor) -> bool:

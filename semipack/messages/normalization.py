@@ -173,23 +173,24 @@ def _kernel_inputs(sr: Semiring, m: State, x_hat: Tensor) -> bool:
     # One reduction per tensor, no full-size mask: min and max propagate NaN, and an infinity
     # is the extreme it is.
     low, high = torch.aminmax(x_hat)
-    if checks_on_host(x_hat):  # a few small ops fewer per layer norm
-        if not (math.isfinite(low) and math.isfinite(high)):
-            return False
-        for c, zero in zip(m, sr.zero, strict=True):
-            if c.is_floating_point() and c.numel() > 0:
-                top = float(c.amax())
-                if math.isnan(top) if zero == float("inf") else not top < float("inf"):
-                    return False
-        return True
+    tops = [(c.amax(), zero) for c, zero in zip(m, sr.zero, strict=True) if c.is_floating_point()]
+    if checks_on_host(x_hat):  # each read as it comes: a few small ops fewer per layer norm
+        return (
+            math.isfinite(low)
+            and math.isfinite(high)
+            and not any(_poisoned(float(top), zero) for top, zero in tops)
+        )
     flags = [~torch.isfinite(low), ~torch.isfinite(high)]
-    for c, zero in zip(m, sr.zero, strict=True):
-        if not c.is_floating_point():
-            continue
-        # "no path" +inf is allowed (only NaN is bad); else +inf is an infinite weight too
-        top = c.amax()
-        flags.append(torch.isnan(top) if zero == float("inf") else ~(top < float("inf")))
+    flags += [_poisoned(top, zero) for top, zero in tops]
     return not bool(torch.stack(flags).any())
+
+
+def _poisoned(top: Tensor | float, zero: float) -> Tensor | bool:
+    """Whether a message component's largest entry ``top`` (a tensor or a number) bars the
+    fused kernels: NaN, or ``+inf`` where the component's "no path" is not ``+inf`` (there it
+    is an infinite weight; where "no path" is ``+inf`` only NaN is bad)."""
+    nan = top != top
+    return nan if zero == float("inf") else nan | (top == float("inf"))
 
 
 def native_kernel(spec: CentredPairsKernel, x_hat: Tensor) -> Callable[..., State] | None:

@@ -169,6 +169,23 @@ def test_pruning_skips_pairs_that_cannot_win():
     assert torch.equal(index[1:], torch.full((63, 50), 7))
 
 
+@pytest.mark.parametrize("n", [7, 600], ids=["a-chunk-per-thread", "chunks-of-256"])
+def test_pruned_kernel_splits_rows_over_threads_and_chunks(monkeypatch, n):
+    """On 2 threads rows go in chunks of at most 256, and of half the rows where that is less
+    (so both threads work): 7 rows as chunks of 4 and 3; 600 rows as 256, 256 and 88. Every
+    split gives the definition's values and first argmax, with and without the index."""
+    monkeypatch.setattr(native, "THREADED_MIN_PAIRS", 0)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        a, b = operands(1, n, 300, 70, seed=n, spread=6.0)
+        want = reference(a[0], b[0])
+        assert_exact(native.maxplus_pruned_f32(a[0], b[0], True)[:2], want)
+        assert_exact(native.maxplus_pruned_f32(a[0], b[0], False)[:2], (want[0], None))
+    finally:
+        torch.set_num_threads(threads)
+
+
 def test_whole_row_without_path_gives_minus_inf_and_index_zero():
     a = torch.full((5, 40), NEG_INF)
     b = torch.randn(40, 20)
@@ -498,6 +515,7 @@ def test_a_shared_pruning_choice_is_estimated_once_per_shape_and_stays_exact(mon
     calls = []
     estimate = tropical.kept_fraction
     monkeypatch.setattr(tropical, "kept_fraction", lambda a, b: calls.append(1) or estimate(a, b))
+    monkeypatch.setattr(tropical, "PRUNE_MIN_PAIRS", 1 << 22)  # small products, kept quick
     g = torch.Generator().manual_seed(3)
     spread = [torch.randn(256, 256, generator=g) * 8 for _ in range(6)]
     pairs = [(spread[0], spread[1]), (spread[2], spread[3]), (spread[4], spread[5])]
@@ -550,7 +568,7 @@ def test_an_estimate_costing_much_of_the_product_is_skipped(monkeypatch):
     a, b = torch.randn(6272, 72, generator=g) * 8, torch.randn(72, 16, generator=g) * 8
     assert torch.equal(tropical.maxplus(a, b), (a[:, :, None] + b[None]).amax(1))
     assert calls == []
-    long_k = torch.randn(16, 8192, generator=g) * 8, torch.randn(8192, 300, generator=g) * 8
+    long_k = torch.randn(16, 8192, generator=g) * 8, torch.randn(8192, 1100, generator=g) * 8
     assert torch.equal(tropical.maxplus(*long_k), (long_k[0][:, :, None] + long_k[1][None]).amax(1))
     assert calls == [(16, 8192)]
 

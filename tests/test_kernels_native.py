@@ -722,3 +722,48 @@ def test_native_normalization_readouts_compiled_equal_their_eager_forms(n, monke
         for g, w in zip(got, want, strict=True):
             assert torch.equal(g.isinf(), w.isinf()) and torch.equal(g.isnan(), w.isnan())
             torch.testing.assert_close(g, w, rtol=1e-6, atol=1e-6)
+
+
+def _holds_nan_or_posinf(t: torch.Tensor) -> bool:
+    return bool((t.isnan() | (t == float("inf"))).any())
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")], ids=["nan", "plus-inf"])
+def test_finite_check_reads_every_entry_of_any_dense_layout(monkeypatch, bad):
+    """``no_nan_or_posinf`` (the gate of every max-plus kernel) gives the definition's answer
+    with one NaN or +inf at each position of tensors of 1 to 70 entries (the native loop's
+    blocks of 32 and its tail), in contiguous, transposed and permuted layouts, and with -inf
+    entries (no edge) alone; those layouts go through the native loop, an expanded or sliced
+    tensor and a float64 one through torch's reduction."""
+    lib = native._library()
+    calls = []
+    loop = lib.semipack_below_inf_f32
+    monkeypatch.setattr(lib, "semipack_below_inf_f32", lambda *a: calls.append(1) or loop(*a))
+    g = torch.Generator().manual_seed(0)
+    for n in [1, 7, 31, 32, 33, 64, 70]:
+        base = torch.randn(n, generator=g)
+        base[:: max(1, n // 3)] = float("-inf")
+        assert native.no_nan_or_posinf(base) and not _holds_nan_or_posinf(base)
+        for at in range(n):
+            t = base.clone()
+            t[at] = bad
+            assert native.no_nan_or_posinf(t) is False
+    calls.clear()
+    cube = torch.randn(5, 6, 7, generator=g)
+    for layout in (cube, cube.transpose(0, 2), cube.permute(1, 2, 0)):
+        clean = layout.clone(memory_format=torch.preserve_format)
+        assert clean.stride() == layout.stride() and native.no_nan_or_posinf(clean)
+        for at in [(0, 0, 0), (2, 3, 4), tuple(d - 1 for d in layout.shape)]:
+            t = clean.clone(memory_format=torch.preserve_format)
+            t[at] = bad
+            assert native.no_nan_or_posinf(t) is False and _holds_nan_or_posinf(t)
+    assert len(calls) == 12
+    calls.clear()
+    expanded = torch.randn(1, 8, generator=g).expand(4, 8)
+    gapped = torch.randn(6, 10, generator=g)[:, ::2]
+    wide = torch.randn(40, generator=g, dtype=torch.float64)
+    for t in (expanded, gapped, wide):
+        assert native.no_nan_or_posinf(t)
+    gapped[2, 3] = bad
+    assert native.no_nan_or_posinf(gapped) is False
+    assert calls == []

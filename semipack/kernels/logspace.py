@@ -10,7 +10,7 @@ from torch import Tensor
 
 from .compiled import FUSED_MIN_ELEMENTS, compile_enabled, compiled
 from .native import exp_block_f32, log_block_f32, log_plus_f32, native_available
-from .shapes import broadcast_shapes
+from .shapes import broadcast_shapes, dense_block
 
 #: From this many entries a logarithm of magnitudes looks for exact zeros first: torch's
 #: vectorised log takes a slow path for each 0 it meets (430k entries, half of them zeros: 3.9 ms
@@ -81,20 +81,12 @@ def on_memory(t: Tensor, shape: Sequence[int], stride: Sequence[int]) -> Tensor:
     return fresh.set_(t.untyped_storage(), t.storage_offset(), tuple(shape), tuple(stride))
 
 
-def _dense_block(t: Tensor) -> bool:
-    """Whether ``t``'s entries fill one block of memory (in some order of its dims)."""
-    if t.is_contiguous():
-        return True
-    order = sorted(range(t.dim()), key=lambda d: (t.stride(d), t.shape[d]), reverse=True)
-    return t.permute(order).is_contiguous()
-
-
 def _flat(t: Tensor) -> Tensor | None:
     """``t``'s entries as a 1-D view in memory order, or None where its memory is not one dense
-    block (overlapping or with gaps, ``_dense_block``): an elementwise kernel may then run over
+    block (overlapping or with gaps, ``dense_block``): an elementwise kernel may then run over
     the view, whatever the dims' order (a convolution's channels-last messages, a transposed
     state)."""
-    if not _dense_block(t):
+    if not dense_block(t):
         return None
     return on_memory(t, (t.numel(),), (1,))  # no base: one compiled variant per layout
 
@@ -161,7 +153,7 @@ def _native_block(t: Tensor) -> bool:
     a bare ctypes call: on a tensor of a few entries the loops then cost about what torch's
     op does (a checked call through flat views cost 20 us more)."""
     return (
-        native_loops(t) and t.numel() > 0 and _dense_block(t) and not torch.compiler.is_compiling()
+        native_loops(t) and t.numel() > 0 and dense_block(t) and not torch.compiler.is_compiling()
     )
 
 

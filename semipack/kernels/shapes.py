@@ -26,3 +26,12 @@ def broadcast_shapes(*shapes: Sequence[int]) -> torch.Size:
     except (RuntimeError, TypeError):
         return torch.broadcast_shapes(*shapes)  # its own error message
     return out
+
+
+def dense_block(t: torch.Tensor) -> bool:
+    """Whether ``t``'s entries fill one block of memory (in some order of its dims), which a
+    native loop can then read from ``t.data_ptr()`` on as ``t.numel()`` consecutive entries."""
+    if t.is_contiguous():
+        return True
+    order = sorted(range(t.dim()), key=lambda d: (t.stride(d), t.shape[d]), reverse=True)
+    return t.permute(order).is_contiguous()

@@ -253,13 +253,38 @@ def test_nan_and_plus_inf_inputs_take_the_propagating_path(prune_everything):
 
 
 def test_kept_fraction_estimate_counts_the_candidates():
-    """The estimate is the kernel's own phase-2 count on the sampled rows, plus phase 1."""
+    """The estimate is the kernel's own phase-2 count on the sampled rows, plus phase 1, read
+    from b where it lies (a column-major b gives the same counts)."""
     a, b = operands(1, 8, 64, 40, seed=4, spread=2.0)
     a[0, 0] = torch.randn(64)  # sampled rows must hold paths
-    estimate = tropical.kept_fraction(a[0], b[0], rows=8)
     _, _, kept = native.maxplus_pruned_f32(a[0], b[0], False, top=native.PRUNE_TOP)
-    phase_one = min(native.PRUNE_TOP, 64) / 64
-    assert kept / (8 * 64) <= estimate - phase_one + 1e-6
+    bmax = b[0].amax(1)
+    counts = native.maxplus_pruned_counts_f32(a[0], b[0], bmax)
+    assert counts[0] == kept
+    assert 8 <= counts[1] <= 8 * 64  # every row holds paths: at least its best candidate
+    column_major = b[0].t().contiguous().t()
+    assert native.maxplus_pruned_counts_f32(a[0], column_major, bmax) == counts
+    assert tropical.kept_fraction(a[0], b[0], rows=8) == (counts[0] + counts[1]) / (8 * 64)
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    n=st.integers(1, 30),
+    k=st.integers(1, 70),
+    m=st.integers(1, 45),
+    spread=st.floats(0.0, 20.0),
+    ties=st.booleans(),
+    top=st.integers(1, 40),
+    transposed_b=st.booleans(),
+    seed=st.integers(0, 2**16),
+)
+def test_pruned_counts_equal_the_kernels_property(n, k, m, spread, ties, top, transposed_b, seed):
+    """The counting pass keeps exactly the kernel's phase-2 candidates, rows without paths,
+    ties and -inf entries included, whatever b's layout."""
+    a, b = operands(1, n, k, m, seed=seed, ties=ties, spread=spread)
+    _, _, kept = native.maxplus_pruned_f32(a[0], b[0], False, top)
+    b0 = b[0].t().contiguous().t() if transposed_b else b[0]
+    assert native.maxplus_pruned_counts_f32(a[0], b0, b[0].amax(1), top)[0] == kept
 
 
 @pytest.mark.parametrize(

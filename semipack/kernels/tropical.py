@@ -34,6 +34,7 @@ from .native import (
     MAX_INDEX_K,
     PRUNE_TOP,
     maxplus_f32,
+    maxplus_pruned_counts_f32,
     maxplus_pruned_f32,
     native_available,
 )
@@ -240,17 +241,17 @@ def _use_native(a3: Tensor, bt3: Tensor) -> bool:
 
 
 def kept_fraction(a: Tensor, b: Tensor, rows: int = PRUNE_SAMPLE_ROWS) -> float:
-    """Estimated share of ``k`` the pruned kernel keeps for ``a @ b`` (plus its phase-1 share),
-    from a few evenly spaced rows of ``a``, computed the way the kernel computes it."""
+    """Estimated share of ``k`` the pruned kernel keeps for ``a @ b`` (its phase-1 and phase-2
+    candidates), counted by the kernel's own bounds on a few evenly spaced rows of ``a``
+    (``maxplus_pruned_counts_f32``: no product is computed, ``b`` is read where it lies)."""
     n, k = a.shape
     picked = torch.linspace(0, n - 1, min(rows, n), device=a.device).long()
     # Rows of a transposed operand are strided: gather them along its contiguous dim instead
     # (one pass over memory rather than a cache miss per entry).
     sample = a[picked] if a.stride(-1) == 1 else a.t().index_select(1, picked).t()
-    bound = sample + WEIGHTS.kept_form(b, "row_max", lambda: b.amax(1).contiguous())
-    top = bound.topk(min(PRUNE_TOP, k), 1).indices
-    lower = (sample.gather(1, top)[:, :, None] + b[top]).amax(1).amin(1, keepdim=True)
-    return float((bound >= lower).float().mean()) + top.shape[1] / k
+    bound = WEIGHTS.kept_form(b, "row_max", lambda: b.amax(1).contiguous())
+    kept, first = maxplus_pruned_counts_f32(sample, b, bound)
+    return (kept + first) / (sample.shape[0] * k)
 
 
 def _estimate_pays(rows: int, k: int) -> bool:

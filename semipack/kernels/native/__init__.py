@@ -82,6 +82,7 @@ _C_TYPES = {"p": ctypes.c_void_p, "q": ctypes.c_int64, "i": ctypes.c_int, "f": c
 _SIGNATURES: dict[str, tuple[str | None, str]] = {
     "semipack_maxplus_f32": (None, "pqqqpppqqqqqqi"),
     "semipack_maxplus_pruned_f32": ("q", "pqppppqqqqqi"),
+    "semipack_maxplus_pruned_count_f32": ("i", "pqpqqpqqqqp"),
     "semipack_pack_panels_f32": (None, "pqqqpqqqi"),
     "semipack_norm_entropy_sums_f32": ("i", "pppqqpppi"),
     "semipack_softmax_log_sum_f32": ("i", "ppqqpi"),
@@ -610,6 +611,40 @@ def maxplus_f32(
         _threads(s * n * k * m),
     )
     return out, index
+
+
+def maxplus_pruned_counts_f32(
+    a: Tensor, b: Tensor, bmax: Tensor, top: int = PRUNE_TOP
+) -> tuple[int, int]:
+    """The candidates :func:`maxplus_pruned_f32` would keep for ``a`` [n, k] against ``b``
+    [k, m] (any strides; ``bmax`` [k] its row maxima): (phase 2, phase 1), summed over the rows,
+    without computing the product. The same bounds, candidates and pair sums as the kernel, so
+    the phase-2 count equals the kernel's. For choosing between the pruned and the dense kernel
+    from a few sampled rows (``tropical.kept_fraction``). The caller checks that neither
+    operand holds NaN or ``+inf``."""
+    lib = _library()
+    assert lib is not None and a.dtype == b.dtype == bmax.dtype == torch.float32
+    if a.stride(-1) != 1:
+        a = a.contiguous()
+    bmax = bmax.contiguous()
+    n, k = a.shape
+    counts = (ctypes.c_int64 * 2)()
+    failed = lib.semipack_maxplus_pruned_count_f32(
+        a.data_ptr(),
+        a.stride(0),
+        b.data_ptr(),
+        b.stride(0),
+        b.stride(1),
+        bmax.data_ptr(),
+        n,
+        k,
+        b.shape[1],
+        top,
+        ctypes.addressof(counts),
+    )
+    if failed:
+        raise MemoryError("maxplus_pruned_counts_f32: the kernel could not allocate its buffers")
+    return int(counts[0]), int(counts[1])
 
 
 def maxplus_pruned_f32(

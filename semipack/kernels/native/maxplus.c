@@ -396,6 +396,86 @@ int64_t semipack_maxplus_pruned_f32(const float *a, int64_t a_i, const float *bm
     return failed ? -1 : kept;
 }
 
+/* What semipack_maxplus_pruned_f32 would keep for rows a[0, n) (unit stride along k), without
+   the products: counts[0] = phase-2 candidates, counts[1] = phase-1 candidates, summed over the
+   rows, from the same bounds, the same phase-1 candidates and the same pair sums (so the same
+   theta and the same counts). b is read in place as b[kk * b_k + j * b_j], so the caller
+   samples a few rows of either orientation without packing or copying b. Returns -1 if out of
+   memory, else 0.
+
+   Why: choosing between the pruned and the dense kernel needs the share a product keeps; taken
+   with eager tensor ops on 8 sampled rows (a top-k and a [8, 32, m] gather) it cost 1-5 ms per
+   orientation on a BERT layer's products, up to a tenth of the product. */
+int semipack_maxplus_pruned_count_f32(const float *a, int64_t a_i, const float *b, int64_t b_k,
+                                      int64_t b_j, const float *bmax, int64_t n, int64_t k,
+                                      int64_t m, int64_t top, int64_t *counts) {
+    const int64_t t_top = top < k ? top : k;
+    float *ub = malloc(sizeof(float) * (size_t)(n * k));
+    int32_t *cand = malloc(sizeof(int32_t) * (size_t)(n * k));
+    int64_t *start = malloc(sizeof(int64_t) * (size_t)(n + 1));
+    float *low = malloc(sizeof(float) * (size_t)(n * m));
+    int64_t kept = 0;
+    if (!ub || !cand || !start || !low) {
+        free(ub);
+        free(cand);
+        free(start);
+        free(low);
+        return -1;
+    }
+    /* each row's bounds and phase-1 candidates, as the kernel takes them */
+    start[0] = 0;
+    for (int64_t r = 0; r < n; r++) {
+        const float best = upper_bounds(a + r * a_i, bmax, ub + r * k, k);
+        start[r + 1] = start[r] + top_candidates(ub + r * k, best, k, t_top, cand + start[r]);
+    }
+    /* low[r, j] = max over row r's candidates of a[r, kk] + b[kk, j]: along rows of b where
+       they are contiguous; else memory row by memory row (b = a.T of the other orientation),
+       so that each is read once for all the rows' candidates rather than once per candidate */
+    for (int64_t i = 0; i < n * m; i++) low[i] = -INFINITY;
+    if (b_j == 1) {
+        for (int64_t r = 0; r < n; r++) {
+            float *lrow = low + r * m;
+            for (int64_t t = start[r]; t < start[r + 1]; t++) {
+                const float x = a[r * a_i + cand[t]];
+                const float *brow = b + cand[t] * b_k;
+                const __m256 xv = _mm256_set1_ps(x);
+                int64_t j = 0;
+                for (; j + 8 <= m; j += 8)
+                    _mm256_storeu_ps(lrow + j,
+                                     _mm256_max_ps(_mm256_loadu_ps(lrow + j),
+                                                   _mm256_add_ps(xv, _mm256_loadu_ps(brow + j))));
+                for (; j < m; j++) lrow[j] = fmaxf(lrow[j], x + brow[j]);
+            }
+        }
+    } else {
+        for (int64_t j = 0; j < m; j++) {
+            const float *bcol = b + j * b_j;
+            for (int64_t r = 0; r < n; r++) {
+                float best = -INFINITY;
+                for (int64_t t = start[r]; t < start[r + 1]; t++)
+                    best = fmaxf(best, a[r * a_i + cand[t]] + bcol[cand[t] * b_k]);
+                low[r * m + j] = best;
+            }
+        }
+    }
+    /* theta = the smallest lower bound of the row; phase 2 keeps every k whose bound reaches it
+       (a row without phase-1 candidates has no finite pair: the kernel keeps none of it) */
+    for (int64_t r = 0; r < n; r++) {
+        if (start[r + 1] == start[r]) continue;
+        float theta = INFINITY;
+        for (int64_t j = 0; j < m; j++) theta = low[r * m + j] < theta ? low[r * m + j] : theta;
+        const float *urow = ub + r * k;
+        for (int64_t kk = 0; kk < k; kk++) kept += urow[kk] >= theta;
+    }
+    counts[0] = kept;
+    counts[1] = start[n];
+    free(ub);
+    free(cand);
+    free(start);
+    free(low);
+    return 0;
+}
+
 /* The two products of a convolution tap with one row-offset table (see
    rules/convolution.py, _MaxPlusTaps). A tap reads, and its input message lands on, a strided
    window of the padded input; its rows are one table (the same for every tap, shifted by the

@@ -304,6 +304,22 @@ static int64_t top_candidates(const float *ub, float best, int64_t k, int64_t wa
     return compact_at_least(ub, k, fminf(best, nextafterf(cut, INFINITY)), dst);
 }
 
+/* Prefetches into L2 the share of row r (of rows) of the lines of the panels from `next` on
+   (lines of them in all, 0 past the last group): the next group's panels arrive while this
+   one's rows are swept, rather than one demand miss at a time at its first candidates. On a
+   BERT-base layer's five pruned products (one Zen 3 core, three interleaved runs) the medians
+   summed 177-216 ms without it and 164-170 ms with it. */
+static inline void prefetch_share(const float *next, int64_t lines, int r, int rows) {
+    const int64_t from = lines * r / rows, to = lines * (r + 1) / rows;
+    for (int64_t l = from; l < to; l++) _mm_prefetch((const char *)(next + l * 16), _MM_HINT_T1);
+}
+
+/* Lines (one per k per panel) of the group of panels after the one starting at panel p. */
+static inline int64_t next_group_lines(int64_t panels_n, int64_t p, int64_t k) {
+    const int64_t after = panels_n - p - GROUP;
+    return after <= 0 ? 0 : (after < GROUP ? after : GROUP) * k;
+}
+
 /* val[t] = arow[cand[t]] for t in [from, to): the sweeps read each candidate's entry of a from
    one contiguous list rather than from its row (a chunk's rows of a outgrow L2). */
 static void gather_values(const float *arow, const int32_t *cand, int64_t from, int64_t to,
@@ -350,7 +366,9 @@ int64_t semipack_maxplus_pruned_f32(const float *a, int64_t a_i, const float *bm
                 const float *pa = panels + p * k * 16;
                 const float *pb = p + 1 < panels_n ? pa + k * 16 : pa;
                 const int64_t valid = m - p * 16 < 32 ? m - p * 16 : 32;
+                const int64_t ahead = next_group_lines(panels_n, p, k);
                 for (int r = 0; r < rows; r++) {
+                    prefetch_share(pa + GROUP * k * 16, ahead, r, rows);
                     v16 acc[2];
                     sweep_values(val + start[r], cand + start[r], start[r + 1] - start[r], pa, pb,
                                  acc);
@@ -370,7 +388,9 @@ int64_t semipack_maxplus_pruned_f32(const float *a, int64_t a_i, const float *bm
                 const float *pa = panels + p * k * 16;
                 const float *pb = p + 1 < panels_n ? pa + k * 16 : pa;
                 const int64_t valid = m - p * 16 < 32 ? m - p * 16 : 32;
+                const int64_t ahead = next_group_lines(panels_n, p, k);
                 for (int r = 0; r < rows; r++) {
+                    prefetch_share(pa + GROUP * k * 16, ahead, r, rows);
                     v16 acc[2], at[2];
                     float tmp[32], where[32];
                     const float *vrow = val + start[r];

@@ -289,7 +289,8 @@ static int64_t compact_at_least(const float *ub, int64_t k, float bound, int32_t
    (at least the best k; all ks within BUCKETS / BUCKET_SCALE nats of it at most). Branch-free
    loops: a quickselect's mispredicted branches cost more than the pairs it saved. */
 static int64_t top_candidates(const float *ub, float best, int64_t k, int64_t want,
-                              int32_t *dst) {
+                              int32_t *dst, float *bound) {
+    *bound = INFINITY;
     if (best == -INFINITY) return 0; /* no finite pair in this row: nothing to bound */
     int32_t hist[BUCKETS] = {0};
     for (int64_t kk = 0; kk < k; kk++) {
@@ -301,7 +302,8 @@ static int64_t top_candidates(const float *ub, float best, int64_t k, int64_t wa
     while (last < BUCKETS - 2 && seen + hist[last] < want) seen += hist[last++];
     const float cut = best - (float)(last + 1) / BUCKET_SCALE;
     /* ub > cut, or ub == best where cut rounds to best (a huge best): ub >= min(best, next) */
-    return compact_at_least(ub, k, fminf(best, nextafterf(cut, INFINITY)), dst);
+    *bound = fminf(best, nextafterf(cut, INFINITY));
+    return compact_at_least(ub, k, *bound, dst);
 }
 
 /* Prefetches into L2 the share of row r (of rows) of the lines of the panels from `next` on
@@ -318,6 +320,24 @@ static inline void prefetch_share(const float *next, int64_t lines, int r, int r
 static inline int64_t next_group_lines(int64_t panels_n, int64_t p, int64_t k) {
     const int64_t after = panels_n - p - GROUP;
     return after <= 0 ? 0 : (after < GROUP ? after : GROUP) * k;
+}
+
+/* The first `valid` (<= 32) lanes of two accumulators into dst. */
+static inline void store_lanes(float *dst, const v16 acc[2], int64_t valid) {
+    float tmp[32];
+    for (int c = 0; c < 2; c++) v16_store(tmp + 16 * c, acc[c]);
+    memcpy(dst, tmp, sizeof(float) * (size_t)valid);
+}
+
+/* Keeps, in order, the candidates of cand[0, count) whose bound is below `bound` (those phase
+   1 did not sweep); returns how many. */
+static inline int64_t below(const float *ub, int32_t *cand, int64_t count, float bound) {
+    int64_t kept = 0;
+    for (int64_t t = 0; t < count; t++) {
+        cand[kept] = cand[t];
+        kept += ub[cand[t]] < bound;
+    }
+    return kept;
 }
 
 /* val[t] = arow[cand[t]] for t in [from, to): the sweeps read each candidate's entry of a from
@@ -346,7 +366,7 @@ int64_t semipack_maxplus_pruned_f32(const float *a, int64_t a_i, const float *bm
         int32_t *cand = malloc(sizeof(int32_t) * (size_t)(chunk * k));
         float *val = malloc(sizeof(float) * (size_t)(chunk * k));
         int64_t start[CHUNK + 1];
-        float theta[CHUNK];
+        float theta[CHUNK], first_bound[CHUNK];
         int empty[CHUNK];
         failed = !ub || !cand || !val;
 #pragma omp for schedule(dynamic, 1)
@@ -357,7 +377,8 @@ int64_t semipack_maxplus_pruned_f32(const float *a, int64_t a_i, const float *bm
             start[0] = 0;
             for (int r = 0; r < rows; r++) {
                 const float best = upper_bounds(a + (c0 + r) * a_i, bmax, ub, k);
-                start[r + 1] = start[r] + top_candidates(ub, best, k, t_top, cand + start[r]);
+                start[r + 1] = start[r] + top_candidates(ub, best, k, t_top, cand + start[r],
+                                                         first_bound + r);
                 gather_values(a + (c0 + r) * a_i, cand, start[r], start[r + 1], val);
                 theta[r] = INFINITY;
                 empty[r] = start[r + 1] == start[r];
@@ -374,15 +395,20 @@ int64_t semipack_maxplus_pruned_f32(const float *a, int64_t a_i, const float *bm
                                  acc);
                     const float low = min_lanes(acc, valid);
                     theta[r] = low < theta[r] ? low : theta[r];
+                    if (!index) store_lanes(out + (c0 + r) * o_i + p * 16, acc, valid);
                 }
             }
             /* Phase 2: every k whose bound reaches theta, in increasing order. */
             for (int r = 0; r < rows; r++) {
                 upper_bounds(a + (c0 + r) * a_i, bmax, ub, k);
                 const int64_t count = empty[r] ? 0 : compact_at_least(ub, k, theta[r], cand + start[r]);
-                start[r + 1] = start[r] + count;
-                gather_values(a + (c0 + r) * a_i, cand, start[r], start[r + 1], val);
                 kept += count;
+                /* without the index, out holds the phase-1 maxima: only kept ks below the
+                   phase-1 bound are still to be swept */
+                const int64_t sweep =
+                    index ? count : below(ub, cand + start[r], count, first_bound[r]);
+                start[r + 1] = start[r] + sweep;
+                gather_values(a + (c0 + r) * a_i, cand, start[r], start[r + 1], val);
             }
             for (int64_t p = 0; p < panels_n; p += GROUP) {
                 const float *pa = panels + p * k * 16;
@@ -402,7 +428,12 @@ int64_t semipack_maxplus_pruned_f32(const float *a, int64_t a_i, const float *bm
                         int64_t *dst_index = index + (c0 + r) * o_i + p * 16;
                         for (int64_t c = 0; c < valid; c++) dst_index[c] = (int64_t)where[c];
                     } else {
+                        if (count == 0) continue; /* the phase-1 maxima are the maxima */
                         sweep_values(vrow, cand + start[r], count, pa, pb, acc);
+                        for (int c = 0; c < 2; c++) v16_store(tmp + 16 * c, acc[c]);
+                        for (int64_t c = 0; c < valid; c++)
+                            dst[c] = tmp[c] > dst[c] ? tmp[c] : dst[c];
+                        continue;
                     }
                     for (int c = 0; c < 2; c++) v16_store(tmp + 16 * c, acc[c]);
                     memcpy(dst, tmp, sizeof(float) * (size_t)valid);
@@ -446,7 +477,9 @@ int semipack_maxplus_pruned_count_f32(const float *a, int64_t a_i, const float *
     start[0] = 0;
     for (int64_t r = 0; r < n; r++) {
         const float best = upper_bounds(a + r * a_i, bmax, ub + r * k, k);
-        start[r + 1] = start[r] + top_candidates(ub + r * k, best, k, t_top, cand + start[r]);
+        float bound; /* unused: the count needs only the candidates */
+        start[r + 1] =
+            start[r] + top_candidates(ub + r * k, best, k, t_top, cand + start[r], &bound);
     }
     /* low[r, j] = max over row r's candidates of a[r, kk] + b[kk, j]: along rows of b where
        they are contiguous; else memory row by memory row (b = a.T of the other orientation),

@@ -171,7 +171,11 @@ void semipack_maxplus_f32(const float *a, int64_t a_s, int64_t a_i, int64_t a_k,
    TOP ks with the largest bounds and computes, over them, lower bounds L[i, j] <= out[i, j];
    theta[i] = min_j L[i, j]. Phase 2 keeps the ks with ub[k] >= theta[i]: any other k has every
    pair < theta[i] <= out[i, j], so it can be neither the max nor tie with it. The kept ks, in
-   increasing order, give the exact max and its first argmax.
+   increasing order, give the exact max and its first argmax. Without the argmax, phase 1 writes
+   its maxima into out and phase 2 sweeps only the kept ks phase 1 did not, onto them: a max
+   over any set of ks that holds the kept ones is the max (on a BERT-base layer's pruned
+   products, one Zen 3 core, four interleaved runs, the fastest of 11 calls summed 111-128 ms
+   against 113-144 ms when phase 2 swept every kept k).
 
    Max-product messages are heavy-tailed: in a BERT layer the kept fraction was 2-20% of k in the
    better of the two orientations, which the caller picks (see ../tropical.py). Where nothing

@@ -36,6 +36,8 @@ Each line is a median of ``--repeats`` timed runs (after a warm-up) on one threa
   the channels-last kernel for planes under 8 columns, stems as depthwise layers with a
   channel multiplier; lifts and copies included), MaxProd and TopPath, in CPU milliseconds
   and pairs per second (the same script runs on earlier trees for an A/B);
+* the max-plus products of one BERT-base layer's MaxProd backward with their real messages,
+  through the dispatch that picks the pruned or the dense kernel (``--only bert_products``);
 * one 5x5 depthwise layer of 96 channels (MobileNet-like, 14 x 14, batch 2): MaxProd backward
   over a plain one in CPU time, with the native depthwise kernel and with it switched off
   (medians of ``--repeats`` backward passes, each after an untimed forward), and MaxProd's
@@ -56,7 +58,7 @@ from torch import nn
 
 import semipack
 import semipack.rules.convolution as convolution
-from semipack.kernels import logspace
+from semipack.kernels import logspace, tropical
 from semipack.kernels.logspace import exp_, finite_or_zero, log_add_exp, log_magnitude_
 from semipack.kernels.native import (
     depthwise_f32,
@@ -354,6 +356,48 @@ def conv_layer_costs(repeats: int) -> None:
         )
 
 
+def bert_products(repeats: int) -> None:
+    """The max-plus products of one BERT-base layer's MaxProd backward (8 x 128 tokens,
+    ``cases.bert_layer``), taken with their real messages where they enter the native
+    dispatch (``tropical._tropical3``: pruned or dense, the choice's estimate included) and
+    timed there again, one line per distinct shape (fastest of ``repeats`` calls, CPU time) and
+    their sum over the pass. The layer's weights stay watched by the weight cache after the
+    pass, so their packed forms are reused as in a pass; an A/B of the kernels runs this on
+    two trees in turns."""
+    from cases import WORKLOADS  # the benchmark workloads (this directory)
+
+    work = WORKLOADS["bert_layer"]()
+    captured: list[tuple[torch.Tensor, torch.Tensor]] = []
+    dispatch = tropical._tropical3
+
+    def capture(a3: torch.Tensor, bt3: torch.Tensor, with_index: bool):
+        captured.append((a3, bt3))
+        return dispatch(a3, bt3, with_index)
+
+    tropical._tropical3 = capture
+    try:
+        with semipack.extend(work.model, semipack.MaxProd()):
+            work.loss().backward()
+    finally:
+        tropical._tropical3 = dispatch
+    by_shape: dict[tuple, list[float]] = {}
+    for a3, bt3 in captured:
+        times = []
+        for _ in range(repeats):
+            start = time.process_time()
+            dispatch(a3, bt3, False)
+            times.append(time.process_time() - start)
+        by_shape.setdefault((tuple(a3.shape), tuple(bt3.shape)), []).append(min(times) * 1e3)
+    total = 0.0
+    for (a_shape, bt_shape), times in by_shape.items():
+        total += sum(times)
+        print(
+            f"BERT layer MaxProd product {list(a_shape[1:])} x {[bt_shape[2], bt_shape[1]]} "
+            f"(batch {a_shape[0]}, {len(times)} per pass): {statistics.median(times):.1f} ms"
+        )
+    print(f"BERT layer MaxProd products, sum over the pass: {total:.1f} ms CPU")
+
+
 def backward_ms(
     conv: nn.Conv2d, x: torch.Tensor, semiring: semipack.Semiring | None, repeats: int
 ) -> float:
@@ -416,6 +460,7 @@ SECTIONS: dict[str, Callable[[int], None]] = {
     "max_plus": max_plus,
     "depthwise_rates": depthwise_rates,
     "conv_layer_costs": conv_layer_costs,
+    "bert_products": bert_products,
     "depthwise": depthwise,
 }
 

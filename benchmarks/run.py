@@ -294,8 +294,8 @@ there).
 ## Reading the table
 
 - **The machine.** The line above the table names the CPU: the table is from an AVX2-only AMD
-  EPYC (Zen 3, 2026-11-28, the twenty-fifth session's code: the native exp and log loops at
-  every size, the depthwise lifts in one buffer; a VM whose speed drifts within a run). The
+  EPYC (Zen 3, 2026-11-28, the twenty-sixth session's code: the pruned max-plus kernel's
+  changes in the MaxProd paragraph; a VM whose speed drifts within a run). The
   kernel rates below were measured on an AMD EPYC Zen 5 with AVX-512 (2026-11-27). On the
   AVX2 machine semipack's max-plus kernels run their AVX2 build and oneDNN its AVX2 path, so
   the semiring products lose their lead over MKL's: the Zen 5 VM gave ratios up to about 1.9x
@@ -314,7 +314,17 @@ there).
   every pair that cannot be the max (a bound from the best candidates of each row); max-product
   messages span orders of magnitude, so in this layer it keeps 2-20% of the pairs in the better
   of the two orientations. Its speed depends on the data: where messages are flat nothing can be
-  pruned and the dense kernel runs (the layer then takes about 3.5-4 plain backwards).
+  pruned and the dense kernel runs (the layer then takes about 3.5-4 plain backwards). On the
+  AVX2 machine its sweeps over the kept candidates were bound by memory, not by the adds and
+  maxes: since the twenty-sixth session it builds the candidate lists of 256 rows at once (each
+  chunk reads every panel of the weight twice, so a 9.4 MB weight was read four times less
+  often), packs each candidate's entry of the message beside its index, prefetches the next
+  group of panels while sweeping one, and without the argmax (MaxProd, not TopPath) phase 2
+  sweeps only the kept candidates phase 1 did not. The share it keeps is counted on 8 sampled
+  rows by the kernel's own bounds in C (`maxplus_pruned_counts_f32`; the eager estimate cost
+  1-5 ms per orientation here), and products under 2^27 pairs (a sentence or a few) run dense
+  without an estimate. `OMP_NUM_THREADS=1 python benchmarks/bench_cpu_time.py --workloads
+  bert_layer --semirings MaxProd TopPath`, the code before and after in turns, is the A/B.
 - **LogSum.** Its twelve BLAS products (input and weight messages of six linear layers) are the
   same work as the plain backward's twelve, so 2x is its floor here (the plain backward is
   almost all matrix products: 188 ms of its ~200 ms in torch.profiler) as long as both run on

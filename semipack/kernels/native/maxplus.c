@@ -361,14 +361,14 @@ int64_t semipack_maxplus_pruned_f32(const float *a, int64_t a_i, const float *bm
     /* a chunk per thread where the rows are few, so that every thread has work */
     const int64_t workers = threads > 1 ? threads : 1;
     const int64_t per_thread = (n + workers - 1) / workers;
-    const int64_t chunk = per_thread < CHUNK ? per_thread : CHUNK;
+    const int64_t chunk = per_thread < 1 ? 1 : per_thread < CHUNK ? per_thread : CHUNK;
     int64_t kept = 0;
     int failed = 0;
 #pragma omp parallel num_threads(threads) reduction(+ : kept) reduction(| : failed)
     {
-        float *ub = malloc(sizeof(float) * (size_t)k);
-        int32_t *cand = malloc(sizeof(int32_t) * (size_t)(chunk * k));
-        float *val = malloc(sizeof(float) * (size_t)(chunk * k));
+        float *ub = malloc(sizeof(float) * (size_t)(k + 1)); /* + 1: never malloc(0) */
+        int32_t *cand = malloc(sizeof(int32_t) * (size_t)(chunk * k + 1));
+        float *val = malloc(sizeof(float) * (size_t)(chunk * k + 1));
         int64_t start[CHUNK + 1];
         float theta[CHUNK], first_bound[CHUNK];
         int empty[CHUNK];
@@ -465,10 +465,10 @@ int semipack_maxplus_pruned_count_f32(const float *a, int64_t a_i, const float *
                                       int64_t b_j, const float *bmax, int64_t n, int64_t k,
                                       int64_t m, int64_t top, int64_t *counts) {
     const int64_t t_top = top < k ? top : k;
-    float *ub = malloc(sizeof(float) * (size_t)(n * k));
-    int32_t *cand = malloc(sizeof(int32_t) * (size_t)(n * k));
+    float *ub = malloc(sizeof(float) * (size_t)(n * k + 1)); /* + 1: never malloc(0) */
+    int32_t *cand = malloc(sizeof(int32_t) * (size_t)(n * k + 1));
     int64_t *start = malloc(sizeof(int64_t) * (size_t)(n + 1));
-    float *low = malloc(sizeof(float) * (size_t)(n * m));
+    float *low = malloc(sizeof(float) * (size_t)(n * m + 1));
     int64_t kept = 0;
     if (!ub || !cand || !start || !low) {
         free(ub);

@@ -55,12 +55,12 @@ COMPILE_MIN_PAIRS = 1 << 19
 NATIVE_MIN_PAIRS = 1 << 14
 #: Single products at least this large (pairs) and deep (``k``) try the pruned native kernel,
 #: which pays when max-product messages are spread over orders of magnitude, as they are.
-#: Smaller ones run dense without an estimate: ``kept_fraction`` costs a few tenths of a
-#: millisecond whatever the product (its sample, top-k and gathers are eager ops), and products
-#: of few rows gain little from pruning. Measured single-thread on the 2-core VM of
-#: BENCHMARKS.md with MiniLM's messages for one 20-token sentence: [20, 1536] x [1536, 384]
-#: ran 1.02 ms pruned (31% kept) against 1.04 dense after a 0.33 ms estimate, and
-#: [20, 384] x [384, 1536] took a 0.93 ms estimate to choose dense (0.92 ms); with eight
+#: Smaller ones run dense without an estimate: products of few rows gain little from pruning,
+#: and the estimate (``kept_fraction`` in one or both orientations) is a fixed cost beside them.
+#: Measured single-thread on the 2-core VM of BENCHMARKS.md with MiniLM's messages for one
+#: 20-token sentence, with the eager estimate of then: [20, 1536] x [1536, 384] ran 1.02 ms
+#: pruned (31% kept) against 1.04 dense after a 0.33 ms estimate, and [20, 384] x
+#: [384, 1536] took a 0.93 ms estimate to choose dense (0.92 ms); with eight
 #: sentences (136 rows) both estimates chose dense too. A BERT layer's products over 1024 rows
 #: (6e8 to 2.4e9 pairs) keep 3-15% in their better orientation and run 2-4x faster pruned.
 PRUNE_MIN_PAIRS = 1 << 27

@@ -506,3 +506,27 @@ def test_native_loops_give_the_same_bits_at_any_size() -> None:
     ulp_exp = finfo.eps * exact_exp
     assert torch.equal(exps.isinf(), exact_exp >= finfo.max)  # overflow where float32 does
     assert bool(((exps.double() - exact_exp)[nonzero].abs() <= ulp_exp[nonzero]).all())
+
+
+@pytest.mark.skipif(not native_available(), reason="needs the native loops")
+def test_compiled_kernels_do_not_trace_into_the_native_library() -> None:
+    """A compiled kernel that exponentiates (Entropy's rows through a LayerNorm of 1024 x 768:
+    ``_entropy_rows``) asks ``exp_`` for the native loops while torch.compile traces it; the
+    answer there is no, and it must come before the library's cached checks are called, which
+    dynamo traced with a warning ("functools.lru_cache-wrapped function"). A fresh process:
+    dynamo warns once per process."""
+    import subprocess
+    import sys
+
+    code = (
+        "import torch, semipack\n"
+        "torch.manual_seed(0)\n"
+        "norm = torch.nn.LayerNorm(768)\n"
+        "x = torch.randn(1024, 768, requires_grad=True)\n"
+        "with semipack.extend(norm, semipack.Entropy()):\n"
+        "    norm(x).pow(2).sum().backward()\n"
+        "print(float(x.semiring_grad[0].sum()) == float(x.semiring_grad[0].sum()))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "True"
+    assert "lru_cache" not in out.stderr, out.stderr[-2000:]

@@ -152,8 +152,10 @@ def _native_block(t: Tensor) -> bool:
     block, and not traced by torch.compile. Checked here, once, so that the call itself is
     a bare ctypes call: on a tensor of a few entries the loops then cost about what torch's
     op does (a checked call through flat views cost 20 us more)."""
+    # Tracing first: under torch.compile the answer is no, and asking ``native_loops`` there
+    # would trace into the library's cached checks (dynamo warned about their lru_cache).
     return (
-        native_loops(t) and t.numel() > 0 and dense_block(t) and not torch.compiler.is_compiling()
+        not torch.compiler.is_compiling() and native_loops(t) and t.numel() > 0 and dense_block(t)
     )
 
 

@@ -333,6 +333,13 @@ static inline void store_lanes(float *dst, const v16 acc[2], int64_t valid) {
     memcpy(dst, tmp, sizeof(float) * (size_t)valid);
 }
 
+/* dst[c] = max(dst[c], lane c) for the first `valid` (<= 32) lanes of two accumulators. */
+static inline void max_into_lanes(float *dst, const v16 acc[2], int64_t valid) {
+    float tmp[32];
+    for (int c = 0; c < 2; c++) v16_store(tmp + 16 * c, acc[c]);
+    for (int64_t c = 0; c < valid; c++) dst[c] = tmp[c] > dst[c] ? tmp[c] : dst[c];
+}
+
 /* Keeps, in order, the candidates of cand[0, count) whose bound is below `bound` (those phase
    1 did not sweep); returns how many. */
 static inline int64_t below(const float *ub, int32_t *cand, int64_t count, float bound) {
@@ -422,25 +429,21 @@ int64_t semipack_maxplus_pruned_f32(const float *a, int64_t a_i, const float *bm
                 for (int r = 0; r < rows; r++) {
                     prefetch_share(pa + GROUP * k * 16, ahead, r, rows);
                     v16 acc[2], at[2];
-                    float tmp[32], where[32];
                     const float *vrow = val + start[r];
                     const int64_t count = start[r + 1] - start[r];
                     float *dst = out + (c0 + r) * o_i + p * 16;
-                    if (index) {
-                        sweep_argmax(vrow, cand + start[r], count, pa, pb, acc, at);
-                        for (int c = 0; c < 2; c++) v16_store(where + 16 * c, at[c]);
-                        int64_t *dst_index = index + (c0 + r) * o_i + p * 16;
-                        for (int64_t c = 0; c < valid; c++) dst_index[c] = (int64_t)where[c];
-                    } else {
-                        if (count == 0) continue; /* the phase-1 maxima are the maxima */
+                    if (!index) { /* onto the phase-1 maxima, which are the maxima if none */
+                        if (count == 0) continue;
                         sweep_values(vrow, cand + start[r], count, pa, pb, acc);
-                        for (int c = 0; c < 2; c++) v16_store(tmp + 16 * c, acc[c]);
-                        for (int64_t c = 0; c < valid; c++)
-                            dst[c] = tmp[c] > dst[c] ? tmp[c] : dst[c];
+                        max_into_lanes(dst, acc, valid);
                         continue;
                     }
-                    for (int c = 0; c < 2; c++) v16_store(tmp + 16 * c, acc[c]);
-                    memcpy(dst, tmp, sizeof(float) * (size_t)valid);
+                    float where[32];
+                    sweep_argmax(vrow, cand + start[r], count, pa, pb, acc, at);
+                    for (int c = 0; c < 2; c++) v16_store(where + 16 * c, at[c]);
+                    int64_t *dst_index = index + (c0 + r) * o_i + p * 16;
+                    for (int64_t c = 0; c < valid; c++) dst_index[c] = (int64_t)where[c];
+                    store_lanes(dst, acc, valid);
                 }
             }
         }

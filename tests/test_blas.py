@@ -169,3 +169,27 @@ def test_a_product_onednn_refuses_falls_back_to_torch_matmul_for_good(monkeypatc
     c = torch.rand(256, 64)
     assert torch.equal(blas.subtract_product(c.clone(), a, b), c.clone().addmm_(a, b, alpha=-1))
     assert calls == ["linear"]  # switched off after the first failure
+
+
+@pytest.mark.parametrize(
+    ("variable", "capability", "expected"),
+    [
+        (None, "AVX512", True),
+        (None, "AVX512_BF16", True),
+        (None, "AVX2", False),
+        (None, "DEFAULT", False),
+        ("1", "AVX2", True),
+        ("0", "AVX512", False),
+        (" Off ", "AVX512", False),
+    ],
+)
+def test_onednn_by_default_only_on_avx512_cpus(monkeypatch, variable, capability, expected):
+    """MKL was faster than oneDNN on every product measured on an AVX2-only CPU (the module
+    docstring), so oneDNN is the default only where PyTorch's CPU kernels are AVX-512 ones;
+    ``SEMIPACK_ONEDNN`` decides wherever it is set."""
+    if variable is None:
+        monkeypatch.delenv("SEMIPACK_ONEDNN", raising=False)
+    else:
+        monkeypatch.setenv("SEMIPACK_ONEDNN", variable)
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: capability)
+    assert blas.default_onednn() is expected

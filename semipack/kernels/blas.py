@@ -11,13 +11,19 @@ non-negative terms, so nothing cancels and an exact zero (no path) stays one.
 
 The regular gradient never comes here: it is PyTorch's own, bitwise ``torch.autograd``'s.
 
-``SEMIPACK_ONEDNN=0`` (or :func:`set_onednn(False) <set_onednn>`) keeps every product on
-``torch.matmul``. Products below ``ONEDNN_MIN_MACS`` multiply-adds stay there too: oneDNN's
+On a CPU without AVX-512 oneDNN has no such lead: on an AVX2-only AMD Zen 3 (2026-11-28, two
+threads) MKL ran BERT's [1024, 768] x [768, 3072] product in 37 ms against oneDNN's 62 ms
+(a row-major ``b``, which oneDNN takes transposed), a sentence's [20, 384] x [384, 384] in
+93 us against 177 us, and oneDNN was nowhere faster by more than the noise. So the default
+follows PyTorch's CPU capability (:func:`default_onednn`): oneDNN where it is an AVX-512 one,
+``torch.matmul`` elsewhere. ``SEMIPACK_ONEDNN=1`` or ``=0`` (or :func:`set_onednn`) overrides
+it. Products below ``ONEDNN_MIN_MACS`` multiply-adds stay there too: oneDNN's
 fixed cost per call (about 13 µs) exceeded MKL's whole product at 64 x 16 x 64.
 """
 
 from __future__ import annotations
 
+import os
 import platform
 import warnings
 
@@ -37,12 +43,22 @@ ONEDNN_COPY_MAX = 1 << 20
 #: took 27 µs against MKL's 32 µs on two threads; at 64 x 16 x 64 (65 k), 13 µs against 3 µs.
 ONEDNN_MIN_MACS = 1 << 20
 
-_state = {"enabled": switched_on("SEMIPACK_ONEDNN")}
+
+def default_onednn() -> bool:
+    """Whether products go to oneDNN unless told otherwise: as ``SEMIPACK_ONEDNN`` says where
+    it is set, else where PyTorch's CPU capability is AVX-512 (the only kind of CPU where
+    oneDNN was measured faster than MKL; see the module docstring)."""
+    if os.environ.get("SEMIPACK_ONEDNN") is not None:
+        return switched_on("SEMIPACK_ONEDNN")
+    return torch.backends.cpu.get_cpu_capability().startswith("AVX512")
+
+
+_state = {"enabled": default_onednn()}
 
 
 def set_onednn(enabled: bool) -> bool:
-    """Send large float32 CPU products of the sum-like semirings to oneDNN (the default where
-    PyTorch has it) or keep them all on ``torch.matmul``; returns the previous setting."""
+    """Send large float32 CPU products of the sum-like semirings to oneDNN or keep them all on
+    ``torch.matmul`` (the default: :func:`default_onednn`); returns the previous setting."""
     previous, _state["enabled"] = _state["enabled"], bool(enabled)
     return previous
 

@@ -294,13 +294,15 @@ there).
 ## Reading the table
 
 - **The machine.** The line above the table names the CPU: the table is from an AVX2-only AMD
-  EPYC (Zen 3, 2026-11-28, the twenty-sixth session's code: the pruned max-plus kernel's
-  changes in the MaxProd paragraph; a VM whose speed drifts within a run). The
+  EPYC (Zen 3, 2026-11-28, the twenty-seventh session's code: the pruned max-plus kernel's
+  changes of the twenty-sixth session in the MaxProd paragraph, the sum-like semirings'
+  products on MKL on this CPU in the LogSum one; a VM whose speed drifts within a run). The
   kernel rates below were measured on an AMD EPYC Zen 5 with AVX-512 (2026-11-27). On the
-  AVX2 machine semipack's max-plus kernels run their AVX2 build and oneDNN its AVX2 path, so
-  the semiring products lose their lead over MKL's: the Zen 5 VM gave ratios up to about 1.9x
-  lower with the code of 2026-11-27 (a BERT layer's Entropy 4.1x against 7.5x here, LogSum
-  2.2x against 3.1x, MaxProd 2.0x against 2.9x; MiniLM's sentence MaxProd 4.0x).
+  AVX2 machine semipack's max-plus kernels run their AVX2 build and the sum-like semirings'
+  products run on MKL (oneDNN's AVX2 path was slower), so the semiring products lose their
+  lead over the plain backward's: the Zen 5 VM gave ratios up to about 1.9x
+  lower with the code of 2026-11-27 (a BERT layer's Entropy 4.1x against 7.5x on this machine
+  then, LogSum 2.2x against 3.1x, MaxProd 2.0x against 2.9x; MiniLM's sentence MaxProd 4.0x).
 - **fused vs generic.** Both paths call the same kernels (the semiring's matmul, the row-wise
   softmax/normalisation kernels, the convolution paths), so their times are close; extensions
   add named sites, exact regular gradients from the module's own ops, and the attention
@@ -331,10 +333,15 @@ there).
 - **LogSum.** Its twelve BLAS products (input and weight messages of six linear layers) are the
   same work as the plain backward's twelve, so 2x is its floor here (the plain backward is
   almost all matrix products: 188 ms of its ~200 ms in torch.profiler) as long as both run on
-  the same BLAS. They do not: the plain backward's products run on MKL, whose float32 path on
-  AMD processors is AVX2 (about 50 G multiply-adds/s per core here), while the semiring's input
-  messages and its smaller weight messages run on oneDNN's AVX-512 path (about 118 G/s;
-  `semipack/kernels/blas.py`), so a ratio can fall below the floor column. The rest is elementwise:
+  the same BLAS. On an AVX-512 CPU they do not: the plain backward's products run on MKL, whose
+  float32 path on AMD processors is AVX2 (about 50 G multiply-adds/s per core on the Zen 5),
+  while the semiring's input messages and its smaller weight messages run on oneDNN's AVX-512
+  path (about 118 G/s; `semipack/kernels/blas.py`), so a ratio can fall below the floor column.
+  On this AVX2 machine oneDNN was slower than MKL (a [768, 1024] x [1024, 3072] weight message
+  62 against 29 ms), so since the twenty-seventh session every product stays on MKL where the
+  CPU lacks AVX-512: `bench_blas_choice.py --workloads bert_layer minilm_1x20 --semirings
+  LogSum Entropy --rounds 6` (both in turns, one process) gave this layer's LogSum 3.29x with
+  oneDNN against 2.60x with MKL, Entropy 7.27x against 5.44x. The rest is elementwise:
   one shared exponentiation per linear and attention message (`semipack/messages/shared_shift.py`),
   the logarithms of the results, the LayerNorm all-pairs sums (native kernel, about 16 ms per
   LayerNorm), the softmax messages (native kernel) and the GELU edge weights: about 0.1 s.
@@ -345,8 +352,10 @@ there).
   12, four times the work of a backward that is almost all products. The exact entropy through a
   LayerNorm also needs log|J_ij| for every (token, i, j): J is symmetric up to a per-row factor,
   so the native kernel (`semipack/kernels/native/normalization.c`) evaluates each unordered pair
-  once, 0.6 G logarithms per layer, about 0.12 s per LayerNorm. About 5x plain is the floor at
-  MKL's speed; with most of the products on oneDNN (above) the layer runs below it.
+  once, 0.6 G logarithms per layer; from 512 entries per row a sorted-row kernel with a series
+  tree replaces the pairs (`native/normalization_sorted.c`), about 95 ms per LayerNorm on this
+  machine. About 5x plain is the floor at MKL's speed; on an AVX-512 CPU, with most of the
+  products on oneDNN (above), the layer runs below it.
 - **Memory.** Module extensions free their saved state as soon as their backward has run (as a
   plain backward frees a node's saved tensors), attention messages are built over chunks of the
   batch, activation rules build the new state in the memory of their edge weights, and write

@@ -38,6 +38,11 @@ Each line is a median of ``--repeats`` timed runs (after a warm-up) on one threa
   and pairs per second (the same script runs on earlier trees for an A/B);
 * the max-plus products of one BERT-base layer's MaxProd backward with their real messages,
   through the dispatch that picks the pruned or the dense kernel (``--only bert_products``);
+* the normalisation rows' pair reductions (``kernels/native/normalization.c`` visiting every
+  pair, ``normalization_sorted.c`` over sorted rows) on a layer norm's rows of MiniLM's and
+  BERT's widths (1024 x 384, 1024 x 768) and on train-mode batch-norm channels (8 x 8192):
+  LogSum's sums, Entropy's three sums and MaxProd's maxima, all pairs against sorted
+  (``--only norm_rows``; where ``SORTED_MIN_ENTRIES`` and its siblings sit);
 * one 5x5 depthwise layer of 96 channels (MobileNet-like, 14 x 14, batch 2): MaxProd backward
   over a plain one in CPU time, with the native depthwise kernel and with it switched off
   (medians of ``--repeats`` backward passes, each after an untimed forward), and MaxProd's
@@ -66,6 +71,10 @@ from semipack.kernels.native import (
     maxplus_gather_f32,
     maxplus_scatter_max_f32,
     native_available,
+    norm_abs_reduce_f32,
+    norm_entropy_sums_f32,
+    norm_sorted_max_f32,
+    norm_sorted_sums_f32,
     pack_panels_f32,
 )
 from semipack.kernels.tropical import maxplus
@@ -449,6 +458,37 @@ def depthwise(repeats: int) -> None:
     )
 
 
+def _norm_row_forms(a: torch.Tensor, r: torch.Tensor, x_hat: torch.Tensor) -> dict:
+    """Per semiring, its all-pairs and its sorted-row reduction of these rows, as callables."""
+    return {
+        "LogSum sums": (
+            lambda: norm_abs_reduce_f32(a, x_hat, reduce_max=False),
+            lambda: norm_sorted_sums_f32(a, x_hat),
+        ),
+        "Entropy sums": (
+            lambda: norm_entropy_sums_f32(a, r, x_hat),
+            lambda: norm_sorted_sums_f32(a, x_hat, r, with_log=True),
+        ),
+        "MaxProd maxima": (
+            lambda: norm_abs_reduce_f32(a, x_hat, reduce_max=True),
+            lambda: norm_sorted_max_f32(a, x_hat),
+        ),
+    }
+
+
+def norm_rows(repeats: int) -> None:
+    """The pair reductions of normalisation rows, all pairs against sorted rows (ms)."""
+    gen = torch.Generator().manual_seed(0)
+    print("normalisation rows (ms): all pairs, sorted")
+    for rows, n in ((1024, 384), (1024, 768), (8, 8192)):
+        x = torch.randn(rows, n, generator=gen)
+        x_hat = (x - x.mean(-1, keepdim=True)) / x.std(-1, unbiased=False, keepdim=True)
+        a, r = torch.rand(rows, n, generator=gen), torch.randn(rows, n, generator=gen)
+        for name, (pairs, sorted_rows) in _norm_row_forms(a, r, x_hat).items():
+            both = median_ms(pairs, repeats), median_ms(sorted_rows, repeats)
+            print(f"  {rows:5d} x {n:<5d} {name:15s} {both[0]:9.2f} {both[1]:9.2f}")
+
+
 #: The sections, in order; those after the first need the native kernels.
 SECTIONS: dict[str, Callable[[int], None]] = {
     "elementwise": elementwise,
@@ -462,6 +502,7 @@ SECTIONS: dict[str, Callable[[int], None]] = {
     "conv_layer_costs": conv_layer_costs,
     "bert_products": bert_products,
     "depthwise": depthwise,
+    "norm_rows": norm_rows,
 }
 
 

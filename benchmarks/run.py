@@ -353,9 +353,10 @@ there).
   LayerNorm also needs log|J_ij| for every (token, i, j): J is symmetric up to a per-row factor,
   so the native kernel (`semipack/kernels/native/normalization.c`) evaluates each unordered pair
   once, 0.6 G logarithms per layer; from 512 entries per row a sorted-row kernel with a series
-  tree replaces the pairs (`native/normalization_sorted.c`), about 95 ms per LayerNorm on this
-  machine. About 5x plain is the floor at MKL's speed; on an AVX-512 CPU, with most of the
-  products on oneDNN (above), the layer runs below it.
+  tree replaces the pairs (`native/normalization_sorted.c`): 231 ms of one core per LayerNorm
+  on this machine, against 393 ms for all pairs (`bench_kernel_costs.py --only norm_rows`).
+  About 5x plain is the floor at MKL's speed; on an AVX-512 CPU, with most of the products on
+  oneDNN (above), the layer runs below it.
 - **Memory.** Module extensions free their saved state as soon as their backward has run (as a
   plain backward frees a node's saved tensors), attention messages are built over chunks of the
   batch, activation rules build the new state in the memory of their edge weights, and write

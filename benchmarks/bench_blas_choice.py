@@ -62,11 +62,16 @@ def _operands(n: int, k: int, m: int, transposed: bool) -> tuple[torch.Tensor, t
 
 
 def products(repeats: int) -> None:
-    """Each product with oneDNN on and off, in turns (two turns each; the second is printed)."""
+    """Each product with oneDNN on and off, in turns (two turns each; the second is printed).
+    A transposed left operand of more than ``blas.ONEDNN_COPY_MAX`` entries stays on MKL with
+    oneDNN on as well (its line says so): both columns are MKL there."""
     print("products (microseconds, median of the second turn)")
     for label, n, k, m, transposed in PRODUCTS:
         a, b = _operands(n, k, m, transposed)
         c = torch.rand(n, m)
+        blas.set_onednn(True)
+        if not blas._on_onednn(a, b):
+            label += " (MKL in both: too large to copy)"
         got: dict[str, float] = {}
         for _ in range(2):
             for onednn in (True, False):
@@ -77,7 +82,7 @@ def products(repeats: int) -> None:
                     lambda a=a, b=b, c=c: blas.subtract_product(c.clone(), a, b), repeats
                 )
         print(
-            f"  {label:60s} oneDNN {got['oneDNN']:8.0f}  MKL {got['MKL']:8.0f}  |  subtract: "
+            f"  {label:92s} oneDNN {got['oneDNN']:8.0f}  MKL {got['MKL']:8.0f}  |  subtract: "
             f"oneDNN {got['oneDNN subtract']:8.0f}  MKL {got['MKL subtract']:8.0f}"
         )
 

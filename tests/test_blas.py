@@ -181,6 +181,9 @@ def test_a_product_onednn_refuses_falls_back_to_torch_matmul_for_good(monkeypatc
         ("1", "AVX2", True),
         ("0", "AVX512", False),
         (" Off ", "AVX512", False),
+        ("yes", "AVX2", True),
+        ("", "AVX2", False),  # cleared with SEMIPACK_ONEDNN=: the default again
+        ("  ", "AVX512", True),
     ],
 )
 def test_onednn_by_default_only_on_avx512_cpus(monkeypatch, variable, capability, expected):
@@ -193,3 +196,13 @@ def test_onednn_by_default_only_on_avx512_cpus(monkeypatch, variable, capability
         monkeypatch.setenv("SEMIPACK_ONEDNN", variable)
     monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: capability)
     assert blas.default_onednn() is expected
+
+
+@pytest.mark.parametrize("value", ["off", "no", 0, 1, None])
+def test_set_onednn_takes_only_a_bool(value):
+    """A string that means off in the environment variable would be true as a bool: refused,
+    and the setting stays as it was."""
+    before = dict(blas._state)
+    with pytest.raises(TypeError, match="set_onednn takes True or False"):
+        blas.set_onednn(value)
+    assert blas._state == before

@@ -46,9 +46,11 @@ ONEDNN_MIN_MACS = 1 << 20
 
 def default_onednn() -> bool:
     """Whether products go to oneDNN unless told otherwise: as ``SEMIPACK_ONEDNN`` says where
-    it is set, else where PyTorch's CPU capability is AVX-512 (the only kind of CPU where
-    oneDNN was measured faster than MKL; see the module docstring)."""
-    if os.environ.get("SEMIPACK_ONEDNN") is not None:
+    it is set to something (0 / false / no / off: MKL; any other value: oneDNN), else where
+    PyTorch's CPU capability is AVX-512 (the only kind of CPU where oneDNN was measured faster
+    than MKL; see the module docstring). An empty or blank value counts as unset: clearing the
+    variable with ``SEMIPACK_ONEDNN=`` gives the default back (trial 105)."""
+    if os.environ.get("SEMIPACK_ONEDNN", "").strip():
         return switched_on("SEMIPACK_ONEDNN")
     return torch.backends.cpu.get_cpu_capability().startswith("AVX512")
 
@@ -58,8 +60,12 @@ _state = {"enabled": default_onednn()}
 
 def set_onednn(enabled: bool) -> bool:
     """Send large float32 CPU products of the sum-like semirings to oneDNN or keep them all on
-    ``torch.matmul`` (the default: :func:`default_onednn`); returns the previous setting."""
-    previous, _state["enabled"] = _state["enabled"], bool(enabled)
+    ``torch.matmul`` (the default: :func:`default_onednn`); returns the previous setting.
+    ``enabled`` must be a bool: a string such as ``"off"`` is refused rather than read as true
+    (trial 105)."""
+    if not isinstance(enabled, bool):
+        raise TypeError(f"set_onednn takes True or False, not {enabled!r}")
+    previous, _state["enabled"] = _state["enabled"], enabled
     return previous
 
 

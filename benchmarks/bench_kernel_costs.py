@@ -43,6 +43,8 @@ Each line is a median of ``--repeats`` timed runs (after a warm-up) on one threa
   BERT's widths (1024 x 384, 1024 x 768) and on train-mode batch-norm channels (8 x 8192):
   LogSum's sums, Entropy's three sums and MaxProd's maxima, all pairs against sorted
   (``--only norm_rows``; where ``SORTED_MIN_ENTRIES`` and its siblings sit);
+* MaxProd's gain and bias messages of an eval batch norm at MobileNetV3-small's shapes, the
+  compiled reduction against the native loop (``--only affine_max``);
 * one 5x5 depthwise layer of 96 channels (MobileNet-like, 14 x 14, batch 2): MaxProd backward
   over a plain one in CPU time, with the native depthwise kernel and with it switched off
   (medians of ``--repeats`` backward passes, each after an untimed forward), and MaxProd's
@@ -68,6 +70,7 @@ from semipack.kernels.logspace import exp_, finite_or_zero, log_add_exp, log_mag
 from semipack.kernels.native import (
     depthwise_f32,
     fingerprint,
+    max_affine_f32,
     maxplus_gather_f32,
     maxplus_scatter_max_f32,
     native_available,
@@ -78,6 +81,7 @@ from semipack.kernels.native import (
     pack_panels_f32,
 )
 from semipack.kernels.tropical import maxplus
+from semipack.messages.normalization import compiled_affine_params
 from semipack.messages.windows import ConvGeometry
 from semipack.rules.pointwise import _ReluCut
 from semipack.semirings._log import log_abs
@@ -489,6 +493,20 @@ def norm_rows(repeats: int) -> None:
             print(f"  {rows:5d} x {n:<5d} {name:15s} {both[0]:9.2f} {both[1]:9.2f}")
 
 
+def affine_max(repeats: int) -> None:
+    """MaxProd's per-channel gain and bias of an eval batch norm: compiled against native."""
+    compiled_form = compiled_affine_params(semipack.MaxProd)
+    print("MaxProd batch-norm gain and bias (us): compiled, native")
+    for shape in ((2, 16, 12544), (2, 72, 3136), (2, 96, 784), (2, 576, 49)):
+        m, x = torch.randn(shape), torch.randn(shape)
+        mean, invstd = torch.randn(1, shape[1], 1), torch.rand(1, shape[1], 1) + 0.5
+        both = (
+            median_ms(lambda m=m, x=x, a=mean, b=invstd: compiled_form(m, x, a, b), repeats),
+            median_ms(lambda m=m, x=x, a=mean, b=invstd: max_affine_f32(m, x, a, b), repeats),
+        )
+        print(f"  {shape!s:16s} {both[0] * 1e3:8.0f} {both[1] * 1e3:8.0f}")
+
+
 #: The sections, in order; those after the first need the native kernels.
 SECTIONS: dict[str, Callable[[int], None]] = {
     "elementwise": elementwise,
@@ -503,6 +521,7 @@ SECTIONS: dict[str, Callable[[int], None]] = {
     "bert_products": bert_products,
     "depthwise": depthwise,
     "norm_rows": norm_rows,
+    "affine_max": affine_max,
 }
 
 

@@ -1072,3 +1072,77 @@ def test_log_plus_with_a_shift_per_row_equals_the_eager_log_and_add() -> None:
         assert torch.equal(got.isneginf(), want.isneginf())
         finite = want.isfinite()
         torch.testing.assert_close(got[finite], want[finite], rtol=3e-7, atol=1e-6)
+
+
+@pytest.mark.skipif(not knorm.native_available(), reason="no native kernels here")
+@pytest.mark.parametrize("shape", [(2, 3, 8), (3, 5, 13), (1, 4, 1000), (2, 16, 49)], ids=str)
+@pytest.mark.parametrize(
+    "case", ["ordinary", "zero x̂", "+inf message on zero x̂", "NaN message", "NaN x", "inf x",
+             "no path", "subnormal x̂"]
+)  # fmt: skip
+def test_native_max_affine_loop_equals_the_torch_reduction(shape, case):
+    """MaxProd's per-channel gain and bias by the native loop (``max_affine_f32``) against
+    torch's eager ``max_plus`` reduction in float64 on the same float32 inputs: equal within
+    float32 rounding of the log, with -inf, +inf and NaN exactly where torch puts them (NaN
+    for a NaN entry or +inf + log 0, +inf for an infinite |x̂|), in the vector body and in the
+    tail of each row."""
+    from semipack.kernels import affine_params
+    from semipack.kernels.native import max_affine_f32
+
+    gen = torch.Generator().manual_seed(sum(shape))
+    m = torch.randn(shape, generator=gen) * 3
+    x = torch.randn(shape, generator=gen)
+    mean = torch.randn(1, shape[1], 1, generator=gen)
+    invstd = torch.rand(1, shape[1], 1, generator=gen) + 0.5
+    last = shape[2] - 1  # in the tail where the row length is not a multiple of 8
+    if case == "zero x̂":
+        x[:, 1] = mean[0, 1]
+    elif case == "+inf message on zero x̂":
+        x[0, 1, last] = mean[0, 1]
+        m[0, 1, last] = float("inf")
+    elif case == "NaN message":
+        m[0, 1, 0] = float("nan")
+    elif case == "NaN x":
+        x[-1, 2, last] = float("nan")
+    elif case == "inf x":
+        x[0, 0, 3 % shape[2]] = float("inf")
+    elif case == "no path":
+        m[:, 2] = float("-inf")
+    elif case == "subnormal x̂":
+        mean[0, 0], x[:, 0] = 0.0, 0.0
+        x[0, 0, 0] = 1e-30
+        invstd[0, 0] = 1e-9  # x̂ = 1e-39: subnormal in float32
+        assert 0 < ((x - mean) * invstd)[0, 0, 0] < torch.finfo(torch.float32).tiny
+    got_gain, got_bias = max_affine_f32(m, x, mean, invstd)
+    # torch's float32 x̂ is the kernel's (the same two ops); the reduction in float64 on it
+    x_hat32 = (x - mean) * invstd
+    (want_gain,), (want_bias,), _ = affine_params.max_plus(
+        m.double(), x_hat32.double(), torch.zeros(1, 1, 1, dtype=torch.float64),
+        torch.ones(1, 1, 1, dtype=torch.float64),
+    )  # fmt: skip
+    for got, want in ((got_gain, want_gain), (got_bias, want_bias)):
+        assert got.dtype == torch.float32 and got.shape == (shape[1],)
+        assert torch.equal(got.isnan(), want.isnan())
+        assert torch.equal(got == float("inf"), want == float("inf"))
+        assert torch.equal(got == float("-inf"), want == float("-inf"))
+        torch.testing.assert_close(got.double(), want, rtol=3e-7, atol=3e-7, equal_nan=True)
+
+
+@pytest.mark.skipif(not knorm.native_available(), reason="no native kernels here")
+def test_eval_batch_norm_gains_take_the_native_loop(monkeypatch):
+    """A MaxProd backward through an eval-mode batch norm hands its gain and bias to the native
+    loop (contiguous [N, C, H*W] rows), and a layer norm's [rows, n, 1] layout does not."""
+    import semipack.messages.normalization as mnorm
+
+    calls = []
+    real = mnorm.max_affine_f32
+    monkeypatch.setattr(mnorm, "max_affine_f32", lambda *a: calls.append(a[1].shape) or real(*a))
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        torch.nn.Conv2d(3, 8, 3, padding=1), torch.nn.BatchNorm2d(8), torch.nn.Flatten(),
+        torch.nn.LayerNorm(8 * 6 * 6),
+    ).eval()  # fmt: skip
+    with semipack.extend(model, semipack.MaxProd()):
+        model(torch.randn(2, 3, 6, 6)).sum().backward()
+    assert calls == [torch.Size([2, 8, 36])]
+    assert torch.isfinite(model[1].weight.semiring_grad).all()

@@ -91,6 +91,7 @@ _SIGNATURES: dict[str, tuple[str | None, str]] = {
     "semipack_norm_sorted_sums_f32": ("i", "pppqqpppi"),
     "semipack_fingerprint": (None, "pqp"),
     "semipack_below_inf_f32": ("i", "pq"),
+    "semipack_max_affine_f32": (None, "ppppqqqppi"),
     "semipack_exp_f32": (None, "ppqfi"),
     "semipack_log_plus_f32": (None, "ppqqqqi"),
     "semipack_maxplus_gather_f32": (None, "pqqpqpppqqqqi"),
@@ -526,6 +527,33 @@ def log_block_f32(mag: Tensor) -> None:
     dense block, unchecked as ``exp_block_f32``."""
     n = mag.numel()
     _library().semipack_log_plus_f32(mag.data_ptr(), None, 1, n, 0, 0, _elementwise_threads(n))
+
+
+def max_affine_f32(m: Tensor, x: Tensor, mean: Tensor, invstd: Tensor) -> tuple[Tensor, Tensor]:
+    """MaxProd's per-channel (gain, bias) messages of an affine map: ``max (m + log|x̂|)`` and
+    ``max m`` over dims 0 and 2 of contiguous float32 CPU ``m``, ``x`` [A, C, B], with
+    ``x̂ = (x - mean) * invstd`` and ``mean``, ``invstd`` [C] (``kernels/affine_params.py``
+    ``max_plus``'s values: NaN and infinities as torch's amax gives them; elementwise.c).
+    Returns two [C] float32 tensors."""
+    lib = _library()
+    assert lib is not None and m.shape == x.shape and m.dim() == 3
+    outer, channels, inner = x.shape
+    mean, invstd = (t.to(torch.float32).reshape(channels).contiguous() for t in (mean, invstd))
+    gain = torch.empty(channels, dtype=torch.float32)
+    bias = torch.empty(channels, dtype=torch.float32)
+    lib.semipack_max_affine_f32(
+        m.data_ptr(),
+        x.data_ptr(),
+        mean.data_ptr(),
+        invstd.data_ptr(),
+        outer,
+        channels,
+        inner,
+        gain.data_ptr(),
+        bias.data_ptr(),
+        _elementwise_threads(x.numel()),
+    )
+    return gain, bias
 
 
 def log_plus_f32(mag: Tensor, shift: Tensor | None) -> Tensor:

@@ -159,3 +159,86 @@ int semipack_below_inf_f32(const float *x, int64_t n) {
         if (!(x[i] < INFINITY)) return 0;
     return 1;
 }
+
+/* One channel of max_affine_f32, entry by entry with libm's logf: NaN wherever torch's amax
+   gives NaN (a NaN message or x̂, or +inf + log 0 = NaN), log of an infinite |x̂| = +inf. */
+static void max_affine_channel_scalar(const float *m, const float *x, float mean, float invstd,
+                                      int64_t outer, int64_t channels, int64_t inner,
+                                      int64_t c, float *gain, float *bias) {
+    float g = -INFINITY, b = -INFINITY;
+    int g_nan = 0, b_nan = 0;
+    for (int64_t a = 0; a < outer; a++) {
+        const int64_t base = (a * channels + c) * inner;
+        for (int64_t k = 0; k < inner; k++) {
+            const float v = m[base + k] + logf(fabsf((x[base + k] - mean) * invstd));
+            if (v != v) g_nan = 1;
+            else if (v > g) g = v;
+            if (m[base + k] != m[base + k]) b_nan = 1;
+            else if (m[base + k] > b) b = m[base + k];
+        }
+    }
+    gain[c] = g_nan ? NAN : g;
+    bias[c] = b_nan ? NAN : b;
+}
+
+/* MaxProd's gain and bias messages of a per-channel affine map (kernels/affine_params.py
+   max_plus): for m and x of layout [outer, channels, inner] (contiguous float32) and each
+   channel c, gain[c] = max of m + log|(x - mean[c]) * invstd[c]| and bias[c] = max of m over
+   the channel's outer x inner entries. x̂ is formed as torch's two ops do (a subtraction, then a
+   product: no fused multiply-add), its log within one ulp (log0_ps: subnormals kept, log 0 =
+   -inf). A channel whose vector pass meets a NaN, or an x̂ that is not finite, is summed again
+   entry by entry with libm's logf, so that NaN and infinities come out as torch's amax gives
+   them. Why: at MobileNetV3-small's batch-norm shapes the compiled reduction took 165-825 us
+   per call on one core, this loop 93-533 us (``bench_kernel_costs.py --only affine_max``,
+   2026-11-28, Zen 3); most of either is the logarithm of every entry. */
+void semipack_max_affine_f32(const float *m, const float *x, const float *mean,
+                             const float *invstd, int64_t outer, int64_t channels,
+                             int64_t inner, float *gain, float *bias, int threads) {
+#pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1)
+    for (int64_t c = 0; c < channels; c++) {
+        const __m256 mu = _mm256_set1_ps(mean[c]), inv = _mm256_set1_ps(invstd[c]);
+        const __m256 sign = _mm256_set1_ps(-0.0f), inf = _mm256_set1_ps(INFINITY);
+        __m256 g = _mm256_set1_ps(-INFINITY), b = g;
+        __m256 usual = _mm256_castsi256_ps(_mm256_set1_epi32(-1));
+        float gs = -INFINITY, bs = -INFINITY;
+        int unusual = 0;
+        for (int64_t a = 0; a < outer && !unusual; a++) {
+            const float *mr = m + (a * channels + c) * inner, *xr = x + (a * channels + c) * inner;
+            int64_t k = 0;
+            for (; k + 8 <= inner; k += 8) {
+                const __m256 mv = _mm256_loadu_ps(mr + k);
+                const __m256 mag = _mm256_andnot_ps(
+                    sign, _mm256_mul_ps(_mm256_sub_ps(_mm256_loadu_ps(xr + k), mu), inv));
+                const __m256 v = _mm256_add_ps(mv, log0_ps(mag));
+                /* mag < inf is false for NaN and inf; v == v false for NaN (+inf + -inf) */
+                usual = _mm256_and_ps(usual, _mm256_cmp_ps(mag, inf, _CMP_LT_OQ));
+                usual = _mm256_and_ps(usual, _mm256_cmp_ps(v, v, _CMP_EQ_OQ));
+                usual = _mm256_and_ps(usual, _mm256_cmp_ps(mv, mv, _CMP_EQ_OQ));
+                g = _mm256_max_ps(g, v);
+                b = _mm256_max_ps(b, mv);
+            }
+            for (; k < inner; k++) {
+                const float mag = fabsf((xr[k] - mean[c]) * invstd[c]);
+                const float v = mr[k] + logf(mag);
+                if (!(mag < INFINITY) || v != v || mr[k] != mr[k]) unusual = 1;
+                if (v > gs) gs = v;
+                if (mr[k] > bs) bs = mr[k];
+            }
+            if (_mm256_movemask_ps(usual) != 0xff) unusual = 1;
+        }
+        if (unusual) {
+            max_affine_channel_scalar(m, x, mean[c], invstd[c], outer, channels, inner, c, gain,
+                                      bias);
+            continue;
+        }
+        float lanes[8], blanes[8];
+        _mm256_storeu_ps(lanes, g);
+        _mm256_storeu_ps(blanes, b);
+        for (int i = 0; i < 8; i++) {
+            if (lanes[i] > gs) gs = lanes[i];
+            if (blanes[i] > bs) bs = blanes[i];
+        }
+        gain[c] = gs;
+        bias[c] = bs;
+    }
+}

@@ -1132,11 +1132,13 @@ def test_native_max_affine_loop_equals_the_torch_reduction(shape, case):
 def test_eval_batch_norm_gains_take_the_native_loop(monkeypatch):
     """A MaxProd backward through an eval-mode batch norm hands its gain and bias to the native
     loop (contiguous [N, C, H*W] rows), and a layer norm's [rows, n, 1] layout does not."""
-    import semipack.messages.normalization as mnorm
+    from semipack.kernels import affine_params
 
     calls = []
-    real = mnorm.max_affine_f32
-    monkeypatch.setattr(mnorm, "max_affine_f32", lambda *a: calls.append(a[1].shape) or real(*a))
+    real = affine_params.max_affine_f32
+    monkeypatch.setattr(
+        affine_params, "max_affine_f32", lambda *a: calls.append(a[1].shape) or real(*a)
+    )
     torch.manual_seed(0)
     model = torch.nn.Sequential(
         torch.nn.Conv2d(3, 8, 3, padding=1), torch.nn.BatchNorm2d(8), torch.nn.Flatten(),

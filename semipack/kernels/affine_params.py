@@ -26,16 +26,21 @@ whose shifted gain sum fell below ``precise_log_floor`` (its terms may have unde
 tiny where the messages are large), and those with a non-finite x̂ or a NaN or ``+inf``
 message, where the generic ops' conventions for infinite weights apply. A bias's sum holds the
 term 1 of its largest entry, so it never underflows.
+
+A fused kernel may have a native form (``NATIVE_FORMS``: MaxProd's maxima by a C loop, no
+compiled call's guards), which ``messages.normalization.affine_param_messages`` tries first.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 from torch import Tensor
 
 from .logspace import finite_or_zero
+from .native import max_affine_f32, native_available
 
 #: The dims the per-channel reductions run over in the [A, C, B] layout.
 CHANNEL_REDUCE = (0, 2)
@@ -88,6 +93,36 @@ def max_plus(m: Tensor, x: Tensor, mean: Tensor, invstd: Tensor) -> AffineParams
     return (gain,), (m.amax(CHANNEL_REDUCE),), None
 
 
+def max_plus_native(
+    m: Tensor, x: Tensor, mean: Tensor | None, invstd: Tensor | None
+) -> AffineParams | None:
+    """``max_plus`` by the native loop (``native.max_affine_f32``: one pass, no compiled call's
+    guards), where it applies: contiguous float32 CPU ``m`` and ``x`` of one shape whose reduced
+    inner dim holds at least 8 entries (the loop's vectors run along it: a layer norm's
+    [rows, n, 1] stays compiled), statistics per channel only (``[1, C, 1]``: a batch norm) or
+    none (``x`` is x̂); None elsewhere."""
+    if not (
+        native_available()
+        and x.dim() == 3
+        and x.shape[2] >= 8
+        and m.dtype == x.dtype == torch.float32
+        and m.device.type == x.device.type == "cpu"
+        and m.shape == x.shape
+        and m.is_contiguous()
+        and x.is_contiguous()
+    ):
+        return None
+    channels = x.shape[1]
+    if mean is None or invstd is None:
+        mean, invstd = x.new_zeros(channels), x.new_ones(channels)
+    elif any(
+        t.dim() != 3 or t.numel() != channels or t.shape[1] != channels for t in (mean, invstd)
+    ):
+        return None
+    gain, bias = max_affine_f32(m, x, mean, invstd)
+    return (gain,), (bias,), None
+
+
 def _log_sums(m: Tensor, x_hat: Tensor, count: bool) -> AffineParams:
     s = _Shifted(m, x_hat)
     if count:  # an edge counts 1: nothing to scale
@@ -134,3 +169,11 @@ def entropy(
         torch.where(bias_mass == 0, 0.0, bias_r / bias_mass),
     )
     return gain, bias, s.recompute(gain[0], s.gain_shift, bias[0])
+
+
+#: Native forms of fused kernels, tried first on the inputs they take (each returns None
+#: elsewhere): the same values to rounding, NaN and infinities where the fused form has them,
+#: and nothing to recompute.
+NATIVE_FORMS: dict[Callable[..., AffineParams], Callable[..., AffineParams | None]] = {
+    max_plus: max_plus_native,
+}

@@ -30,11 +30,10 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
-from ..kernels import affine_params
-from ..kernels.affine_params import CHANNEL_REDUCE, AffineParams
+from ..kernels.affine_params import CHANNEL_REDUCE, NATIVE_FORMS, AffineParams
 from ..kernels.compiled import FUSED_MIN_ELEMENTS, compile_enabled, compiled
 from ..kernels.logspace import checks_on_host
-from ..kernels.native import max_affine_f32, native_available
+from ..kernels.native import native_available
 from ..kernels.normalization import (
     CentredPairsKernel,
     centred_pairs,
@@ -241,10 +240,11 @@ def affine_param_messages(
     """
     fused = sr.affine_params_kernel()
     owner = kernel_owner(sr, "affine_params_kernel") if fused is not None else None
-    if fused is affine_params.max_plus and isinstance(owner, type):
-        native = _native_max_affine(m[0], x, mean, invstd)
-        if native is not None:
-            return (native[0],), (native[1],)
+    native_form = NATIVE_FORMS.get(fused) if isinstance(owner, type) else None
+    if native_form is not None:
+        native = native_form(*m, x, mean, invstd)
+        if native is not None:  # a native form's values need nothing recomputed
+            return native[0], native[1]
     if (
         isinstance(owner, type)
         and compile_enabled()
@@ -261,35 +261,6 @@ def affine_param_messages(
         return gain, bias
     x_hat = x if mean is None or invstd is None else (x - mean) * invstd
     return _generic_sums(sr, m, x_hat)
-
-
-def _native_max_affine(
-    m: Tensor, x: Tensor, mean: Tensor | None, invstd: Tensor | None
-) -> tuple[Tensor, Tensor] | None:
-    """MaxProd's (gain, bias) by the native loop (``native.max_affine_f32``: one pass, no
-    compiled call's guards), where it applies: contiguous float32 CPU ``m`` and ``x`` of one
-    shape whose reduced inner dim holds at least 8 entries (the loop's vectors run along it: a
-    layer norm's [rows, n, 1] stays compiled), statistics per channel only (``[1, C, 1]``: a
-    batch norm) or none (``x`` is x̂); None elsewhere."""
-    if not (
-        native_available()
-        and x.dim() == 3
-        and x.shape[2] >= 8
-        and m.dtype == x.dtype == torch.float32
-        and m.device.type == x.device.type == "cpu"
-        and m.shape == x.shape
-        and m.is_contiguous()
-        and x.is_contiguous()
-    ):
-        return None
-    channels = x.shape[1]
-    if mean is None or invstd is None:
-        mean, invstd = x.new_zeros(channels), x.new_ones(channels)
-    elif any(
-        t.dim() != 3 or t.numel() != channels or t.shape[1] != channels for t in (mean, invstd)
-    ):
-        return None
-    return max_affine_f32(m, x, mean, invstd)
 
 
 def _generic_sums(sr: Semiring, m: State, x_hat: Tensor) -> tuple[State, State]:

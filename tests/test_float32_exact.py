@@ -30,6 +30,7 @@ import semipack
 from semipack.kernels import log_derivatives as logd
 from semipack.kernels import tropical
 from semipack.kernels.compiled import set_compile
+from semipack.kernels.native import native_available
 from semipack.semirings.base import DERIVED_OPERATIONS, NO_EDGE_LOG, Semiring
 
 aten = torch.ops.aten
@@ -247,12 +248,62 @@ def test_exact_zeros_only_where_the_derivative_is_zero() -> None:
 
 @pytest.mark.slow
 def test_compiled_kernel_equals_the_eager_form() -> None:
-    """Large tensors run ``log_and_sign`` as one inductor kernel (its erf and exp are not
-    ATen's): as accurate as the eager form."""
+    """Large tensors run ``log_and_sign`` as one inductor kernel where there is no native form
+    (its erf and exp are not ATen's): as accurate as the eager form."""
     x = _grid((SIGN_CHANGING["gelu"][2],))
     assert x.numel() >= logd.COMPILE_MIN_ENTRIES
-    log, sign = logd.sign_changing_log_derivative(logd.GELU, x, True)
+    log, sign = logd._COMPILED["gelu"][True](x)
     assert_log_derivative(log, sign, x, ref_gelu)
+
+
+needs_native = pytest.mark.skipif(
+    not native_available(), reason="the native kernels need x86-64 Linux, AVX2 and a C compiler"
+)
+
+
+@needs_native
+def test_native_gelu_on_dense_grids() -> None:
+    """GELU's native loop (``native/log_derivatives.c``) as accurate as the torch form on the
+    dense grid and every float around the crossing, with its signs; and it is what
+    ``sign_changing_log_derivative`` runs for float32 CPU tensors, at any size (no compiled
+    kernel: ``set_compile(False)`` changes nothing)."""
+    x = _grid((SIGN_CHANGING["gelu"][2],))
+    log, sign = logd.NATIVE_FORMS["gelu"](x, True)
+    assert_log_derivative(log, sign, x, ref_gelu)
+    eager, _ = logd.GELU.log_and_sign(x, False)
+    assert ((log - eager).abs() / eager.abs().clamp(min=1.0)).max() <= 4e-7  # a few ulps
+    for size in (1, 7, 8, 9, 4097, 70001):  # tails of a vector, of a block; threads
+        y = x[:size] if size <= x.numel() else torch.randn(size) * 3
+        via_dispatch, signs = logd.sign_changing_log_derivative(logd.GELU, y.clone(), True)
+        alone, alone_signs = logd.NATIVE_FORMS["gelu"](y, True)
+        assert torch.equal(via_dispatch, alone) and torch.equal(signs, alone_signs)
+    set_compile(False)
+    try:
+        small, _ = logd.sign_changing_log_derivative(logd.GELU, x[:100], False)
+    finally:
+        set_compile(True)
+    assert torch.equal(small, log[:100])
+
+
+@needs_native
+def test_native_gelu_special_values_and_layouts() -> None:
+    """NaN, infinities, signed zeros, subnormals, huge values and the tail's edge (-2) give the
+    torch form's values and signs (NaN where it gives NaN); a strided input gives the values
+    of its contiguous copy, in the input's shape; without signs, the sign is 1.0."""
+    root_hi = logd.GELU.root_split[torch.float32][0]
+    x = torch.tensor(
+        [math.nan, INF, -INF, 0.0, -0.0, 1e-45, -1e-45, 3e38, -3e38, -2.0, 1.5, root_hi]
+        + [float(torch.tensor(-2.0).nextafter(torch.tensor(v))) for v in (-3.0, 0.0)]
+    )
+    log, sign = logd.NATIVE_FORMS["gelu"](x, True)
+    want, want_sign = logd.GELU.log_and_sign(x, True)
+    assert torch.equal(log.isnan(), want.isnan()) and torch.equal(sign, want_sign)
+    finite = ~want.isnan()
+    assert torch.allclose(log[finite], want[finite], rtol=4e-7, atol=4e-7)
+    grid = torch.linspace(-5, 5, 60).reshape(6, 10)
+    strided, _ = logd.sign_changing_log_derivative(logd.GELU, grid.t(), False)
+    dense, unsigned = logd.sign_changing_log_derivative(logd.GELU, grid.t().contiguous(), False)
+    assert strided.shape == (10, 6) and torch.equal(strided, dense) and unsigned == 1.0
 
 
 # ================================================================================================

@@ -147,19 +147,22 @@ def test_boolean_keeps_edges_that_only_float64_resolves() -> None:
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 @pytest.mark.parametrize("size", ["small", "large", "large channels last"])
 def test_relu_cut_equals_where_bitwise(dtype, size) -> None:
-    """The ReLU rule's cut (``threshold_backward`` and an infinite offset, or for large dense
-    states the compiled select of ``kernels/cuts.py``, instead of ``torch.where`` on a bool
-    mask) gives where's bits for every zero a semiring has, with NaN, infinite and
-    threshold-equal inputs, and NaN, infinite and -0.0 message entries, in either layout."""
+    """The ReLU rule's cut (``threshold_backward`` and an infinite offset, or for dense
+    states the native or compiled select of ``kernels/cuts.py``, instead of ``torch.where``
+    on a bool mask) gives where's bits for every zero a semiring has, with NaN, infinite and
+    threshold-equal inputs, and NaN, infinite and -0.0 message entries, in either layout, into
+    a new tensor and into the state's own memory (a donated state)."""
     from semipack.kernels.cuts import cut_below
+    from semipack.kernels.native import native_available
     from semipack.rules.pointwise import _ReluCut
 
     gen = torch.Generator().manual_seed(3)
-    shape = (3, 5, 10, 70) if size == "small" else (4, 8, 10, 70)
+    shape = (3, 5, 10, 70) if size == "small" else (4, 8, 10, 70)  # 10500 entries: a tail
     x = torch.randn(*shape, generator=gen, dtype=dtype)
     part = torch.randn(*shape, generator=gen, dtype=dtype)
-    # the one-pass kernel runs on the large states only (compiled kernels are on in tests)
-    assert (cut_below(part, x, 0.0, -math.inf) is None) == (size == "small")
+    # one pass: the native loop for float32 at any size, else compiled for large states only
+    one_pass = size != "small" or (dtype == torch.float32 and native_available())
+    assert (cut_below(part, x, 0.0, -math.inf) is not None) == one_pass
     for step, value in [(101, math.nan), (103, math.inf), (107, -math.inf), (7, 0.0), (11, 0.5)]:
         x.view(-1)[::step] = value
     for step, value in [(37, math.nan), (41, math.inf), (43, -0.0), (47, -math.inf)]:
@@ -176,6 +179,16 @@ def test_relu_cut_equals_where_bitwise(dtype, size) -> None:
             assert torch.equal(got.nan_to_num(), want.nan_to_num())
             assert torch.equal(got.signbit(), want.signbit()), (threshold, zero)
             assert got.stride() == part.stride()
+            own = part.clone(memory_format=torch.preserve_format)
+            written = cut(own, zero, in_place=True)
+            # the zeros torch's cut or the one-pass select writes; others take where
+            plus_zero = zero == 0.0 and math.copysign(1.0, zero) > 0
+            if zero in (math.inf, -math.inf) or plus_zero:
+                assert written.data_ptr() == own.data_ptr()
+            assert written.stride() == part.stride()
+            assert torch.equal(written.isnan(), want.isnan())
+            assert torch.equal(written.nan_to_num(), want.nan_to_num())
+            assert torch.equal(written.signbit(), want.signbit()), (threshold, zero)
 
 
 def _adjacency() -> torch.Tensor:

@@ -21,6 +21,7 @@ compiled kernel.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -30,6 +31,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from .compiled import compile_enabled, compiled
+from .native import gelu_log_derivative_f32, native_available
 
 Sign = Tensor | float
 
@@ -356,14 +358,50 @@ def _kernels(spec: SignChangingDerivative) -> dict[bool, Callable[..., tuple]]:
 _COMPILED = {spec.name: _kernels(spec) for spec in (GELU, GELU_TANH, SILU, MISH)}
 
 
+def _native_gelu(x: Tensor, signs: bool) -> tuple[Tensor, Tensor | None] | None:
+    """GELU's ``log_and_sign`` by the native loop (``native/log_derivatives.c``: the torch
+    form's operations, erf from torch) for float32 CPU tensors of any size, else None. Why:
+    the compiled kernel cost a compilation on a process's first GELU (most of a sentence's
+    first semiring backward through MiniLM) and guards on every call."""
+    if x.dtype != torch.float32 or x.device.type != "cpu" or not native_available():
+        return None
+    hi, lo = GELU.root_split[torch.float32]
+    with torch.no_grad():
+        x = x.contiguous()
+        erf_half = torch.mul(x, SQRT_HALF).erf_()  # the torch form's erf(x * SQRT_HALF)
+        log, sign = gelu_log_derivative_f32(
+            x, erf_half, *_gelu_constants(), (hi, lo), ROOT_WINDOW[torch.float32], signs
+        )
+    return log, sign
+
+
+@functools.cache
+def _gelu_constants() -> tuple[Tensor, Tensor]:
+    """GELU's near-root polynomial and the Mills ratio's series as float32 tensors, built once."""
+    near = torch.tensor(GELU.near_root[torch.float32], dtype=torch.float32)
+    return near, torch.tensor(MILLS_CHEBYSHEV, dtype=torch.float32)
+
+
+#: Native forms of ``log_and_sign`` by the derivative's name (float32 CPU; None: not there).
+NATIVE_FORMS: dict[str, Callable[[Tensor, bool], tuple[Tensor, Tensor | None] | None]] = {
+    "gelu": _native_gelu,
+}
+
+
 def sign_changing_log_derivative(
     spec: SignChangingDerivative, x: Tensor, signs: bool
 ) -> tuple[Tensor, Sign]:
     """``(log|d|, sign d)`` of ``spec`` at ``x`` (in x's dtype, at least float32);
-    ``signs=False`` gives 1.0 for the sign (for semirings that ignore signs: no sign tensor)."""
+    ``signs=False`` gives 1.0 for the sign (for semirings that ignore signs: no sign tensor).
+    A native form (``NATIVE_FORMS``) takes float32 CPU tensors of any size; else large tensors
+    take the compiled kernel, small ones the eager form."""
     if x.dtype not in ROOT_WINDOW:
         x = x.to(torch.float32)
-    if compile_enabled() and x.numel() >= COMPILE_MIN_ENTRIES:
+    native = NATIVE_FORMS.get(spec.name)
+    done = native(x, signs) if native is not None else None
+    if done is not None:
+        log, sign = done
+    elif compile_enabled() and x.numel() >= COMPILE_MIN_ENTRIES:
         with torch.no_grad():
             log, sign = _COMPILED[spec.name][signs](x.reshape(-1))
         log = log.view(x.shape)

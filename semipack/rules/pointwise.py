@@ -187,8 +187,9 @@ class _ReluCut:
     torch.threshold_backward keeps ``part`` or writes 0 in a vectorised select, and adding an
     offset that is -0.0 where kept (every value, -0.0 and NaN included, unchanged) and ±inf where
     cut gives the infinite zeros. where on the bool mask took 8.5 ms for a ResNet stem's 1.6M
-    entries on one core, these ops 1.7 ms, with the same bits (tests). Large dense states take
-    the compiled select of ``kernels/cuts.py`` instead (one pass, 0.25 ms there)."""
+    entries on one core, these ops 1.7 ms, with the same bits (tests). Dense float32 CPU
+    states take the native select of ``kernels/cuts.py`` instead (one pass, any size), large
+    dense states of other dtypes its compiled select (0.25 ms there)."""
 
     def __init__(self, x: Tensor, threshold: float) -> None:
         self.x, self.threshold = x, threshold

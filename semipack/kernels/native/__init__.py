@@ -53,6 +53,7 @@ _SOURCES = tuple(
         "elementwise.c",
         "depthwise.c",
         "depthwise_channels.c",
+        "log_derivatives.c",
     )
 )
 #: Headers the sources include (part of the build's cache key).
@@ -94,6 +95,8 @@ _SIGNATURES: dict[str, tuple[str | None, str]] = {
     "semipack_max_affine_f32": (None, "ppppqqqppi"),
     "semipack_exp_f32": (None, "ppqfi"),
     "semipack_log_plus_f32": (None, "ppqqqqi"),
+    "semipack_gelu_log_derivative_f32": (None, "ppppqpqpqfffi"),
+    "semipack_cut_below_f32": (None, "pppqffi"),
     "semipack_maxplus_gather_f32": (None, "pqqpqpppqqqqi"),
     "semipack_maxplus_scatter_max_f32": (None, "pqqpppqppqqqi"),
     "semipack_depthwise_input_f32": (None, "ppp" + "q" * 15 + "i"),
@@ -554,6 +557,65 @@ def max_affine_f32(m: Tensor, x: Tensor, mean: Tensor, invstd: Tensor) -> tuple[
         _elementwise_threads(x.numel()),
     )
     return gain, bias
+
+
+def cut_below_f32(part: Tensor, x: Tensor, out: Tensor, threshold: float, zero: float) -> None:
+    """``out = where(x <= threshold, zero, part)`` over three 1-D contiguous float32 CPU
+    tensors of one size (``out`` may be ``part``); NaN in ``x`` keeps ``part`` (elementwise.c).
+    ``threshold`` and ``zero`` are float32 numbers (a ReLU's threshold, the semiring's zero)."""
+    lib = _library()
+    assert lib is not None and part.dtype == x.dtype == out.dtype == torch.float32
+    assert part.dim() == x.dim() == out.dim() == 1
+    assert part.is_contiguous() and x.is_contiguous() and out.is_contiguous()
+    assert part.numel() == x.numel() == out.numel()
+    assert part.device.type == x.device.type == out.device.type == "cpu"
+    n = part.numel()
+    lib.semipack_cut_below_f32(
+        part.data_ptr(), x.data_ptr(), out.data_ptr(), n, threshold, zero, _elementwise_threads(n)
+    )
+
+
+def gelu_log_derivative_f32(
+    x: Tensor,
+    erf_half: Tensor,
+    near: Tensor,
+    mills: Tensor,
+    root: tuple[float, float],
+    window: float,
+    signs: bool,
+) -> tuple[Tensor, Tensor | None]:
+    """GELU's ``(log|gelu'(x)|, sign)`` by one native loop (log_derivatives.c), the log written
+    over ``erf_half`` (= erf(x / sqrt 2), computed by the caller with torch's erf).
+
+    ``x``, ``erf_half``: contiguous float32 CPU tensors of one shape; ``near``: the bracket's
+    polynomial near its root (constant first), ``mills``: the Mills ratio's Chebyshev
+    coefficients, both float32 [k] with k <= 32; ``root``: (hi, lo), the root split in two
+    floats; ``window``: the half-width around it where the polynomial is used. The sign (+1,
+    -1, or 0 for a zero or NaN value, as torch.sign) only with ``signs``."""
+    lib = _library()
+    assert lib is not None and x.dtype == erf_half.dtype == torch.float32
+    assert x.shape == erf_half.shape and x.is_contiguous() and erf_half.is_contiguous()
+    assert x.device.type == erf_half.device.type == "cpu"
+    assert near.dtype == mills.dtype == torch.float32 and 0 < near.numel() <= 32
+    assert 0 < mills.numel() <= 32 and near.is_contiguous() and mills.is_contiguous()
+    sign = torch.empty_like(x) if signs else None
+    n = x.numel()
+    lib.semipack_gelu_log_derivative_f32(
+        x.data_ptr(),
+        erf_half.data_ptr(),
+        erf_half.data_ptr(),
+        sign.data_ptr() if sign is not None else None,
+        n,
+        near.data_ptr(),
+        near.numel(),
+        mills.data_ptr(),
+        mills.numel(),
+        root[0],
+        root[1],
+        window,
+        _elementwise_threads(n),
+    )
+    return erf_half, sign
 
 
 def log_plus_f32(mag: Tensor, shift: Tensor | None) -> Tensor:

@@ -30,57 +30,6 @@
 
 #define BLOCK 4096 /* entries per scheduled block: a few microseconds of work */
 
-static inline __m256 exp_readout_ps(__m256 x) {
-    const __m256 nan = _mm256_cmp_ps(x, x, _CMP_UNORD_Q);
-    /* exp(x) below -104 (< 2^-150) rounds to 0: those lanes (-inf, "no path", among them)
-       compute exp(0) and are zeroed at the end, so no subnormal intermediate (a slow
-       microcode assist on x86) is made for them. exp(89) overflows: the clamp keeps n in
-       [-150, 128]. */
-    const __m256 low = _mm256_cmp_ps(x, _mm256_set1_ps(-104.0f), _CMP_LT_OQ);
-    const __m256 c = _mm256_andnot_ps(low, _mm256_min_ps(x, _mm256_set1_ps(89.0f)));
-    const __m256 n = _mm256_round_ps(_mm256_mul_ps(c, _mm256_set1_ps(1.44269504088896341f)),
-                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    /* r = c - n ln 2 as hi + lo: hi exact (a 9-bit part of ln 2), the rest's product rounded
-       (n ln2's remaining bits, at most 150 * 2.1e-4), then an exact TwoSum, so that no
-       rounding of r itself reaches the result */
-    const __m256 hi = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), c);
-    const __m256 lo = _mm256_mul_ps(n, _mm256_set1_ps(2.12194440e-4f));
-    const __m256 r = _mm256_add_ps(hi, lo);
-    const __m256 back = _mm256_sub_ps(r, hi);
-    const __m256 r_err = _mm256_add_ps(_mm256_sub_ps(hi, _mm256_sub_ps(r, back)),
-                                       _mm256_sub_ps(lo, back));
-    const __m256 p = exp_poly_ps(r); /* (exp(r) - 1 - r) / r^2 */
-    /* 1 + r + r_err + p r^2 with one rounding that matters: 1 + r exactly as head + tail */
-    const __m256 one = _mm256_set1_ps(1.0f);
-    const __m256 head = _mm256_add_ps(one, r);
-    const __m256 tail = _mm256_add_ps(_mm256_sub_ps(one, head), r); /* exact: |r| < 1 */
-    const __m256 y = _mm256_add_ps(
-        head, _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(tail, r_err))); /* [0.70, 1.42] */
-    const __m256i ni = _mm256_cvtps_epi32(n);
-    const __m256i half = _mm256_srai_epi32(ni, 1);
-    const __m256i rest = _mm256_sub_epi32(ni, half);
-    const __m256i bias = _mm256_set1_epi32(127);
-    const __m256 s1 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(half, bias), 23));
-    const __m256 s2 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(rest, bias), 23));
-    const __m256 out = _mm256_mul_ps(_mm256_mul_ps(y, s1), s2); /* y * s1 exact, one rounding */
-    return _mm256_blendv_ps(_mm256_andnot_ps(low, out), x, nan);
-}
-
-static inline __m256 log_readout_ps(__m256 x) {
-    const __m256 y = log0_ps(x); /* zeros and subnormals; wrong only for inf, NaN and x < 0 */
-    const __m256 inf = _mm256_set1_ps(__builtin_inff());
-    const __m256 keep = _mm256_or_ps(_mm256_cmp_ps(x, x, _CMP_UNORD_Q),
-                                     _mm256_cmp_ps(x, inf, _CMP_EQ_OQ));
-    const __m256 negative = _mm256_cmp_ps(x, _mm256_setzero_ps(), _CMP_LT_OQ);
-    const __m256 out = _mm256_blendv_ps(y, x, keep);
-    return _mm256_blendv_ps(out, _mm256_set1_ps(__builtin_nanf("")), negative);
-}
-
-static inline __m256i tail_mask(int64_t left) {
-    const __m256i lanes = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
-    return _mm256_cmpgt_epi32(_mm256_set1_epi32((int)left), lanes);
-}
-
 /* out[i] = exp(x[i] - shift) for i < n (out may be x); the subtraction is one float operation,
    as torch's x - shift, and shift 0 leaves x as it is. */
 void semipack_exp_f32(const float *x, float *out, int64_t n, float shift, int threads) {
@@ -240,5 +189,27 @@ void semipack_max_affine_f32(const float *m, const float *x, const float *mean,
         }
         gain[c] = gs;
         bias[c] = bs;
+    }
+}
+
+/* out[i] = zero where x[i] <= threshold, else part[i], for i < n (out may be part): a ReLU's
+   cut of a state (kernels/cuts.py). A select copies, it does not round, so the bits are
+   torch.where's; NaN in x keeps part (the comparison is false), as threshold_backward does.
+   Why here: the compiled select cost a compilation on a process's first ReLU (1.5-1.7 s on the
+   2-core VM with inductor's caches warm, most of a first ResNet or MobileNet MaxProd backward
+   after the imports) and guards on every call. */
+void semipack_cut_below_f32(const float *part, const float *x, float *out, int64_t n,
+                            float threshold, float zero, int threads) {
+    const int64_t blocks = (n + BLOCK - 1) / BLOCK;
+    const __m256 t = _mm256_set1_ps(threshold), z = _mm256_set1_ps(zero);
+#pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1)
+    for (int64_t b = 0; b < blocks; b++) {
+        const int64_t end = (b + 1) * BLOCK < n ? (b + 1) * BLOCK : n;
+        int64_t i = b * BLOCK;
+        for (; i + 8 <= end; i += 8) {
+            const __m256 off = _mm256_cmp_ps(_mm256_loadu_ps(x + i), t, _CMP_LE_OQ);
+            _mm256_storeu_ps(out + i, _mm256_blendv_ps(_mm256_loadu_ps(part + i), z, off));
+        }
+        for (; i < end; i++) out[i] = x[i] <= threshold ? zero : part[i];
     }
 }

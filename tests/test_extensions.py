@@ -116,6 +116,35 @@ def test_extensions_leave_the_modules_untouched() -> None:
     assert AttentionInterface.get_interface is get_interface
 
 
+def test_extend_does_not_import_transformers_for_other_models() -> None:
+    """Routing transformers' eager attention only where its models are loaded: a fresh process
+    extending a torch model never imports transformers (which took about four seconds of a
+    first ``extend``), and the backward's values are those of a process that had imported it."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, torch, semipack\n"
+        "{before}"
+        "torch.manual_seed(0)\n"
+        "m = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.GELU(), torch.nn.Linear(4, 1))\n"
+        "with semipack.extend(m, semipack.MaxProd()):\n"
+        "    m(torch.randn(2, 3)).sum().backward()\n"
+        "print('transformers' in sys.modules, m[0].weight.semiring_grad.tolist())\n"
+    )
+    runs = [
+        subprocess.run(
+            [sys.executable, "-c", code.format(before=before)],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.split(" ", 1)
+        for before in ("", "import transformers.modeling_utils\n")
+    ]
+    assert [loaded for loaded, _ in runs] == ["False", "True"]
+    assert runs[0][1] == runs[1][1]
+
+
 def test_any_caller_of_an_extended_function_is_extended_with_exact_values() -> None:
     """A subclass with its own forward still calls F.linear: the extension takes the call, and
     the values are those of the drawing (checked against the closed form)."""

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import sys
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -127,18 +128,22 @@ def eager_attention_routed() -> Iterator[bool]:
 
     ``get_interface`` is a class attribute, so the routing is counted: the first block to
     enter installs it, the last to leave restores the original (blocks in other threads may
-    overlap).
+    overlap). Only where transformers' models are loaded already (``transformers.modeling_utils``
+    imported: every model class imports it): importing transformers for a torchvision model
+    made a process's first ``extend`` about four seconds slower. A transformers model first
+    imported inside the block runs its eager attention through the generic rules (the same
+    values, without the attention extension's sites and kernels).
     """
     global _routed_blocks, _original_get_interface
-    try:
-        from transformers.modeling_utils import AttentionInterface
-    except ImportError:  # transformers is optional
+    modeling_utils = sys.modules.get("transformers.modeling_utils")
+    interface = getattr(modeling_utils, "AttentionInterface", None)
+    if interface is None:  # transformers is optional
         yield False
         return
     with _lock:
         if _routed_blocks == 0:
-            _original_get_interface = AttentionInterface.get_interface
-            AttentionInterface.get_interface = _routed_get_interface
+            _original_get_interface = interface.get_interface
+            interface.get_interface = _routed_get_interface
         _routed_blocks += 1
     try:
         yield True
@@ -146,5 +151,5 @@ def eager_attention_routed() -> Iterator[bool]:
         with _lock:
             _routed_blocks -= 1
             if _routed_blocks == 0:
-                AttentionInterface.get_interface = _original_get_interface
+                interface.get_interface = _original_get_interface
                 _original_get_interface = None

@@ -10,7 +10,10 @@ that ends each log-space product, Entropy's shifted exponentials) run the native
 in turns round after round, a semiring backward with the native loops, one with the compiled
 loops (the switch patched to say no, in ``logspace`` and in ``semirings.entropy``, which
 imports it), one with the native loops only from 16k entries and torch's ops below (the
-routing before they ran at every size: ``native_from_16k``), and a plain backward; it prints
+routing before they ran at every size: ``native_from_16k``), one with GELU's log-derivative
+and ReLU's cut by their compiled kernels instead of their native loops (``kernels/native/
+log_derivatives.c`` and ``semipack_cut_below_f32``, since the twenty-eighth session:
+``compiled_activations``), and a plain backward; it prints
 each variant's median and fastest round (the first two rounds are warm-up) and the medians'
 ratio to the plain one. The machines these numbers come from are shared: read medians, and
 expect spreads of 10-20%.
@@ -28,7 +31,7 @@ from cases import WORKLOADS
 from common import backward_step
 
 import semipack
-from semipack.kernels import logspace
+from semipack.kernels import cuts, log_derivatives, logspace
 from semipack.semirings import entropy
 
 
@@ -64,6 +67,20 @@ def compiled_loops() -> Iterator[None]:
         logspace.native_loops = entropy.native_loops = kept
 
 
+@contextlib.contextmanager
+def compiled_activations() -> Iterator[None]:
+    """GELU's log-derivative and ReLU's cut by their compiled kernels (large tensors; eager
+    forms below their sizes), as before their native loops, for the block."""
+    forms, kept = dict(log_derivatives.NATIVE_FORMS), cuts._native_flat
+    log_derivatives.NATIVE_FORMS.clear()
+    cuts._native_flat = lambda part, x: None
+    try:
+        yield
+    finally:
+        log_derivatives.NATIVE_FORMS.update(forms)
+        cuts._native_flat = kept
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--semiring", default="LogSum")
@@ -77,14 +94,17 @@ def main() -> None:
         "native loops": semiring,
         "native from 16k": semiring,
         "compiled loops": semiring,
+        "compiled activations": semiring,
         "plain": plain,
     }
     times: dict[str, list[float]] = {name: [] for name in variants}
     for round_ in range(args.rounds + 2):
         for name, step in variants.items():
-            context = {"compiled loops": compiled_loops, "native from 16k": native_from_16k}.get(
-                name, contextlib.nullcontext
-            )()
+            context = {
+                "compiled loops": compiled_loops,
+                "native from 16k": native_from_16k,
+                "compiled activations": compiled_activations,
+            }.get(name, contextlib.nullcontext)()
             with context:
                 backward = step()
                 start = time.perf_counter()
@@ -97,7 +117,7 @@ def main() -> None:
     for name, spent in times.items():
         median = statistics.median(spent)
         print(
-            f"  {name:15s} median {median * 1e3:7.1f}  fastest {min(spent) * 1e3:7.1f}  "
+            f"  {name:20s} median {median * 1e3:7.1f}  fastest {min(spent) * 1e3:7.1f}  "
             f"median / plain {median / base:5.2f}"
         )
 

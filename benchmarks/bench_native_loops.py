@@ -10,10 +10,10 @@ that ends each log-space product, Entropy's shifted exponentials) run the native
 in turns round after round, a semiring backward with the native loops, one with the compiled
 loops (the switch patched to say no, in ``logspace`` and in ``semirings.entropy``, which
 imports it), one with the native loops only from 16k entries and torch's ops below (the
-routing before they ran at every size: ``native_from_16k``), one with GELU's log-derivative
-and ReLU's cut by their compiled kernels instead of their native loops (``kernels/native/
-log_derivatives.c`` and ``semipack_cut_below_f32``, since the twenty-eighth session:
-``compiled_activations``), and a plain backward; it prints
+routing before they ran at every size: ``native_from_16k``), one with GELU's and SiLU's
+log-derivatives and ReLU's cut by their compiled kernels instead of their native loops
+(``kernels/native/log_derivatives.c`` and ``semipack_cut_below_f32``, since the twenty-eighth
+session: ``compiled_activations``), and a plain backward; it prints
 each variant's median and fastest round (the first two rounds are warm-up) and the medians'
 ratio to the plain one. The machines these numbers come from are shared: read medians, and
 expect spreads of 10-20%.
@@ -69,15 +69,15 @@ def compiled_loops() -> Iterator[None]:
 
 @contextlib.contextmanager
 def compiled_activations() -> Iterator[None]:
-    """GELU's log-derivative and ReLU's cut by their compiled kernels (large tensors; eager
-    forms below their sizes), as before their native loops, for the block."""
-    forms, kept = dict(log_derivatives.NATIVE_FORMS), cuts._native_flat
-    log_derivatives.NATIVE_FORMS.clear()
+    """GELU's and SiLU's log-derivatives and ReLU's cut by their compiled kernels (large
+    tensors; eager forms below their sizes), as before their native loops, for the block."""
+    forms, kept = dict(log_derivatives.NATIVE_SPECS), cuts._native_flat
+    log_derivatives.NATIVE_SPECS.clear()
     cuts._native_flat = lambda part, x: None
     try:
         yield
     finally:
-        log_derivatives.NATIVE_FORMS.update(forms)
+        log_derivatives.NATIVE_SPECS.update(forms)
         cuts._native_flat = kept
 
 

@@ -262,47 +262,54 @@ needs_native = pytest.mark.skipif(
 
 
 @needs_native
-def test_native_gelu_on_dense_grids() -> None:
-    """GELU's native loop (``native/log_derivatives.c``) as accurate as the torch form on the
-    dense grid and every float around the crossing, with its signs; and it is what
-    ``sign_changing_log_derivative`` runs for float32 CPU tensors, at any size (no compiled
-    kernel: ``set_compile(False)`` changes nothing)."""
-    x = _grid((SIGN_CHANGING["gelu"][2],))
-    log, sign = logd.NATIVE_FORMS["gelu"](x, True)
-    assert_log_derivative(log, sign, x, ref_gelu)
-    eager, _ = logd.GELU.log_and_sign(x, False)
+@pytest.mark.parametrize("name", ["gelu", "silu"])
+def test_native_forms_on_dense_grids(name: str) -> None:
+    """GELU's and SiLU's native loops (``native/log_derivatives.c``) as accurate as the torch
+    form on the dense grid and every float around the crossing, with its signs; and they are
+    what ``sign_changing_log_derivative`` runs for float32 CPU tensors, at any size (no
+    compiled kernel: ``set_compile(False)`` changes nothing)."""
+    spec, ref, root = SIGN_CHANGING[name]
+    assert name in logd.NATIVE_SPECS
+    x = _grid((root,))
+    log, sign = logd._native_form(spec, x, True)
+    assert_log_derivative(log, sign, x, ref)
+    eager, _ = spec.log_and_sign(x, False)
     assert ((log - eager).abs() / eager.abs().clamp(min=1.0)).max() <= 4e-7  # a few ulps
     for size in (1, 7, 8, 9, 4097, 70001):  # tails of a vector, of a block; threads
         y = x[:size] if size <= x.numel() else torch.randn(size) * 3
-        via_dispatch, signs = logd.sign_changing_log_derivative(logd.GELU, y.clone(), True)
-        alone, alone_signs = logd.NATIVE_FORMS["gelu"](y, True)
+        via_dispatch, signs = logd.sign_changing_log_derivative(spec, y.clone(), True)
+        alone, alone_signs = logd._native_form(spec, y, True)
         assert torch.equal(via_dispatch, alone) and torch.equal(signs, alone_signs)
     set_compile(False)
     try:
-        small, _ = logd.sign_changing_log_derivative(logd.GELU, x[:100], False)
+        small, _ = logd.sign_changing_log_derivative(spec, x[:100], False)
     finally:
         set_compile(True)
     assert torch.equal(small, log[:100])
 
 
 @needs_native
-def test_native_gelu_special_values_and_layouts() -> None:
-    """NaN, infinities, signed zeros, subnormals, huge values and the tail's edge (-2) give the
-    torch form's values and signs (NaN where it gives NaN); a strided input gives the values
-    of its contiguous copy, in the input's shape; without signs, the sign is 1.0."""
-    root_hi = logd.GELU.root_split[torch.float32][0]
+@pytest.mark.parametrize("name", ["gelu", "silu"])
+def test_native_forms_special_values_and_layouts(name: str) -> None:
+    """NaN, infinities, signed zeros, subnormals, huge values and GELU's tail edge (-2) give
+    the torch form's values and signs (NaN where it gives NaN); a strided input gives the
+    values of its contiguous copy, in the input's shape; without signs, the sign is 1.0."""
+    spec = SIGN_CHANGING[name][0]
+    root_hi = spec.root_split[torch.float32][0]
     x = torch.tensor(
-        [math.nan, INF, -INF, 0.0, -0.0, 1e-45, -1e-45, 3e38, -3e38, -2.0, 1.5, root_hi]
+        [math.nan, INF, -INF, 0.0, -0.0, 1e-45, -1e-45, 3e38, -3e38, -2.0, 1.5, 90.0, -90.0]
+        + [root_hi, -104.0, 104.0]
         + [float(torch.tensor(-2.0).nextafter(torch.tensor(v))) for v in (-3.0, 0.0)]
     )
-    log, sign = logd.NATIVE_FORMS["gelu"](x, True)
-    want, want_sign = logd.GELU.log_and_sign(x, True)
+    log, sign = logd._native_form(spec, x, True)
+    want, want_sign = spec.log_and_sign(x, True)
     assert torch.equal(log.isnan(), want.isnan()) and torch.equal(sign, want_sign)
-    finite = ~want.isnan()
+    assert torch.equal(log.isinf(), want.isinf())
+    finite = want.isfinite()
     assert torch.allclose(log[finite], want[finite], rtol=4e-7, atol=4e-7)
     grid = torch.linspace(-5, 5, 60).reshape(6, 10)
-    strided, _ = logd.sign_changing_log_derivative(logd.GELU, grid.t(), False)
-    dense, unsigned = logd.sign_changing_log_derivative(logd.GELU, grid.t().contiguous(), False)
+    strided, _ = logd.sign_changing_log_derivative(spec, grid.t(), False)
+    dense, unsigned = logd.sign_changing_log_derivative(spec, grid.t().contiguous(), False)
     assert strided.shape == (10, 6) and torch.equal(strided, dense) and unsigned == 1.0
 
 

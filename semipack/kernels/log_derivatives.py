@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from .compiled import compile_enabled, compiled
-from .native import gelu_log_derivative_f32, native_available
+from .native import native_available, sign_changing_log_derivative_f32
 
 Sign = Tensor | float
 
@@ -358,34 +358,36 @@ def _kernels(spec: SignChangingDerivative) -> dict[bool, Callable[..., tuple]]:
 _COMPILED = {spec.name: _kernels(spec) for spec in (GELU, GELU_TANH, SILU, MISH)}
 
 
-def _native_gelu(x: Tensor, signs: bool) -> tuple[Tensor, Tensor | None] | None:
-    """GELU's ``log_and_sign`` by the native loop (``native/log_derivatives.c``: the torch
-    form's operations, erf from torch) for float32 CPU tensors of any size, else None. Why:
-    the compiled kernel cost a compilation on a process's first GELU (most of a sentence's
-    first semiring backward through MiniLM) and guards on every call."""
+def _native_form(spec: SignChangingDerivative, x: Tensor, signs: bool):
+    """``spec``'s ``log_and_sign`` by the native loop (``native/log_derivatives.c``: the torch
+    form's operations; GELU's erf from torch) for float32 CPU tensors of any size, else None.
+    Why: the compiled kernel cost a compilation on a process's first GELU or SiLU (for GELU,
+    most of a sentence's first semiring backward through MiniLM) and guards on every call."""
     if x.dtype != torch.float32 or x.device.type != "cpu" or not native_available():
         return None
-    hi, lo = GELU.root_split[torch.float32]
+    hi, lo = spec.root_split[torch.float32]
+    near, mills = _native_constants(spec.name)
     with torch.no_grad():
         x = x.contiguous()
-        erf_half = torch.mul(x, SQRT_HALF).erf_()  # the torch form's erf(x * SQRT_HALF)
-        log, sign = gelu_log_derivative_f32(
-            x, erf_half, *_gelu_constants(), (hi, lo), ROOT_WINDOW[torch.float32], signs
+        # GELU: the torch form's erf(x * SQRT_HALF), overwritten by the log
+        out = torch.mul(x, SQRT_HALF).erf_() if spec is GELU else torch.empty_like(x)
+        return sign_changing_log_derivative_f32(
+            spec.name, x, out, near, (hi, lo), ROOT_WINDOW[torch.float32], signs, mills
         )
-    return log, sign
 
 
 @functools.cache
-def _gelu_constants() -> tuple[Tensor, Tensor]:
-    """GELU's near-root polynomial and the Mills ratio's series as float32 tensors, built once."""
-    near = torch.tensor(GELU.near_root[torch.float32], dtype=torch.float32)
-    return near, torch.tensor(MILLS_CHEBYSHEV, dtype=torch.float32)
+def _native_constants(name: str) -> tuple[Tensor, Tensor | None]:
+    """The near-root polynomial (and for GELU the Mills ratio's series) as float32 tensors,
+    built once per derivative."""
+    spec = NATIVE_SPECS[name]
+    near = torch.tensor(spec.near_root[torch.float32], dtype=torch.float32)
+    mills = torch.tensor(MILLS_CHEBYSHEV, dtype=torch.float32) if spec is GELU else None
+    return near, mills
 
 
-#: Native forms of ``log_and_sign`` by the derivative's name (float32 CPU; None: not there).
-NATIVE_FORMS: dict[str, Callable[[Tensor, bool], tuple[Tensor, Tensor | None] | None]] = {
-    "gelu": _native_gelu,
-}
+#: The derivatives with a native form (``_native_form``), by name.
+NATIVE_SPECS = {spec.name: spec for spec in (GELU, SILU)}
 
 
 def sign_changing_log_derivative(
@@ -393,12 +395,11 @@ def sign_changing_log_derivative(
 ) -> tuple[Tensor, Sign]:
     """``(log|d|, sign d)`` of ``spec`` at ``x`` (in x's dtype, at least float32);
     ``signs=False`` gives 1.0 for the sign (for semirings that ignore signs: no sign tensor).
-    A native form (``NATIVE_FORMS``) takes float32 CPU tensors of any size; else large tensors
-    take the compiled kernel, small ones the eager form."""
+    A native form (``NATIVE_SPECS``: GELU, SiLU) takes float32 CPU tensors of any size; else
+    large tensors take the compiled kernel, small ones the eager form."""
     if x.dtype not in ROOT_WINDOW:
         x = x.to(torch.float32)
-    native = NATIVE_FORMS.get(spec.name)
-    done = native(x, signs) if native is not None else None
+    done = _native_form(spec, x, signs) if spec.name in NATIVE_SPECS else None
     if done is not None:
         log, sign = done
     elif compile_enabled() and x.numel() >= COMPILE_MIN_ENTRIES:

@@ -95,7 +95,7 @@ _SIGNATURES: dict[str, tuple[str | None, str]] = {
     "semipack_max_affine_f32": (None, "ppppqqqppi"),
     "semipack_exp_f32": (None, "ppqfi"),
     "semipack_log_plus_f32": (None, "ppqqqqi"),
-    "semipack_gelu_log_derivative_f32": (None, "ppppqpqpqfffi"),
+    "semipack_sign_changing_log_derivative_f32": (None, "ippppqpqpqfffi"),
     "semipack_cut_below_f32": (None, "pppqffi"),
     "semipack_maxplus_gather_f32": (None, "pqqpqpppqqqqi"),
     "semipack_maxplus_scatter_max_f32": (None, "pqqpppqppqqqi"),
@@ -575,47 +575,58 @@ def cut_below_f32(part: Tensor, x: Tensor, out: Tensor, threshold: float, zero: 
     )
 
 
-def gelu_log_derivative_f32(
+#: The derivatives ``sign_changing_log_derivative_f32`` knows (log_derivatives.c's KIND_*).
+SIGN_CHANGING_KINDS = {"gelu": 0, "silu": 1}
+
+
+def sign_changing_log_derivative_f32(
+    kind: str,
     x: Tensor,
-    erf_half: Tensor,
+    out: Tensor,
     near: Tensor,
-    mills: Tensor,
     root: tuple[float, float],
     window: float,
     signs: bool,
+    mills: Tensor | None = None,
 ) -> tuple[Tensor, Tensor | None]:
-    """GELU's ``(log|gelu'(x)|, sign)`` by one native loop (log_derivatives.c), the log written
-    over ``erf_half`` (= erf(x / sqrt 2), computed by the caller with torch's erf).
+    """``(log|d(x)|, sign)`` of GELU's or SiLU's derivative (``kind``) by one native loop
+    (log_derivatives.c), the log written into ``out``. For GELU ``out`` must hold erf(x / sqrt
+    2) on entry (torch's erf, computed by the caller) and ``mills`` the Mills ratio's Chebyshev
+    coefficients; SiLU reads neither.
 
-    ``x``, ``erf_half``: contiguous float32 CPU tensors of one shape; ``near``: the bracket's
-    polynomial near its root (constant first), ``mills``: the Mills ratio's Chebyshev
-    coefficients, both float32 [k] with k <= 32; ``root``: (hi, lo), the root split in two
-    floats; ``window``: the half-width around it where the polynomial is used. The sign (+1,
-    -1, or 0 for a zero or NaN value, as torch.sign) only with ``signs``."""
+    ``x``, ``out``: contiguous float32 CPU tensors of one shape; ``near``: the bracket's
+    polynomial near its root (constant first), float32 [k] with k <= 32 (as ``mills``);
+    ``root``: (hi, lo), the root split in two floats; ``window``: the half-width around it where
+    the polynomial is used. The sign (+1, -1, or 0 for a zero or NaN value, as torch.sign) only
+    with ``signs``."""
     lib = _library()
-    assert lib is not None and x.dtype == erf_half.dtype == torch.float32
-    assert x.shape == erf_half.shape and x.is_contiguous() and erf_half.is_contiguous()
-    assert x.device.type == erf_half.device.type == "cpu"
-    assert near.dtype == mills.dtype == torch.float32 and 0 < near.numel() <= 32
-    assert 0 < mills.numel() <= 32 and near.is_contiguous() and mills.is_contiguous()
+    code = SIGN_CHANGING_KINDS[kind]
+    assert lib is not None and x.dtype == out.dtype == torch.float32
+    assert x.shape == out.shape and x.is_contiguous() and out.is_contiguous()
+    assert x.device.type == out.device.type == "cpu"
+    assert near.dtype == torch.float32 and near.is_contiguous() and 0 < near.numel() <= 32
+    if kind == "gelu":
+        assert mills is not None and mills.dtype == torch.float32 and mills.is_contiguous()
+        assert 0 < mills.numel() <= 32
     sign = torch.empty_like(x) if signs else None
     n = x.numel()
-    lib.semipack_gelu_log_derivative_f32(
+    lib.semipack_sign_changing_log_derivative_f32(
+        code,
         x.data_ptr(),
-        erf_half.data_ptr(),
-        erf_half.data_ptr(),
+        out.data_ptr() if kind == "gelu" else None,
+        out.data_ptr(),
         sign.data_ptr() if sign is not None else None,
         n,
         near.data_ptr(),
         near.numel(),
-        mills.data_ptr(),
-        mills.numel(),
+        mills.data_ptr() if mills is not None else None,
+        mills.numel() if mills is not None else 0,
         root[0],
         root[1],
         window,
         _elementwise_threads(n),
     )
-    return erf_half, sign
+    return out, sign
 
 
 def log_plus_f32(mag: Tensor, shift: Tensor | None) -> Tensor:

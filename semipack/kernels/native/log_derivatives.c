@@ -1,5 +1,6 @@
-/* GELU's exact log|derivative| in one native pass (see ../log_derivatives.py for the algebra:
-   SignChangingDerivative, _gelu_direct, _mills_ratio), float32, called through ctypes.
+/* GELU's and SiLU's exact log|derivative| in one native pass (see ../log_derivatives.py for
+   the algebra: SignChangingDerivative, _gelu_direct, _mills_ratio, _silu_direct), float32,
+   called through ctypes.
 
    Why hand-written: the same expression compiled by inductor costs a compilation on a process's
    first GELU (about five seconds on the 2-core VM, even with inductor's caches warm: most of a
@@ -8,13 +9,15 @@
    torch (its vectorised erf, passed in as `erf_half` = erf(x / sqrt 2)), the rest is one loop.
 
    Per entry, with the caller's constants (the root r = hi + lo of the derivative's bracket, the
-   polynomial q of the bracket near it, the Chebyshev series of the Mills ratio):
+   polynomial q of the bracket near it, for GELU the Chebyshev series of the Mills ratio):
 
-       log phi = -x^2 / 2 - log sqrt(2 pi)
-       x >= -2:  value = (1 + erf(x / sqrt 2)) / 2 + x e^{log phi},   prefix = 0
-       x < -2:   value = R(t) - t (t = -x, R by the series),          prefix = log phi
-       |delta| < window, delta = (x - hi) - lo:  value = delta q(delta), prefix = log phi
-       log = prefix + log|value|,  sign = sign(value) (0 for NaN, as torch.sign)
+     GELU: log p = log phi = -x^2 / 2 - log sqrt(2 pi)
+           x >= -2:  value = (1 + erf(x / sqrt 2)) / 2 + x e^{log p},   prefix = 0
+           x < -2:   value = R(t) - t (t = -x, R by the series),        prefix = log p
+     SiLU: log p = log sigma(x) = min(x, 0) - log(1 + e^{-|x|})
+           value = 1 + x sigma(-x), sigma(-x) = 1 / (1 + e^x),          prefix = log p
+     both: |delta| < window, delta = (x - hi) - lo:  value = delta q(delta), prefix = log p
+           log = prefix + log|value|,  sign = sign(value) (0 for NaN, as torch.sign)
 
    the operations of the torch form in the same order (a multiply and an add may be one fused
    multiply-add here), exp and log within one ulp (vector_math.h): the values agree with the
@@ -29,16 +32,20 @@
 #define BLOCK 4096         /* entries per scheduled block */
 #define MAX_COEFFICIENTS 32 /* of either series */
 
+/* Which derivative (the `kind` argument). */
+#define KIND_GELU 0
+#define KIND_SILU 1
+
 typedef struct {
     __m256 near[MAX_COEFFICIENTS], mills[MAX_COEFFICIENTS];
     int64_t near_n, mills_n;
     __m256 hi, lo, window;
-} gelu_constants;
+} constants;
 
-static inline __m256 gelu_lanes(__m256 x, __m256 erf_half, const gelu_constants *k,
-                                __m256 *sign) {
+/* The direct form's value and prefix and log p, by kind (see the table above). */
+static inline void gelu_direct(__m256 x, __m256 erf_half, const constants *k,
+                               __m256 *out_value, __m256 *out_prefix, __m256 *out_log_p) {
     const __m256 zero = _mm256_setzero_ps(), one = _mm256_set1_ps(1.0f);
-    const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
     /* log phi = (-0.5 x) x - log sqrt(2 pi), as torch's -0.5 * x * x - c */
     const __m256 log_phi = _mm256_sub_ps(_mm256_mul_ps(_mm256_mul_ps(_mm256_set1_ps(-0.5f), x), x),
                                          _mm256_set1_ps(0.91893853320467274f));
@@ -65,7 +72,29 @@ static inline __m256 gelu_lanes(__m256 x, __m256 erf_half, const gelu_constants 
             _mm256_sub_ps(_mm256_add_ps(k->mills[0], _mm256_mul_ps(y, later)), last), t);
         value = _mm256_blendv_ps(d, _mm256_sub_ps(mills, t), tail);
     }
-    __m256 prefix = _mm256_and_ps(tail, log_phi);
+    *out_value = value;
+    *out_prefix = _mm256_and_ps(tail, log_phi);
+    *out_log_p = log_phi;
+}
+
+static inline void silu_direct(__m256 x, __m256 *value, __m256 *prefix, __m256 *log_p) {
+    const __m256 one = _mm256_set1_ps(1.0f);
+    const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+    /* min(x, 0) - log(1 + e^{-|x|}) and 1 + x sigma(-x), in the torch form's operations */
+    const __m256 neg_abs = _mm256_sub_ps(_mm256_setzero_ps(), _mm256_and_ps(x, abs_mask));
+    const __m256 soft = log_readout_ps(_mm256_add_ps(one, exp_readout_ps(neg_abs)));
+    *log_p = _mm256_sub_ps(_mm256_min_ps(x, _mm256_setzero_ps()), soft);
+    *prefix = *log_p;
+    const __m256 sig = _mm256_div_ps(one, _mm256_add_ps(one, exp_readout_ps(x)));
+    *value = _mm256_add_ps(one, _mm256_mul_ps(x, sig));
+}
+
+/* The lanes' log|d| (and sign, into *sign) from the direct form, the bracket's polynomial
+   taking over near its root. */
+static inline __m256 finish(__m256 x, __m256 value, __m256 prefix, __m256 log_p,
+                            const constants *k, __m256 *sign) {
+    const __m256 zero = _mm256_setzero_ps(), one = _mm256_set1_ps(1.0f);
+    const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
     /* near the root (vectors with a lane there): delta q(delta) */
     const __m256 delta = _mm256_sub_ps(_mm256_sub_ps(x, k->hi), k->lo);
     const __m256 near = _mm256_cmp_ps(_mm256_and_ps(delta, abs_mask), k->window, _CMP_LT_OQ);
@@ -73,7 +102,7 @@ static inline __m256 gelu_lanes(__m256 x, __m256 erf_half, const gelu_constants 
         __m256 b = k->near[k->near_n - 1];
         for (int64_t i = k->near_n - 2; i >= 0; i--) b = _mm256_fmadd_ps(b, delta, k->near[i]);
         value = _mm256_blendv_ps(value, _mm256_mul_ps(b, delta), near);
-        prefix = _mm256_blendv_ps(prefix, log_phi, near);
+        prefix = _mm256_blendv_ps(prefix, log_p, near);
     }
     /* sign(value): +1, -1, or 0 (zero and NaN) */
     *sign = _mm256_sub_ps(_mm256_and_ps(_mm256_cmp_ps(value, zero, _CMP_GT_OQ), one),
@@ -81,15 +110,26 @@ static inline __m256 gelu_lanes(__m256 x, __m256 erf_half, const gelu_constants 
     return _mm256_add_ps(prefix, log_readout_ps(_mm256_and_ps(value, abs_mask)));
 }
 
-/* log[i] (and sign[i] unless sign is NULL) of GELU's derivative at x[i], i < n, given
-   erf_half[i] = erf(x[i] / sqrt 2) (erf_half may be log: each entry is read before it is
-   written). near: the bracket's polynomial near its root, constant first; mills: the Mills
-   ratio's Chebyshev coefficients (at most MAX_COEFFICIENTS each). */
-void semipack_gelu_log_derivative_f32(const float *x, const float *erf_half, float *log,
-                                      float *sign, int64_t n, const float *near, int64_t near_n,
-                                      const float *mills, int64_t mills_n, float root_hi,
-                                      float root_lo, float window, int threads) {
-    gelu_constants k;
+static inline __m256 lanes(int kind, __m256 x, __m256 aux, const constants *k, __m256 *sign) {
+    __m256 value, prefix, log_p;
+    if (kind == KIND_GELU)
+        gelu_direct(x, aux, k, &value, &prefix, &log_p);
+    else
+        silu_direct(x, &value, &prefix, &log_p);
+    return finish(x, value, prefix, log_p, k, sign);
+}
+
+/* log[i] (and sign[i] unless sign is NULL) of the derivative of `kind` at x[i], i < n. GELU
+   reads aux[i] = erf(x[i] / sqrt 2) (aux may be log: each entry is read before it is written);
+   SiLU reads no aux (NULL). near: the bracket's polynomial near its root, constant first;
+   mills: the Mills ratio's Chebyshev coefficients (GELU's; at most MAX_COEFFICIENTS each). */
+void semipack_sign_changing_log_derivative_f32(int kind, const float *x, const float *aux,
+                                               float *log, float *sign, int64_t n,
+                                               const float *near, int64_t near_n,
+                                               const float *mills, int64_t mills_n,
+                                               float root_hi, float root_lo, float window,
+                                               int threads) {
+    constants k;
     k.near_n = near_n < MAX_COEFFICIENTS ? near_n : MAX_COEFFICIENTS;
     k.mills_n = mills_n < MAX_COEFFICIENTS ? mills_n : MAX_COEFFICIENTS;
     for (int64_t i = 0; i < k.near_n; i++) k.near[i] = _mm256_set1_ps(near[i]);
@@ -104,15 +144,15 @@ void semipack_gelu_log_derivative_f32(const float *x, const float *erf_half, flo
         int64_t i = b * BLOCK;
         __m256 s;
         for (; i + 8 <= end; i += 8) {
-            const __m256 out = gelu_lanes(_mm256_loadu_ps(x + i), _mm256_loadu_ps(erf_half + i),
-                                          &k, &s);
+            const __m256 a = aux ? _mm256_loadu_ps(aux + i) : _mm256_setzero_ps();
+            const __m256 out = lanes(kind, _mm256_loadu_ps(x + i), a, &k, &s);
             _mm256_storeu_ps(log + i, out);
             if (sign) _mm256_storeu_ps(sign + i, s);
         }
         if (i < end) {
             const __m256i m = tail_mask(end - i);
-            const __m256 out = gelu_lanes(_mm256_maskload_ps(x + i, m),
-                                          _mm256_maskload_ps(erf_half + i, m), &k, &s);
+            const __m256 a = aux ? _mm256_maskload_ps(aux + i, m) : _mm256_setzero_ps();
+            const __m256 out = lanes(kind, _mm256_maskload_ps(x + i, m), a, &k, &s);
             _mm256_maskstore_ps(log + i, m, out);
             if (sign) _mm256_maskstore_ps(sign + i, m, s);
         }

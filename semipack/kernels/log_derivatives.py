@@ -16,7 +16,8 @@ with formulas that neither cancel nor underflow (derivations next to each one):
 Functions whose derivative changes sign (GELU, tanh-GELU, SiLU, Mish) factor it as a positive
 part with an exact log and a bracket with one root, which is a polynomial in the distance to
 that root near it (``SignChangingDerivative``); on large tensors the whole computation is one
-compiled kernel.
+compiled kernel, and GELU's and SiLU's on float32 CPU tensors one native loop at any size
+(``native/log_derivatives.c``).
 """
 
 from __future__ import annotations
@@ -358,7 +359,9 @@ def _kernels(spec: SignChangingDerivative) -> dict[bool, Callable[..., tuple]]:
 _COMPILED = {spec.name: _kernels(spec) for spec in (GELU, GELU_TANH, SILU, MISH)}
 
 
-def _native_form(spec: SignChangingDerivative, x: Tensor, signs: bool):
+def _native_form(
+    spec: SignChangingDerivative, x: Tensor, signs: bool
+) -> tuple[Tensor, Tensor | None] | None:
     """``spec``'s ``log_and_sign`` by the native loop (``native/log_derivatives.c``: the torch
     form's operations; GELU's erf from torch) for float32 CPU tensors of any size, else None.
     Why: the compiled kernel cost a compilation on a process's first GELU or SiLU (for GELU,

@@ -7,8 +7,8 @@ says it, but eagerly it materialises a boolean mask and takes a slow select (6 m
 five passes (1 ms). Compiled, the select is one loop that reads ``x`` and ``part`` once and
 writes the result once (0.25 ms), with the same bits: a select copies, it does not round.
 float32 CPU states take the same select as a native loop (``native/elementwise.c``), at any size:
-no compilation on a process's first ReLU (1.5-1.7 s, most of a first ResNet or MobileNet MaxProd
-backward after the imports) and no guards per call.
+no compilation on a process's first ReLU (inductor's start-up: ``benchmarks/bench_first_call.py``)
+and no guards per call.
 """
 
 from __future__ import annotations

@@ -195,9 +195,9 @@ void semipack_max_affine_f32(const float *m, const float *x, const float *mean,
 /* out[i] = zero where x[i] <= threshold, else part[i], for i < n (out may be part): a ReLU's
    cut of a state (kernels/cuts.py). A select copies, it does not round, so the bits are
    torch.where's; NaN in x keeps part (the comparison is false), as threshold_backward does.
-   Why here: the compiled select cost a compilation on a process's first ReLU (1.5-1.7 s on the
-   2-core VM with inductor's caches warm, most of a first ResNet or MobileNet MaxProd backward
-   after the imports) and guards on every call. */
+   Why here: the compiled select cost a compilation on a process's first ReLU (inductor's
+   start-up, most of what a first ResNet or MobileNet MaxProd backward took beyond the
+   transformers import, benchmarks/bench_first_call.py) and guards on every call. */
 void semipack_cut_below_f32(const float *part, const float *x, float *out, int64_t n,
                             float threshold, float zero, int threads) {
     const int64_t blocks = (n + BLOCK - 1) / BLOCK;

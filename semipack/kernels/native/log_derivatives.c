@@ -2,11 +2,11 @@
    the algebra: SignChangingDerivative, _gelu_direct, _mills_ratio, _silu_direct), float32,
    called through ctypes.
 
-   Why hand-written: the same expression compiled by inductor costs a compilation on a process's
-   first GELU (about five seconds on the 2-core VM, even with inductor's caches warm: most of a
-   sentence's first semiring backward through MiniLM) and about 0.3 ms of guards per call; its
-   loop ran at about 11 ns per entry on one Zen 3 core. Here the error function comes from
-   torch (its vectorised erf, passed in as `erf_half` = erf(x / sqrt 2)), the rest is one loop.
+   Why hand-written: the same expression compiled by inductor cost a compilation on a process's
+   first GELU or SiLU (inductor's start-up: most of a sentence's first MaxProd backward through
+   MiniLM, 5.2 s with the compiled kernel against 0.45 s with this loop, bench_first_call.py)
+   and a compiled call's guards on every call. Here the error function comes from torch (its vectorised erf,
+   passed in as aux = erf(x / sqrt 2)), the rest is one loop.
 
    Per entry, with the caller's constants (the root r = hi + lo of the derivative's bracket, the
    polynomial q of the bracket near it, for GELU the Chebyshev series of the Mills ratio):

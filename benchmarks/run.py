@@ -412,6 +412,14 @@ there).
   MobileNetV3-small MaxProd 267 / 266 / 265 ms (plain 52 ms). The table's run gave the
   sentence MaxProd 0.226 s, LogSum 0.220 s and Entropy 0.327 s with a plain round of 32 ms;
   the run of the twenty-fourth session's code, 0.191, 0.197 and 0.346 s with 28 ms.
+- **The first backward in a process** (what one explained sentence or image waits for) is not
+  in this table, whose rounds come after a warm-up: `benchmarks/bench_first_call.py` times it
+  in fresh processes, against the third. Since the twenty-eighth session GELU's and SiLU's
+  log-derivatives and ReLU's cut run native loops on float32 CPU tensors (no inductor
+  compilation, whose start-up cost a process's first compiled kernel about 1.5 s): the first
+  MaxProd backward went from 5.2 to 0.45 s on the sentence, 6.0 to 0.84 s on ResNet-18 eval
+  and 5.3 to 0.43 s on MobileNetV3-small (README, Performance; LogSum on CNNs and Entropy
+  still compile some kernels on their first pass).
 - **Convolutional models.** ResNet-18 and MobileNetV3 MaxProd pay the convolution max-plus
   products above (per tap, against oneDNN); 2-D depthwise convolutions have native MaxProd and
   TopPath kernels (`native/depthwise.c`: at stride 1 each block of input entries gathers its

@@ -416,8 +416,8 @@ there).
   in this table, whose rounds come after a warm-up: `benchmarks/bench_first_call.py` times it
   in fresh processes, against the third. Since the twenty-eighth session GELU's and SiLU's
   log-derivatives and ReLU's cut run native loops on float32 CPU tensors (no inductor
-  compilation, whose start-up cost a process's first compiled kernel about 1.5 s): the first
-  MaxProd backward went from 5.2 to 0.45 s on the sentence, 6.0 to 0.84 s on ResNet-18 eval
+  compilation, which with its start-up was most of a first backward): the first MaxProd
+  backward went from 5.2 to 0.45 s on the sentence, 6.0 to 0.84 s on ResNet-18 eval
   and 5.3 to 0.43 s on MobileNetV3-small (README, Performance; LogSum on CNNs and Entropy
   still compile some kernels on their first pass).
 - **Convolutional models.** ResNet-18 and MobileNetV3 MaxProd pay the convolution max-plus

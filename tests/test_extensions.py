@@ -118,8 +118,8 @@ def test_extensions_leave_the_modules_untouched() -> None:
 
 def test_extend_does_not_import_transformers_for_other_models() -> None:
     """Routing transformers' eager attention only where its models are loaded: a fresh process
-    extending a torch model never imports transformers (which took about four seconds of a
-    first ``extend``), and the backward's values are those of a process that had imported it."""
+    extending a torch model never imports transformers (seconds of a first ``extend``), and
+    the backward's values are those of a process that had imported it."""
     import subprocess
     import sys
 

@@ -130,7 +130,7 @@ def eager_attention_routed() -> Iterator[bool]:
     enter installs it, the last to leave restores the original (blocks in other threads may
     overlap). Only where transformers' models are loaded already (``transformers.modeling_utils``
     imported: every model class imports it): importing transformers for a torchvision model
-    made a process's first ``extend`` about four seconds slower. A transformers model first
+    made a process's first ``extend`` seconds slower. A transformers model first
     imported inside the block runs its eager attention through the generic rules (the same
     values, without the attention extension's sites and kernels).
     """

@@ -38,6 +38,7 @@ from ..semirings.base import Semiring, SparseRows, State
 from ..semirings.product import Product
 from ..transport.passes import autocast_on, graph_retained, in_carry_pass
 from ..transport.per_sample import active_rows
+from .direct_backward import direct_grads
 
 #: torch function -> the extension that takes its calls over inside ``semipack.extend``.
 FUNCTION_EXTENSIONS: dict[Callable[..., Any], Callable[..., Any]] = {}
@@ -234,12 +235,15 @@ class InnerGraph:
                     "changed after the forward pass of a semipack extension that reads it."
                 )
 
-    def regular_grads(self, grads: Sequence[Tensor | None]) -> list[Tensor | None]:
+    def regular_grads(
+        self, grads: Sequence[Tensor | None], direct: bool = False
+    ) -> list[Tensor | None]:
         """Gradients for the inputs from exactly the ops of a plain backward, given the
         gradients of the outputs (in order; None for an output without one).
 
         A repeated input receives its whole gradient at its first position and zeros at the
-        others (autograd adds them up again).
+        others (autograd adds them up again). ``direct``: the call is one torch op, so its
+        nodes may be called without starting the engine (``direct_backward``; the same bits).
         """
         pairs = [
             (e, g)
@@ -248,6 +252,18 @@ class InnerGraph:
         ]
         if self.checkpointed is not None and pairs:
             self.checkpointed.read()
+        elif (
+            direct
+            and len(pairs) == 1
+            and all(
+                first or t is None for t, first in zip(self.inputs, self.first_use, strict=True)
+            )
+        ):
+            inputs = [t for t in self.inputs if t is not None and t.requires_grad]
+            found = direct_grads(pairs[0][0], pairs[0][1], inputs)
+            if found is not None:
+                by_id = dict(zip(map(id, inputs), found, strict=True))
+                return [None if t is None else by_id.get(id(t)) for t in self.inputs]
         return self._grads_by_position(
             pairs, self.inputs, retain_graph=self.retain, create_graph=False
         )
@@ -425,6 +441,11 @@ class ExtensionFunction(torch.autograd.Function):
     #: the one to keep (a hook drawing noise from the global generator must draw it for the
     #: same parameter). ``F.linear``'s ``addmm`` reaches the bias before the weight.
     edge_order: ClassVar[tuple[int, ...] | None] = None
+
+    #: Whether the call is one torch op with no user code in it (``F.linear``, ``F.conv2d``):
+    #: its inner graph holds no hooks, so a semiring pass takes the regular gradient by
+    #: calling the graph's nodes (``direct_backward``) instead of an engine run per node.
+    direct_regular_grads: ClassVar[bool] = False
 
     @classmethod
     def read_for(cls, needs: tuple[bool, ...]) -> tuple[int, ...]:
@@ -619,7 +640,7 @@ class ExtensionFunction(torch.autograd.Function):
                     if p is not None and state is not None:
                         rows.add(p, state)
         with_regular = any(g is not None for g in regular)
-        regular = inner.regular_grads(regular)
+        regular = inner.regular_grads(regular, direct=cls.direct_regular_grads)
         out = tuple(
             as_message(r, s, sr, v)
             if s is not None and need and v is not None and _reached(r, s, sr, with_regular, cls)

@@ -57,6 +57,8 @@ def conv_per_sample(
 class ConvFunction(ExtensionFunction):
     """(x, W, b) -> conv(x, W) + b; x: [batch, channels, *spatial], options: ConvOptions."""
 
+    direct_regular_grads = True
+
     reads = (0, 1)
     read_for = staticmethod(bilinear_reads)
 

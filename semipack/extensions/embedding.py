@@ -58,6 +58,8 @@ def embedding_per_sample(
 class EmbeddingFunction(ExtensionFunction):
     """W -> W[indices]; options: (indices, padding_idx). The messages read no weight value."""
 
+    direct_regular_grads = True
+
     batched_inputs = ()  # the batch is in the indices (options)
 
     @staticmethod

@@ -65,6 +65,8 @@ class LayerNormFunction(ExtensionFunction):
     """(x, γ, β) -> layer_norm(x); options: the normalized shape. The inner call is
     ``native_layer_norm``, whose mean and rstd the messages reuse."""
 
+    direct_regular_grads = True
+
     reads = (0, 1)
 
     @staticmethod

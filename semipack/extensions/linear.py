@@ -80,6 +80,8 @@ def linear_per_sample(
 class LinearFunction(ExtensionFunction):
     """(x, W, b) -> x Wᵀ + b."""
 
+    direct_regular_grads = True
+
     reads = (0, 1)
     read_for = staticmethod(bilinear_reads)
     edge_order = (0, 2, 1)  # x, bias, weight: the order of a plain backward's hooks

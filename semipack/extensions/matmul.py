@@ -42,6 +42,8 @@ def _as_linear(call: BackwardCall) -> BackwardCall:
 class MatmulFunction(ExtensionFunction):
     """(x, W) -> x @ W with W: [k, n], x: [..., k]; messages of ``F.linear(x, W.T)``."""
 
+    direct_regular_grads = True
+
     reads = (0, 1)
     read_for = staticmethod(bilinear_reads)
 
@@ -78,6 +80,8 @@ class AddmmFunction(ExtensionFunction):
     ``F.linear(x, W.T, b)``. Hugging Face's ``Conv1D`` (GPT-2's projections) calls
     ``torch.addmm(bias, x.view(-1, k), weight)``: through the generic rules it had no site
     names and no per-sample rows."""
+
+    direct_regular_grads = True
 
     reads = (1, 2)
     read_for = staticmethod(_addmm_reads)

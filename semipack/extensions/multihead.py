@@ -73,6 +73,8 @@ class MultiheadAttentionFunction(ExtensionFunction):
     inputs sequence-first [tokens, batch, embed] as ``F.multi_head_attention_forward`` has
     them; options: ``MultiheadOptions``."""
 
+    direct_regular_grads = True
+
     reads = tuple(range(7))
     # a plain backward's parameter hooks fire b_out, W_out, b_in, W_in; the four gradient nodes
     # this node makes ready at once run in the engine's heap order, which this edge order

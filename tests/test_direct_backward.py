@@ -163,3 +163,36 @@ def test_extensions_take_the_direct_path_and_keep_plain_grads(semiring, monkeypa
     for n, p in model.named_parameters():
         assert torch.equal(p.grad, plain[n]), n
         assert p.semiring_grad is not None
+
+
+@pytest.mark.parametrize("how", ["inputs", "autograd.grad"])
+def test_a_backward_for_some_leaves_takes_the_engine(how: str, monkeypatch) -> None:
+    """``backward(inputs=...)`` and ``torch.autograd.grad`` run a graph task that lists the
+    nodes to run: PyTorch's nodes called directly would compute no gradient for the inner
+    graph's leaves. The direct path sees that (its probe) and declines; values stay plain.
+    (``torch.autograd.grad`` inside ``extend`` is a plain backward: the engine's path.)"""
+    torch.manual_seed(0)
+    model = _Net()
+    ids = torch.randint(0, 11, (2, 6))
+    target = torch.tensor([0, 2])
+    weight = model.head.weight
+    want = torch.autograd.grad(F.cross_entropy(model(ids), target), [weight])[0]
+    taken: list[bool] = []
+
+    def counted(*args):
+        found = direct_grads(*args)
+        taken.append(found is not None)
+        return found
+
+    monkeypatch.setattr(base, "direct_grads", counted)
+    with semipack.extend(model, semipack.MaxProd()):
+        loss = F.cross_entropy(model(ids), target)
+        if how == "inputs":
+            loss.backward(inputs=[weight])
+            got = weight.grad
+        else:
+            got = torch.autograd.grad(loss, [weight])[0]
+    assert not any(taken)
+    if how == "inputs":  # a semiring pass, whose extension nodes asked and were declined
+        assert taken
+    assert torch.equal(got, want)

@@ -20,6 +20,11 @@ Where anything would differ this returns None and the caller takes the engine:
   would cast it): found after the calls, so the engine run repeats them. A broadcast
   gradient is reduced as the engine reduces it (``sum_to_size``).
 
+- a backward that computes gradients for some tensors only (``backward(inputs=...)``,
+  ``torch.autograd.grad``): a node asks the running graph task which outputs it must compute,
+  and that task's list does not hold the inner graph's nodes, so it would compute none. A
+  probe node answers which kind of task is running (``_filtered``).
+
 Tensor hooks inside the call would not run here (a node's hooks are the engine's to run), so
 only extensions whose call is one torch op, with no user code in it, opt in
 (``ExtensionFunction.direct_regular_grads``).
@@ -40,6 +45,21 @@ def _is_builtin(node: object) -> bool:
     return type(node).__module__ == "builtins" and not isinstance(node, BackwardCFunction)
 
 
+_PROBE: list = []
+
+
+def _filtered() -> bool:
+    """Whether the running backward computes only some gradients (its graph task lists the
+    nodes to run): then PyTorch's nodes skip every output whose next node is not listed, and a
+    node of ours, called directly, returns None for its leaf. Answered by calling a one-node
+    probe graph of our own (a few microseconds)."""
+    if not _PROBE:
+        with torch.enable_grad():
+            leaf = torch.zeros((), requires_grad=True)
+            _PROBE.append((leaf, (leaf * 1.0).grad_fn))
+    return _PROBE[0][1](torch.ones(()))[0] is None
+
+
 def direct_grads(
     edge: torch.autograd.graph.GradientEdge, grad: Tensor, inputs: Sequence[Tensor]
 ) -> list[Tensor | None] | None:
@@ -50,6 +70,7 @@ def direct_grads(
         or grad.device.type != "cpu"
         or torch.is_anomaly_enabled()
         or type(grad) is not Tensor
+        or _filtered()
     ):
         return None
     wanted = {id(t): i for i, t in enumerate(inputs)}

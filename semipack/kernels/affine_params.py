@@ -39,8 +39,9 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
+from .compiled import FUSED_MIN_ELEMENTS
 from .logspace import finite_or_zero
-from .native import max_affine_f32, native_available
+from .native import affine_log_sums_f32, max_affine_f32, native_available
 
 #: The dims the per-channel reductions run over in the [A, C, B] layout.
 CHANNEL_REDUCE = (0, 2)
@@ -93,36 +94,6 @@ def max_plus(m: Tensor, x: Tensor, mean: Tensor, invstd: Tensor) -> AffineParams
     return (gain,), (m.amax(CHANNEL_REDUCE),), None
 
 
-def max_plus_native(
-    m: Tensor, x: Tensor, mean: Tensor | None, invstd: Tensor | None
-) -> AffineParams | None:
-    """``max_plus`` by the native loop (``native.max_affine_f32``: one pass, no compiled call's
-    guards), where it applies: contiguous float32 CPU ``m`` and ``x`` of one shape whose reduced
-    inner dim holds at least 8 entries (the loop's vectors run along it: a layer norm's
-    [rows, n, 1] stays compiled), statistics per channel only (``[1, C, 1]``: a batch norm) or
-    none (``x`` is x̂); None elsewhere."""
-    if not (
-        native_available()
-        and x.dim() == 3
-        and x.shape[2] >= 8
-        and m.dtype == x.dtype == torch.float32
-        and m.device.type == x.device.type == "cpu"
-        and m.shape == x.shape
-        and m.is_contiguous()
-        and x.is_contiguous()
-    ):
-        return None
-    channels = x.shape[1]
-    if mean is None or invstd is None:
-        mean, invstd = x.new_zeros(channels), x.new_ones(channels)
-    elif any(
-        t.dim() != 3 or t.numel() != channels or t.shape[1] != channels for t in (mean, invstd)
-    ):
-        return None
-    gain, bias = max_affine_f32(m, x, mean, invstd)
-    return (gain,), (bias,), None
-
-
 def _log_sums(m: Tensor, x_hat: Tensor, count: bool) -> AffineParams:
     s = _Shifted(m, x_hat)
     if count:  # an edge counts 1: nothing to scale
@@ -171,9 +142,85 @@ def entropy(
     return gain, bias, s.recompute(gain[0], s.gain_shift, bias[0])
 
 
+def _native_layout(
+    tensors: tuple[Tensor, ...], x: Tensor, mean: Tensor | None, invstd: Tensor | None
+) -> tuple[Tensor, Tensor] | None:
+    """(mean, invstd) as [C] entries where the native loops take these operands: contiguous
+    float32 CPU tensors of ``x``'s shape [A, C, B] whose reduced inner dim holds at least 8
+    entries (the loops' vectors run along it: a layer norm's [rows, n, 1] stays compiled),
+    statistics per channel only (``[1, C, 1]``: a batch norm) or none (``x`` is x̂); else
+    None."""
+    if not (
+        native_available()
+        and x.dim() == 3
+        and x.shape[2] >= 8
+        and all(
+            t.dtype == torch.float32
+            and t.device.type == "cpu"
+            and t.shape == x.shape
+            and t.is_contiguous()
+            for t in (*tensors, x)
+        )
+    ):
+        return None
+    channels = x.shape[1]
+    if mean is None or invstd is None:
+        return x.new_zeros(channels), x.new_ones(channels)
+    if any(t.dim() != 3 or t.numel() != channels or t.shape[1] != channels for t in (mean, invstd)):
+        return None
+    return mean, invstd
+
+
+def max_plus_native(
+    m: Tensor, x: Tensor, mean: Tensor | None, invstd: Tensor | None
+) -> AffineParams | None:
+    """``max_plus`` by the native loop (``native.max_affine_f32``: one pass, no compiled call's
+    guards) where ``_native_layout`` takes the operands; None elsewhere."""
+    stats = _native_layout((m,), x, mean, invstd)
+    if stats is None:
+        return None
+    gain, bias = max_affine_f32(m, x, *stats)
+    return (gain,), (bias,), None
+
+
+#: The floor of ``_Shifted.recompute`` for float32 (``precise_log_floor``).
+_FLOAT32_FLOOR = math.log(torch.finfo(torch.float32).tiny) - math.log(
+    torch.finfo(torch.float32).eps
+)
+
+
+def log_sum_native(
+    m: Tensor, x: Tensor, mean: Tensor | None, invstd: Tensor | None
+) -> AffineParams | None:
+    """``log_sum`` by the native loop (``native.affine_log_sums_f32``: two passes per channel,
+    sums in double, no compiled call) where ``_native_layout`` takes the operands and the
+    compiled form would run (``FUSED_MIN_ELEMENTS`` entries: below, the generic ops); with
+    the channels to recompute, as ``log_sum``'s."""
+    stats = _native_layout((m,), x, mean, invstd) if x.numel() >= FUSED_MIN_ELEMENTS else None
+    if stats is None:
+        return None
+    return affine_log_sums_f32(m, None, x, *stats, _FLOAT32_FLOOR)
+
+
+def entropy_native(
+    log_mass: Tensor, surprisal: Tensor, x: Tensor, mean: Tensor | None, invstd: Tensor | None
+) -> AffineParams | None:
+    """``entropy`` by the native loop, as ``log_sum_native``."""
+    stats = (
+        _native_layout((log_mass, surprisal), x, mean, invstd)
+        if x.numel() >= FUSED_MIN_ELEMENTS
+        else None
+    )
+    if stats is None:
+        return None
+    return affine_log_sums_f32(log_mass, surprisal, x, *stats, _FLOAT32_FLOOR)
+
+
 #: Native forms of fused kernels, tried first on the inputs they take (each returns None
-#: elsewhere): the same values to rounding, NaN and infinities where the fused form has them,
-#: and nothing to recompute.
+#: elsewhere): the same values to rounding, NaN and infinities where the fused form has them
+#: (or the channel flagged for the generic ops, as the fused form flags it).
 NATIVE_FORMS: dict[Callable[..., AffineParams], Callable[..., AffineParams | None]] = {
     max_plus: max_plus_native,
+    log_sum: log_sum_native,
+    entropy: entropy_native,
 }

@@ -43,7 +43,10 @@ def _forced_eager() -> bool:
 
 
 def compiled(
-    eager: Callable[..., Any], fused: Callable[..., Any] | None = None, min_elements: int = 0
+    eager: Callable[..., Any],
+    fused: Callable[..., Any] | None = None,
+    min_elements: int = 0,
+    native: Callable[..., Any] | None = None,
 ):
     """Decorate-able: returns ``call(*args)`` running ``torch.compile(fused or eager)``.
 
@@ -52,12 +55,24 @@ def compiled(
     its reduction loop. Both must compute the same values. Calls whose first argument has fewer
     than ``min_elements`` entries run eagerly (a compiled call's guards cost more than a few
     small eager ops).
+
+    ``native``, where given, is a hand-written loop of the fused expression (the native
+    library's), tried first wherever the compiled form would run; it returns ``NotImplemented``
+    for arguments it does not take (another dtype or device, a layout that is not one dense
+    block). Why: a process's first compiled call pays inductor's start-up, seconds on a CPU,
+    which is most of a first backward for the semirings whose kernels all have native forms.
+    It runs whether or not compiling is on (``set_compile``), as the native library's other
+    loops do (``set_native`` turns them all off).
     """
     source = fused or eager
     holder: dict[str, Any] = {"fn": None, "broken": False}
 
     @functools.wraps(eager)
     def call(*args: Any) -> Any:
+        if native is not None and args[0].numel() >= min_elements:
+            out = native(*args)
+            if out is not NotImplemented:
+                return out
         if (
             not _state["enabled"]
             or holder["broken"]

@@ -8,6 +8,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
+from . import log_space_native
 from .compiled import FUSED_MIN_ELEMENTS, compile_enabled, compiled
 from .native import exp_block_f32, log_block_f32, log_plus_f32, native_available
 from .shapes import broadcast_shapes, dense_block
@@ -317,7 +318,12 @@ def _xlogx_fused(mag: Tensor) -> Tensor:
     return torch.where(mag > 0, mag * torch.log(mag), 0.0)
 
 
-_xlogx = compiled(_xlogx_eager, _xlogx_fused, min_elements=SPECIAL_SAFE_MIN_ELEMENTS)
+_xlogx = compiled(
+    _xlogx_eager,
+    _xlogx_fused,
+    min_elements=SPECIAL_SAFE_MIN_ELEMENTS,
+    native=log_space_native.xlogx,
+)
 
 
 def xlogx(mag: Tensor) -> Tensor:
@@ -325,7 +331,8 @@ def xlogx(mag: Tensor) -> Tensor:
     NaN: ``mag.log() * mag`` masked where ``mag > 0`` fails. Eagerly (small or strided tensors,
     an accelerator's) with those bits and without a zero reaching torch's log (see
     ``log_magnitude_``) or a bool mask; on the CPU from ``SPECIAL_SAFE_MIN_ELEMENTS`` entries
-    the compiled form in one loop, with a log within float rounding of torch's."""
+    one loop, with a log within float rounding of torch's: float32 the native one
+    (``log_space_native``), float64 the compiled form."""
     flat = flat_on_host(mag) if mag.is_contiguous() else None  # the result comes contiguous
     if flat is None:
         return _xlogx_eager(mag)
@@ -342,13 +349,18 @@ def _abs_xlogx_fused(w: Tensor) -> tuple[Tensor, Tensor]:
     return mag, _xlogx_fused(mag)
 
 
-_abs_xlogx = compiled(_abs_xlogx_eager, _abs_xlogx_fused, min_elements=SPECIAL_SAFE_MIN_ELEMENTS)
+_abs_xlogx = compiled(
+    _abs_xlogx_eager,
+    _abs_xlogx_fused,
+    min_elements=SPECIAL_SAFE_MIN_ELEMENTS,
+    native=log_space_native.abs_xlogx,
+)
 
 
 def abs_and_xlogx(w: Tensor) -> tuple[Tensor, Tensor]:
     """``(|w|, xlogx(|w|))`` (Entropy's edge magnitudes and their ``|w| log|w|``): where
-    ``xlogx`` runs compiled, both in one loop over ``w`` (an activation's, at every pass), with
-    the bits of ``w.abs()`` then ``xlogx``."""
+    ``xlogx`` runs as one loop (native or compiled), both in one loop over ``w`` (an
+    activation's, at every pass), with the bits of ``w.abs()`` then ``xlogx``."""
     flat = flat_on_host(w) if w.is_contiguous() else None
     if flat is None:
         mag = w.abs()
@@ -383,7 +395,10 @@ def _abs_neg_xlogx_fused(w: Tensor, mag: Tensor, neg: Tensor) -> None:
 
 
 _abs_neg_xlogx = compiled(
-    _abs_neg_xlogx_eager, _abs_neg_xlogx_fused, min_elements=SPECIAL_SAFE_MIN_ELEMENTS
+    _abs_neg_xlogx_eager,
+    _abs_neg_xlogx_fused,
+    min_elements=SPECIAL_SAFE_MIN_ELEMENTS,
+    native=log_space_native.abs_neg_xlogx,
 )
 
 
@@ -436,5 +451,10 @@ def fused_log_add_exp(a: Tensor, b: Tensor) -> Tensor:
 #: ``log(e^a + e^b)`` (LogSum's and Entropy's plus) in one loop. torch.logaddexp on the CPU
 #: evaluates log1p one entry at a time: 7.8-8.3 ms for 786k float32 entries on one core, where
 #: inductor's fused form with a vectorised log took 1.3-2.7 ms (``bench_kernel_costs.py``, a
-#: shared machine).
-log_add_exp = compiled(_log_add_exp_eager, fused_log_add_exp, min_elements=FUSED_MIN_ELEMENTS)
+#: shared machine). Float32 host tensors take the native loop of the same expression.
+log_add_exp = compiled(
+    _log_add_exp_eager,
+    fused_log_add_exp,
+    min_elements=FUSED_MIN_ELEMENTS,
+    native=log_space_native.log_add_exp,
+)

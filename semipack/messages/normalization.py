@@ -243,8 +243,14 @@ def affine_param_messages(
     native_form = NATIVE_FORMS.get(fused) if isinstance(owner, type) else None
     if native_form is not None:
         native = native_form(*m, x, mean, invstd)
-        if native is not None:  # a native form's values need nothing recomputed
-            return native[0], native[1]
+        if native is not None:
+            gain, bias, recompute = native
+            if recompute is not None:
+                if mean is None or invstd is None:
+                    mean = x.new_zeros((1, 1, 1))
+                    invstd = torch.ones_like(mean)
+                gain, bias = _recomputed(sr, m, x, mean, invstd, gain, bias, recompute)
+            return gain, bias
     if (
         isinstance(owner, type)
         and compile_enabled()

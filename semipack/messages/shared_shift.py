@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor
 
+from ..kernels import log_space_native
 from ..kernels.compiled import FUSED_MIN_ELEMENTS, compiled
 from ..kernels.logspace import flat_views
 from ..kernels.shared_shift import SHARED_SHIFT_SPAN, global_shift
@@ -173,7 +174,11 @@ def _nonzero_magnitude_min(t: Tensor) -> Tensor:
 
 
 #: One pass over an activation (compiled), not three: every convolution's weight message asks.
-_nonzero_magnitude_min_fused = compiled(_nonzero_magnitude_min, min_elements=FUSED_MIN_ELEMENTS)
+_nonzero_magnitude_min_fused = compiled(
+    _nonzero_magnitude_min,
+    min_elements=FUSED_MIN_ELEMENTS,
+    native=log_space_native.nonzero_magnitude_min,
+)
 
 
 def _smallest_magnitude(t: Tensor) -> float:

@@ -8,7 +8,7 @@ from typing import Any, NamedTuple
 import torch
 from torch import Tensor
 
-from ..kernels import affine_params, blas
+from ..kernels import affine_params, blas, log_space_native
 from ..kernels.affine_params import AffineParams
 from ..kernels.compiled import FUSED_MIN_ELEMENTS, compiled
 from ..kernels.exclusive import exclusive_logsumexp
@@ -354,7 +354,9 @@ def _plus_fused(log_a: Tensor, r_a: Tensor, log_b: Tensor, r_b: Tensor) -> State
 
 #: The plus: log Z = logaddexp and the mean surprisal weighted by each side's share, in one loop
 #: (the eager form makes seven passes over the state, its logaddexp a slow one).
-_entropy_plus = compiled(_plus_eager, _plus_fused, min_elements=FUSED_MIN_ELEMENTS)
+_entropy_plus = compiled(
+    _plus_eager, _plus_fused, min_elements=FUSED_MIN_ELEMENTS, native=log_space_native.entropy_plus
+)
 
 
 def _readout_eager(log_z: Tensor, mean: Tensor) -> Tensor:
@@ -366,7 +368,12 @@ def _readout_fused(log_z: Tensor, mean: Tensor) -> Tensor:
 
 
 #: Entropy = log Z + mean surprisal, NaN where no path reaches (one loop over large states).
-_entropy_readout = compiled(_readout_eager, _readout_fused, min_elements=FUSED_MIN_ELEMENTS)
+_entropy_readout = compiled(
+    _readout_eager,
+    _readout_fused,
+    min_elements=FUSED_MIN_ELEMENTS,
+    native=log_space_native.entropy_readout,
+)
 
 
 def _readout_into_eager(log_z: Tensor, mean: Tensor, out: Tensor) -> Tensor:
@@ -380,7 +387,10 @@ def _readout_into_fused(log_z: Tensor, mean: Tensor, out: Tensor) -> Tensor:
 #: The readout written into an earlier one's memory (``Semiring.readout_into``): one loop, no
 #: readout-sized temporary and no copy of it.
 _entropy_readout_into = compiled(
-    _readout_into_eager, _readout_into_fused, min_elements=FUSED_MIN_ELEMENTS
+    _readout_into_eager,
+    _readout_into_fused,
+    min_elements=FUSED_MIN_ELEMENTS,
+    native=log_space_native.entropy_readout_into,
 )
 
 
@@ -395,7 +405,9 @@ def _mean_fused(total: Tensor, weighted: Tensor, less: Tensor) -> Tensor:
 
 #: The mean surprisal (weighted - less) / total, 0 where the total is 0, in one loop (the
 #: eager form's four passes over a weight-sized message cost as much as its products).
-_mean_kernel = compiled(_mean_eager, _mean_fused, min_elements=FUSED_MIN_ELEMENTS)
+_mean_kernel = compiled(
+    _mean_eager, _mean_fused, min_elements=FUSED_MIN_ELEMENTS, native=log_space_native.entropy_mean
+)
 
 
 def _mean_surprisal(total: Tensor, weighted: Tensor, less: Tensor) -> Tensor:

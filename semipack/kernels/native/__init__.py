@@ -54,6 +54,7 @@ _SOURCES = tuple(
         "depthwise.c",
         "depthwise_channels.c",
         "log_derivatives.c",
+        "log_space.c",
     )
 )
 #: Headers the sources include (part of the build's cache key).
@@ -96,6 +97,13 @@ _SIGNATURES: dict[str, tuple[str | None, str]] = {
     "semipack_exp_f32": (None, "ppqfi"),
     "semipack_log_plus_f32": (None, "ppqqqqi"),
     "semipack_sign_changing_log_derivative_f32": (None, "ippppqpqpqfffi"),
+    "semipack_abs_xlogx_f32": (None, "pppqii"),
+    "semipack_entropy_mean_f32": (None, "pppqqi"),
+    "semipack_entropy_readout_f32": (None, "pppqi"),
+    "semipack_log_add_exp_f32": (None, "pppqi"),
+    "semipack_entropy_plus_f32": (None, "ppppppqi"),
+    "semipack_nonzero_abs_min_f32": ("f", "pq"),
+    "semipack_affine_log_sums_f32": (None, "pppppqqqfpppppi"),
     "semipack_cut_below_f32": (None, "pppqffi"),
     "semipack_maxplus_gather_f32": (None, "pqqpqpppqqqqi"),
     "semipack_maxplus_scatter_max_f32": (None, "pqqpppqppqqqi"),
@@ -559,6 +567,44 @@ def max_affine_f32(m: Tensor, x: Tensor, mean: Tensor, invstd: Tensor) -> tuple[
     return gain, bias
 
 
+def affine_log_sums_f32(
+    m: Tensor, r: Tensor | None, x: Tensor, mean: Tensor, invstd: Tensor, floor: float
+) -> tuple[tuple[Tensor, ...], tuple[Tensor, ...], Tensor]:
+    """LogSum's (``r`` None) or Entropy's per-channel (gain, bias) states of an affine map and
+    the channels to recompute (``kernels/affine_params.py`` ``log_sum`` and ``entropy``; see
+    log_space.c): contiguous float32 CPU ``m``, ``r``, ``x`` [A, C, B], ``mean`` and ``invstd``
+    [C] entries. Returns ([C] states: (log,) or (log, mean surprisal)) and a [C] bool tensor."""
+    lib = _library()
+    assert lib is not None and m.shape == x.shape and m.dim() == 3
+    assert r is None or r.shape == x.shape
+    outer, channels, inner = x.shape
+    mean, invstd = (t.to(torch.float32).reshape(channels).contiguous() for t in (mean, invstd))
+    gain_log, bias_log, gain_mean, bias_mean = (
+        torch.empty(channels, dtype=torch.float32) for _ in range(4)
+    )
+    recompute = torch.empty(channels, dtype=torch.bool)
+    lib.semipack_affine_log_sums_f32(
+        m.data_ptr(),
+        None if r is None else r.data_ptr(),
+        x.data_ptr(),
+        mean.data_ptr(),
+        invstd.data_ptr(),
+        outer,
+        channels,
+        inner,
+        floor,
+        gain_log.data_ptr(),
+        bias_log.data_ptr(),
+        gain_mean.data_ptr(),
+        bias_mean.data_ptr(),
+        recompute.data_ptr(),
+        _elementwise_threads(x.numel()),
+    )
+    if r is None:
+        return (gain_log,), (bias_log,), recompute
+    return (gain_log, gain_mean), (bias_log, bias_mean), recompute
+
+
 def cut_below_f32(part: Tensor, x: Tensor, out: Tensor, threshold: float, zero: float) -> None:
     """``out = where(x <= threshold, zero, part)`` over three 1-D contiguous float32 CPU
     tensors of one size (``out`` may be ``part``); NaN in ``x`` keeps ``part`` (elementwise.c).
@@ -573,6 +619,75 @@ def cut_below_f32(part: Tensor, x: Tensor, out: Tensor, threshold: float, zero: 
     lib.semipack_cut_below_f32(
         part.data_ptr(), x.data_ptr(), out.data_ptr(), n, threshold, zero, _elementwise_threads(n)
     )
+
+
+# --- log_space.c: Entropy's and LogSum's elementwise steps. Unchecked, as ``exp_block_f32``:
+# every tensor is float32 on the CPU, of one shape and strides, its entries one dense block
+# (``kernels.log_space_native`` checks that once per call).
+def abs_xlogx_block_f32(w: Tensor, mag: Tensor | None, out: Tensor, negate: bool) -> None:
+    """``mag = |w|`` and ``out = ±xlogx(|w|)`` (0 log 0 = 0, 0 at NaN; negated: ``-xlogx``);
+    without ``mag``, ``out = xlogx(w)`` of magnitudes ``w``."""
+    n = w.numel()
+    _library().semipack_abs_xlogx_f32(
+        w.data_ptr(),
+        None if mag is None else mag.data_ptr(),
+        out.data_ptr(),
+        n,
+        int(negate),
+        _elementwise_threads(n),
+    )
+
+
+def entropy_mean_block_f32(total: Tensor, weighted: Tensor, less: Tensor, per_entry: bool) -> None:
+    """``weighted = (weighted - less) / total`` where ``total > 0``, else 0 (``less``: one
+    entry per entry of ``total``, or with ``per_entry`` False one for all)."""
+    n = total.numel()
+    _library().semipack_entropy_mean_f32(
+        total.data_ptr(),
+        weighted.data_ptr(),
+        less.data_ptr(),
+        int(per_entry),
+        n,
+        _elementwise_threads(n),
+    )
+
+
+def entropy_readout_block_f32(log_z: Tensor, mean: Tensor, out: Tensor) -> None:
+    """``out = log_z + mean`` where ``log_z`` is finite, else NaN (``out`` may be either)."""
+    n = log_z.numel()
+    _library().semipack_entropy_readout_f32(
+        log_z.data_ptr(), mean.data_ptr(), out.data_ptr(), n, _elementwise_threads(n)
+    )
+
+
+def log_add_exp_block_f32(a: Tensor, b: Tensor, out: Tensor) -> None:
+    """``out = log(e^a + e^b)`` in the fused form's terms (``logspace.fused_log_add_exp``)."""
+    n = a.numel()
+    _library().semipack_log_add_exp_f32(
+        a.data_ptr(), b.data_ptr(), out.data_ptr(), n, _elementwise_threads(n)
+    )
+
+
+def entropy_plus_block_f32(
+    log_a: Tensor, r_a: Tensor, log_b: Tensor, r_b: Tensor, log_z: Tensor, r: Tensor
+) -> None:
+    """Entropy's plus of (log_a, r_a) and (log_b, r_b) into (log_z, r)."""
+    n = log_a.numel()
+    _library().semipack_entropy_plus_f32(
+        log_a.data_ptr(),
+        r_a.data_ptr(),
+        log_b.data_ptr(),
+        r_b.data_ptr(),
+        log_z.data_ptr(),
+        r.data_ptr(),
+        n,
+        _elementwise_threads(n),
+    )
+
+
+def nonzero_abs_min_block_f32(x: Tensor) -> float:
+    """The smallest non-zero ``|x|`` (``inf`` where none, NaN where ``x`` holds NaN)."""
+    return _library().semipack_nonzero_abs_min_f32(x.data_ptr(), x.numel())
 
 
 #: The derivatives ``sign_changing_log_derivative_f32`` knows (log_derivatives.c's KIND_*).

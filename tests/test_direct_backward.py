@@ -196,3 +196,15 @@ def test_a_backward_for_some_leaves_takes_the_engine(how: str, monkeypatch) -> N
     if how == "inputs":  # a semiring pass, whose extension nodes asked and were declined
         assert taken
     assert torch.equal(got, want)
+
+
+def test_direct_gradients_record_no_graph_even_with_grad_mode_on() -> None:
+    """The engine runs a node without ``create_graph`` in no-grad mode: so do the direct
+    calls, whatever mode the caller is in (the gradients hang off no graph)."""
+    x, w, b = _leaves((2, 5), (3, 5), (3,))
+    out = F.linear(x, w, b)
+    edge = torch.autograd.graph.get_gradient_edge(out)
+    with torch.enable_grad():
+        found = direct_grads(edge, torch.ones(2, 3), [x, w, b])
+    assert found is not None
+    assert all(g is not None and g.grad_fn is None and not g.requires_grad for g in found)

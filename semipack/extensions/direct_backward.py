@@ -83,7 +83,8 @@ def direct_grads(
         if id(node) in called or not _is_builtin(node) or len(node._input_metadata) != 1:
             return None  # reached twice: the engine adds the gradients before the call
         called.add(id(node))
-        outputs = node(incoming)
+        with torch.no_grad():  # as the engine runs a node without create_graph
+            outputs = node(incoming)
         outputs = outputs if isinstance(outputs, tuple) else (outputs,)
         for (next_node, nr), out in zip(node.next_functions, outputs, strict=True):
             if next_node is None:

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 import semipack
-from semipack.kernels import affine_params, log_space_native, logspace, native
+from semipack.kernels import affine_params, log_space_native, logspace, native, normalization
 from semipack.kernels.compiled import set_compile
 from semipack.messages import shared_shift
 from semipack.semirings import entropy
@@ -286,6 +286,25 @@ def test_affine_sums_flag_the_channels_the_fused_form_flags() -> None:
     assert torch.equal(got, want)
 
 
+@pytest.mark.parametrize("inner", [3001, 3000])
+def test_affine_sums_ignore_the_lanes_past_a_row(inner: int) -> None:
+    """A channel whose x̂ is 0 everywhere (x = mean = 1e24, invstd 1e15: |0 - mean| invstd
+    overflows in the lanes past a row of 3001 entries, which hold no entry) has no gain path:
+    a gain sum of 0, log -inf, not NaN (trial 108: NaN reached ``semiring_grad``)."""
+    m, r, x, mean, invstd = _affine_case(23, inner=inner)
+    mean[0, 1, 0], invstd[0, 1, 0] = 1e24, 1e15
+    x[:, 1] = 1e24
+    for native_form, fused, args in (
+        (affine_params.log_sum_native, affine_params.log_sum, (m, x, mean, invstd)),
+        (affine_params.entropy_native, affine_params.entropy, (m, r, x, mean, invstd)),
+    ):
+        gain, bias, redo = native_form(*args)
+        assert bool(torch.isneginf(gain[0][1])), native_form.__name__
+        assert bool(torch.isfinite(bias[0][1]))
+        # no gain path under a bias path: flagged for the generic ops, as the fused form does
+        assert torch.equal(redo, fused(*args)[2]) and bool(redo[1])
+
+
 def test_affine_native_forms_take_only_what_the_compiled_form_would() -> None:
     m, r, x, mean, invstd = _affine_case(22, inner=100)  # 1200 entries: the generic ops
     assert affine_params.log_sum_native(m, x, mean, invstd) is None
@@ -322,3 +341,87 @@ def test_a_batch_norm_model_gets_the_generic_values(semiring) -> None:
         set_compile(True)
     for name in fast:
         torch.testing.assert_close(fast[name], slow[name], rtol=2e-5, atol=2e-5 * math.e)
+
+
+# --- a normalisation's row readouts ---------------------------------------------------------------
+def _rows_case(seed: int, rows: int = 37, n: int = 203):
+    gen = torch.Generator().manual_seed(seed)
+    x_hat = torch.randn(rows, n, generator=gen) * 2.0
+    x_hat[0, :5] = torch.tensor([0.0, -0.0, 30.0, -1.0, 1.0])
+    log_z = torch.randn(rows, n, generator=gen) * 20.0
+    log_z[1] = float("-inf")  # a row without a path
+    log_z[2, 3] = float("nan")
+    log_z[3, :7] = float("-inf")
+    a, shift = normalization._entropy_rows_eager(log_z, torch.zeros_like(log_z))[:2]
+    total = torch.rand(rows, n, generator=gen) * n
+    total[4, :3] = torch.tensor([0.0, float("nan"), float("inf")])
+    return log_z, a, shift, x_hat, total
+
+
+@pytest.mark.parametrize("kind", ["max_prod", "log_sum"])
+def test_norm_readouts_against_their_eager_forms(kind: str) -> None:
+    _, a, shift, x_hat, total = _rows_case(30)
+    eager = getattr(normalization, f"_{kind}_from_{'best' if kind == 'max_prod' else 'total'}")
+    native_form = getattr(
+        log_space_native, f"{kind}_from_{'best' if kind == 'max_prod' else 'total'}"
+    )
+    (want,) = eager(a, shift, x_hat, total)
+    (got,) = native_form(a, shift, x_hat, total)
+    _same_specials(got, want)
+    _close(got, want.double(), ulps=4)  # the same ops; the log within an ulp of torch's
+
+
+def test_entropy_rows_are_the_eager_forms_bits() -> None:
+    log_z, *_ = _rows_case(31)
+    surprisal = torch.randn(log_z.shape, generator=torch.Generator().manual_seed(5))
+    want = normalization._entropy_rows_eager(log_z, surprisal)
+    got = log_space_native.entropy_rows(log_z, surprisal)
+    for g, w in zip(got, want, strict=True):
+        assert g.shape == w.shape
+        assert torch.equal(_bits(g), _bits(w))
+
+
+def test_entropy_readout_of_sums_against_its_eager_form() -> None:
+    _, a, shift, x_hat, total = _rows_case(32)
+    gen = torch.Generator().manual_seed(6)
+    r = torch.where(a > 0, torch.rand(a.shape, generator=gen) * 10, 0.0)
+    s_c = total
+    t_c = s_c * torch.rand(a.shape, generator=gen) * 10
+    u_c = s_c * torch.randn(a.shape, generator=gen)
+    log_n = torch.tensor(math.log(a.shape[1]), dtype=torch.float32)
+    want = normalization._entropy_readout_of_sums_eager(a, r, shift, x_hat, s_c, t_c, u_c, log_n)
+    got = log_space_native.entropy_readout_of_sums(a, r, shift, x_hat, s_c, t_c, u_c, log_n)
+    for g, w in zip(got, want, strict=True):
+        _same_specials(g, w)
+        finite = torch.isfinite(g) & torch.isfinite(w)
+        scale = w.abs().clamp(min=1.0)
+        assert bool(((g - w).abs() / scale <= 1e-5)[finite].all())
+    assert torch.equal(got[1] == 0, want[1] == 0)
+
+
+def test_row_readouts_decline_other_layouts() -> None:
+    _, a, shift, x_hat, total = _rows_case(33)
+    assert log_space_native.log_sum_from_total(a.t(), shift, x_hat.t(), total.t()) is (
+        NotImplemented
+    )
+    assert log_space_native.max_prod_from_best(a.double(), shift, x_hat, total) is NotImplemented
+    assert log_space_native.entropy_rows(a[:, :0], a[:, :0]) is NotImplemented
+
+
+def test_a_train_mode_batch_norm_compiles_nothing(monkeypatch) -> None:
+    """Trial 108: a train-mode batch norm's row kernels compiled on a first LogSum or Entropy
+    backward; with their native forms nothing does (64 x 64 images: 8192 entries per channel
+    row, the sums' native kernels and these readouts)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), nn.BatchNorm2d(4), nn.ReLU()).train()
+    x = torch.randn(2, 3, 64, 64)
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("torch.compile called")
+
+    monkeypatch.setattr(torch, "compile", refuse)
+    for semiring in (semipack.MaxProd(), semipack.LogSum(), semipack.Entropy()):
+        model.zero_grad()
+        with semipack.extend(model, semiring):
+            model(x).square().sum().backward()
+        assert all(torch.isfinite(p.semiring_grad).all() for p in model.parameters())

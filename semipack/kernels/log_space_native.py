@@ -25,9 +25,12 @@ from .native import (
     entropy_mean_block_f32,
     entropy_plus_block_f32,
     entropy_readout_block_f32,
+    entropy_readout_of_sums_block_f32,
+    entropy_rows_block_f32,
     log_add_exp_block_f32,
     native_available,
     nonzero_abs_min_block_f32,
+    norm_readout_block_f32,
 )
 from .shapes import dense_block
 
@@ -148,3 +151,83 @@ def nonzero_magnitude_min(t: Tensor) -> Any:
     if not _takes(t):
         return NotImplemented
     return torch.tensor(nonzero_abs_min_block_f32(t), dtype=torch.float32)
+
+
+# --- a normalisation's row readouts (kernels/normalization.py): [rows, n] and [rows, 1] shifts
+def _rows_take(rows: tuple[Tensor, ...], shifts: tuple[Tensor, ...]) -> bool:
+    """Contiguous float32 CPU [rows, n] tensors (n > 0) and contiguous [rows, 1] shifts."""
+    first = rows[0]
+    if torch.compiler.is_compiling() or first.dim() != 2 or first.shape[1] == 0:
+        return False
+    return (
+        all(
+            isinstance(t, Tensor)
+            and t.dtype == torch.float32
+            and t.device.type == "cpu"
+            and t.shape == first.shape
+            and t.is_contiguous()
+            for t in rows
+        )
+        and all(
+            isinstance(t, Tensor)
+            and t.dtype == torch.float32
+            and t.device.type == "cpu"
+            and tuple(t.shape) == (first.shape[0], 1)
+            and t.is_contiguous()
+            for t in shifts
+        )
+        and native_available()
+    )
+
+
+def max_prod_from_best(a: Tensor, shift: Tensor, x_hat: Tensor, best: Tensor) -> Any:
+    """``normalization._max_prod_from_best``: ``(log max(best / n, a |1 - off|) + shift,)``."""
+    if not _rows_take((a, x_hat, best), (shift,)):
+        return NotImplemented
+    out = torch.empty_like(a)
+    norm_readout_block_f32(0, a, shift, x_hat, best, out)
+    return (out,)
+
+
+def log_sum_from_total(a: Tensor, shift: Tensor, x_hat: Tensor, total: Tensor) -> Any:
+    """``normalization._log_sum_from_total``: the diagonal-corrected log sums plus the shift."""
+    if not _rows_take((a, x_hat, total), (shift,)):
+        return NotImplemented
+    out = torch.empty_like(a)
+    norm_readout_block_f32(1, a, shift, x_hat, total, out)
+    return (out,)
+
+
+def entropy_rows(log_z: Tensor, surprisal: Tensor) -> Any:
+    """``normalization._entropy_rows``: (a, shift, r), the shifted masses with the same
+    exponential as ``logspace.exp_``'s float32 loop, so the same bits as the eager form."""
+    if not _rows_take((log_z, surprisal), ()):
+        return NotImplemented
+    a, r = torch.empty_like(log_z), torch.empty_like(log_z)
+    shift = log_z.new_empty((log_z.shape[0], 1))
+    entropy_rows_block_f32(log_z, surprisal, a, shift, r)
+    return a, shift, r
+
+
+def entropy_readout_of_sums(
+    a: Tensor,
+    r: Tensor,
+    shift: Tensor,
+    x_hat: Tensor,
+    s_c: Tensor,
+    t_c: Tensor,
+    u_c: Tensor,
+    log_n: Tensor,
+) -> Any:
+    """``normalization._entropy_readout_of_sums``: (log Z, mean surprisal) of the rows."""
+    if not (
+        _rows_take((a, r, x_hat, s_c, t_c, u_c), (shift,))
+        and log_n.dim() == 0
+        and log_n.dtype == torch.float32
+    ):
+        return NotImplemented
+    log_z, mean = torch.empty_like(a), torch.empty_like(a)
+    entropy_readout_of_sums_block_f32(
+        a, r, shift, x_hat, (s_c, t_c, u_c), float(log_n), log_z, mean
+    )
+    return log_z, mean

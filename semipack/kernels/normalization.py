@@ -35,6 +35,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from . import log_space_native
 from .compiled import FUSED_MIN_ELEMENTS, compiled
 from .logspace import finite_or_zero, shifted_exp
 from .native import (
@@ -165,7 +166,11 @@ def _max_prod_from_best(a: Tensor, shift: Tensor, x_hat: Tensor, best: Tensor) -
 #: The native kernels' readouts in one compiled loop over [rows, n] from FUSED_MIN_ELEMENTS
 #: entries (eagerly six to eight passes: 64 rows of 8192, 2.5 -> 0.33 ms for MaxProd's and
 #: 2.0 -> 0.34 ms for LogSum's on one core).
-_max_prod_from_best_compiled = compiled(_max_prod_from_best, min_elements=FUSED_MIN_ELEMENTS)
+_max_prod_from_best_compiled = compiled(
+    _max_prod_from_best,
+    min_elements=FUSED_MIN_ELEMENTS,
+    native=log_space_native.max_prod_from_best,
+)
 
 
 def top_path_fused(m: Tensor, ids: Tensor, x_hat: Tensor) -> tuple[Tensor, Tensor]:
@@ -225,7 +230,11 @@ def _log_sum_from_total(a: Tensor, shift: Tensor, x_hat: Tensor, total: Tensor) 
     return ((total / x_hat.shape[-1] - wrong + right).clamp_min(0.0).log() + shift,)
 
 
-_log_sum_from_total_compiled = compiled(_log_sum_from_total, min_elements=FUSED_MIN_ELEMENTS)
+_log_sum_from_total_compiled = compiled(
+    _log_sum_from_total,
+    min_elements=FUSED_MIN_ELEMENTS,
+    native=log_space_native.log_sum_from_total,
+)
 
 
 def log_count_fused(m: Tensor, x_hat: Tensor) -> tuple[Tensor]:
@@ -310,7 +319,9 @@ def _entropy_rows_eager(log_z: Tensor, surprisal: Tensor) -> tuple[Tensor, Tenso
 
 
 #: The rows' shifted masses and the surprisal where they have mass, in one compiled kernel.
-_entropy_rows = compiled(_entropy_rows_eager, min_elements=FUSED_MIN_ELEMENTS)
+_entropy_rows = compiled(
+    _entropy_rows_eager, min_elements=FUSED_MIN_ELEMENTS, native=log_space_native.entropy_rows
+)
 
 
 def _entropy_readout_of_sums_eager(
@@ -331,7 +342,11 @@ def _entropy_readout_of_sums_eager(
 #: The native sums' readout (their scaling by n, the i = j corrections, log Z and the mean):
 #: about twenty elementwise ops over [rows, n], one loop compiled (a train-mode batch norm's
 #: 64 channels of 8192 entries: 11.9 -> 0.8 ms on one core).
-_entropy_readout_of_sums = compiled(_entropy_readout_of_sums_eager, min_elements=FUSED_MIN_ELEMENTS)
+_entropy_readout_of_sums = compiled(
+    _entropy_readout_of_sums_eager,
+    min_elements=FUSED_MIN_ELEMENTS,
+    native=log_space_native.entropy_readout_of_sums,
+)
 
 
 def _entropy_from_sums(

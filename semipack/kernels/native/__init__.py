@@ -104,6 +104,9 @@ _SIGNATURES: dict[str, tuple[str | None, str]] = {
     "semipack_entropy_plus_f32": (None, "ppppppqi"),
     "semipack_nonzero_abs_min_f32": ("f", "pq"),
     "semipack_affine_log_sums_f32": (None, "pppppqqqfpppppi"),
+    "semipack_norm_readout_f32": (None, "ipppppqqi"),
+    "semipack_entropy_rows_f32": (None, "pppppqqi"),
+    "semipack_entropy_readout_of_sums_f32": (None, "pppppppfppqqi"),
     "semipack_cut_below_f32": (None, "pppqffi"),
     "semipack_maxplus_gather_f32": (None, "pqqpqpppqqqqi"),
     "semipack_maxplus_scatter_max_f32": (None, "pqqpppqppqqqi"),
@@ -565,6 +568,74 @@ def max_affine_f32(m: Tensor, x: Tensor, mean: Tensor, invstd: Tensor) -> tuple[
         _elementwise_threads(x.numel()),
     )
     return gain, bias
+
+
+def norm_readout_block_f32(
+    kind: int, a: Tensor, shift: Tensor, x_hat: Tensor, total: Tensor, out: Tensor
+) -> None:
+    """A normalisation's MaxProd (``kind`` 0) or LogSum (1) readout of its row sums over
+    contiguous [rows, n] float32 tensors and ``shift`` [rows, 1] (log_space.c); unchecked."""
+    rows, n = a.shape
+    _library().semipack_norm_readout_f32(
+        kind,
+        a.data_ptr(),
+        shift.data_ptr(),
+        x_hat.data_ptr(),
+        total.data_ptr(),
+        out.data_ptr(),
+        rows,
+        n,
+        _elementwise_threads(a.numel()),
+    )
+
+
+def entropy_rows_block_f32(
+    log_z: Tensor, surprisal: Tensor, a: Tensor, shift: Tensor, r: Tensor
+) -> None:
+    """Entropy's shifted row masses ``a``, their shifts [rows, 1] and the surprisal where they
+    have mass ``r``, over contiguous [rows, n] float32 tensors (log_space.c); unchecked."""
+    rows, n = log_z.shape
+    _library().semipack_entropy_rows_f32(
+        log_z.data_ptr(),
+        surprisal.data_ptr(),
+        a.data_ptr(),
+        shift.data_ptr(),
+        r.data_ptr(),
+        rows,
+        n,
+        _elementwise_threads(log_z.numel()),
+    )
+
+
+def entropy_readout_of_sums_block_f32(
+    a: Tensor,
+    r: Tensor,
+    shift: Tensor,
+    x_hat: Tensor,
+    sums: tuple[Tensor, Tensor, Tensor],
+    log_n: float,
+    log_z: Tensor,
+    mean: Tensor,
+) -> None:
+    """Entropy's (log Z, mean surprisal) from a normalisation's native row sums, over
+    contiguous [rows, n] float32 tensors and ``shift`` [rows, 1] (log_space.c); unchecked."""
+    rows, n = a.shape
+    s_c, t_c, u_c = sums
+    _library().semipack_entropy_readout_of_sums_f32(
+        a.data_ptr(),
+        r.data_ptr(),
+        shift.data_ptr(),
+        x_hat.data_ptr(),
+        s_c.data_ptr(),
+        t_c.data_ptr(),
+        u_c.data_ptr(),
+        log_n,
+        log_z.data_ptr(),
+        mean.data_ptr(),
+        rows,
+        n,
+        _elementwise_threads(a.numel()),
+    )
 
 
 def affine_log_sums_f32(

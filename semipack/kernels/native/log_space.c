@@ -249,8 +249,11 @@ void semipack_affine_log_sums_f32(const float *m, const float *r, const float *x
                 const __m256 live = _mm256_castsi256_ps(lanes);
                 const __m256 e = _mm256_and_ps(
                     live, exp_readout_ps(_mm256_sub_ps(_mm256_maskload_ps(m + row + k, lanes), s)));
-                const __m256 mag = abs_ps(
-                    _mm256_mul_ps(_mm256_sub_ps(_mm256_maskload_ps(x + row + k, lanes), mu), inv));
+                /* the lanes past the row's end hold 0: no entry, no term (|0 - mean| invstd
+                   may overflow, and 0 * inf would be NaN) */
+                const __m256 mag = _mm256_and_ps(
+                    live, abs_ps(_mm256_mul_ps(
+                              _mm256_sub_ps(_mm256_maskload_ps(x + row + k, lanes), mu), inv)));
                 const __m256 weighted = _mm256_mul_ps(e, _mm256_div_ps(mag, w));
                 dsum_add(&gain, weighted);
                 dsum_add(&bias, e);
@@ -273,5 +276,120 @@ void semipack_affine_log_sums_f32(const float *m, const float *r, const float *x
         }
         const int low = gain_log[c] - gain_shift < floor && bias_log[c] > -INFINITY;
         recompute[c] = (uint8_t)(unusual || low);
+    }
+}
+
+/* --- the readouts of a normalisation's row sums (kernels/normalization.py), rows x n entries
+   row-major, one shift per row. Each is the torch expression it replaces, op by op, with the
+   log of log_readout_ps and n a float32 number; a row's off-diagonal formula puts
+   off_j = (1 + x̂_j²) / n at i = j, the true diagonal is |1 - off_j|. */
+
+/* kind 0 (MaxProd, _max_prod_from_best): out = log(max(total / n, a |1 - off|)) + shift;
+   kind 1 (LogSum, _log_sum_from_total): out = log(max(total / n - a off + a |1 - off|, 0))
+   + shift. NaN propagates as torch.maximum and clamp_min propagate it. */
+void semipack_norm_readout_f32(int kind, const float *a, const float *shift, const float *x_hat,
+                               const float *total, float *out, int64_t rows, int64_t n,
+                               int threads) {
+    const __m256 nn = _mm256_set1_ps((float)n), one = _mm256_set1_ps(1.0f);
+#pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1)
+    for (int64_t row = 0; row < rows; row++) {
+        const __m256 s = _mm256_set1_ps(shift[row]);
+        const int64_t base = row * n;
+        for (int64_t k = 0; k < n; k += 8) {
+            const __m256i m = k + 8 <= n ? _mm256_set1_epi32(-1) : tail_mask(n - k);
+            const __m256 x = LOAD(x_hat + base, k, m), av = LOAD(a + base, k, m);
+            const __m256 off = _mm256_div_ps(_mm256_add_ps(one, _mm256_mul_ps(x, x)), nn);
+            const __m256 right = _mm256_mul_ps(av, abs_ps(_mm256_sub_ps(one, off)));
+            const __m256 scaled = _mm256_div_ps(LOAD(total + base, k, m), nn);
+            __m256 v;
+            if (kind == 0) {
+                const __m256 nan = _mm256_cmp_ps(scaled, right, _CMP_UNORD_Q);
+                v = _mm256_blendv_ps(_mm256_max_ps(scaled, right), _mm256_set1_ps(NAN), nan);
+            } else {
+                v = _mm256_add_ps(_mm256_sub_ps(scaled, _mm256_mul_ps(av, off)), right);
+                const __m256 nan = _mm256_cmp_ps(v, v, _CMP_UNORD_Q);
+                v = _mm256_blendv_ps(_mm256_max_ps(v, _mm256_setzero_ps()), v, nan);
+            }
+            STORE(out + base, k, m, _mm256_add_ps(log_readout_ps(v), s));
+        }
+    }
+}
+
+/* Entropy's rows (_entropy_rows): shift = the row's largest log_z where finite, else 0 (a
+   NaN anywhere in the row gives 0, as amax's NaN does); a = exp(log_z - shift); r = surprisal
+   where a > 0, else 0. */
+void semipack_entropy_rows_f32(const float *log_z, const float *surprisal, float *a,
+                               float *shift, float *r, int64_t rows, int64_t n, int threads) {
+#pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1)
+    for (int64_t row = 0; row < rows; row++) {
+        const int64_t base = row * n;
+        __m256 top = _mm256_set1_ps(-INFINITY), nan = _mm256_setzero_ps();
+        for (int64_t k = 0; k < n; k += 8) {
+            const __m256i m = k + 8 <= n ? _mm256_set1_epi32(-1) : tail_mask(n - k);
+            const __m256 v = _mm256_blendv_ps(_mm256_set1_ps(-INFINITY), LOAD(log_z + base, k, m),
+                                              _mm256_castsi256_ps(m));
+            nan = _mm256_or_ps(nan, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+            top = _mm256_max_ps(top, v);
+        }
+        float lanes[8], best = -INFINITY;
+        _mm256_storeu_ps(lanes, top);
+        for (int i = 0; i < 8; i++)
+            if (lanes[i] > best) best = lanes[i];
+        const float sh = (_mm256_movemask_ps(nan) || !(fabsf(best) < INFINITY)) ? 0.0f : best;
+        shift[row] = sh;
+        const __m256 s = _mm256_set1_ps(sh);
+        for (int64_t k = 0; k < n; k += 8) {
+            const __m256i m = k + 8 <= n ? _mm256_set1_epi32(-1) : tail_mask(n - k);
+            const __m256 e = exp_readout_ps(_mm256_sub_ps(LOAD(log_z + base, k, m), s));
+            const __m256 mass = _mm256_cmp_ps(e, _mm256_setzero_ps(), _CMP_GT_OQ);
+            STORE(a + base, k, m, e);
+            STORE(r + base, k, m, _mm256_and_ps(mass, LOAD(surprisal + base, k, m)));
+        }
+    }
+}
+
+/* Entropy's readout of the native row sums (_entropy_readout_of_sums_eager, then
+   _entropy_from_sums), op by op:
+     s = s_c / n - wrong + right,  t = t_c / n + (right - wrong) r,
+     u = (u_c - log_n s_c) / n - wrong log(off) + right log|1 - off|  (a log term 0 where its
+     magnitude is 0), s = max(s, 0), log_z = log s + shift, mean = (t - u) / s where s > 0,
+   else 0; wrong = a off, right = a |1 - off|. */
+void semipack_entropy_readout_of_sums_f32(const float *a, const float *r, const float *shift,
+                                          const float *x_hat, const float *s_c, const float *t_c,
+                                          const float *u_c, float log_n, float *log_z,
+                                          float *mean, int64_t rows, int64_t n, int threads) {
+    const __m256 nn = _mm256_set1_ps((float)n), one = _mm256_set1_ps(1.0f);
+    const __m256 ln = _mm256_set1_ps(log_n), zero = _mm256_setzero_ps();
+#pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1)
+    for (int64_t row = 0; row < rows; row++) {
+        const __m256 sh = _mm256_set1_ps(shift[row]);
+        const int64_t base = row * n;
+        for (int64_t k = 0; k < n; k += 8) {
+            const __m256i m = k + 8 <= n ? _mm256_set1_epi32(-1) : tail_mask(n - k);
+            const __m256 x = LOAD(x_hat + base, k, m), av = LOAD(a + base, k, m);
+            const __m256 sc = LOAD(s_c + base, k, m);
+            const __m256 off = _mm256_div_ps(_mm256_add_ps(one, _mm256_mul_ps(x, x)), nn);
+            const __m256 right_mag = abs_ps(_mm256_sub_ps(one, off));
+            const __m256 wrong = _mm256_mul_ps(av, off), right = _mm256_mul_ps(av, right_mag);
+            __m256 u = _mm256_div_ps(_mm256_sub_ps(LOAD(u_c + base, k, m), _mm256_mul_ps(ln, sc)),
+                                     nn);
+            __m256 s = _mm256_add_ps(_mm256_sub_ps(_mm256_div_ps(sc, nn), wrong), right);
+            const __m256 t = _mm256_add_ps(
+                _mm256_div_ps(LOAD(t_c + base, k, m), nn),
+                _mm256_mul_ps(_mm256_sub_ps(right, wrong), LOAD(r + base, k, m)));
+            const __m256 log_off = _mm256_and_ps(_mm256_cmp_ps(off, zero, _CMP_GT_OQ),
+                                                 log_readout_ps(off));
+            const __m256 log_right = _mm256_and_ps(_mm256_cmp_ps(right_mag, zero, _CMP_GT_OQ),
+                                                   log_readout_ps(right_mag));
+            u = _mm256_sub_ps(u, _mm256_mul_ps(wrong, log_off));
+            u = _mm256_add_ps(u, _mm256_mul_ps(right, log_right));
+            const __m256 s_nan = _mm256_cmp_ps(s, s, _CMP_UNORD_Q);
+            s = _mm256_blendv_ps(_mm256_max_ps(s, zero), s, s_nan);
+            const __m256 some = _mm256_cmp_ps(s, zero, _CMP_GT_OQ);
+            const __m256 safe = _mm256_blendv_ps(one, s, some);
+            const __m256 mv = _mm256_and_ps(some, _mm256_div_ps(_mm256_sub_ps(t, u), safe));
+            STORE(log_z + base, k, m, _mm256_add_ps(log_readout_ps(s), sh));
+            STORE(mean + base, k, m, mv);
+        }
     }
 }

@@ -45,6 +45,8 @@ Each line is a median of ``--repeats`` timed runs (after a warm-up) on one threa
   (``--only norm_rows``; where ``SORTED_MIN_ENTRIES`` and its siblings sit);
 * MaxProd's gain and bias messages of an eval batch norm at MobileNetV3-small's shapes, the
   compiled reduction against the native loop (``--only affine_max``);
+* an extension's regular gradient of one call, an engine run against calling its nodes
+  (``--only regular_grads``; ``extensions/direct_backward.py``);
 * one 5x5 depthwise layer of 96 channels (MobileNet-like, 14 x 14, batch 2): MaxProd backward
   over a plain one in CPU time, with the native depthwise kernel and with it switched off
   (medians of ``--repeats`` backward passes, each after an untimed forward), and MaxProd's
@@ -61,10 +63,12 @@ import time
 from collections.abc import Callable
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 import semipack
 import semipack.rules.convolution as convolution
+from semipack.extensions.direct_backward import direct_grads
 from semipack.kernels import logspace, tropical
 from semipack.kernels.logspace import exp_, finite_or_zero, log_add_exp, log_magnitude_
 from semipack.kernels.native import (
@@ -507,6 +511,41 @@ def affine_max(repeats: int) -> None:
         print(f"  {shape!s:16s} {both[0] * 1e3:8.0f} {both[1] * 1e3:8.0f}")
 
 
+def regular_grads(repeats: int) -> None:
+    """An extension's regular gradient from its one-op inner graph: ``torch.autograd.grad``
+    (an engine run) against calling the graph's nodes (``direct_backward.direct_grads``), in
+    microseconds, for a squeeze-excite 1 x 1 convolution, a MiniLM feed-forward linear layer
+    and a 3 x 3 convolution (the same gradients; the difference is the engine's fixed cost)."""
+    calls = {
+        "conv 1x1 576->144, [2, 576, 1, 1]": (
+            lambda x, w, b: F.conv2d(x, w, b),
+            ((2, 576, 1, 1), (144, 576, 1, 1), (144,)),
+        ),
+        "linear 384->1536, [20, 384]": (F.linear, ((20, 384), (1536, 384), (1536,))),
+        "conv 3x3 64->64, [2, 64, 28, 28]": (
+            lambda x, w, b: F.conv2d(x, w, b, padding=1),
+            ((2, 64, 28, 28), (64, 64, 3, 3), (64,)),
+        ),
+    }
+    print("regular gradient of one call (us): engine, direct")
+    for name, (fn, shapes) in calls.items():
+        leaves = [torch.randn(shape).requires_grad_() for shape in shapes]
+        out = fn(*leaves)
+        grad = torch.randn(out.shape)
+        edge = torch.autograd.graph.get_gradient_edge(out)
+        with torch.no_grad():  # as inside a backward
+            both = (
+                median_ms(
+                    lambda e=edge, g=grad, ls=leaves: torch.autograd.grad(
+                        [e], ls, [g], retain_graph=True
+                    ),
+                    repeats,
+                ),
+                median_ms(lambda e=edge, g=grad, ls=leaves: direct_grads(e, g, ls), repeats),
+            )
+        print(f"  {name:36s} {both[0] * 1e3:8.0f} {both[1] * 1e3:8.0f}")
+
+
 #: The sections, in order; those after the first need the native kernels.
 SECTIONS: dict[str, Callable[[int], None]] = {
     "elementwise": elementwise,
@@ -522,6 +561,7 @@ SECTIONS: dict[str, Callable[[int], None]] = {
     "depthwise": depthwise,
     "norm_rows": norm_rows,
     "affine_max": affine_max,
+    "regular_grads": regular_grads,
 }
 
 

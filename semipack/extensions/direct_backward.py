@@ -2,10 +2,11 @@
 
 An extension records its call's ops on detached aliases of the inputs (``InnerGraph``) and
 takes the regular gradient from that graph. ``torch.autograd.grad`` starts a whole engine run
-for it, about 0.1 ms on the CPU (measured on a 1 x 1 convolution: 0.22 ms through the engine,
-0.11 ms calling its node), paid once per extension node and backward: on a small model (an
-image of MobileNetV3-small, a sentence of MiniLM) that is a visible share of the semiring
-backward's fixed cost. For the inner graphs of single torch ops (``F.linear``, ``F.conv2d``,
+for it, a fixed cost paid once per extension node and backward (a squeeze-excite 1 x 1
+convolution's regular gradient: 136-144 us through the engine, 112-118 us calling its nodes,
+``benchmarks/bench_kernel_costs.py --only regular_grads``): on a small model (an image of
+MobileNetV3-small, a sentence of MiniLM) such fixed costs are most of the semiring backward's
+own. For the inner graphs of single torch ops (``F.linear``, ``F.conv2d``,
 ``F.layer_norm``, ``F.embedding``, ``matmul``) the graph is a small tree of PyTorch's own
 nodes, each reached by one edge, ending in the aliases' ``AccumulateGrad`` nodes; calling those
 nodes in turn does what the engine does with them (the same ``apply``, the same tensors),

@@ -138,8 +138,22 @@ class _Net(nn.Module):
         return self.head(self.norm(h)).mean(1)
 
 
+@pytest.fixture
+def direct_answers(monkeypatch) -> list[bool]:
+    """Whether each call of the direct path inside ``extend`` answered (True) or declined."""
+    answers: list[bool] = []
+
+    def counted(*args):
+        found = direct_grads(*args)
+        answers.append(found is not None)
+        return found
+
+    monkeypatch.setattr(base, "direct_grads", counted)
+    return answers
+
+
 @pytest.mark.parametrize("semiring", [semipack.MaxProd(), semipack.Entropy(), semipack.LogSum()])
-def test_extensions_take_the_direct_path_and_keep_plain_grads(semiring, monkeypatch) -> None:
+def test_extensions_take_the_direct_path_and_keep_plain_grads(semiring, direct_answers) -> None:
     """Inside ``extend`` every extension node of this model takes its regular gradient from
     the direct path (counted), and ``.grad`` equals a plain backward's bit for bit."""
     torch.manual_seed(0)
@@ -149,24 +163,16 @@ def test_extensions_take_the_direct_path_and_keep_plain_grads(semiring, monkeypa
     F.cross_entropy(model(ids), target).backward()
     plain = {n: p.grad.clone() for n, p in model.named_parameters()}
     model.zero_grad()
-    taken: list[bool] = []
-
-    def counted(*args):
-        found = direct_grads(*args)
-        taken.append(found is not None)
-        return found
-
-    monkeypatch.setattr(base, "direct_grads", counted)
     with semipack.extend(model, semiring):
         F.cross_entropy(model(ids), target).backward()
-    assert taken == [True] * 4  # head, norm, conv, embedding
+    assert direct_answers == [True] * 4  # head, norm, conv, embedding
     for n, p in model.named_parameters():
         assert torch.equal(p.grad, plain[n]), n
         assert p.semiring_grad is not None
 
 
 @pytest.mark.parametrize("how", ["inputs", "autograd.grad"])
-def test_a_backward_for_some_leaves_takes_the_engine(how: str, monkeypatch) -> None:
+def test_a_backward_for_some_leaves_takes_the_engine(how: str, direct_answers) -> None:
     """``backward(inputs=...)`` and ``torch.autograd.grad`` run a graph task that lists the
     nodes to run: PyTorch's nodes called directly would compute no gradient for the inner
     graph's leaves. The direct path sees that (its probe) and declines; values stay plain.
@@ -177,14 +183,6 @@ def test_a_backward_for_some_leaves_takes_the_engine(how: str, monkeypatch) -> N
     target = torch.tensor([0, 2])
     weight = model.head.weight
     want = torch.autograd.grad(F.cross_entropy(model(ids), target), [weight])[0]
-    taken: list[bool] = []
-
-    def counted(*args):
-        found = direct_grads(*args)
-        taken.append(found is not None)
-        return found
-
-    monkeypatch.setattr(base, "direct_grads", counted)
     with semipack.extend(model, semipack.MaxProd()):
         loss = F.cross_entropy(model(ids), target)
         if how == "inputs":
@@ -192,9 +190,9 @@ def test_a_backward_for_some_leaves_takes_the_engine(how: str, monkeypatch) -> N
             got = weight.grad
         else:
             got = torch.autograd.grad(loss, [weight])[0]
-    assert not any(taken)
+    assert not any(direct_answers)
     if how == "inputs":  # a semiring pass, whose extension nodes asked and were declined
-        assert taken
+        assert direct_answers
     assert torch.equal(got, want)
 
 

@@ -15,6 +15,7 @@ kernels inside its own graph). Shapes: whatever the kernel is called with, eleme
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -63,13 +64,7 @@ def _like(t: Tensor) -> Tensor | None:
 def xlogx(mag: Tensor) -> Any:
     """``xlogx(mag)`` of magnitudes in a new tensor (``logspace._xlogx``): the same loop as
     ``abs_xlogx``, so a product's ``|w| log|w|`` has one set of bits whichever asks."""
-    if not _takes(mag):
-        return NotImplemented
-    out = _like(mag)
-    if out is None:
-        return NotImplemented
-    abs_xlogx_block_f32(mag, None, out, negate=False)
-    return out
+    return _into_new(lambda m, out: abs_xlogx_block_f32(m, None, out, negate=False), mag)
 
 
 def abs_xlogx(w: Tensor) -> Any:
@@ -104,15 +99,21 @@ def entropy_mean(total: Tensor, weighted: Tensor, less: Tensor) -> Any:
     return weighted
 
 
-def entropy_readout(log_z: Tensor, mean: Tensor) -> Any:
-    """``log_z + mean`` where ``log_z`` is finite, else NaN, new (``entropy._entropy_readout``)."""
-    if not _takes(log_z, mean):
+def _into_new(loop: Callable[..., None], *inputs: Tensor) -> Any:
+    """``loop(*inputs, out)`` into a new tensor laid out as ``inputs[0]``, returned; or
+    ``NotImplemented`` where the loops do not take the inputs."""
+    if not _takes(*inputs):
         return NotImplemented
-    out = _like(log_z)
+    out = _like(inputs[0])
     if out is None:
         return NotImplemented
-    entropy_readout_block_f32(log_z, mean, out)
+    loop(*inputs, out)
     return out
+
+
+def entropy_readout(log_z: Tensor, mean: Tensor) -> Any:
+    """``log_z + mean`` where ``log_z`` is finite, else NaN, new (``entropy._entropy_readout``)."""
+    return _into_new(entropy_readout_block_f32, log_z, mean)
 
 
 def entropy_readout_into(log_z: Tensor, mean: Tensor, out: Tensor) -> Any:
@@ -125,13 +126,7 @@ def entropy_readout_into(log_z: Tensor, mean: Tensor, out: Tensor) -> Any:
 
 def log_add_exp(a: Tensor, b: Tensor) -> Any:
     """``log(e^a + e^b)`` new (``logspace.log_add_exp``, the fused form's expression)."""
-    if not _takes(a, b):
-        return NotImplemented
-    out = _like(a)
-    if out is None:
-        return NotImplemented
-    log_add_exp_block_f32(a, b, out)
-    return out
+    return _into_new(log_add_exp_block_f32, a, b)
 
 
 def entropy_plus(log_a: Tensor, r_a: Tensor, log_b: Tensor, r_b: Tensor) -> Any:
@@ -180,22 +175,23 @@ def _rows_take(rows: tuple[Tensor, ...], shifts: tuple[Tensor, ...]) -> bool:
     )
 
 
-def max_prod_from_best(a: Tensor, shift: Tensor, x_hat: Tensor, best: Tensor) -> Any:
-    """``normalization._max_prod_from_best``: ``(log max(best / n, a |1 - off|) + shift,)``."""
-    if not _rows_take((a, x_hat, best), (shift,)):
+def _norm_readout(kind: int, a: Tensor, shift: Tensor, x_hat: Tensor, total: Tensor) -> Any:
+    """(the readout,) of ``norm_readout_block_f32``'s ``kind``, or ``NotImplemented``."""
+    if not _rows_take((a, x_hat, total), (shift,)):
         return NotImplemented
     out = torch.empty_like(a)
-    norm_readout_block_f32(0, a, shift, x_hat, best, out)
+    norm_readout_block_f32(kind, a, shift, x_hat, total, out)
     return (out,)
+
+
+def max_prod_from_best(a: Tensor, shift: Tensor, x_hat: Tensor, best: Tensor) -> Any:
+    """``normalization._max_prod_from_best``: ``(log max(best / n, a |1 - off|) + shift,)``."""
+    return _norm_readout(0, a, shift, x_hat, best)
 
 
 def log_sum_from_total(a: Tensor, shift: Tensor, x_hat: Tensor, total: Tensor) -> Any:
     """``normalization._log_sum_from_total``: the diagonal-corrected log sums plus the shift."""
-    if not _rows_take((a, x_hat, total), (shift,)):
-        return NotImplemented
-    out = torch.empty_like(a)
-    norm_readout_block_f32(1, a, shift, x_hat, total, out)
-    return (out,)
+    return _norm_readout(1, a, shift, x_hat, total)
 
 
 def entropy_rows(log_z: Tensor, surprisal: Tensor) -> Any:

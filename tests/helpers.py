@@ -10,11 +10,13 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 
+import pytest
 import torch
 from oracle import Readout, ScalarGraph, dynamic_programming
 from torch import Tensor
 
 import semipack
+from semipack.kernels.native import native_available as _native_available
 
 #: Every built-in semiring, under the name ``tests/oracle.py`` uses for the semiring whose values
 #: it computes (TopPath has no oracle of its own: its readout is MaxProd's, see ``ORACLE_NAME``).
@@ -203,3 +205,11 @@ class SquaresItsGradient(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g: Tensor) -> Tensor:
         return g * g
+
+
+#: Skips a test module where the native kernels cannot run (no C compiler, not x86-64 with
+#: AVX2) or are switched off (``SEMIPACK_NATIVE=0``): ``pytestmark = needs_native``.
+needs_native = pytest.mark.skipif(
+    not _native_available(),
+    reason="native kernels not available here or switched off (SEMIPACK_NATIVE=0)",
+)

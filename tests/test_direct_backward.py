@@ -206,3 +206,30 @@ def test_direct_gradients_record_no_graph_even_with_grad_mode_on() -> None:
         found = direct_grads(edge, torch.ones(2, 3), [x, w, b])
     assert found is not None
     assert all(g is not None and g.grad_fn is None and not g.requires_grad for g in found)
+
+
+def test_the_probe_runs_once_per_backward_and_again_for_the_next(direct_answers) -> None:
+    """The probe's answer holds for a graph task's whole life: one probe per backward, not one
+    per extension node; the next backward (here one for some leaves only) asks again."""
+    torch.manual_seed(0)
+    model = _Net()
+    ids = torch.randint(0, 11, (2, 6))
+    target = torch.tensor([0, 2])
+    direct_backward._filtered()  # the probe graph exists
+    leaf, node = direct_backward._PROBE[0]
+    probes: list[int] = []
+
+    def counted(grad):
+        probes.append(1)
+        return node(grad)
+
+    direct_backward._PROBE[0] = (leaf, counted)
+    try:
+        with semipack.extend(model, semipack.MaxProd()):
+            F.cross_entropy(model(ids), target).backward()
+        assert len(probes) == 1 and direct_answers == [True] * 4
+        with semipack.extend(model, semipack.MaxProd()):
+            F.cross_entropy(model(ids), target).backward(inputs=[model.head.weight])
+        assert len(probes) == 2 and direct_answers[4:] and not any(direct_answers[4:])
+    finally:
+        direct_backward._PROBE[0] = (leaf, node)

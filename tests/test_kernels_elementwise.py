@@ -6,15 +6,13 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers import needs_native
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from semipack.kernels import native
 
-pytestmark = pytest.mark.skipif(
-    not native.native_available(),
-    reason="native kernels not available here or switched off (SEMIPACK_NATIVE=0)",
-)
+pytestmark = needs_native
 
 SPECIAL_EXPONENTS = [
     float("nan"),

@@ -10,6 +10,7 @@ import math
 
 import pytest
 import torch
+from helpers import needs_native
 from torch import nn
 
 import semipack
@@ -18,10 +19,7 @@ from semipack.kernels.compiled import set_compile
 from semipack.messages import shared_shift
 from semipack.semirings import entropy
 
-pytestmark = pytest.mark.skipif(
-    not native.native_available(),
-    reason="native kernels not available here or switched off (SEMIPACK_NATIVE=0)",
-)
+pytestmark = needs_native
 
 SPECIALS = [
     float("nan"),

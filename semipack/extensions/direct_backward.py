@@ -24,7 +24,7 @@ Where anything would differ this returns None and the caller takes the engine:
 - a backward that computes gradients for some tensors only (``backward(inputs=...)``,
   ``torch.autograd.grad``): a node asks the running graph task which outputs it must compute,
   and that task's list does not hold the inner graph's nodes, so it would compute none. A
-  probe node answers which kind of task is running (``_filtered``).
+  probe node answers which kind of task is running (``_filtered``, once per graph task).
 
 Tensor hooks inside the call would not run here (a node's hooks are the engine's to run), so
 only extensions whose call is one torch op, with no user code in it, opt in
@@ -47,18 +47,27 @@ def _is_builtin(node: object) -> bool:
 
 
 _PROBE: list = []
+#: (graph task id, its answer) of the last ``_filtered`` call: one probe per backward, not one
+#: per extension node (a graph task keeps its list of nodes to run for its whole life).
+_LAST_ANSWER: list[tuple[int, bool]] = [(-1, False)]
 
 
 def _filtered() -> bool:
     """Whether the running backward computes only some gradients (its graph task lists the
     nodes to run): then PyTorch's nodes skip every output whose next node is not listed, and a
     node of ours, called directly, returns None for its leaf. Answered by calling a one-node
-    probe graph of our own (a few microseconds)."""
+    probe graph of our own (a few microseconds), once per graph task."""
+    task = torch._C._current_graph_task_id()
+    last_task, answer = _LAST_ANSWER[0]
+    if task != -1 and task == last_task:
+        return answer
     if not _PROBE:
         with torch.enable_grad():
             leaf = torch.zeros((), requires_grad=True)
             _PROBE.append((leaf, (leaf * 1.0).grad_fn))
-    return _PROBE[0][1](torch.ones(()))[0] is None
+    answer = _PROBE[0][1](torch.ones(()))[0] is None
+    _LAST_ANSWER[0] = (task, answer)
+    return answer
 
 
 def direct_grads(

@@ -33,14 +33,13 @@ compiled call's guards), which ``messages.normalization.affine_param_messages`` 
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 
 import torch
 from torch import Tensor
 
 from .compiled import FUSED_MIN_ELEMENTS
-from .logspace import finite_or_zero
+from .logspace import finite_or_zero, precise_log_floor
 from .native import affine_log_sums_f32, max_affine_f32, native_available
 
 #: The dims the per-channel reductions run over in the [A, C, B] layout.
@@ -80,9 +79,8 @@ class _Shifted:
     def recompute(self, gain_log: Tensor, gain_shift: Tensor, bias_log: Tensor) -> Tensor:
         """Which channels the generic ops recompute: the unusual ones, and those with a path
         (a bias sum) whose gain sum lies below the floor under its shift (the floor of
-        ``semirings.base.precise_log_floor``: log(tiny / eps) of the dtype)."""
-        info = torch.finfo(gain_log.dtype)
-        floor = math.log(info.tiny) - math.log(info.eps)
+        ``logspace.precise_log_floor``: log(tiny / eps) of the dtype)."""
+        floor = precise_log_floor(gain_log.dtype)
         low = (gain_log - gain_shift < floor) & (bias_log > float("-inf"))
         return self.unusual | low
 
@@ -183,10 +181,8 @@ def max_plus_native(
     return (gain,), (bias,), None
 
 
-#: The floor of ``_Shifted.recompute`` for float32 (``precise_log_floor``).
-_FLOAT32_FLOOR = math.log(torch.finfo(torch.float32).tiny) - math.log(
-    torch.finfo(torch.float32).eps
-)
+#: The floor of ``_Shifted.recompute`` for float32.
+_FLOAT32_FLOOR = precise_log_floor(torch.float32)
 
 
 def log_sum_native(

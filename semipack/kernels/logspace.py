@@ -301,6 +301,15 @@ def _rows(mag: Tensor, shift: Tensor) -> tuple[Tensor, Tensor] | None:
     return on_memory(mag, (rows, cols), (cols, 1)), on_memory(shift, (rows, 1), (1, 1))
 
 
+def precise_log_floor(dtype: torch.dtype) -> float:
+    """log of the smallest sum of products that BLAS returns to full relative precision in
+    ``dtype``: below ``tiny / eps`` the subnormal terms' absolute error is no longer negligible
+    (float32: about -71.4; float64: about -672). Here, below the semirings, so that the kernels
+    that flag such sums (``affine_params``) and the semirings' repair read one definition."""
+    info = torch.finfo(dtype)
+    return math.log(info.tiny) - math.log(info.eps)
+
+
 def finite_surprisal(log_w: Tensor) -> Tensor:
     """``-log|w|`` where finite, else 0 (no edge; NaN): the surprisal of an edge, as a float op
     (see ``finite_or_zero``)."""

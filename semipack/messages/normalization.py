@@ -241,32 +241,32 @@ def affine_param_messages(
     fused = sr.affine_params_kernel()
     owner = kernel_owner(sr, "affine_params_kernel") if fused is not None else None
     native_form = NATIVE_FORMS.get(fused) if isinstance(owner, type) else None
-    if native_form is not None:
-        native = native_form(*m, x, mean, invstd)
-        if native is not None:
-            gain, bias, recompute = native
-            if recompute is not None:
-                if mean is None or invstd is None:
-                    mean = x.new_zeros((1, 1, 1))
-                    invstd = torch.ones_like(mean)
-                gain, bias = _recomputed(sr, m, x, mean, invstd, gain, bias, recompute)
-            return gain, bias
+    found = native_form(*m, x, mean, invstd) if native_form is not None else None
     if (
-        isinstance(owner, type)
+        found is None
+        and isinstance(owner, type)
         and compile_enabled()
         and x.numel() >= FUSED_MIN_ELEMENTS
         and all(p.dtype == x.dtype for p in m)
     ):
-        if mean is None or invstd is None:  # x is x̂: the kernel's centring does nothing
-            mean = x.new_zeros((1, 1, 1))
-            invstd = torch.ones_like(mean)
         with torch.no_grad():
-            gain, bias, recompute = compiled_affine_params(owner)(*m, x, mean, invstd)
-        if recompute is not None:
-            gain, bias = _recomputed(sr, m, x, mean, invstd, gain, bias, recompute)
-        return gain, bias
-    x_hat = x if mean is None or invstd is None else (x - mean) * invstd
-    return _generic_sums(sr, m, x_hat)
+            found = compiled_affine_params(owner)(*m, x, *_centring(x, mean, invstd))
+    if found is None:
+        x_hat = x if mean is None or invstd is None else (x - mean) * invstd
+        return _generic_sums(sr, m, x_hat)
+    gain, bias, recompute = found
+    if recompute is not None:
+        gain, bias = _recomputed(sr, m, x, *_centring(x, mean, invstd), gain, bias, recompute)
+    return gain, bias
+
+
+def _centring(x: Tensor, mean: Tensor | None, invstd: Tensor | None) -> tuple[Tensor, Tensor]:
+    """(mean, invstd) for the kernels, which centre x themselves: zeros and ones where x is
+    x̂ already (both None), broadcasting as ``[1, 1, 1]``."""
+    if mean is None or invstd is None:
+        mean = x.new_zeros((1, 1, 1))
+        return mean, torch.ones_like(mean)
+    return mean, invstd
 
 
 def _generic_sums(sr: Semiring, m: State, x_hat: Tensor) -> tuple[State, State]:

@@ -30,6 +30,7 @@ from torch import Tensor
 from ..kernels import logspace
 from ..kernels.affine_params import AffineParams
 from ..kernels.blocking import BLOCK_ELEMENTS
+from ..kernels.logspace import precise_log_floor
 from ..kernels.normalization import CentredPairsKernel
 from ..kernels.reuse import same_memory
 from ..kernels.shapes import broadcast_shapes
@@ -809,14 +810,6 @@ def scatter_into_zeros(
     rows, compact = _distinct_lookups(sr, shape, dim, index, src, grad_dtype)
     full = sr.zeros(shape, grad_dtype, index.device)
     return tuple(f.index_copy_(dim, rows, c) for f, c in zip(full, compact, strict=True))
-
-
-def precise_log_floor(dtype: torch.dtype) -> float:
-    """log of the smallest sum of products that BLAS returns to full relative precision in
-    ``dtype``: below ``tiny / eps`` the subnormal terms' absolute error is no longer negligible
-    (float32: about -71.4; float64: about -672)."""
-    info = torch.finfo(dtype)
-    return math.log(info.tiny) - math.log(info.eps)
 
 
 def blocked_matmul(sr: Semiring, a: State, w: Tensor) -> State:

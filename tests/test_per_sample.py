@@ -219,6 +219,16 @@ def _batch_norm_eval():
     return model, (torch.randn(3, 2, 4, 4),)
 
 
+def _group_norm():
+    """GroupNorm normalises each example's channel groups by their own statistics: the layer
+    per-example training puts where batch norm would mix the batch."""
+    model = nn.Sequential(
+        nn.Conv2d(2, 4, 2), nn.GroupNorm(2, 4), nn.Tanh(), nn.Conv2d(4, 4, 1),
+        nn.GroupNorm(4, 4), nn.Flatten(), nn.Linear(36, 2),
+    )  # fmt: skip
+    return model, (torch.randn(3, 2, 4, 4),)
+
+
 class ExpandedToTheBatch(nn.Module):
     """Parameters expanded to the batch and met by it on dim 0: a class token concatenated
     before the tokens (ViT's ``cls.expand(N, -1, -1)``), a learned query added (Perceiver's
@@ -290,6 +300,7 @@ MODELS = {
     "hand_written_affine": _affine,
     "gain_on_the_input": _gain_on_the_input,
     "batch_norm_eval": _batch_norm_eval,
+    "group_norm": _group_norm,
     "computed_from_parameters": _computed_from_parameters,
     "matrix_products": _matrix_products,
     "expanded_to_the_batch": _expanded_to_the_batch,
@@ -567,6 +578,28 @@ def test_gpt2_and_opt_layers_on_the_merged_batch(family):
     for sr in (semipack.MaxProd(), semipack.Entropy(), semipack.Real()):
         rows = _rows_of_single_examples(model, loss, sr, 3)
         assert rows[ffn].shape == (3, *dict(model.named_parameters())[ffn].shape)
+
+
+def test_mobilevit_patches_merged_with_the_batch():
+    """Hugging Face's MobileViT folds each image into patches merged with the batch
+    (``[N * P, T, d]``) for its transformer layers: the batch is the merged dim's outer factor,
+    so its rows are each image's own (the README once listed it as refused; trial 109)."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = transformers.MobileViTConfig(
+        image_size=32, patch_size=2, hidden_sizes=[8, 12, 16],
+        neck_hidden_sizes=[4, 4, 8, 8, 12, 12, 16], num_attention_heads=2,
+        hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
+    )  # fmt: skip
+    model = transformers.MobileViTModel(config).double().eval()
+    x = torch.randn(2, 3, 32, 32, dtype=torch.float64)
+
+    def loss(sl):
+        return model(pixel_values=x[sl]).pooler_output.pow(2).sum()
+
+    rows = _rows_of_single_examples(model, loss, semipack.LogSum(), 2)
+    name = "encoder.layer.2.transformer.layer.0.attention.attention.query.weight"
+    assert rows[name].shape == (2, *dict(model.named_parameters())[name].shape)
 
 
 def test_bert_sdpa_rows_equal_eager_rows():

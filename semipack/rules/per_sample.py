@@ -156,6 +156,25 @@ def _batch_norm_eval_rows(sr: Semiring, node, state: State, input_nr: int) -> St
     return tuple(p.reshape(n, c) for p in rows)
 
 
+def _group_norm_rows(sr: Semiring, node, state: State, input_nr: int) -> State:
+    """Group norm: its statistics are each example's own (over a group of its channels and
+    positions), so ``out = x̂ γ + β`` mixes no examples: the edge from γ[c] to out[n, c, ...]
+    weighs x̂[n, c, ...] and the one from β[c] weighs 1. GroupNorm is what per-example
+    training puts where batch norm would mix the batch."""
+    dtype = state[0].dtype
+    if input_nr == 1:
+        x: Tensor = node._saved_input
+        n, groups = x.shape[0], int(node._saved_group)
+        grouped = x.reshape(n, groups, -1)
+        mean, rstd = node._saved_result1, node._saved_result2  # [N, G] each
+        x_hat = ((grouped - mean[..., None]) * rstd[..., None]).reshape(x.shape).to(dtype)
+        state = sr.scale(state, x_hat)
+    n, c = state[0].shape[:2]
+    dims = list(range(2, state[0].dim()))
+    rows = sr.sum(state, dims) if dims else state
+    return tuple(p.reshape(n, c) for p in rows)
+
+
 #: Autograd node metadata: the node's output was computed from the model's input in a
 #: per-sample block, its batch on the dim this key holds (None: no dim holds one example
 #: per index); ``transport.per_sample.BatchedTensors`` marks it during the forward.
@@ -525,6 +544,7 @@ register_per_sample("SubBackward0", _add_rows(-1.0))
 register_per_sample("NativeBatchNormBackward0", _batch_norm_eval_rows)
 register_per_sample("CudnnBatchNormBackward0", _batch_norm_eval_rows)
 register_per_sample("MiopenBatchNormBackward0", _batch_norm_eval_rows)
+register_per_sample("NativeGroupNormBackward0", _group_norm_rows)
 
 
 #: Reductions whose saved ``dim`` says which axes they reduce (``SumBackward1``, ...).

@@ -302,6 +302,22 @@ def test_a_string_instead_of_a_semiring_says_so() -> None:
         pass
 
 
+def test_swapped_arguments_name_the_order_without_printing_the_model() -> None:
+    """extend(semiring, model): the message says which comes first, in one short line
+    (trial 109: it printed the model's whole repr)."""
+    model = nn.Sequential(*[nn.Linear(4, 4) for _ in range(50)])
+    with pytest.raises(TypeError) as caught, semipack.extend(semipack.MaxProd(), model):
+        pass
+    assert str(caught.value) == (
+        "expected a semipack semiring (e.g. semipack.MaxProd()), got a module, Sequential: "
+        "the model goes first, semipack.extend(model, semiring)"
+    )
+    long = ["x"] * 500
+    with pytest.raises(TypeError) as caught, semipack.extend(mlp(), long):
+        pass
+    assert str(caught.value).endswith("... (a list)") and len(str(caught.value)) < 300
+
+
 @pytest.mark.parametrize("model", [lambda t: t, [nn.Linear(2, 2)], "model"])
 def test_extend_of_something_that_is_not_a_module_says_so(model) -> None:
     message = re.escape("semipack.extend expects an nn.Module")

@@ -71,7 +71,15 @@ def require_semiring(semiring: Any) -> Semiring:
             f"expected a semiring instance, got the class {semiring.__name__}: "
             f"pass {semiring.__name__}() instead"
         )
-    raise TypeError(f"expected a semipack semiring (e.g. semipack.MaxProd()), got {semiring!r}")
+    if isinstance(semiring, torch.nn.Module):  # its repr would print the whole model
+        raise TypeError(
+            "expected a semipack semiring (e.g. semipack.MaxProd()), got a module, "
+            f"{type(semiring).__name__}: the model goes first, semipack.extend(model, semiring)"
+        )
+    shown = repr(semiring)
+    if len(shown) > 200:
+        shown = f"{shown[:200]}... (a {type(semiring).__name__})"
+    raise TypeError(f"expected a semipack semiring (e.g. semipack.MaxProd()), got {shown}")
 
 
 @dataclass

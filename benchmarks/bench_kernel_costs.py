@@ -72,9 +72,12 @@ from semipack.extensions.direct_backward import direct_grads
 from semipack.kernels import logspace, tropical
 from semipack.kernels.logspace import exp_, finite_or_zero, log_add_exp, log_magnitude_
 from semipack.kernels.native import (
+    _panels,
     depthwise_f32,
+    exp_f32,
     fingerprint,
     max_affine_f32,
+    maxplus_f32,
     maxplus_gather_f32,
     maxplus_scatter_max_f32,
     native_available,
@@ -175,14 +178,27 @@ def memory(repeats: int) -> None:
 
 
 def weight_forms(repeats: int) -> None:
+    """A one-sentence pass's work per weight matrix: the plain backward's weight gradient (one
+    BLAS product over 20 tokens) against the semiring's passes over the weight's entries."""
     torch.manual_seed(0)
     w, message = torch.randn(384, 1536), torch.randn(20, 384)
     lifted = log_abs(w, torch.float32)
+    grad_out, x = torch.randn(20, 1536), torch.randn(20, 384)
+    readout = torch.empty(384 * 1536)
     print("MiniLM feed-forward weight 384 x 1536 (ms):")
+    print(f"  plain weight gradient  {median_ms(lambda: x.t() @ grad_out, repeats):7.3f}")
     print(f"  fingerprint            {median_ms(lambda: fingerprint(w), repeats):7.3f}")
     print(f"  log|W|                 {median_ms(lambda: log_abs(w, torch.float32), repeats):7.3f}")
     product = median_ms(lambda: maxplus(message, lifted), repeats)
     print(f"  max-plus with [20, 384] {product:6.3f}")
+    panels = _panels(lifted[None])  # what a pass keeps of a weight across passes
+    kept = median_ms(
+        lambda: maxplus_f32(message[None], lifted[None], False, lambda t, kind, make: panels),
+        repeats,
+    )
+    print(f"  the same, panels kept  {kept:7.3f}")
+    flat = lifted.reshape(-1)
+    print(f"  readout exp            {median_ms(lambda: exp_f32(flat, readout), repeats):7.3f}")
 
 
 def fused_readout(repeats: int) -> None:

@@ -15,6 +15,7 @@ import torch
 from oracle import build_graph, dynamic_programming
 
 import semipack
+import semipack.semirings.base as base
 from semipack.kernels.native import native_available
 from semipack.messages.shared_shift import shared_shift_products
 
@@ -82,6 +83,35 @@ def test_shared_shift_products_are_repaired(semiring) -> None:
     assert by_right[0][1, 1].item() == pytest.approx(-20.0 + tiny, rel=1e-6)
     # mᵀ ⊗ left: column 1 of the result gathers m[:, 1] through left[:, 1]
     assert by_left[0][1, 1].item() == pytest.approx(-20.0 + tiny, rel=1e-6)
+
+
+@pytest.mark.parametrize("semiring", [semipack.LogSum, semipack.Entropy])
+def test_suspects_in_one_column_are_recomputed_by_column(semiring, monkeypatch) -> None:
+    """Every row's entry of one column underflows (e^-30 * 1e-35): the exact form recomputes
+    that column alone, not every row whole (causal attention's last key left one column of each
+    head's value message to recompute, and its rows were the whole product). Values against
+    the definition in float64; the other columns keep the fast product's."""
+    sr = semiring()
+    torch.manual_seed(0)
+    logs = torch.randn(8, 4)
+    logs[:, 0] -= 30.0
+    w = torch.rand(4, 6) + 0.5
+    w[:, 5] = torch.tensor([1e-35, 0.0, 0.0, 0.0])
+    fast = sr.matmul(_state(sr, logs), w[:, :5])
+    calls = []
+    blocked = base.blocked_lifted_matmul
+
+    def spy(sr_, a, lifted):
+        calls.append((tuple(a[0].shape), tuple(lifted[0].shape)))
+        return blocked(sr_, a, lifted)
+
+    monkeypatch.setattr(base, "blocked_lifted_matmul", spy)
+    out = sr.matmul(_state(sr, logs), w)
+    assert calls == [((8, 4), (4, 1))]
+    expected = logs[:, 0].double() + math.log(1e-35)
+    torch.testing.assert_close(out[0][:, 5].double(), expected, rtol=1e-6, atol=0.0)
+    for got, want in zip(out, fast, strict=True):
+        assert torch.equal(got[:, :5], want)
 
 
 def test_subnormal_sums_are_recomputed_to_full_precision() -> None:

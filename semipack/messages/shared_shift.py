@@ -86,9 +86,11 @@ def shared_shift_products(
                 edges=lambda: kept_edge_columns(sr, right),
             )
         if by_left is not None:
-            lifted = sr.lift(left) if left_log is None else sr.lift_log(left_log)
             left_shift = shift
-            if left_log is not None:  # the columns were scaled to a maximum of 1 as well
+            if left_log is None:  # lifted only where an entry needs the check
+                lifted = lambda: sr.lift(left)  # noqa: E731
+            else:  # the columns were scaled to a maximum of 1 as well
+                lifted = sr.lift_log(left_log)
                 left_shift = shift + finite_or_zero(lifted[0].amax(-2, keepdim=True))
             by_left = repair_underflow(sr, tuple(_t(p) for p in m), lifted, by_left, left_shift)
         return by_right, by_left, total

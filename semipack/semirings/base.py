@@ -860,8 +860,9 @@ def repair_underflow(
     would cut a path), or to a subnormal number with few significant bits. Entries whose
     shifted sum fell below ``precise_log_floor`` (or is zero) while their row has a path and
     their column an edge are recomputed with the exact log-domain definition
-    (``blocked_lifted_matmul``), row by row. ``shift`` is what was subtracted in log space
-    (broadcastable to ``out``); None checks exact zeros only. ``lifted`` may be a function
+    (``blocked_lifted_matmul``), by rows, or by columns where fewer entries are recomputed
+    that way (each entry's sum is the same either way). ``shift`` is what was subtracted in log
+    space (broadcastable to ``out``); None checks exact zeros only. ``lifted`` may be a function
     that lifts the weights, called only when some entry needs the check; ``edges`` one that
     gives which columns of ``lifted`` hold an edge ([..., 1, m] bool), when that is known
     without lifting (``kept_edge_columns``).
@@ -874,12 +875,15 @@ def repair_underflow(
     if not bool(low.any()):
         return out
     row_has_path = (~sr.is_zero(a)).any(-1, keepdim=True)
+    low = low & row_has_path
+    if not bool(low.any()):  # the low entries are rows without a path (a token no loss
+        return out  # reads): no column needs its edges, nor the weights their lift
     if edges is None:
         lifted = lifted() if callable(lifted) else lifted
         col_has_edge = _edge_columns(sr, lifted)
     else:
         col_has_edge = edges()
-    suspect = low & row_has_path & col_has_edge
+    suspect = low & col_has_edge
     if not bool(suspect.any()):
         return out
     if callable(lifted):
@@ -893,6 +897,17 @@ def repair_underflow(
     flat_suspect = suspect.expand(*batch, n, m).reshape(size, n, m)
     for b in flat_suspect.any(-1).any(-1).nonzero().flatten().tolist():
         rows = flat_suspect[b].any(-1).nonzero().flatten()
+        cols = flat_suspect[b].any(-2).nonzero().flatten()
+        if cols.numel() * n < rows.numel() * m:
+            # the suspects lie in a few columns: recompute those (causal attention's last key
+            # meets only the last query, whose message may be no path: one column of every
+            # head's value message is an exact zero, and whole rows recomputed every entry)
+            exact = blocked_lifted_matmul(
+                sr, tuple(c[b] for c in flat_a), tuple(c[b][:, cols] for c in flat_w)
+            )
+            for f, e in zip(fixed, exact, strict=True):
+                f[b][:, cols] = e.to(f.dtype)
+            continue
         exact = blocked_lifted_matmul(
             sr, tuple(c[b, rows] for c in flat_a), tuple(c[b] for c in flat_w)
         )

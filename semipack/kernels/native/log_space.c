@@ -284,6 +284,11 @@ void semipack_affine_log_sums_f32(const float *m, const float *r, const float *x
    log of log_readout_ps and n a float32 number; a row's off-diagonal formula puts
    off_j = (1 + x̂_j²) / n at i = j, the true diagonal is |1 - off_j|. */
 
+/* off_j of entries x̂ (n as a vector), rounded as torch's (1 + x * x) / n. */
+static inline __m256 diagonal_off_ps(__m256 x, __m256 n) {
+    return _mm256_div_ps(_mm256_add_ps(_mm256_set1_ps(1.0f), _mm256_mul_ps(x, x)), n);
+}
+
 /* kind 0 (MaxProd, _max_prod_from_best): out = log(max(total / n, a |1 - off|)) + shift;
    kind 1 (LogSum, _log_sum_from_total): out = log(max(total / n - a off + a |1 - off|, 0))
    + shift. NaN propagates as torch.maximum and clamp_min propagate it. */
@@ -298,7 +303,7 @@ void semipack_norm_readout_f32(int kind, const float *a, const float *shift, con
         for (int64_t k = 0; k < n; k += 8) {
             const __m256i m = k + 8 <= n ? _mm256_set1_epi32(-1) : tail_mask(n - k);
             const __m256 x = LOAD(x_hat + base, k, m), av = LOAD(a + base, k, m);
-            const __m256 off = _mm256_div_ps(_mm256_add_ps(one, _mm256_mul_ps(x, x)), nn);
+            const __m256 off = diagonal_off_ps(x, nn);
             const __m256 right = _mm256_mul_ps(av, abs_ps(_mm256_sub_ps(one, off)));
             const __m256 scaled = _mm256_div_ps(LOAD(total + base, k, m), nn);
             __m256 v;
@@ -368,7 +373,7 @@ void semipack_entropy_readout_of_sums_f32(const float *a, const float *r, const 
             const __m256i m = k + 8 <= n ? _mm256_set1_epi32(-1) : tail_mask(n - k);
             const __m256 x = LOAD(x_hat + base, k, m), av = LOAD(a + base, k, m);
             const __m256 sc = LOAD(s_c + base, k, m);
-            const __m256 off = _mm256_div_ps(_mm256_add_ps(one, _mm256_mul_ps(x, x)), nn);
+            const __m256 off = diagonal_off_ps(x, nn);
             const __m256 right_mag = abs_ps(_mm256_sub_ps(one, off));
             const __m256 wrong = _mm256_mul_ps(av, off), right = _mm256_mul_ps(av, right_mag);
             __m256 u = _mm256_div_ps(_mm256_sub_ps(LOAD(u_c + base, k, m), _mm256_mul_ps(ln, sc)),

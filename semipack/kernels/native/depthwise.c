@@ -400,12 +400,12 @@ void semipack_depthwise_weight_f32(const float *m, const float *lx, float *out, 
     }
 }
 
-/* TopPath at stride 1, vectorised: the maxima as in the MaxProd kernels, and beside each lane
-   where the first candidate attaining it lies (a strictly larger candidate replaces, as the
-   scalar loops below do), kept as a float (exact below 2^24, which the callers check). The
-   successor id is read once per result from there, not carried through every comparison
-   (decoding a candidate's number into its tap and plane per result took longer than the
-   maxima). */
+/* TopPath's input message at stride 1, vectorised: the maxima as in the MaxProd kernels, and
+   beside each lane where the first candidate attaining it lies (a strictly larger candidate
+   replaces, as the scalar loops below do), kept as a float (exact below 2^24, which the
+   callers check). The successor id is read once per result from there, not carried through
+   every comparison (decoding a candidate's number into its tap and plane per result took
+   longer than the maxima). */
 
 /* Columns at[0..n) of `rows` input rows, `mult` message planes of one input channel (padded
    copies `pad`, `psize` floats apart), candidates in the scalar loop's order: taps (kh, kw),
@@ -485,12 +485,17 @@ static inline __attribute__((always_inline)) void input_plane_gather_ids_k(
         for (int64_t oh = 0; oh < ho; oh++)
             memcpy(pad + u * psize + (oh + ph) * row + pw, m_c + (u * ho + oh) * wo,
                    sizeof(float) * (size_t)wo);
-    for (int64_t ih = 0; ih < hp; ih++) /* the padding: no input, no message */
-        for (int64_t iw = 0; iw < wp; iw++)
-            if (ih < ch || ih >= hp - ch || iw < cw || iw >= wp - cw) {
-                plane[ih * wp + iw] = -__builtin_inff();
-                plane_ids[ih * wp + iw] = no_successor;
-            }
+    /* the padding: no input, no message (its rows, then its columns, not a test and a branch
+       at every entry of the plane) */
+    for (int64_t i = 0; i < ch * wp; i++) {
+        plane[i] = plane[(hp - ch) * wp + i] = -__builtin_inff();
+        plane_ids[i] = plane_ids[(hp - ch) * wp + i] = no_successor;
+    }
+    for (int64_t ih = ch; ih < hp - ch; ih++)
+        for (int64_t j = 0; j < cw; j++) {
+            plane[ih * wp + j] = plane[ih * wp + wp - 1 - j] = -__builtin_inff();
+            plane_ids[ih * wp + j] = plane_ids[ih * wp + wp - 1 - j] = no_successor;
+        }
     const float *base = pad + (ch + ph) * row + pw + cw;
     float *dst = plane + ch * wp + cw;
     int64_t *dst_ids = plane_ids + ch * wp + cw;
@@ -534,19 +539,22 @@ static void input_plane_gather_ids(const float *m_c, const int64_t *ids_c, const
 #undef SEMIPACK_IDS_PLANE
 }
 
-/* TopPath's weight message of one kernel row of output channel o, unit column stride, at most
-   5 taps per row: as weight_row_taps, with each lane's first position attaining its maximum
-   (position b * ho * wo + oh * wo + ow, the scalar loop's order); the lanes then give the
-   largest value and, among equal ones, the smallest position. */
-static void weight_row_taps_ids(const float *m, const int64_t *ids, const float *lx, float *out,
-                                int64_t *out_ids, int64_t batch, int64_t channels, int64_t mult,
-                                int64_t o, int64_t kh, int64_t ho, int64_t wo, int64_t hp,
-                                int64_t wp, int64_t kw_n, int64_t sh, int64_t dh, int64_t dw) {
+/* TopPath's weight message of one kernel row of output channel o, unit column stride, kw_n <= 8
+   taps a constant where inlined (weight_row_ids): as weight_row_taps, with each lane's first
+   position attaining its maximum (position b * ho * wo + oh * wo + ow, the scalar loop's order);
+   the lanes then give the largest value and, among equal ones, the smallest position. With a
+   run-time tap count the accumulators and positions lived in memory, and every candidate's
+   compare, blend and maximum waited on a store and a load: a third of the rate. */
+static inline __attribute__((always_inline)) void weight_row_taps_ids(
+    const float *m, const int64_t *ids, const float *lx, float *out, int64_t *out_ids,
+    int64_t batch, int64_t channels, int64_t mult, int64_t o, int64_t kh, int64_t ho, int64_t wo,
+    int64_t hp, int64_t wp, const int kw_n, int64_t sh, int64_t dh, int64_t dw) {
     const int64_t c = o / mult;
     const __m256 lanes = _mm256_setr_ps(0, 1, 2, 3, 4, 5, 6, 7);
-    __m256 acc[5], pos[5];
-    float best[5], best_at[5];
-    for (int64_t kw = 0; kw < kw_n; kw++) {
+    __m256 acc[8], pos[8];
+    float best[8], best_at[8];
+#pragma GCC unroll 8
+    for (int kw = 0; kw < kw_n; kw++) {
         acc[kw] = _mm256_set1_ps(-__builtin_inff());
         pos[kw] = _mm256_setzero_ps();
         best[kw] = -__builtin_inff();
@@ -560,7 +568,8 @@ static void weight_row_taps_ids(const float *m, const int64_t *ids, const float 
             const int64_t first = (b * ho + oh) * wo;
             if (wo < 8) {
                 for (int64_t ow = 0; ow < wo; ow++)
-                    for (int64_t kw = 0; kw < kw_n; kw++) {
+#pragma GCC unroll 8
+                    for (int kw = 0; kw < kw_n; kw++) {
                         const float v = src[ow] + in[ow + kw * dw];
                         if (v > best[kw]) {
                             best[kw] = v;
@@ -573,16 +582,19 @@ static void weight_row_taps_ids(const float *m, const int64_t *ids, const float 
                 if (ow + 8 > wo) ow = wo - 8;
                 const __m256 mv = _mm256_loadu_ps(src + ow);
                 const __m256 here = _mm256_add_ps(_mm256_set1_ps((float)(first + ow)), lanes);
-                for (int64_t kw = 0; kw < kw_n; kw++) {
+#pragma GCC unroll 8
+                for (int kw = 0; kw < kw_n; kw++) {
                     const __m256 v = _mm256_add_ps(mv, _mm256_loadu_ps(in + ow + kw * dw));
-                    pos[kw] = _mm256_blendv_ps(pos[kw], here, _mm256_cmp_ps(v, acc[kw], _CMP_GT_OQ));
+                    pos[kw] =
+                        _mm256_blendv_ps(pos[kw], here, _mm256_cmp_ps(v, acc[kw], _CMP_GT_OQ));
                     acc[kw] = _mm256_max_ps(acc[kw], v);
                 }
             }
         }
     }
     const int64_t plane = ho * wo;
-    for (int64_t kw = 0; kw < kw_n; kw++) {
+#pragma GCC unroll 8
+    for (int kw = 0; kw < kw_n; kw++) {
         float v[8], p[8];
         _mm256_storeu_ps(v, acc[kw]);
         _mm256_storeu_ps(p, pos[kw]);
@@ -598,13 +610,36 @@ static void weight_row_taps_ids(const float *m, const int64_t *ids, const float 
     }
 }
 
+/* weight_row_taps_ids for 1 to 8 taps per kernel row, each with its tap count a constant. */
+static void weight_row_ids(const float *m, const int64_t *ids, const float *lx, float *out,
+                           int64_t *out_ids, int64_t batch, int64_t channels, int64_t mult,
+                           int64_t o, int64_t kh, int64_t ho, int64_t wo, int64_t hp, int64_t wp,
+                           int64_t kw_n, int64_t sh, int64_t dh, int64_t dw) {
+#define SEMIPACK_ROW_IDS(n)                                                                    \
+    case n:                                                                                    \
+        weight_row_taps_ids(m, ids, lx, out, out_ids, batch, channels, mult, o, kh, ho, wo,   \
+                            hp, wp, n, sh, dh, dw);                                            \
+        return;
+    switch (kw_n) {
+        SEMIPACK_ROW_IDS(1)
+        SEMIPACK_ROW_IDS(2)
+        SEMIPACK_ROW_IDS(3)
+        SEMIPACK_ROW_IDS(4)
+        SEMIPACK_ROW_IDS(5)
+        SEMIPACK_ROW_IDS(6)
+        SEMIPACK_ROW_IDS(7)
+        SEMIPACK_ROW_IDS(8)
+    }
+#undef SEMIPACK_ROW_IDS
+}
+
 /* TopPath's messages: the same maxima and the successor id of the first candidate attaining
    each, in the per-tap path's order (taps in order, then the channel multiplier; a later
    candidate replaces only when strictly larger, as TopPath's plus does). ids [B, C*M, Ho, Wo]
    are the message's successor ids; dx_ids starts at no_successor. The weight message's id is
    the message's id at the first (b, oh, ow) attaining the max (position 0 when no pair has a
    path, as torch.max gives). Stride 1 (rows of at least 8 inputs) and unit column stride (at
-   most 5 taps per kernel row) take the vector kernels above; the rest the scalar loops. */
+   most 8 taps per kernel row) take the vector kernels above; the rest the scalar loops. */
 static void input_plane_ids_scalar(const float *m, const int64_t *ids, const float *lw,
                                    float *plane, int64_t *plane_ids, int64_t no_successor,
                                    int64_t b, int64_t c, int64_t channels, int64_t mult,
@@ -678,12 +713,12 @@ void semipack_depthwise_weight_ids_f32(const float *m, const int64_t *ids, const
                                        int64_t sh, int64_t sw, int64_t dh, int64_t dw,
                                        int threads) {
     const int64_t taps = kh_n * kw_n;
-    if (sw == 1 && kw_n <= 5 && batch * ho * wo < ((int64_t)1 << 24)) {
+    if (sw == 1 && kw_n <= 8 && batch * ho * wo < ((int64_t)1 << 24)) {
 #pragma omp parallel for schedule(static) num_threads(threads)
         for (int64_t t = 0; t < channels * mult * kh_n; t++) {
             const int64_t o = t / kh_n, kh = t % kh_n;
-            weight_row_taps_ids(m, ids, lx, out + o * taps, out_ids + o * taps, batch, channels,
-                                mult, o, kh, ho, wo, hp, wp, kw_n, sh, dh, dw);
+            weight_row_ids(m, ids, lx, out + o * taps, out_ids + o * taps, batch, channels, mult,
+                           o, kh, ho, wo, hp, wp, kw_n, sh, dh, dw);
         }
         return;
     }

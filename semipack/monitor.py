@@ -53,6 +53,7 @@ from .errors import SemipackError
 from .explain.branches import Branches, branches
 from .graph.provenance import display_name
 from .graph.sites import ROOT_MODULE
+from .kernels.summaries import best_entry, count_sum_max_of_numbers, log_sum_exp
 from .semirings import Entropy, EntropyFlow, LogSum, MaxProd, Product
 
 QUANTITIES = (
@@ -556,12 +557,14 @@ def _summaries(values: list[tuple[Any, ...]]) -> list[dict[str, float | int] | N
     for a layer reached without any path, else the recorded quantities in their order and
     ``best``, the flat index of the entry with the best path.
 
-    The reductions of every layer come to the host together (``_to_host``: one transfer per
-    device and dtype, where a value at a time waits on the device once per value). They are
-    the cheap forms of the plain ones (``masked_select``, ``max(0)`` with indices and
-    ``logsumexp``'s temporaries took about a quarter more of ResNet-18's 11 million entries),
-    equal to them up to the order of float sums (``tests/test_monitor.py``)."""
-    pending: list[Tensor] = []
+    The reductions (``kernels.summaries``) are the cheap forms of the plain ones
+    (``masked_select``, ``max(0)`` with indices and ``logsumexp``'s temporaries took about a
+    quarter more of ResNet-18's 11 million entries; native loops read float32 values on the CPU
+    in one or two passes each), equal to them up to the order of float sums
+    (``tests/test_monitor.py``). Those left on a device come to the host together
+    (``_to_host``: one transfer per device and dtype, where a value at a time waits on the
+    device once per value)."""
+    pending: list[Any] = []
     has_entropy: list[bool | None] = []
     for layer in values:
         log_best = layer[0].detach()
@@ -570,17 +573,11 @@ def _summaries(values: list[tuple[Any, ...]]) -> list[dict[str, float | int] | N
             has_entropy.append(None)
             continue  # no entry at all: no path either
         units = log_best.reshape(log_best.shape[0], -1) if log_best.dim() else log_best[None, None]
-        # the flat index of the first best entry; the best path is -inf exactly when no entry
-        # has a path, and a unit is dead when its best entry is -inf
-        best = units.reshape(-1).argmax()
-        pending += [
-            units.reshape(-1)[best],
-            _log_sum_exp(log_flow),
-            (units.amax(1) == -math.inf).double().mean(),
-            best,
-        ]
+        # the first best entry; the best path is -inf exactly when no entry has a path, and a
+        # unit is dead when its best entry is -inf
+        pending += [*best_entry(units), log_sum_exp(log_flow)]
         if entropy is not None:  # the entropy of the entries a path reaches (the others NaN)
-            pending += _mean_and_max_of_numbers(entropy)
+            pending += count_sum_max_of_numbers(entropy)
         has_entropy.append(entropy is not None)
     host = iter(_to_host(pending))
     out: list[dict[str, float | int] | None] = []
@@ -588,7 +585,7 @@ def _summaries(values: list[tuple[Any, ...]]) -> list[dict[str, float | int] | N
         if not layer[0].numel():
             out.append(None)
             continue
-        best_path, flow, dead, best = next(host), next(host), next(host), next(host)
+        best_path, dead, best, flow = next(host), next(host), next(host), next(host)
         summary: dict[str, float | int] = {}
         if entropy:
             count, total, top = next(host), next(host), next(host)
@@ -606,34 +603,17 @@ def _summaries(values: list[tuple[Any, ...]]) -> list[dict[str, float | int] | N
     return out
 
 
-def _log_sum_exp(log_values: Tensor) -> Tensor:
-    """``log Σ exp`` over all entries, shifted by the largest (``logsumexp``'s own method,
-    without its temporaries); the largest itself where it is infinite (every entry -inf, or an
-    entry +inf). No value is read on the host (on a GPU that would wait once per layer)."""
-    top = log_values.amax()
-    shifted = log_values.sub(top).exp_().sum(dtype=torch.float64).log_().add_(top)
-    return torch.where(top.isinf(), top.double(), shifted)
-
-
-def _mean_and_max_of_numbers(t: Tensor) -> list[Tensor]:
-    """[count, sum, max] of the entries of ``t`` that are not NaN, without gathering them
-    (``masked_select`` cost five times more on millions of entries); the sum in float64 (a
-    16-bit sum of many entries overflows)."""
-    numbers = torch.count_nonzero(t == t)
-    inf = math.inf  # nan_to_num replaces the infinities too unless told to keep them
-    total = t.nan_to_num(nan=0.0, posinf=inf, neginf=-inf).sum(dtype=torch.float64)
-    return [numbers, total, t.nan_to_num(nan=-inf, posinf=inf, neginf=-inf).amax()]
-
-
-def _to_host(tensors: list[Tensor]) -> list[Any]:
-    """The values of 0-dim ``tensors`` as Python numbers, in order. On the CPU each is read
-    on its own (reading one costs less than a stack); elsewhere each device and dtype gives one
-    stack and one ``tolist`` (one wait on the device, where reading each value waits once per
-    value; a stack of mixed dtypes would convert)."""
+def _to_host(tensors: list[Any]) -> list[Any]:
+    """The values of 0-dim ``tensors`` (and Python numbers, kept) as Python numbers, in order.
+    On the CPU each is read on its own (reading one costs less than a stack); elsewhere each
+    device and dtype gives one stack and one ``tolist`` (one wait on the device, where reading
+    each value waits once per value; a stack of mixed dtypes would convert)."""
     out: list[Any] = [None] * len(tensors)
     groups: dict[tuple[torch.device, torch.dtype], list[int]] = {}
     for i, t in enumerate(tensors):
-        if t.device.type == "cpu":
+        if not isinstance(t, Tensor):
+            out[i] = t
+        elif t.device.type == "cpu":
             out[i] = t.item()
         else:
             groups.setdefault((t.device, t.dtype), []).append(i)
@@ -658,7 +638,7 @@ def _flow_shares(split: Branches) -> dict[str, float]:
     if not split.values:
         return {}
     flows = [_flow_and_entropy(v[1])[0] for v in split.values.values()]
-    sums = [_log_sum_exp(f) for f in flows]
+    sums = [log_sum_exp(f) for f in flows]
     logs = dict(zip(split.values, _to_host(sums), strict=True))
     whole = torch.tensor(list(logs.values()), dtype=torch.float64).logsumexp(0)
     return {use: math.exp(v - float(whole)) for use, v in logs.items()}

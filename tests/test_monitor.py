@@ -583,22 +583,94 @@ def test_a_weight_frozen_during_training_moves_its_layer_to_the_bias() -> None:
     assert (3, "0", "top_path_changed") not in got  # back at the weight: starts afresh
 
 
-def test_summary_reductions_keep_infinities_and_sum_16_bit_values_wide() -> None:
+@pytest.mark.parametrize("native", [True, False], ids=["native", "torch"])
+def test_summary_reductions_keep_infinities_and_sum_16_bit_values_wide(native: bool) -> None:
     """The shifted exp-sum gave NaN for a +inf flow (logsumexp gives inf); a float16 sum of
-    200k entropies of 1.0 overflowed to inf."""
-    from semipack.monitor import _log_sum_exp, _mean_and_max_of_numbers
+    200k entropies of 1.0 overflowed to inf. Both forms: the native loops (float32) and
+    torch's reductions."""
+    from semipack.kernels.native import set_native
+    from semipack.kernels.summaries import count_sum_max_of_numbers, log_sum_exp
 
     inf = math.inf
-    assert float(_log_sum_exp(torch.tensor([0.0, inf]))) == inf
-    assert float(_log_sum_exp(torch.full((3,), -inf))) == -inf
-    x = torch.randn(1000, generator=torch.Generator().manual_seed(0))
-    assert float(_log_sum_exp(x)) == pytest.approx(float(x.logsumexp(0)), rel=1e-6)
-    entropy = torch.ones(200_000, dtype=torch.float16)
-    entropy[:5] = math.nan
-    count, total, top = (float(v) for v in _mean_and_max_of_numbers(entropy))
-    assert (count, total / count, top) == (199_995, 1.0, 1.0)
-    infinite = torch.tensor([1.0, inf, math.nan])  # nan_to_num made inf the largest float
-    assert [float(v) for v in _mean_and_max_of_numbers(infinite)] == [2, inf, inf]
+    set_native(native)
+    try:
+        assert float(log_sum_exp(torch.tensor([0.0, inf]))) == inf
+        assert float(log_sum_exp(torch.full((3,), -inf))) == -inf
+        assert math.isnan(float(log_sum_exp(torch.tensor([0.0, math.nan, inf]))))
+        x = torch.randn(1000, generator=torch.Generator().manual_seed(0))
+        assert float(log_sum_exp(x)) == pytest.approx(float(x.logsumexp(0)), rel=1e-6)
+        for dtype in (torch.float16, torch.float32):
+            entropy = torch.ones(200_000, dtype=dtype)
+            entropy[:5] = math.nan
+            count, total, top = (float(v) for v in count_sum_max_of_numbers(entropy))
+            assert (count, total / count, top) == (199_995, 1.0, 1.0)
+        infinite = torch.tensor([1.0, inf, math.nan])  # nan_to_num made inf the largest float
+        assert [float(v) for v in count_sum_max_of_numbers(infinite)] == [2, inf, inf]
+        nothing = torch.full((9,), math.nan)
+        assert [float(v) for v in count_sum_max_of_numbers(nothing)] == [0, 0.0, -inf]
+    finally:
+        set_native(True)
+
+
+def _summary_cases() -> dict[str, torch.Tensor]:
+    """[units, entries] float32 values for the best-entry reduction: random, ties, dead units,
+    NaN (first one wins), all -inf, one entry, and sizes past the native loops' blocks."""
+    gen = torch.Generator().manual_seed(3)
+    inf = math.inf
+    cases = {"random": torch.randn(64, 147, generator=gen)}
+    ties = torch.randint(0, 4, (40, 33), generator=gen).float()
+    ties[[3, 17]] = -inf  # dead units
+    cases["ties_and_dead_units"] = ties
+    nan = torch.randn(30, 21, generator=gen)
+    nan[7, 5] = nan[2, 20] = math.nan
+    nan[1, 3] = inf
+    cases["nan_first_one_wins"] = nan
+    cases["all_minus_inf"] = torch.full((5, 9), -inf)
+    cases["one_entry"] = torch.tensor([[-2.5]])
+    wide = torch.randn(3, 70_001, generator=gen)
+    wide[2, 69_999] = 40.0  # the best in the last block of a wide unit
+    cases["wide_units"] = wide
+    many = torch.randn(20_000, 9, generator=gen)
+    many[:, :] = -inf
+    many[13_001, 4] = many[19_000, 2] = 1.0  # ties across blocks of units: the first wins
+    cases["many_small_units"] = many
+    return cases
+
+
+@pytest.mark.parametrize("name", list(_summary_cases()))
+def test_native_summaries_equal_torchs_reductions(name: str) -> None:
+    """The native summaries (best entry, dead fraction, index; log flow; count, sum and max of
+    the numbers) equal torch's: indices, maxima and counts exactly, sums up to their order."""
+    from semipack.kernels.native import native_available, set_native
+    from semipack.kernels.summaries import best_entry, count_sum_max_of_numbers, log_sum_exp
+
+    if not native_available():
+        pytest.skip("no native kernels here")
+    units = _summary_cases()[name]
+    flat = units.reshape(-1)
+    native = [*best_entry(units), log_sum_exp(flat), *count_sum_max_of_numbers(flat)]
+    assert all(not isinstance(v, torch.Tensor) for v in native)  # the native loops ran
+    set_native(False)
+    try:
+        plain = [*best_entry(units), log_sum_exp(flat), *count_sum_max_of_numbers(flat)]
+    finally:
+        set_native(True)
+    assert all(isinstance(v, torch.Tensor) for v in plain)
+    plain = [v.item() for v in plain]
+    # the independent reference: torch's own argmax, amax, logsumexp, isnan
+    assert native[2] == int(flat.argmax()) == plain[2]
+    same = lambda a, b: a == b or (math.isnan(a) and math.isnan(b))  # noqa: E731
+    assert same(native[0], float(flat.max())) and same(native[0], plain[0])
+    assert native[1] == plain[1] == float((units.amax(1) == -math.inf).double().mean())
+    expected_flow = float(flat.double().logsumexp(0))
+    for got in (native[3], plain[3]):
+        assert same(got, expected_flow) or got == pytest.approx(expected_flow, rel=1e-6)
+    numbers = flat[~flat.isnan()]
+    assert native[4] == plain[4] == numbers.numel()
+    assert native[5] == pytest.approx(float(numbers.double().sum()), rel=1e-12, nan_ok=True)
+    assert native[5] == pytest.approx(plain[5], rel=1e-12, nan_ok=True)
+    expected_max = float(numbers.max()) if numbers.numel() else -math.inf
+    assert native[6] == plain[6] == expected_max
 
 
 def test_a_step_number_held_in_a_tensor_is_written_as_a_number(tmp_path: Path) -> None:

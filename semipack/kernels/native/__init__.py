@@ -55,6 +55,7 @@ _SOURCES = tuple(
         "depthwise_channels.c",
         "log_derivatives.c",
         "log_space.c",
+        "summaries.c",
     )
 )
 #: Headers the sources include (part of the build's cache key).
@@ -78,8 +79,14 @@ T = TypeVar("T")
 #: caller kept from an earlier call (``computed``: none kept).
 Memo = Callable[[Tensor, str, Callable[[], Any]], Any]
 
-#: ctypes codes of the C signatures below: a pointer, an int64_t, an int, a float.
-_C_TYPES = {"p": ctypes.c_void_p, "q": ctypes.c_int64, "i": ctypes.c_int, "f": ctypes.c_float}
+#: ctypes codes of the C signatures below: a pointer, an int64_t, an int, a float, a double.
+_C_TYPES = {
+    "p": ctypes.c_void_p,
+    "q": ctypes.c_int64,
+    "i": ctypes.c_int,
+    "f": ctypes.c_float,
+    "d": ctypes.c_double,
+}
 #: Each exported function: (return type or None for void, parameter types), in those codes.
 _SIGNATURES: dict[str, tuple[str | None, str]] = {
     "semipack_maxplus_f32": (None, "pqqqpppqqqqqqi"),
@@ -116,6 +123,9 @@ _SIGNATURES: dict[str, tuple[str | None, str]] = {
     "semipack_depthwise_weight_ids_f32": (None, "ppppp" + "q" * 13 + "i"),
     "semipack_depthwise_channels_input_f32": (None, "ppppp" + "q" * 15 + "i"),
     "semipack_depthwise_channels_weight_f32": (None, "ppppp" + "q" * 12 + "i"),
+    "semipack_best_entries_f32": (None, "pqqpppi"),
+    "semipack_log_sum_exp_f32": ("d", "pqi"),
+    "semipack_number_stats_f32": (None, "pqpppi"),
 }
 
 _state = {
@@ -759,6 +769,46 @@ def entropy_plus_block_f32(
 def nonzero_abs_min_block_f32(x: Tensor) -> float:
     """The smallest non-zero ``|x|`` (``inf`` where none, NaN where ``x`` holds NaN)."""
     return _library().semipack_nonzero_abs_min_f32(x.data_ptr(), x.numel())
+
+
+def best_entries_f32(units: Tensor) -> tuple[int, float, int]:
+    """Of a contiguous float32 CPU ``units`` [U, S] (S > 0): the flat index of the first largest
+    entry (a NaN counting as largest, as ``torch.argmax``), that entry, and how many units hold
+    only ``-inf`` (summaries.c)."""
+    at, top, dead = ctypes.c_int64(), ctypes.c_float(), ctypes.c_int64()
+    _library().semipack_best_entries_f32(
+        units.data_ptr(),
+        units.shape[0],
+        units.shape[1],
+        ctypes.addressof(at),
+        ctypes.addressof(top),
+        ctypes.addressof(dead),
+        _elementwise_threads(units.numel()),
+    )
+    return at.value, top.value, dead.value
+
+
+def log_sum_exp_f32(x: Tensor) -> float:
+    """``log Σ exp`` over the entries of a float32 CPU tensor that fill one block, shifted by
+    the largest (the sum in float64); the largest where it is infinite, NaN at a NaN."""
+    return _library().semipack_log_sum_exp_f32(
+        x.data_ptr(), x.numel(), _elementwise_threads(x.numel())
+    )
+
+
+def number_stats_f32(x: Tensor) -> tuple[int, float, float]:
+    """How many entries of a float32 CPU tensor that fill one block are not NaN, their sum in
+    float64 (infinities included) and the largest of them (``-inf`` where none)."""
+    count, total, top = ctypes.c_int64(), ctypes.c_double(), ctypes.c_float()
+    _library().semipack_number_stats_f32(
+        x.data_ptr(),
+        x.numel(),
+        ctypes.addressof(count),
+        ctypes.addressof(total),
+        ctypes.addressof(top),
+        _elementwise_threads(x.numel()),
+    )
+    return count.value, total.value, top.value
 
 
 #: The derivatives ``sign_changing_log_derivative_f32`` knows (log_derivatives.c's KIND_*).

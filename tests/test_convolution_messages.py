@@ -153,6 +153,11 @@ DEPTHWISE = {
     "stride_3_by_2_kernel_4x4": ((1, 2, 17, 45), (2, 1, 4, 4), (3, 2), (1, 2), (1, 1)),
     "strided_dilated": ((1, 2, 15, 40), (2, 1, 3, 3), (2, 2), (2, 2), (2, 2)),
     "strided_one_row": ((2, 2, 1, 30), (2, 1, 3, 3), (2, 2), (1, 1), (1, 1)),
+    # stride 2, one output channel per input channel, rows of 16+ inputs: the stride-2 input
+    # kernel (an even kernel, rows of exactly 16, a 7 x 7 kernel on odd sizes)
+    "stride_2_even_kernel_4x4": ((1, 2, 18, 19), (2, 1, 4, 4), (2, 2), (1, 2), (1, 1)),
+    "stride_2_rows_of_16": ((2, 2, 7, 16), (2, 1, 3, 3), (2, 2), (1, 1), (1, 1)),
+    "stride_2_7x7_odd_sizes": ((1, 3, 21, 23), (3, 1, 7, 7), (2, 2), (3, 3), (1, 1)),
     # small planes with whole vectors of channels take the channels-last kernel
     # (depthwise_channels.c): two vectors at a time and a last single one (24 channels),
     # strides, dilations, eight taps in a row, a tall kernel

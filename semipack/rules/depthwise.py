@@ -18,6 +18,13 @@ Every result gets the same candidates as in the strided form, in the same order 
 hence its successor ids, are the same (tests/test_convolution_messages.py compares both with
 the per-tap path bit for bit).
 
+The input message of the most common strided layer, stride 2 with one output channel per
+input channel and input rows of at least 16 entries (MobileNets' and EfficientNets'
+downsampling blocks), has a kernel of its own that reads the phases' candidates in one sweep
+and writes the unpadded input's layout (``_stride_two_kernel_fits``): by phases, four stride-1
+problems of one to four taps each, over the whole message, and a strided copy of each phase's
+entries took about five times as long.
+
 Two more routes live here: planes under ``SMALL_PLANE`` columns take the channels-last kernel
 (``kernels/native/depthwise_channels.c``: 8 channels per vector, any stride), and a dense
 convolution over at most ``FEW_CHANNELS`` input channels (an image stem) runs as a depthwise
@@ -38,6 +45,7 @@ from ..kernels.native import (
     channels_kernel_fits,
     depthwise_channels_f32,
     depthwise_f32,
+    depthwise_input_stride2_f32,
     native_available,
 )
 from ..kernels.weight_cache import no_nan_or_posinf_kept
@@ -171,6 +179,8 @@ def _input_message(
     """The input message [B, C, H, W] (``shape``, the input's) by ``kernel``."""
     stride, dilation = tuple(geometry.stride), tuple(geometry.dilation)
     padding = tuple(geometry.padding)
+    if kernel == "phases" and _stride_two_kernel_fits(m, shape, stride, successors is not None):
+        return depthwise_input_stride2_f32(m, lw, shape, padding, successors, no_successor)
     if kernel == "phases":
         return _input_by_phases(m, lw, shape, padding, stride, successors, no_successor)
     (pad_h, pad_w), (height, width) = padding, shape[2:]
@@ -184,6 +194,21 @@ def _input_message(
     )[0]
     crop = (slice(None), slice(None), slice(pad_h, pad_h + height), slice(pad_w, pad_w + width))
     return tuple(p[crop].contiguous() for p in planes)
+
+
+def _stride_two_kernel_fits(
+    m: Tensor, shape: Sequence[int], stride: tuple[int, int], with_ids: bool
+) -> bool:
+    """Whether the stride-2 input kernel takes the input message (``native/depthwise.c``): a
+    stride of 2 (a ``phases`` layer: dilation 1), one output channel per input channel, input
+    rows of at least 16 entries, and for TopPath message positions exact as floats."""
+    _, channels, _, width = shape
+    return (
+        stride == (2, 2)
+        and m.shape[1] == channels
+        and width >= 16
+        and (not with_ids or m.shape[2] * m.shape[3] < 2**24)
+    )
 
 
 def _weight_message(

@@ -32,7 +32,7 @@ import subprocess
 import tempfile
 import threading
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -121,6 +121,7 @@ _SIGNATURES: dict[str, tuple[str | None, str]] = {
     "semipack_depthwise_weight_f32": (None, "ppp" + "q" * 13 + "i"),
     "semipack_depthwise_input_ids_f32": (None, "ppppp" + "q" * 16 + "i"),
     "semipack_depthwise_weight_ids_f32": (None, "ppppp" + "q" * 13 + "i"),
+    "semipack_depthwise_input_stride2_f32": (None, "ppppp" + "q" * 11 + "i"),
     "semipack_depthwise_channels_input_f32": (None, "ppppp" + "q" * 15 + "i"),
     "semipack_depthwise_channels_weight_f32": (None, "ppppp" + "q" * 12 + "i"),
     "semipack_best_entries_f32": (None, "pqqpppi"),
@@ -424,6 +425,51 @@ def depthwise_f32(
         kernel(m.data_ptr(), *with_ids, lx.data_ptr(), out[0].data_ptr(), *tail, *sizes, threads)
         to_weight = tuple(out)
     return to_input, to_weight
+
+
+def depthwise_input_stride2_f32(
+    m: Tensor,
+    lw: Tensor,
+    shape: Sequence[int],
+    padding: tuple[int, int],
+    ids: Tensor | None = None,
+    no_successor: int = -1,
+) -> tuple[Tensor, ...]:
+    """MaxProd's input message of a 2-D depthwise convolution of stride 2 and dilation 1, one
+    output channel per input channel, straight into the unpadded input's ``shape`` [B, C, H, W]
+    (W >= 16) as a 1-tuple; with ``ids`` (TopPath's successor ids, int64 like ``m``), (values,
+    ids), ``no_successor`` where an input has no path (depthwise.c). ``m`` [B, C, Ho, Wo], ``lw``
+    [C, KH, KW] float32 CPU, without NaN or ``+inf`` (the caller checks); ``padding`` (rows,
+    columns) on each side."""
+    lib = _library()
+    assert lib is not None and m.dtype == lw.dtype == torch.float32
+    m, lw = m.contiguous(), lw.contiguous()
+    batch, channels, height, width = shape
+    (ho, wo), (kh, kw) = m.shape[2:], lw.shape[1:]
+    pad_h, pad_w = padding
+    out = _message_buffers((batch, channels, height, width), ids is not None)
+    if ids is not None:
+        ids = ids.expand(m.shape).contiguous()
+    lib.semipack_depthwise_input_stride2_f32(
+        m.data_ptr(),
+        None if ids is None else ids.data_ptr(),
+        lw.data_ptr(),
+        out[0].data_ptr(),
+        None if ids is None else out[1].data_ptr(),
+        no_successor,
+        batch,
+        channels,
+        ho,
+        wo,
+        height + 2 * pad_h,
+        width + 2 * pad_w,
+        kh,
+        kw,
+        pad_h,
+        pad_w,
+        _threads(m.numel() * kh * kw * 16),
+    )
+    return tuple(out)
 
 
 def _message_buffers(shape: tuple[int, ...], with_ids: bool) -> list[Tensor]:

@@ -633,6 +633,174 @@ static void weight_row_ids(const float *m, const int64_t *ids, const float *lx, 
 #undef SEMIPACK_ROW_IDS
 }
 
+/* Stride 2, dilation 1, one output channel per input channel: the input message gathered
+   straight into the unpadded input's layout [B, C, H, W] (MobileNets' and EfficientNets'
+   downsampling layers). Splitting the stride into its four phases (rules/depthwise.py) ran four
+   stride-1 problems on sub-kernels of one to four taps, each over the whole message, then
+   copied each phase's entries to their strided places: about a fifth of the stride-1 rate.
+   Here padded input column iw reads tap kw at output column (iw - kw) / 2 where that is whole,
+   so of 16 neighbouring inputs from column c, the 8 at c + 2j read taps kw of c's parity at
+   output columns (c - kw) / 2 + j, and the 8 at c + 1 + 2j the other taps at (c + 1 - kw) / 2 + j:
+   two vectors of neighbouring message entries each, interleaved once at the store. Rows
+   likewise: input row ih reads the kernel rows kh of its parity, at output row (ih - kh) / 2.
+   The message plane is copied into a buffer with a -inf border (no path) wide enough for every
+   read; a row's last 16 columns end at its end (some again: a maximum over the same candidates
+   gives them again). Same candidates in the same order (taps by (kh, kw)) as the per-tap path,
+   so the same maxima and, for TopPath, the same first candidates. */
+
+/* The 16 results of two vectors of 8, the first's at even offsets, the second's at odd. */
+static inline void store_interleaved(float *dst, __m256 first, __m256 second) {
+    const __m256 lo = _mm256_unpacklo_ps(first, second), hi = _mm256_unpackhi_ps(first, second);
+    _mm256_storeu_ps(dst, _mm256_permute2f128_ps(lo, hi, 0x20));
+    _mm256_storeu_ps(dst + 8, _mm256_permute2f128_ps(lo, hi, 0x31));
+}
+
+/* The message buffer of a stride-2 plane: rows above output row 0 and columns left of output
+   column 0 (the border), and its size. Output row (ih - kh) / 2 spans -(KH - 1) / 2 to
+   (hp - 1) / 2, column likewise with the 16 columns of a row's last block. */
+typedef struct {
+    int64_t top, left, rows, cols;
+} stride_two_frame;
+
+static stride_two_frame stride_two_frame_of(int64_t ho, int64_t wo, int64_t hp, int64_t wp,
+                                            int64_t kh_n, int64_t kw_n) {
+    stride_two_frame f;
+    f.top = (kh_n + 1) / 2 + 1;
+    f.left = (kw_n + 1) / 2 + 1;
+    const int64_t bottom = (hp + 1) / 2 + 1, right = (wp + 17) / 2 + 1;
+    f.rows = f.top + (bottom > ho ? bottom : ho) + 1;
+    f.cols = f.left + (right > wo ? right : wo) + 1;
+    return f;
+}
+
+/* One plane, MaxProd, KH x KW taps (constants where inlined); the input's h x w entries
+   (w >= 16), padded coordinates (y + ch, x + cw). */
+static inline __attribute__((always_inline)) void stride_two_input_plane(
+    const float *mo, const float *lwo, float *out, float *buf, stride_two_frame f, int64_t ho,
+    int64_t wo, int64_t h, int64_t w, int64_t ch, int64_t cw, const int64_t KH,
+    const int64_t KW) {
+    for (int64_t oh = 0; oh < ho; oh++)
+        memcpy(buf + (oh + f.top) * f.cols + f.left, mo + oh * wo, sizeof(float) * (size_t)wo);
+    for (int64_t y = 0; y < h; y++) {
+        const int64_t ih = y + ch;
+        for (int64_t x0 = 0; x0 < w; x0 += 16) {
+            if (x0 + 16 > w) x0 = w - 16;
+            const int64_t c = x0 + cw; /* the first vector's padded columns: c + 2j */
+            __m256 first = _mm256_set1_ps(-__builtin_inff()), second = first;
+#pragma GCC unroll 8
+            for (int64_t kh = 0; kh < KH; kh++) {
+                if ((ih - kh) & 1) continue;
+                const float *row = buf + ((ih - kh) / 2 + f.top) * f.cols + f.left;
+#pragma GCC unroll 8
+                for (int64_t kw = 0; kw < KW; kw++) {
+                    const __m256 wv = _mm256_broadcast_ss(lwo + kh * KW + kw);
+                    if (((c - kw) & 1) == 0)
+                        first = _mm256_max_ps(
+                            first, _mm256_add_ps(_mm256_loadu_ps(row + (c - kw) / 2), wv));
+                    else
+                        second = _mm256_max_ps(
+                            second, _mm256_add_ps(_mm256_loadu_ps(row + (c + 1 - kw) / 2), wv));
+                }
+            }
+            store_interleaved(out + y * w + x0, first, second);
+        }
+    }
+}
+
+/* As stride_two_input_plane for TopPath: beside each lane's maximum the message position
+   oh * wo + ow of its first candidate, as a float (exact below 2^24, which the caller checks);
+   its id is read from there, no_successor where no candidate has a path. */
+static inline __attribute__((always_inline)) void stride_two_input_plane_ids(
+    const float *mo, const int64_t *ids_o, const float *lwo, float *out, int64_t *out_ids,
+    int64_t no_successor, float *buf, stride_two_frame f, int64_t ho, int64_t wo, int64_t h,
+    int64_t w, int64_t ch, int64_t cw, const int64_t KH, const int64_t KW) {
+    const __m256 lanes = _mm256_setr_ps(0, 1, 2, 3, 4, 5, 6, 7);
+    for (int64_t oh = 0; oh < ho; oh++)
+        memcpy(buf + (oh + f.top) * f.cols + f.left, mo + oh * wo, sizeof(float) * (size_t)wo);
+    for (int64_t y = 0; y < h; y++) {
+        const int64_t ih = y + ch;
+        float *dst = out + y * w;
+        int64_t *dst_ids = out_ids + y * w;
+        for (int64_t x0 = 0; x0 < w; x0 += 16) {
+            if (x0 + 16 > w) x0 = w - 16;
+            const int64_t c = x0 + cw;
+            __m256 first = _mm256_set1_ps(-__builtin_inff()), second = first;
+            __m256 first_at = _mm256_setzero_ps(), second_at = first_at;
+#pragma GCC unroll 8
+            for (int64_t kh = 0; kh < KH; kh++) {
+                if ((ih - kh) & 1) continue;
+                const int64_t oh = (ih - kh) / 2;
+                const float *row = buf + (oh + f.top) * f.cols + f.left;
+#pragma GCC unroll 8
+                for (int64_t kw = 0; kw < KW; kw++) {
+                    const __m256 wv = _mm256_broadcast_ss(lwo + kh * KW + kw);
+                    const int even = ((c - kw) & 1) == 0;
+                    const int64_t ow = even ? (c - kw) / 2 : (c + 1 - kw) / 2;
+                    const __m256 v = _mm256_add_ps(_mm256_loadu_ps(row + ow), wv);
+                    const __m256 at = _mm256_add_ps(_mm256_set1_ps((float)(oh * wo + ow)), lanes);
+                    if (even) {
+                        first_at =
+                            _mm256_blendv_ps(first_at, at, _mm256_cmp_ps(v, first, _CMP_GT_OQ));
+                        first = _mm256_max_ps(first, v);
+                    } else {
+                        second_at =
+                            _mm256_blendv_ps(second_at, at, _mm256_cmp_ps(v, second, _CMP_GT_OQ));
+                        second = _mm256_max_ps(second, v);
+                    }
+                }
+            }
+            store_interleaved(dst + x0, first, second);
+            float at[16];
+            store_interleaved(at, first_at, second_at);
+            for (int l = 0; l < 16; l++)
+                dst_ids[x0 + l] =
+                    dst[x0 + l] == -__builtin_inff() ? no_successor : ids_o[(int64_t)at[l]];
+        }
+    }
+}
+
+/* m [B, C, Ho, Wo], lw [C, KH, KW], dx [B, C, hp - 2 ch, wp - 2 cw] (the unpadded input), and
+   with ids (TopPath; NULL for MaxProd) ids like m and dx_ids like dx. */
+void semipack_depthwise_input_stride2_f32(const float *m, const int64_t *ids, const float *lw,
+                                          float *dx, int64_t *dx_ids, int64_t no_successor,
+                                          int64_t batch, int64_t channels, int64_t ho,
+                                          int64_t wo, int64_t hp, int64_t wp, int64_t kh_n,
+                                          int64_t kw_n, int64_t ch, int64_t cw, int threads) {
+    const stride_two_frame f = stride_two_frame_of(ho, wo, hp, wp, kh_n, kw_n);
+    const int64_t h = hp - 2 * ch, w = wp - 2 * cw, taps = kh_n * kw_n;
+#pragma omp parallel num_threads(threads)
+    {
+        float *buf = malloc(sizeof(float) * (size_t)(f.rows * f.cols));
+        for (int64_t i = 0; i < f.rows * f.cols; i++) buf[i] = -__builtin_inff();
+#pragma omp for schedule(static)
+        for (int64_t bc = 0; bc < batch * channels; bc++) {
+            const float *mo = m + bc * ho * wo, *lwo = lw + (bc % channels) * taps;
+            float *out = dx + bc * h * w;
+            if (ids) {
+                const int64_t *ids_o = ids + bc * ho * wo;
+                int64_t *out_ids = dx_ids + bc * h * w;
+#define SEMIPACK_S2_IDS(KH, KW)                                                                \
+    stride_two_input_plane_ids(mo, ids_o, lwo, out, out_ids, no_successor, buf, f, ho, wo, h, w, \
+                               ch, cw, KH, KW)
+                if (kh_n == 3 && kw_n == 3)
+                    SEMIPACK_S2_IDS(3, 3);
+                else if (kh_n == 5 && kw_n == 5)
+                    SEMIPACK_S2_IDS(5, 5);
+                else
+                    SEMIPACK_S2_IDS(kh_n, kw_n);
+#undef SEMIPACK_S2_IDS
+            } else if (kh_n == 3 && kw_n == 3) {
+                stride_two_input_plane(mo, lwo, out, buf, f, ho, wo, h, w, ch, cw, 3, 3);
+            } else if (kh_n == 5 && kw_n == 5) {
+                stride_two_input_plane(mo, lwo, out, buf, f, ho, wo, h, w, ch, cw, 5, 5);
+            } else {
+                stride_two_input_plane(mo, lwo, out, buf, f, ho, wo, h, w, ch, cw, kh_n, kw_n);
+            }
+        }
+        free(buf);
+    }
+}
+
 /* TopPath's messages: the same maxima and the successor id of the first candidate attaining
    each, in the per-tap path's order (taps in order, then the channel multiplier; a later
    candidate replaces only when strictly larger, as TopPath's plus does). ids [B, C*M, Ho, Wo]

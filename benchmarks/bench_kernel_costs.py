@@ -31,10 +31,11 @@ Each line is a median of ``--repeats`` timed runs (after a warm-up) on one threa
   channels, batch 2, 3x3 and 5x5 kernels with "same" padding, on 56 x 56 and 14 x 14 planes:
   the input and weight messages, MaxProd and TopPath, in the same pairs per second as the tap
   product above (the issue's "not slower per multiply-add than the dense one");
-* the input message of stride-2 depthwise layers (MobileNetV3-small's 16 @ 112 x 112 and
+* both messages of stride-2 depthwise layers (MobileNetV3-small's 16 @ 112 x 112 and
   72 @ 56 x 56 3x3 layers, a 96 @ 28 x 28 5x5 one, batch 2), MaxProd and TopPath, by phases
-  (four stride-1 problems and a strided copy each, ``rules/depthwise.py``) against the
-  stride-2 kernel, in turns, CPU milliseconds and pairs per second (``--only stride_two``);
+  (``rules/depthwise.py``: for the input message four stride-1 problems and a strided copy
+  each, for the weight message two column copies and two calls) against one kernel call, in
+  turns, CPU milliseconds and pairs per second (``--only stride_two``);
 * MobileNetV3-small's depthwise layers and two image stems (3 input channels) through the
   convolution rule's entry (``rules/depthwise.py`` since 2026-11-26: phases for strided layers,
   the channels-last kernel for planes under 8 columns, stems as depthwise layers with a
@@ -342,41 +343,64 @@ def _depthwise_layer_rates(kernel: int, side: int, repeats: int) -> list[float]:
 
 
 def stride_two(repeats: int) -> None:
-    """The input message of stride-2 depthwise layers by phases and by the stride-2 kernel, in
-    turns (both give the same bits: checked here on the way)."""
+    """Both messages of stride-2 depthwise layers by phases and in one kernel call, in turns
+    (both give the same bits: checked here on the way)."""
     torch.manual_seed(0)
-    print("stride-2 depthwise input message, batch 2 (CPU ms, G pairs/s): by phases, one kernel")
+    print("stride-2 depthwise messages, batch 2 (CPU ms, G pairs/s): by phases, one kernel call")
     for channels, side, kernel in ((16, 112, 3), (72, 56, 3), (96, 28, 5)):
         pad = (kernel - 1) // 2
         out = (side + 2 * pad - kernel) // 2 + 1
         m, lw = torch.randn(2, channels, out, out), torch.randn(channels, kernel, kernel)
+        lx = torch.randn(2, channels, side + 2 * pad, side + 2 * pad)
         ids = torch.arange(m.numel()).reshape(m.shape)
-        line = []
-        for name, successors in (("MaxProd", None), ("TopPath", ids)):
-            ms = _stride_two_pair(m, lw, (2, channels, side, side), pad, successors, repeats)
-            rates = [m.numel() * kernel * kernel / t / 1e6 for t in ms]
-            line.append(f"{name} {ms[0]:.2f} ({rates[0]:.1f}), {ms[1]:.2f} ({rates[1]:.1f})")
-        print(f"  {kernel}x{kernel}, {channels} channels, {side} x {side}: " + "; ".join(line))
+        for message in ("input", "weight"):
+            line = []
+            for name, successors in (("MaxProd", None), ("TopPath", ids)):
+                forms = _stride_two_forms(message, m, lw, lx, (side, side), pad, successors)
+                ms = _in_turns(forms, repeats)
+                rates = [m.numel() * kernel * kernel / t / 1e6 for t in ms]
+                line.append(f"{name} {ms[0]:.2f} ({rates[0]:.1f}), {ms[1]:.2f} ({rates[1]:.1f})")
+            print(
+                f"  {kernel}x{kernel}, {channels} channels, {side} x {side}, {message} message: "
+                + "; ".join(line)
+            )
 
 
-def _stride_two_pair(
+def _stride_two_forms(
+    message: str,
     m: torch.Tensor,
     lw: torch.Tensor,
-    shape: tuple[int, ...],
+    lx: torch.Tensor,
+    size: tuple[int, int],
     pad: int,
     successors: torch.Tensor | None,
-    repeats: int,
-) -> list[float]:
-    """CPU milliseconds (medians, in turns) of the input message by phases and by the kernel."""
-    from semipack.kernels.native import depthwise_input_stride2_f32
-    from semipack.rules.depthwise import _input_by_phases
+) -> tuple[Callable[[], tuple[torch.Tensor, ...]], ...]:
+    """A stride-2 depthwise layer's ``message`` by phases and in one kernel call."""
+    from semipack.kernels.native import depthwise_f32, depthwise_input_stride2_f32
+    from semipack.rules.depthwise import _input_by_phases, _weight_by_phases
 
-    forms = (
-        lambda: _input_by_phases(m, lw, shape, (pad, pad), (2, 2), successors, -1),
-        lambda: depthwise_input_stride2_f32(m, lw, shape, (pad, pad), successors, -1),
+    if message == "input":
+        shape = (*m.shape[:2], *size)
+        return (
+            lambda: _input_by_phases(m, lw, shape, (pad, pad), (2, 2), successors, -1),
+            lambda: depthwise_input_stride2_f32(m, lw, shape, (pad, pad), successors, -1),
+        )
+    return (
+        lambda: _weight_by_phases(m, lw.shape, lx, (2, 2), successors),
+        lambda: depthwise_f32(m, lw, lx, (2, 2), (1, 1), False, True, successors)[1],
     )
-    assert all(torch.equal(a, b) for a, b in zip(*(f() for f in forms), strict=True))
-    times: list[list[float]] = [[], []]
+
+
+def _in_turns(
+    forms: tuple[Callable[[], tuple[torch.Tensor, ...]], ...], repeats: int
+) -> list[float]:
+    """CPU milliseconds (medians) of ``forms`` timed in turns, after checking that they give
+    the same tensors."""
+    results = [f() for f in forms]
+    assert all(
+        all(torch.equal(a, b) for a, b in zip(results[0], r, strict=True)) for r in results[1:]
+    )
+    times: list[list[float]] = [[] for _ in forms]
     for _ in range(repeats):
         for form, spent in zip(forms, times, strict=True):
             start = time.process_time()

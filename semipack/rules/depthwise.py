@@ -23,7 +23,10 @@ input channel and input rows of at least 16 entries (MobileNets' and EfficientNe
 downsampling blocks), has a kernel of its own that reads the phases' candidates in one sweep
 and writes the unpadded input's layout (``_stride_two_kernel_fits``): by phases, four stride-1
 problems of one to four taps each, over the whole message, and a strided copy of each phase's
-entries took about five times as long.
+entries took 3-5 times as long. The weight message's plane kernels read a column stride of 2 in
+place (two loads deinterleaved per vector of input columns), where the phases copied each
+column phase of the input first; larger column strides still go by phases
+(``benchmarks/bench_kernel_costs.py --only stride_two`` times both messages both ways).
 
 Two more routes live here: planes under ``SMALL_PLANE`` columns take the channels-last kernel
 (``kernels/native/depthwise_channels.c``: 8 channels per vector, any stride), and a dense
@@ -220,9 +223,10 @@ def _weight_message(
     successors: Tensor | None,
 ) -> tuple[Tensor, ...]:
     """The weight message [C * M, KH, KW] (``lw``'s shape) by ``kernel``; ``lx`` is log|x| of
-    the padded input."""
+    the padded input. A column stride of 1 or 2 the plane kernels read in place (at 2 each
+    vector of input columns is deinterleaved from two loads); larger ones go by phases."""
     stride, dilation = tuple(geometry.stride), tuple(geometry.dilation)
-    if kernel == "phases":
+    if kernel == "phases" and stride[1] > 2:
         return _weight_by_phases(m, lw.shape, lx, stride, successors)
     if kernel == "channels":
         padding = tuple(geometry.padding)

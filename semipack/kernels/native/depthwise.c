@@ -209,6 +209,17 @@ void semipack_depthwise_input_f32(const float *m, const float *lw, float *dx, in
     }
 }
 
+/* The 8 entries of a row at columns j * SW from `at` (SW 1 or 2, a constant where inlined):
+   at stride 2, at[0], at[2], ..., at[14] from two loads (at[0..7] and at[7..14]: nothing past
+   the last entry read), a shuffle and a permutation, so that a stride-2 layer's weight message
+   reads its input in place. */
+static inline __attribute__((always_inline)) __m256 load_columns(const float *at, const int SW) {
+    if (SW == 1) return _mm256_loadu_ps(at);
+    /* [at0 at2 at8 at10 | at4 at6 at12 at14], then its 64-bit lanes in the order 0 2 1 3 */
+    const __m256 picked = _mm256_shuffle_ps(_mm256_loadu_ps(at), _mm256_loadu_ps(at + 7), 0xD8);
+    return _mm256_castpd_ps(_mm256_permute4x64_pd(_mm256_castps_pd(picked), 0xD8));
+}
+
 /* Unit column stride, up to 8 taps per kernel row: the taps of one kernel row share the message's
    loads (one load of m per 8 outputs feeds every tap's maximum), and a row's last columns are
    one more vector ending at the row's end (a maximum counts a candidate twice harmlessly).
@@ -218,7 +229,7 @@ void semipack_depthwise_input_f32(const float *m, const float *lw, float *dx, in
 static inline __attribute__((always_inline)) void weight_row_taps(
     const float *m, const float *lx, float *out, int64_t batch, int64_t channels, int64_t mult,
     int64_t o, int64_t kh, int64_t ho, int64_t wo, int64_t hp, int64_t wp, const int kw_n,
-    int64_t sh, int64_t dh, int64_t dw) {
+    int64_t sh, int64_t dh, int64_t dw, const int SW) {
     const int64_t c = o / mult;
     __m256 acc[8], acc2[8];
     float best[8];
@@ -236,7 +247,7 @@ static inline __attribute__((always_inline)) void weight_row_taps(
                 for (int64_t ow = 0; ow < wo; ow++)
 #pragma GCC unroll 8
                     for (int kw = 0; kw < kw_n; kw++)
-                        best[kw] = max1(best[kw], src[ow] + in[ow + kw * dw]);
+                        best[kw] = max1(best[kw], src[ow] + in[ow * SW + kw * dw]);
                 continue;
             }
             int64_t ow = 0;
@@ -246,9 +257,10 @@ static inline __attribute__((always_inline)) void weight_row_taps(
 #pragma GCC unroll 8
                     for (int kw = 0; kw < kw_n; kw++) {
                         acc[kw] = _mm256_max_ps(
-                            acc[kw], _mm256_add_ps(mv, _mm256_loadu_ps(in + ow + kw * dw)));
+                            acc[kw], _mm256_add_ps(mv, load_columns(in + ow * SW + kw * dw, SW)));
                         acc2[kw] = _mm256_max_ps(
-                            acc2[kw], _mm256_add_ps(mv2, _mm256_loadu_ps(in + ow + 8 + kw * dw)));
+                            acc2[kw],
+                            _mm256_add_ps(mv2, load_columns(in + (ow + 8) * SW + kw * dw, SW)));
                     }
                 }
             for (; ow < wo; ow += 8) {
@@ -257,7 +269,7 @@ static inline __attribute__((always_inline)) void weight_row_taps(
 #pragma GCC unroll 8
                 for (int kw = 0; kw < kw_n; kw++)
                     acc[kw] = _mm256_max_ps(
-                        acc[kw], _mm256_add_ps(mv, _mm256_loadu_ps(in + ow + kw * dw)));
+                        acc[kw], _mm256_add_ps(mv, load_columns(in + ow * SW + kw * dw, SW)));
             }
         }
     }
@@ -270,11 +282,15 @@ static inline __attribute__((always_inline)) void weight_row_taps(
 static void weight_row(const float *m, const float *lx, float *out, int64_t batch,
                        int64_t channels, int64_t mult, int64_t o, int64_t kh, int64_t ho,
                        int64_t wo, int64_t hp, int64_t wp, int64_t kw_n, int64_t sh, int64_t dh,
-                       int64_t dw) {
+                       int64_t dw, int64_t sw) {
 #define SEMIPACK_ROW(n)                                                                        \
     case n:                                                                                    \
-        weight_row_taps(m, lx, out, batch, channels, mult, o, kh, ho, wo, hp, wp, n, sh, dh,  \
-                        dw);                                                                   \
+        if (sw == 2)                                                                           \
+            weight_row_taps(m, lx, out, batch, channels, mult, o, kh, ho, wo, hp, wp, n, sh,  \
+                            dh, dw, 2);                                                        \
+        else                                                                                   \
+            weight_row_taps(m, lx, out, batch, channels, mult, o, kh, ho, wo, hp, wp, n, sh,  \
+                            dh, dw, 1);                                                        \
         return;
     switch (kw_n) {
         SEMIPACK_ROW(1)
@@ -366,12 +382,12 @@ void semipack_depthwise_weight_f32(const float *m, const float *lx, float *out, 
                             3, 3);
         return;
     }
-    if (sw == 1 && kw_n <= 8) {
+    if ((sw == 1 || sw == 2) && kw_n <= 8) {
 #pragma omp parallel for schedule(static) num_threads(threads)
         for (int64_t t = 0; t < channels * mult * kh_n; t++) {
             const int64_t o = t / kh_n, kh = t % kh_n;
             weight_row(m, lx, out + o * taps, batch, channels, mult, o, kh, ho, wo, hp, wp, kw_n,
-                       sh, dh, dw);
+                       sh, dh, dw, sw);
         }
         return;
     }
@@ -548,7 +564,7 @@ static void input_plane_gather_ids(const float *m_c, const int64_t *ids_c, const
 static inline __attribute__((always_inline)) void weight_row_taps_ids(
     const float *m, const int64_t *ids, const float *lx, float *out, int64_t *out_ids,
     int64_t batch, int64_t channels, int64_t mult, int64_t o, int64_t kh, int64_t ho, int64_t wo,
-    int64_t hp, int64_t wp, const int kw_n, int64_t sh, int64_t dh, int64_t dw) {
+    int64_t hp, int64_t wp, const int kw_n, int64_t sh, int64_t dh, int64_t dw, const int SW) {
     const int64_t c = o / mult;
     const __m256 lanes = _mm256_setr_ps(0, 1, 2, 3, 4, 5, 6, 7);
     __m256 acc[8], pos[8];
@@ -570,7 +586,7 @@ static inline __attribute__((always_inline)) void weight_row_taps_ids(
                 for (int64_t ow = 0; ow < wo; ow++)
 #pragma GCC unroll 8
                     for (int kw = 0; kw < kw_n; kw++) {
-                        const float v = src[ow] + in[ow + kw * dw];
+                        const float v = src[ow] + in[ow * SW + kw * dw];
                         if (v > best[kw]) {
                             best[kw] = v;
                             best_at[kw] = (float)(first + ow);
@@ -584,7 +600,7 @@ static inline __attribute__((always_inline)) void weight_row_taps_ids(
                 const __m256 here = _mm256_add_ps(_mm256_set1_ps((float)(first + ow)), lanes);
 #pragma GCC unroll 8
                 for (int kw = 0; kw < kw_n; kw++) {
-                    const __m256 v = _mm256_add_ps(mv, _mm256_loadu_ps(in + ow + kw * dw));
+                    const __m256 v = _mm256_add_ps(mv, load_columns(in + ow * SW + kw * dw, SW));
                     pos[kw] =
                         _mm256_blendv_ps(pos[kw], here, _mm256_cmp_ps(v, acc[kw], _CMP_GT_OQ));
                     acc[kw] = _mm256_max_ps(acc[kw], v);
@@ -614,11 +630,15 @@ static inline __attribute__((always_inline)) void weight_row_taps_ids(
 static void weight_row_ids(const float *m, const int64_t *ids, const float *lx, float *out,
                            int64_t *out_ids, int64_t batch, int64_t channels, int64_t mult,
                            int64_t o, int64_t kh, int64_t ho, int64_t wo, int64_t hp, int64_t wp,
-                           int64_t kw_n, int64_t sh, int64_t dh, int64_t dw) {
+                           int64_t kw_n, int64_t sh, int64_t dh, int64_t dw, int64_t sw) {
 #define SEMIPACK_ROW_IDS(n)                                                                    \
     case n:                                                                                    \
-        weight_row_taps_ids(m, ids, lx, out, out_ids, batch, channels, mult, o, kh, ho, wo,   \
-                            hp, wp, n, sh, dh, dw);                                            \
+        if (sw == 2)                                                                           \
+            weight_row_taps_ids(m, ids, lx, out, out_ids, batch, channels, mult, o, kh, ho,   \
+                                wo, hp, wp, n, sh, dh, dw, 2);                                 \
+        else                                                                                   \
+            weight_row_taps_ids(m, ids, lx, out, out_ids, batch, channels, mult, o, kh, ho,   \
+                                wo, hp, wp, n, sh, dh, dw, 1);                                 \
         return;
     switch (kw_n) {
         SEMIPACK_ROW_IDS(1)
@@ -881,12 +901,12 @@ void semipack_depthwise_weight_ids_f32(const float *m, const int64_t *ids, const
                                        int64_t sh, int64_t sw, int64_t dh, int64_t dw,
                                        int threads) {
     const int64_t taps = kh_n * kw_n;
-    if (sw == 1 && kw_n <= 8 && batch * ho * wo < ((int64_t)1 << 24)) {
+    if ((sw == 1 || sw == 2) && kw_n <= 8 && batch * ho * wo < ((int64_t)1 << 24)) {
 #pragma omp parallel for schedule(static) num_threads(threads)
         for (int64_t t = 0; t < channels * mult * kh_n; t++) {
             const int64_t o = t / kh_n, kh = t % kh_n;
             weight_row_ids(m, ids, lx, out + o * taps, out_ids + o * taps, batch, channels, mult,
-                           o, kh, ho, wo, hp, wp, kw_n, sh, dh, dw);
+                           o, kh, ho, wo, hp, wp, kw_n, sh, dh, dw, sw);
         }
         return;
     }

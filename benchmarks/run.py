@@ -468,6 +468,25 @@ there).
   planes MaxProd 3.2-3.5 -> 2.4-2.9 ms, TopPath 7.5-8.7 -> 4.7-6.1, the one on 56 x 56 TopPath
   5.9-7.2 -> 5.6-5.8; the other layers moved within the runs' spread, and whole-model runs
   could not resolve the change (a plain backward's CPU time moved between 39 and 59 ms).
+  Since the thirty-first session (2026-11-29) stride 2 skips the phases: the input message
+  (one output channel per input channel, rows of 16+ inputs) is gathered in one sweep straight
+  into the input's layout, and the weight message's kernels read every second input column in
+  place; TopPath's weight row kernel takes its tap count as a constant (a run-time count had
+  kept its maxima and positions in memory). `bench_kernel_costs.py --only stride_two --repeats
+  31` (by phases and in one call, in turns, one thread, CPU ms): input message MaxProd 0.46-0.73
+  -> 0.15-0.20, TopPath 1.00-1.98 -> 0.38-0.78; weight message MaxProd 0.34-0.37 -> 0.13-0.19,
+  TopPath 0.44-0.46 -> 0.19-0.28 (MobileNetV3-small's 16 @ 112 and 72 @ 56 3x3 layers and a
+  96 @ 28 5x5 one). Through the rule's entry (`--only conv_layer_costs --repeats 15`, the
+  session's first tree and the new one in turns, twice): the 16 @ 112 layer MaxProd 2.9-3.7 ->
+  1.4-1.5 ms, TopPath 4.5-6.2 -> 2.2-2.3; the 72 @ 56 layer MaxProd 2.6-3.0 -> 1.4-1.7, TopPath
+  4.7-7.6 -> 1.9-2.6; the 96 @ 28 5x5 layer MaxProd 1.2-2.2 -> 0.8-1.2, TopPath 2.6-3.8 ->
+  1.4-1.7. `--only max_plus depthwise_rates --repeats 31` the same day (G pairs/s): the dense
+  tap product MaxProd 23.3 / 22.2 (weight / input message), TopPath 10.4 / 10.2; the 56 x 56
+  depthwise layer MaxProd 21.2 / 8.0 (3x3) and 16.5 / 10.4 (5x5), TopPath 7.9 / 2.7 and
+  11.7 / 6.1 (its weight message 3.1-7.0 and 5.2-6.0 before). The input messages stay below the
+  dense product's rate (MaxProd's stride-1 gather: 25 G pairs/s in its inner loop alone, 11-15
+  with a plane's set-up, its copy into a padded buffer and its stores, by hand in a standalone
+  C benchmark; TopPath's: a compare, a blend and a maximum per candidate and 8-byte ids).
   PyTorch's vectorised log takes a slow path for every exact zero (3.9 ms for 430k entries
   half of them zeros, 0.43 ms without zeros,
   `bench_kernel_costs.py`), and half of a ReLU network's activations are zeros: logarithms of

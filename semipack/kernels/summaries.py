@@ -6,7 +6,8 @@ Each returns Python numbers where the native loops (``native/summaries.c``) read
 (float32 on the CPU, its entries one block of memory), else 0-d tensors from torch's
 reductions, left on the tensor's device so that a caller reads many of them back at once (on a
 GPU one read per value waits on the device each time). Both give the same maxima, indices and
-counts, and sums in float64 of the same float32 terms in another order.
+counts, and sums in float64 in another order (the log flow's float32 exponentials within one
+ulp of torch's, the entropies' sum of the same terms).
 
 Why native: on ResNet-18's 11 million entries the torch forms made about a dozen passes, several
 writing a temporary as large, and took 100-160 ms per sampled step, about half a plain

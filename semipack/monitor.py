@@ -28,14 +28,16 @@ The records go to ``monitor.csv`` and TensorBoard (``torch.utils.tensorboard``) 
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import datetime
 import itertools
 import math
+import os
 import time
 import warnings
 import weakref
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -54,7 +56,7 @@ from .explain.branches import Branches, branches
 from .graph.provenance import display_name
 from .graph.sites import ROOT_MODULE
 from .kernels.summaries import best_entry, count_sum_max_of_numbers, log_sum_exp
-from .semirings import Entropy, EntropyFlow, LogSum, MaxProd, Product
+from .semirings import Entropy, EntropyFlow, LogSum, MaxProd, Product, Semiring
 
 QUANTITIES = (
     "entropy_mean", "entropy_max", "log_best_path", "log_flow", "dead_units", "top_path_changed",
@@ -151,8 +153,9 @@ class Monitor:
             raise ValueError(f"Monitor(every=...) needs a positive integer, got {every!r}")
         if overwrite and resume:
             raise ValueError("Monitor: overwrite=True and resume=True exclude each other")
+        _check_log_dir(log_dir)
         self.model, self.every = model, every
-        self.splits = dict(splits or {})
+        self.splits = _checked_splits(splits)
         flow = Entropy(flow=True) if entropy else LogSum()
         self.semiring = Product(MaxProd(log=True), flow)
         self.distributed = distributed
@@ -192,10 +195,17 @@ class Monitor:
         """Whether ``step`` runs a semiring backward."""
         return step % self.every == 0
 
-    @contextmanager
-    def step(self, step: int | None = None, loss_scale: float | None = None) -> Iterator[bool]:
+    def step(self, step: int | None = None, loss_scale: float | None = None) -> _StepBlock:
         """The context of one training step (forward and ``backward()`` inside); yields whether
-        the step is sampled. ``step`` defaults to a counter of the calls.
+        the step is sampled. ``step`` defaults to a counter of the blocks entered.
+
+        ``loss_scale``: see ``_step``. A block made and never entered (``monitor.step(i)``
+        without ``with``) records nothing and warns when it is dropped."""
+        return _StepBlock(self._step(step, loss_scale))
+
+    @contextmanager
+    def _step(self, step: int | None = None, loss_scale: float | None = None) -> Iterator[bool]:
+        """``step``'s block.
 
         ``loss_scale``: the factor the backward's root carries (``scaler.get_scale()`` when the
         loop runs ``scaler.scale(loss).backward()`` with a ``GradScaler``). Every path product
@@ -210,13 +220,22 @@ class Monitor:
             if not self.sampled(step):
                 yield False
                 return
+            if self._last_recorded is not None and step < self._last_recorded:
+                warnings.warn(
+                    f"Monitor.step({step}) comes after step {self._last_recorded} was recorded: "
+                    "both steps' records are kept (monitor.csv holds the same step twice where "
+                    "a step number comes again), and the top path is compared with step "
+                    f"{self._last_recorded}'s; number the steps in order (a run restarted from "
+                    "a checkpoint: Monitor(..., resume=True) in a new monitor)",
+                    stacklevel=4,
+                )
             if step == self._last_recorded:
                 warnings.warn(
                     f"Monitor.step({step}) is sampled again: each block runs its own semiring "
                     "backward and records it, so the step is recorded twice (and its top path "
                     "compared with itself); for gradient accumulation, open one block around "
                     "the whole step's micro-batches",
-                    stacklevel=3,
+                    stacklevel=4,
                 )
             combine = self._combines_processes()
             if combine:
@@ -550,6 +569,70 @@ def _flow_and_entropy(value: Tensor | EntropyFlow) -> tuple[Tensor, Tensor | Non
     if isinstance(value, EntropyFlow):
         return value.log_flow.detach(), value.entropy.detach()
     return value.detach(), None
+
+
+class _StepBlock:
+    """``Monitor.step``'s context: the step's own block, and a warning when it is dropped
+    without having been entered (``monitor.step(i)`` without ``with`` ran the step plain and
+    recorded nothing, silently, trial 110)."""
+
+    def __init__(self, block: Any) -> None:
+        self._block = block
+        self._entered = False
+
+    def __enter__(self) -> bool:
+        self._entered = True
+        return self._block.__enter__()
+
+    def __exit__(self, *exc: Any) -> bool | None:
+        return self._block.__exit__(*exc)
+
+    def __del__(self) -> None:
+        if self._entered:
+            return
+        with contextlib.suppress(Exception):  # at interpreter exit warnings may be gone
+            warnings.warn(
+                "Monitor.step(...) was made but never entered, so the step was not monitored: "
+                "use it as a block, `with monitor.step(step): loss.backward()`",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+
+
+def _check_log_dir(log_dir: Any) -> None:
+    """A TypeError for a ``log_dir`` that is no folder name (a semiring given third, trial 110:
+    pathlib's error named no argument)."""
+    if log_dir is None or isinstance(log_dir, (str, os.PathLike)):
+        return
+    hint = ""
+    if isinstance(log_dir, Semiring):
+        hint = (
+            ": the monitor picks its semirings itself (MaxProd and Entropy; MaxProd and LogSum "
+            "with entropy=False), and its third argument is log_dir"
+        )
+    raise TypeError(
+        f"Monitor(log_dir=...) takes a folder, a str or a path, got {type(log_dir).__name__}{hint}"
+    )
+
+
+def _checked_splits(splits: Any) -> dict[str, nn.Module]:
+    """``splits`` as a dict of names to modules, or a TypeError saying what it should be."""
+    if splits is None:
+        return {}
+    if not isinstance(splits, Mapping) or not all(
+        isinstance(name, str) and isinstance(module, nn.Module) for name, module in splits.items()
+    ):
+        raise TypeError(
+            "Monitor(splits=...) takes a dict of names to modules, "
+            f"{{'block0': model.layers[0]}}, got {_shown(splits)}"
+        )
+    return dict(splits)
+
+
+def _shown(value: Any) -> str:
+    """A short description of ``value`` for an error message."""
+    shown = repr(value)
+    return shown if len(shown) <= 120 else f"a {type(value).__name__} of {len(value)} items"
 
 
 def _summaries(values: list[tuple[Any, ...]]) -> list[dict[str, float | int] | None]:

@@ -159,8 +159,13 @@ def test_second_backward_through_a_freed_graph_raises_like_pytorch() -> None:
 
 
 def test_create_graph_is_refused() -> None:
+    """Refused, naming the route that works (trial 110: the message named none)."""
     x = torch.randn(3, requires_grad=True)
-    with semipack.extend(None, semipack.MaxProd()), pytest.raises(NotImplementedError):
+    message = r"torch.autograd.grad\(\.\.\., create_graph=True\) inside the block"
+    with (
+        semipack.extend(None, semipack.MaxProd()),
+        pytest.raises(NotImplementedError, match=message),
+    ):
         (x * x).sum().backward(create_graph=True)
 
 
@@ -316,6 +321,28 @@ def test_swapped_arguments_name_the_order_without_printing_the_model() -> None:
     with pytest.raises(TypeError) as caught, semipack.extend(mlp(), long):
         pass
     assert str(caught.value).endswith("... (a list)") and len(str(caught.value)) < 300
+
+
+def test_grad_with_the_semiring_first_or_second_names_the_order() -> None:
+    """semipack.grad(semiring, out, [a]) and grad(out, semiring, [a]) said "expected a
+    semipack semiring ..., got [tensor(...)]" though a semiring was given (trial 110)."""
+    a = torch.randn(3, requires_grad=True)
+    out = (a * a).sum()
+    for args, place in (
+        ((semipack.MaxProd(), out, [a]), "first"),
+        ((out, semipack.MaxProd(), [a]), "second"),
+    ):
+        with pytest.raises(TypeError) as caught:
+            semipack.grad(*args)
+        assert str(caught.value) == (
+            f"semipack.grad got the semiring as its {place} argument: the order is "
+            "semipack.grad(outputs, inputs, semiring), as torch.autograd.grad(outputs, inputs) "
+            "with the semiring third"
+        )
+    # the right order still works: each use of a_i is an edge weighted by the other, |a_i|
+    # (read out of log space: equal up to the exp of a log's rounding)
+    (value,) = semipack.grad(out, [a], semipack.MaxProd())
+    torch.testing.assert_close(value, a.detach().abs(), rtol=1e-6, atol=0)
 
 
 @pytest.mark.parametrize("model", [lambda t: t, [nn.Linear(2, 2)], "model"])

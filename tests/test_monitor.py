@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import csv
 import gc
+import itertools
 import math
 import warnings
 from dataclasses import astuple
@@ -448,7 +449,8 @@ def test_records_wait_for_flush_secs_and_reach_the_files_on_flush_and_close(tmp_
     monitor.flush()
     assert len(_csv_rows(tmp_path)) == len(monitor.records) > 0
     assert _same(_events(tmp_path), _as_events(_csv_rows(tmp_path)))
-    _train(model, _batches(2), monitor)  # steps 0 and 1 again
+    with pytest.warns(UserWarning, match=r"Monitor.step\(0\) comes after step 2 was recorded"):
+        _train(model, _batches(2), monitor)  # steps 0 and 1 again
     monitor.close()
     monitor.close()  # a second close does nothing
     rows = _csv_rows(tmp_path)
@@ -1002,3 +1004,59 @@ def test_a_plot_of_many_layers_gives_each_its_own_colour(tmp_path) -> None:
     assert len(lines) == 12
     styles = {(matplotlib.colors.to_hex(line.get_color()), line.get_linestyle()) for line in lines}
     assert len(styles) == 12
+
+
+def test_arguments_a_new_user_gets_wrong_are_named() -> None:
+    """A semiring given as the third positional argument (log_dir) and splits given as a list
+    raised pathlib's and dict's errors, naming no argument (trial 110)."""
+    model = _model()
+    with pytest.raises(TypeError) as caught:
+        semipack.Monitor(model, 10, semipack.MaxProd())
+    assert str(caught.value) == (
+        "Monitor(log_dir=...) takes a folder, a str or a path, got MaxProd: the monitor picks "
+        "its semirings itself (MaxProd and Entropy; MaxProd and LogSum with entropy=False), "
+        "and its third argument is log_dir"
+    )
+    with pytest.raises(TypeError, match=r"Monitor\(log_dir=...\) takes a folder, .* got int$"):
+        semipack.Monitor(model, log_dir=3)
+    for splits in ([model[0]], {"first": "0"}, {0: model[0]}):
+        with pytest.raises(TypeError, match=r"Monitor\(splits=...\) takes a dict of names to mod"):
+            semipack.Monitor(model, splits=splits)
+    assert semipack.Monitor(model, splits={"first": model[0]}).splits == {"first": model[0]}
+
+
+def test_a_step_block_never_entered_warns_and_records_nothing() -> None:
+    """``monitor.step(i)`` without ``with`` ran the step plain and recorded nothing, silently
+    (trial 110); now the dropped block warns."""
+    model = _model()
+    monitor = semipack.Monitor(model, every=1, tensorboard=False)
+    x, y = _batches(1)[0]
+    with pytest.warns(RuntimeWarning, match=r"Monitor.step\(...\) was made but never entered"):
+        monitor.step(0)  # dropped at once
+        gc.collect()
+    nn.functional.cross_entropy(model(x), y).backward()
+    assert monitor.records == []
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # an entered block warns about nothing
+        with monitor.step(0):
+            nn.functional.cross_entropy(model(x), y).backward()
+        gc.collect()
+    assert {r.step for r in monitor.records} == {0}
+
+
+def test_step_numbers_that_go_back_warn() -> None:
+    """Steps 0, 1, 2, 1: the second step 1 is recorded beside the first and its top path
+    compared with step 2's; that now warns (trial 110: silent), in order it does not."""
+    model = _model()
+    monitor = semipack.Monitor(model, every=1, tensorboard=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        _train(model, _batches(3), monitor)
+    x, y = _batches(1)[0]
+    with (
+        pytest.warns(UserWarning, match=r"Monitor.step\(1\) comes after step 2 was recorded"),
+        monitor.step(1),
+    ):
+        nn.functional.cross_entropy(model(x), y).backward()
+    steps = [r.step for r in monitor.records if r.quantity == "log_best_path"]
+    assert [step for step, _ in itertools.groupby(steps)] == [0, 1, 2, 1]

@@ -262,3 +262,16 @@ def test_a_path_asked_where_no_path_reaches_says_so() -> None:
     with pytest.raises(KeyError) as info:
         sr.path(torch.ones(2))
     assert str(info.value).startswith("this tensor holds no top paths")
+
+
+def test_a_negative_index_counts_from_the_end_as_tensor_indexing_does() -> None:
+    """``tp.path(x, (-1, 0))`` is the path of ``x[-1, 0]`` (trial 110 found it accepted and
+    undocumented; the docstring says so now)."""
+    x = torch.randn(2, 3, requires_grad=True)
+    tp = semipack.TopPath()
+    semipack.grad((x * x.flip(0)).sum(), [x], tp)
+    for negative, positive in (((-1, 0), (1, 0)), ((0, -1), (0, 2)), ((-2, -3), (0, 0))):
+        got, want = tp.path(x, negative), tp.path(x, positive)
+        assert str(got) == str(want) and got.value == want.value
+    with pytest.raises(IndexError):
+        tp.path(x, (-3, 0))

@@ -193,6 +193,8 @@ class TopPath(MaxProd):
     def path(self, leaf: Tensor, index: tuple[int, ...] | int | None = None):
         """The best path from ``leaf[index]`` (default: the leaf's best entry) to the root of
         the last TopPath backward that reached ``leaf`` (a leaf, a retained tensor or an input
-        of ``semipack.grad``). The paths live on the tensor (``leaf.semiring_paths``), next to
-        its ``semiring_grad``, so one TopPath instance serves any number of passes."""
+        of ``semipack.grad``). ``index`` counts as tensor indexing does, negative entries from
+        the end (``(-1, 0)``: the last row's first entry). The paths live on the tensor
+        (``leaf.semiring_paths``), next to its ``semiring_grad``, so one TopPath instance
+        serves any number of passes."""
         return stored_paths(leaf, "top paths", TopPath).path(index)

@@ -627,7 +627,11 @@ def backward(
     accumulate their regular gradients in place, as in a plain backward (``GradLedger``).
     """
     if create_graph:
-        raise NotImplementedError("semipack does not support create_graph=True yet")
+        raise NotImplementedError(
+            "semipack does not support backward(create_graph=True) inside extend yet (no "
+            "gradients of semiring values): a gradient penalty or double backprop can take "
+            "torch.autograd.grad(..., create_graph=True) inside the block, an ordinary gradient"
+        )
     _refuse_transforms(tensors, "A semiring backward")
     backward_started()  # a branch split's values become this backward's (none if unreached)
     if inputs is not None and len(inputs) == 0:
@@ -1008,6 +1012,13 @@ def grad(
     backward hooks or backward pre-hooks (BackPACK-extended modules, say) raises
     ``SemipackError`` before anything runs: those hooks would get no gradient to see.
     """
+    if isinstance(outputs, Semiring) or isinstance(inputs, Semiring):
+        place = "first" if isinstance(outputs, Semiring) else "second"
+        raise TypeError(
+            f"semipack.grad got the semiring as its {place} argument: the order is "
+            "semipack.grad(outputs, inputs, semiring), as torch.autograd.grad(outputs, inputs) "
+            "with the semiring third"
+        )
     sr = require_semiring(sr)
     outputs = _tensors("outputs", outputs)
     inputs = _tensors("inputs", inputs)

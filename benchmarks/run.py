@@ -484,7 +484,7 @@ there).
   tap product MaxProd 23.3 / 22.2 (weight / input message), TopPath 10.4 / 10.2; the 56 x 56
   depthwise layer MaxProd 21.2 / 8.0 (3x3) and 16.5 / 10.4 (5x5), TopPath 7.9 / 2.7 and
   11.7 / 6.1 (its weight message 3.1-7.0 and 5.2-6.0 before). The input messages stay below the
-  dense product's rate (MaxProd's stride-1 gather: 25 G pairs/s in its inner loop alone, 16-20
+  dense product's rate (MaxProd's stride-1 gather: 25 G pairs/s in its inner loop alone, 15-20
   on one plane in cache, 6-15 over the layer's 192 planes, by hand in a standalone C benchmark;
   TopPath's: a compare, a blend and a maximum per candidate and 8-byte ids).
   PyTorch's vectorised log takes a slow path for every exact zero (3.9 ms for 430k entries

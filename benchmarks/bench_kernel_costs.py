@@ -69,6 +69,7 @@ from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
+from common import interleaved
 from torch import nn
 
 import semipack
@@ -394,19 +395,14 @@ def _stride_two_forms(
 def _in_turns(
     forms: tuple[Callable[[], tuple[torch.Tensor, ...]], ...], repeats: int
 ) -> list[float]:
-    """CPU milliseconds (medians) of ``forms`` timed in turns, after checking that they give
-    the same tensors."""
+    """CPU milliseconds (medians) of ``forms`` timed in turns (``common.interleaved``), after
+    checking that they give the same tensors."""
     results = [f() for f in forms]
     assert all(
         all(torch.equal(a, b) for a, b in zip(results[0], r, strict=True)) for r in results[1:]
     )
-    times: list[list[float]] = [[] for _ in forms]
-    for _ in range(repeats):
-        for form, spent in zip(forms, times, strict=True):
-            start = time.process_time()
-            form()
-            spent.append(time.process_time() - start)
-    return [statistics.median(t) * 1e3 for t in times]
+    rounds = interleaved({str(i): f for i, f in enumerate(forms)}, repeats, clock=time.process_time)
+    return [statistics.median(t) * 1e3 for t in rounds.values()]
 
 
 #: Convolutions the depthwise kernels take, at 224 x 224, batch 2: MobileNetV3-small's

@@ -93,11 +93,15 @@ def time_backwards_interleaved(
 
 
 def interleaved(
-    variants: dict[str, Callable[[], object]], repeats: int, block: int = 1
+    variants: dict[str, Callable[[], object]],
+    repeats: int,
+    block: int = 1,
+    clock: Callable[[], float] = time.perf_counter,
 ) -> dict[str, list[float]]:
-    """Wall times of each variant (a whole step each) in each of ``repeats`` rounds, the
-    variants taking turns within every round, after one warm-up round (native kernels build,
-    caches fill): drift on a shared machine hits every variant alike.
+    """Wall times (or ``clock``'s: ``time.process_time`` for CPU time) of each variant (a whole
+    step each) in each of ``repeats`` rounds, the variants taking turns within every round,
+    after one warm-up round (native kernels build, caches fill): drift on a shared machine hits
+    every variant alike.
 
     With ``block`` > 1 a variant runs ``block`` times in a row per turn and the last is timed:
     its steady state, as in a training loop repeating one step. A step right after another
@@ -111,9 +115,9 @@ def interleaved(
         for name, run in variants.items():
             for _ in range(block - 1):
                 run()
-            start = time.perf_counter()
+            start = clock()
             run()
-            times[name].append(time.perf_counter() - start)
+            times[name].append(clock() - start)
     return times
 
 

@@ -693,14 +693,20 @@ static stride_two_frame stride_two_frame_of(int64_t ho, int64_t wo, int64_t hp, 
     return f;
 }
 
+/* The message plane mo [ho, wo] into its frame's interior (the border stays -inf). */
+static inline void copy_into_frame(const float *mo, float *buf, stride_two_frame f, int64_t ho,
+                                   int64_t wo) {
+    for (int64_t oh = 0; oh < ho; oh++)
+        memcpy(buf + (oh + f.top) * f.cols + f.left, mo + oh * wo, sizeof(float) * (size_t)wo);
+}
+
 /* One plane, MaxProd, KH x KW taps (constants where inlined); the input's h x w entries
    (w >= 16), padded coordinates (y + ch, x + cw). */
 static inline __attribute__((always_inline)) void stride_two_input_plane(
     const float *mo, const float *lwo, float *out, float *buf, stride_two_frame f, int64_t ho,
     int64_t wo, int64_t h, int64_t w, int64_t ch, int64_t cw, const int64_t KH,
     const int64_t KW) {
-    for (int64_t oh = 0; oh < ho; oh++)
-        memcpy(buf + (oh + f.top) * f.cols + f.left, mo + oh * wo, sizeof(float) * (size_t)wo);
+    copy_into_frame(mo, buf, f, ho, wo);
     for (int64_t y = 0; y < h; y++) {
         const int64_t ih = y + ch;
         for (int64_t x0 = 0; x0 < w; x0 += 16) {
@@ -735,8 +741,7 @@ static inline __attribute__((always_inline)) void stride_two_input_plane_ids(
     int64_t no_successor, float *buf, stride_two_frame f, int64_t ho, int64_t wo, int64_t h,
     int64_t w, int64_t ch, int64_t cw, const int64_t KH, const int64_t KW) {
     const __m256 lanes = _mm256_setr_ps(0, 1, 2, 3, 4, 5, 6, 7);
-    for (int64_t oh = 0; oh < ho; oh++)
-        memcpy(buf + (oh + f.top) * f.cols + f.left, mo + oh * wo, sizeof(float) * (size_t)wo);
+    copy_into_frame(mo, buf, f, ho, wo);
     for (int64_t y = 0; y < h; y++) {
         const int64_t ih = y + ch;
         float *dst = out + y * w;

@@ -229,6 +229,21 @@ def _group_norm():
     return model, (torch.randn(3, 2, 4, 4),)
 
 
+def _instance_norm():
+    """InstanceNorm normalises each example's channels by their own statistics (or by running
+    ones, tracked in train mode): PyTorch runs it as a batch norm over the N·C channels of one
+    reshaped example, with γ and β repeated N times. Refused until the thirty-second session
+    ("RepeatBackward0 ... has no per-sample rule")."""
+    model = nn.Sequential(
+        nn.Conv2d(2, 4, 2), nn.InstanceNorm2d(4, affine=True), nn.Tanh(), nn.Conv2d(4, 3, 1),
+        nn.InstanceNorm2d(3, affine=True, track_running_stats=True), nn.Flatten(),
+        nn.Unflatten(1, (3, 9)), nn.InstanceNorm1d(3, affine=True), nn.Flatten(),
+        nn.Linear(27, 2),
+    )  # fmt: skip
+    model.train()(torch.randn(6, 2, 4, 4))  # running statistics (the model is then in eval)
+    return model, (torch.randn(3, 2, 4, 4),)
+
+
 class ExpandedToTheBatch(nn.Module):
     """Parameters expanded to the batch and met by it on dim 0: a class token concatenated
     before the tokens (ViT's ``cls.expand(N, -1, -1)``), a learned query added (Perceiver's
@@ -301,6 +316,7 @@ MODELS = {
     "gain_on_the_input": _gain_on_the_input,
     "batch_norm_eval": _batch_norm_eval,
     "group_norm": _group_norm,
+    "instance_norm": _instance_norm,
     "computed_from_parameters": _computed_from_parameters,
     "matrix_products": _matrix_products,
     "expanded_to_the_batch": _expanded_to_the_batch,
@@ -785,6 +801,51 @@ def test_op_without_per_sample_rule_refused():
         (torch.randn(5, 3),),
         r"parameter '1.w' is used by MmBackward0, created by module '1', which has no "
         r"per-sample rule",
+    )
+
+
+class Repeated(nn.Module):
+    """A gain repeated by hand: a repeat has rows only as instance norm's inner op."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.g = nn.Parameter(torch.randn(2))
+
+    def forward(self, x):
+        return x * self.g.repeat(2)
+
+
+def test_a_repeat_outside_instance_norm_refused():
+    _refused(
+        nn.Sequential(nn.Linear(3, 4), Repeated()),
+        (torch.randn(5, 3),),
+        r"parameter '1.g' is used by RepeatBackward0, created by module '1', which has no "
+        r"per-sample rule",
+    )
+
+
+class InstanceNormOfTheChannels(nn.Module):
+    """An instance norm of ``h.transpose(0, 1)``: its "examples" are the channels. With as many
+    channels as examples the rows had the batch's count and came out silently (the norm's
+    problem sat on its output node, not on the repeat of its parameters that the check reads)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv1d(2, 3, 1)
+        self.norm = nn.InstanceNorm1d(3, affine=True)
+        self.head = nn.Linear(5, 1)
+
+    def forward(self, x):  # x: [N, 2, 5]
+        h = self.conv(x).transpose(0, 1)  # [3, N, 5]
+        return self.head(self.norm(h).transpose(0, 1))
+
+
+def test_instance_norm_off_the_batch_refused():
+    _refused(
+        InstanceNormOfTheChannels(),
+        (torch.randn(3, 2, 5),),
+        r"parameter 'norm.bias' is used by InstanceNorm \(module 'norm'\) on an input of shape "
+        r"\(3, 3, 5\) computed from the model's input in which the batch is on dim 1",
     )
 
 

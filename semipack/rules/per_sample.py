@@ -17,8 +17,10 @@ Two kinds of entries:
   state of the node's output, and the rule returns the ``[N, *param.shape]`` rows of the
   parameter at ``input_nr``. Built in: a parameter broadcast into ``x * p``, ``x + p``,
   ``x - p`` (a hand-written bias, gain or layer scale), batch norm's affine parameters in
-  eval mode, and a parameter expanded to the batch (a class token, ``batch_expand_rows``: the
-  ``ExpandBackward0`` the batch following marked, once its dim 0 met the batch).
+  eval mode, group norm's and instance norm's (the repeat of its parameters that PyTorch's
+  ``instance_norm`` makes, ``_instance_norm_repeat``), and a parameter expanded to the batch
+  (a class token, ``batch_expand_rows``: the ``ExpandBackward0`` the batch following marked,
+  once its dim 0 met the batch).
 """
 
 from __future__ import annotations
@@ -38,22 +40,37 @@ RowRule = Callable[[Semiring, object, State, int], State]
 #: autograd node name -> its row rule, or None for nodes that report their own rows.
 PER_SAMPLE_NODES: dict[str, RowRule | None] = {}
 
+#: autograd node name -> which nodes of that name have rows, for a name whose nodes have them
+#: only where a call made them (``RepeatBackward0``: instance norm's repeat of its parameters).
+_ONLY_WHERE: dict[str, Callable[[object], bool]] = {}
 
-def register_per_sample(node_name: str, rule: RowRule | None = None) -> None:
+
+def register_per_sample(
+    node_name: str, rule: RowRule | None = None, only_where: Callable[[object], bool] | None = None
+) -> None:
     """Declare that the autograd node ``node_name`` has per-sample rows for the parameters it
     feeds: computed by ``rule`` (see the module docstring) or, without one, reported by the
-    node's own backward (``ExtensionFunction.per_sample``)."""
+    node's own backward (``ExtensionFunction.per_sample``); with ``only_where``, only the
+    nodes of that name it accepts."""
     PER_SAMPLE_NODES[node_name] = rule
+    if only_where is not None:
+        _ONLY_WHERE[node_name] = only_where
 
 
-def has_per_sample_rule(node_name: str) -> bool:
-    """Whether ``node_name`` computes per-sample rows for the parameters it feeds."""
-    return node_name in PER_SAMPLE_NODES
+def has_per_sample_rule(node) -> bool:
+    """Whether the autograd node ``node`` computes per-sample rows for the parameters it
+    feeds."""
+    name = node.name()
+    if name not in PER_SAMPLE_NODES:
+        return False
+    only_where = _ONLY_WHERE.get(name)
+    return only_where is None or only_where(node)
 
 
-def row_rule(node_name: str) -> RowRule | None:
-    """The generic row rule of ``node_name`` (None for self-reporting nodes)."""
-    return PER_SAMPLE_NODES.get(node_name)
+def row_rule(node) -> RowRule | None:
+    """The generic row rule of the autograd node ``node`` (None for self-reporting nodes and
+    for nodes without rows)."""
+    return PER_SAMPLE_NODES.get(node.name()) if has_per_sample_rule(node) else None
 
 
 # --- generic row rules -------------------------------------------------------------------------
@@ -538,6 +555,31 @@ def parameter_step(node, input_nr: int) -> ParameterStep | None:
     return step
 
 
+def _instance_norm_repeat(node) -> bool:
+    """Whether ``node`` (a ``RepeatBackward0``) is instance norm's repeat of its 1-D gain or
+    bias. PyTorch runs ``instance_norm`` as a batch norm over the N·C channels of
+    ``x.view(1, N·C, ...)`` with ``γ.repeat(N)``: entry ``n·C + c`` of the repeat serves
+    channel c of example n alone, so the repeat's message holds each example's value."""
+    return (
+        node.metadata.get(INSIDE_CALL_KEY) in INSTANCE_NORMS
+        and len(node._saved_repeats) == 1
+        and len(node._saved_self_sym_sizes) == 1
+    )
+
+
+def _instance_norm_rows(sr: Semiring, node, state: State, input_nr: int) -> State:
+    """Instance norm's gain or bias: the message of its repeat ``[N·C]`` is the rows ``[N, C]``
+    (``_instance_norm_repeat``); the repeat's own rule takes the ⊕ over the N copies, so the
+    rows' ⊕ is the parameter's message."""
+    examples = int(node._saved_repeats[0])
+    return tuple(p.reshape(examples, -1) for p in state)
+
+
+#: The calls (``graph.batch_dims.call_name``) whose inner repeat ``_instance_norm_repeat``
+#: reads: ``F.instance_norm`` (``nn.InstanceNorm1d/2d/3d``) and ``torch.instance_norm``.
+INSTANCE_NORMS = frozenset(("instance_norm",))
+
+
 register_per_sample("MulBackward0", _mul_rows)
 register_per_sample("AddBackward0", _add_rows(1.0))
 register_per_sample("SubBackward0", _add_rows(-1.0))
@@ -545,6 +587,7 @@ register_per_sample("NativeBatchNormBackward0", _batch_norm_eval_rows)
 register_per_sample("CudnnBatchNormBackward0", _batch_norm_eval_rows)
 register_per_sample("MiopenBatchNormBackward0", _batch_norm_eval_rows)
 register_per_sample("NativeGroupNormBackward0", _group_norm_rows)
+register_per_sample("RepeatBackward0", _instance_norm_rows, _instance_norm_repeat)
 
 
 #: Reductions whose saved ``dim`` says which axes they reduce (``SumBackward1``, ...).

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import itertools
 import weakref
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import Any, NamedTuple
 
 import torch
@@ -64,6 +64,8 @@ LAYER_INPUTS: dict[Any, tuple[str, int]] = {
     F.layer_norm: ("LayerNorm", 0),
     F.embedding: ("Embedding", 0),
     F.batch_norm: ("BatchNorm", 0),
+    F.instance_norm: ("InstanceNorm", 0),
+    torch.instance_norm: ("InstanceNorm", 0),
     F.multi_head_attention_forward: ("MultiheadAttention", 1),
 }
 
@@ -703,6 +705,24 @@ SEEN_KEY = "semipack_seen"
 LAYER_MARKS_KEY = "semipack_layer_marks"
 
 
+def share_layer_marks(created: Sequence[Any], result: Any) -> None:
+    """Give the nodes a call made inside it (``created``, besides its results' own) the marks
+    and problems its results' nodes got (``LAYER_MARKS_KEY``, ``MISPLACED_KEY``): a layer
+    whose parameters reach the per-sample check through an inner node (instance norm's
+    ``γ.repeat(N)``) is judged there by its input's batch, as one whose own node uses them."""
+    shared = {}
+    for t in tree_leaves(result):
+        if isinstance(t, Tensor) and t.grad_fn is not None:
+            for key in (LAYER_MARKS_KEY, MISPLACED_KEY):
+                if key in t.grad_fn.metadata:
+                    shared.setdefault(key, t.grad_fn.metadata[key])
+    if not shared:
+        return
+    for node in created:
+        for key, value in shared.items():
+            node.metadata.setdefault(key, value)
+
+
 def _mark_nodes(result: Any, problem: str) -> None:
     for t in tree_leaves(result):
         if isinstance(t, Tensor) and t.grad_fn is not None:
@@ -896,4 +916,5 @@ __all__ = [
     "BatchedTensors",
     "how_lost",
     "misplaced_batch",
+    "share_layer_marks",
 ]

@@ -141,7 +141,7 @@ def check_graph(
                 and MODULE_KEY in node.metadata
                 and parameter_step(node, input_nr) is not None
                 and (
-                    row_rule(node.name()) is None
+                    row_rule(node) is None
                     or unbatched_operand(node, input_nr, is_batched) is not None
                 )
             ):  # ``1 + w``, ``w.float()``, ``w.t()``: followed to its uses after the walk
@@ -151,7 +151,7 @@ def check_graph(
             if known:
                 problems = _layer_input_problems(node, params[id(variable)], following)
                 misplaced += [(variable.dim(), problem) for problem in problems]
-            if known and row_rule(node.name()) is not None:
+            if known and row_rule(node) is not None:
                 operand = unbatched_operand(node, input_nr, is_batched)
                 if operand is not None:
                     where = f", created by {module}," if module else ""
@@ -163,7 +163,7 @@ def check_graph(
                         "per-sample rows); see 'Per-sample values' in the README"
                     )
                 generic.append((node, input_nr, variable))
-            if known and not has_per_sample_rule(node.name()):
+            if known and not has_per_sample_rule(node):
                 if node.name() in PARAMETER_STEPS and BATCHED_KEY in node.metadata:
                     raise PerSampleError(
                         f"per-sample values: parameter '{params[id(variable)]}' is used by "
@@ -187,8 +187,8 @@ def check_graph(
                     "parameters used directly by F.linear, x @ W (torch.matmul, the @ "
                     "operator), torch.addmm(b, x, W) (a 1-D b, no beta or alpha), "
                     "conv1d/conv2d, F.layer_norm, F.embedding and nn.MultiheadAttention (the "
-                    "module extensions, with extensions=True), by batch norm in eval mode and "
-                    "group norm, or by "
+                    "module extensions, with extensions=True), by batch norm in eval mode, "
+                    "group norm and instance norm, or by "
                     "x * p, x + p, x - p, or through casts, transposes, views, squeezes, "
                     "expands, slices, selected rows and constant factors on the way there"
                     + (" (write torch.mm(x, W) as x @ W)" if node.name() == "MmBackward0" else "")
@@ -203,7 +203,7 @@ def check_graph(
             user, user_nr, _, steps = use
             problems = _layer_input_problems(user, params[id(variable)], following)
             misplaced += [(variable.dim(), problem) for problem in problems]
-            if row_rule(user.name()) is not None or batch_expand(user):
+            if row_rule(user) is not None or batch_expand(user):
                 generic.append(use)
             else:  # a module extension: it reports the rows of the value it was given
                 computed_inputs[id(user.next_functions[user_nr][0])] = (variable, steps)
@@ -297,10 +297,10 @@ def _uses_of_computed(
             if batch_expand(user):  # ``b.view(1, C, 1, 1).expand_as(h)``: its rows
                 found.append((user, user_nr, variable, steps))
                 continue
-            rule = row_rule(user.name())
+            rule = row_rule(user)
             operand = None if rule is None else unbatched_operand(user, user_nr, is_batched)
             if (rule is not None and operand is None) or (
-                rule is None and has_per_sample_rule(user.name())
+                rule is None and has_per_sample_rule(user)
             ):
                 found.append((user, user_nr, variable, steps))
             elif MODULE_KEY in user.metadata and parameter_step(user, user_nr) is not None:
@@ -327,7 +327,7 @@ def _layer_input_problems(node: Any, name: str, following: BatchedTensors | None
         problems.append(
             f"per-sample values: parameter '{name}' is used by {node.metadata[MISPLACED_KEY]}"
         )
-    if has_per_sample_rule(node.name()) and following is not None:
+    if has_per_sample_rule(node) and following is not None:
         unseen = _unseen_input(node)
         if unseen is not None:
             problems.append(
@@ -426,7 +426,7 @@ def hook_rules(
         by_node.setdefault(id(node), (node, []))[1].append((input_nr, param, *steps[:1]))
     handles = []
     for node, params in by_node.values():
-        rule = batch_expand_rows if expanded_over_batch(node) else row_rule(node.name())
+        rule = batch_expand_rows if expanded_over_batch(node) else row_rule(node)
 
         def prehook(grad_outputs, node=node, params=params, rule=rule):
             msg = grad_outputs[0]

@@ -228,3 +228,21 @@ def test_per_sample_through_eval_batch_norm_cuda_matches_cpu() -> None:
     for name, cpu_value in rows[0].items():
         assert cpu_value.shape[0] == 4
         _assert_same_values(cpu_value, rows[1][name], name)
+
+
+def test_rms_norm_cuda_matches_cpu(semiring_name: str) -> None:
+    """``nn.RMSNorm`` on the GPU is one fused node (``FusedRmsNormBackward0``) where the CPU
+    records its composite; the rule draws the composite, so the values agree."""
+    make = SEMIRINGS[semiring_name]
+    x = torch.randn(3, 4, 6, generator=torch.Generator().manual_seed(5))
+    values = []
+    for device in ("cpu", "cuda"):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(6, 6), nn.RMSNorm(6), nn.Linear(6, 2)).to(device)
+        inp = x.to(device).detach().requires_grad_(True)
+        with semipack.extend(model, make()):
+            model(inp).pow(2).sum().backward()
+        named = {n: p.semiring_grad for n, p in model.named_parameters()}
+        values.append({**named, "input": inp.semiring_grad})
+    for name, cpu_value in values[0].items():
+        _assert_same_values(cpu_value, values[1][name], name)

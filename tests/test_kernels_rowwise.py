@@ -787,6 +787,103 @@ def test_fused_batch_norm_backward_rules_draw_the_native_graph(op, semiring_name
             assert torch.equal(a.nan_to_num(), b.nan_to_num()), (semiring_name, a, b)
 
 
+class _RmsNorm(torch.nn.Module):
+    def __init__(self, gain: torch.Tensor | None) -> None:
+        super().__init__()
+        self.gain = None if gain is None else torch.nn.Parameter(gain.clone())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.rms_norm(x, (x.shape[-1],), self.gain, 1e-6)
+
+
+@pytest.mark.parametrize("with_gain", [True, False], ids=["gain", "no_gain"])
+def test_fused_rms_norm_backward_rule_draws_the_cpu_composite(
+    semiring_name: str, with_gain: bool
+) -> None:
+    """The fused RMS norm backward (``_fused_rms_norm_backward``: what autograd calls for
+    ``F.rms_norm`` and ``nn.RMSNorm`` on a GPU; trial 111 found it without a rule) gives the
+    states the CPU's composite ``x · rsqrt(mean(x²) + eps) · w`` gives, for the input and the
+    gain: values do not depend on the device. The op has no CPU kernel, so it is called with
+    state-only messages; the composite's states come from a pass over ``F.rms_norm`` on the
+    CPU. Exact zeros (an input entry, a whole row, a gain, an output without a path) keep
+    their missing edges. TopPath is compared by its values (its ids are the pass's own)."""
+    from helpers import SEMIRINGS
+
+    from semipack.messages.message import Message
+
+    sr = SEMIRINGS[semiring_name]()
+    gen = torch.Generator().manual_seed(23)
+    x0 = torch.randn(2, 3, 5, generator=gen, dtype=F64)
+    x0[0, 1, 2] = 0.0  # no edge through its square
+    x0[1, 2] = 0.0  # a row of zeros: r = eps^-1/2, no edge through any square
+    gain = torch.randn(5, generator=gen, dtype=F64) if with_gain else None
+    if gain is not None:
+        gain[3] = 0.0
+    weights = torch.randn(2, 3, 5, generator=gen, dtype=F64)
+    weights[1, 0] = 0.0  # outputs without a path
+    model, x = _RmsNorm(gain), x0.clone().requires_grad_(True)
+    with semipack.extend(model, sr, keep_state=True):
+        (model(x) * weights).sum().backward()
+    wanted = [x.semiring_state] + ([model.gain.semiring_state] if with_gain else [])
+    rstd = (x0.pow(2).mean(-1, keepdim=True) + 1e-6).rsqrt()
+    message = Message(None, sr.lift(weights), sr, F64)
+    got = torch.ops.aten._fused_rms_norm_backward(message, x0, [5], rstd, gain, [True, True])
+    assert len(got) == 2 and (got[1] is not None) == with_gain
+    for state, want in zip(got, wanted, strict=False):
+        parts, want = state.parts, want if isinstance(want, tuple) else (want,)
+        if semiring_name == "top_path":
+            parts, want = (sr.path_slots(parts)[0],), (sr.path_slots(want)[0],)
+        for a, b in zip(parts, want, strict=True):
+            torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12, equal_nan=True)
+
+
+class _FusedRmsNormNode(torch.autograd.Function):
+    """A stand-in for CUDA's ``FusedRmsNormBackward0`` node on the CPU: its backward calls the
+    fused op, so a pass runs the op's rule as part of a graph (the paths through it)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, gain: torch.Tensor) -> torch.Tensor:
+        rstd = (x.pow(2).mean(-1, keepdim=True) + 1e-6).rsqrt()
+        ctx.save_for_backward(x, gain, rstd)
+        return x * rstd * gain
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        x, gain, rstd = ctx.saved_tensors
+        shape = [x.shape[-1]]
+        return torch.ops.aten._fused_rms_norm_backward(grad, x, shape, rstd, gain, [True, True])
+
+
+def test_top_paths_through_the_fused_rms_norm_step_through_the_composites_nodes() -> None:
+    """A best path through the fused RMS norm visits the nodes the CPU's composite has (x·r,
+    r, mean + eps, the mean, x²), named as there; only the norm's output is named by its own
+    node. Input entry (0, 1) has no direct edge (its output's weight is 0): its best path goes
+    through its square and the row's mean to output (0, 0)."""
+    x0 = torch.tensor([[3.0, 0.01, -0.5, 0.2], [0.3, -1.0, 2.0, 0.7]], dtype=F64)
+    gain = torch.tensor([1.5, 0.4, -1.0, 2.0], dtype=F64)
+    weights = torch.tensor([[1.0, 0.0, 0.2, 0.1], [0.5, -2.0, 0.3, 1.0]], dtype=F64)
+    found = {}
+    for how in ("composite", "fused"):
+        tp = semipack.TopPath()
+        x, g = x0.clone().requires_grad_(True), gain.clone().requires_grad_(True)
+        y = F.rms_norm(x, (4,), g, 1e-6) if how == "composite" else _FusedRmsNormNode.apply(x, g)
+        semipack.grad((y * weights).sum(), (x, g), tp)
+        found[how] = [
+            (tp.path(leaf, i).value, [s.op for s in tp.path(leaf, i).steps])
+            for leaf, entries in ((x, [(i, j) for i in range(2) for j in range(4)]), (g, range(4)))
+            for i in entries
+        ]
+    through_r = found["composite"][1][1]
+    assert through_r == ["Pow", "Mean", "Add", "Rsqrt", "Mul", "Mul", "Mul", "Sum"]
+    for (v_c, ops_c), (v_f, ops_f) in zip(found["composite"], found["fused"], strict=True):
+        assert v_f == pytest.approx(v_c, rel=1e-12)
+        # the composite's output node (the gain's Mul) is the stand-in's own node in the fused
+        # graph; every other step is the same node
+        output = len(ops_c) - 3  # ..., y (the norm's output), y * weights, the sum
+        assert ops_f[:output] + ops_f[output + 1 :] == ops_c[:output] + ops_c[output + 1 :]
+        assert ops_f[output] == "_FusedRmsNormNode"
+
+
 @pytest.mark.parametrize(
     "sr", [semipack.MaxProd(), semipack.LogSum(), semipack.Entropy()], ids=lambda s: s.name
 )

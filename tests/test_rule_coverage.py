@@ -47,6 +47,10 @@ UNREACHED: dict[str, str] = {
     "messages against the native rule",
     "aten._cudnn_rnn_backward.default": NO_CPU_KERNEL
     + "cuDNN RNN; the rule is called with state-only messages by test_recurrent",
+    "aten._fused_rms_norm_backward.default": NO_CPU_KERNEL
+    + "the fused RMS norm (F.rms_norm on a GPU; the CPU records the composite); "
+    "test_kernels_rowwise calls the rule with state-only messages against the CPU composite "
+    "and runs it inside a graph through a stand-in node",
     "aten._scaled_dot_product_cudnn_attention_backward.default": "CUDA-only SDPA kernel",
     "aten._scaled_dot_product_efficient_attention_backward.default": "CUDA-only SDPA kernel",
     "aten._scaled_dot_product_flash_attention_backward.default": "CUDA-only SDPA kernel",

@@ -1,4 +1,5 @@
-"""layer_norm, batch_norm, group_norm: normalisation couples a whole row (or channel) of entries.
+"""layer_norm, batch_norm, group_norm, rms_norm's fused kernel: normalisation couples a whole row
+(or channel) of entries.
 
 For y_i = g_i * x̂_i + b_i with x̂ = (x - mean) * rstd over n entries, the local derivatives are
 ∂y_i/∂x_j = g_i * rstd * (δ_ij - 1/n - x̂_i x̂_j / n): every input entry feeds every output entry
@@ -16,6 +17,7 @@ import math
 import torch
 from torch import Tensor
 
+from ..graph.provenance import current_site
 from ..messages import OpCall, register_rule
 from ..messages.jacobian import contract_rows, identity_block
 from ..messages.normalization import affine_param_messages, normalized_messages
@@ -221,6 +223,62 @@ def group_norm_backward(call: OpCall):
         grad_w = w if mask[1] and weight is not None else None
         grad_b = b if mask[2] else None
     return _outputs(call, call.run_regular(), grad_in, grad_w, grad_b, mask)
+
+
+@register_rule(aten._fused_rms_norm_backward.default)
+def fused_rms_norm_backward(call: OpCall):
+    """RMS norm's fused kernel (``F.rms_norm`` and ``nn.RMSNorm`` where PyTorch has one: CUDA,
+    MPS), drawn as the composite the CPU records, so that values do not depend on the device:
+    ``y = (x · r) · w`` with ``r = rsqrt(mean(x²) + eps)`` per row. An input entry x_j reaches
+    its own output through ``t_j = x_j · r`` (edge r) and every output of its row through x_j²,
+    the row's mean, ``a = mean + eps`` and r (edges 2·x_j, 1/n, 1, -r³/2), then ``t_i`` (edge
+    x_i); y_i weighs t_i by w_i and w_i by t_i. TopPath's paths step through the same
+    intermediate nodes, recorded as the CPU's nodes name them.
+
+    ``grad_out``, ``input``: [..., *normalized_shape]; ``rstd``: [..., 1 per normalized dim];
+    ``weight``: normalized_shape or None."""
+    msg, x = call["grad_out"], call["input"]
+    mask = call["output_mask"]
+    shape = tuple(call["normalized_shape"])
+    n = math.prod(shape)
+    rows = x.numel() // max(n, 1)
+    dtype = call.weight_dtype
+    sr = call.semiring
+    weight = call["weight"]
+    x_rows = x.to(dtype).reshape(rows, n)
+    r = call["rstd"].to(dtype).reshape(rows, 1)
+    m = tuple(p.reshape(rows, n) for p in msg.parts)
+    grad_in = grad_w = None
+    if mask[1] and weight is not None:
+        t = x_rows * r  # the composite's x · r, which the gain multiplies
+        grad_w = tuple(p.reshape(shape) for p in sr.sum(sr.scale(m, t), [0]))
+    if mask[0]:
+        m_t = sr.scale(m, weight.to(dtype).reshape(1, n)) if weight is not None else m
+        m_t = _record(sr, m_t, "Mul")
+        direct = sr.scale(m_t, r.expand(rows, n))
+        m_r = _record(sr, sr.sum(sr.scale(m_t, x_rows), [1], keepdim=True), "Rsqrt")
+        m_a = _record(sr, sr.scale(m_r, -0.5 * r**3), "Add")
+        m_mean = _record(sr, m_a, "Mean")  # + eps: an edge of weight 1
+        m_square = sr.scale(m_mean, torch.full_like(r, 1.0 / n))
+        m_square = _record(sr, tuple(p.expand(rows, n) for p in m_square), "Pow")
+        via = sr.scale(m_square, 2.0 * x_rows)
+        grad_in = tuple(p.reshape(x.shape) for p in sr.plus(direct, via))
+    regular = call.run_regular()
+    reals = list(regular) if regular is not None else [None, None]
+    return tuple(
+        call.wrap(real, parts) if want and parts is not None else real
+        for want, parts, real in zip(mask, (grad_in, grad_w), reals, strict=True)
+    )
+
+
+def _record(sr: Semiring, m: State, op: str) -> State:
+    """For a path-recording pass, ``m`` recorded as the state of a node of the composite
+    (``op`` as the CPU's node is named: ``Mul`` for ``MulBackward0``); else ``m``."""
+    trace = sr.trace
+    if trace is None:
+        return m
+    _node, module = current_site()
+    return trace.relabel_state(sr, tuple(p.contiguous() for p in m), op, module)
 
 
 def _group_gains(

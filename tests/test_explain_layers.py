@@ -1144,6 +1144,137 @@ def test_gpt_bigcode_fused_projection_is_read_in_its_own_layout(multi_query: boo
     assert hops > 0
 
 
+def _gpt_neox():
+    torch.manual_seed(0)
+    config = transformers.GPTNeoXConfig(
+        vocab_size=32, hidden_size=16, num_hidden_layers=2, intermediate_size=32,
+        num_attention_heads=4, max_position_embeddings=16,
+    )  # fmt: skip
+    model = transformers.GPTNeoXModel._from_config(config, attn_implementation="eager")
+    return model.double().eval()
+
+
+def _neox_truth(hidden: int = 16, heads: int = 4) -> dict[int, tuple[str, int]]:
+    """(part, head) of each unit of GPT-NeoX's ``query_key_value``, read off the view and chunk
+    its forward makes (``qkv.view(..., heads, 3 * head_size)``, then ``chunk(3, dim=-1)``) on
+    the units' own numbers."""
+    units = torch.arange(3 * hidden).view(1, 1, heads, 3 * (hidden // heads)).transpose(1, 2)
+    truth = {}
+    for part, chunk in zip(("query", "key", "value"), units.chunk(3, dim=-1), strict=True):
+        for head in range(heads):
+            truth.update({int(u): (part, head) for u in chunk[0, head].flatten()})
+    return truth
+
+
+def test_gpt_neox_fused_projection_is_read_per_head() -> None:
+    """GPT-NeoX (Pythia) is found by itself (it was not: trial 111), with one fused ``qkv``
+    branch whose flow is the retained layer input's; routes read its ``query_key_value`` in
+    its own layout, each head's query, key and value together: every unit on a hand-made
+    path, then the best paths of a real run."""
+    model = _gpt_neox()
+    layers = attention_layers(model)
+    assert [(a.name, a.num_heads, a.head_dim) for a in layers] == [
+        ("layers.0.attention", 4, 4),
+        ("layers.1.attention", 4, 4),
+    ]
+    truth = _neox_truth()
+    _assert_one_hop_per_unit(
+        layers,
+        range(48),
+        lambda unit: [
+            _step("layers.0.input_layernorm", (0, 1, 2)),
+            _step("layers.0.attention.query_key_value", (0, 1, unit)),
+            _step("layers.0.attention", (0, 0, 3, 1)),
+            _step("layers.0.attention.dense", (0, 3, 5)),
+            _step("layers.0", (0, 3, 5)),
+        ],
+        truth.__getitem__,
+    )
+    ids = torch.tensor([[3, 5, 7, 2, 9, 4]])
+    best = semipack.KBest(8)
+    with semipack.extend(model, best):
+        model(input_ids=ids).last_hidden_state[0, -1].sum().backward()
+    paths = [p for t in ids[0, :5] for p in best.paths(model.embed_in.weight, (int(t), 0))]
+    hops = 0
+    for path, route in zip(paths, layer_routes(paths, layers), strict=True):
+        steps = [s for s in path.steps if (s.module or "").endswith("query_key_value")]
+        parts = [h for h in route.hops if h.branch in ("query", "key", "value")]
+        for step, hop in zip(steps, parts, strict=True):
+            assert (hop.branch, hop.head) == truth[int(step.index[-1])]
+            hops += 1
+    assert hops > 0
+    retained = []
+    hooks = [
+        a.block.register_forward_pre_hook(_retain_hidden_states(retained), with_kwargs=True)
+        for a in layers
+    ]
+    target = lambda: model(input_ids=ids).last_hidden_state[0, -1].sum()  # noqa: E731
+    with semipack.extend(model, semipack.LogSum()):
+        target().backward()
+    for h in hooks:
+        h.remove()
+    flow = semipack.explain_layers(model, semipack.LogSum(), target)
+    assert all(list(layer) == ["qkv"] for layer in flow.branches)
+    for i, tensor in enumerate(retained):
+        want = tensor.semiring_grad.logsumexp(-1)
+        torch.testing.assert_close(flow.total[i], want, rtol=1e-10, atol=0)
+
+
+def _retain_hidden_states(retained: list):
+    """A forward pre-hook (with kwargs) that keeps the block's ``hidden_states`` argument."""
+
+    def hook(module, args, kwargs):
+        hidden = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
+        hidden.retain_grad()
+        retained.append(hidden)
+
+    return hook
+
+
+def test_opt_layers_split_into_query_key_value() -> None:
+    """OPT's self-attention (``q_proj``, ``k_proj``, ``v_proj``, ``out_proj``) is found as a
+    Llama-family block is (it was not: trial 111); its branches' flows add up to the retained
+    attention inputs'. BART's modules of the same shape, which also attend to the encoder, are
+    not listed."""
+    torch.manual_seed(0)
+    config = transformers.OPTConfig(
+        vocab_size=32, hidden_size=8, num_hidden_layers=2, ffn_dim=16, num_attention_heads=2,
+        max_position_embeddings=16, word_embed_proj_dim=8,
+    )  # fmt: skip
+    model = transformers.OPTModel._from_config(config, attn_implementation="eager")
+    model = model.double().eval()
+    layers = attention_layers(model)
+    assert [(a.name, a.num_heads, a.head_dim) for a in layers] == [
+        ("decoder.layers.0.self_attn", 2, 4),
+        ("decoder.layers.1.self_attn", 2, 4),
+    ]
+    retained = []
+    hooks = [
+        a.block.register_forward_pre_hook(_retain_hidden_states(retained), with_kwargs=True)
+        for a in layers
+    ]
+    target = lambda: model(input_ids=IDS).last_hidden_state[0, -1].sum()  # noqa: E731
+    with semipack.extend(model, semipack.LogSum()):
+        target().backward()
+    for h in hooks:
+        h.remove()
+    flow = semipack.explain_layers(model, semipack.LogSum(), target)
+    for i, tensor in enumerate(retained):
+        assert set(flow.branches[i]) == {"query", "key", "value"}
+        want = tensor.semiring_grad.logsumexp(-1)
+        torch.testing.assert_close(flow.total[i], want, rtol=1e-10, atol=0)
+        union = torch.stack(list(flow.branches[i].values())).logsumexp(0)
+        torch.testing.assert_close(union, want, rtol=1e-10, atol=0)
+    bart_config = transformers.BartConfig(
+        vocab_size=32, d_model=8, encoder_layers=1, decoder_layers=1,
+        encoder_attention_heads=2, decoder_attention_heads=2, encoder_ffn_dim=16,
+        decoder_ffn_dim=16, max_position_embeddings=16,
+    )  # fmt: skip
+    bart = transformers.BartModel._from_config(bart_config)
+    with pytest.raises(semipack.SemipackError, match="no attention layers found in BartModel"):
+        attention_layers(bart)
+
+
 def _mobilebert():
     config = transformers.MobileBertConfig(
         vocab_size=32, embedding_size=8, hidden_size=16, intermediate_size=32,

@@ -73,7 +73,8 @@ class AttentionLayer:
 FAMILIES = (
     "BERT-family encoders (BERT, RoBERTa, ELECTRA, MiniLM, DeBERTa: encoder.layer[i].attention), "
     "DistilBERT (transformer.layer[i].attention), Llama-family decoders (Llama, Mistral, Qwen2, "
-    "Gemma, Cohere: layers[i].self_attn), GPT-2 and GPTBigCode (h[i].attn) and torch's "
+    "Gemma, Cohere: layers[i].self_attn), OPT (decoder.layers[i].self_attn), GPT-2 and "
+    "GPTBigCode (h[i].attn), GPT-NeoX and Pythia (layers[i].attention) and torch's "
     "nn.MultiheadAttention (nn.TransformerEncoderLayer)"
 )
 
@@ -95,10 +96,20 @@ def attention_layers(model: nn.Module) -> list[AttentionLayer]:
             found.append(AttentionLayer(name, module, output, heads, width, found=True))
             continue
         o_proj = getattr(module, "o_proj", None)
+        if not isinstance(o_proj, nn.Linear) and type(module).__name__ in _OUT_PROJ_ATTENTIONS:
+            o_proj = getattr(module, "out_proj", None)  # OPT: q_proj, k_proj, v_proj, out_proj
         if isinstance(o_proj, nn.Linear) and hasattr(module, "q_proj"):
             heads = _head_count(name, module)
             width = getattr(module, "head_dim", None) or o_proj.in_features // heads
             found.append(AttentionLayer(name, module, o_proj, heads, int(width), found=True))
+            continue
+        if type(module).__name__ == "GPTNeoXAttention" and isinstance(
+            getattr(module, "dense", None), nn.Linear
+        ):  # GPT-NeoX (Pythia): one fused query_key_value, each head's q, k, v together
+            heads = int(module.config.num_attention_heads)
+            found.append(
+                AttentionLayer(name, module, module.dense, heads, module.head_size, found=True)
+            )
             continue
         c_proj = getattr(module, "c_proj", None)
         if _is_gpt2_attention(module) and c_proj is not None:
@@ -151,6 +162,12 @@ def _fused_layout(block: nn.Module) -> str:
     if type(block).__name__ == "GPTBigCodeAttention":
         return "multi-query" if getattr(block, "multi_query", False) else "per head"
     return "side by side"
+
+
+#: Decoder self-attention modules with ``q_proj``, ``k_proj``, ``v_proj`` and an output
+#: projection named ``out_proj`` (OPT). An encoder-decoder's modules of that shape (BART,
+#: Whisper) also attend to the encoder, which the layer list does not read: not listed.
+_OUT_PROJ_ATTENTIONS = frozenset(("OPTAttention",))
 
 
 #: The attention modules whose fused ``c_attn`` semipack reads (``_fused_layout``).
@@ -1230,6 +1247,11 @@ def _projection(step: PathStep, spec: AttentionLayer) -> tuple[str, int] | None:
             return "query", unit // spec.head_dim
         part, offset = divmod(unit - width, kv_width)
         return BRANCH_ORDER[1 + part], offset // spec.head_dim
+    if name == spec.name + ".query_key_value" and type(spec.block).__name__ == "GPTNeoXAttention":
+        # GPT-NeoX: the output is viewed as [heads, 3 * head_dim] and chunked in three, like
+        # DeBERTa's in_proj (Falcon's query_key_value packs them otherwise: not read here)
+        head, part = divmod(unit, 3 * spec.head_dim)
+        return BRANCH_ORDER[part // spec.head_dim], head
     if name.endswith(".in_proj"):
         # DeBERTa (v1): the output is viewed as [heads, 3 * head_dim] and chunked in three,
         # so each head's query, key and value units sit together

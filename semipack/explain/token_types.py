@@ -38,7 +38,7 @@ PROJECTIONS = {
     "q": "query", "k": "key", "v": "value",
     "q_lin": "query", "k_lin": "key", "v_lin": "value",
     "query_proj": "query", "key_proj": "key", "value_proj": "value",
-    "c_attn": "qkv", "in_proj": "qkv",
+    "c_attn": "qkv", "in_proj": "qkv", "query_key_value": "qkv",
 }  # fmt: skip
 
 

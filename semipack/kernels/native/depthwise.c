@@ -78,6 +78,68 @@ static inline __attribute__((always_inline)) void gather_columns(
     }
 }
 
+/* gather_columns at dilation 1 for n vectors from `base` and `dst` (the block's first column):
+   vector j at column 8 j, the last at column `last` (8 (n - 1), or less where the row's end is
+   no vector's: the last vector then ends at the row's end and recomputes some columns, as
+   last_columns says). Each candidate's load sits at a constant offset from its kernel row's
+   pointer, and up to 9 weights stay in registers for all the rows. gather_columns, with its
+   offsets and dilation read at run time, kept a 3x3 kernel's weights and most offsets on the
+   stack and reloaded them: 1.75 loads per candidate where the loads bound the loop (by hand:
+   the hot 56 x 56 plane at 12-14 G pairs/s, 16-18 this way, against 24 for the loads and
+   maxima alone). `first` and n are constants where this is inlined. */
+static inline __attribute__((always_inline)) void gather_block(
+    const float *base, const float *lwo, float *dst, int64_t rows, int64_t wp, int64_t row,
+    const int n, const int first, const int64_t kh_n, const int64_t kw_n, int64_t last) {
+    /* up to 9 taps the weights stay in registers beside the 4 maxima; more would spill, and a
+       spilled weight costs the load its broadcast does */
+    const int kept = kh_n * kw_n <= 9;
+    __m256 w[9];
+    if (kept)
+        for (int64_t t = 0; t < kh_n * kw_n; t++) w[t] = _mm256_set1_ps(lwo[t]);
+    for (int64_t r = 0; r < rows; r++, base += row, dst += wp) {
+        __m256 a[4];
+#pragma GCC unroll 4
+        for (int j = 0; j < n; j++)
+            a[j] = first ? _mm256_set1_ps(-__builtin_inff())
+                         : _mm256_loadu_ps(dst + (j < n - 1 ? 8 * j : last));
+#pragma GCC unroll 8
+        for (int64_t kh = 0; kh < kh_n; kh++) {
+            const float *src = base - kh * row;
+            /* one register per kernel row, the loads at constant offsets from it: without
+               this barrier GCC folded kh * row into each load's offset, one 64-bit value per
+               candidate, and spilled them */
+            __asm__("" : "+r"(src));
+#pragma GCC unroll 8
+            for (int64_t kw = 0; kw < kw_n; kw++) {
+                const __m256 wt = kept ? w[kh * kw_n + kw] : _mm256_set1_ps(lwo[kh * kw_n + kw]);
+#pragma GCC unroll 4
+                for (int j = 0; j < n; j++)
+                    a[j] = _mm256_max_ps(
+                        a[j],
+                        _mm256_add_ps(_mm256_loadu_ps(src - kw + (j < n - 1 ? 8 * j : last)), wt));
+            }
+        }
+#pragma GCC unroll 4
+        for (int j = 0; j < n; j++) _mm256_storeu_ps(dst + (j < n - 1 ? 8 * j : last), a[j]);
+    }
+}
+
+/* gather_block with `first` and n as constants (n vectors, 1 to 4). */
+static inline __attribute__((always_inline)) void gather_block_n(
+    const float *base, const float *lwo, float *dst, int64_t rows, int64_t wp, int64_t row,
+    int n, int first, const int64_t kh_n, const int64_t kw_n, int64_t last) {
+#define SEMIPACK_GATHER_BLOCK(N)                                                                  \
+    (first ? gather_block(base, lwo, dst, rows, wp, row, N, 1, kh_n, kw_n, last)                  \
+           : gather_block(base, lwo, dst, rows, wp, row, N, 0, kh_n, kw_n, last))
+    switch (n) {
+    case 1: SEMIPACK_GATHER_BLOCK(1); break;
+    case 2: SEMIPACK_GATHER_BLOCK(2); break;
+    case 3: SEMIPACK_GATHER_BLOCK(3); break;
+    default: SEMIPACK_GATHER_BLOCK(4);
+    }
+#undef SEMIPACK_GATHER_BLOCK
+}
+
 /* Stride 1: each input position gathers its candidates instead. With the output plane padded
    by -inf (no path) on every side, input (ih, iw) reads tap (kh, kw) at padded output
    (ih - kh*DH + PH, iw - kw*DW + PW), in range for every input position: a block of 8 inputs
@@ -120,6 +182,16 @@ static inline __attribute__((always_inline)) void input_plane_gather_k(
         return;
     }
     int64_t iw = 0;
+    if (dh == 1 && dw == 1) {
+        for (; iw + 32 <= width; iw += 32)
+            gather_block_n(base + iw, lwo, dst + iw, rows, wp, row, 4, first, kh_n, kw_n, 24);
+        if (iw == width) return;
+        int64_t at[4];
+        const int n = last_columns(iw, width, at);
+        gather_block_n(base + iw, lwo, dst + iw, rows, wp, row, n, first, kh_n, kw_n,
+                       at[n - 1] - iw);
+        return;
+    }
     for (; iw + 32 <= width; iw += 32) {
         const int64_t at[4] = {iw, iw + 8, iw + 16, iw + 24};
         gather_columns(base, lwo, dst, rows, wp, at, 4, first, row, kh_n, kw_n, dh, dw);
@@ -426,6 +498,33 @@ void semipack_depthwise_weight_f32(const float *m, const float *lx, float *out, 
 /* Columns at[0..n) of `rows` input rows, `mult` message planes of one input channel (padded
    copies `pad`, `psize` floats apart), candidates in the scalar loop's order: taps (kh, kw),
    then the plane u. */
+/* The 8 maxima `best` of a gather and their entries' successor ids: lane i's id loaded from
+   `at_input[i + offset]`, the offset (`order`, a float) where its first best candidate lies; a
+   lane without a path takes `no_successor` by a blend (branches on that, at random, cost more
+   than the maxima; AVX2's gathers were slower than these loads). */
+static inline __attribute__((always_inline)) void store_best_ids(
+    __m256 best, __m256 order, float *dst, int64_t *dst_ids, const int64_t *at_input,
+    int64_t no_successor) {
+    _mm256_storeu_ps(dst, best);
+    const __m256i k = _mm256_cvttps_epi32(order);
+    const __m128i k0 = _mm256_castsi256_si128(k), k1 = _mm256_extracti128_si256(k, 1);
+    const __m256i lo = _mm256_setr_epi64x(
+        at_input[0 + _mm_extract_epi32(k0, 0)], at_input[1 + _mm_extract_epi32(k0, 1)],
+        at_input[2 + _mm_extract_epi32(k0, 2)], at_input[3 + _mm_extract_epi32(k0, 3)]);
+    const __m256i hi = _mm256_setr_epi64x(
+        at_input[4 + _mm_extract_epi32(k1, 0)], at_input[5 + _mm_extract_epi32(k1, 1)],
+        at_input[6 + _mm_extract_epi32(k1, 2)], at_input[7 + _mm_extract_epi32(k1, 3)]);
+    const __m256i none =
+        _mm256_castps_si256(_mm256_cmp_ps(best, _mm256_set1_ps(-__builtin_inff()), _CMP_EQ_OQ));
+    const __m256i successor = _mm256_set1_epi64x(no_successor);
+    _mm256_storeu_si256(
+        (__m256i *)dst_ids,
+        _mm256_blendv_epi8(lo, successor, _mm256_cvtepi32_epi64(_mm256_castsi256_si128(none))));
+    _mm256_storeu_si256(
+        (__m256i *)(dst_ids + 4),
+        _mm256_blendv_epi8(hi, successor, _mm256_cvtepi32_epi64(_mm256_extracti128_si256(none, 1))));
+}
+
 static inline __attribute__((always_inline)) void gather_ids_columns(
     const float *base, int64_t psize, const float *lwc, float *dst, int64_t *dst_ids,
     const int64_t *ids_c, int64_t no_successor, int64_t rows, int64_t wp, const int64_t *at,
@@ -459,30 +558,56 @@ static inline __attribute__((always_inline)) void gather_ids_columns(
                 }
             }
         }
+        for (int j = 0; j < n; j++)
+            store_best_ids(a[j], t[j], dst + at[j], dst_ids + at[j], ids_c + ih * wo + iw0 + at[j],
+                           no_successor);
+    }
+}
+
+/* gather_ids_columns at dilation 1 for n vectors from the block's first column (`base`, `dst`,
+   `dst_ids`, input column iw0 + `first_col`): vector j at column 8 j, the last at `last` (as in
+   gather_block), each candidate's load at a constant offset from one pointer per tap (the same
+   barrier as there: GCC otherwise kept one 64-bit offset per candidate and spilled them). */
+static inline __attribute__((always_inline)) void gather_ids_block(
+    const float *base, int64_t psize, const float *lwc, float *dst, int64_t *dst_ids,
+    const int64_t *ids_c, int64_t no_successor, int64_t rows, int64_t wp, const int n,
+    int64_t row, const int64_t kh_n, const int64_t kw_n, const int64_t mult, int64_t ih0,
+    int64_t iw0, int64_t first_col, int64_t last, int64_t ho, int64_t wo) {
+    for (int64_t r = 0; r < rows; r++, base += row, dst += wp, dst_ids += wp) {
+        const int64_t ih = ih0 + r;
+        __m256 a[4], t[4];
+#pragma GCC unroll 4
         for (int j = 0; j < n; j++) {
-            _mm256_storeu_ps(dst + at[j], a[j]);
-            /* each lane's id: loaded from where its first best candidate lies, then lanes
-               without a path take no successor by a blend (branches on that, at random,
-               cost more than the maxima; AVX2's gathers were slower than these loads) */
-            const __m256i k = _mm256_cvttps_epi32(t[j]);
-            const __m128i k0 = _mm256_castsi256_si128(k), k1 = _mm256_extracti128_si256(k, 1);
-            const int64_t *at_input = ids_c + ih * wo + iw0 + at[j];
-            const __m256i lo = _mm256_setr_epi64x(
-                at_input[0 + _mm_extract_epi32(k0, 0)], at_input[1 + _mm_extract_epi32(k0, 1)],
-                at_input[2 + _mm_extract_epi32(k0, 2)], at_input[3 + _mm_extract_epi32(k0, 3)]);
-            const __m256i hi = _mm256_setr_epi64x(
-                at_input[4 + _mm_extract_epi32(k1, 0)], at_input[5 + _mm_extract_epi32(k1, 1)],
-                at_input[6 + _mm_extract_epi32(k1, 2)], at_input[7 + _mm_extract_epi32(k1, 3)]);
-            const __m256i none = _mm256_castps_si256(
-                _mm256_cmp_ps(a[j], _mm256_set1_ps(-__builtin_inff()), _CMP_EQ_OQ));
-            const __m256i successor = _mm256_set1_epi64x(no_successor);
-            _mm256_storeu_si256(
-                (__m256i *)(dst_ids + at[j]),
-                _mm256_blendv_epi8(lo, successor, _mm256_cvtepi32_epi64(_mm256_castsi256_si128(none))));
-            _mm256_storeu_si256(
-                (__m256i *)(dst_ids + at[j] + 4),
-                _mm256_blendv_epi8(hi, successor,
-                                   _mm256_cvtepi32_epi64(_mm256_extracti128_si256(none, 1))));
+            const int64_t col = first_col + (j < n - 1 ? 8 * j : last);
+            a[j] = _mm256_set1_ps(-__builtin_inff());
+            /* a lane without a path reads ids_c[0], in bounds, and takes no successor */
+            t[j] = _mm256_sub_ps(_mm256_set1_ps((float)-(ih * wo + iw0 + col)),
+                                 _mm256_setr_ps(0, 1, 2, 3, 4, 5, 6, 7));
+        }
+#pragma GCC unroll 8
+        for (int64_t kh = 0; kh < kh_n; kh++) {
+#pragma GCC unroll 8
+            for (int64_t kw = 0; kw < kw_n; kw++) {
+                for (int64_t u = 0; u < mult; u++) {
+                    const float *src = base - kh * row - kw + u * psize;
+                    __asm__("" : "+r"(src));
+                    const __m256 w = _mm256_set1_ps(lwc[(u * kh_n + kh) * kw_n + kw]);
+                    /* where this candidate's id lies from the input's ih * wo + iw */
+                    const __m256 at_order = _mm256_set1_ps((float)(u * ho * wo - kh * wo - kw));
+#pragma GCC unroll 4
+                    for (int j = 0; j < n; j++) {
+                        const __m256 c = _mm256_add_ps(
+                            _mm256_loadu_ps(src + (j < n - 1 ? 8 * j : last)), w);
+                        t[j] = _mm256_blendv_ps(t[j], at_order, _mm256_cmp_ps(c, a[j], _CMP_GT_OQ));
+                        a[j] = _mm256_max_ps(a[j], c);
+                    }
+                }
+            }
+        }
+        for (int j = 0; j < n; j++) {
+            const int64_t off = j < n - 1 ? 8 * j : last;
+            store_best_ids(a[j], t[j], dst + off, dst_ids + off,
+                           ids_c + ih * wo + iw0 + first_col + off, no_successor);
         }
     }
 }
@@ -517,6 +642,24 @@ static inline __attribute__((always_inline)) void input_plane_gather_ids_k(
     int64_t *dst_ids = plane_ids + ch * wp + cw;
     const int64_t rows = hp - 2 * ch;
     int64_t iw = 0;
+    if (dh == 1 && dw == 1) {
+#define SEMIPACK_IDS_BLOCK(n, last)                                                            \
+    gather_ids_block(base + iw, psize, lwc, dst + iw, dst_ids + iw, ids_c, no_successor, rows, \
+                     wp, n, row, kh_n, kw_n, mult, ch, cw, iw, last, ho, wo)
+        for (; iw + 32 <= width; iw += 32) SEMIPACK_IDS_BLOCK(4, 24);
+        if (iw == width) return;
+        int64_t at[4];
+        const int n = last_columns(iw, width, at);
+        const int64_t last = at[n - 1] - iw;
+        switch (n) {
+        case 1: SEMIPACK_IDS_BLOCK(1, last); break;
+        case 2: SEMIPACK_IDS_BLOCK(2, last); break;
+        case 3: SEMIPACK_IDS_BLOCK(3, last); break;
+        default: SEMIPACK_IDS_BLOCK(4, last);
+        }
+#undef SEMIPACK_IDS_BLOCK
+        return;
+    }
     for (; iw + 32 <= width; iw += 32) {
         const int64_t at[4] = {iw, iw + 8, iw + 16, iw + 24};
         gather_ids_columns(base, psize, lwc, dst, dst_ids, ids_c, no_successor, rows, wp, at, 4,

@@ -487,6 +487,15 @@ there).
   dense product's rate (MaxProd's stride-1 gather: 25 G pairs/s in its inner loop alone, 15-20
   on one plane in cache, 6-15 over the layer's 192 planes, by hand in a standalone C benchmark;
   TopPath's: a compare, a blend and a maximum per candidate and 8-byte ids).
+  Since the thirty-second session (2026-11-29) the stride-1 gathers at dilation 1 load each
+  candidate at a constant offset from one pointer per kernel row (GCC had kept one 64-bit
+  offset per candidate, spilled them and reloaded up to 9 weights per row: 1.75 loads per
+  candidate, where the loads bound the loop); the same command, the session's first tree and
+  the new one in turns, twice (G pairs/s, input message, 56 x 56 planes): MaxProd 3x3 6.3-7.5
+  -> 11.5-11.9, 5x5 10.2-14.3 -> 14.1-14.5; TopPath within the runs' spread (3x3 2.5-3.3 ->
+  2.6-3.4, 5x5 4.4-5.3 -> 4.9-6.0); the dense tap product's input message 17.4-22.0 in the same
+  runs. By hand (standalone C, the two kernels in turns, medians of five): one 56 x 56 plane in
+  cache 13.6 -> 16.5 (3x3) and 16.0 -> 20.0 (5x5); 14 x 14 9.6 -> 11.6 and 9.3 -> 11.8.
   PyTorch's vectorised log takes a slow path for every exact zero (3.9 ms for 430k entries
   half of them zeros, 0.43 ms without zeros,
   `bench_kernel_costs.py`), and half of a ReLU network's activations are zeros: logarithms of

@@ -202,11 +202,17 @@ def _normalised_cnn() -> nn.Module:
 def test_train_mode_batch_norm_cuda_matches_cpu(semiring_name: str) -> None:
     """Train-mode batch norm on the GPU runs cuDNN's kernel (``cudnn_batch_norm_backward``);
     norms without affine parameters build their unit gains on the input's device."""
-    make = SEMIRINGS[semiring_name]
     x = torch.randn(4, 3, 5, 5, generator=torch.Generator().manual_seed(3))
+    _assert_same_values_on_both(lambda: _normalised_cnn().train(), x, SEMIRINGS[semiring_name])
+
+
+def _assert_same_values_on_both(build, x: torch.Tensor, make) -> None:
+    """The model ``build()`` makes (seeded the same way) gives the same ``semiring_grad`` for
+    every parameter and for its input ``x`` on the CPU and on the GPU."""
     values = []
     for device in ("cpu", "cuda"):
-        model = _normalised_cnn().to(device).train()
+        torch.manual_seed(0)
+        model = build().to(device)
         inp = x.to(device).detach().requires_grad_(True)
         with semipack.extend(model, make()):
             model(inp).pow(2).sum().backward()
@@ -233,16 +239,9 @@ def test_per_sample_through_eval_batch_norm_cuda_matches_cpu() -> None:
 def test_rms_norm_cuda_matches_cpu(semiring_name: str) -> None:
     """``nn.RMSNorm`` on the GPU is one fused node (``FusedRmsNormBackward0``) where the CPU
     records its composite; the rule draws the composite, so the values agree."""
-    make = SEMIRINGS[semiring_name]
     x = torch.randn(3, 4, 6, generator=torch.Generator().manual_seed(5))
-    values = []
-    for device in ("cpu", "cuda"):
-        torch.manual_seed(0)
-        model = nn.Sequential(nn.Linear(6, 6), nn.RMSNorm(6), nn.Linear(6, 2)).to(device)
-        inp = x.to(device).detach().requires_grad_(True)
-        with semipack.extend(model, make()):
-            model(inp).pow(2).sum().backward()
-        named = {n: p.semiring_grad for n, p in model.named_parameters()}
-        values.append({**named, "input": inp.semiring_grad})
-    for name, cpu_value in values[0].items():
-        _assert_same_values(cpu_value, values[1][name], name)
+    _assert_same_values_on_both(
+        lambda: nn.Sequential(nn.Linear(6, 6), nn.RMSNorm(6), nn.Linear(6, 2)),
+        x,
+        SEMIRINGS[semiring_name],
+    )

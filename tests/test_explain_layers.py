@@ -1129,17 +1129,26 @@ def test_gpt_bigcode_fused_projection_is_read_in_its_own_layout(multi_query: boo
         ],
         lambda unit: _bigcode_truth(unit, multi_query),
     )
+    _assert_best_paths_hops(
+        model, layers, model.wte, "c_attn", lambda unit: _bigcode_truth(unit, multi_query)
+    )
+
+
+def _assert_best_paths_hops(model, layers, embedding, projection: str, truth) -> None:
+    """The 8 best paths from the first column of five tokens' embeddings to the last token's
+    output sum: each hop on a query, key or value part of the fused ``projection`` names the
+    (part, head) ``truth`` gives for the unit the path's step on it holds (at least one)."""
     ids = torch.tensor([[3, 5, 7, 2, 9, 4]])
     best = semipack.KBest(8)
     with semipack.extend(model, best):
         model(input_ids=ids).last_hidden_state[0, -1].sum().backward()
-    paths = [p for t in ids[0, :5] for p in best.paths(model.wte.weight, (int(t), 0))]
+    paths = [p for t in ids[0, :5] for p in best.paths(embedding.weight, (int(t), 0))]
     hops = 0
     for path, route in zip(paths, layer_routes(paths, layers), strict=True):
-        steps = [s for s in path.steps if (s.module or "").endswith("c_attn")]
+        steps = [s for s in path.steps if (s.module or "").endswith(projection)]
         parts = [h for h in route.hops if h.branch in ("query", "key", "value")]
         for step, hop in zip(steps, parts, strict=True):
-            assert (hop.branch, hop.head) == _bigcode_truth(int(step.index[-1]), multi_query)
+            assert (hop.branch, hop.head) == truth(int(step.index[-1]))
             hops += 1
     assert hops > 0
 
@@ -1190,45 +1199,31 @@ def test_gpt_neox_fused_projection_is_read_per_head() -> None:
         ],
         truth.__getitem__,
     )
-    ids = torch.tensor([[3, 5, 7, 2, 9, 4]])
-    best = semipack.KBest(8)
-    with semipack.extend(model, best):
-        model(input_ids=ids).last_hidden_state[0, -1].sum().backward()
-    paths = [p for t in ids[0, :5] for p in best.paths(model.embed_in.weight, (int(t), 0))]
-    hops = 0
-    for path, route in zip(paths, layer_routes(paths, layers), strict=True):
-        steps = [s for s in path.steps if (s.module or "").endswith("query_key_value")]
-        parts = [h for h in route.hops if h.branch in ("query", "key", "value")]
-        for step, hop in zip(steps, parts, strict=True):
-            assert (hop.branch, hop.head) == truth[int(step.index[-1])]
-            hops += 1
-    assert hops > 0
-    retained = []
-    hooks = [
-        a.block.register_forward_pre_hook(_retain_hidden_states(retained), with_kwargs=True)
-        for a in layers
-    ]
-    target = lambda: model(input_ids=ids).last_hidden_state[0, -1].sum()  # noqa: E731
-    with semipack.extend(model, semipack.LogSum()):
-        target().backward()
-    for h in hooks:
-        h.remove()
-    flow = semipack.explain_layers(model, semipack.LogSum(), target)
+    _assert_best_paths_hops(model, layers, model.embed_in, "query_key_value", truth.__getitem__)
+    flow, retained = _log_sum_flow_and_inputs(model, layers, torch.tensor([[3, 5, 7, 2, 9, 4]]))
     assert all(list(layer) == ["qkv"] for layer in flow.branches)
     for i, tensor in enumerate(retained):
         want = tensor.semiring_grad.logsumexp(-1)
         torch.testing.assert_close(flow.total[i], want, rtol=1e-10, atol=0)
 
 
-def _retain_hidden_states(retained: list):
-    """A forward pre-hook (with kwargs) that keeps the block's ``hidden_states`` argument."""
+def _log_sum_flow_and_inputs(model, layers, ids):
+    """``explain_layers``' LogSum flow of the last token's output sum, and each attention
+    block's input (its ``hidden_states``) retained in a plain LogSum pass of the same target."""
+    retained = []
 
-    def hook(module, args, kwargs):
+    def keep(module, args, kwargs):
         hidden = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
         hidden.retain_grad()
         retained.append(hidden)
 
-    return hook
+    hooks = [a.block.register_forward_pre_hook(keep, with_kwargs=True) for a in layers]
+    target = lambda: model(input_ids=ids).last_hidden_state[0, -1].sum()  # noqa: E731
+    with semipack.extend(model, semipack.LogSum()):
+        target().backward()
+    for h in hooks:
+        h.remove()
+    return semipack.explain_layers(model, semipack.LogSum(), target), retained
 
 
 def test_opt_layers_split_into_query_key_value() -> None:
@@ -1248,17 +1243,7 @@ def test_opt_layers_split_into_query_key_value() -> None:
         ("decoder.layers.0.self_attn", 2, 4),
         ("decoder.layers.1.self_attn", 2, 4),
     ]
-    retained = []
-    hooks = [
-        a.block.register_forward_pre_hook(_retain_hidden_states(retained), with_kwargs=True)
-        for a in layers
-    ]
-    target = lambda: model(input_ids=IDS).last_hidden_state[0, -1].sum()  # noqa: E731
-    with semipack.extend(model, semipack.LogSum()):
-        target().backward()
-    for h in hooks:
-        h.remove()
-    flow = semipack.explain_layers(model, semipack.LogSum(), target)
+    flow, retained = _log_sum_flow_and_inputs(model, layers, IDS)
     for i, tensor in enumerate(retained):
         assert set(flow.branches[i]) == {"query", "key", "value"}
         want = tensor.semiring_grad.logsumexp(-1)

@@ -245,3 +245,19 @@ def test_rms_norm_cuda_matches_cpu(semiring_name: str) -> None:
         x,
         SEMIRINGS[semiring_name],
     )
+
+
+def test_per_sample_through_rms_norm_cuda_matches_cpu() -> None:
+    """The gain of ``nn.RMSNorm`` on the GPU is used by the fused node
+    (``FusedRmsNormBackward0``), on the CPU by the composite's product: the same rows."""
+    x = torch.randn(4, 3, 6, generator=torch.Generator().manual_seed(6))
+    rows = []
+    for device in ("cpu", "cuda"):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(6, 6), nn.RMSNorm(6), nn.Linear(6, 2)).to(device)
+        with semipack.extend(model, semipack.MaxProd(), per_sample=True):
+            model(x.to(device)).pow(2).sum().backward()
+        rows.append({n: p.semiring_grad_batch for n, p in model.named_parameters()})
+    for name, cpu_value in rows[0].items():
+        assert cpu_value.shape[0] == 4
+        _assert_same_values(cpu_value, rows[1][name], name)

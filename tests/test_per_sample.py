@@ -244,6 +244,18 @@ def _instance_norm():
     return model, (torch.randn(3, 2, 4, 4),)
 
 
+def _rms_norm():
+    """``nn.RMSNorm`` (``F.rms_norm``) on tokens: its gain multiplies ``x · rsqrt(mean(x²) +
+    eps)``, a value made inside the call; the product, the call's result, has the batch on dim
+    0, so the value has it too. Refused until the thirty-second session ("computed inside
+    'rms_norm'")."""
+    model = nn.Sequential(
+        nn.Linear(3, 4), nn.RMSNorm(4), nn.Tanh(), nn.Linear(4, 4), nn.RMSNorm((2, 4)),
+        nn.Flatten(), nn.Linear(8, 2),
+    )  # fmt: skip
+    return model, (torch.randn(3, 2, 3),)
+
+
 class ExpandedToTheBatch(nn.Module):
     """Parameters expanded to the batch and met by it on dim 0: a class token concatenated
     before the tokens (ViT's ``cls.expand(N, -1, -1)``), a learned query added (Perceiver's
@@ -317,6 +329,7 @@ MODELS = {
     "batch_norm_eval": _batch_norm_eval,
     "group_norm": _group_norm,
     "instance_norm": _instance_norm,
+    "rms_norm": _rms_norm,
     "computed_from_parameters": _computed_from_parameters,
     "matrix_products": _matrix_products,
     "expanded_to_the_batch": _expanded_to_the_batch,
@@ -802,6 +815,42 @@ def test_op_without_per_sample_rule_refused():
         r"parameter '1.w' is used by MmBackward0, created by module '1', which has no "
         r"per-sample rule",
     )
+
+
+@pytest.mark.parametrize("semiring_name", ["real", "max_prod", "log_sum", "entropy"])
+def test_fused_rms_norm_rows_are_the_composites(semiring_name):
+    """The gain's rows through a GPU's fused RMS norm node (``FusedRmsNormBackward0``: a
+    stand-in object with its saved tensors here, the node exists on a GPU only) equal the rows
+    of the CPU's composite, whose gain is a factor of its ``MulBackward0``."""
+    from semipack.rules.per_sample import row_rule
+
+    gen = torch.Generator().manual_seed(9)
+    x = torch.randn(3, 2, 4, generator=gen, dtype=torch.float64)
+    gain = torch.tensor([1.5, -0.5, 0.0, 2.0], dtype=torch.float64)
+    weights = torch.randn(3, 2, 4, generator=gen, dtype=torch.float64)
+    sr = SEMIRINGS[semiring_name]()
+    model = nn.RMSNorm(4, eps=1e-6).double()
+    with torch.no_grad():
+        model.weight.copy_(gain)
+    with semipack.extend(model, sr, per_sample=True, keep_state=True):
+        (model(x) * weights).sum().backward()
+    want = model.weight.semiring_state_batch
+    want = want if isinstance(want, tuple) else (want,)
+
+    class FusedNode:
+        _saved_input = x
+        _saved_result1 = (x.pow(2).mean(-1, keepdim=True) + 1e-6).rsqrt()
+        _saved_normalized_shape = (4,)
+
+        def name(self) -> str:
+            return "FusedRmsNormBackward0"
+
+    node = FusedNode()
+    rows = row_rule(node)(sr, node, sr.lift(weights), 1)
+    for a, b in zip(rows, want, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12, equal_nan=True)
+    with pytest.raises(PerSampleError, match="rms_norm's input is no parameter's use"):
+        row_rule(node)(sr, node, sr.lift(weights), 0)
 
 
 class Repeated(nn.Module):
@@ -2172,15 +2221,28 @@ def test_a_transformer_with_a_target_beside_the_batch_has_rows():
     _assert_real_rows_are_per_example_gradients(model, inputs)
 
 
+class SequenceFirstRmsNorm(nn.Module):
+    """``F.rms_norm`` of ``h.transpose(0, 1)``: its gain's product has the batch on dim 1."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(4, 6)
+        self.gain = nn.Parameter(torch.rand(6) + 0.5)
+
+    def forward(self, x):  # x: [N, T, 4]
+        h = self.proj(x).transpose(0, 1)  # [T, N, 6]
+        return F.rms_norm(h, (6,), self.gain).transpose(0, 1)
+
+
 def test_a_parameter_used_inside_a_call_the_block_sees_whole_is_named_by_that_call():
     """torch's ``F.rms_norm`` multiplies its gain inside the call: the block sees ``rms_norm``,
     not its inner product, and the refusal blamed a custom Function or a scripted function;
-    it names the call now."""
-    model = nn.Sequential(nn.Linear(4, 6), nn.RMSNorm(6), nn.Linear(6, 2))
+    it names the call now. (With the batch on dim 0 of the call's result the gain has rows:
+    ``test_rows_equal_single_examples[rms_norm-...]``.)"""
     _refused(
-        model.double(),
+        SequenceFirstRmsNorm().double(),
         (torch.randn(3, 5, 4, dtype=torch.float64),),
-        r"parameter '1.weight' is used by MulBackward0, created by module '1', with a value "
+        r"parameter 'gain' is used by MulBackward0, created by the root module, with a value "
         r"MulBackward0 computed inside 'rms_norm', a call whose own ops the block does not "
         r"follow one by one",
     )

@@ -18,7 +18,9 @@ Two kinds of entries:
   parameter at ``input_nr``. Built in: a parameter broadcast into ``x * p``, ``x + p``,
   ``x - p`` (a hand-written bias, gain or layer scale), batch norm's affine parameters in
   eval mode, group norm's and instance norm's (the repeat of its parameters that PyTorch's
-  ``instance_norm`` makes, ``_instance_norm_repeat``), and a parameter expanded to the batch
+  ``instance_norm`` makes, ``_instance_norm_repeat``), ``F.rms_norm``'s gain (a product whose
+  other factor is made inside the call, ``_batched_as_the_product``; a GPU's fused node,
+  ``_fused_rms_norm_rows``), and a parameter expanded to the batch
   (a class token, ``batch_expand_rows``: the ``ExpandBackward0`` the batch following marked,
   once its dim 0 met the batch).
 """
@@ -254,6 +256,8 @@ def unbatched_operand(node, input_nr: int, is_batched: Callable[[Tensor], bool])
     that no node feeds is not known to be batched."""
     if node.name() not in _BROADCAST_NODES:
         return None
+    if node.name() == "MulBackward0" and _batched_as_the_product(node, _mul_factor(node, input_nr)):
+        return None
     other, _ = node.next_functions[1 - input_nr]
     if other is not None:
         leaf = getattr(other, "variable", None)
@@ -268,7 +272,9 @@ def unbatched_operand(node, input_nr: int, is_batched: Callable[[Tensor], bool])
                 return (
                     f"a value {other.name()} computed inside '{inside}', a call whose own ops "
                     "the block does not follow one by one (only the layers and products the "
-                    "README lists have per-sample rows; torch's F.rms_norm, say, has none)"
+                    "README lists have per-sample rows; a call's own product with a parameter "
+                    "has them where the call's result has the batch on dim 0, as F.rms_norm's "
+                    "gain does)"
                 )
             if BATCHED_KEY not in other.metadata:
                 return (
@@ -302,6 +308,18 @@ def unbatched_operand(node, input_nr: int, is_batched: Callable[[Tensor], bool])
             "from the model's input, or with its batch moved off dim 0)"
         )
     return "an operand not computed in the graph"
+
+
+def _batched_as_the_product(node, factor: Tensor) -> bool:
+    """Whether ``factor`` carries the batch on dim 0 because the product ``node`` (``factor *
+    p``, p the parameter) does: the block followed the product's own output with the batch on
+    dim 0 (``BATCHED_KEY``), and the factor has the output's shape. p is no value computed
+    from the input, so the batch came in through the factor. That is how ``F.rms_norm``'s gain
+    meets a value made inside the call (``x * rsqrt(mean(x²) + eps)``), which the block does
+    not see but whose result it follows."""
+    if node.metadata.get(BATCHED_KEY, None) != 0:
+        return False
+    return tuple(factor.shape) == tuple(node._input_metadata[0].shape)
 
 
 # --- values computed from a parameter alone ---------------------------------------------------
@@ -555,6 +573,20 @@ def parameter_step(node, input_nr: int) -> ParameterStep | None:
     return step
 
 
+def _fused_rms_norm_rows(sr: Semiring, node, state: State, input_nr: int) -> State:
+    """RMS norm's fused kernel (``FusedRmsNormBackward0``, a GPU's ``F.rms_norm``): ``y = (x · r)
+    · w``, r each row's own, so the edge from w[j] to y[n, ..., j] weighs ``t = x · r`` there,
+    the rows the CPU's composite gets from its gain's ``MulBackward0`` (``_mul_rows``)."""
+    if input_nr != 1:
+        raise PerSampleError(
+            "per-sample values: rms_norm's input is no parameter's use with rows of its own"
+        )
+    dtype = state[0].dtype
+    t = node._saved_input.to(dtype) * node._saved_result1.to(dtype)
+    weighted = sr.scale(state, t.expand(state[0].shape))
+    return _broadcast_rows(sr, weighted, tuple(node._saved_normalized_shape))
+
+
 def _instance_norm_repeat(node) -> bool:
     """Whether ``node`` (a ``RepeatBackward0``) is instance norm's repeat of its 1-D gain or
     bias. PyTorch runs ``instance_norm`` as a batch norm over the N·C channels of
@@ -588,6 +620,7 @@ register_per_sample("CudnnBatchNormBackward0", _batch_norm_eval_rows)
 register_per_sample("MiopenBatchNormBackward0", _batch_norm_eval_rows)
 register_per_sample("NativeGroupNormBackward0", _group_norm_rows)
 register_per_sample("RepeatBackward0", _instance_norm_rows, _instance_norm_repeat)
+register_per_sample("FusedRmsNormBackward0", _fused_rms_norm_rows)
 
 
 #: Reductions whose saved ``dim`` says which axes they reduce (``SumBackward1``, ...).

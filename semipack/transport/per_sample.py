@@ -28,6 +28,7 @@ from ..messages.message import Message
 from ..rules.per_sample import (
     BATCHED_KEY,
     FACTORS_KEY,
+    INSIDE_CALL_KEY,
     PARAMETER_STEPS,
     batch_expand_rows,
     expanded_over_batch,
@@ -353,7 +354,12 @@ def _computed_refused(name: str, steps: Sequence[tuple[Any, int]], use: str) -> 
 
 
 def _seen(node) -> bool:
-    return BATCHED_KEY in node.metadata or SEEN_KEY in node.metadata
+    """Whether the block saw ``node`` made: by a call it followed, as the call's result
+    (``BATCHED_KEY``, ``SEEN_KEY``) or inside it (``INSIDE_CALL_KEY``: ``F.rms_norm``'s
+    ``x * r``, which its gain multiplies; a row rule on such a value asks whether the batch is
+    known there, ``rules.per_sample.unbatched_operand``)."""
+    metadata = node.metadata
+    return BATCHED_KEY in metadata or SEEN_KEY in metadata or INSIDE_CALL_KEY in metadata
 
 
 def _unseen_input(node) -> str | None:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import re
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -815,6 +816,31 @@ def test_op_without_per_sample_rule_refused():
         r"parameter '1.w' is used by MmBackward0, created by module '1', which has no "
         r"per-sample rule",
     )
+
+
+def test_every_node_of_an_rms_norm_off_the_batch_names_the_layer():
+    """``F.rms_norm`` of ``h.transpose(0, 1)`` is a layer on an input whose batch is on dim 1:
+    every node the call made carries the problem (``MISPLACED_KEY``), the one using the gain
+    whatever it is: the CPU's composite product, or a GPU's fused node, which no other check
+    would stop (it reads any dim 0 as the batch)."""
+    from semipack.rules.per_sample import INSIDE_CALL_KEY
+    from semipack.transport.batch_following import MISPLACED_KEY
+
+    model = SequenceFirstRmsNorm().double()
+    with semipack.extend(model, semipack.MaxProd(), per_sample=True):
+        out = model(torch.randn(3, 3, 4, dtype=torch.float64))
+        made, stack, seen = [], [out.grad_fn], set()
+        while stack:
+            node = stack.pop()
+            if node is None or id(node) in seen:
+                continue
+            seen.add(id(node))
+            if node.metadata.get(INSIDE_CALL_KEY) == "rms_norm":
+                made.append(node)
+            stack.extend(n for n, _ in node.next_functions)
+        assert {n.name() for n in made} >= {"MulBackward0", "RsqrtBackward0", "PowBackward0"}
+        for node in made:
+            assert node.metadata[MISPLACED_KEY].startswith("RMSNorm (the root module) on an input")
 
 
 @pytest.mark.parametrize("semiring_name", ["real", "max_prod", "log_sum", "entropy"])
@@ -1686,9 +1712,44 @@ def _through_a_view(h):
     return h
 
 
+class _KernelIntoEmptyLike(torch.autograd.Function):
+    """A kernel below Python (numpy here, a CUDA or Triton kernel elsewhere) writing each
+    example's average with the one before it into ``torch.empty_like(x)`` (trial 113)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        out = torch.empty_like(x)
+        values = x.detach().numpy()
+        out.numpy()[:] = 0.5 * (values + np.roll(values, 1, 0))
+        return out
+
+    @staticmethod
+    def backward(ctx, g):
+        return 0.5 * (g + torch.roll(g, -1, 0))
+
+
+class _HiddenRoll(torch.autograd.Function):
+    """A forward that writes into its result by ops the block does not see (under
+    ``DisableTorchFunction``): each example's row moves to the next (trial 113)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        out = x.clone()
+        with torch._C.DisableTorchFunction():
+            out.copy_(torch.roll(x, 1, 0))
+        return out
+
+    @staticmethod
+    def backward(ctx, g):
+        return torch.roll(g, -1, 0)
+
+
 SQUARE = torch.randn(4, 4, dtype=torch.float64)
-#: each gave rows without a per-example meaning, silently (trial 33); N = T = 4
+#: each gave rows without a per-example meaning, silently (trial 33; the custom Functions:
+#: trial 113); N = T = 4
 REFUSED_BETWEEN = {
+    "a kernel writing into empty_like": lambda m, h, x: _KernelIntoEmptyLike.apply(h),
+    "a hidden write into a custom Function's result": lambda m, h, x: _HiddenRoll.apply(h),
     "out[perm] = h": lambda m, h, x: _permuted_into(h),
     "index_put at permuted rows": lambda m, h, x: torch.zeros_like(h).index_put(
         (torch.tensor([1, 2, 3, 0]),), h

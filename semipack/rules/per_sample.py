@@ -229,7 +229,16 @@ def how_lost(call: str) -> str:
         return "indexing picked or reordered examples"
     if call == "__setitem__":
         return "an indexed assignment wrote examples into other places"
+    if call == UNSEEN_WRITE:
+        return (
+            "its values changed by a write the block did not see (code below Python, or an op "
+            "under DisableTorchFunction, in a custom autograd.Function's forward say)"
+        )
     return f"'{call}' mixed, split or picked the examples"
+
+
+#: The ``lost_by`` of a tensor whose version counter moved by a write the block did not see.
+UNSEEN_WRITE = "a write the block did not see"
 
 
 MERGING = frozenset(("view", "reshape", "flatten", "unflatten", "view_as", "reshape_as", "ravel"))
@@ -782,6 +791,7 @@ __all__ = [
     "PARAMETER_STEPS",
     "PER_SAMPLE_NODES",
     "SPLITS_MERGED_BATCH",
+    "UNSEEN_WRITE",
     "ParameterStep",
     "RowRule",
     "batch_expand_rows",

@@ -44,6 +44,7 @@ from ..rules.per_sample import (
     MERGED_EXAMPLES_KEY,
     MERGING,
     SPLITS_MERGED_BATCH,
+    UNSEEN_WRITE,
     from_one_parameter,
     how_lost,
     parameter_projection,
@@ -66,6 +67,8 @@ LAYER_INPUTS: dict[Any, tuple[str, int]] = {
     F.batch_norm: ("BatchNorm", 0),
     F.instance_norm: ("InstanceNorm", 0),
     torch.instance_norm: ("InstanceNorm", 0),
+    F.rms_norm: ("RMSNorm", 0),
+    torch.rms_norm: ("RMSNorm", 0),
     F.multi_head_attention_forward: ("MultiheadAttention", 1),
 }
 
@@ -661,11 +664,14 @@ class BatchedTensors:
         """``tensor`` got its autograd node after the call the block followed: a custom
         ``autograd.Function``'s output (the tensor its forward computed, its node set by
         ``apply``) or a view's node made again after a seen write to its memory keep their
-        batch dim; a write the block did not see (a scripted ``h.copy_(...)``: the version
-        counter moved since the last write the block saw) leaves it unknown."""
-        custom = isinstance(tensor.grad_fn, torch.autograd.function.BackwardCFunction)
-        if not custom and tensor._version != self._record(tensor).version:
-            self.add(tensor, None, "a write the block did not see")
+        batch dim; a write the block did not see (a scripted ``h.copy_(...)``, a custom
+        Function's forward writing into its result under ``DisableTorchFunction``: the
+        version counter moved since the last write the block saw) leaves it unknown. A
+        custom Function's output was exempt, and such a write mixing examples gave rows
+        silently (trial 113). A write that moves no version counter (numpy, a kernel on
+        ``data_ptr``) cannot be seen: README, "Limits"."""
+        if tensor._version != self._record(tensor).version:
+            self.add(tensor, None, UNSEEN_WRITE)
         else:
             self.add(tensor, dim, self.lost_by(tensor), self.examples(tensor))
 
@@ -856,9 +862,18 @@ def merged_examples(func: Any, args: tuple, kwargs: dict, batched: BatchedTensor
     return batched.examples(x)
 
 
-#: Calls whose result's shape comes from their arguments, not from the tensor they are
-#: called on (``x.new_zeros(n, d)``): the result holds nothing of the batch.
-_SHAPED_BY_ARGUMENTS = frozenset(("new_zeros", "new_ones", "new_empty", "new_full"))
+#: Calls whose result's values come from no entry of the tensor they are called on: the shape
+#: from their arguments (``x.new_zeros(n, d)``), or the shape alone (``torch.empty_like(x)``,
+#: a buffer a kernel then writes). The result holds nothing of the batch until a write the
+#: block sees puts it there (``out.copy_(h)``, ``out[i] = h[i]``): trial 113 found a custom
+#: ``autograd.Function`` whose kernel below Python wrote examples mixed into
+#: ``torch.empty_like(x)``, and the rows given as if the buffer held ``x``'s examples.
+_SHAPED_BY_ARGUMENTS = frozenset(
+    (
+        "new_zeros", "new_ones", "new_empty", "new_full", "zeros_like", "ones_like",
+        "empty_like", "full_like", "rand_like", "randn_like", "randint_like",
+    )
+)  # fmt: skip
 #: Calls that read only the shape or dtype of their second tensor (``p.expand_as(h)``): a
 #: result of a first tensor without the batch holds nothing of it.
 _SHAPED_LIKE_OTHER = frozenset(("expand_as", "view_as", "reshape_as", "type_as"))

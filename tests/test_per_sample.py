@@ -818,6 +818,44 @@ def test_op_without_per_sample_rule_refused():
     )
 
 
+class RmsNormOfPermuted(nn.Module):
+    """``F.rms_norm`` of examples put in another order: its input lost the batch."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(4, 6)
+        self.gain = nn.Parameter(torch.rand(6) + 0.5)
+
+    def forward(self, x):
+        return F.rms_norm(self.proj(x)[torch.tensor([1, 0, 2])], (6,), self.gain)
+
+
+def test_an_rms_norm_in_bfloat16_is_refused_naming_the_call():
+    """In bfloat16 ``F.rms_norm`` computes in float32 and casts back: its gain's product is
+    no longer the call's result, so where the batch sits in it is not known (trial 113); the
+    refusal names the call."""
+    model = nn.Sequential(nn.Linear(4, 6), nn.RMSNorm(6), nn.Linear(6, 2)).to(torch.bfloat16)
+    _refused(
+        model,
+        (torch.randn(3, 4, dtype=torch.bfloat16),),
+        r"parameter '1.weight' is used by MulBackward0, created by module '1', with a value "
+        r"MulBackward0 computed inside 'rms_norm', a call whose own ops the block does not "
+        r"follow one by one",
+    )
+
+
+def test_an_rms_norm_of_a_lost_batch_names_the_cause():
+    """The refusal names the layer and how its input lost the batch; it blamed "a value
+    computed inside 'rms_norm'" (trial 113)."""
+    _refused(
+        RmsNormOfPermuted().double(),
+        (torch.randn(3, 4, dtype=torch.float64),),
+        r"parameter 'gain' is used by RMSNorm \(the root module\) on an input of shape \(3, 6\) "
+        r"computed from the model's input in which no dim holds one example per index "
+        r"\(indexing picked or reordered examples\)",
+    )
+
+
 def test_every_node_of_an_rms_norm_off_the_batch_names_the_layer():
     """``F.rms_norm`` of ``h.transpose(0, 1)`` is a layer on an input whose batch is on dim 1:
     every node the call made carries the problem (``MISPLACED_KEY``), the one using the gain
@@ -2298,14 +2336,13 @@ class SequenceFirstRmsNorm(nn.Module):
 def test_a_parameter_used_inside_a_call_the_block_sees_whole_is_named_by_that_call():
     """torch's ``F.rms_norm`` multiplies its gain inside the call: the block sees ``rms_norm``,
     not its inner product, and the refusal blamed a custom Function or a scripted function;
-    it names the call now. (With the batch on dim 0 of the call's result the gain has rows:
-    ``test_rows_equal_single_examples[rms_norm-...]``.)"""
+    it names the call now, as a layer whose input has the batch on dim 1. (With the batch on
+    dim 0 the gain has rows: ``test_rows_equal_single_examples[rms_norm-...]``.)"""
     _refused(
         SequenceFirstRmsNorm().double(),
         (torch.randn(3, 5, 4, dtype=torch.float64),),
-        r"parameter 'gain' is used by MulBackward0, created by the root module, with a value "
-        r"MulBackward0 computed inside 'rms_norm', a call whose own ops the block does not "
-        r"follow one by one",
+        r"parameter 'gain' is used by RMSNorm \(the root module\) on an input of shape "
+        r"\(5, 3, 6\) computed from the model's input in which the batch is on dim 1",
     )
 
 

@@ -222,8 +222,8 @@ def how_lost(call: str) -> str:
     """What the call ``call`` (a ``graph.batch_dims.call_name``) did to the batch, in words."""
     if call in MERGING:
         return (
-            f"'{call}' merged the batch with other dims (x.reshape(N * T, -1)): every layer "
-            "must see the batch as a dim of its own"
+            f"'{call}' merged the batch with other dims or split it (x.reshape(N * T, -1), "
+            "x.reshape(2, N // 2, -1)): every layer must see the batch as a dim of its own"
         )
     if call == "__getitem__":
         return "indexing picked or reordered examples"

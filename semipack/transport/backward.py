@@ -724,7 +724,8 @@ def backward(
                         "per-sample values: a row rule read a tensor that a node inside a "
                         "non-reentrant checkpoint saved, which its own backward may then not "
                         "read again (a factor of x * p where p is computed from a parameter, "
-                        "a constant divisor, batch norm's input): run that part of the model "
+                        "the value F.rms_norm's gain multiplies, a constant divisor, batch "
+                        "norm's input): run that part of the model "
                         "outside the checkpoint; a parameter used directly by a layer, or as a "
                         f"leaf gain x * p, works inside ({exc})"
                     ) from exc

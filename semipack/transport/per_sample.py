@@ -154,7 +154,9 @@ def check_graph(
                 misplaced += [(variable.dim(), problem) for problem in problems]
             if known and row_rule(node) is not None:
                 operand = unbatched_operand(node, input_nr, is_batched)
-                if operand is not None:
+                # a layer whose input lost the batch (an F.rms_norm's inner product): the
+                # layer's own problem, raised after the walk, names the cause
+                if operand is not None and MISPLACED_KEY not in node.metadata:
                     where = f", created by {module}," if module else ""
                     raise PerSampleError(
                         f"per-sample values: parameter '{params[id(variable)]}' is used by "

@@ -225,14 +225,21 @@ def _assert_same_values_on_both(build, x: torch.Tensor, make) -> None:
 def test_per_sample_through_eval_batch_norm_cuda_matches_cpu() -> None:
     """Eval-mode batch norm on the GPU is a cuDNN node (``CudnnBatchNormBackward0``)."""
     x = torch.randn(4, 3, 5, 5, generator=torch.Generator().manual_seed(4))
+    _assert_same_rows_on_both(lambda: _normalised_cnn().eval(), x)
+
+
+def _assert_same_rows_on_both(build, x: torch.Tensor) -> None:
+    """The model ``build()`` makes (seeded the same way) gives the same MaxProd per-sample
+    rows for every parameter on the CPU and on the GPU."""
     rows = []
     for device in ("cpu", "cuda"):
-        model = _normalised_cnn().to(device).eval()
+        torch.manual_seed(0)
+        model = build().to(device)
         with semipack.extend(model, semipack.MaxProd(), per_sample=True):
             model(x.to(device)).pow(2).sum().backward()
         rows.append({n: p.semiring_grad_batch for n, p in model.named_parameters()})
     for name, cpu_value in rows[0].items():
-        assert cpu_value.shape[0] == 4
+        assert cpu_value.shape[0] == x.shape[0]
         _assert_same_values(cpu_value, rows[1][name], name)
 
 
@@ -251,13 +258,6 @@ def test_per_sample_through_rms_norm_cuda_matches_cpu() -> None:
     """The gain of ``nn.RMSNorm`` on the GPU is used by the fused node
     (``FusedRmsNormBackward0``), on the CPU by the composite's product: the same rows."""
     x = torch.randn(4, 3, 6, generator=torch.Generator().manual_seed(6))
-    rows = []
-    for device in ("cpu", "cuda"):
-        torch.manual_seed(0)
-        model = nn.Sequential(nn.Linear(6, 6), nn.RMSNorm(6), nn.Linear(6, 2)).to(device)
-        with semipack.extend(model, semipack.MaxProd(), per_sample=True):
-            model(x.to(device)).pow(2).sum().backward()
-        rows.append({n: p.semiring_grad_batch for n, p in model.named_parameters()})
-    for name, cpu_value in rows[0].items():
-        assert cpu_value.shape[0] == 4
-        _assert_same_values(cpu_value, rows[1][name], name)
+    _assert_same_rows_on_both(
+        lambda: nn.Sequential(nn.Linear(6, 6), nn.RMSNorm(6), nn.Linear(6, 2)), x
+    )

@@ -49,47 +49,22 @@ static inline int last_columns(int64_t iw, int64_t width, int64_t at[4]) {
     return (int)((width - iw + 7) / 8);
 }
 
-/* Columns at[0..n) (8 each) of `rows` input rows of the gather below, row by row: every tap's
-   candidates in n independent chains of maxima, one store each. n is a constant where this is
-   inlined. The rows loop sits here, inside, so that a row's setup is a pointer step (a 3x3
-   kernel's 56-column rows had spent as long on setup as on their maxima). */
-static inline __attribute__((always_inline)) void gather_columns(
-    const float *base, const float *lwo, float *dst, int64_t rows, int64_t wp, const int64_t *at,
-    const int n, int first, int64_t row, int64_t kh_n, int64_t kw_n, int64_t dh, int64_t dw) {
-    for (int64_t r = 0; r < rows; r++, base += row, dst += wp) {
-        __m256 a[4];
-#pragma GCC unroll 4
-        for (int j = 0; j < n; j++)
-            a[j] = first ? _mm256_set1_ps(-__builtin_inff()) : _mm256_loadu_ps(dst + at[j]);
-#pragma GCC unroll 8
-        for (int64_t kh = 0; kh < kh_n; kh++) {
-            const float *src = base - kh * dh * row;
-#pragma GCC unroll 8
-            for (int64_t kw = 0; kw < kw_n; kw++) {
-                const __m256 w = _mm256_set1_ps(lwo[kh * kw_n + kw]);
-#pragma GCC unroll 4
-                for (int j = 0; j < n; j++)
-                    a[j] = _mm256_max_ps(a[j],
-                                         _mm256_add_ps(_mm256_loadu_ps(src - kw * dw + at[j]), w));
-            }
-        }
-#pragma GCC unroll 4
-        for (int j = 0; j < n; j++) _mm256_storeu_ps(dst + at[j], a[j]);
-    }
-}
-
-/* gather_columns at dilation 1 for n vectors from `base` and `dst` (the block's first column):
-   vector j at column 8 j, the last at column `last` (8 (n - 1), or less where the row's end is
-   no vector's: the last vector then ends at the row's end and recomputes some columns, as
-   last_columns says). Each candidate's load sits at a constant offset from its kernel row's
-   pointer, and up to 9 weights stay in registers for all the rows. gather_columns, with its
-   offsets and dilation read at run time, kept a 3x3 kernel's weights and most offsets on the
-   stack and reloaded them: 1.75 loads per candidate where the loads bound the loop (by hand:
-   the hot 56 x 56 plane at 12-14 G pairs/s, 16-18 this way, against 24 for the loads and
-   maxima alone). `first` and n are constants where this is inlined. */
+/* Columns of `rows` input rows of the gather below, row by row, n vectors from `base` and `dst`
+   (the block's first column): vector j at column 8 j, the last at column `last` (8 (n - 1), or
+   less where the row's end is no vector's: the last vector then ends at the row's end and
+   recomputes some columns, as last_columns says). Every tap's candidates go into n independent
+   chains of maxima, one store each. The rows loop sits here, inside, so that a row's setup is a
+   pointer step (a 3x3 kernel's 56-column rows had spent as long on setup as on their maxima).
+   Each candidate's load sits at a constant offset from its tap's pointer, and up to 9 weights
+   stay in registers for all the rows: with offsets and dilations folded into each load, GCC
+   kept a 3x3 kernel's weights and most offsets on the stack and reloaded them, 1.75 loads per
+   candidate where the loads bound the loop (by hand: the hot 56 x 56 plane at 12-14 G pairs/s,
+   16-18 this way, against 24 for the loads and maxima alone). `first` and n are constants
+   where this is inlined. */
 static inline __attribute__((always_inline)) void gather_block(
     const float *base, const float *lwo, float *dst, int64_t rows, int64_t wp, int64_t row,
-    const int n, const int first, const int64_t kh_n, const int64_t kw_n, int64_t last) {
+    const int n, const int first, const int64_t kh_n, const int64_t kw_n, int64_t dh,
+    int64_t dw, int64_t last) {
     /* up to 9 taps the weights stay in registers beside the 4 maxima; more would spill, and a
        spilled weight costs the load its broadcast does */
     const int kept = kh_n * kw_n <= 9;
@@ -104,10 +79,10 @@ static inline __attribute__((always_inline)) void gather_block(
                          : _mm256_loadu_ps(dst + (j < n - 1 ? 8 * j : last));
 #pragma GCC unroll 8
         for (int64_t kh = 0; kh < kh_n; kh++) {
-            const float *src = base - kh * row;
-            /* one register per kernel row, the loads at constant offsets from it: without
-               this barrier GCC folded kh * row into each load's offset, one 64-bit value per
-               candidate, and spilled them */
+            const float *src = base - kh * dh * row;
+            /* one register per kernel row, the loads at constant offsets from it (dw is 1, a
+               constant, in the common case): without this barrier GCC folded kh * dh * row
+               into each load's offset, one 64-bit value per candidate, and spilled them */
             __asm__("" : "+r"(src));
 #pragma GCC unroll 8
             for (int64_t kw = 0; kw < kw_n; kw++) {
@@ -115,8 +90,8 @@ static inline __attribute__((always_inline)) void gather_block(
 #pragma GCC unroll 4
                 for (int j = 0; j < n; j++)
                     a[j] = _mm256_max_ps(
-                        a[j],
-                        _mm256_add_ps(_mm256_loadu_ps(src - kw + (j < n - 1 ? 8 * j : last)), wt));
+                        a[j], _mm256_add_ps(
+                                  _mm256_loadu_ps(src - kw * dw + (j < n - 1 ? 8 * j : last)), wt));
             }
         }
 #pragma GCC unroll 4
@@ -124,13 +99,16 @@ static inline __attribute__((always_inline)) void gather_block(
     }
 }
 
-/* gather_block with `first` and n as constants (n vectors, 1 to 4). */
+/* gather_block with n as a constant (n vectors, 1 to 4), and `first` and a column dilation of
+   1 as constants in the common case (a dilated kernel's column offsets are read at run time). */
 static inline __attribute__((always_inline)) void gather_block_n(
     const float *base, const float *lwo, float *dst, int64_t rows, int64_t wp, int64_t row,
-    int n, int first, const int64_t kh_n, const int64_t kw_n, int64_t last) {
+    int n, int first, const int64_t kh_n, const int64_t kw_n, int64_t dh, int64_t dw,
+    int64_t last) {
 #define SEMIPACK_GATHER_BLOCK(N)                                                                  \
-    (first ? gather_block(base, lwo, dst, rows, wp, row, N, 1, kh_n, kw_n, last)                  \
-           : gather_block(base, lwo, dst, rows, wp, row, N, 0, kh_n, kw_n, last))
+    (dw != 1 ? gather_block(base, lwo, dst, rows, wp, row, N, first, kh_n, kw_n, dh, dw, last)    \
+     : first ? gather_block(base, lwo, dst, rows, wp, row, N, 1, kh_n, kw_n, dh, 1, last)         \
+             : gather_block(base, lwo, dst, rows, wp, row, N, 0, kh_n, kw_n, dh, 1, last))
     switch (n) {
     case 1: SEMIPACK_GATHER_BLOCK(1); break;
     case 2: SEMIPACK_GATHER_BLOCK(2); break;
@@ -182,28 +160,13 @@ static inline __attribute__((always_inline)) void input_plane_gather_k(
         return;
     }
     int64_t iw = 0;
-    if (dh == 1 && dw == 1) {
-        for (; iw + 32 <= width; iw += 32)
-            gather_block_n(base + iw, lwo, dst + iw, rows, wp, row, 4, first, kh_n, kw_n, 24);
-        if (iw == width) return;
-        int64_t at[4];
-        const int n = last_columns(iw, width, at);
-        gather_block_n(base + iw, lwo, dst + iw, rows, wp, row, n, first, kh_n, kw_n,
-                       at[n - 1] - iw);
-        return;
-    }
-    for (; iw + 32 <= width; iw += 32) {
-        const int64_t at[4] = {iw, iw + 8, iw + 16, iw + 24};
-        gather_columns(base, lwo, dst, rows, wp, at, 4, first, row, kh_n, kw_n, dh, dw);
-    }
+    for (; iw + 32 <= width; iw += 32)
+        gather_block_n(base + iw, lwo, dst + iw, rows, wp, row, 4, first, kh_n, kw_n, dh, dw, 24);
     if (iw == width) return;
     int64_t at[4];
-    switch (last_columns(iw, width, at)) {
-    case 1: gather_columns(base, lwo, dst, rows, wp, at, 1, first, row, kh_n, kw_n, dh, dw); break;
-    case 2: gather_columns(base, lwo, dst, rows, wp, at, 2, first, row, kh_n, kw_n, dh, dw); break;
-    case 3: gather_columns(base, lwo, dst, rows, wp, at, 3, first, row, kh_n, kw_n, dh, dw); break;
-    default: gather_columns(base, lwo, dst, rows, wp, at, 4, first, row, kh_n, kw_n, dh, dw);
-    }
+    const int n = last_columns(iw, width, at);
+    gather_block_n(base + iw, lwo, dst + iw, rows, wp, row, n, first, kh_n, kw_n, dh, dw,
+                   at[n - 1] - iw);
 }
 
 /* input_plane_gather_k with the common kernel sizes as constants: their taps unroll and a 3x3
@@ -495,9 +458,6 @@ void semipack_depthwise_weight_f32(const float *m, const float *lx, float *out, 
    every comparison (decoding a candidate's number into its tap and plane per result took
    longer than the maxima). */
 
-/* Columns at[0..n) of `rows` input rows, `mult` message planes of one input channel (padded
-   copies `pad`, `psize` floats apart), candidates in the scalar loop's order: taps (kh, kw),
-   then the plane u. */
 /* The 8 maxima `best` of a gather and their entries' successor ids: lane i's id loaded from
    `at_input[i + offset]`, the offset (`order`, a float) where its first best candidate lies; a
    lane without a path takes `no_successor` by a blend (branches on that, at random, cost more
@@ -525,54 +485,18 @@ static inline __attribute__((always_inline)) void store_best_ids(
         _mm256_blendv_epi8(hi, successor, _mm256_cvtepi32_epi64(_mm256_extracti128_si256(none, 1))));
 }
 
-static inline __attribute__((always_inline)) void gather_ids_columns(
-    const float *base, int64_t psize, const float *lwc, float *dst, int64_t *dst_ids,
-    const int64_t *ids_c, int64_t no_successor, int64_t rows, int64_t wp, const int64_t *at,
-    const int n, int64_t row, int64_t kh_n, int64_t kw_n, int64_t mult, int64_t dh, int64_t dw,
-    int64_t ih0, int64_t iw0, int64_t ho, int64_t wo) {
-    for (int64_t r = 0; r < rows; r++, base += row, dst += wp, dst_ids += wp) {
-        const int64_t ih = ih0 + r;
-        __m256 a[4], t[4];
-#pragma GCC unroll 4
-        for (int j = 0; j < n; j++) {
-            a[j] = _mm256_set1_ps(-__builtin_inff());
-            /* a lane without a path reads ids_c[0], in bounds, and takes no successor */
-            t[j] = _mm256_sub_ps(_mm256_set1_ps((float)-(ih * wo + iw0 + at[j])),
-                                 _mm256_setr_ps(0, 1, 2, 3, 4, 5, 6, 7));
-        }
-#pragma GCC unroll 8
-        for (int64_t kh = 0; kh < kh_n; kh++) {
-#pragma GCC unroll 8
-            for (int64_t kw = 0; kw < kw_n; kw++) {
-                const float *src = base - kh * dh * row - kw * dw;
-                for (int64_t u = 0; u < mult; u++) {
-                    const __m256 w = _mm256_set1_ps(lwc[(u * kh_n + kh) * kw_n + kw]);
-                    /* where this candidate's id lies from the input's ih * wo + iw */
-                    const __m256 at_order = _mm256_set1_ps((float)(u * ho * wo - kh * dh * wo - kw * dw));
-#pragma GCC unroll 4
-                    for (int j = 0; j < n; j++) {
-                        const __m256 c = _mm256_add_ps(_mm256_loadu_ps(src + u * psize + at[j]), w);
-                        t[j] = _mm256_blendv_ps(t[j], at_order, _mm256_cmp_ps(c, a[j], _CMP_GT_OQ));
-                        a[j] = _mm256_max_ps(a[j], c);
-                    }
-                }
-            }
-        }
-        for (int j = 0; j < n; j++)
-            store_best_ids(a[j], t[j], dst + at[j], dst_ids + at[j], ids_c + ih * wo + iw0 + at[j],
-                           no_successor);
-    }
-}
-
-/* gather_ids_columns at dilation 1 for n vectors from the block's first column (`base`, `dst`,
-   `dst_ids`, input column iw0 + `first_col`): vector j at column 8 j, the last at `last` (as in
-   gather_block), each candidate's load at a constant offset from one pointer per tap (the same
-   barrier as there: GCC otherwise kept one 64-bit offset per candidate and spilled them). */
+/* Columns of `rows` input rows, `mult` message planes of one input channel (padded copies,
+   `psize` floats apart), candidates in the scalar loop's order: taps (kh, kw), then the plane
+   u. n vectors from the block's first column (`base`, `dst`, `dst_ids`, input column iw0 +
+   `first_col`): vector j at column 8 j, the last at `last` (as in gather_block); each
+   candidate's load at a constant offset from one pointer per tap and plane (the same barrier
+   as there: GCC otherwise kept one 64-bit offset per candidate and spilled them). */
 static inline __attribute__((always_inline)) void gather_ids_block(
     const float *base, int64_t psize, const float *lwc, float *dst, int64_t *dst_ids,
     const int64_t *ids_c, int64_t no_successor, int64_t rows, int64_t wp, const int n,
-    int64_t row, const int64_t kh_n, const int64_t kw_n, const int64_t mult, int64_t ih0,
-    int64_t iw0, int64_t first_col, int64_t last, int64_t ho, int64_t wo) {
+    int64_t row, const int64_t kh_n, const int64_t kw_n, const int64_t mult, int64_t dh,
+    int64_t dw, int64_t ih0, int64_t iw0, int64_t first_col, int64_t last, int64_t ho,
+    int64_t wo) {
     for (int64_t r = 0; r < rows; r++, base += row, dst += wp, dst_ids += wp) {
         const int64_t ih = ih0 + r;
         __m256 a[4], t[4];
@@ -589,11 +513,12 @@ static inline __attribute__((always_inline)) void gather_ids_block(
 #pragma GCC unroll 8
             for (int64_t kw = 0; kw < kw_n; kw++) {
                 for (int64_t u = 0; u < mult; u++) {
-                    const float *src = base - kh * row - kw + u * psize;
+                    const float *src = base - kh * dh * row - kw * dw + u * psize;
                     __asm__("" : "+r"(src));
                     const __m256 w = _mm256_set1_ps(lwc[(u * kh_n + kh) * kw_n + kw]);
                     /* where this candidate's id lies from the input's ih * wo + iw */
-                    const __m256 at_order = _mm256_set1_ps((float)(u * ho * wo - kh * wo - kw));
+                    const __m256 at_order =
+                        _mm256_set1_ps((float)(u * ho * wo - kh * dh * wo - kw * dw));
 #pragma GCC unroll 4
                     for (int j = 0; j < n; j++) {
                         const __m256 c = _mm256_add_ps(
@@ -642,41 +567,21 @@ static inline __attribute__((always_inline)) void input_plane_gather_ids_k(
     int64_t *dst_ids = plane_ids + ch * wp + cw;
     const int64_t rows = hp - 2 * ch;
     int64_t iw = 0;
-    if (dh == 1 && dw == 1) {
 #define SEMIPACK_IDS_BLOCK(n, last)                                                            \
     gather_ids_block(base + iw, psize, lwc, dst + iw, dst_ids + iw, ids_c, no_successor, rows, \
-                     wp, n, row, kh_n, kw_n, mult, ch, cw, iw, last, ho, wo)
-        for (; iw + 32 <= width; iw += 32) SEMIPACK_IDS_BLOCK(4, 24);
-        if (iw == width) return;
-        int64_t at[4];
-        const int n = last_columns(iw, width, at);
-        const int64_t last = at[n - 1] - iw;
-        switch (n) {
-        case 1: SEMIPACK_IDS_BLOCK(1, last); break;
-        case 2: SEMIPACK_IDS_BLOCK(2, last); break;
-        case 3: SEMIPACK_IDS_BLOCK(3, last); break;
-        default: SEMIPACK_IDS_BLOCK(4, last);
-        }
-#undef SEMIPACK_IDS_BLOCK
-        return;
-    }
-    for (; iw + 32 <= width; iw += 32) {
-        const int64_t at[4] = {iw, iw + 8, iw + 16, iw + 24};
-        gather_ids_columns(base, psize, lwc, dst, dst_ids, ids_c, no_successor, rows, wp, at, 4,
-                           row, kh_n, kw_n, mult, dh, dw, ch, cw, ho, wo);
-    }
+                     wp, n, row, kh_n, kw_n, mult, dh, dw, ch, cw, iw, last, ho, wo)
+    for (; iw + 32 <= width; iw += 32) SEMIPACK_IDS_BLOCK(4, 24);
     if (iw == width) return;
     int64_t at[4];
-#define SEMIPACK_IDS(n)                                                                        \
-    gather_ids_columns(base, psize, lwc, dst, dst_ids, ids_c, no_successor, rows, wp, at, n,   \
-                       row, kh_n, kw_n, mult, dh, dw, ch, cw, ho, wo)
-    switch (last_columns(iw, width, at)) {
-    case 1: SEMIPACK_IDS(1); break;
-    case 2: SEMIPACK_IDS(2); break;
-    case 3: SEMIPACK_IDS(3); break;
-    default: SEMIPACK_IDS(4);
+    const int n = last_columns(iw, width, at);
+    const int64_t last = at[n - 1] - iw;
+    switch (n) {
+    case 1: SEMIPACK_IDS_BLOCK(1, last); break;
+    case 2: SEMIPACK_IDS_BLOCK(2, last); break;
+    case 3: SEMIPACK_IDS_BLOCK(3, last); break;
+    default: SEMIPACK_IDS_BLOCK(4, last);
     }
-#undef SEMIPACK_IDS
+#undef SEMIPACK_IDS_BLOCK
 }
 
 /* input_plane_gather_ids_k with one plane per channel and a 3x3 or 5x5 kernel as constants

@@ -1120,18 +1120,29 @@ def test_gpt_bigcode_fused_projection_is_read_in_its_own_layout(multi_query: boo
     _assert_one_hop_per_unit(
         layers,
         range(model.h[0].attn.c_attn.out_features),
-        lambda unit: [
-            _step("h.0.ln_1", (0, 1, 2)),
-            _step("h.0.attn.c_attn", (0, 1, unit)),
-            _step("h.0.attn", (0, 0, 3, 1)),
-            _step("h.0.attn.c_proj", (0, 3, 5)),
-            _step("h.0", (0, 3, 5)),
-        ],
+        _through_fused("h.0", "ln_1", "attn", "c_attn", "c_proj"),
         lambda unit: _bigcode_truth(unit, multi_query),
     )
     _assert_best_paths_hops(
         model, layers, model.wte, "c_attn", lambda unit: _bigcode_truth(unit, multi_query)
     )
+
+
+def _through_fused(layer: str, norm: str, block: str, projection: str, output: str):
+    """A hand-made path through unit ``unit`` of a fused query/key/value ``projection``:
+    token 1 of layer ``layer``'s norm, the projection, the attention weights (query 3, key 1),
+    the output projection and the layer's residual add at token 3."""
+
+    def steps(unit: int) -> list[PathStep]:
+        return [
+            _step(f"{layer}.{norm}", (0, 1, 2)),
+            _step(f"{layer}.{block}.{projection}", (0, 1, unit)),
+            _step(f"{layer}.{block}", (0, 0, 3, 1)),
+            _step(f"{layer}.{block}.{output}", (0, 3, 5)),
+            _step(layer, (0, 3, 5)),
+        ]
+
+    return steps
 
 
 def _assert_best_paths_hops(model, layers, embedding, projection: str, truth) -> None:
@@ -1190,13 +1201,7 @@ def test_gpt_neox_fused_projection_is_read_per_head() -> None:
     _assert_one_hop_per_unit(
         layers,
         range(48),
-        lambda unit: [
-            _step("layers.0.input_layernorm", (0, 1, 2)),
-            _step("layers.0.attention.query_key_value", (0, 1, unit)),
-            _step("layers.0.attention", (0, 0, 3, 1)),
-            _step("layers.0.attention.dense", (0, 3, 5)),
-            _step("layers.0", (0, 3, 5)),
-        ],
+        _through_fused("layers.0", "input_layernorm", "attention", "query_key_value", "dense"),
         truth.__getitem__,
     )
     _assert_best_paths_hops(model, layers, model.embed_in, "query_key_value", truth.__getitem__)

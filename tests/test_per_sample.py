@@ -830,18 +830,48 @@ class RmsNormOfPermuted(nn.Module):
         return F.rms_norm(self.proj(x)[torch.tensor([1, 0, 2])], (6,), self.gain)
 
 
-def test_an_rms_norm_in_bfloat16_is_refused_naming_the_call():
-    """In bfloat16 ``F.rms_norm`` computes in float32 and casts back: its gain's product is
-    no longer the call's result, so where the batch sits in it is not known (trial 113); the
-    refusal names the call."""
-    model = nn.Sequential(nn.Linear(4, 6), nn.RMSNorm(6), nn.Linear(6, 2)).to(torch.bfloat16)
-    _refused(
-        model,
-        (torch.randn(3, 4, dtype=torch.bfloat16),),
-        r"parameter '1.weight' is used by MulBackward0, created by module '1', with a value "
-        r"MulBackward0 computed inside 'rms_norm', a call whose own ops the block does not "
-        r"follow one by one",
-    )
+def _readouts_as_float(value):
+    """A readout as float32 tensors (SignedMaxProd's is a pair), for comparing half-precision
+    models' rows, whose state is float32."""
+    if isinstance(value, tuple):
+        return tuple(v.float() for v in value)
+    return value.float()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("semiring_name", NAMES)
+def test_an_rms_norm_in_half_precision_has_rows(dtype, semiring_name):
+    """In bfloat16 and float16 ``F.rms_norm`` computes in float32 and casts back, so its
+    gain's product is the value under the result's cast, not the result (refused until the
+    thirty-third session, trial 113). A cast moves no entry: the product has the batch where
+    the result has it, and the gain's rows are each example's own, equal to a pass over that
+    example alone; Real's are autograd's per-example gradients (float32 state, so up to the
+    rounding of the half-precision gradient)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 6), nn.RMSNorm(6), nn.Tanh(), nn.Linear(6, 2)).to(dtype)
+    x = torch.randn(3, 4, dtype=dtype)
+    sr = SEMIRINGS[semiring_name]()
+    with semipack.extend(model, sr, per_sample=True):
+        model(x).float().square().sum().backward()
+    rows = {name: p.semiring_grad_batch for name, p in model.named_parameters()}
+    assert rows["1.weight"] is not None
+    for i in range(3):
+        model.zero_grad()
+        with semipack.extend(model, sr, extensions=False):
+            model(x[i : i + 1]).float().square().sum().backward()
+        for name, p in model.named_parameters():
+            row = rows[name]
+            row = type(row)(*(r[i] for r in row)) if isinstance(row, tuple) else row[i]
+            torch.testing.assert_close(
+                _readouts_as_float(row),
+                _readouts_as_float(p.semiring_grad),
+                rtol=1e-5,
+                atol=1e-6,
+                equal_nan=True,
+                msg=lambda m, name=name, i=i: f"{name} example {i}: {m}",
+            )
+            if semiring_name == "real":
+                torch.testing.assert_close(row, p.grad.float(), rtol=1e-2, atol=1e-3)
 
 
 def test_an_rms_norm_of_a_lost_batch_names_the_cause():

@@ -729,6 +729,27 @@ def share_layer_marks(created: Sequence[Any], result: Any) -> None:
             node.metadata.setdefault(key, value)
 
 
+def share_batch_through_cast(created: Sequence[Any], result: Any) -> None:
+    """Give the node under a result that is a cast of a value the call made (a half-precision
+    ``F.rms_norm`` computes in float32 and casts back: its gain's product is that value, not
+    the result) the batch dim the block followed on the result (``BATCHED_KEY``): a cast
+    moves no entry, so the value holds the examples where the result does. Only for a cast of
+    the result's own shape whose input is a node made inside the call."""
+    inner = {id(node) for node in created}
+    for t in tree_leaves(result):
+        node = t.grad_fn if isinstance(t, Tensor) else None
+        if node is None or node.name() != "ToCopyBackward0" or BATCHED_KEY not in node.metadata:
+            continue
+        below, _ = node.next_functions[0]
+        if below is None or id(below) not in inner or BATCHED_KEY in below.metadata:
+            continue
+        shapes = [tuple(m.shape) for m in below._input_metadata]
+        if shapes != [tuple(t.shape)]:
+            continue
+        below.metadata[BATCHED_KEY] = node.metadata[BATCHED_KEY]
+        below.metadata[LOST_BY_KEY] = node.metadata.get(LOST_BY_KEY, "")
+
+
 def _mark_nodes(result: Any, problem: str) -> None:
     for t in tree_leaves(result):
         if isinstance(t, Tensor) and t.grad_fn is not None:

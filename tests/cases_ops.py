@@ -214,6 +214,10 @@ CASES: dict[str, OpCase] = {
     "index_fill_tensor_value": OpCase(
         lambda x, v: x.index_fill(0, torch.tensor([1, 1, 2]), v), ((3, 2), ())
     ),
+    # trace: its backward writes the message into the diagonal of a plain zero tensor
+    # (index_fill with a message as the value), square and wide
+    "trace_of_square": OpCase(lambda x: torch.trace(x @ x), ((3, 3),)),
+    "trace_wide": OpCase(lambda x: torch.trace(x.exp()), ((2, 4),)),
     # channel shuffle (ShuffleNet): a permutation of the channels
     "channel_shuffle": OpCase(lambda x: F.channel_shuffle(x, 3), ((2, 6, 2, 1),)),
     "channel_shuffle_module_1d": OpCase(torch.nn.ChannelShuffle(2), ((1, 4, 3),)),
@@ -423,6 +427,14 @@ CASES: dict[str, OpCase] = {
             lambda g, s: g.index_fill(0, INDEX, torch.tensor(0.0)),
         ),
         ((3, 2),),
+    ),
+    # a message base filled with a message of one entry (what trace's formula does to zeros)
+    "hw_index_fill_message_value": OpCase(
+        _hand_written(
+            lambda x: torch.cat([x.index_fill(0, torch.tensor([0, 2]), 0.0), x[:1] + x[2:3]]),
+            lambda g, s: g[:-1].index_fill(0, torch.tensor([0, 2]), g[-1]),
+        ),
+        ((4,),),
     ),
     "hw_index_fill_scalar_": OpCase(
         _hand_written(

@@ -192,6 +192,35 @@ def test_unreached_parameters_lose_stale_values() -> None:
     assert hasattr(model[2].weight, "semiring_grad")
 
 
+@pytest.mark.parametrize("later", ["TopPath", "KBest", "MaxProd"])
+@pytest.mark.parametrize("first", ["TopPath", "KBest"])
+def test_unreached_parameters_lose_stale_paths(first: str, later: str) -> None:
+    """A later backward that does not reach a parameter removes its recorded paths with its
+    ``semiring_grad`` (trial 114: ``path(w)`` returned the earlier pass's path, from any
+    TopPath instance, without an error)."""
+    make = {
+        "TopPath": semipack.TopPath,
+        "KBest": lambda: semipack.KBest(2),
+        "MaxProd": semipack.MaxProd,
+    }
+    model = small_model()
+    x, y = data()
+    recorder = make[first]()
+    with semipack.extend(model, recorder):
+        F.cross_entropy(model(x), y).backward()
+    assert hasattr(model[0].weight, "semiring_paths")
+    read = (lambda sr, w: sr.path(w)) if first == "TopPath" else (lambda sr, w: sr.paths(w, (0, 0)))
+    read(recorder, model[0].weight)  # recorded
+    with semipack.extend(model, make[later]()):
+        model[2](torch.randn(2, 5, dtype=torch.float64)).sum().backward()  # the last layer only
+    assert not hasattr(model[0].weight, "semiring_grad")
+    assert not hasattr(model[0].weight, "semiring_paths")
+    with pytest.raises(KeyError, match="holds no"):
+        read(recorder, model[0].weight)
+    if later != "MaxProd":  # the later pass's own paths on what it reached
+        assert hasattr(model[2].weight, "semiring_paths")
+
+
 def test_backward_inputs_argument_restricts_leaves() -> None:
     model = small_model()
     x, y = data()

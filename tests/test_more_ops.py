@@ -58,9 +58,6 @@ UNSUPPORTED = {
     "aten._ctc_loss_backward.default": lambda x: F.ctc_loss(
         x[0, :, :1].log_softmax(-1), torch.tensor([[1, 2]]), torch.tensor([2]), torch.tensor([2])
     ),
-    # trace's backward fills a fresh plain tensor in place with the message: no rule can
-    # turn that tensor into a message
-    "aten.index_fill.int_Tensor": lambda x: torch.trace(x[0, 0]),
     # ops inside a backward formula that would need a rule of their own here
     "aten.abs.default": lambda x: torch.logcumsumexp(x, -1),
     "aten.ones_like.default": lambda x: torch.zeros(3, dtype=torch.float64).scatter_reduce(
@@ -278,3 +275,27 @@ def test_embedding_scaled_by_frequency_is_refused() -> None:
             emb(torch.tensor([[0, 1, 1]])).sum().backward()
         assert info.value.op == "aten.embedding_dense_backward.default"
         assert "scale_grad_by_freq scales gradients by a statistic" in str(info.value)
+
+
+class _FillsOnes(torch.autograd.Function):
+    """``x.sum()`` with a backward that fills the message into a tensor of ones: an added
+    constant, which no semiring draws."""
+
+    @staticmethod
+    def forward(ctx, x):
+        ctx.shape = x.shape
+        return x.sum()
+
+    @staticmethod
+    def backward(ctx, grad):
+        return torch.ones(ctx.shape, dtype=grad.dtype).index_fill(0, torch.tensor([0]), grad)
+
+
+def test_a_message_filled_into_non_zero_values_is_refused() -> None:
+    """``index_fill`` with a message as its value takes a message or exact zeros (``trace``'s
+    formula) as the rest; other values would add a constant to the message."""
+    x = function_leaf(3)
+    with pytest.raises(
+        semipack.UnsupportedOpError, match="index_fill of a message into a tensor with non-zero"
+    ):
+        semipack.grad(_FillsOnes.apply(x), x, semipack.MaxProd())

@@ -168,8 +168,28 @@ def masked_fill(call: OpCall):
 def index_fill(call: OpCall):
     """``grad.index_fill(dim, index, 0)``: the message to ``self`` of ``index_copy`` and
     ``index_fill``. The overwritten slices have no path to ``self``: they get the semiring's
-    zero. Filling with any other value has no semiring meaning and is refused."""
+    zero. Filling with any other value has no semiring meaning and is refused; a message as
+    the value is ``_message_filled``."""
+    if isinstance(call["value"], Message):
+        return _message_filled(call)
     return _zero_filled(call, "index_fill", Tensor.index_fill)
+
+
+def _message_filled(call: OpCall):
+    """``base.index_fill(dim, index, m)`` with a message ``m`` of one entry: ``trace``'s
+    backward writes its incoming message into the diagonal of a zero tensor this way. Each
+    filled entry is ``m`` (an edge of weight 1 from the one output), every other entry is
+    ``base``'s: a message, or a plain tensor of exact zeros (no path). A plain base with other
+    values would add a constant to a message, which no semiring draws: refused."""
+    value, base, dim, index = call["value"], call["self"], call["dim"], call["index"]
+    if isinstance(base, Message):
+        parts = base.parts
+    elif bool((base == 0).all()):
+        parts = call.zeros(base.shape)
+    else:
+        raise call.error("index_fill of a message into a tensor with non-zero values")
+    filled = tuple(p.index_fill(dim, index, v) for p, v in zip(parts, value.parts, strict=True))
+    return call.wrap(call.run_regular(), filled)
 
 
 @register_rule(aten.scatter.value)

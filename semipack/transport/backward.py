@@ -52,6 +52,8 @@ SEMIRING_GRAD = "semiring_grad"
 #: same-shaped component tensors), for consumers that must combine states rather than readouts
 #: (``semipack.distributed``).
 SEMIRING_STATE = "semiring_state"
+#: Where a path-recording pass (TopPath, KBest) stores each tensor's paths.
+SEMIRING_PATHS = "semiring_paths"
 
 #: Autograd node of ``torch.utils.checkpoint(..., use_reentrant=True)``: it re-runs the forward
 #: inside its backward and starts a nested backward through the recomputed graph.
@@ -318,7 +320,7 @@ def read_results(
     return {
         SEMIRING_GRAD: value,
         SEMIRING_STATE: KeptState(msg.parts, type(sr)) if keep_state else None,
-        "semiring_paths": (
+        SEMIRING_PATHS: (
             sr.trace.capture_leaf(t, msg, fallback_name) if sr.trace is not None else None
         ),
     }
@@ -437,7 +439,7 @@ class LeafCaptures:
             return {
                 SEMIRING_GRAD: self.readouts[id(t)],
                 SEMIRING_STATE: None,
-                "semiring_paths": None,
+                SEMIRING_PATHS: None,
             }
         msg = self.states.get(id(t))
         if msg is None:
@@ -1070,7 +1072,7 @@ def grad(
         with own_kernels_compiled():  # inside an extend block too
             result.append(sr.readout(_check(msg, t, sr, outputs).parts))
     for t, recorded in paths:
-        t.semiring_paths = recorded
+        setattr(t, SEMIRING_PATHS, recorded)
     return tuple(result)
 
 

@@ -180,11 +180,12 @@ class SemiringMode(TorchFunctionMode):
             )
         for t in reached:
             self.reached.setdefault(id(t), weakref.ref(t))
-        # A parameter this backward did not reach (frozen ones too) must not keep a stale value.
+        # A parameter this backward did not reach (frozen ones too) must not keep a stale value,
+        # nor stale paths: a TopPath's ``path(p)`` read an earlier pass's (trial 114).
         reached_ids = {id(t) for t in reached}
         for p in parameters:
             if id(p) not in reached_ids:
-                for name in (bw.SEMIRING_GRAD, bw.SEMIRING_STATE):
+                for name in (bw.SEMIRING_GRAD, bw.SEMIRING_STATE, bw.SEMIRING_PATHS):
                     if hasattr(p, name):
                         delattr(p, name)
             if id(p) not in reached_ids or not self.per_sample:

@@ -52,6 +52,9 @@ Each line is a median of ``--repeats`` timed runs (after a warm-up) on one threa
   compiled reduction against the native loop (``--only affine_max``);
 * an extension's regular gradient of one call, an engine run against calling its nodes
   (``--only regular_grads``; ``extensions/direct_backward.py``);
+* the fixed cost per autograd node: a backward through 100 small nodes of one kind, plain,
+  carrying a minimal tensor subclass (the floor of any message that travels through autograd
+  as a subclass) and under ``semipack.extend`` with MaxProd (``--only node_costs``);
 * one 5x5 depthwise layer of 96 channels (MobileNet-like, 14 x 14, batch 2): MaxProd backward
   over a plain one in CPU time, with the native depthwise kernel and with it switched off
   (medians of ``--repeats`` backward passes, each after an untimed forward), and MaxProd's
@@ -630,6 +633,93 @@ def regular_grads(repeats: int) -> None:
         print(f"  {name:36s} {both[0] * 1e3:8.0f} {both[1] * 1e3:8.0f}")
 
 
+class _Wrapped(torch.Tensor):
+    """The least a message can be while it travels through autograd as a tensor subclass: a
+    wrapper whose ``__torch_dispatch__`` runs the op on the tensor inside and wraps the result
+    (no semiring, no rule). Its cost per node is the floor under any such design."""
+
+    @staticmethod
+    def __new__(cls, inner: torch.Tensor):
+        out = torch.Tensor._make_wrapper_subclass(
+            cls, inner.shape, strides=inner.stride(), dtype=inner.dtype, device=inner.device
+        )
+        out.inner = inner
+        return out
+
+    def __init__(self, inner: torch.Tensor) -> None:
+        super().__init__()
+
+    __torch_function__ = torch._C._disabled_torch_function_impl
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        def plain(a):
+            return a.inner if isinstance(a, _Wrapped) else a
+
+        out = func(*(plain(a) for a in args), **{k: plain(v) for k, v in (kwargs or {}).items()})
+        return _Wrapped(out) if isinstance(out, torch.Tensor) else out
+
+
+#: Chains of 100 nodes of one kind on a [4, 64] tensor (small: the fixed costs, not arithmetic).
+_NODE_CHAINS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "neg": lambda h: -h,
+    "transpose": lambda h: h.t(),
+    "tanh": torch.tanh,
+    "scale by 0.5": lambda h: h * 0.5,
+}
+
+
+def node_costs(repeats: int) -> None:
+    """Microseconds per autograd node of a backward through a chain of 100 small nodes of one
+    kind, in turns: a plain backward, the same backward carrying a minimal tensor subclass
+    (``_Wrapped``: the floor of a message that travels through autograd as a subclass, as
+    semipack's do) and a MaxProd backward inside ``semipack.extend`` (semipack's rules,
+    hooks and readout on top of that floor). On a small model these fixed costs, not its
+    arithmetic, set the ratio to a plain backward (BENCHMARKS.md, "Targets")."""
+    print("us per node, chain of 100 on [4, 64]: plain, minimal subclass, semipack MaxProd")
+    for name, step in _NODE_CHAINS.items():
+        model = nn.Module()
+        model.w = nn.Parameter(torch.randn(4, 64))
+
+        def forward(w: torch.Tensor, step=step) -> torch.Tensor:
+            h = w * 1.0
+            for _ in range(100):
+                h = step(h)
+            return h
+
+        def plain(forward=forward, model=model) -> float:
+            out = forward(model.w)
+            seed = torch.ones(out.shape)
+            start = time.perf_counter()
+            torch.autograd.grad(out, model.w, seed)
+            return time.perf_counter() - start
+
+        def wrapped(forward=forward, model=model) -> float:
+            out = forward(model.w)
+            seed = _Wrapped(torch.ones(out.shape))
+            start = time.perf_counter()
+            torch.autograd.grad(out, model.w, seed)
+            return time.perf_counter() - start
+
+        def semiring(forward=forward, model=model) -> float:
+            model.w.grad = None
+            with semipack.extend(model, semipack.MaxProd()):
+                out = forward(model.w).sum()
+                start = time.perf_counter()
+                out.backward()
+                return time.perf_counter() - start
+
+        variants = (plain, wrapped, semiring)
+        for run in variants:  # warm-up
+            run()
+        times: list[list[float]] = [[] for _ in variants]
+        for _ in range(repeats):
+            for spent, run in zip(times, variants, strict=True):
+                spent.append(run())
+        per_node = [statistics.median(t) / 100 * 1e6 for t in times]
+        print(f"  {name:14s} " + " ".join(f"{v:8.1f}" for v in per_node))
+
+
 #: The sections, in order; those after the first need the native kernels.
 SECTIONS: dict[str, Callable[[int], None]] = {
     "elementwise": elementwise,
@@ -647,6 +737,7 @@ SECTIONS: dict[str, Callable[[int], None]] = {
     "norm_rows": norm_rows,
     "affine_max": affine_max,
     "regular_grads": regular_grads,
+    "node_costs": node_costs,
 }
 
 

@@ -43,6 +43,9 @@ Each line is a median of ``--repeats`` timed runs (after a warm-up) on one threa
   and pairs per second (the same script runs on earlier trees for an A/B);
 * the max-plus products of one BERT-base layer's MaxProd backward with their real messages,
   through the dispatch that picks the pruned or the dense kernel (``--only bert_products``);
+* grouped 3x3 convolutions (128 channels in 32, 16 or 8 groups, and dense): MaxProd's and
+  TopPath's extra CPU time per multiply-add through the depthwise kernels with a channel
+  multiplier against the per-tap products, in turns (``--only grouped``);
 * the normalisation rows' pair reductions (``kernels/native/normalization.c`` visiting every
   pair, ``normalization_sorted.c`` over sorted rows) on a layer norm's rows of MiniLM's and
   BERT's widths (1024 x 384, 1024 x 768) and on train-mode batch-norm channels (8 x 8192):
@@ -553,6 +556,39 @@ def depthwise(repeats: int) -> None:
     )
 
 
+def grouped(repeats: int) -> None:
+    """Grouped 3x3 convolutions of 128 channels on 28 x 28 planes, batch 2 (ResNeXt's 32
+    groups of 4 channels, RegNet-like groups of 8 and 16, and a dense layer for reference):
+    MaxProd's and TopPath's extra CPU time per multiply-add of their messages over a plain
+    backward, through the depthwise kernels with a channel multiplier (``rules/depthwise.py``,
+    ``few_channels_max_plus``) and per tap, the two routes in turns (the issue's "not slower
+    per multiply-add than the dense one")."""
+    import semipack.rules.depthwise as depthwise_rules
+
+    torch.manual_seed(0)
+    x = torch.randn(2, 128, 28, 28, requires_grad=True)
+    limit = depthwise_rules.FEW_CHANNELS_PER_GROUP
+    print("grouped 3x3, 128 channels, 28 x 28, batch 2: extra CPU ns per multiply-add")
+    print("  groups  semiring   depthwise route   per tap")
+    for groups in (32, 16, 8, 1):
+        conv = nn.Conv2d(128, 128, 3, padding=1, groups=groups, bias=False)
+        macs = 2 * 2 * 28 * 28 * 128 * (128 // groups) * 9  # input and weight messages
+        for semiring in (semipack.MaxProd(), semipack.TopPath()):
+            extra = {"route": [], "per tap": []}
+            for _ in range(max(1, repeats // 5)):
+                plain = backward_ms(conv, x, None, 5)
+                for route, cap in (("route", limit), ("per tap", 1)):
+                    depthwise_rules.FEW_CHANNELS_PER_GROUP = cap
+                    try:
+                        spent = backward_ms(conv, x, semiring, 5)
+                    finally:
+                        depthwise_rules.FEW_CHANNELS_PER_GROUP = limit
+                    extra[route].append((spent - plain) / macs * 1e6)
+            route, per_tap = (statistics.median(extra[k]) for k in ("route", "per tap"))
+            name = type(semiring).__name__
+            print(f"  {groups:6d}  {name:8s} {route:12.2f} {per_tap:14.2f}")
+
+
 def _norm_row_forms(a: torch.Tensor, r: torch.Tensor, x_hat: torch.Tensor) -> dict:
     """Per semiring, its all-pairs and its sorted-row reduction of these rows, as callables."""
     return {
@@ -734,6 +770,7 @@ SECTIONS: dict[str, Callable[[int], None]] = {
     "conv_layer_costs": conv_layer_costs,
     "bert_products": bert_products,
     "depthwise": depthwise,
+    "grouped": grouped,
     "norm_rows": norm_rows,
     "affine_max": affine_max,
     "regular_grads": regular_grads,

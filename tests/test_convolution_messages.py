@@ -208,7 +208,7 @@ def _native_case(case, depthwise: bool, data: str, semiring, seed: int):
         x = x.sign() * 2.0 ** torch.randint(-1, 2, x_shape, generator=gen).float()
         w = w.sign() * 2.0 ** torch.randint(-1, 2, w_shape, generator=gen).float()
     x[:, -1] = 0.0
-    groups = x.shape[1] if depthwise else 1
+    groups = x.shape[1] // w.shape[1]  # depthwise: one input channel per group
     geometry = ConvGeometry.of(2, stride, padding, dilation, groups)
     out = torch.nn.functional.conv2d(x, w, None, stride, padding, dilation, groups)
     m = (torch.randn(out.shape, generator=gen) * 3).round()
@@ -235,6 +235,13 @@ FEW_CHANNELS = {
     "four_channels_dilated": ((2, 4, 11, 12), (3, 4, 3, 2), (1, 1), (2, 1), (2, 2)),
     "patches_4x4": ((1, 3, 16, 20), (6, 3, 4, 4), (4, 4), (0, 0), (1, 1)),
     "three_channels_narrow_plane": ((1, 3, 6, 6), (16, 3, 3, 3), (1, 1), (1, 1), (1, 1)),
+    # grouped: k input and M output channels per group (ResNeXt's 4 per group, RegNet's 8 and
+    # 16), strided and dilated, more outputs than inputs per group, a narrow plane
+    "groups_of_4_resnext": ((2, 16, 9, 12), (16, 4, 3, 3), (1, 1), (1, 1), (1, 1)),
+    "groups_of_2_strided": ((1, 8, 13, 19), (12, 2, 3, 3), (2, 2), (1, 1), (1, 1)),
+    "groups_of_8_dilated": ((1, 16, 10, 17), (6, 8, 3, 2), (1, 1), (2, 1), (2, 2)),
+    "groups_of_16": ((1, 32, 6, 9), (4, 16, 3, 3), (1, 1), (1, 1), (1, 1)),
+    "groups_of_3_narrow_plane": ((2, 6, 5, 5), (16, 3, 3, 3), (1, 1), (1, 1), (1, 1)),
 }
 
 
@@ -245,9 +252,10 @@ FEW_CHANNELS = {
 def test_dense_convolutions_over_few_channels_equal_the_per_tap_path(
     name: str, mask, semiring, data: str
 ) -> None:
-    """A dense convolution over up to four input channels (an image stem) runs as a depthwise
-    one with a channel multiplier: the same values and TopPath ids as the per-tap products,
-    bit for bit, with ties, exact zeros and messages without a path."""
+    """A dense convolution over up to four input channels (an image stem), or a grouped one
+    over up to 16 per group, runs as a depthwise one with a channel multiplier: the same
+    values and TopPath ids as the per-tap products, bit for bit, with ties, exact zeros and
+    messages without a path."""
     from semipack.kernels.native import native_available
     from semipack.rules.depthwise import few_channels_max_plus
 
@@ -260,8 +268,8 @@ def test_dense_convolutions_over_few_channels_equal_the_per_tap_path(
 
 def test_dense_convolutions_the_few_channels_route_declines() -> None:
     """Where the per-tap products are the better route (or the only one): more than four
-    input channels, groups, a stride of more than 16 phases (a ViT's 16 x 16 patches), a
-    stride with dilation (no phases), another algebra."""
+    input channels, more than 16 per group, a stride of more than 16 phases (a ViT's 16 x 16
+    patches), a stride with dilation (no phases), another algebra."""
     from semipack.rules.depthwise import few_channels_max_plus
 
     def declined(x_shape, w_shape, stride, dilation, groups=1, sr=None) -> bool:
@@ -273,7 +281,9 @@ def test_dense_convolutions_the_few_channels_route_declines() -> None:
         return few_channels_max_plus(sr or semipack.MaxProd(), state, x, w, geometry, mask) is None
 
     assert declined((1, 5, 8, 8), (4, 5, 3, 3), 1, 1)
-    assert declined((1, 4, 8, 8), (4, 2, 3, 3), 1, 1, groups=2)
+    assert declined((1, 34, 8, 8), (4, 17, 3, 3), 1, 1, groups=2)
+    assert not declined((1, 4, 8, 8), (4, 2, 3, 3), 1, 1, groups=2)
+    assert not declined((1, 32, 8, 8), (4, 16, 3, 3), 1, 1, groups=2)
     assert declined((1, 3, 32, 32), (8, 3, 16, 16), 16, 1)
     assert declined((1, 3, 12, 12), (4, 3, 3, 3), 2, 2)
     assert declined((1, 3, 8, 8), (4, 3, 3, 3), 1, 1, sr=semipack.LogSum())

@@ -30,8 +30,9 @@ column phase of the input first; larger column strides still go by phases
 
 Two more routes live here: planes under ``SMALL_PLANE`` columns take the channels-last kernel
 (``kernels/native/depthwise_channels.c``: 8 channels per vector, any stride), and a dense
-convolution over at most ``FEW_CHANNELS`` input channels (an image stem) runs as a depthwise
-one with a channel multiplier (``few_channels_max_plus``).
+convolution over at most ``FEW_CHANNELS`` input channels (an image stem), or a grouped one
+over at most ``FEW_CHANNELS_PER_GROUP`` per group (ResNeXt, RegNet), runs as a depthwise one
+with a channel multiplier (``few_channels_max_plus``).
 """
 
 from __future__ import annotations
@@ -107,6 +108,11 @@ def depthwise_max_plus(
 #: Dense convolutions over at most this many input channels (an RGB or grey stem) take the
 #: depthwise kernels: the tap products' panels of 16 columns held 3 of them.
 FEW_CHANNELS = 4
+#: Grouped convolutions with at most this many input channels per group (ResNeXt's 4, RegNet's
+#: 8 or 16) take them too: their tap products are one small product per group, whose inner
+#: size is the group's channels (a ResNeXt layer of 32 groups of 4 channels paid 3.4 ns per
+#: multiply-add of MaxProd's messages that way, a dense layer of its width 0.11).
+FEW_CHANNELS_PER_GROUP = 16
 #: ... when their stride has at most this many phases: a ViT's 16 x 16 patch embedding (256
 #: phases of one tap each, 16 calls for the weight message alone) ran slower that way than per
 #: tap, a 4 x 4 one (16 phases) faster.
@@ -116,39 +122,58 @@ FEW_CHANNELS_MAX_PHASES = 16
 def few_channels_max_plus(
     sr: Semiring, m_parts: State, x: Tensor, w: Tensor, geometry: ConvGeometry, mask: Sequence[bool]
 ) -> Messages | None:
-    """The messages of a dense 2-D convolution over few input channels (``FEW_CHANNELS``) as
-    a depthwise one with a channel multiplier, or None where ``depthwise_max_plus`` would not
-    apply or the convolution is not of that kind. Output channel u of input channel c becomes
-    depthwise output ``c * O + u``: its message is u's (the message repeated for every input
-    channel) and its kernel ``w[u, c]``. Each weight entry ``w[u, c, kh, kw]`` then has the
-    same candidates, in the same order (positions), as in the per-tap products, and each input
-    entry the candidates of every tap and output channel, taps first as there, so values and
-    TopPath's ids are the per-tap path's. ResNet-18's 7 x 7 stem on 3 channels took 1.7 G
-    pairs/s per tap (its products' output is 64 x 3)."""
+    """The messages of a dense 2-D convolution over few input channels (``FEW_CHANNELS``), or
+    of a grouped one with few input channels per group (``FEW_CHANNELS_PER_GROUP``), as a
+    depthwise one with a channel multiplier, or None where ``depthwise_max_plus`` would not
+    apply or the convolution is not of that kind.
+
+    With G groups of k input and M output channels each, output channel u of group g (global
+    ``g * M + u``) and input channel j of that group (global ``c = g * k + j``) become
+    depthwise output ``c * M + u``: its message is output ``g * M + u``'s (the group's message
+    repeated for each of its k input channels) and its kernel ``w[g * M + u, j]``. Each weight
+    entry then has the same candidates, in the same order (positions), as in the per-tap
+    products, and each input entry the candidates of every tap and output channel of its
+    group, taps first as there, so values and TopPath's ids are the per-tap path's. ResNet-18's
+    7 x 7 stem on 3 channels took 1.7 G pairs/s per tap (its products' output is 64 x 3)."""
     if x.dim() != 4 or w.dim() != 4:
         return None  # 2-D convolutions only
-    channels, phases = x.shape[1], math.prod(geometry.stride)
+    channels, groups, phases = x.shape[1], geometry.groups, math.prod(geometry.stride)
+    per_group = channels // groups
+    limit = FEW_CHANNELS if groups == 1 else FEW_CHANNELS_PER_GROUP
     strided = phases > 1
     if not (
-        geometry.groups == 1
-        and not geometry.transposed
-        and 1 < channels <= FEW_CHANNELS
+        not geometry.transposed
+        and 1 < per_group <= limit
+        and per_group * groups == channels
         and phases <= FEW_CHANNELS_MAX_PHASES
         and not (strided and tuple(geometry.dilation) != (1, 1))  # no phases: scalar loops
-        and w.shape[1] == channels
+        and w.shape[1] == per_group
+        and w.shape[0] % groups == 0
     ):
         return None
-    outputs = w.shape[0]
-    repeated = tuple(p.expand(m_parts[0].shape).repeat(1, channels, 1, 1) for p in m_parts)
-    kernels = w.transpose(0, 1).reshape(channels * outputs, 1, *w.shape[2:])
+    outputs = w.shape[0] // groups  # per group
+    batch, _, *plane = m_parts[0].shape
+    repeated = tuple(
+        p.expand(m_parts[0].shape)
+        .reshape(batch, groups, 1, outputs, *plane)
+        .expand(batch, groups, per_group, outputs, *plane)
+        .reshape(batch, channels * outputs, *plane)
+        for p in m_parts
+    )
+    taps = w.shape[2:]
+    kernels = (
+        w.reshape(groups, outputs, per_group, *taps)
+        .transpose(1, 2)
+        .reshape(channels * outputs, 1, *taps)
+    )
     depthwise = dataclasses.replace(geometry, groups=channels)
     got = depthwise_max_plus(sr, repeated, x, kernels, depthwise, (mask[0], mask[1], False))
     if got is None:
         return None
     grad_in, grad_w, _ = got
     if grad_w is not None:
-        shape = (channels, outputs, *w.shape[2:])
-        grad_w = tuple(p.reshape(shape).transpose(0, 1).contiguous() for p in grad_w)
+        shape = (groups, per_group, outputs, *taps)
+        grad_w = tuple(p.reshape(shape).transpose(1, 2).reshape(w.shape) for p in grad_w)
     return grad_in, grad_w, _bias_message(sr, m_parts) if mask[2] else None
 
 

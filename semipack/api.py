@@ -38,6 +38,7 @@ def extend(
     drawing: str = "atomic",
     keep_state: bool = False,
     per_sample: bool = False,
+    accumulate: bool = False,
 ) -> AbstractContextManager[nn.Module | None]:
     """Run every ``backward()`` inside the block as a semiring backward.
 
@@ -63,6 +64,16 @@ def extend(
     ``semipack.distributed.all_reduce`` combines across processes: readouts alone cannot always
     be combined (Entropy's entropy has lost the path mass). It is off by default because it
     holds the state beside the readout, up to one more leaf-sized tensor per component.
+
+    ``accumulate=True`` adds each backward's values to those of the block's earlier backwards
+    (the semiring's plus of their states), as ``.grad`` accumulates: after micro-batches of a
+    gradient accumulation, or a GAN's generator and discriminator losses, each tensor holds
+    the value of the block's losses summed, and one an earlier backward reached but a later
+    one did not keeps its value. By default each backward replaces the values (a parameter it
+    does not reach loses them). Each pass then keeps its leaves' states until its end (as
+    ``keep_state`` does: up to one more leaf-sized tensor per component), and the block keeps
+    the sums until it ends. Not with ``per_sample`` or a path-recording semiring (TopPath,
+    KBest: a path is one pass's).
 
     ``DistributedDataParallel`` works unchanged: leaves accumulate their gradients in place, as
     in a plain backward, where its reducer reads and averages them, so ``.grad`` is what plain
@@ -92,9 +103,15 @@ def extend(
         ("extensions", extensions),
         ("keep_state", keep_state),
         ("per_sample", per_sample),
+        ("accumulate", accumulate),
     ):
         if not isinstance(flag, bool):
             raise TypeError(f"semipack.extend: {name} must be True or False, got {flag!r}")
+    if accumulate and per_sample:
+        raise ValueError(
+            "semipack.extend: accumulate=True and per_sample=True exclude each other (each "
+            "backward's rows are its own batch's examples)"
+        )
     return _Reusable(
         lambda: _block(
             model,
@@ -104,6 +121,7 @@ def extend(
             drawing=drawing,
             keep_state=keep_state,
             per_sample=per_sample,
+            accumulate=accumulate,
         )
     )
 
@@ -139,9 +157,16 @@ def _block(
     drawing: str,
     keep_state: bool,
     per_sample: bool,
+    accumulate: bool = False,
 ) -> Iterator[nn.Module | None]:
     """The block ``extend`` describes, entered once."""
     semiring = _bw.require_semiring(semiring)
+    if accumulate and semiring.records_paths:
+        raise ValueError(
+            f"semipack.extend: accumulate=True with {type(semiring).__name__}: its paths are "
+            "recorded per backward, and a path of one pass cannot be added to another's; run "
+            "one backward per block (or MaxProd, whose values do add up)"
+        )
     drawn = drawing_routes(drawing)
     if model is not None and not isinstance(model, nn.Module):
         raise TypeError(
@@ -187,7 +212,9 @@ def _block(
             reroute,
             keep_state,
             per_sample=per_sample,
+            accumulate=accumulate,
         )
+        stack.callback(mode.forget_accumulated)
         if per_sample:
             recorder = BlockPreHook(_batch_recorder(mode))
             handle = model.register_forward_pre_hook(recorder, with_kwargs=True)

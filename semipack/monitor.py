@@ -245,7 +245,11 @@ class Monitor:
             with ExitStack() as stack:
                 stack.enter_context(
                     extend(
-                        self.model, self.semiring, keep_state=combine, extensions=self.extensions
+                        self.model,
+                        self.semiring,
+                        keep_state=combine,
+                        extensions=self.extensions,
+                        accumulate=True,  # a step's backwards together (micro-batches, a GAN)
                     )
                 )
                 splits = {

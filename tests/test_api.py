@@ -10,6 +10,7 @@ import warnings
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers import SEMIRINGS, assert_readout_matches, semiring_names
 from torch import nn
 
 import semipack
@@ -219,6 +220,83 @@ def test_unreached_parameters_lose_stale_paths(first: str, later: str) -> None:
         read(recorder, model[0].weight)
     if later != "MaxProd":  # the later pass's own paths on what it reached
         assert hasattr(model[2].weight, "semiring_paths")
+
+
+def _readout_parts(value):
+    """A readout as a tuple of tensors (SignedMaxProd's and Entropy's flow readouts are pairs)."""
+    return tuple(value) if isinstance(value, tuple) else (value,)
+
+
+# TopPath records its paths per pass: refused with accumulate (below)
+@pytest.mark.parametrize("semiring_name", semiring_names("top_path"))
+def test_accumulate_adds_the_blocks_backwards_up(semiring_name: str) -> None:
+    """``extend(..., accumulate=True)``: two backwards over halves of a batch leave the values
+    of one backward over the summed loss, the union of both passes' paths (trial 115: each
+    backward replaced the last, so a monitor under gradient accumulation recorded the last
+    micro-batch); ``.grad`` accumulates as in a plain loop, bitwise."""
+    model, plain = small_model(), small_model()
+    x, y = data()
+    sr = SEMIRINGS[semiring_name]()
+    with semipack.extend(model, sr, accumulate=True):
+        for part in (slice(0, 2), slice(2, 6)):
+            F.cross_entropy(model(x[part]), y[part], reduction="sum").backward()
+    got = {name: p.semiring_grad for name, p in model.named_parameters()}
+    assert not any(hasattr(p, "semiring_state") for p in model.parameters())
+    for part in (slice(0, 2), slice(2, 6)):
+        F.cross_entropy(plain(x[part]), y[part], reduction="sum").backward()
+    for p, q in zip(model.parameters(), plain.parameters(), strict=True):
+        assert torch.equal(p.grad, q.grad)
+    whole = small_model()
+    with semipack.extend(whole, sr):
+        F.cross_entropy(whole(x), y, reduction="sum").backward()
+    for name, p in whole.named_parameters():
+        want = p.semiring_grad
+        if semiring_name == "real":  # Real's readout is the gradient: sums in another order
+            torch.testing.assert_close(got[name], want, rtol=1e-12, atol=1e-12)
+        else:
+            assert_readout_matches(semiring_name, want, got[name], name)
+
+
+def test_accumulate_keeps_what_a_later_backward_does_not_reach() -> None:
+    """A parameter the block's first backward reached and its second did not (a GAN's
+    generator trained before its discriminator) keeps the first one's values; ``keep_state``
+    keeps the added states."""
+    model = small_model()
+    x, y = data()
+    sr = semipack.Entropy()
+    with semipack.extend(model, sr, accumulate=True, keep_state=True):
+        F.cross_entropy(model(x), y).backward()
+        first = model[0].weight.semiring_grad.clone()
+        model[2](torch.tanh(model[0](x)).detach()).sum().backward()  # the last layer only
+    assert torch.equal(model[0].weight.semiring_grad, first)
+    last = model[2].weight
+    assert torch.equal(last.semiring_grad, sr.readout(tuple(last.semiring_state)))
+    added = tuple(t.clone() for t in last.semiring_state)
+    with semipack.extend(model, sr, keep_state=True):
+        F.cross_entropy(model(x), y).backward()
+        one = tuple(t.clone() for t in model[2].weight.semiring_state)  # (its memory is reused)
+        model[2](torch.tanh(model[0](x)).detach()).sum().backward()
+        other = tuple(model[2].weight.semiring_state)
+    for got, want in zip(added, sr.plus(one, other), strict=True):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize(
+    ("semiring", "options", "message"),
+    [
+        (semipack.TopPath(), {}, "accumulate=True with TopPath: its paths are recorded per"),
+        (semipack.KBest(2), {}, "accumulate=True with KBest"),
+        (semipack.MaxProd(), {"per_sample": True}, "accumulate=True and per_sample=True"),
+    ],
+)
+def test_accumulate_refuses_what_cannot_add_up(semiring, options, message) -> None:
+    with (
+        pytest.raises(ValueError, match=message),
+        semipack.extend(small_model(), semiring, accumulate=True, **options),
+    ):
+        pass
+    with pytest.raises(TypeError, match="accumulate must be True or False"):
+        semipack.extend(small_model(), semipack.MaxProd(), accumulate="yes")
 
 
 def test_backward_inputs_argument_restricts_leaves() -> None:

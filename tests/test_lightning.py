@@ -127,11 +127,12 @@ def test_gradient_accumulation_records_each_optimizer_step_once(tmp_path) -> Non
 
 class _GAN(pl.LightningModule):
     """Manual optimization with two optimizers: the discriminator's step, then the
-    generator's, each after its own ``manual_backward``."""
+    generator's (or the other way round), each after its own ``manual_backward``."""
 
-    def __init__(self) -> None:
+    def __init__(self, generator_first: bool = False) -> None:
         super().__init__()
         torch.manual_seed(0)
+        self.generator_first = generator_first
         self.automatic_optimization = False
         self.G = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 4))
         self.D = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
@@ -140,16 +141,24 @@ class _GAN(pl.LightningModule):
         x, z = batch
         opt_g, opt_d = self.optimizers()
         fake = self.G(z)
-        loss_d = (
-            nn.functional.softplus(-self.D(x)).mean()
-            + nn.functional.softplus(self.D(fake.detach())).mean()
-        )
-        opt_d.zero_grad()
-        self.manual_backward(loss_d)
-        opt_d.step()
-        opt_g.zero_grad()
-        self.manual_backward(nn.functional.softplus(-self.D(fake)).mean())
-        opt_g.step()
+
+        def discriminator_step():
+            loss_d = (
+                nn.functional.softplus(-self.D(x)).mean()
+                + nn.functional.softplus(self.D(fake.detach())).mean()
+            )
+            opt_d.zero_grad()
+            self.manual_backward(loss_d)
+            opt_d.step()
+
+        def generator_step():
+            opt_g.zero_grad()
+            self.manual_backward(nn.functional.softplus(-self.D(fake)).mean())
+            opt_g.step()
+
+        steps = [discriminator_step, generator_step]
+        for step in steps[::-1] if self.generator_first else steps:
+            step()
 
     def configure_optimizers(self):
         return [
@@ -158,15 +167,18 @@ class _GAN(pl.LightningModule):
         ]
 
 
-def test_manual_optimization_records_every_backward_of_the_batch(tmp_path) -> None:
+@pytest.mark.parametrize("generator_first", [False, True])
+def test_manual_optimization_records_every_backward_of_the_batch(tmp_path, generator_first) -> None:
     """The context closed at the first optimizer step, so the generator's backward ran plain
     and its layers were never recorded (trial 53). Under manual optimization it spans the
-    batch: both models' layers are recorded, and training stays exact."""
+    batch: both models' layers are recorded (trial 115: the generator's were lost when it
+    was trained first, the second backward replacing the first's values), and training stays
+    exact."""
     g = torch.Generator().manual_seed(2)
     batches = [(torch.randn(6, 4, generator=g), torch.randn(6, 4, generator=g)) for _ in range(3)]
     fitted = []
     for callbacks in ([], [MonitorCallback(every=1, tensorboard=False)]):
-        module = _GAN()
+        module = _GAN(generator_first)
         trainer = pl.Trainer(
             max_epochs=1, callbacks=callbacks, logger=False, enable_checkpointing=False,
             enable_progress_bar=False, enable_model_summary=False, accelerator="cpu",

@@ -342,9 +342,10 @@ def test_a_data_parallel_wrapper_records_one_process_names_for_flow_shares_too()
 
 def test_split_shares_are_the_last_micro_batchs_and_skip_validation(tmp_path: Path) -> None:
     """Gradient accumulation (two backwards in a step) with a forward under torch.no_grad
-    before and after them (validation): the flow shares are the last backward's, like the
-    other values (trial 67: they were the first micro-batch's; a validation forward first
-    raised, one after warned of a second call)."""
+    before and after them (validation): the flow shares are the last backward's (a split is
+    read per backward; the other values add the step's backwards up, below) (trial 67: they
+    were the first micro-batch's; a validation forward first raised, one after warned of a
+    second call)."""
     model = _model()
     monitor = semipack.Monitor(model, every=1, splits={"res": model[2]}, tensorboard=False)
     (x1, y1), (x2, y2) = _batches(2)
@@ -364,6 +365,69 @@ def test_split_shares_are_the_last_micro_batchs_and_skip_validation(tmp_path: Pa
     assert set(got) == {f"res -> {use}" for use in want}
     for use, share in want.items():
         assert got[f"res -> {use}"] == pytest.approx(share, rel=1e-12)
+
+
+def _records(monitor) -> dict[tuple[str, str], float]:
+    return {(r.layer, r.quantity): r.value for r in monitor.records}
+
+
+def test_a_steps_backwards_are_recorded_together() -> None:
+    """Two micro-batches' backwards in one step record what one backward over their summed
+    loss records (trial 115: the last micro-batch's values alone were recorded)."""
+    (x1, y1), (x2, y2) = _batches(2)
+    model = _model()
+    accumulated = semipack.Monitor(model, every=1, tensorboard=False)
+    with accumulated.step(0):
+        for x, y in ((x1, y1), (x2, y2)):
+            nn.functional.cross_entropy(model(x), y, reduction="sum").backward()
+    whole = semipack.Monitor(model, every=1, tensorboard=False)
+    with whole.step(0):
+        loss = nn.functional.cross_entropy(model(torch.cat([x1, x2])), torch.cat([y1, y2]))
+        (loss * 10).backward()  # the summed loss over the 10 examples
+    got, want = _records(accumulated), _records(whole)
+    assert set(got) == set(want) and len(got) > 10
+    for key, value in want.items():
+        assert got[key] == pytest.approx(value, rel=1e-9, abs=1e-12), key
+
+
+@pytest.mark.parametrize("generator_first", [True, False])
+def test_a_gans_two_backwards_are_both_recorded(generator_first: bool) -> None:
+    """A step that trains a generator and a discriminator, in either order: every layer of
+    both is recorded, with the values of both losses' paths (trial 115: the generator trained
+    first lost its records, and the discriminator kept the last loss's values alone)."""
+    torch.manual_seed(0)
+    gan = nn.ModuleDict(
+        {
+            "g": nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2)),
+            "d": nn.Sequential(nn.Linear(2, 4), nn.Tanh(), nn.Linear(4, 1)),
+        }
+    ).double()
+    g, d = gan["g"], gan["d"]
+    gen = torch.Generator().manual_seed(3)
+    z, x = torch.randn(5, 3, generator=gen, dtype=F64), torch.randn(5, 2, generator=gen, dtype=F64)
+
+    def generator_loss():
+        return nn.functional.softplus(-d(g(z))).sum()
+
+    def discriminator_loss():
+        fake = g(z).detach()
+        return (nn.functional.softplus(-d(x)) + nn.functional.softplus(d(fake))).sum()
+
+    losses = [generator_loss, discriminator_loss]
+    if not generator_first:
+        losses.reverse()
+    monitor = semipack.Monitor(gan, every=1, tensorboard=False)
+    with monitor.step(0):
+        for loss in losses:
+            loss().backward()
+    both = semipack.Monitor(gan, every=1, tensorboard=False)
+    with both.step(0):
+        (generator_loss() + discriminator_loss()).backward()
+    got, want = _records(monitor), _records(both)
+    assert {layer for layer, _ in got} == {"g.0", "g.2", "d.0", "d.2"}
+    assert set(got) == set(want)
+    for key, value in want.items():
+        assert got[key] == pytest.approx(value, rel=1e-9, abs=1e-12), key
 
 
 def test_a_split_module_the_forward_never_calls_is_named() -> None:

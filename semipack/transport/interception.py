@@ -62,8 +62,13 @@ class SemiringMode(TorchFunctionMode):
         reroute: Mapping[Callable, Callable] | None = None,
         keep_state: bool = False,
         per_sample: bool = False,
+        accumulate: bool = False,
     ) -> None:
         super().__init__()
+        #: ``extend(..., accumulate=True)``: each pass's states are added (the semiring's
+        #: plus) to those the block's earlier passes left, by tensor id: (tensor, state)
+        self.accumulate = accumulate
+        self._accumulated: dict[int, tuple[Tensor, tuple]] = {}
         #: the model's parameters and their names as they are now, asked at each pass (a
         #: parameter unfrozen or replaced inside the block, fixed at its entry, was not
         #: watched: it kept a stale value, and got no per-sample rows)
@@ -122,6 +127,30 @@ class SemiringMode(TorchFunctionMode):
     def _backward(self, tensor, gradient=None, retain_graph=None, create_graph=False, inputs=None):
         self._run([tensor], [gradient], retain_graph, create_graph, inputs)
 
+    def forget_accumulated(self) -> None:
+        """The block ended: let go of the states ``accumulate`` kept (and their tensors)."""
+        self._accumulated.clear()
+
+    def _add_to_earlier_passes(self, reached: list[Tensor]) -> None:
+        """``accumulate``: each tensor this pass reached gets the semiring's plus of its state
+        and the state the block's earlier passes left on it (their paths together: the value
+        of the passes' losses summed, as ``.grad`` accumulates), read out again; the state
+        itself stays on the tensor only with ``keep_state``. The pass ran with its states kept
+        (``semiring_state``), since a readout cannot always be added to (Entropy's)."""
+        for t in reached:
+            state = getattr(t, bw.SEMIRING_STATE, None)
+            if state is None:
+                continue
+            earlier = self._accumulated.get(id(t))
+            if earlier is not None and earlier[0] is t:
+                state = bw.KeptState(self.sr.plus(tuple(earlier[1]), tuple(state)), type(self.sr))
+                setattr(t, bw.SEMIRING_GRAD, self.sr.readout(tuple(state)))
+            self._accumulated[id(t)] = (t, state)
+            if self.keep_state:
+                setattr(t, bw.SEMIRING_STATE, state)
+            else:
+                delattr(t, bw.SEMIRING_STATE)
+
     def _autograd_backward(
         self,
         tensors,
@@ -171,7 +200,7 @@ class SemiringMode(TorchFunctionMode):
                 leaf_names=names,
                 watched=watched,
                 retained=self.retained,
-                keep_state=self.keep_state,
+                keep_state=self.keep_state or self.accumulate,
                 per_sample=(
                     {id(p): names.get(id(p), "?") for p in watched} if self.per_sample else None
                 ),
@@ -180,10 +209,15 @@ class SemiringMode(TorchFunctionMode):
             )
         for t in reached:
             self.reached.setdefault(id(t), weakref.ref(t))
+        if self.accumulate:
+            self._add_to_earlier_passes(reached)
         # A parameter this backward did not reach (frozen ones too) must not keep a stale value,
-        # nor stale paths: a TopPath's ``path(p)`` read an earlier pass's (trial 114).
+        # nor stale paths: a TopPath's ``path(p)`` read an earlier pass's (trial 114). With
+        # ``accumulate`` one an earlier pass of the block reached keeps that pass's values.
         reached_ids = {id(t) for t in reached}
         for p in parameters:
+            if id(p) in self._accumulated:
+                continue
             if id(p) not in reached_ids:
                 for name in (bw.SEMIRING_GRAD, bw.SEMIRING_STATE, bw.SEMIRING_PATHS):
                     if hasattr(p, name):

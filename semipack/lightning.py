@@ -13,7 +13,9 @@ generator's as well as the discriminator's. A batch whose ``training_step`` retu
 ``global_step`` (which counts every optimizer's steps: two per batch with two optimizers).
 Each fit gets its own ``Monitor`` (``callback.monitors``, the latest as ``callback.monitor``);
 a fit whose ``log_dir`` already holds a monitor's files (a second fit, another callback, an
-earlier run) writes into the first free ``<log_dir>/fit<k>``.
+earlier run) writes into the first free ``<log_dir>/fit<k>``. Under a ``DDPStrategy`` of
+several processes every process records the whole batch's values (``distributed=True``,
+unless given) and process 0 alone writes the files.
 
 Needs ``pytorch_lightning`` (or the ``lightning`` package); ``import semipack`` does not import
 this module.
@@ -27,8 +29,10 @@ from typing import Any
 
 try:  # the standalone package first, then the unified one
     from pytorch_lightning import Callback, LightningModule, Trainer
+    from pytorch_lightning.strategies import DDPStrategy
 except ImportError:  # pragma: no cover - depends on what is installed
     from lightning.pytorch import Callback, LightningModule, Trainer
+    from lightning.pytorch.strategies import DDPStrategy
 
 from .monitor import Monitor
 
@@ -76,7 +80,14 @@ class MonitorCallback(Callback):
         while log_dir in used or (log_dir / "monitor.csv").exists():
             k += 1
             log_dir = base / f"fit{k}"
-        self.monitors.append(Monitor(pl_module, every=self.every, log_dir=log_dir, **self.options))
+        options = dict(self.options)
+        # The callback holds the LightningModule, not the strategy's DDP wrapper, so the
+        # Monitor cannot see the data parallelism: each process recorded its own share of
+        # the batch, all into one file (trial 115). A DDP fit of several processes combines.
+        options.setdefault("distributed", combines_processes(trainer))
+        if trainer.global_rank != 0:  # one process writes the files (they hold the same)
+            log_dir = None
+        self.monitors.append(Monitor(pl_module, every=self.every, log_dir=log_dir, **options))
 
     def on_train_batch_start(
         self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int
@@ -127,6 +138,15 @@ class MonitorCallback(Callback):
                 context.__exit__(None, None, None)
             else:
                 context.__exit__(_Skipped, _Skipped(), None)
+
+
+def combines_processes(trainer: Trainer) -> bool | None:
+    """The Monitor's ``distributed`` for this fit: True for a ``DDPStrategy`` over several
+    processes (``strategy="ddp"``, ``"ddp_spawn"``, ...: every process then records the whole
+    batch's values); None (the Monitor's own detection) otherwise."""
+    if isinstance(trainer.strategy, DDPStrategy) and trainer.world_size > 1:
+        return True
+    return None
 
 
 def _loss_scale(trainer: Trainer, pl_module: LightningModule) -> float | None:

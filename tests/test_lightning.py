@@ -247,3 +247,48 @@ def test_a_mixed_precision_fits_loss_scale_reaches_the_monitor() -> None:
     module.automatic_optimization = False  # a manual loop's loss is its own
     assert _loss_scale(Fit(), module) == 65536.0
     assert _loss_scale(pl.Trainer(accelerator="cpu", logger=False), _Classifier()) is None
+
+
+class _SummedClassifier(_Classifier):
+    """The loss summed over the examples: under DDP the processes' values then add up to the
+    whole batch's."""
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return nn.functional.cross_entropy(self(x), y, reduction="sum")
+
+
+@pytest.mark.skipif(
+    not torch.distributed.is_available() or not torch.distributed.is_gloo_available(),
+    reason="torch.distributed with the gloo backend is not available",
+)
+def test_a_ddp_fit_records_the_whole_batch_on_every_process_and_one_file(tmp_path) -> None:
+    """Two CPU processes (``ddp_spawn``): the callback holds the LightningModule, not DDP's
+    wrapper, so each process recorded its own share of the batch and both wrote one file
+    (trial 115). Now process 0's file holds what one process records on the two shares
+    joined (step 0, before the processes' training moves the weights)."""
+    import csv
+
+    g = torch.Generator().manual_seed(4)
+    x, y = torch.randn(16, 6, generator=g), torch.randint(0, 3, (16,), generator=g)
+    trainer = pl.Trainer(
+        max_steps=1, callbacks=[MonitorCallback(every=1, tensorboard=False)], logger=False,
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        accelerator="cpu", strategy="ddp_spawn", devices=2, default_root_dir=tmp_path,
+    )  # fmt: skip
+    loader = DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=8, shuffle=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer.fit(_SummedClassifier(), loader)
+    files = list(tmp_path.rglob("monitor.csv"))
+    assert len(files) == 1
+    with open(files[0]) as f:
+        got = {(r["layer"], r["quantity"]): float(r["value"]) for r in csv.DictReader(f)}
+    whole = _SummedClassifier()  # the same seeded weights; the two shares are the 16 examples
+    monitor = semipack.Monitor(whole, every=1, tensorboard=False)
+    with monitor.step(0):
+        whole.training_step((x, y), 0).backward()
+    want = {(r.layer, r.quantity): r.value for r in monitor.records}
+    assert set(got) == set(want)
+    for key, value in want.items():
+        assert got[key] == pytest.approx(value, rel=1e-5, abs=1e-6), key

@@ -30,6 +30,7 @@ reduced (a disagreement raises on every process instead of hanging).
 
 from __future__ import annotations
 
+import warnings
 import zlib
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
@@ -132,6 +133,10 @@ def all_reduce(
     then ``world size`` times the full batch's (Entropy, which normalises, is unaffected).
     """
     sr = require_semiring(semiring)
+    if isinstance(bucket_mb, bool) or not isinstance(bucket_mb, (int, float)):
+        raise TypeError(f"all_reduce(bucket_mb=...) takes a number of MiB, got {bucket_mb!r}")
+    if not bucket_mb > 0:  # NaN too; 0 and below were taken as tiny buckets (trial 115)
+        raise ValueError(f"all_reduce(bucket_mb=...) must be more than 0 MiB, got {bucket_mb!r}")
     if not (dist.is_available() and dist.is_initialized()):
         raise SemipackError(
             "semipack.distributed.all_reduce needs torch.distributed: call "
@@ -146,6 +151,14 @@ def all_reduce(
     )
     g.all_reduce(present, dist.ReduceOp.MAX)
     chosen = [(n, t) for (n, t), hit in zip(named, present.tolist(), strict=True) if hit]
+    if named and not chosen:  # every process agrees: nothing to combine anywhere
+        warnings.warn(
+            "semipack.distributed.all_reduce: none of the tensors holds a semiring_state on any "
+            "process, so nothing was combined; run the backward first, inside "
+            "semipack.extend(..., keep_state=True)",
+            RuntimeWarning,
+            stacklevel=2,
+        )
     here = [hasattr(t, SEMIRING_STATE) for _, t in chosen]
     states = [_local_state(t, sr) for _, t in chosen]
     reducer = _reducer_for(sr)

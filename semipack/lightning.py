@@ -23,9 +23,13 @@ this module.
 
 from __future__ import annotations
 
+import inspect
+import os
 from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Any
+
+import torch
 
 try:  # the standalone package first, then the unified one
     from pytorch_lightning import Callback, LightningModule, Trainer
@@ -56,6 +60,7 @@ class MonitorCallback(Callback):
 
     def __init__(self, every: int = 10, log_dir: str | Path | None = None, **monitor: Any) -> None:
         super().__init__()
+        _check_monitor_options(every, log_dir, monitor)
         self.every, self.log_dir, self.options = every, log_dir, monitor
         self.monitors: list[Monitor] = []
         self._open: AbstractContextManager[bool] | None = None
@@ -138,6 +143,28 @@ class MonitorCallback(Callback):
                 context.__exit__(None, None, None)
             else:
                 context.__exit__(_Skipped, _Skipped(), None)
+
+
+def _check_monitor_options(every: Any, log_dir: Any, options: dict[str, Any]) -> None:
+    """The callback's arguments checked when it is made, as ``Monitor`` checks them (they
+    were checked only once ``fit`` started, and an unknown one was blamed on
+    ``Monitor.__init__``, trial 115): a monitor of a stand-in module, writing no files."""
+    unknown = sorted(set(options) - _MONITOR_OPTIONS)
+    if unknown:
+        raise TypeError(
+            f"MonitorCallback got an unknown option {unknown[0]!r}: it takes every, log_dir "
+            f"and Monitor's {', '.join(sorted(_MONITOR_OPTIONS))}"
+        )
+    if log_dir is not None and not isinstance(log_dir, (str, os.PathLike)):
+        raise TypeError(
+            f"MonitorCallback(log_dir=...) takes a folder, a str or a path, got "
+            f"{type(log_dir).__name__}"
+        )
+    Monitor(torch.nn.Linear(1, 1), every=every, log_dir=None, **options)
+
+
+#: ``Monitor``'s options besides the model, ``every`` and ``log_dir``.
+_MONITOR_OPTIONS = frozenset(inspect.signature(Monitor).parameters) - {"model", "every", "log_dir"}
 
 
 def combines_processes(trainer: Trainer) -> bool | None:

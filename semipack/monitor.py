@@ -151,6 +151,15 @@ class Monitor:
             )
         if isinstance(every, bool) or not isinstance(every, int) or every < 1:
             raise ValueError(f"Monitor(every=...) needs a positive integer, got {every!r}")
+        _check_options(
+            entropy=entropy,
+            tensorboard=tensorboard,
+            overwrite=overwrite,
+            resume=resume,
+            extensions=extensions,
+            distributed=distributed,
+            flush_secs=flush_secs,
+        )
         if overwrite and resume:
             raise ValueError("Monitor: overwrite=True and resume=True exclude each other")
         _check_log_dir(log_dir)
@@ -601,6 +610,26 @@ class _StepBlock:
                 RuntimeWarning,
                 stacklevel=2,
             )
+
+
+def _check_options(*, distributed: Any, flush_secs: Any, **flags: Any) -> None:
+    """A TypeError or ValueError naming an option given a value it does not take: a string
+    counted as True (``entropy="no"`` ran with the entropies), and ``flush_secs="5"`` failed
+    at the first sampled step with an unrelated comparison error (trial 115)."""
+    for name, value in flags.items():
+        if not isinstance(value, bool):
+            raise TypeError(f"Monitor({name}=...) must be True or False, got {_shown(value)}")
+    if distributed is not None and not isinstance(distributed, bool):
+        raise TypeError(
+            f"Monitor(distributed=...) must be True, False or None (detect DDP), got "
+            f"{_shown(distributed)}"
+        )
+    if isinstance(flush_secs, bool) or not isinstance(flush_secs, (int, float)):
+        raise TypeError(
+            f"Monitor(flush_secs=...) takes a number of seconds, got {_shown(flush_secs)}"
+        )
+    if not flush_secs >= 0:  # NaN too
+        raise ValueError(f"Monitor(flush_secs=...) must be 0 or more seconds, got {flush_secs!r}")
 
 
 def _check_log_dir(log_dir: Any) -> None:

@@ -551,3 +551,20 @@ def test_a_state_is_reduced_only_with_the_semiring_that_kept_it() -> None:
         semipack.distributed.all_reduce(model, semipack.MaxProd(log=True))  # its own class
     finally:
         dist.destroy_process_group()
+
+
+def test_bucket_sizes_and_an_empty_reduction_are_named() -> None:
+    """``bucket_mb`` that is no positive number raises naming it (a string failed with an
+    integer-conversion error, and 0 or less ran as tiny buckets); a reduction before any
+    backward, where no tensor holds a state on any process, warns instead of returning [] in
+    silence (trial 115)."""
+    model, _, _ = _data()
+    for bad, error in (("25", TypeError), (0, ValueError), (-1.0, ValueError), (True, TypeError)):
+        with pytest.raises(error, match=r"all_reduce\(bucket_mb=...\)"):
+            semipack.distributed.all_reduce(model, semipack.MaxProd(), bucket_mb=bad)
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        with pytest.warns(RuntimeWarning, match="none of the tensors holds a semiring_state"):
+            assert semipack.distributed.all_reduce(model, semipack.MaxProd()) == []
+    finally:
+        dist.destroy_process_group()

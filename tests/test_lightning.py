@@ -292,3 +292,21 @@ def test_a_ddp_fit_records_the_whole_batch_on_every_process_and_one_file(tmp_pat
     assert set(got) == set(want)
     for key, value in want.items():
         assert got[key] == pytest.approx(value, rel=1e-5, abs=1e-6), key
+
+
+@pytest.mark.parametrize(
+    ("options", "error", "message"),
+    [
+        ({"every": 0}, ValueError, r"Monitor\(every=...\) needs a positive integer, got 0"),
+        ({"bogus": 1}, TypeError, "MonitorCallback got an unknown option 'bogus': it takes"),
+        ({"entropy": "no"}, TypeError, r"Monitor\(entropy=...\) must be True or False"),
+        ({"flush_secs": -1}, ValueError, r"Monitor\(flush_secs=...\) must be 0 or more"),
+        ({"log_dir": 3}, TypeError, r"MonitorCallback\(log_dir=...\) takes a folder"),
+        ({"overwrite": True, "resume": True}, ValueError, "exclude each other"),
+    ],
+)
+def test_the_callbacks_options_are_checked_when_it_is_made(options, error, message) -> None:
+    """Not once ``fit`` starts, and an unknown option is named as the callback's (trial
+    115: ``Monitor.__init__()`` was blamed, at the first fit)."""
+    with pytest.raises(error, match=message):
+        MonitorCallback(**options)

@@ -168,6 +168,18 @@ def test_each_summary_equals_separate_passes(tmp_path: Path) -> None:
 def test_mistakes_are_named() -> None:
     with pytest.raises(ValueError, match=r"Monitor\(every=...\) needs a positive integer, got 0"):
         semipack.Monitor(_model(), every=0)
+    # options given values they do not take (trial 115: a string counted as True, and
+    # flush_secs="5" failed at the first sampled step with an unrelated comparison error)
+    for options, error, message in (
+        ({"entropy": "no"}, TypeError, r"Monitor\(entropy=...\) must be True or False, got 'no'"),
+        ({"tensorboard": 1}, TypeError, r"Monitor\(tensorboard=...\) must be True or False"),
+        ({"distributed": "yes"}, TypeError, r"must be True, False or None \(detect DDP\)"),
+        ({"flush_secs": "5"}, TypeError, r"Monitor\(flush_secs=...\) takes a number of seconds"),
+        ({"flush_secs": -1}, ValueError, r"Monitor\(flush_secs=...\) must be 0 or more"),
+        ({"flush_secs": math.nan}, ValueError, r"Monitor\(flush_secs=...\) must be 0 or more"),
+    ):
+        with pytest.raises(error, match=message):
+            semipack.Monitor(_model(), **options)
     with pytest.raises(semipack.SemipackError, match="Monitor: ReLU has no trainable parameters"):
         semipack.Monitor(nn.ReLU())
     monitor = semipack.Monitor(_model(), every=1)

@@ -81,7 +81,8 @@ def extend(
     wrapper, the model inside it, a part) is given and wherever its forward ran.
 
     ``per_sample=True`` also gives each parameter of ``model`` that a backward reaches
-    ``.semiring_grad_batch``, shaped ``[N, *p.shape]``: row n is the semiring sum over the paths
+    ``.semiring_grad_batch``, shaped ``[N, *p.shape]`` (a pair of them where the readout is a
+    named pair, ``Extremes`` or ``EntropyFlow``): row n is the semiring sum over the paths
     through example n's entries, the batch being dim 0 of the model input (README "Per-sample
     values"). The semiring sum over the rows is ``semiring_grad``; with ``keep_state`` the rows'
     states are kept as ``.semiring_state_batch``. Parameters must be used by the module

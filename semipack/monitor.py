@@ -173,6 +173,7 @@ class Monitor:
         self.records: list[Record] = []
         self._best: dict[str, int] = {}
         self._count = 0
+        self._closed = False
         self._last_recorded: int | None = None
         #: under data parallelism: the store prefix of this monitor's meetings and their count
         self._meetings: list | None = None
@@ -450,6 +451,7 @@ class Monitor:
         """One PNG per recorded quantity (``<quantity>.png``) in ``out``
         (default ``log_dir``): the quantity over steps, one line per layer."""
         import matplotlib.pyplot as plt
+        from matplotlib.ticker import MaxNLocator
 
         folder = Path(out) if out is not None else self.log_dir
         if folder is None:
@@ -469,6 +471,7 @@ class Monitor:
                 marker = "." if len(steps) < 30 else None
                 ax.plot(steps, values, label=layer, marker=marker, **style)
             ax.set_xlabel("step")
+            ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # no step 1.5 (trial 115)
             ax.set_title(quantity)
             if len(series) > 10:  # outside the axes: a long legend hides the lines
                 ax.legend(fontsize=6, loc="upper left", bbox_to_anchor=(1.0, 1.0))
@@ -488,7 +491,17 @@ class Monitor:
             self._files.flush()
 
     def close(self) -> None:
-        """Write every record and close the CSV file and the TensorBoard writer."""
+        """Write every record and close the CSV file and the TensorBoard writer. A monitor
+        closed before any ``step`` block was entered warns: its loop never used it (trial
+        115: nothing was recorded, in silence)."""
+        if self._count == 0 and not self._closed:
+            warnings.warn(
+                "Monitor.close(): no step block was entered, so nothing was recorded; wrap each "
+                "training step in `with monitor.step(step):`, its forward and backward inside",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+        self._closed = True
         if self._files is not None:
             self._files.close()
 

@@ -893,3 +893,22 @@ def test_bad_inputs_and_a_split_outside_extend_are_named() -> None:
     outside = pytest.warns(UserWarning, match="semipack.branches outside semipack.extend")
     with outside, semipack.branches(net.block):
         net(x)
+
+
+def test_a_split_of_the_first_layer_names_the_input_that_needs_grad() -> None:
+    """The first layer's input is the batch itself, which does not require grad in a model
+    that is not frozen: the error named a frozen model (trial 115); it names
+    ``x.requires_grad_()`` first."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2))
+    x = torch.randn(2, 3)
+    with (
+        pytest.raises(semipack.SemipackError, match=r"call x\.requires_grad_\(\) on it"),
+        semipack.extend(model, semipack.MaxProd()),
+        semipack.branches(model[0]),
+    ):
+        model(x)
+    x.requires_grad_()
+    with semipack.extend(model, semipack.MaxProd()), semipack.branches(model[0]) as split:
+        model(x).sum().backward()
+    assert split.names

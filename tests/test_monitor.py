@@ -207,7 +207,8 @@ def test_a_log_dir_with_a_monitor_csv_is_kept_unless_overwrite(tmp_path: Path) -
         semipack.Monitor(model, every=1, log_dir=tmp_path, tensorboard=False)
     assert (tmp_path / "monitor.csv").read_text() == kept
     again = semipack.Monitor(model, every=1, log_dir=tmp_path, tensorboard=False, overwrite=True)
-    again.close()
+    with pytest.warns(RuntimeWarning, match="no step block was entered"):
+        again.close()
     assert (tmp_path / "monitor.csv").read_text() == "step,layer,quantity,value\n"
 
 
@@ -1136,3 +1137,19 @@ def test_step_numbers_that_go_back_warn() -> None:
         nn.functional.cross_entropy(model(x), y).backward()
     steps = [r.step for r in monitor.records if r.quantity == "log_best_path"]
     assert [step for step, _ in itertools.groupby(steps)] == [0, 1, 2, 1]
+
+
+def test_a_monitor_closed_without_any_step_warns(tmp_path: Path) -> None:
+    """A loop that never enters ``monitor.step`` records nothing: closing says so once (trial
+    115: silent); a monitor that ran a step closes quietly."""
+    unused = semipack.Monitor(_model(), every=1, log_dir=tmp_path / "unused")
+    with pytest.warns(RuntimeWarning, match="no step block was entered, so nothing was recorded"):
+        unused.close()
+    used = semipack.Monitor(_model(), every=1, log_dir=tmp_path / "used")
+    ((x, y),) = _batches(1)
+    with used.step(0):
+        nn.functional.cross_entropy(used.model(x), y).backward()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        used.close()
+        unused.close()  # said once

@@ -701,9 +701,10 @@ def branches(at: nn.Module | Tensor, inputs: Sequence[Tensor] = ()) -> Iterator[
 
 #: Why a tensor computed with grad mode on does not require grad.
 _NOTHING_REQUIRES_GRAD = (
-    "nothing it is computed from requires grad: a frozen model, model.requires_grad_(False), "
-    "with an input that does not require grad either; unfreeze the parameters whose paths you "
-    "want, or split an input that requires grad"
+    "nothing it is computed from requires grad: the model's input itself (a split of the "
+    "first layer, whose input is the batch: call x.requires_grad_() on it before the forward), "
+    "or a frozen model, model.requires_grad_(False), with an input that does not require grad "
+    "either (unfreeze the parameters whose paths you want)"
 )
 
 #: Why a forward inside the block records no graph, for the errors that meet it.

@@ -1136,3 +1136,66 @@ def test_another_threads_lock_is_never_taken_back() -> None:
         done.set()
         holder.join()
     assert not bw._HOOK_ORDER_LOCK.locked()
+
+
+class _FailsInBackward(torch.autograd.Function):
+    """The identity, whose backward raises: a pass that fails halfway."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        raise RuntimeError("a backward that fails")
+
+
+class _ReadoutFailing(semipack.LogSum):
+    """LogSum whose readouts fail from the ``fail_at``-th on: a pass that fails after it
+    wrote some leaves' values."""
+
+    fail_at: int | None = None
+
+    def readout(self, a):
+        if self.fail_at is not None:
+            self.fail_at -= 1
+            if self.fail_at < 0:
+                raise RuntimeError("a readout that fails")
+        return super().readout(a)
+
+
+@pytest.mark.parametrize(
+    "where", ["in the engine", "among the pass's readouts", "among the added values' readouts"]
+)
+def test_accumulate_keeps_the_earlier_values_when_a_pass_fails(where: str) -> None:
+    """A backward that fails inside an ``accumulate`` block, in the engine, among its own
+    readouts or among those of the values it adds up, leaves the values of the block's earlier
+    backwards, and a retry adds up as if it had not run."""
+    model = small_model()
+    x, y = data()
+    sr = _ReadoutFailing()
+    with semipack.extend(model, sr, accumulate=True):
+        F.cross_entropy(model(x[:2]), y[:2], reduction="sum").backward()
+        first = {n: p.semiring_grad.clone() for n, p in model.named_parameters()}
+        grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+        with pytest.raises(RuntimeError, match=r"a (backward|readout) that fails"):
+            if where == "in the engine":
+                out = model[2](_FailsInBackward.apply(torch.tanh(model[0](x[2:]))))
+            else:  # four leaves: the pass reads out four values, then the four it adds up
+                sr.fail_at, out = (2 if "pass's" in where else 5), model(x[2:])
+            F.cross_entropy(out, y[2:], reduction="sum").backward()
+        sr.fail_at = None
+        for name, p in model.named_parameters():
+            assert torch.equal(p.semiring_grad, first[name]), name
+            if where != "among the added values' readouts":  # the engine's pass completed
+                assert torch.equal(p.grad, grads[name]), name
+        if where == "among the added values' readouts":
+            for p, g in zip(model.parameters(), grads.values(), strict=True):
+                p.grad = g.clone()  # the completed pass's gradient taken back, for the retry
+        F.cross_entropy(model(x[2:]), y[2:], reduction="sum").backward()
+        got = {n: p.semiring_grad for n, p in model.named_parameters()}
+    whole = small_model()
+    with semipack.extend(whole, sr):
+        F.cross_entropy(whole(x), y, reduction="sum").backward()
+    for name, p in whole.named_parameters():
+        assert_readout_matches("log_sum", p.semiring_grad, got[name], name)

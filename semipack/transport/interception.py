@@ -11,7 +11,8 @@ that have extensions to them.
 from __future__ import annotations
 
 import weakref
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
 
 import torch
 from torch import Tensor
@@ -68,7 +69,7 @@ class SemiringMode(TorchFunctionMode):
         #: ``extend(..., accumulate=True)``: each pass's states are added (the semiring's
         #: plus) to those the block's earlier passes left, by tensor id: (tensor, state)
         self.accumulate = accumulate
-        self._accumulated: dict[int, tuple[Tensor, tuple]] = {}
+        self._accumulated: dict[int, tuple[Tensor, tuple, object]] = {}  # (t, state, readout)
         #: the model's parameters and their names as they are now, asked at each pass (a
         #: parameter unfrozen or replaced inside the block, fixed at its entry, was not
         #: watched: it kept a stale value, and got no per-sample rows)
@@ -127,6 +128,20 @@ class SemiringMode(TorchFunctionMode):
     def _backward(self, tensor, gradient=None, retain_graph=None, create_graph=False, inputs=None):
         self._run([tensor], [gradient], retain_graph, create_graph, inputs)
 
+    @contextmanager
+    def _restored_on_failure(self) -> Iterator[None]:
+        """``accumulate``: a pass that fails leaves every tensor the block's earlier passes
+        reached with their values, as a failed pass leaves ``.grad`` as it was (it may have
+        written or removed some readouts before it failed)."""
+        try:
+            yield
+        except BaseException:
+            for t, state, readout in self._accumulated.values():
+                setattr(t, bw.SEMIRING_GRAD, readout)  # held here: no readout wrote into it
+                if self.keep_state:
+                    setattr(t, bw.SEMIRING_STATE, state)
+            raise
+
     def forget_accumulated(self) -> None:
         """The block ended: let go of the states ``accumulate`` kept (and their tensors)."""
         self._accumulated.clear()
@@ -137,15 +152,20 @@ class SemiringMode(TorchFunctionMode):
         of the passes' losses summed, as ``.grad`` accumulates), read out again; the state
         itself stays on the tensor only with ``keep_state``. The pass ran with its states kept
         (``semiring_state``), since a readout cannot always be added to (Entropy's)."""
+        added = []  # everything computed before anything is stored: a failure stores nothing
         for t in reached:
             state = getattr(t, bw.SEMIRING_STATE, None)
             if state is None:
                 continue
             earlier = self._accumulated.get(id(t))
+            readout = getattr(t, bw.SEMIRING_GRAD)
             if earlier is not None and earlier[0] is t:
                 state = bw.KeptState(self.sr.plus(tuple(earlier[1]), tuple(state)), type(self.sr))
-                setattr(t, bw.SEMIRING_GRAD, self.sr.readout(tuple(state)))
-            self._accumulated[id(t)] = (t, state)
+                readout = self.sr.readout(tuple(state))
+            added.append((t, state, readout))
+        for t, state, readout in added:
+            setattr(t, bw.SEMIRING_GRAD, readout)
+            self._accumulated[id(t)] = (t, state, readout)
             if self.keep_state:
                 setattr(t, bw.SEMIRING_STATE, state)
             else:
@@ -188,7 +208,7 @@ class SemiringMode(TorchFunctionMode):
         if self.per_sample:
             self.batched.mark_nodes()
         # the parameters' lifted forms may be kept for the next pass (kernels.weight_cache)
-        with WEIGHTS.watching(watched):
+        with WEIGHTS.watching(watched), self._restored_on_failure():
             reached = bw.backward(
                 tensors,
                 grads,
@@ -207,10 +227,10 @@ class SemiringMode(TorchFunctionMode):
                 per_sample_batches=frozenset(self.batched.sizes),
                 per_sample_following=self.batched,
             )
+            if self.accumulate:
+                self._add_to_earlier_passes(reached)
         for t in reached:
             self.reached.setdefault(id(t), weakref.ref(t))
-        if self.accumulate:
-            self._add_to_earlier_passes(reached)
         # A parameter this backward did not reach (frozen ones too) must not keep a stale value,
         # nor stale paths: a TopPath's ``path(p)`` read an earlier pass's (trial 114). With
         # ``accumulate`` one an earlier pass of the block reached keeps that pass's values.

@@ -530,3 +530,27 @@ def test_native_messages_ignore_the_default_dtype_and_device(name: str, default:
             torch.set_default_device(None)
         for message, expected in zip(got[:2], want[:2], strict=True):
             assert all(torch.equal(a, b) for a, b in zip(message, expected, strict=True))
+
+
+def test_grouped_convolutions_repeat_no_large_message(monkeypatch) -> None:
+    """The depthwise route repeats the message for each input channel of a group: past
+    ``REPEATED_MESSAGE_MAX_BYTES`` it is left to the per-tap products, unless the groups have
+    at most ``FEW_CHANNELS`` channels (a stem's or ResNeXt's repeat is at most fourfold)."""
+    import semipack.rules.depthwise as depthwise_rules
+
+    def routed(x_shape, w_shape, groups) -> bool:
+        x, w = torch.randn(x_shape), torch.randn(w_shape)
+        geometry = ConvGeometry.of(2, 1, 1, 1, groups)
+        out = torch.nn.functional.conv2d(x, w, None, 1, 1, 1, groups)
+        state = (torch.randn(out.shape),)
+        found = depthwise_rules.few_channels_max_plus(
+            semipack.MaxProd(), state, x, w, geometry, (True, True, False)
+        )
+        return found is not None
+
+    # 8 channels per group: the message [1, 16, 6, 6] float32 (2304 bytes) repeated 8 times
+    monkeypatch.setattr(depthwise_rules, "REPEATED_MESSAGE_MAX_BYTES", 8 * 2304)
+    assert routed((1, 16, 6, 6), (16, 8, 3, 3), 2)
+    monkeypatch.setattr(depthwise_rules, "REPEATED_MESSAGE_MAX_BYTES", 8 * 2304 - 1)
+    assert not routed((1, 16, 6, 6), (16, 8, 3, 3), 2)
+    assert routed((1, 16, 6, 6), (16, 4, 3, 3), 4)  # four channels per group: always

@@ -113,6 +113,11 @@ FEW_CHANNELS = 4
 #: size is the group's channels (a ResNeXt layer of 32 groups of 4 channels paid 3.4 ns per
 #: multiply-add of MaxProd's messages that way, a dense layer of its width 0.11).
 FEW_CHANNELS_PER_GROUP = 16
+#: ... while the message repeated for each input channel of a group stays under this many
+#: bytes, or the groups have at most ``FEW_CHANNELS`` channels: 16 channels per group repeat a
+#: [64, 256, 56, 56] float32 message into 3.3 GB, where the per-tap products build nothing of
+#: that size.
+REPEATED_MESSAGE_MAX_BYTES = 256 * 2**20
 #: ... when their stride has at most this many phases: a ViT's 16 x 16 patch embedding (256
 #: phases of one tap each, 16 calls for the weight message alone) ran slower that way than per
 #: tap, a 4 x 4 one (16 phases) faster.
@@ -153,6 +158,9 @@ def few_channels_max_plus(
         return None
     outputs = w.shape[0] // groups  # per group
     batch, _, *plane = m_parts[0].shape
+    repeated_bytes = per_group * sum(m_parts[0].numel() * p.element_size() for p in m_parts)
+    if per_group > FEW_CHANNELS and repeated_bytes > REPEATED_MESSAGE_MAX_BYTES:
+        return None
     repeated = tuple(
         p.expand(m_parts[0].shape)
         .reshape(batch, groups, 1, outputs, *plane)

@@ -5,11 +5,14 @@ default, offline; DistilBERT, Llama-family decoders and GPT-2 too: ``explain.FAM
 splits the semiring value at the attention block's input by branch (query, key, value,
 residual; ``semipack.branches``), aggregates each token's hidden units
 (``Branches.aggregate``) and prints, per token and layer, the branch its best path leaves by
-(MaxProd) and the log total flow and path entropy per branch (LogSum, Entropy). It writes a
-picture of the branch shares per layer (``branch_flow.png``) and the tables as CSV.
+(MaxProd) and the log total flow and path entropy per branch (LogSum, Entropy). With
+``--out`` it writes the tables as CSV (``branches.csv``) and pictures: the branch shares per
+layer (``branch_flow.png``, MaxProd), heat maps (``logsum_heatmap.png``,
+``entropy_heatmap.png``) and the best paths across layers (``paths.png``).
 
 The target is a scalar of the encoder's output: the sentence embedding's norm (mean pooling,
-the model's own use), or one token's output norm (``--target token:3``).
+the model's own use), one token's output norm (``--target token:3``), or a masked-language
+model's top prediction at its mask token (``--target mask``).
 """
 
 from __future__ import annotations
@@ -393,8 +396,8 @@ def command_line() -> argparse.ArgumentParser:
     )  # fmt: skip
     explain.add_argument(
         "--drawing", default="atomic", choices=["atomic", "decomposed"],
-        help="softmax drawn as one op (atomic) or as its exp, sum and division, as the "
-        "paper's framework drew it (decomposed); README, 'Drawings' (default: %(default)s)",
+        help="softmax drawn as one op (atomic) or as exp(s - logsumexp(s)), as the paper's "
+        "framework drew it (decomposed); README, 'Drawings' (default: %(default)s)",
     )  # fmt: skip
     explain.add_argument(
         "--kbest", type=int, default=1, metavar="K",

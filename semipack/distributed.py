@@ -30,6 +30,7 @@ reduced (a disagreement raises on every process instead of hanging).
 
 from __future__ import annotations
 
+import math
 import warnings
 import zlib
 from collections.abc import Callable, Iterable, Sequence
@@ -135,8 +136,10 @@ def all_reduce(
     sr = require_semiring(semiring)
     if isinstance(bucket_mb, bool) or not isinstance(bucket_mb, (int, float)):
         raise TypeError(f"all_reduce(bucket_mb=...) takes a number of MiB, got {bucket_mb!r}")
-    if not bucket_mb > 0:  # NaN too; 0 and below were taken as tiny buckets (trial 115)
-        raise ValueError(f"all_reduce(bucket_mb=...) must be more than 0 MiB, got {bucket_mb!r}")
+    if not 0 < bucket_mb < math.inf:  # NaN too; 0 and below were taken as tiny buckets
+        raise ValueError(
+            f"all_reduce(bucket_mb=...) must be a finite number above 0 MiB, got {bucket_mb!r}"
+        )
     if not (dist.is_available() and dist.is_initialized()):
         raise SemipackError(
             "semipack.distributed.all_reduce needs torch.distributed: call "

@@ -15,7 +15,9 @@ Each fit gets its own ``Monitor`` (``callback.monitors``, the latest as ``callba
 a fit whose ``log_dir`` already holds a monitor's files (a second fit, another callback, an
 earlier run) writes into the first free ``<log_dir>/fit<k>``. Under a ``DDPStrategy`` of
 several processes every process records the whole batch's values (``distributed=True``,
-unless given) and process 0 alone writes the files.
+unless given as False) and process 0 alone writes the files; with ``ddp_spawn`` the monitors
+live in the spawned processes (``callback.monitors`` stays empty in the launching one: read
+process 0's files).
 
 Needs ``pytorch_lightning`` (or the ``lightning`` package); ``import semipack`` does not import
 this module.
@@ -89,7 +91,8 @@ class MonitorCallback(Callback):
         # The callback holds the LightningModule, not the strategy's DDP wrapper, so the
         # Monitor cannot see the data parallelism: each process recorded its own share of
         # the batch, all into one file (trial 115). A DDP fit of several processes combines.
-        options.setdefault("distributed", combines_processes(trainer))
+        if options.get("distributed") is None:  # None, as not given: detect (trial 116)
+            options["distributed"] = combines_processes(trainer)
         if trainer.global_rank != 0:  # one process writes the files (they hold the same)
             log_dir = None
         self.monitors.append(Monitor(pl_module, every=self.every, log_dir=log_dir, **options))
@@ -149,6 +152,8 @@ def _check_monitor_options(every: Any, log_dir: Any, options: dict[str, Any]) ->
     """The callback's arguments checked when it is made, as ``Monitor`` checks them (they
     were checked only once ``fit`` started, and an unknown one was blamed on
     ``Monitor.__init__``, trial 115): a monitor of a stand-in module, writing no files."""
+    if isinstance(every, bool) or not isinstance(every, int) or every < 1:
+        raise ValueError(f"MonitorCallback(every=...) needs a positive integer, got {every!r}")
     unknown = sorted(set(options) - _MONITOR_OPTIONS)
     if unknown:
         raise TypeError(

@@ -1199,3 +1199,37 @@ def test_accumulate_keeps_the_earlier_values_when_a_pass_fails(where: str) -> No
         F.cross_entropy(whole(x), y, reduction="sum").backward()
     for name, p in whole.named_parameters():
         assert_readout_matches("log_sum", p.semiring_grad, got[name], name)
+
+
+def test_accumulate_adds_up_a_retained_tensors_values_too() -> None:
+    """A ``retain_grad()`` tensor's value adds up like a parameter's (trial 116: it kept the
+    last backward's while its ``.grad`` added up), also when it is an ``inputs=`` entry."""
+    lin = small_model()[0]
+    x = torch.randn(2, 4, dtype=torch.float64)
+    for inputs in (None, "retained"):
+        with semipack.extend(lin, semipack.Real(), accumulate=True):
+            h = lin(x)
+            h.retain_grad()
+            loss = h.sum()
+            chosen = [h, lin.bias] if inputs else None
+            loss.backward(retain_graph=True, inputs=chosen)
+            (3 * loss).backward(inputs=chosen)
+        assert torch.equal(h.semiring_grad, torch.full_like(h, 4.0))
+        assert torch.equal(h.grad, torch.full_like(h, 4.0))
+        assert torch.equal(lin.bias.semiring_grad, torch.full_like(lin.bias, 8.0))
+        lin.zero_grad()
+
+
+def test_accumulate_starts_afresh_where_a_value_was_removed() -> None:
+    """Inside an ``accumulate`` block, removing a tensor's value (``del p.semiring_grad``, as
+    ``zero_grad()`` empties ``.grad``) starts its sum again (trial 116: the earlier passes
+    came back); the others keep adding up."""
+    lin = small_model()[0]
+    x = torch.randn(2, 4, dtype=torch.float64)
+    with semipack.extend(lin, semipack.Real(), accumulate=True):
+        lin(x).sum().backward()
+        del lin.weight.semiring_grad
+        (3 * lin(x)).sum().backward()
+    assert torch.equal(lin.bias.semiring_grad, torch.full_like(lin.bias, 8.0))
+    want = 3 * x.sum(0).expand_as(lin.weight)  # the second backward's alone
+    torch.testing.assert_close(lin.weight.semiring_grad, want, rtol=1e-14, atol=1e-14)

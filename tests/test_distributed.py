@@ -559,7 +559,8 @@ def test_bucket_sizes_and_an_empty_reduction_are_named() -> None:
     backward, where no tensor holds a state on any process, warns instead of returning [] in
     silence (trial 115)."""
     model, _, _ = _data()
-    for bad, error in (("25", TypeError), (0, ValueError), (-1.0, ValueError), (True, TypeError)):
+    bads = (("25", TypeError), (0, ValueError), (-1.0, ValueError), (True, TypeError))
+    for bad, error in (*bads, (float("inf"), ValueError), (float("nan"), ValueError)):
         with pytest.raises(error, match=r"all_reduce\(bucket_mb=...\)"):
             semipack.distributed.all_reduce(model, semipack.MaxProd(), bucket_mb=bad)
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)

@@ -266,13 +266,15 @@ def test_a_ddp_fit_records_the_whole_batch_on_every_process_and_one_file(tmp_pat
     """Two CPU processes (``ddp_spawn``): the callback holds the LightningModule, not DDP's
     wrapper, so each process recorded its own share of the batch and both wrote one file
     (trial 115). Now process 0's file holds what one process records on the two shares
-    joined (step 0, before the processes' training moves the weights)."""
+    joined (step 0, before the processes' training moves the weights), also with
+    ``distributed=None`` given (trial 116: taken as given, it recorded one share)."""
     import csv
 
     g = torch.Generator().manual_seed(4)
     x, y = torch.randn(16, 6, generator=g), torch.randint(0, 3, (16,), generator=g)
     trainer = pl.Trainer(
-        max_steps=1, callbacks=[MonitorCallback(every=1, tensorboard=False)], logger=False,
+        max_steps=1, callbacks=[MonitorCallback(every=1, tensorboard=False, distributed=None)],
+        logger=False,
         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
         accelerator="cpu", strategy="ddp_spawn", devices=2, default_root_dir=tmp_path,
     )  # fmt: skip
@@ -297,7 +299,8 @@ def test_a_ddp_fit_records_the_whole_batch_on_every_process_and_one_file(tmp_pat
 @pytest.mark.parametrize(
     ("options", "error", "message"),
     [
-        ({"every": 0}, ValueError, r"Monitor\(every=...\) needs a positive integer, got 0"),
+        ({"every": 0}, ValueError, r"MonitorCallback\(every=...\) needs a positive integer"),
+        ({"every": "3"}, ValueError, r"MonitorCallback\(every=...\) needs a positive integer"),
         ({"bogus": 1}, TypeError, "MonitorCallback got an unknown option 'bogus': it takes"),
         ({"entropy": "no"}, TypeError, r"Monitor\(entropy=...\) must be True or False"),
         ({"flush_secs": -1}, ValueError, r"Monitor\(flush_secs=...\) must be 0 or more"),

@@ -2903,3 +2903,16 @@ def test_refusals_name_the_argument_taken_as_the_batch(combine, first, x):
     block = semipack.extend(model, semipack.Real(), per_sample=True)
     with pytest.raises(semipack.PerSampleError, match=shape), block:
         model(*args).square().sum().backward()
+
+
+def test_an_rms_norm_over_the_batch_names_its_mixing() -> None:
+    """``nn.RMSNorm((N, D))`` on an ``[N, D]`` input normalises over the examples: refused as
+    the call's mixing (trial 116: the message blamed a call the block does not follow)."""
+    model = nn.Sequential(nn.Linear(3, 4), nn.RMSNorm((5, 4))).double()
+    _refused(
+        model,
+        (torch.randn(5, 3, dtype=torch.float64),),
+        r"parameter '1.weight' is used by MulBackward0, created by module '1', with a value "
+        r"MulBackward0 computed from the model's input in which no dim holds one example per "
+        r"index \('rms_norm' mixed, split or picked the examples\)",
+    )

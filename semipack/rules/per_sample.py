@@ -327,7 +327,7 @@ def _batched_as_the_product(node, factor: Tensor) -> bool:
     meets a value made inside the call (``x * rsqrt(mean(x²) + eps)``), which the block does
     not see but whose result it follows (in half precision the result is a cast of the product,
     and the block's batch dim reaches the product through it:
-    ``transport.batch_following.share_batch_through_cast``)."""
+    ``transport.batch_following.share_batch_with_inner_nodes``)."""
     if node.metadata.get(BATCHED_KEY, None) != 0:
         return False
     return tuple(factor.shape) == tuple(node._input_metadata[0].shape)

@@ -615,7 +615,7 @@ def backward(
     per_sample_following: BatchedTensors | None = None,
 ) -> list[Tensor]:
     """``torch.autograd.backward`` that also sets ``leaf.semiring_grad``; returns the leaves
-    that received a message.
+    that received a message, then the retained tensors that did.
 
     ``per_sample`` (tensor id -> name, the model's parameters) also sets
     ``semiring_grad_batch`` on each of them the pass reaches (``transport.per_sample``); the
@@ -759,7 +759,8 @@ def backward(
         if ledger is not None:
             ledger.commit()
     reached = {id(t) for t, _ in results}
-    return [leaf for leaf in [*leaves, *through] if id(leaf) in reached]
+    out = {id(t): t for t in [*leaves, *through, *kept] if id(t) in reached}  # each once
+    return list(out.values())
 
 
 class InnerRuns:

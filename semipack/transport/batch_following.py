@@ -729,16 +729,25 @@ def share_layer_marks(created: Sequence[Any], result: Any) -> None:
             node.metadata.setdefault(key, value)
 
 
-def share_batch_through_cast(created: Sequence[Any], result: Any) -> None:
-    """Give the node under a result that is a cast of a value the call made (a half-precision
-    ``F.rms_norm`` computes in float32 and casts back: its gain's product is that value, not
-    the result) the batch dim the block followed on the result (``BATCHED_KEY``): a cast
-    moves no entry, so the value holds the examples where the result does. Only for a cast of
-    the result's own shape whose input is a node made inside the call."""
+def share_batch_with_inner_nodes(created: Sequence[Any], result: Any) -> None:
+    """Give nodes a call made inside it (``created``) what the block followed on its result
+    (``BATCHED_KEY``) where that holds for them too:
+
+    - the node under a result that is a cast of a value the call made (a half-precision
+      ``F.rms_norm`` computes in float32 and casts back: its gain's product is that value,
+      not the result) gets the result's batch dim: a cast moves no entry, so the value holds
+      the examples where the result does (a cast of the result's own shape only);
+    - a result that holds no dim of examples gives its call's inner nodes none either
+      (``_share_lost_batch``)."""
     inner = {id(node) for node in created}
     for t in tree_leaves(result):
         node = t.grad_fn if isinstance(t, Tensor) else None
-        if node is None or node.name() != "ToCopyBackward0" or BATCHED_KEY not in node.metadata:
+        if node is None or BATCHED_KEY not in node.metadata:
+            continue
+        if node.metadata[BATCHED_KEY] is None:
+            _share_lost_batch(created, node)
+            continue
+        if node.name() != "ToCopyBackward0":
             continue
         below, _ = node.next_functions[0]
         if below is None or id(below) not in inner or BATCHED_KEY in below.metadata:
@@ -748,6 +757,28 @@ def share_batch_through_cast(created: Sequence[Any], result: Any) -> None:
             continue
         below.metadata[BATCHED_KEY] = node.metadata[BATCHED_KEY]
         below.metadata[LOST_BY_KEY] = node.metadata.get(LOST_BY_KEY, "")
+
+
+#: Calls recorded as several ops whose every value normalises over the call's shape: where
+#: the result holds no dim of examples, neither does any value made inside.
+_NORMALISING_COMPOSITES = frozenset({"rms_norm"})
+
+
+def _share_lost_batch(created: Sequence[Any], node: Any) -> None:
+    """A normalising call whose result holds no dim of examples (``F.rms_norm`` over a shape
+    that spans the batch) mixed them in every value it made: a parameter used inside is
+    refused for the call's mixing, not as a call the block does not follow (trial 116: the
+    message blamed a weight computed from parameters). A reduction's result (a loss summed
+    inside the model) holds no examples either, while its inner values do: left alone."""
+    lost_by = node.metadata.get(LOST_BY_KEY, "")
+    if lost_by not in _NORMALISING_COMPOSITES:  # a reduction's inner values keep the batch
+        return
+    for inner in created:
+        # a parameter's AccumulateGrad, made on its first use inside the call, is no value
+        leaf = getattr(inner, "variable", None) is not None
+        if inner is not node and not leaf and BATCHED_KEY not in inner.metadata:
+            inner.metadata[BATCHED_KEY] = None
+            inner.metadata[LOST_BY_KEY] = lost_by
 
 
 def _mark_nodes(result: Any, problem: str) -> None:

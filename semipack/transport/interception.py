@@ -27,7 +27,7 @@ from ..rules.per_sample import INSIDE_CALL_KEY
 from ..semirings.base import Semiring
 from . import backward as bw
 from . import per_sample
-from .batch_following import BatchedTensors, share_batch_through_cast, share_layer_marks
+from .batch_following import BatchedTensors, share_batch_with_inner_nodes, share_layer_marks
 from .hooks import TensorHook
 from .passes import autocast_on
 
@@ -111,7 +111,7 @@ class SemiringMode(TorchFunctionMode):
             result = self._call(func, args, kwargs)
         name_inner_nodes(func, created, result)
         self.batched.follow(func, args, kwargs, result)
-        share_batch_through_cast(created, result)
+        share_batch_with_inner_nodes(created, result)
         share_layer_marks(created, result)
         return result
 
@@ -141,6 +141,14 @@ class SemiringMode(TorchFunctionMode):
                 if self.keep_state:
                     setattr(t, bw.SEMIRING_STATE, state)
             raise
+
+    def _forget_removed_values(self) -> None:
+        """``accumulate``: a tensor whose value was removed or replaced since the last pass
+        (``del p.semiring_grad``, as ``zero_grad()`` empties ``.grad``) starts afresh; a
+        block around several optimizer steps had no way to start again (trial 116)."""
+        for key, (t, _, readout) in list(self._accumulated.items()):
+            if getattr(t, bw.SEMIRING_GRAD, None) is not readout:
+                del self._accumulated[key]
 
     def forget_accumulated(self) -> None:
         """The block ended: let go of the states ``accumulate`` kept (and their tensors)."""
@@ -208,6 +216,8 @@ class SemiringMode(TorchFunctionMode):
         if self.per_sample:
             self.batched.mark_nodes()
         # the parameters' lifted forms may be kept for the next pass (kernels.weight_cache)
+        if self.accumulate:
+            self._forget_removed_values()
         with WEIGHTS.watching(watched), self._restored_on_failure():
             reached = bw.backward(
                 tensors,

@@ -67,9 +67,10 @@ class SemiringMode(TorchFunctionMode):
     ) -> None:
         super().__init__()
         #: ``extend(..., accumulate=True)``: each pass's states are added (the semiring's
-        #: plus) to those the block's earlier passes left, by tensor id: (tensor, state)
+        #: plus) to those the block's earlier passes left; by tensor id, (the tensor, its
+        #: added state, the readout stored on it)
         self.accumulate = accumulate
-        self._accumulated: dict[int, tuple[Tensor, tuple, object]] = {}  # (t, state, readout)
+        self._accumulated: dict[int, tuple[Tensor, tuple, object]] = {}
         #: the model's parameters and their names as they are now, asked at each pass (a
         #: parameter unfrozen or replaced inside the block, fixed at its entry, was not
         #: watched: it kept a stale value, and got no per-sample rows)

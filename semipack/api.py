@@ -72,8 +72,9 @@ def extend(
     one did not keeps its value. By default each backward replaces the values (a parameter it
     does not reach loses them). Each pass then keeps its leaves' states until its end (as
     ``keep_state`` does: up to one more leaf-sized tensor per component), and the block keeps
-    the sums until it ends; a tensor whose value is removed (``del p.semiring_grad``, as
-    ``zero_grad()`` empties ``.grad``) starts afresh. A backward that fails leaves every
+    the sums until it ends; a tensor whose value is removed or replaced (``del
+    p.semiring_grad``, as ``zero_grad()`` empties ``.grad``) starts afresh (a value changed in
+    place has no defined effect on the sum: remove it instead). A backward that fails leaves every
     tensor the values of the earlier ones (also where the pass completed and only adding up
     its values failed: its ``.grad`` has then accumulated). Not with ``per_sample`` or a
     path-recording semiring (TopPath, KBest: a path is one pass's).

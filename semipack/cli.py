@@ -5,7 +5,8 @@ default, offline; DistilBERT, Llama-family decoders and GPT-2 too: ``explain.FAM
 splits the semiring value at the attention block's input by branch (query, key, value,
 residual; ``semipack.branches``), aggregates each token's hidden units
 (``Branches.aggregate``) and prints, per token and layer, the branch its best path leaves by
-(MaxProd) and the log total flow and path entropy per branch (LogSum, Entropy). With
+(MaxProd), the log total flow and path entropy per branch and layer (LogSum, Entropy; per
+token for the first layer, all layers' in the CSV) and the best paths across layers. With
 ``--out`` it writes the tables as CSV (``branches.csv``) and pictures: the branch shares per
 layer (``branch_flow.png``, MaxProd), heat maps (``logsum_heatmap.png``,
 ``entropy_heatmap.png``) and the best paths across layers (``paths.png``).
@@ -401,8 +402,8 @@ def command_line() -> argparse.ArgumentParser:
     )  # fmt: skip
     explain.add_argument(
         "--kbest", type=int, default=1, metavar="K",
-        help="paths.png: 1 draws each token's best path (TopPath), K > 1 the K best (KBest) "
-        "(default: %(default)s)",
+        help="paths.png: 1 draws each token's best path (TopPath), K > 1 the K best paths of "
+        "the whole input (KBest) (default: %(default)s)",
     )  # fmt: skip
     explain.add_argument(
         "--out", default=None, metavar="FOLDER",

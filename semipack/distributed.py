@@ -31,6 +31,7 @@ reduced (a disagreement raises on every process instead of hanging).
 from __future__ import annotations
 
 import math
+import numbers
 import warnings
 import zlib
 from collections.abc import Callable, Iterable, Sequence
@@ -134,7 +135,7 @@ def all_reduce(
     then ``world size`` times the full batch's (Entropy, which normalises, is unaffected).
     """
     sr = require_semiring(semiring)
-    if isinstance(bucket_mb, bool) or not isinstance(bucket_mb, (int, float)):
+    if isinstance(bucket_mb, bool) or not isinstance(bucket_mb, numbers.Real):
         raise TypeError(f"all_reduce(bucket_mb=...) takes a number of MiB, got {bucket_mb!r}")
     if not 0 < bucket_mb < math.inf:  # NaN too; 0 and below were taken as tiny buckets
         raise ValueError(

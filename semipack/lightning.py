@@ -26,6 +26,7 @@ this module.
 from __future__ import annotations
 
 import inspect
+import numbers
 import os
 from contextlib import AbstractContextManager
 from pathlib import Path
@@ -40,6 +41,7 @@ except ImportError:  # pragma: no cover - depends on what is installed
     from lightning.pytorch import Callback, LightningModule, Trainer
     from lightning.pytorch.strategies import DDPStrategy
 
+from .errors import SemipackError
 from .monitor import Monitor
 
 __all__ = ["MonitorCallback"]
@@ -83,8 +85,11 @@ class MonitorCallback(Callback):
         base, k = Path(log_dir), 0
         log_dir = base
         # the same folder again (another fit, another callback, an earlier run of the script):
-        # keep the earlier files, this fit writes into the first free <log_dir>/fit<k>
-        while log_dir in used or (log_dir / "monitor.csv").exists():
+        # keep the earlier files, this fit writes into the first free <log_dir>/fit<k>; one
+        # asked to resume or overwrite them takes the folder itself (trial 117: both were
+        # ignored, so a fit resumed from a checkpoint could not go on with its records)
+        takes_it = self.options.get("resume") or self.options.get("overwrite")
+        while not takes_it and (log_dir in used or (log_dir / "monitor.csv").exists()):
             k += 1
             log_dir = base / f"fit{k}"
         options = dict(self.options)
@@ -152,7 +157,7 @@ def _check_monitor_options(every: Any, log_dir: Any, options: dict[str, Any]) ->
     """The callback's arguments checked when it is made, as ``Monitor`` checks them (they
     were checked only once ``fit`` started, and an unknown one was blamed on
     ``Monitor.__init__``, trial 115): a monitor of a stand-in module, writing no files."""
-    if isinstance(every, bool) or not isinstance(every, int) or every < 1:
+    if isinstance(every, bool) or not isinstance(every, numbers.Integral) or every < 1:
         raise ValueError(f"MonitorCallback(every=...) needs a positive integer, got {every!r}")
     unknown = sorted(set(options) - _MONITOR_OPTIONS)
     if unknown:
@@ -165,6 +170,8 @@ def _check_monitor_options(every: Any, log_dir: Any, options: dict[str, Any]) ->
             f"MonitorCallback(log_dir=...) takes a folder, a str or a path, got "
             f"{type(log_dir).__name__}"
         )
+    if log_dir is not None and Path(log_dir).exists() and not Path(log_dir).is_dir():
+        raise SemipackError(f"MonitorCallback(log_dir={str(log_dir)!r}) is a file, not a folder")
     Monitor(torch.nn.Linear(1, 1), every=every, log_dir=None, **options)
 
 

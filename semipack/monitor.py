@@ -33,6 +33,7 @@ import csv
 import datetime
 import itertools
 import math
+import numbers
 import os
 import time
 import warnings
@@ -149,8 +150,9 @@ class Monitor:
                 f"Monitor expects the model, an nn.Module, got {type(model).__name__} (for "
                 "several models, one Monitor each, or an nn.ModuleList of them)"
             )
-        if isinstance(every, bool) or not isinstance(every, int) or every < 1:
+        if isinstance(every, bool) or not isinstance(every, numbers.Integral) or every < 1:
             raise ValueError(f"Monitor(every=...) needs a positive integer, got {every!r}")
+        every = int(every)
         _check_options(
             entropy=entropy,
             tensorboard=tensorboard,
@@ -637,7 +639,7 @@ def _check_options(*, distributed: Any, flush_secs: Any, **flags: Any) -> None:
             f"Monitor(distributed=...) must be True, False or None (detect DDP), got "
             f"{_shown(distributed)}"
         )
-    if isinstance(flush_secs, bool) or not isinstance(flush_secs, (int, float)):
+    if isinstance(flush_secs, bool) or not isinstance(flush_secs, numbers.Real):
         raise TypeError(
             f"Monitor(flush_secs=...) takes a number of seconds, got {_shown(flush_secs)}"
         )

@@ -313,3 +313,32 @@ def test_the_callbacks_options_are_checked_when_it_is_made(options, error, messa
     115: ``Monitor.__init__()`` was blamed, at the first fit)."""
     with pytest.raises(error, match=message):
         MonitorCallback(**options)
+
+
+@pytest.mark.parametrize("option", ["resume", "overwrite"])
+def test_a_fit_asked_to_resume_or_overwrite_takes_the_folder_itself(tmp_path, option) -> None:
+    """``resume=True`` goes on with the folder's records and ``overwrite=True`` replaces them,
+    as ``Monitor``'s options say; the callback moved to ``<log_dir>/fit1`` either way (trial
+    117). Without them a second fit still writes into ``fit1``."""
+    first = MonitorCallback(every=2, log_dir=tmp_path, tensorboard=False)
+    _fit(_Classifier(), [first], tmp_path / "root1")
+    earlier = len(first.monitor.records)
+    again = MonitorCallback(every=2, log_dir=tmp_path, tensorboard=False, **{option: True})
+    _fit(_Classifier(), [again], tmp_path / "root2")
+    assert again.monitor.log_dir == tmp_path
+    rows = (tmp_path / "monitor.csv").read_text().count("\n") - 1
+    if option == "resume":  # the same steps again: the earlier rows from step 0 on dropped
+        assert rows == earlier and len(again.monitor.records) == earlier
+    else:
+        assert rows == len(again.monitor.records) == earlier
+    plain = MonitorCallback(every=2, log_dir=tmp_path, tensorboard=False)
+    _fit(_Classifier(), [plain], tmp_path / "root3")
+    assert plain.monitor.log_dir == tmp_path / "fit1"
+
+
+def test_a_log_dir_that_is_a_file_is_named_when_the_callback_is_made(tmp_path) -> None:
+    (tmp_path / "log").write_text("kept")
+    with pytest.raises(semipack.SemipackError, match=r"log_dir=.*log'\) is a file, not a folder"):
+        MonitorCallback(log_dir=tmp_path / "log")
+    np = pytest.importorskip("numpy")
+    assert MonitorCallback(every=np.int64(3)).every == 3  # a NumPy integer is an integer

@@ -2914,5 +2914,6 @@ def test_an_rms_norm_over_the_batch_names_its_mixing() -> None:
         (torch.randn(5, 3, dtype=torch.float64),),
         r"parameter '1.weight' is used by MulBackward0, created by module '1', with a value "
         r"MulBackward0 computed from the model's input in which no dim holds one example per "
-        r"index \('rms_norm' mixed, split or picked the examples\)",
+        r"index \('rms_norm' mixed, split or picked the examples\): that operand holds no row "
+        r"per example on dim 0",
     )

@@ -160,10 +160,8 @@ def check_graph(
                     where = f", created by {module}," if module else ""
                     raise PerSampleError(
                         f"per-sample values: parameter '{params[id(variable)]}' is used by "
-                        f"{node.name()}{where} with {operand}: that operand need not carry "
-                        "the batch, so the use is not split by example (a weight computed from "
-                        "parameters and buffers, a pruned or masked weight say, has no "
-                        "per-sample rows); see 'Per-sample values' in the README"
+                        f"{node.name()}{where} with {operand}: {_unsplit_use(operand)}; see "
+                        "'Per-sample values' in the README"
                     )
                 generic.append((node, input_nr, variable))
             if known and not has_per_sample_rule(node):
@@ -319,6 +317,19 @@ def _uses_of_computed(
             else:
                 raise _computed_refused(params[id(variable)], steps, f"is used by {user.name()}")
     return found
+
+
+def _unsplit_use(operand: str) -> str:
+    """Why a use of a parameter with ``operand`` (``unbatched_operand``'s description) has no
+    rows: its examples met there, or it need not carry the batch at all (trial 117: a value in
+    which an RMSNorm over the batch mixed the examples was explained as a computed weight)."""
+    if "no dim holds one example" in operand or "with the batch on dim" in operand:
+        return "that operand holds no row per example on dim 0, so the use is not split by example"
+    return (
+        "that operand need not carry the batch, so the use is not split by example (a weight "
+        "computed from parameters and buffers, a pruned or masked weight say, has no "
+        "per-sample rows)"
+    )
 
 
 def _layer_input_problems(node: Any, name: str, following: BatchedTensors | None) -> list[str]:

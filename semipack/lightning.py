@@ -26,7 +26,6 @@ this module.
 from __future__ import annotations
 
 import inspect
-import numbers
 import os
 from contextlib import AbstractContextManager
 from pathlib import Path
@@ -42,7 +41,7 @@ except ImportError:  # pragma: no cover - depends on what is installed
     from lightning.pytorch.strategies import DDPStrategy
 
 from .errors import SemipackError
-from .monitor import Monitor
+from .monitor import Monitor, checked_every
 
 __all__ = ["MonitorCallback"]
 
@@ -65,7 +64,7 @@ class MonitorCallback(Callback):
     def __init__(self, every: int = 10, log_dir: str | Path | None = None, **monitor: Any) -> None:
         super().__init__()
         _check_monitor_options(every, log_dir, monitor)
-        self.every, self.log_dir, self.options = every, log_dir, monitor
+        self.every, self.log_dir, self.options = int(every), log_dir, monitor
         self.monitors: list[Monitor] = []
         self._open: AbstractContextManager[bool] | None = None
         self._backward_ran = False
@@ -157,8 +156,7 @@ def _check_monitor_options(every: Any, log_dir: Any, options: dict[str, Any]) ->
     """The callback's arguments checked when it is made, as ``Monitor`` checks them (they
     were checked only once ``fit`` started, and an unknown one was blamed on
     ``Monitor.__init__``, trial 115): a monitor of a stand-in module, writing no files."""
-    if isinstance(every, bool) or not isinstance(every, numbers.Integral) or every < 1:
-        raise ValueError(f"MonitorCallback(every=...) needs a positive integer, got {every!r}")
+    checked_every(every, "MonitorCallback")
     unknown = sorted(set(options) - _MONITOR_OPTIONS)
     if unknown:
         raise TypeError(

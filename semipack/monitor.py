@@ -150,9 +150,7 @@ class Monitor:
                 f"Monitor expects the model, an nn.Module, got {type(model).__name__} (for "
                 "several models, one Monitor each, or an nn.ModuleList of them)"
             )
-        if isinstance(every, bool) or not isinstance(every, numbers.Integral) or every < 1:
-            raise ValueError(f"Monitor(every=...) needs a positive integer, got {every!r}")
-        every = int(every)
+        every = checked_every(every)
         _check_options(
             entropy=entropy,
             tensorboard=tensorboard,
@@ -625,6 +623,14 @@ class _StepBlock:
                 RuntimeWarning,
                 stacklevel=2,
             )
+
+
+def checked_every(every: Any, owner: str = "Monitor") -> int:
+    """``every`` as an int, or a ValueError naming ``owner``'s argument (a NumPy integer is
+    an integer; a bool is not)."""
+    if isinstance(every, bool) or not isinstance(every, numbers.Integral) or every < 1:
+        raise ValueError(f"{owner}(every=...) needs a positive integer, got {every!r}")
+    return int(every)
 
 
 def _check_options(*, distributed: Any, flush_secs: Any, **flags: Any) -> None:

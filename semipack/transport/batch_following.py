@@ -729,23 +729,24 @@ def share_layer_marks(created: Sequence[Any], result: Any) -> None:
             node.metadata.setdefault(key, value)
 
 
-def share_batch_with_inner_nodes(created: Sequence[Any], result: Any) -> None:
-    """Give nodes a call made inside it (``created``) what the block followed on its result
+def share_batch_with_inner_nodes(func: Any, created: Sequence[Any], result: Any) -> None:
+    """Give nodes a call ``func`` made inside it (``created``) what the block followed on its result
     (``BATCHED_KEY``) where that holds for them too:
 
     - the node under a result that is a cast of a value the call made (a half-precision
       ``F.rms_norm`` computes in float32 and casts back: its gain's product is that value,
       not the result) gets the result's batch dim: a cast moves no entry, so the value holds
       the examples where the result does (a cast of the result's own shape only);
-    - a result that holds no dim of examples gives its call's inner nodes none either
-      (``_share_lost_batch``)."""
+    - a layer's result (``LAYER_INPUTS``) that holds no dim of examples gives the layer's
+      inner nodes none either (``_share_lost_batch``)."""
     inner = {id(node) for node in created}
     for t in tree_leaves(result):
         node = t.grad_fn if isinstance(t, Tensor) else None
         if node is None or BATCHED_KEY not in node.metadata:
             continue
         if node.metadata[BATCHED_KEY] is None:
-            _share_lost_batch(created, node)
+            if func in LAYER_INPUTS:  # a reduction's inner values keep the batch
+                _share_lost_batch(created, node)
             continue
         if node.name() != "ToCopyBackward0":
             continue
@@ -759,20 +760,13 @@ def share_batch_with_inner_nodes(created: Sequence[Any], result: Any) -> None:
         below.metadata[LOST_BY_KEY] = node.metadata.get(LOST_BY_KEY, "")
 
 
-#: Calls recorded as several ops whose every value normalises over the call's shape: where
-#: the result holds no dim of examples, neither does any value made inside.
-_NORMALISING_COMPOSITES = frozenset({"rms_norm"})
-
-
 def _share_lost_batch(created: Sequence[Any], node: Any) -> None:
-    """A normalising call whose result holds no dim of examples (``F.rms_norm`` over a shape
-    that spans the batch) mixed them in every value it made: a parameter used inside is
-    refused for the call's mixing, not as a call the block does not follow (trial 116: the
-    message blamed a weight computed from parameters). A reduction's result (a loss summed
-    inside the model) holds no examples either, while its inner values do: left alone."""
+    """A layer whose result holds no dim of examples (``F.rms_norm`` over a shape that spans
+    the batch) mixed them in every value it made: a parameter used inside is refused for the
+    layer's mixing, not as a call the block does not follow (trial 116: the message blamed a
+    weight computed from parameters). Only layers: a reduction's result (a loss summed inside
+    the model) holds no examples either, while its inner values do."""
     lost_by = node.metadata.get(LOST_BY_KEY, "")
-    if lost_by not in _NORMALISING_COMPOSITES:  # a reduction's inner values keep the batch
-        return
     for inner in created:
         # a parameter's AccumulateGrad, made on its first use inside the call, is no value
         leaf = getattr(inner, "variable", None) is not None

@@ -112,7 +112,7 @@ class SemiringMode(TorchFunctionMode):
             result = self._call(func, args, kwargs)
         name_inner_nodes(func, created, result)
         self.batched.follow(func, args, kwargs, result)
-        share_batch_with_inner_nodes(created, result)
+        share_batch_with_inner_nodes(func, created, result)
         share_layer_marks(created, result)
         return result
 

@@ -298,6 +298,12 @@ def _clear_interrupted() -> Any:
     return None
 
 
+def open_block_semiring() -> Any:
+    """The semiring of the ``extend`` block open in this thread, or None (leftovers of an
+    interrupted block are cleared first, as entering a block does)."""
+    return _clear_interrupted()
+
+
 def last_block_reached() -> list[torch.Tensor]:
     """The tensors (still alive) that the passes of this thread's last ``extend`` block gave
     values to: the monitor drops them after recording, also on tensors outside its model

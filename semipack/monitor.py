@@ -50,7 +50,7 @@ from torch import Tensor, nn
 from torch.nn.parallel import DistributedDataParallel
 from torch.nn.utils import parametrize
 
-from .api import extend, last_block_reached
+from .api import extend, last_block_reached, open_block_semiring
 from .distributed import all_reduce
 from .errors import SemipackError
 from .explain.branches import Branches, branches
@@ -226,6 +226,7 @@ class Monitor:
             raise ValueError(f"loss_scale must be a finite positive number, got {loss_scale!r}")
         step = self._count if step is None else _step_number(step)
         self._count += 1
+        sampled = False  # True from the moment this block's semiring pass may give values
         try:
             if not self.sampled(step):
                 yield False
@@ -250,8 +251,10 @@ class Monitor:
             combine = self._combines_processes()
             if combine:
                 self._meet_peers(step)
+            _check_no_open_block(step)
             self._read_layers()
             self._clear()
+            sampled = True
             with ExitStack() as stack:
                 stack.enter_context(
                     extend(
@@ -274,7 +277,11 @@ class Monitor:
             self._record(step, splits, math.log(loss_scale) if loss_scale is not None else 0.0)
             self._last_recorded = step  # a step whose pass failed was not recorded: no warning
             self._drop_values()
-        except BaseException:
+        except BaseException as error:
+            if sampled:  # a failed step is not recorded: its values leave the parameters too
+                self._drop_values()
+                if isinstance(error, SemipackError):
+                    error.add_note(_failed_step_note(step))
             self.flush()  # the run may end here: every earlier record goes to the files
             raise
 
@@ -655,8 +662,16 @@ def _check_options(*, distributed: Any, flush_secs: Any, **flags: Any) -> None:
 
 def _check_log_dir(log_dir: Any) -> None:
     """A TypeError for a ``log_dir`` that is no folder name (a semiring given third, trial 110:
-    pathlib's error named no argument)."""
-    if log_dir is None or isinstance(log_dir, (str, os.PathLike)):
+    pathlib's error named no argument); a ValueError for an empty one (``""`` is the current
+    folder to pathlib: the files landed there, trial 119)."""
+    if isinstance(log_dir, (str, os.PathLike)):
+        if os.fspath(log_dir) in ("", b""):
+            raise ValueError(
+                "Monitor(log_dir='') names no folder: pass a folder name (\".\" for the "
+                "current one) or None for no files"
+            )
+        return
+    if log_dir is None:
         return
     hint = ""
     if isinstance(log_dir, Semiring):
@@ -666,6 +681,32 @@ def _check_log_dir(log_dir: Any) -> None:
         )
     raise TypeError(
         f"Monitor(log_dir=...) takes a folder, a str or a path, got {type(log_dir).__name__}{hint}"
+    )
+
+
+def _check_no_open_block(step: int) -> None:
+    """A sampled step runs its backward in a block of its own: raise, naming the monitor, when
+    one is open already in this thread (two monitors' sampled steps nested, or the step inside
+    a ``semipack.extend`` block): ``extend``'s error spoke of blocks and ``Product`` only,
+    which the user never called (trial 119)."""
+    active = open_block_semiring()
+    if active is not None:
+        raise SemipackError(
+            f"Monitor.step({step}) is sampled while a semiring block is already open in this "
+            f"thread (for {active!r}): another Monitor's sampled step, or a semipack.extend "
+            "block around this one. A backward runs one semiring pass, so two monitors' "
+            "sampled steps cannot overlap: monitor the model with one Monitor, or give the "
+            "monitors steps that are never sampled together"
+        )
+
+
+def _failed_step_note(step: int) -> str:
+    """The note added to a semipack error raised inside a sampled step: the step's backward
+    was the semiring pass, so a failure there also left the step without gradients."""
+    return (
+        f"(raised inside Monitor.step({step}), a sampled step: its backward is the semiring "
+        "backward, so where that backward failed the step has no .grad; nothing was recorded, "
+        "and the step's values were removed from the parameters)"
     )
 
 

@@ -293,6 +293,8 @@ def test_a_branch_beside_the_attention_has_one_name_in_every_layer() -> None:
         AttentionLayer(f"model.layers.{i}.self_attn", layer.self_attn, layer.self_attn.dense, 2, 16)
         for i, layer in enumerate(phi.model.layers)
     ]
+    # found by themselves too (its output projection is named dense: trial 118)
+    assert attention_layers(phi) == layers
     ids = torch.randint(0, 64, (1, 6))
     flow = semipack.explain_layers(
         phi.eval(), semipack.LogSum(), lambda: phi(input_ids=ids).logits[0, -1, 3], layers=layers
@@ -831,6 +833,8 @@ def test_tables_of_a_batch_say_which_example_they_show():
         model, semipack.LogSum(), lambda: model(input_ids=ids).last_hidden_state.sum()
     )
     assert flow.table(1).splitlines()[0].endswith("(example 1 of 2, from 0)")
+    # a negative index counts from the end, and is shown as the index it stands for (trial 118)
+    assert flow.table(-1) == flow.table(1)
     assert flow.token_table(0).splitlines()[0] == "LogSum: per token (example 0 of 2, from 0)"
     single = semipack.explain_layers(
         model, semipack.LogSum(), lambda: model(input_ids=ids[:1]).last_hidden_state.sum()
@@ -2006,3 +2010,34 @@ def test_a_route_says_when_it_has_no_path_or_passes_no_layer() -> None:
     steps = [_step("h.0", (0, 1, 2)), _step("h.0.attn", (0, 1, 2))]
     (weight,) = layer_routes([SemiringPath("wte.weight", (7, 2), 0.0, steps)], layers)
     assert weight.describe(list("abc")) == "1  from wte.weight[7, 2]: L0 residual"
+
+
+def test_a_fused_projection_semipack_does_not_unpack_has_one_name() -> None:
+    """Bloom's ``query_key_value`` packs query, key and value in a layout routes do not read:
+    ``explain_layers`` named its branch ``qkv`` and ``layer_routes`` the same hop
+    ``attention``, so tables and routes of one model did not line up (trial 118)."""
+    torch.manual_seed(1)
+    config = transformers.BloomConfig(vocab_size=50, hidden_size=32, n_layer=2, n_head=4)
+    model = transformers.BloomModel._from_config(config, attn_implementation="eager").eval()
+    layers = [
+        AttentionLayer(f"h.{i}.self_attention", b.self_attention, b.self_attention.dense, 4, 8)
+        for i, b in enumerate(model.h)
+    ]
+    ids = torch.randint(3, 50, (1, 6))
+    flow = semipack.explain_layers(
+        model,
+        semipack.MaxProd(),
+        lambda: model(input_ids=ids).last_hidden_state[0, 3].pow(2).sum(),
+        layers=layers,
+    )
+    assert [set(b) for b in flow.branches] == [{"qkv"}] * 2
+    x = model.word_embeddings(ids).detach().requires_grad_(True)
+    top = semipack.TopPath()
+    with semipack.extend(model, top):
+        model(inputs_embeds=x).last_hidden_state[0, 3].pow(2).sum().backward()
+    routes = layer_routes([top.path(x, (0, token, 0)) for token in range(4)], layers)
+    through = [h for r in routes for h in r.hops if h.branch != "residual"]
+    assert through, "no path went through an attention layer"
+    for hop in through:
+        assert (hop.branch, hop.head, hop.token_out) == ("qkv", None, 3)
+    assert all(h.branch in {"qkv", "residual"} for r in routes for h in r.hops)

@@ -194,6 +194,64 @@ def test_a_log_dir_that_is_a_file_is_refused(tmp_path: Path) -> None:
     assert (tmp_path / "log").read_text() == "kept"
 
 
+def test_an_empty_log_dir_is_refused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``""`` is the current folder to pathlib: the files landed there unasked (trial 119)."""
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ValueError, match=r"Monitor\(log_dir=''\) names no folder"):
+        semipack.Monitor(_model(), log_dir="")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_step_that_raises_leaves_no_values_and_no_record() -> None:
+    """A sampled step whose block raises after its backward is not recorded; its values left
+    the parameters all the same (they stayed there until the next sampled step, trial 119).
+    A semipack error from the semiring backward itself says the step has no gradient."""
+    model, ((x, y),) = _model(), _batches(1)
+    monitor = semipack.Monitor(model, every=1)
+    with pytest.raises(KeyError), monitor.step(0):
+        nn.functional.cross_entropy(model(x), y).backward()
+        assert all(hasattr(p, "semiring_grad") for p in model.parameters())
+        raise KeyError("the user's step failed")
+    assert not any(hasattr(p, "semiring_grad") for p in model.parameters())
+    assert monitor.records == []
+
+    model.zero_grad(set_to_none=True)
+    with pytest.raises(semipack.UnsupportedOpError) as raised, monitor.step(1):
+        logits = torch.fft.fft(model(x)).abs()  # complex: refused, named by its op
+        nn.functional.cross_entropy(logits, y).backward()
+    note = "raised inside Monitor.step(1), a sampled step: its backward is the semiring backward"
+    assert any(note in n for n in raised.value.__notes__)
+    assert all(p.grad is None for p in model.parameters())
+    assert not any(hasattr(p, "semiring_grad") for p in model.parameters())
+    assert monitor.records == []
+    with monitor.step(2):  # the monitor goes on
+        nn.functional.cross_entropy(model(x), y).backward()
+    assert {r.step for r in monitor.records} == {2}
+
+
+def test_two_monitors_sampled_together_are_named() -> None:
+    """Nested sampled steps of two monitors raised ``extend``'s nesting error, which spoke of
+    blocks and Product (trial 119); one after the other they both record."""
+    model, ((x, y),) = _model(), _batches(1)
+    first, second = semipack.Monitor(model, every=1), semipack.Monitor(model, every=2)
+    message = r"Monitor\.step\(0\) is sampled while a semiring block is already open"
+    with pytest.raises(semipack.SemipackError, match=message), first.step(0), second.step(0):
+        nn.functional.cross_entropy(model(x), y).backward()
+    with pytest.raises(semipack.SemipackError, match=message):
+        with semipack.extend(model, semipack.MaxProd()), second.step(0):
+            pass
+    with first.step(1), second.step(1):  # second's step 1 is not sampled: no block of its own
+        nn.functional.cross_entropy(model(x), y).backward()
+    with first.step(2):
+        nn.functional.cross_entropy(model(x), y).backward()
+    with second.step(2):
+        nn.functional.cross_entropy(model(x), y).backward()
+    # the same values (the first monitor also compares its top paths with step 1's)
+    assert [r for r in first.records if r.step == 2 and r.quantity != "top_path_changed"] == (
+        second.records
+    )
+
+
 def test_a_log_dir_with_a_monitor_csv_is_kept_unless_overwrite(tmp_path: Path) -> None:
     """A second monitor on the same folder (another run of the script, or a monitor writing
     there now) used to empty the first one's ``monitor.csv`` without a word."""

@@ -35,7 +35,7 @@ from ..graph.sites import ROOT_MODULE
 from ..messages.paths import Path, PathStep
 from ..semirings import Entropy, KBest, Product, Real, Semiring, SignedMaxProd
 from .branches import ADDS, NO_GRAPH_CAUSES, Branches, branches
-from .token_types import attention_branch
+from .token_types import PROJECTIONS, attention_branch
 
 BRANCH_ORDER = ("query", "key", "value", "residual")
 
@@ -73,7 +73,8 @@ class AttentionLayer:
 FAMILIES = (
     "BERT-family encoders (BERT, RoBERTa, ELECTRA, MiniLM, DeBERTa: encoder.layer[i].attention), "
     "DistilBERT (transformer.layer[i].attention), Llama-family decoders (Llama, Mistral, Qwen2, "
-    "Gemma, Cohere: layers[i].self_attn), OPT (decoder.layers[i].self_attn), GPT-2 and "
+    "Gemma, Cohere: layers[i].self_attn), Phi (layers[i].self_attn, its output projection "
+    "named dense), OPT (decoder.layers[i].self_attn), GPT-2 and "
     "GPTBigCode (h[i].attn), GPT-NeoX and Pythia (layers[i].attention) and torch's "
     "nn.MultiheadAttention (nn.TransformerEncoderLayer)"
 )
@@ -97,7 +98,8 @@ def attention_layers(model: nn.Module) -> list[AttentionLayer]:
             continue
         o_proj = getattr(module, "o_proj", None)
         if not isinstance(o_proj, nn.Linear) and type(module).__name__ in _OUT_PROJ_ATTENTIONS:
-            o_proj = getattr(module, "out_proj", None)  # OPT: q_proj, k_proj, v_proj, out_proj
+            # OPT: q_proj, k_proj, v_proj, out_proj; Phi: q_proj, k_proj, v_proj, dense
+            o_proj = getattr(module, _OUT_PROJ_ATTENTIONS[type(module).__name__], None)
         if isinstance(o_proj, nn.Linear) and hasattr(module, "q_proj"):
             heads = _head_count(name, module)
             width = getattr(module, "head_dim", None) or o_proj.in_features // heads
@@ -165,9 +167,10 @@ def _fused_layout(block: nn.Module) -> str:
 
 
 #: Decoder self-attention modules with ``q_proj``, ``k_proj``, ``v_proj`` and an output
-#: projection named ``out_proj`` (OPT). An encoder-decoder's modules of that shape (BART,
-#: Whisper) also attend to the encoder, which the layer list does not read: not listed.
-_OUT_PROJ_ATTENTIONS = frozenset(("OPTAttention",))
+#: projection of another name than ``o_proj``, by class name: its attribute (OPT's
+#: ``out_proj``, Phi's ``dense``). An encoder-decoder's modules of that shape (BART, Whisper)
+#: also attend to the encoder, which the layer list does not read: not listed.
+_OUT_PROJ_ATTENTIONS = {"OPTAttention": "out_proj", "PhiAttention": "dense"}
 
 
 #: The attention modules whose fused ``c_attn`` semipack reads (``_fused_layout``).
@@ -427,8 +430,8 @@ class LayerFlow:
 
     def _which(self, example: int) -> str:
         """`` (example i of N)`` for a batch of several examples, else nothing."""
-        batch = self.total.shape[1]
-        return f" (example {example} of {batch}, from 0)" if batch > 1 else ""
+        batch = self.total.shape[1]  # a negative index counts from the end (trial 118)
+        return f" (example {example % batch} of {batch}, from 0)" if batch > 1 else ""
 
     def token_table(self, example: int = 0) -> str:
         """Per token and layer: the branch of its best path (MaxProd, TopPath) or the value of
@@ -1057,6 +1060,9 @@ def layer_routes(paths: Sequence[Path], layers: Sequence[AttentionLayer]) -> lis
                 )
                 branch, head = "attention" if through else "residual", None
                 token_in = inside[0].index[1]
+                fused = _fused_projection_step(inside, spec.name) if through else None
+                if fused is not None:  # named as explain_layers names its branch (trial 118)
+                    branch, token_in = PROJECTIONS[fused.module.rpartition(".")[2]], fused.index[1]
                 beside = None if through else _parallel_branch(inside, spec.name, owner)
                 if beside is not None:
                     branch, token_in = beside
@@ -1207,6 +1213,17 @@ def _tokens_of(
     if tokens is None or _one_sentence(tokens):
         return tokens  # type: ignore[return-value]
     return tokens[example or 0]
+
+
+def _fused_projection_step(steps: Sequence[PathStep], block: str) -> PathStep | None:
+    """The step on the output of ``block``'s own fused query-key-value projection whose
+    packing ``_projection`` does not read (Bloom's and Falcon's ``query_key_value``), or None:
+    the path's branch is then ``qkv``, as ``explain_layers`` names that projection's use."""
+    for step in steps:
+        owner, _, last = (step.module or "").rpartition(".")
+        if owner == block and PROJECTIONS.get(last) == "qkv":
+            return step
+    return None
 
 
 def _projection(step: PathStep, spec: AttentionLayer) -> tuple[str, int] | None:

@@ -85,9 +85,9 @@ class UnsupportedOpError(SemipackError):
         if "_sparse" in op and not reason:  # a sparse gradient: nothing to register
             message = (
                 f"semipack cannot carry the sparse gradient that {op} builds {where}{origin}: "
-                "semiring values are dense, and an nn.Embedding built with sparse=True "
-                "makes sparse gradients. Build it with sparse=False to run it inside "
-                "semipack.extend."
+                "the generic rules carry dense gradients only. An nn.Embedding built with "
+                "sparse=True runs inside semipack.extend through its extension (the default "
+                "extensions=True); elsewhere build the layer with sparse=False."
             )
         elif reason.endswith(COMPLEX_VALUES):  # nothing to register
             message = f"semipack cannot carry {op} {where}{origin}: {reason}."

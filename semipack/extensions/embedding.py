@@ -101,7 +101,7 @@ def embedding(
     sparse: bool = False,
 ) -> Tensor:
     """``F.embedding`` inside ``extend``: each lookup routes its message to its weight row."""
-    if max_norm is not None or scale_grad_by_freq or sparse or not wants_graph(weight):
+    if max_norm is not None or scale_grad_by_freq or not wants_graph(weight):
         # max_norm renormalises the weight in place and scale_grad_by_freq rescales gradients:
         # both leave the plain ops in charge (the generic path then names the problem).
         return F.embedding(
@@ -110,5 +110,5 @@ def embedding(
     if padding_idx is not None and padding_idx < 0:
         padding_idx += weight.shape[0]
     return EmbeddingFunction.run(
-        lambda w: F.embedding(input, w, padding_idx), [weight], (input, padding_idx)
+        lambda w: F.embedding(input, w, padding_idx, sparse=sparse), [weight], (input, padding_idx)
     )

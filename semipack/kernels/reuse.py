@@ -118,6 +118,8 @@ def _alone(
     PyTorch did not allocate (``torch.from_numpy``, ``torch.frombuffer``) never counts."""
     if type(value) is not Tensor or refs > baseline or value._use_count() != 1:
         return False
+    if value.layout != torch.strided:  # a sparse gradient: no storage of its own to ask about
+        return False
     # the storage's own check: ``Tensor.is_shared`` answers the same through a TypedStorage
     # made for the call (3 us against 0.3, for every parameter's readout of every pass)
     if other_processes and value.untyped_storage().is_shared():
@@ -204,5 +206,6 @@ def same_memory(a: Any, b: Any) -> bool:
     return (
         isinstance(a, Tensor)
         and isinstance(b, Tensor)
+        and a.layout == b.layout == torch.strided  # a sparse tensor has no storage to compare
         and a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
     )

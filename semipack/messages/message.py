@@ -64,14 +64,25 @@ class Message(torch.Tensor):
             if regular is None:
                 raise ValueError("a Message without a regular gradient needs an explicit dtype")
             dtype = regular.dtype
-        if regular is not None:
+        layout = torch.strided
+        if regular is not None and regular.layout != torch.strided:
+            # a sparse regular gradient (``nn.Embedding(sparse=True)``): the message takes its
+            # layout, which the engine checks against what a leaf's hook returns
+            shape, strides, device, layout = regular.shape, None, regular.device, regular.layout
+        elif regular is not None:
             shape, strides, device = regular.shape, regular.stride(), regular.device
         elif sparse is not None:
             shape, strides, device = torch.Size(sparse.shape), None, sparse.rows.device
         else:
             shape, strides, device = parts[0].shape, parts[0].stride(), parts[0].device
         self = torch.Tensor._make_wrapper_subclass(
-            cls, shape, strides=strides, dtype=dtype, device=device, requires_grad=False
+            cls,
+            shape,
+            strides=strides,
+            dtype=dtype,
+            device=device,
+            layout=layout,
+            requires_grad=False,
         )
         self.regular_grad = regular
         self.sparse = sparse

@@ -110,6 +110,7 @@ def _unswap(split: Callable[[Tensor], tuple[Tensor, ...]]):
 
 aten = torch.ops.aten
 #: Index and mask tensors for the hand-written backwards.
+BAGS = torch.tensor([[0, 2, 2], [1, 3, 0]])
 INDEX = torch.tensor([2, 0, 2])
 GATHER_INDEX = torch.tensor([[0, 2, 0], [1, 1, 1]])
 #: Distinct targets per row (a scatter's result is defined), and a mask with two zeros.
@@ -321,6 +322,22 @@ CASES: dict[str, OpCase] = {
         lambda x, s: x.scatter_reduce(1, SCATTER_INDEX, s, "sum", include_self=False),
         ((2, 3), (2, 2)),
     ),
+    # a mean's backward counts the inputs in ones_like(grad) or zeros_like(grad): plain counts
+    # (trial 121: refused, or MessageLostError without self)
+    "scatter_reduce_mean": OpCase(
+        lambda x, s: x.scatter_reduce(1, SCATTER_INDEX, s, "mean"), ((2, 3), (2, 2))
+    ),
+    "scatter_reduce_mean_without_self": OpCase(
+        lambda x, s: x.scatter_reduce(1, SCATTER_INDEX, s, "mean", include_self=False),
+        ((2, 3), (2, 2)),
+    ),
+    "index_reduce_mean": OpCase(
+        lambda x, s: x.index_reduce(0, torch.tensor([0, 0, 2]), s, "mean"), ((3, 2), (3, 2))
+    ),
+    "index_reduce_mean_without_self": OpCase(
+        lambda x, s: x.index_reduce(0, torch.tensor([0, 0, 2]), s, "mean", include_self=False),
+        ((3, 2), (3, 2)),
+    ),
     # PyTorch's backward creates a zero tensor (every partial derivative is 0): no path
     "prod_over_two_zeros": OpCase(lambda x: (x * TWO_ZEROS).prod() + x[1].sum(), ((2, 3),)),
     "pow_zero": OpCase(lambda x: x.pow(0) * 2.0 + x, ((2, 3),)),
@@ -328,6 +345,13 @@ CASES: dict[str, OpCase] = {
         lambda x, v: x.index_put((torch.tensor([0, 0]),), v, accumulate=True), ((3, 2), (2, 2))
     ),
     "index_select": OpCase(lambda x: x.index_select(0, INDEX), ((3, 2),)),
+    # bags [0, 2, 2] and [1, 3, 0]: row 2 twice in one bag is one Jacobian entry of weight 2
+    "embedding_bag_mean": OpCase(lambda w: F.embedding_bag(BAGS, w, mode="mean").tanh(), ((4, 3),)),
+    "embedding_bag_max": OpCase(lambda w: F.embedding_bag(BAGS, w, mode="max").tanh(), ((4, 3),)),
+    "embedding_bag_weighted": OpCase(
+        lambda w, p: F.embedding_bag(BAGS, w, mode="sum", per_sample_weights=p).tanh(),
+        ((4, 3), (2, 3)),
+    ),
     "mv": OpCase(torch.mv, ((2, 3), (3,))),
     # hand-written backwards (a user's autograd.Function) applying ops to the message
     "hw_add_scalar": OpCase(

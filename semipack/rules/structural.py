@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -16,7 +17,7 @@ from torch import Tensor
 from ..errors import MessageLostError
 from ..graph.provenance import current_site
 from ..messages import OpCall, per_component, register_rule, wrap_outputs
-from ..messages.message import Message
+from ..messages.message import Message, map_arguments
 
 aten = torch.ops.aten
 
@@ -280,10 +281,30 @@ def fresh_zero(call: OpCall):
 
 @register_rule(aten.new_full.default, aten.full_like.default)
 def fresh_full(call: OpCall):
-    """``full_like(grad, 0)``: as ``fresh_zero``; a non-zero fill is refused."""
+    """``full_like(grad, 0)``: as ``fresh_zero``; a non-zero fill is a constant
+    (``fresh_constant``)."""
     if call["fill_value"] != 0:
-        raise call.error("a message filled with a non-zero constant")
+        return fresh_constant(call)
     return fresh_zero(call)
+
+
+@register_rule(aten.ones_like.default)
+def fresh_constant(call: OpCall) -> Tensor:
+    """A non-zero constant shaped like a gradient (``ones_like(grad)``): a plain tensor, no
+    message. A backward is linear in its incoming gradient, so such a constant is never part
+    of one: PyTorch's mean reductions count their inputs with it (``scatter_reduce`` and
+    ``index_reduce`` with ``reduce="mean"`` divide by those counts). Should a formula add it
+    into a gradient after all, that meeting raises (``OpCall.state``): no value is guessed."""
+
+    def stand_in(x: Any) -> Any:  # what the op reads of a message: shape, strides, dtype
+        if not isinstance(x, Message):
+            return x
+        if x.regular_grad is not None:
+            return x.regular_grad
+        return torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device=x.device)
+
+    args, kwargs = map_arguments(stand_in, call.args, call.kwargs)
+    return call.func(*args, **kwargs)
 
 
 @register_rule(aten.zero_.default)
@@ -444,13 +465,36 @@ def index_put(call: OpCall):
     return call.wrap(call.run_regular(), tuple(p.reshape(shape) for p in out))
 
 
+def _count_in_a_fresh_buffer(call: OpCall, msg: Any, src: Any) -> bool:
+    """Whether a scatter adds a plain non-zero source into a message that holds nothing, no
+    path and a zero (or no) regular gradient: a mean's backward counting its inputs in
+    ``zeros_like(grad)`` (``scatter_reduce`` and ``index_reduce`` with ``include_self=False``).
+    A backward is linear in its gradient, so that sum is a plain count, not a gradient; it is
+    computed as one (and, should a formula add it to a gradient, that meeting raises)."""
+    return (
+        isinstance(msg, Message)
+        and isinstance(src, Tensor)
+        and not isinstance(src, Message)
+        and bool((src != 0).any())
+        and (msg.regular_grad is None or not bool(msg.regular_grad.any()))
+        and bool(call.semiring.is_zero(msg.parts).all())
+    )
+
+
+def _fresh_plain(msg: Message) -> Tensor:
+    return torch.zeros(msg.shape, dtype=msg.dtype, device=msg.device)
+
+
 @register_rule(aten.index_add.default)
 def index_add(call: OpCall):
     """``index_add`` (alpha 1): source slices meet their destination slices with the
-    semiring's plus (``index_plus``)."""
+    semiring's plus (``index_plus``); a count in a fresh buffer is plain
+    (``_count_in_a_fresh_buffer``)."""
     if call["alpha"] != 1:
         raise call.error("index_add with alpha != 1")
     msg = call["self"]
+    if _count_in_a_fresh_buffer(call, msg, call["source"]):
+        return _fresh_plain(msg).index_add(call["dim"], call["index"], call["source"])
     dest = call.state(msg, msg.shape)
     src = call.state(call["source"])
     out = call.semiring.index_plus(dest, call["dim"] % msg.dim(), call["index"], src)
@@ -460,8 +504,11 @@ def index_add(call: OpCall):
 @register_rule(aten.scatter_add.default)
 def scatter_add(call: OpCall):
     """``scatter_add``: source entries meet at their target positions with the semiring's
-    plus; the source is read in the window ``index`` covers, as PyTorch reads it."""
+    plus; the source is read in the window ``index`` covers, as PyTorch reads it. A count in
+    a fresh buffer is plain (``_count_in_a_fresh_buffer``)."""
     msg, dim, index, src = call["self"], call["dim"], call["index"], call["src"]
+    if _count_in_a_fresh_buffer(call, msg, src):
+        return _fresh_plain(msg).scatter_add(dim, index, src)
     shape = tuple(msg.shape)
     targets = torch.arange(msg.numel(), device=msg.device).reshape(shape).gather(dim, index)
     window = tuple(slice(0, s) for s in index.shape)

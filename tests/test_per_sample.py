@@ -2917,3 +2917,67 @@ def test_an_rms_norm_over_the_batch_names_its_mixing() -> None:
         r"index \('rms_norm' mixed, split or picked the examples\): that operand holds no row "
         r"per example on dim 0",
     )
+
+
+class _NodeAggregation(nn.Module):
+    """A batch of graphs ``[N, nodes, F]`` whose messages move along the node dim (dim 1):
+    examples never mix. ``how`` picks the aggregation."""
+
+    def __init__(self, how: str) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.lin = nn.Linear(4, 3).double()
+        self.how = how
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.lin(x)
+        dst = torch.tensor([1, 2, 1])
+        rows = torch.arange(h.shape[0])[:, None]
+        out = torch.zeros_like(h)
+        if self.how == "index_add":
+            return out.index_add(1, dst, h)
+        if self.how == "index_add_negative_dim":
+            return out.index_add(-2, dst, h)
+        if self.how == "index_copy":
+            return out.index_copy(1, torch.tensor([2, 0, 1]), h)
+        if self.how == "index_reduce":
+            return out.index_reduce(1, dst, h, "amax", include_self=False)
+        if self.how == "index_put_":
+            return out.index_put_((rows, dst[None]), h)
+        if self.how == "index_put_accumulate":
+            return out.index_put_((rows, dst[None]), h, accumulate=True)
+        if self.how == "index_add_over_the_batch":  # examples land in other examples' places
+            return out.index_add(0, torch.tensor([1, 0, 1]), h)
+        if self.how == "index_put_over_the_batch":
+            return out.index_put_((torch.tensor([1, 0, 1]),), h)
+        raise AssertionError(self.how)
+
+
+@pytest.mark.parametrize(
+    "how",
+    [
+        "index_add",
+        "index_add_negative_dim",
+        "index_copy",
+        "index_reduce",
+        "index_put_",
+        "index_put_accumulate",
+    ],
+)
+def test_graph_aggregation_along_the_node_dim_keeps_the_examples(how: str) -> None:
+    """``index_add``, ``index_copy`` and ``index_reduce`` along the node dim, and
+    ``index_put_`` with the batch indexed by ``arange(N)``, keep each example's rows: they were
+    refused as mixing while ``scatter_reduce`` and ``h[rows, dst] = ...`` were accepted
+    (trial 121). Rows equal single-example passes."""
+    model = _NodeAggregation(how)
+    x = torch.randn(3, 3, 4, dtype=torch.float64)
+    for sr in (semipack.MaxProd(), semipack.LogSum()):
+        _rows_of_single_examples(model, lambda part: _loss(model(x[part])), sr, 3)
+
+
+@pytest.mark.parametrize(
+    ("how", "node"),
+    [("index_add_over_the_batch", "IndexAddBackward0"), ("index_put_over_the_batch", "IndexPut")],
+)
+def test_graph_aggregation_over_the_batch_dim_is_refused(how: str, node: str) -> None:
+    _refused(_NodeAggregation(how), (torch.randn(3, 3, 4, dtype=torch.float64),), node)

@@ -444,6 +444,24 @@ def _along(position: int, default: Any = 0, *, removes: bool = False) -> Handler
 _SELECTED_ALONG = _along(1, None)
 
 
+def _indexed_into(func, args, kwargs, source, dim, out) -> int | None:
+    """``index_add``, ``index_copy``, ``index_reduce`` (``self, dim, index, source``): along
+    ``dim`` the source's slices land in the slices ``index`` names, every other dim lines up
+    one to one. So the source's batch, on another dim, keeps its place (a graph network
+    gathering messages along its node dim, trial 121: refused as mixing); on ``dim`` the
+    examples move. The target itself: as ``_SELECTED_ALONG``; an index computed from the batch
+    mixes it."""
+    if args and args[0] is source:
+        return _SELECTED_ALONG(func, args, kwargs, source, dim, out)
+    given = args[3] if len(args) > 3 else kwargs.get("source")
+    if given is not source or source.dim() != out.dim():
+        return None
+    along = _as_dims(_dim_argument(args, kwargs, 1, None), out.dim())
+    if along is None or dim in along or source.shape[dim] != out.shape[dim]:
+        return None
+    return dim
+
+
 def _picked_by(position: int) -> Handler:
     """``gather(input, dim, index)``, ``take_along_dim(input, index, dim)`` (``position``:
     where ``dim`` is), ``scatter(input, dim, index, src)``: along the input's batch the
@@ -782,16 +800,8 @@ _HANDLERS: dict[str, Handler] = {
     "glu": _along(1, -1),
     **dict.fromkeys(("topk", "kthvalue"), _along(2, -1, removes=True)),
     # along a dim, picking or splitting entries
-    **dict.fromkeys(
-        (
-            "narrow",
-            "index_add",
-            "index_copy",
-            "index_fill",
-            "index_reduce",
-        ),
-        _SELECTED_ALONG,
-    ),
+    **dict.fromkeys(("narrow", "index_fill"), _SELECTED_ALONG),
+    **dict.fromkeys(("index_add", "index_copy", "index_reduce"), _indexed_into),
     "index_select": _index_selected,
     "repeat_interleave": _along(2, None),
     "take_along_dim": _picked_by(2),

@@ -305,6 +305,15 @@ class BatchedTensors:
             self._saw_write(args[0])
             self._wrote_through_view(args[0], "__setitem__")
             return
+        if name == "index_put" and in_place and given:
+            # ``target.index_put_(indices, values)`` is ``target[indices] = values`` (added
+            # there with ``accumulate``): followed as that assignment (trial 121: refused)
+            indices = args[1] if len(args) > 1 else kwargs.get("indices")
+            values = args[2] if len(args) > 2 else kwargs.get("values")
+            self._follow_assignment((args[0], tuple(indices), values))
+            self._saw_write(args[0])
+            self._wrote_through_view(args[0], "index_put_")
+            return
         if name == "new_tensor":  # x.new_tensor(data): a copy of data
             self._follow_copy(args[1] if len(args) > 1 else kwargs.get("data"), result, name)
             return

@@ -2981,3 +2981,38 @@ def test_graph_aggregation_along_the_node_dim_keeps_the_examples(how: str) -> No
 )
 def test_graph_aggregation_over_the_batch_dim_is_refused(how: str, node: str) -> None:
     _refused(_NodeAggregation(how), (torch.randn(3, 3, 4, dtype=torch.float64),), node)
+
+
+class _LeftProduct(nn.Module):
+    """``W @ unfold(x)``, an im2col written by hand: PyTorch computes ``(uᵀ Wᵀ)ᵀ``, so ``W``
+    reaches the product through a transpose, which has no rows; ``rewritten`` is the form
+    the refusal suggests."""
+
+    def __init__(self, rewritten: bool) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.w = nn.Parameter(torch.randn(2, 4, dtype=torch.float64))
+        self.fc = nn.Linear(2, 2).double()
+        self.rewritten = rewritten
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        u = F.unfold(x, 2)
+        if self.rewritten:
+            h = F.linear(u.transpose(-1, -2), self.w).transpose(-1, -2)
+        else:
+            h = self.w @ u
+        return self.fc(h.mean(-1))
+
+
+def test_a_parameter_on_the_left_of_a_product_is_refused_with_a_form_that_has_rows() -> None:
+    """The refusal named a transpose the user never wrote (trial 120); it now says what the
+    product is and how to write it, and that form's rows equal single-example passes."""
+    x = torch.randn(3, 1, 5, 5, dtype=torch.float64)
+    _refused(
+        _LeftProduct(False),
+        (x,),
+        r"a parameter on the left of a product, W @ x, is computed as \(xᵀ Wᵀ\)ᵀ: write "
+        r"F.linear\(x.transpose\(-1, -2\), W\).transpose\(-1, -2\) for its rows",
+    )
+    model = _LeftProduct(True)
+    _rows_of_single_examples(model, lambda part: _loss(model(x[part])), semipack.MaxProd(), 3)

@@ -358,11 +358,19 @@ def _layer_input_problems(node: Any, name: str, following: BatchedTensors | None
 
 def _computed_refused(name: str, steps: Sequence[tuple[Any, int]], use: str) -> PerSampleError:
     chain = " -> ".join(node.name() for node, _ in reversed(steps))
+    hint = ""
+    if chain in ("TBackward0", "TransposeBackward0") and any(
+        product in use for product in ("MmBackward", "BmmBackward")
+    ):  # W @ x: PyTorch multiplies x's transpose by W's (trial 120: named no product)
+        hint = (
+            "; a parameter on the left of a product, W @ x, is computed as (xᵀ Wᵀ)ᵀ: write "
+            "F.linear(x.transpose(-1, -2), W).transpose(-1, -2) for its rows"
+        )
     return PerSampleError(
         f"per-sample values: parameter '{name}' goes through {chain}, and the value computed "
         f"from it {use}, which has no per-sample rule: its rows would not split by example "
         "(supported: such a value multiplied with or added to one that carries the batch, or "
-        "given to F.linear or x @ W); see 'Per-sample values' in the README"
+        f"given to F.linear or x @ W){hint}; see 'Per-sample values' in the README"
     )
 
 

@@ -3016,3 +3016,31 @@ def test_a_parameter_on_the_left_of_a_product_is_refused_with_a_form_that_has_ro
     )
     model = _LeftProduct(True)
     _rows_of_single_examples(model, lambda part: _loss(model(x[part])), semipack.MaxProd(), 3)
+
+
+@pytest.mark.parametrize("accumulate", [False, True])
+def test_an_out_of_place_index_put_is_followed_as_its_in_place_form(accumulate: bool) -> None:
+    """``z.index_put(...)`` (and ``torch.index_put``) is the indexed assignment into a copy of
+    ``z``: refused while ``index_put_`` was followed (trial 122). Rows equal single-example
+    passes; a write over the batch dim stays refused."""
+    dst, src = torch.tensor([1, 2, 0, 0, 3, 3]), torch.tensor([0, 1, 2, 3, 4, 0])
+
+    class Gnn(nn.Module):
+        def __init__(self, over_the_batch: bool = False) -> None:
+            super().__init__()
+            torch.manual_seed(0)
+            self.lin = nn.Linear(3, 3).double()
+            self.over_the_batch = over_the_batch
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            h = self.lin(x).tanh()
+            z = torch.zeros_like(h)
+            if self.over_the_batch:
+                return torch.index_put(z, (torch.tensor([1, 0, 1]),), h, accumulate)
+            rows = torch.arange(h.shape[0])[:, None]
+            return z.index_put((rows, dst[None]), h[:, src], accumulate=accumulate).sum(1)
+
+    x = torch.randn(3, 5, 3, dtype=torch.float64)
+    model = Gnn()
+    _rows_of_single_examples(model, lambda part: _loss(model(x[part])), semipack.MaxProd(), 3)
+    _refused(Gnn(over_the_batch=True), (x,), "an indexed assignment wrote examples")

@@ -118,3 +118,30 @@ def test_backwards_added_up_keep_the_sparse_gradient() -> None:
     with semipack.extend(model, semipack.LogSum()):
         (model(IDS[:1]) + model(IDS[1:])).backward()
     torch.testing.assert_close(added, model.table.weight.semiring_grad, rtol=1e-12, atol=0)
+
+
+@pytest.mark.parametrize("sparse", [False, True], ids=["dense", "sparse"])
+@pytest.mark.parametrize("semiring_name", ["real", "max_prod", "log_sum", "entropy", "top_path"])
+def test_max_norm_renormalises_first_in_the_extension(semiring_name: str, sparse: bool) -> None:
+    """``max_norm`` renormalises the looked-up rows in place before each lookup: the extension
+    does it as ``F.embedding`` does, so a sparse table with it runs (it fell to the generic
+    rules, which refused its sparse gradient, trial 122). Two lookups, each renormalising."""
+    torch.manual_seed(0)
+    table = nn.Embedding(8, 3, max_norm=1.0, sparse=sparse).double()
+    head = nn.Linear(3, 2).double()
+    ids = torch.tensor([[1, 3, 3], [0, 5, 1]])
+
+    def loss(t: nn.Embedding) -> torch.Tensor:
+        return (head(t(ids).tanh()) + head(t(ids[:, :1]))[:, :1]).square().sum()
+
+    plain, twin = copy.deepcopy(table), copy.deepcopy(table)
+    twin.sparse = False
+    loss(plain).backward()
+    oracle = ORACLE_NAME[semiring_name]
+    expected = oracle_readouts(build_graph(loss(twin)), [twin.weight], oracle)[0]
+    with semipack.extend(nn.ModuleList([table, head]), SEMIRINGS[semiring_name]()):
+        loss(table).backward()
+    assert torch.equal(table.weight, plain.weight)  # renormalised as PyTorch does
+    assert table.weight.grad.layout == plain.weight.grad.layout
+    assert torch.equal(table.weight.grad.to_dense(), plain.weight.grad.to_dense())
+    assert_readout_matches(oracle, expected, table.weight.semiring_grad, "table")

@@ -100,13 +100,20 @@ def embedding(
     scale_grad_by_freq: bool = False,
     sparse: bool = False,
 ) -> Tensor:
-    """``F.embedding`` inside ``extend``: each lookup routes its message to its weight row."""
-    if max_norm is not None or scale_grad_by_freq or not wants_graph(weight):
-        # max_norm renormalises the weight in place and scale_grad_by_freq rescales gradients:
-        # both leave the plain ops in charge (the generic path then names the problem).
+    """``F.embedding`` inside ``extend``: each lookup routes its message to its weight row.
+    ``max_norm`` renormalises the looked-up rows in place first, as ``F.embedding`` does (a
+    sparse table with it fell to the generic rules, which carry no sparse gradient, trial
+    122)."""
+    if scale_grad_by_freq or not wants_graph(weight):
+        # scale_grad_by_freq rescales gradients by a count: the plain ops stay in charge (the
+        # generic path then names the problem)
         return F.embedding(
             input, weight, padding_idx, max_norm, norm_type, scale_grad_by_freq, sparse
         )
+    if max_norm is not None:
+        input = input.contiguous()
+        with torch.no_grad():
+            torch.embedding_renorm_(weight.detach(), input, max_norm, norm_type)
     if padding_idx is not None and padding_idx < 0:
         padding_idx += weight.shape[0]
     return EmbeddingFunction.run(

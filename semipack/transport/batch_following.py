@@ -305,14 +305,24 @@ class BatchedTensors:
             self._saw_write(args[0])
             self._wrote_through_view(args[0], "__setitem__")
             return
-        if name == "index_put" and in_place and given:
+        if name == "index_put" and given and isinstance(result, Tensor):
             # ``target.index_put_(indices, values)`` is ``target[indices] = values`` (added
-            # there with ``accumulate``): followed as that assignment (trial 121: refused)
+            # there with ``accumulate``), and ``index_put`` that assignment into a copy of the
+            # target: followed as such (trials 121 and 122: refused)
             indices = args[1] if len(args) > 1 else kwargs.get("indices")
             values = args[2] if len(args) > 2 else kwargs.get("values")
-            self._follow_assignment((args[0], tuple(indices), values))
-            self._saw_write(args[0])
-            self._wrote_through_view(args[0], "index_put_")
+            target = args[0]
+            if not in_place:  # the copy starts as the target: its batch and its marks
+                own = self.batch_dim(target)
+                if own is not NOT_HELD:
+                    self.add(result, own, self.lost_by(target), self.examples(target))
+                if self.marks(target):
+                    self._set_marks(result, self.marks(target))
+                target = result
+            self._follow_assignment((target, tuple(indices), values))
+            if in_place:
+                self._saw_write(target)
+                self._wrote_through_view(target, "index_put_")
             return
         if name == "new_tensor":  # x.new_tensor(data): a copy of data
             self._follow_copy(args[1] if len(args) > 1 else kwargs.get("data"), result, name)

@@ -665,10 +665,11 @@ def _check_log_dir(log_dir: Any) -> None:
     pathlib's error named no argument); a ValueError for an empty one (``""`` is the current
     folder to pathlib: the files landed there, trial 119)."""
     if isinstance(log_dir, (str, os.PathLike)):
-        if os.fspath(log_dir) in ("", b""):
+        name = os.fspath(log_dir)
+        if not name.strip():  # "" or spaces: the current folder, or one named by blanks
             raise ValueError(
-                "Monitor(log_dir='') names no folder: pass a folder name (\".\" for the "
-                "current one) or None for no files"
+                f"Monitor(log_dir={name!r}) names no folder: pass a folder name (\".\" for "
+                "the current one) or None for no files"
             )
         return
     if log_dir is None:

@@ -199,6 +199,8 @@ def test_an_empty_log_dir_is_refused(tmp_path: Path, monkeypatch: pytest.MonkeyP
     monkeypatch.chdir(tmp_path)
     with pytest.raises(ValueError, match=r"Monitor\(log_dir=''\) names no folder"):
         semipack.Monitor(_model(), log_dir="")
+    with pytest.raises(ValueError, match=r"Monitor\(log_dir=' '\) names no folder"):
+        semipack.Monitor(_model(), log_dir=" ")  # a folder named by a blank (trial 122)
     assert list(tmp_path.iterdir()) == []
 
 

@@ -668,7 +668,7 @@ def _check_log_dir(log_dir: Any) -> None:
         name = os.fspath(log_dir)
         if not name.strip():  # "" or spaces: the current folder, or one named by blanks
             raise ValueError(
-                f"Monitor(log_dir={name!r}) names no folder: pass a folder name (\".\" for "
+                f'Monitor(log_dir={name!r}) names no folder: pass a folder name ("." for '
                 "the current one) or None for no files"
             )
         return

@@ -1769,3 +1769,57 @@ def test_a_gradient_that_cannot_be_written_in_place_does_not_stop_the_rollback()
     for p in (model.a.bias, model.b.weight, model.b.bias):
         assert p.grad is before[id(p)]
         assert torch.equal(p.grad, torch.ones_like(p))
+
+
+@pytest.mark.parametrize("extensions", [True, False], ids=["extensions", "generic rules"])
+@pytest.mark.parametrize(
+    ("queries", "keys"), [(0, 0), (3, 0), (0, 3)], ids=["no tokens", "no keys", "no queries"]
+)
+def test_attention_over_no_tokens_has_no_paths(queries: int, keys: int, extensions: bool) -> None:
+    """``nn.MultiheadAttention`` (and the softmax under it) over a sequence of length 0 raised
+    an internal reshape or reduction error (trial 123): a plain backward gives zero gradients.
+    No parameter but the output bias has a path now (Real's value: autograd's zeros); with
+    queries and no keys each output entry is that bias plus nothing, 2 x 3 paths of weight 1;
+    ``.grad`` is PyTorch's."""
+    torch.manual_seed(0)
+    mha = nn.MultiheadAttention(4, 2, batch_first=True).double()
+    q = torch.randn(2, queries, 4, dtype=torch.float64)
+    k = torch.randn(2, keys, 4, dtype=torch.float64)
+    mha(q, k, k)[0].sum().backward()
+    plain = {name: p.grad.clone() for name, p in mha.named_parameters()}
+    for sr in (semipack.Real(), semipack.MaxProd(), semipack.LogSum(), semipack.TopPath()):
+        mha.zero_grad(set_to_none=True)
+        with semipack.extend(mha, sr, extensions=extensions):
+            mha(q, k, k)[0].sum().backward()
+        for name, p in mha.named_parameters():
+            assert torch.equal(p.grad, plain[name]), name
+            got = p.semiring_grad
+            paths = 2 * queries if name == "out_proj.bias" else 0
+            if isinstance(sr, semipack.Real):
+                want = torch.full_like(got, float(paths))  # = autograd's gradient
+                assert torch.equal(want, plain[name]), name
+            elif isinstance(sr, semipack.LogSum):  # a log readout: log of the path count
+                want = torch.full_like(got, math.log(paths) if paths else float("-inf"))
+            else:
+                want = torch.full_like(got, 1.0 if paths else 0.0)
+            torch.testing.assert_close(got, want, rtol=1e-12, atol=0, msg=name)
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        semipack.MaxProd,
+        semipack.TopPath,
+        semipack.LogSum,
+        semipack.LogCount,
+        semipack.SignedMaxProd,
+    ],
+)
+@pytest.mark.parametrize("value", ["False", None, 1, 0])
+def test_a_log_option_that_is_no_bool_is_refused(make, value) -> None:
+    """``MaxProd(log="False")`` counted as True and returned a log without a word (trial
+    123); ``KBest`` checked its ``k`` but not its ``log``."""
+    with pytest.raises(TypeError, match=rf"{make.__name__}\(log=...\) must be True or False"):
+        make(log=value)
+    with pytest.raises(TypeError, match=r"KBest\(log=...\) must be True or False"):
+        semipack.KBest(2, log=value)

@@ -8,6 +8,7 @@ matmul, so no [rows, n, n] tensor is ever held whole.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 
 import torch
@@ -54,8 +55,10 @@ def identity_block(n: int, cols: slice, dtype: torch.dtype, device) -> Tensor:
 
 
 def rows_last(x: Tensor, dim: int) -> Tensor:
-    """Move ``dim`` last and flatten the rest into rows: [rows, n]."""
-    return x.movedim(dim, -1).reshape(-1, x.shape[dim])
+    """Move ``dim`` last and flatten the rest into rows: [rows, n] (the rows counted, not
+    inferred: with n = 0 a -1 would be ambiguous)."""
+    rows = math.prod(size for d, size in enumerate(x.shape) if d != dim % x.dim())
+    return x.movedim(dim, -1).reshape(rows, x.shape[dim])
 
 
 def unrows(x: Tensor, like_shape, dim: int) -> Tensor:

@@ -100,6 +100,8 @@ def attention_contract(
     themselves used downstream). ``log_probs`` are the exact log P where the caller has them
     (``attention_log_probs``); else ``log(probs)``.
     """
+    if probs.numel() == 0:  # no query or no key: no score, so no edge from Q, K or V to O
+        return tuple(sr.zeros(t.shape, t.dtype, t.device) for t in (q, k, v))
     if log_probs is None:
         log_probs = probs.log()
     weights = probs if keep is None else probs * keep

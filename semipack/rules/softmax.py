@@ -158,6 +158,8 @@ def _rowwise(
 ) -> object:
     """Run ``contract`` on rows along ``dim`` of the op's output (or the given ``output``)."""
     msg, out, dim = call["grad_output"], call["output"], call["dim"] % call["output"].dim()
+    if out.numel() == 0:  # empty rows (attention over no key): no entry, no edge
+        return call.wrap(call.run_regular(), call.zeros(tuple(out.shape)))
     out = out.to(call.weight_dtype) if output is None else output
     m = tuple(rows_last(p, dim) for p in msg.parts)
     extra = () if log_probs is None else (rows_last(log_probs, dim),)

@@ -142,6 +142,14 @@ def _defines(cls: type, name: str) -> bool:
     return own is not None and own is not Semiring.__dict__.get(name)
 
 
+def checked_flag(value: Any, owner: str, name: str) -> bool:
+    """``value`` of a semiring's on/off option, or a TypeError naming it: a string such as
+    ``log="False"`` counted as True, silently switching the readout (trial 123)."""
+    if not isinstance(value, bool):
+        raise TypeError(f"{owner}({name}=...) must be True or False, got {value!r}")
+    return value
+
+
 def _undefined(sr: Semiring, method: str) -> NotImplementedError:
     return NotImplementedError(
         f"{sr.name} does not define {method}: a semiring defines lift, plus, times and sum "

@@ -25,7 +25,7 @@ from torch import Tensor
 from ..kernels.blocking import BLOCK_ELEMENTS
 from ..kernels.shapes import broadcast_shapes
 from ._log import kept_log_abs, log_abs
-from .base import Semiring, Sign, State
+from .base import Semiring, Sign, State, checked_flag
 from .top_path import NO_SUCCESSOR, stored_paths
 
 
@@ -44,7 +44,7 @@ class KBest(Semiring):
         if isinstance(k, bool) or not isinstance(k, int) or k < 1:
             raise ValueError(f"KBest needs a positive integer k, got {k!r}")
         self.k = k
-        self.log = log
+        self.log = checked_flag(log, "KBest", "log")
         self.components = tuple(f"log_value{r}" for r in range(k)) + tuple(
             f"successor{r}" for r in range(k)
         )

@@ -29,6 +29,7 @@ from .base import (
     Semiring,
     Sign,
     State,
+    checked_flag,
     index_reduce,
     repair_underflow,
     use_generic,
@@ -74,7 +75,7 @@ class LogSum(Semiring):
                 use_generic(cls, LOG_FORMS)
 
     def __init__(self, log: bool = True) -> None:
-        self.log = log
+        self.log = checked_flag(log, type(self).__name__, "log")
 
     def __repr__(self) -> str:
         return f"{self.name}(log={self.log})"

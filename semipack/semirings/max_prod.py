@@ -15,7 +15,7 @@ from ..kernels.logspace import exp
 from ..kernels.normalization import MAX_PROD, CentredPairsKernel
 from ..kernels.tropical import maxplus
 from ._log import add_log_abs_, can_overwrite, exp_readout_into, kept_log_abs, log_abs
-from .base import Semiring, Sign, State, index_reduce, uses_methods_of
+from .base import Semiring, Sign, State, checked_flag, index_reduce, uses_methods_of
 
 
 class MaxProd(Semiring):
@@ -30,7 +30,7 @@ class MaxProd(Semiring):
     one = (0.0,)
 
     def __init__(self, log: bool = False) -> None:
-        self.log = log
+        self.log = checked_flag(log, type(self).__name__, "log")
 
     def __repr__(self) -> str:
         return f"MaxProd(log={self.log})"

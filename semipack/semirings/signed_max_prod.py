@@ -11,7 +11,7 @@ from ..kernels.exclusive import exclusive_max, exclusive_min
 from ..kernels.normalization import SIGNED, CentredPairsKernel
 from ..kernels.tropical import maxplus
 from ._log import log_abs
-from .base import Semiring, Sign, State, index_reduce, uses_methods_of
+from .base import Semiring, Sign, State, checked_flag, index_reduce, uses_methods_of
 
 INF = float("inf")
 
@@ -58,7 +58,7 @@ class SignedMaxProd(Semiring):
     one = (0.0, -INF, 0.0, INF)
 
     def __init__(self, log: bool = False) -> None:
-        self.log = log
+        self.log = checked_flag(log, type(self).__name__, "log")
 
     def __repr__(self) -> str:
         return f"SignedMaxProd(log={self.log})"

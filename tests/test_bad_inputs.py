@@ -1823,3 +1823,27 @@ def test_a_log_option_that_is_no_bool_is_refused(make, value) -> None:
         make(log=value)
     with pytest.raises(TypeError, match=r"KBest\(log=...\) must be True or False"):
         semipack.KBest(2, log=value)
+
+
+def test_a_custom_backward_returning_a_constant_is_refused_by_its_op() -> None:
+    """``ones_like(grad)`` is a plain count only inside the means of ``scatter_reduce`` and
+    ``index_reduce``; a backward of one's own returning it (not linear in the gradient) is
+    refused naming the op and its node, as before that rule."""
+
+    class Constant(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return x * 2
+
+        @staticmethod
+        def backward(ctx, g):
+            return torch.ones_like(g)
+
+    w = torch.randn(3, requires_grad=True)
+    with semipack.extend(None, semipack.MaxProd()):
+        out = Constant.apply(w * 1.5).sum()
+        with pytest.raises(semipack.UnsupportedOpError) as info:
+            out.backward()
+    assert info.value.op == "aten.ones_like.default"
+    assert "in the backward of ConstantBackward" in str(info.value)
+    assert w.grad is None

@@ -281,20 +281,32 @@ def fresh_zero(call: OpCall):
 
 @register_rule(aten.new_full.default, aten.full_like.default)
 def fresh_full(call: OpCall):
-    """``full_like(grad, 0)``: as ``fresh_zero``; a non-zero fill is a constant
-    (``fresh_constant``)."""
+    """``full_like(grad, 0)``: as ``fresh_zero``; a non-zero fill is refused."""
     if call["fill_value"] != 0:
-        return fresh_constant(call)
+        raise call.error("a message filled with a non-zero constant")
     return fresh_zero(call)
+
+
+#: The backward nodes whose formula counts its inputs in a tensor made from the gradient
+#: (``ones_like(grad)``, ``zeros_like(grad).scatter_add(..., ones)``): the means of
+#: ``scatter_reduce`` and ``index_reduce``.
+_COUNTING_NODES = frozenset(("ScatterReduceBackward0", "IndexReduceBackward0"))
+
+
+def _counting() -> bool:
+    """Whether the running backward function is one of ``_COUNTING_NODES``."""
+    return current_site()[0] in _COUNTING_NODES
 
 
 @register_rule(aten.ones_like.default)
 def fresh_constant(call: OpCall) -> Tensor:
-    """A non-zero constant shaped like a gradient (``ones_like(grad)``): a plain tensor, no
-    message. A backward is linear in its incoming gradient, so such a constant is never part
-    of one: PyTorch's mean reductions count their inputs with it (``scatter_reduce`` and
-    ``index_reduce`` with ``reduce="mean"`` divide by those counts). Should a formula add it
-    into a gradient after all, that meeting raises (``OpCall.state``): no value is guessed."""
+    """``ones_like(grad)`` in a mean's backward (``_COUNTING_NODES``): a plain tensor, no
+    message. A backward is linear in its incoming gradient, so such a constant is no part of
+    one: the mean divides by the counts it starts. Should the formula add it into a gradient
+    after all, that meeting raises (``OpCall.state``). Elsewhere (a custom backward returning
+    ``ones_like(g)``) the op is refused by name, as before: no value is guessed."""
+    if not _counting():
+        raise call.error("a message filled with a non-zero constant")
 
     def stand_in(x: Any) -> Any:  # what the op reads of a message: shape, strides, dtype
         if not isinstance(x, Message):
@@ -472,7 +484,8 @@ def _count_in_a_fresh_buffer(call: OpCall, msg: Any, src: Any) -> bool:
     A backward is linear in its gradient, so that sum is a plain count, not a gradient; it is
     computed as one (and, should a formula add it to a gradient, that meeting raises)."""
     return (
-        isinstance(msg, Message)
+        _counting()
+        and isinstance(msg, Message)
         and isinstance(src, Tensor)
         and not isinstance(src, Message)
         and bool((src != 0).any())

@@ -92,5 +92,5 @@ def test_in_a_product_and_per_sample() -> None:
 def test_flag_is_checked_and_shown() -> None:
     assert repr(semipack.Entropy(flow=True)) == "Entropy(flow=True)"
     assert repr(semipack.Entropy()) == "Entropy()"
-    with pytest.raises(TypeError, match=r"Entropy\(flow=...\) takes True or False, got 'yes'"):
+    with pytest.raises(TypeError, match=r"Entropy\(flow=...\) must be True or False, got 'yes'"):
         semipack.Entropy(flow="yes")  # type: ignore[arg-type]

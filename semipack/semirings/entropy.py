@@ -35,6 +35,7 @@ from .base import (
     Semiring,
     Sign,
     State,
+    checked_flag,
     fits,
     index_reduce,
     on_memory_of,
@@ -140,9 +141,7 @@ class Entropy(Semiring):
     flow = False  # a class default: a subclass whose __init__ skips ours still reads out
 
     def __init__(self, flow: bool = False) -> None:
-        if not isinstance(flow, bool):
-            raise TypeError(f"Entropy(flow=...) takes True or False, got {flow!r}")
-        self.flow = flow
+        self.flow = checked_flag(flow, "Entropy", "flow")
 
     def __repr__(self) -> str:
         return f"{self.name}(flow=True)" if self.flow else f"{self.name}()"

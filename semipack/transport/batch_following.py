@@ -300,29 +300,22 @@ class BatchedTensors:
             for t in tree_leaves(result):
                 if isinstance(t, Tensor) and t.grad_fn is not None:
                     t.grad_fn.metadata[MERGED_EXAMPLES_KEY] = examples
-        if func is Tensor.__setitem__ and given:
-            self._follow_assignment(args)
-            self._saw_write(args[0])
-            self._wrote_through_view(args[0], "__setitem__")
-            return
-        if name == "index_put" and given and isinstance(result, Tensor):
-            # ``target.index_put_(indices, values)`` is ``target[indices] = values`` (added
-            # there with ``accumulate``), and ``index_put`` that assignment into a copy of the
-            # target: followed as such (trials 121 and 122: refused)
-            indices = args[1] if len(args) > 1 else kwargs.get("indices")
-            values = args[2] if len(args) > 2 else kwargs.get("values")
-            target = args[0]
+        assigned = _indexed_assignment(func, name, args, kwargs, result) if given else None
+        if assigned is not None:
+            # ``target[index] = value``, ``target.index_put_(index, value)`` (added there with
+            # ``accumulate``) and ``index_put``, that assignment into a copy of the target
+            # (trials 121 and 122: the last two were refused)
+            target, index, value = assigned
             if not in_place:  # the copy starts as the target: its batch and its marks
-                own = self.batch_dim(target)
+                own = self.batch_dim(args[0])
                 if own is not NOT_HELD:
-                    self.add(result, own, self.lost_by(target), self.examples(target))
-                if self.marks(target):
-                    self._set_marks(result, self.marks(target))
-                target = result
-            self._follow_assignment((target, tuple(indices), values))
+                    self.add(target, own, self.lost_by(args[0]), self.examples(args[0]))
+                if self.marks(args[0]):
+                    self._set_marks(target, self.marks(args[0]))
+            self._follow_assignment((target, index, value))
             if in_place:
                 self._saw_write(target)
-                self._wrote_through_view(target, "index_put_")
+                self._wrote_through_view(target, name)
             return
         if name == "new_tensor":  # x.new_tensor(data): a copy of data
             self._follow_copy(args[1] if len(args) > 1 else kwargs.get("data"), result, name)
@@ -964,6 +957,21 @@ def _keep_factors(func: Any, args: tuple, result: Any) -> None:
 
 
 _PRODUCTS = frozenset(("mul", "multiply", "__mul__", "__rmul__"))
+
+
+def _indexed_assignment(
+    func: Any, name: str, args: tuple, kwargs: dict, result: Any
+) -> tuple[Tensor, Any, Any] | None:
+    """(target, index, value) of a call that writes ``value`` into ``target[index]``:
+    ``__setitem__`` and ``index_put_`` write their first argument, ``index_put`` its result
+    (a copy of the first argument); None for any other call."""
+    if func is Tensor.__setitem__:
+        return args[0], args[1], args[2] if len(args) > 2 else None
+    if name != "index_put" or not isinstance(result, Tensor):
+        return None
+    indices = args[1] if len(args) > 1 else kwargs.get("indices")
+    values = args[2] if len(args) > 2 else kwargs.get("values")
+    return result, tuple(indices), values
 
 
 def _writes_into_first(func: Any, kwargs: dict | None = None) -> bool:

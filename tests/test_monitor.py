@@ -1115,6 +1115,21 @@ def test_mistakes_in_the_model_argument_are_named() -> None:
         semipack.grad(loss, model, semipack.MaxProd())
     with pytest.raises(TypeError, match=r"inputs must be tensors, got a str among them"):
         semipack.grad(loss, [model[0].weight, "bias"], semipack.MaxProd())
+    # a tokenizer's output is a mapping: list() of it gave its keys, "a str among them"
+    # (trial 124)
+    with pytest.raises(
+        TypeError,
+        match=r"semipack\.grad: inputs must be a tensor or a sequence of tensors, got a dict, a "
+        r"mapping \(a tokenizer's output\?\): pass the tensors themselves",
+    ):
+        semipack.grad(loss, {"weight": model[0].weight}, semipack.MaxProd())
+    # explain_layers met None's missing modules() (trial 124)
+    for call in (
+        lambda: semipack.explain_layers(None, semipack.MaxProd(), lambda: loss),
+        lambda: semipack.explain.attention_layers(None),
+    ):
+        with pytest.raises(TypeError, match=r"expects the model, an nn\.Module, as its first "):
+            call()
 
 
 def test_a_plot_of_many_layers_gives_each_its_own_colour(tmp_path) -> None:

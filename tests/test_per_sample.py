@@ -316,6 +316,31 @@ def _merged_batch():
     return MergedBatch(), (torch.randn(3, 4, 3),)
 
 
+class Bags(nn.Module):
+    """``nn.EmbeddingBag`` over ids [N, L] (one bag per example; row 0 pads), then a head."""
+
+    def __init__(self, mode: str) -> None:
+        super().__init__()
+        self.bag = nn.EmbeddingBag(9, 4, mode=mode, padding_idx=0)
+        self.head = nn.Linear(4, 3)
+
+    def forward(self, ids, weights=None):
+        return self.head(torch.tanh(self.bag(ids, per_sample_weights=weights)))
+
+
+#: Example 0 looks up row 3 twice (one Jacobian entry of weight 2), example 2 only padding (an
+#: empty bag), examples 1 and 3 share rows 2 and 4.
+BAG_IDS = torch.tensor([[1, 3, 3, 0], [2, 5, 0, 4], [0, 0, 0, 0], [4, 8, 2, 3]])
+
+
+def _bags(mode: str, weighted: bool = False):
+    def build():
+        inputs = (BAG_IDS, torch.rand(BAG_IDS.shape)) if weighted else (BAG_IDS,)
+        return Bags(mode), inputs
+
+    return build
+
+
 MODELS = {
     "mlp": _batch_mlp,
     "sequence_mlp": _sequence_mlp,
@@ -335,6 +360,9 @@ MODELS = {
     "matrix_products": _matrix_products,
     "expanded_to_the_batch": _expanded_to_the_batch,
     "merged_batch": _merged_batch,
+    "embedding_bag_sum": _bags("sum", weighted=True),
+    "embedding_bag_mean": _bags("mean"),
+    "embedding_bag_max": _bags("max"),
 }
 
 
@@ -806,6 +834,57 @@ class MatrixProduct(nn.Module):
 
     def forward(self, x):
         return torch.mm(x, self.w)
+
+
+class OffsetBags(nn.Module):
+    """``nn.EmbeddingBag`` over flat ids and offsets, with ``order`` saying which of the two
+    the model takes first (the block's batch)."""
+
+    def __init__(self, order: str) -> None:
+        super().__init__()
+        self.order = order
+        self.bag = nn.EmbeddingBag(9, 4, mode="sum").double()
+        self.head = nn.Linear(4, 3).double()
+
+    def forward(self, first, second):
+        ids, offsets = (first, second) if self.order == "ids first" else (second, first)
+        return self.head(torch.tanh(self.bag(ids, offsets)))
+
+
+#: Three bags over flat ids: [1, 3, 3], [2, 5], [4, 8, 2, 3].
+FLAT_IDS, BAG_OFFSETS = torch.tensor([1, 3, 3, 2, 5, 4, 8, 2, 3]), torch.tensor([0, 3, 5])
+
+
+@pytest.mark.parametrize("semiring_name", ["real", "max_prod", "log_sum", "entropy"])
+def test_embedding_bag_offsets_that_carry_the_batch_give_rows(semiring_name):
+    """Offsets [N] as the model's batch: bag n is example n, each row the pass over that bag
+    alone (its ids, offsets [0])."""
+    torch.manual_seed(0)
+    model, sr = OffsetBags("offsets first"), SEMIRINGS[semiring_name]()
+    params = _per_sample(model, (BAG_OFFSETS, FLAT_IDS), sr)
+    rows = {name: p.semiring_grad_batch for name, p in params.items()}
+    ends = [*BAG_OFFSETS.tolist()[1:], FLAT_IDS.numel()]
+    for i, (start, end) in enumerate(zip(BAG_OFFSETS.tolist(), ends, strict=True)):
+        with semipack.extend(model, sr, extensions=False):
+            _loss(model(torch.tensor([0]), FLAT_IDS[start:end])).backward()
+        for name, p in model.named_parameters():
+            row = rows[name]
+            row = type(row)(*(r[i] for r in row)) if isinstance(row, tuple) else row[i]
+            assert_readout_matches(semiring_name, p.semiring_grad, row, f"{name} bag {i}")
+
+
+def test_embedding_bag_over_flat_ids_as_the_batch_refused():
+    """Flat ids as the model's first argument: one entry per lookup, not per bag."""
+    torch.manual_seed(0)
+    _refused(
+        OffsetBags("ids first"),
+        (FLAT_IDS, BAG_OFFSETS),
+        re.escape(
+            "parameter 'bag.weight' (or a value computed from it alone) is used by "
+            "EmbeddingBagBackward0, created by module 'bag', where an embedding bag's bags are "
+            "known to be its examples with ids of shape [N, L] whose dim 0 is the batch"
+        ),
+    )
 
 
 def test_op_without_per_sample_rule_refused():

@@ -87,6 +87,7 @@ def attention_layers(model: nn.Module) -> list[AttentionLayer]:
     projections' common input, after the layer's norm: query, key and value only) or GPT-2
     (``h[i].attn``, after ``ln_1``: one fused ``qkv`` branch). Other models: build the
     ``AttentionLayer`` list by hand."""
+    _check_model(model, "attention_layers")
     found = []
     for name, module in model.named_modules():
         self_part = getattr(module, "self", None)
@@ -555,6 +556,7 @@ def explain_layers(
     the tokens: one list for every example, or one list per example of the batch. A
     ``semipack.Product`` gives one ``LayerFlow`` per factor, in order, from the one backward.
     The regular gradient is not computed (the model's ``.grad`` is left alone)."""
+    _check_model(model, "explain_layers")
     _check_semiring(semiring)
     if not callable(target):
         raise SemipackError(
@@ -798,6 +800,16 @@ def _check_after_backward(
                 f"through that use would be in no branch and missing from the layer's "
                 f"total{advice}"
             )
+
+
+def _check_model(model: object, who: str) -> None:
+    """A clear refusal of anything but a module where the model goes (trial 124: None met
+    ``model.modules()`` and raised a bare ``AttributeError``)."""
+    if not isinstance(model, nn.Module):
+        raise TypeError(
+            f"{who} expects the model, an nn.Module, as its first argument, got "
+            f"{type(model).__name__}"
+        )
 
 
 def _dropout_active(model: nn.Module) -> bool:

@@ -693,6 +693,28 @@ def _attention_forward(func, args, kwargs, source, dim, out, position) -> int | 
     return 1 if position == 0 else 0
 
 
+def _bagged(func, args, kwargs, source, dim, out, position) -> int | None:
+    """``F.embedding_bag(ids, weight, offsets, ..., per_sample_weights)``: output row b sums
+    (or averages, or takes the maximum of) bag b's lookups. With ids ``[N, L]`` each row of
+    the ids (and of the per-sample weights) is a bag, so the batch on their dim 0 stays on
+    the output's; with 1-D ids every bag is a run of lookups from its offset on, so the batch
+    of flat ids is no bag's, and a batch on the offsets' dim 0 is the output's (without
+    ``include_last_offset``, whose last offset starts no bag). ``torch.embedding_bag``
+    (weight first, four results) is not followed."""
+    if func is not torch.nn.functional.embedding_bag or position != 0 or dim != 0:
+        return None
+
+    def given(index: int, name: str) -> Any:
+        return args[index] if len(args) > index else kwargs.get(name)
+
+    ids, offsets = given(0, "input"), given(2, "offsets")
+    if not isinstance(ids, Tensor):
+        return None
+    if ids.dim() == 2:
+        return 0 if source is ids or source is given(8, "per_sample_weights") else None
+    return 0 if source is offsets and not given(9, "include_last_offset") else None
+
+
 def _leading(kept: int) -> Handler:
     """``group_norm`` (``kept`` 1: each example's channels and positions together),
     ``instance_norm`` and ``interpolate`` (``kept`` 2: the spatial dims after ``[N, C]``):
@@ -764,6 +786,7 @@ _HANDLERS: dict[str, Handler] = {
     "diff": _along(2, -1),
     **dict.fromkeys(("lstm", "gru", "rnn_tanh", "rnn_relu"), _recurrent),
     "multi_head_attention_forward": _attention_forward,
+    "embedding_bag": _bagged,
     **dict.fromkeys(
         ("prelu", "batch_norm", "dropout1d", "dropout2d", "dropout3d", "feature_alpha_dropout"),
         _first_input_layout,
@@ -844,6 +867,6 @@ _HANDLERS: dict[str, Handler] = {
 
 
 #: Handlers told which of the call's results they place (``position``).
-_BY_POSITION = (_recurrent, _attention_forward)
+_BY_POSITION = (_recurrent, _attention_forward, _bagged)
 
 __all__ = ["batch_dim_after", "call_name", "dim_after_index"]

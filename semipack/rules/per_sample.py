@@ -35,6 +35,7 @@ from torch import Tensor
 
 from ..errors import PerSampleError
 from ..semirings.base import Semiring, State
+from .embedding import BagLookups, bag_table_state
 
 #: rows of the parameter at ``input_nr`` of ``node`` from the state at the node's output.
 RowRule = Callable[[Semiring, object, State, int], State]
@@ -623,6 +624,34 @@ def _instance_norm_rows(sr: Semiring, node, state: State, input_nr: int) -> Stat
 INSTANCE_NORMS = frozenset(("instance_norm",))
 
 
+def _embedding_bag_rows(sr: Semiring, node, state: State, input_nr: int) -> State:
+    """``nn.EmbeddingBag`` whose output has the batch on dim 0 (ids ``[N, L]``, bags as rows,
+    or offsets ``[N]`` that carry the batch, ``graph.batch_dims``): bag n is example n, so the
+    table's rows ``[N, num_weights, dim]`` are each bag's own edges (``bag_table_state``).
+    Flat ids as the model's batch have one entry per lookup, not per bag: refused."""
+    if node.metadata.get(BATCHED_KEY, None) != 0:
+        raise PerSampleError(
+            "per-sample values: an embedding bag's bags are known to be its examples with ids "
+            "of shape [N, L] whose dim 0 is the batch (pad shorter bags with padding_idx), or "
+            "with 1-D ids and offsets of shape [N] that carry the batch (the model's first "
+            "argument, without include_last_offset); here they are not"
+        )
+    if node._saved_scale_grad_by_freq:
+        raise PerSampleError("per-sample values: scale_grad_by_freq has no Jacobian to split")
+    bags = BagLookups(
+        indices=node._saved_indices,
+        offsets=node._saved_offsets,
+        offset2bag=node._saved_result1,
+        bag_size=node._saved_result2,
+        maximum_indices=node._saved_result3,
+        mode=int(node._saved_mode),
+        per_sample_weights=node._saved_per_sample_weights,
+        padding_idx=node._saved_padding_idx,
+        num_weights=int(node._saved_weight_sym_argsize_0),
+    )
+    return bag_table_state(sr, state, bags, node._input_metadata[0].dtype, per_bag=True)
+
+
 register_per_sample("MulBackward0", _mul_rows)
 register_per_sample("AddBackward0", _add_rows(1.0))
 register_per_sample("SubBackward0", _add_rows(-1.0))
@@ -632,6 +661,7 @@ register_per_sample("MiopenBatchNormBackward0", _batch_norm_eval_rows)
 register_per_sample("NativeGroupNormBackward0", _group_norm_rows)
 register_per_sample("RepeatBackward0", _instance_norm_rows, _instance_norm_repeat)
 register_per_sample("FusedRmsNormBackward0", _fused_rms_norm_rows)
+register_per_sample("EmbeddingBagBackward0", _embedding_bag_rows)
 
 
 #: Reductions whose saved ``dim`` says which axes they reduce (``SumBackward1``, ...).

@@ -17,7 +17,7 @@ import contextlib
 import copy
 import threading
 import weakref
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -807,6 +807,13 @@ def _tensors(what: str, given: Any) -> list[Tensor]:
         raise TypeError(
             f"semipack.grad: {what} must be tensors, got a {type(given).__name__} module "
             "(for its parameters pass list(module.parameters()))"
+        )
+    if isinstance(given, Mapping):  # a tokenizer's BatchEncoding: list() gives its keys
+        raise TypeError(
+            f"semipack.grad: {what} must be a tensor or a sequence of tensors, got a "
+            f"{type(given).__name__}, a mapping (a tokenizer's output?): pass the tensors "
+            "themselves; token ids are integers and have no gradient, so for tokens pass the "
+            "embeddings the model reads (model(inputs_embeds=e) with e requiring grad)"
         )
     try:
         found = list(given)

@@ -64,6 +64,7 @@ LAYER_INPUTS: dict[Any, tuple[str, int]] = {
     torch.conv2d: ("Conv2d", 0),
     F.layer_norm: ("LayerNorm", 0),
     F.embedding: ("Embedding", 0),
+    F.embedding_bag: ("EmbeddingBag", 0),
     F.batch_norm: ("BatchNorm", 0),
     F.instance_norm: ("InstanceNorm", 0),
     torch.instance_norm: ("InstanceNorm", 0),

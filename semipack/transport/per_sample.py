@@ -188,8 +188,8 @@ def check_graph(
                     "parameters used directly by F.linear, x @ W (torch.matmul, the @ "
                     "operator), torch.addmm(b, x, W) (a 1-D b, no beta or alpha), "
                     "conv1d/conv2d, F.layer_norm, F.embedding and nn.MultiheadAttention (the "
-                    "module extensions, with extensions=True), by batch norm in eval mode, "
-                    "group norm and instance norm, or by "
+                    "module extensions, with extensions=True), by nn.EmbeddingBag, batch norm "
+                    "in eval mode, group norm and instance norm, or by "
                     "x * p, x + p, x - p, or through casts, transposes, views, squeezes, "
                     "expands, slices, selected rows and constant factors on the way there"
                     + (" (write torch.mm(x, W) as x @ W)" if node.name() == "MmBackward0" else "")

@@ -19,10 +19,11 @@ model's top prediction at its mask token (``--target mask``).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import inspect
 import re
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -69,6 +70,19 @@ def _safetensors_error() -> type[BaseException]:
     return SafetensorError
 
 
+@contextlib.contextmanager
+def _quiet_transformers() -> Iterator[None]:
+    """transformers' warnings (its loading report) off for the block, as they were after."""
+    from transformers.utils import logging as hf_logging
+
+    previous = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()
+    try:
+        yield
+    finally:
+        hf_logging.set_verbosity(previous)
+
+
 def load(model_dir: str, masked_lm: bool = False) -> tuple[nn.Module, object]:
     """Model (eager attention, eval mode, its own dtype) and tokenizer from a local directory;
     with ``masked_lm`` the model with its masked-language-model head."""
@@ -80,9 +94,13 @@ def load(model_dir: str, masked_lm: bool = False) -> tuple[nn.Module, object]:
     auto = transformers.AutoModelForMaskedLM if masked_lm else transformers.AutoModel
     try:
         tokenizer = transformers.AutoTokenizer.from_pretrained(str(path))
-        model, info = auto.from_pretrained(
-            str(path), attn_implementation="eager", output_loading_info=True
-        )
+        # a head missing from the checkpoint is refused below, by name: transformers' own
+        # report of it (a table of the missing weights, "newly initialized") buried that
+        # refusal (trial 124)
+        with _quiet_transformers() if masked_lm else contextlib.nullcontext():
+            model, info = auto.from_pretrained(
+                str(path), attn_implementation="eager", output_loading_info=True
+            )
     # what transformers raises for these, and safetensors for a truncated or corrupt file
     except (OSError, ValueError, KeyError, _safetensors_error()) as error:
         kind = "a masked-language model (--target mask)" if masked_lm else "a model"
@@ -171,6 +189,10 @@ class Explanation:
     routes: list[LayerRoute]
     #: the token each route starts from, where the routes are one per token (TopPath's)
     sources: list[int] | None = None
+    #: the input entry each route starts from, (token, unit), and the route's rank among that
+    #: entry's own paths (0: its best): two of KBest's routes may read alike layer by layer
+    #: (the same token, residual hops) and still be other paths (trial 124)
+    starts: list[tuple[int, int, int]] | None = None
 
 
 def run(
@@ -188,6 +210,9 @@ def run(
     unknown = [s for s in semiring_names if s not in SEMIRINGS]
     if unknown:
         raise SemipackError(f"unknown semiring {unknown[0]!r}: choose from {', '.join(SEMIRINGS)}")
+    twice = sorted({s for s in semiring_names if semiring_names.count(s) > 1})
+    if twice:  # the second pass would only repeat the first (trial 124)
+        raise SemipackError(f"--semirings names {twice[0]} twice: name each semiring once")
     encoded = tokenizer(text, return_tensors="pt")
     tokens = tokenizer.convert_ids_to_tokens(encoded["input_ids"][0])
     special = set(getattr(tokenizer, "all_special_ids", ()))
@@ -228,6 +253,7 @@ def run(
     flows: dict[str, LayerFlow] = {}
     routes: list[LayerRoute] = []
     sources: list[int] | None = None
+    starts: list[tuple[int, int, int]] | None = None
     for name in tqdm(passes, desc="semiring passes", disable=not sys.stderr.isatty()):
         if name != "paths":
             flows[name] = explain_layers(
@@ -242,18 +268,30 @@ def run(
         if kbest > 1:  # the k best paths of the whole input: each entry's k best hold them
             values = words.semiring_grad  # [1, tokens, units, k], best first per entry
             ranked = values.reshape(-1).topk(min(kbest, values.numel())).indices.tolist()
-            found = []
+            found, starts = [], []
             for flat in ranked:
                 entry, rank = divmod(flat, kbest)
                 index = _unravel(entry, tuple(values.shape[:-1]))
                 if float(values[index][rank]) > 0:  # fewer than k paths in all
                     found.append(finder.paths(words, index)[rank])
+                    starts.append((index[1], index[2], rank))
         else:  # the best path from each token (its best hidden unit)
             units = words.semiring_grad[0].argmax(-1).tolist()
             found = [finder.path(words, (0, t, u)) for t, u in enumerate(units)]
             sources = list(range(len(units)))
+            starts = [(t, u, 0) for t, u in enumerate(units)]
         routes = layer_routes(found, layers)
-    return Explanation(tokens, flows, routes, sources)
+    return Explanation(tokens, flows, routes, sources, starts)
+
+
+def _start_of(result: Explanation, i: int) -> str:
+    """Where route ``i`` starts, for its line: the input unit, and its rank among that
+    entry's paths where it is not the entry's best."""
+    if result.starts is None:
+        return ""
+    _, unit, rank = result.starts[i]
+    ordinal = {1: "2nd", 2: "3rd"}.get(rank, f"{rank + 1}th")
+    return f"  [input unit {unit}{f', its {ordinal} best path' if rank else ''}]"
 
 
 def _unravel(flat: int, shape: tuple[int, ...]) -> tuple[int, ...]:
@@ -304,9 +342,12 @@ def report(result: Explanation, out: Path | None) -> None:
             if source is not None and route.value == 0:  # no path from this token at all
                 print(f"  -  from {source}: no path")
             elif source is not None and not route.hops:
-                print(f"  {route.value:.4g}  from {source}: through no attention layer")
+                print(
+                    f"  {route.value:.4g}  from {source}: through no attention layer"
+                    + _start_of(result, i)
+                )
             else:
-                print(f"  {route.describe(tokens)}")
+                print(f"  {route.describe(tokens)}{_start_of(result, i)}")
     if out is None:
         return
     out.mkdir(parents=True, exist_ok=True)

@@ -86,6 +86,15 @@ def test_signed_paths_swap_under_negative_edges() -> None:
     assert ext.smallest.item() == pytest.approx(-2.0)
 
 
+def test_a_path_through_an_off_relu_is_no_signed_path() -> None:
+    """relu(-x) * 5 - 2x at x = 1 (the README's example): the path through the ReLU has an
+    exact zero, so it is no path, and the one path left, -2, is the largest and the smallest
+    (0 would be the largest if zero edges counted; trial 124)."""
+    x = torch.tensor([1.0], dtype=torch.float64, requires_grad=True)
+    (ext,) = semipack.grad((torch.relu(-x) * 5 - 2 * x).sum(), x, semipack.SignedMaxProd())
+    assert ext.largest.item() == -2.0 and ext.smallest.item() == -2.0
+
+
 def test_relu_zero_derivative_removes_the_edge() -> None:
     x = torch.tensor([-1.0, 2.0], dtype=torch.float64, requires_grad=True)
     loss = torch.relu(x).sum()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import re
 from pathlib import Path
 
 import pytest
@@ -121,6 +122,7 @@ def test_the_best_branch_per_token_is_the_best_path_to_the_token(
         (["--text", "\u200b"], "the text to explain has no tokens besides the special ones"),
         (["--text", "\u6f22\u5b57"], "the tokenizer knows none of the text's words: every one"),
         (["--semirings", "Tropical"], "unknown semiring 'Tropical': choose from MaxProd, Log"),
+        (["--semirings", "MaxProd", "LogSum", "MaxProd"], "--semirings names MaxProd twice: "),
         (["--target", "cls"], "unknown --target 'cls': use 'norm', 'token:N' or 'mask'"),
         (["--target", "mask", "--text", "the keys"], "--target mask needs a [MASK] token"),
         (["--target", "token:\u00b2"], "N must be a token position"),  # a digit, not decimal
@@ -332,7 +334,7 @@ def test_an_unwritable_out_folder_is_named(tiny_model_dir, tmp_path, capsys) -> 
     assert f"cannot write --out {str(out)!r}" in capsys.readouterr().err
 
 
-def test_mask_target_on_a_model_without_a_trained_head_is_refused(tiny_model_dir, capsys):
+def test_mask_target_on_a_model_without_a_trained_head_is_refused(tiny_model_dir, capsys, caplog):
     """A plain encoder directory has no masked-LM head: transformers would initialise one at
     random, and the explanation would change from run to run."""
     args = ["explain", "--model", str(tiny_model_dir), "--text", "the [MASK] are"]
@@ -340,6 +342,12 @@ def test_mask_target_on_a_model_without_a_trained_head_is_refused(tiny_model_dir
     err = capsys.readouterr().err
     assert "--target mask: " in err and "has no trained masked-language-model head" in err
     assert "cls.predictions" in err
+    # transformers' loading report of the missing head is not printed above the refusal,
+    # which it buried (trial 124), and its verbosity is what it was
+    assert not [r for r in caplog.records if "LOAD REPORT" in r.getMessage()]
+    from transformers.utils import logging as hf_logging
+
+    assert hf_logging.get_verbosity() == hf_logging.WARNING
 
 
 def test_a_truncated_weights_file_is_named(tiny_model_dir, tmp_path, capsys) -> None:
@@ -416,6 +424,13 @@ def test_kbest_draws_the_best_paths_of_the_whole_input(tiny_model_dir, capsys):
     assert printed[0] == pytest.approx(best[0], rel=1e-3)
     for i in (1, 2):
         assert printed[i] >= best[i] * (1 - 1e-3)
+    # each line names the input unit it starts from (two routes read alike layer by layer
+    # otherwise, trial 124): the first one the unit of the best entry
+    unit = int(words.semiring_grad[0].flatten().argmax()) % words.shape[-1]
+    assert lines[0].endswith(f"  [input unit {unit}]")
+    assert all(
+        re.search(r"  \[input unit \d+(, its \d(nd|rd|th) best path)?\]$", x) for x in lines[:3]
+    )
 
 
 def test_every_option_has_help_and_the_examples_parse(capsys) -> None:

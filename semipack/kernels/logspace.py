@@ -10,7 +10,13 @@ from torch import Tensor
 
 from . import log_space_native
 from .compiled import FUSED_MIN_ELEMENTS, compile_enabled, compiled
-from .native import exp_block_f32, log_block_f32, log_plus_f32, native_available
+from .native import (
+    exp_block_f32,
+    log_block_f32,
+    log_plus_block_f32,
+    log_plus_f32,
+    native_available,
+)
 from .shapes import broadcast_shapes, dense_block
 
 #: From this many entries a logarithm of magnitudes looks for exact zeros first: torch's
@@ -261,6 +267,9 @@ def log_magnitude_plus_(mag: Tensor, shift: Tensor | float) -> Tensor:
         or broadcast_shapes(mag.shape, shift.shape) != mag.shape
     ):
         return log_magnitude_(mag).add_(shift)
+    if shift.numel() == 1 and _native_block(mag):  # the common case, one bare call
+        log_plus_block_f32(mag, shift)
+        return mag
     # flat (``_flat``): one compiled variant per dtype and kind of shift, whatever the rank
     # and the order of the dims in memory
     same_layout = shift.shape == mag.shape and shift.stride() == mag.stride()

@@ -780,7 +780,22 @@ def test_batch_norm_in_train_mode_refused():
         model.train(),
         (torch.randn(5, 3),),
         r"NativeBatchNormBackward0 \(created by module '1'\) mixes them: batch norm in train "
-        r"mode normalises over the batch \(use eval mode\)",
+        r"mode normalises over the batch \(use eval mode\)$",
+    )
+
+
+def test_every_batch_norm_in_train_mode_is_named():
+    """Each layer that mixes the examples is one the user must change: the refusal names the
+    others too (trial 120: it named the last batch norm alone)."""
+    model = nn.Sequential(
+        nn.Linear(3, 4), nn.BatchNorm1d(4), nn.Linear(4, 4), nn.BatchNorm1d(4), nn.Linear(4, 2)
+    )
+    _refused(
+        model.train(),
+        (torch.randn(5, 3),),
+        r"NativeBatchNormBackward0 \(created by module '3'\) mixes them: batch norm in train "
+        r"mode normalises over the batch \(use eval mode\); the model has 1 more such node: "
+        r"NativeBatchNormBackward0 \(created by module '1'\)$",
     )
 
 

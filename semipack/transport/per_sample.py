@@ -116,9 +116,11 @@ def check_graph(
         if module is not None:  # created inside the model's forward (the loss is outside)
             reason = mixing_reason(node, id(node) in tail, batches)
             if reason is not None:
+                below = [nxt for nxt, _ in node.next_functions]
+                others = _other_mixing([*stack, *below], seen, tail, batches)
                 raise PerSampleError(
                     f"per-sample values need examples that do not mix, but {node.name()} "
-                    f"(created by {module}) mixes them: {reason}"
+                    f"(created by {module}) mixes them: {reason}{others}"
                 )
             lost = node.metadata.get(BATCHED_KEY, 0) is None and not (
                 id(node) in root_ids or id(node) in tail
@@ -213,6 +215,27 @@ def check_graph(
     if batches - {1}:
         _refuse_lost_batch(unbatched, params)
     return generic, computed_inputs
+
+
+def _other_mixing(stack: list[Any], seen: set[int], tail: set[int], batches: frozenset[int]) -> str:
+    """The other nodes inside the model that mix the examples, below those ``check_graph``
+    has walked (``stack`` and ``seen``), for its refusal: each one is a layer the user must
+    change (trial 120: a ResNet in train mode named its last batch norm alone)."""
+    found: list[str] = []
+    pending, visited = list(stack), set(seen)
+    while pending:
+        node = pending.pop()
+        if node is None or id(node) in visited:
+            continue
+        visited.add(id(node))
+        module = _module_of(node)
+        if module is not None and mixing_reason(node, id(node) in tail, batches) is not None:
+            found.append(f"{node.name()} (created by {module})")
+        pending.extend(nxt for nxt, _ in node.next_functions)
+    if not found:
+        return ""
+    shown = ", ".join(found[:3]) + (f" and {len(found) - 3} more" if len(found) > 3 else "")
+    return f"; the model has {len(found)} more such node{'s' * (len(found) > 1)}: {shown}"
 
 
 #: Nodes of a 0-dim value linear in their one graph input (or a sum of such inputs): the scalar

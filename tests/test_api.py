@@ -95,6 +95,31 @@ def test_a_path_through_an_off_relu_is_no_signed_path() -> None:
     assert ext.largest.item() == -2.0 and ext.smallest.item() == -2.0
 
 
+def test_a_zero_edge_next_to_an_infinite_one() -> None:
+    """hypot at (0, 0): its backward multiplies by x (an edge of 0) and divides by the result
+    (an edge of inf). As documented in the README's Limits: NaN where the values multiply
+    (Real, as PyTorch's gradient, MaxProd, LogSum, Entropy), no path where a zero edge ends
+    the path (Boolean, LogCount, SignedMaxProd, which reads there what it reads where no path
+    exists at all: relu(-x) at x = 1; trial 129)."""
+    x = torch.tensor([0.0, 1.0], dtype=torch.float64, requires_grad=True)
+    y = torch.zeros(2, dtype=torch.float64, requires_grad=True)
+    loss = torch.hypot(x, y).sum()
+    (grad,) = torch.autograd.grad(loss, x, retain_graph=True)
+    assert math.isnan(grad[0]) and grad[1] == 1.0
+    for sr in (semipack.Real(), semipack.MaxProd(), semipack.LogSum(), semipack.Entropy()):
+        (value,) = semipack.grad(loss, x, sr, retain_graph=True)
+        assert math.isnan(value[0]) and not math.isnan(value[1]), sr
+    (reach,) = semipack.grad(loss, x, semipack.Boolean(), retain_graph=True)
+    assert reach.tolist() == [False, True]
+    (count,) = semipack.grad(loss, x, semipack.LogCount(), retain_graph=True)
+    assert count.tolist() == [-math.inf, 0.0]
+    (signed,) = semipack.grad(loss, x, semipack.SignedMaxProd())
+    off = torch.ones(1, dtype=torch.float64, requires_grad=True)
+    (none,) = semipack.grad(torch.relu(-off).sum(), off, semipack.SignedMaxProd())
+    assert signed.largest[0] == none.largest[0] and signed.smallest[0] == none.smallest[0]
+    assert signed.largest[1] == signed.smallest[1] == 1.0
+
+
 def test_relu_zero_derivative_removes_the_edge() -> None:
     x = torch.tensor([-1.0, 2.0], dtype=torch.float64, requires_grad=True)
     loss = torch.relu(x).sum()

@@ -888,6 +888,34 @@ def test_embedding_bag_offsets_that_carry_the_batch_give_rows(semiring_name):
             assert_readout_matches(semiring_name, p.semiring_grad, row, f"{name} bag {i}")
 
 
+class DenseAndBags(nn.Module):
+    """DLRM's layout: dense features first (the batch), then flat ids and their offsets [N]."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.dense = nn.Linear(3, 4).double()
+        self.bag = nn.EmbeddingBag(9, 4, mode="sum").double()
+        self.head = nn.Linear(4, 2).double()
+
+    def forward(self, features, ids, offsets):
+        return self.head(torch.tanh(self.dense(features) + self.bag(ids, offsets)))
+
+
+def test_embedding_bag_offsets_beside_dense_features_give_rows():
+    """Offsets [N] as a later argument: their mark meets the batch at the add, so bag n is
+    example n (trial 127 found ids [N, L] there working, and the README saying otherwise)."""
+    torch.manual_seed(0)
+    model, sr = DenseAndBags(), semipack.MaxProd()
+    features = torch.randn(3, 3, dtype=torch.float64)
+    rows = _per_sample(model, (features, FLAT_IDS, BAG_OFFSETS), sr)["bag.weight"]
+    rows = rows.semiring_grad_batch
+    ends = [*BAG_OFFSETS.tolist()[1:], FLAT_IDS.numel()]
+    for i, (start, end) in enumerate(zip(BAG_OFFSETS.tolist(), ends, strict=True)):
+        with semipack.extend(model, sr, extensions=False):
+            _loss(model(features[i : i + 1], FLAT_IDS[start:end], torch.tensor([0]))).backward()
+        assert_readout_matches("max_prod", model.bag.weight.semiring_grad, rows[i], f"bag {i}")
+
+
 def test_embedding_bag_over_flat_ids_as_the_batch_refused():
     """Flat ids as the model's first argument: one entry per lookup, not per bag."""
     torch.manual_seed(0)

@@ -632,9 +632,10 @@ def _embedding_bag_rows(sr: Semiring, node, state: State, input_nr: int) -> Stat
     if node.metadata.get(BATCHED_KEY, None) != 0:
         raise PerSampleError(
             "per-sample values: an embedding bag's bags are known to be its examples with ids "
-            "of shape [N, L] whose dim 0 is the batch (pad shorter bags with padding_idx), or "
-            "with 1-D ids and offsets of shape [N] that carry the batch (the model's first "
-            "argument, without include_last_offset); here they are not"
+            "of shape [N, L] whose dim 0 is the batch (the model's first argument, or another "
+            "of N rows; pad shorter bags with padding_idx), or with 1-D ids and offsets of "
+            "shape [N] that carry the batch (likewise, without include_last_offset); here they "
+            "are not"
         )
     if node._saved_scale_grad_by_freq:
         raise PerSampleError("per-sample values: scale_grad_by_freq has no Jacobian to split")

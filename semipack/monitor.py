@@ -439,7 +439,7 @@ class Monitor:
                 rows.append(Record(step, f"{name} -> {use}", "flow_share", share))
         if self._files is not None and self._files.resumed:  # the earlier run's later steps go
             self.records = [r for r in self.records if r.step < step]
-            self._files.rewrite(self.records)
+            self._files.rewrite(self.records, step)
         self.records += rows
         if self._files is not None and rows:
             self._files.add(step, rows)
@@ -468,23 +468,23 @@ class Monitor:
         for quantity in dict.fromkeys(r.quantity for r in self.records):
             fig, ax = plt.subplots(figsize=(6, 3.4))
             series = self.series(quantity)
-            # past matplotlib's 10-colour cycle two layers shared a colour (trial 78): then a
-            # colour each from a 20-colour map, and a line style per round of it beyond that
-            colours = plt.get_cmap("tab20").colors if len(series) > 10 else None
+            many = len(series) > 10
             for k, (layer, (steps, values)) in enumerate(series.items()):
-                style = {}
-                if colours is not None:
-                    style = {"color": colours[k % 20], "linestyle": ("-", "--", ":")[k // 20 % 3]}
-                marker = "." if len(steps) < 30 else None
-                ax.plot(steps, values, label=layer, marker=marker, **style)
+                style = _line_style(k) if many else {}
+                if "marker" not in style:
+                    style["marker"] = "." if len(steps) < 30 else None
+                ax.plot(steps, values, label=layer, **style)
             ax.set_xlabel("step")
             ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # no step 1.5 (trial 115)
             ax.set_title(quantity)
-            if len(series) > 10:  # outside the axes: a long legend hides the lines
-                ax.legend(fontsize=6, loc="upper left", bbox_to_anchor=(1.0, 1.0))
+            if many:  # outside the axes: a long legend hides the lines; columns of at most
+                # _LEGEND_ROWS keep it as tall as the axes (65 layers made it twice as tall,
+                # and tight_layout gave up on every picture, trial 130)
+                columns = -(-len(series) // _LEGEND_ROWS)
+                ax.legend(fontsize=6, loc="upper left", bbox_to_anchor=(1.0, 1.0), ncol=columns)
             else:
                 ax.legend(fontsize=7, loc="best")
-            fig.tight_layout()
+                fig.tight_layout()
             path = folder / f"{quantity}.png"
             fig.savefig(path, dpi=110, bbox_inches="tight")  # a long layer name kept whole
             plt.close(fig)
@@ -843,6 +843,29 @@ def _drop_values_of(tensors: Iterable[Tensor]) -> None:
                 delattr(t, attribute)
 
 
+#: Rows of a plot's legend per column (``Monitor.plot``): as tall as its axes at font size 6.
+_LEGEND_ROWS = 18
+
+#: Line styles and markers that tell layers apart beyond a colour map's 20 colours.
+_DASHES = ("-", "--", ":", "-.")
+_MARKERS = (None, "o", "s", "^", "v", "D", "x", "+")
+
+
+def _line_style(k: int) -> dict[str, Any]:
+    """The ``k``-th layer's line in a plot of more than ten: a colour each of tab20's 20, a
+    dash pattern per round of them, a marker per round of those, so no two of the first 640
+    layers look alike (the 61st looked like the first, trial 130; matplotlib's 10-colour cycle
+    alone repeated at the 11th, trial 78)."""
+    import matplotlib.pyplot as plt
+
+    colour = plt.get_cmap("tab20").colors[k % 20]
+    style: dict[str, Any] = {"color": colour, "linestyle": _DASHES[k // 20 % len(_DASHES)]}
+    marker = _MARKERS[k // (20 * len(_DASHES)) % len(_MARKERS)]
+    if marker is not None:
+        style.update(marker=marker, markersize=3)
+    return style
+
+
 class _Files:
     """``monitor.csv`` and TensorBoard's events of one monitor, written a batch at a time.
 
@@ -874,14 +897,19 @@ class _Files:
         self.csv.writerows((r.step, r.layer, r.quantity, r.value) for r in records)
         self.csv_file.flush()
 
-    def rewrite(self, records: list[Record]) -> None:
-        """The file anew with ``records`` (a resumed run's earlier records it keeps)."""
+    def rewrite(self, records: list[Record], step: int) -> None:
+        """The file anew with ``records`` (a resumed run's earlier records it keeps), and
+        TensorBoard told that events from ``step`` on are the new run's: the earlier run's
+        later events, in its own event file, no longer read back (trial 130: they stood beside
+        the new ones, and the events no longer equalled the CSV)."""
         self.resumed = False
         if self.closed:
             return
         self.csv_file.seek(0)
         self.csv_file.truncate()
         self._rows(records)
+        if self.events is not None:
+            self.events.restart_at(step)
 
     def add(self, step: int, rows: list[Record]) -> None:
         """Queue one sampled step's records; write everything out when it is time (after
@@ -961,6 +989,14 @@ class _Events:
         value = self._summary.Value
         summary = self._summary(value=[value(tag=tag, simple_value=v) for tag, v in scalars])
         self.writer._get_file_writer().add_summary(summary, step)
+
+    def restart_at(self, step: int) -> None:
+        """Mark a restart at ``step``, as ``SummaryWriter(purge_step=step)`` does: TensorBoard
+        then drops the events of earlier files from ``step`` on (a crashed run's later steps)."""
+        from tensorboard.compat.proto.event_pb2 import Event, SessionLog
+
+        start = Event(step=step, session_log=SessionLog(status=SessionLog.START))
+        self.writer._get_file_writer().add_event(start)
 
     def flush(self) -> None:
         """Put every queued event on disk."""

@@ -781,3 +781,17 @@ def test_finite_check_reads_every_entry_of_any_dense_layout(monkeypatch, bad):
     gapped[2, 3] = bad
     assert native.no_nan_or_posinf(gapped) is False
     assert calls == []
+
+
+def test_a_failed_build_says_so_and_falls_back(tmp_path, monkeypatch, capsys) -> None:
+    """A compiler that fails: the build announces itself on stderr (a first build takes minutes
+    and looked hung, trial 128), warns naming the failure, leaves no partial file, and gives
+    None (the compiled kernels run instead)."""
+    if not native.native_available():
+        pytest.skip("no native build on this machine")
+    monkeypatch.setenv("SEMIPACK_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("CC", "false")  # exits 1 on every source
+    with pytest.warns(RuntimeWarning, match="building the native max-plus kernel failed"):
+        assert native._build_locked(False) is None
+    assert "semipack: building the native kernels for this CPU" in capsys.readouterr().err
+    assert list(tmp_path.iterdir()) == []

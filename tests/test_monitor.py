@@ -865,6 +865,29 @@ def test_a_resumed_run_goes_on_with_the_earlier_records(tmp_path: Path) -> None:
     assert rows == [(r.step, r.layer, r.quantity, r.value) for r in again.records]
 
 
+def test_a_resumed_run_s_events_read_back_as_its_csv(tmp_path: Path) -> None:
+    """The earlier run's events after the resumed run's first step are dropped from what
+    TensorBoard reads, as its CSV rows are (trial 130: both runs' values stood at steps 2 and
+    up, and the events no longer equalled the CSV)."""
+    pytest.importorskip("tensorboard")
+    batches = _batches(4)
+    first = semipack.Monitor(_model(), every=1, log_dir=tmp_path)
+    for step, (x, y) in enumerate(batches):  # steps 0-3; the checkpoint is at step 2
+        with first.step(step):
+            nn.functional.cross_entropy(first.model(x), y).backward()
+    first.close()
+    again = semipack.Monitor(_model(), every=1, log_dir=tmp_path, resume=True)
+    for step, (x, y) in zip((2, 3), batches[2:], strict=True):
+        with again.step(step):
+            nn.functional.cross_entropy(again.model(x) * 2, y).backward()  # new values
+    again.close()
+    with open(tmp_path / "monitor.csv") as f:
+        rows = [(int(r["step"]), r["layer"], r["quantity"], float(r["value"]))
+                for r in csv.DictReader(f)]  # fmt: skip
+    assert {step for step, *_ in rows} == {0, 1, 2, 3}
+    assert _events(tmp_path) == _as_events(rows)
+
+
 def test_a_step_sampled_twice_warns() -> None:
     """One block per micro-batch with the same step number records the step twice and
     compares its top path with itself (trial 46): said by a warning."""
@@ -1137,25 +1160,39 @@ def test_a_plot_of_many_layers_gives_each_its_own_colour(tmp_path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
-    model = nn.Sequential(*[nn.Linear(3, 3, dtype=F64) for _ in range(12)])
-    monitor = semipack.Monitor(model, every=1, log_dir=tmp_path, tensorboard=False)
-    x = torch.randn(4, 3, dtype=F64)
-    for step in range(2):
-        with monitor.step(step):
-            model(x).pow(2).sum().backward()
-    figures = []
     import matplotlib.pyplot as plt
 
-    original = plt.close
-    plt.close = lambda fig=None: figures.append(fig)  # keep the figures to look at
-    try:
-        monitor.plot()
-    finally:
-        plt.close = original
-    lines = figures[0].axes[0].get_lines()
-    assert len(lines) == 12
-    styles = {(matplotlib.colors.to_hex(line.get_color()), line.get_linestyle()) for line in lines}
-    assert len(styles) == 12
+    for layers in (12, 65):  # past tab20's 20 colours x 3 dashes too (trial 130)
+        model = nn.Sequential(*[nn.Linear(3, 3, dtype=F64) for _ in range(layers)])
+        folder = tmp_path / str(layers)
+        monitor = semipack.Monitor(model, every=1, log_dir=folder, tensorboard=False)
+        x = torch.randn(4, 3, dtype=F64)
+        for step in range(2):
+            with monitor.step(step):
+                model(x).pow(2).sum().backward()
+        figures = []
+        original = plt.close
+        plt.close = lambda fig=None, figures=figures: figures.append(fig)  # kept to look at
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("error")  # "Tight layout not applied" for every picture
+                monitor.plot()
+        finally:
+            plt.close = original
+        axes = figures[0].axes[0]
+        lines = axes.get_lines()
+        assert len(lines) == layers
+        looks = {
+            (matplotlib.colors.to_hex(line.get_color()), line.get_linestyle(), line.get_marker())
+            for line in lines
+        }
+        assert len(looks) == layers
+        # the legend, in columns, is no taller than the axes
+        renderer = figures[0].canvas.get_renderer()
+        legend = axes.get_legend().get_window_extent(renderer)
+        assert legend.height <= axes.get_window_extent(renderer).height * 1.05
+        for figure in figures:
+            plt.close(figure)
 
 
 def test_arguments_a_new_user_gets_wrong_are_named() -> None:

@@ -29,10 +29,12 @@ import os
 import platform
 import shutil
 import subprocess
+import sys
 import tempfile
 import threading
 import warnings
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -231,6 +233,32 @@ def _build(avx512: bool) -> ctypes.CDLL | None:
         return _build_locked(avx512)
 
 
+def _compile(compiler: str, flags: Sequence[str], out: Path) -> None:
+    """Compile the sources into the shared library ``out``: one object per source, as many at
+    once as the CPU has cores, then one link. The build runs once per source version (a few
+    tens of seconds to minutes, most of it ``depthwise.c``); it says so on stderr, since a
+    first call that waits that long in silence looked hung (trial 128)."""
+    print(
+        f"semipack: building the native kernels for this CPU, once per version (cached in "
+        f"{out.parent}); this takes up to a few minutes",
+        file=sys.stderr,
+        flush=True,
+    )
+    compile_flags = [f for f in flags if f != "-shared"]
+    with tempfile.TemporaryDirectory(dir=out.parent) as folder:
+        objects = [Path(folder) / f"{source.stem}.o" for source in _SOURCES]
+
+        def one(source: Path, obj: Path) -> None:
+            command = [compiler, *compile_flags, "-c", str(source), "-o", str(obj)]
+            subprocess.run(command, check=True, capture_output=True, timeout=600)
+
+        with ThreadPoolExecutor(max_workers=max(1, os.cpu_count() or 1)) as pool:
+            for done in [pool.submit(one, s, o) for s, o in zip(_SOURCES, objects, strict=True)]:
+                done.result()  # the first failure raises here
+        link = [compiler, *flags, *map(str, objects), "-o", str(out), "-lm"]
+        subprocess.run(link, check=True, capture_output=True, timeout=300)
+
+
 def _build_locked(avx512: bool) -> ctypes.CDLL | None:
     if platform.machine() not in ("x86_64", "AMD64") or platform.system() != "Linux":
         return None
@@ -248,12 +276,7 @@ def _build_locked(avx512: bool) -> ctypes.CDLL | None:
             target.parent.mkdir(parents=True, exist_ok=True)
             tag = f"{os.getpid()}.{threading.get_ident()}"  # other processes build too
             partial = target.with_name(f"{target.stem}.{tag}.partial.so")
-            subprocess.run(
-                [compiler, *flags, *map(str, _SOURCES), "-o", str(partial), "-lm"],
-                check=True,
-                capture_output=True,
-                timeout=300,
-            )
+            _compile(compiler, flags, partial)
             os.replace(partial, target)  # atomic: parallel test workers may race here
         lib = ctypes.CDLL(str(target))
     except (OSError, subprocess.SubprocessError) as exc:

@@ -1,6 +1,7 @@
 # Two entry points, each building its own virtual environment on first use:
 #   make demo   install semipack and explain the embedded sentence encoder (semipack explain)
 #   make test   install semipack with its test dependencies and run the whole test suite
+#   (make lint: its ruff checks alone)
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
@@ -29,9 +30,11 @@ $(VENV)/.bench: $(VENV)/.test
 demo: $(VENV)/.demo
 	$(PY) -m semipack explain --out explain_out
 
-test: $(VENV)/.test
+lint: $(VENV)/.test
 	$(PY) -m ruff check semipack tests examples benchmarks
 	$(PY) -m ruff format --check semipack tests examples benchmarks
+
+test: lint
 	OMP_NUM_THREADS=1 $(PY) -m pytest -q -n 2 -p no:cacheprovider
 
 bench: $(VENV)/.bench

@@ -237,6 +237,27 @@ class _Float64Lift(MinProd):
         return super().lift(w)
 
 
+class _LeftPlus(MinProd):  # plus gives its left argument (trial 132: values, no error)
+    def plus(self, a, b):
+        return a
+
+
+class _ZeroNotPlusIdentity(MinProd):  # zero 0 with min as plus: it wins every plus
+    zero = (0.0,)
+
+    def lift(self, w):
+        return (torch.where(w == 0, 0.0, super().lift(w)[0]),)
+
+
+class _OneNotTimesIdentity(MinProd):
+    one = (1.0,)  # the identity of + in log space is 0
+
+
+class _SumOfTheFirstDim(MinProd):  # reduces dims[0] only (trial 132)
+    def sum(self, a, dims, keepdim=False):
+        return (a[0].amin(dims[0], keepdim=keepdim),)
+
+
 class _PerInstance(MinProd):
     """Sets its pieces per instance, as KBest(k) does: each instance is checked."""
 
@@ -256,6 +277,15 @@ class _PerInstance(MinProd):
         (_SumWithoutKeepdim, TypeError, "_SumWithoutKeepdim.sum must take (a, dims, keepdim"),
         (_TimesOfATensor, TypeError, "_TimesOfATensor.times must return a tuple of 1 tensor(s)"),
         (lambda: _PerInstance(2), TypeError, "components names 1 state component(s) ('value',)"),
+        (_LeftPlus, TypeError, "_LeftPlus.plus is not commutative: plus(a, b) and plus(b, a)"),
+        (_ZeroNotPlusIdentity, TypeError, "_ZeroNotPlusIdentity.zero (0.0,) is not the identity"),
+        (_OneNotTimesIdentity, TypeError, "_OneNotTimesIdentity.one (1.0,) is not the identity of"),
+        (
+            _SumOfTheFirstDim,
+            TypeError,
+            "_SumOfTheFirstDim.sum must return a tuple of 1 tensor(s), one per component, each "
+            "shaped like the state (here (1, 1)); it returned a tuple of 1: (1, 2)",
+        ),
     ],
 )
 def test_a_semiring_of_ones_own_that_does_not_fit_is_named(semiring, error, words) -> None:
@@ -287,6 +317,16 @@ def test_a_semiring_of_ones_own_that_does_not_fit_is_named(semiring, error, word
     (got,) = semipack.grad((x64 * 3).sum(), x64, _Float64Lift())
     torch.testing.assert_close(got, torch.full((2,), 3.0, dtype=torch.float64))  # exp(log 3)
     assert torch.allclose(value, torch.tensor([1.5, 3.5]))  # its readout: exp of the log
+
+
+def test_a_semiring_written_inside_the_package_is_checked_too() -> None:
+    """Only the built-in classes pass without the check: one added in ``semipack/semirings``,
+    where "Layout" says semirings go, got none (trial 132: a lift sending 0 to -inf gave
+    values)."""
+    broken = type("InTree", (_ZeroNotLiftedToZero,), {"__module__": "semipack.semirings.in_tree"})
+    x = torch.tensor([2.0, -3.0], requires_grad=True)
+    with pytest.raises(TypeError, match=r"InTree.lift must send an exact 0 \(no edge\) to zero"):
+        semipack.grad((x * 3).sum(), x, broken())
 
 
 @pytest.mark.parametrize("how", ["grad", "extend"])
@@ -1052,7 +1092,14 @@ def test_an_input_modified_in_place_after_the_forward_is_detected(regular_grads:
 
 
 class MinPlusOverLogs(semipack.MaxProd):
-    """MaxProd with min instead of max: the weakest path. Only primitives are changed."""
+    """MaxProd with min instead of max: the weakest path. Only primitives are changed (with
+    min as plus, "no path" is +inf: its identity, as the definition check requires)."""
+
+    zero = (math.inf,)
+
+    def lift(self, w):
+        logs = w.to(self.state_dtype(w.dtype)).abs().log()
+        return (logs.masked_fill(w == 0, math.inf),)
 
     def plus(self, a, b):
         return (torch.minimum(a[0], b[0]),)

@@ -16,7 +16,14 @@ from .errors import (
     StateShapeError,
     UnsupportedOpError,
 )
-from .explain import Branches, LayerFlow, TokenTypeTable, branches, explain_layers
+from .explain import (
+    AttentionLayer,
+    Branches,
+    LayerFlow,
+    TokenTypeTable,
+    branches,
+    explain_layers,
+)
 from .kernels.weight_cache import set_weight_cache_bytes
 from .messages import Message, OpCall, register_rule, registered_ops, scoped_rules
 from .monitor import Monitor
@@ -40,6 +47,7 @@ from .semirings import (
 __version__ = "0.1.0"
 
 __all__ = [
+    "AttentionLayer",
     "Boolean",
     "Branches",
     "Entropy",

@@ -289,8 +289,13 @@ def test_a_branch_beside_the_attention_has_one_name_in_every_layer() -> None:
     )  # fmt: skip
     torch.manual_seed(0)
     phi = transformers.PhiForCausalLM._from_config(cfg, attn_implementation="eager").double()
+    # semipack.AttentionLayer: the README's hand-built layers reach it from the top level
+    # (trial 131: only semipack.explain had it)
+    assert semipack.AttentionLayer is AttentionLayer
     layers = [
-        AttentionLayer(f"model.layers.{i}.self_attn", layer.self_attn, layer.self_attn.dense, 2, 16)
+        semipack.AttentionLayer(
+            f"model.layers.{i}.self_attn", layer.self_attn, layer.self_attn.dense, 2, 16
+        )
         for i, layer in enumerate(phi.model.layers)
     ]
     # found by themselves too (its output projection is named dense: trial 118)

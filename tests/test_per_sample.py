@@ -916,6 +916,27 @@ def test_embedding_bag_offsets_beside_dense_features_give_rows():
         assert_readout_matches("max_prod", model.bag.weight.semiring_grad, rows[i], f"bag {i}")
 
 
+def test_embedding_bag_rows_inside_a_checkpoint_are_refused_by_name():
+    """The bag's row rule reads the lookups its node saved; inside a non-reentrant checkpoint
+    the node's own backward could not read them again: refused, naming the bag."""
+    torch.manual_seed(0)
+    bags = Bags("mean").double()
+
+    class Checkpointed(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.inner = bags
+
+        def forward(self, ids):
+            return checkpoint(self.inner, ids, use_reentrant=False)
+
+    model = Checkpointed()
+    with semipack.extend(model, semipack.MaxProd(), per_sample=True):
+        loss = _loss(model(BAG_IDS))
+        with pytest.raises(PerSampleError, match="an embedding bag's lookups"):
+            loss.backward()
+
+
 def test_embedding_bag_over_flat_ids_as_the_batch_refused():
     """Flat ids as the model's first argument: one entry per lookup, not per bag."""
     torch.manual_seed(0)

@@ -727,7 +727,7 @@ def backward(
                         "non-reentrant checkpoint saved, which its own backward may then not "
                         "read again (a factor of x * p where p is computed from a parameter, "
                         "the value F.rms_norm's gain multiplies, a constant divisor, batch "
-                        "norm's input): run that part of the model "
+                        "norm's input, an embedding bag's lookups): run that part of the model "
                         "outside the checkpoint; a parameter used directly by a layer, or as a "
                         f"leaf gain x * p, works inside ({exc})"
                     ) from exc

@@ -290,8 +290,9 @@ def _start_of(result: Explanation, i: int) -> str:
     if result.starts is None:
         return ""
     _, unit, rank = result.starts[i]
-    ordinal = {1: "2nd", 2: "3rd"}.get(rank, f"{rank + 1}th")
-    return f"  [input unit {unit}{f', its {ordinal} best path' if rank else ''}]"
+    n = rank + 1
+    suffix = "th" if n % 100 in (11, 12, 13) else {1: "st", 2: "nd", 3: "rd"}.get(n % 10, "th")
+    return f"  [input unit {unit}{f', its {n}{suffix} best path' if rank else ''}]"
 
 
 def _unravel(flat: int, shape: tuple[int, ...]) -> tuple[int, ...]:

@@ -433,6 +433,23 @@ def test_kbest_draws_the_best_paths_of_the_whole_input(tiny_model_dir, capsys):
     )
 
 
+def test_a_route_line_names_its_input_unit_and_rank() -> None:
+    """The suffix ``--kbest`` lines end with: the unit, and an English ordinal for a unit's
+    later paths (2nd, 3rd, 11th, 21st, 112th)."""
+    from semipack.cli import Explanation, _start_of
+
+    ranks = (0, 1, 2, 10, 20, 111)
+    result = Explanation([], {}, [], None, [(0, 5, rank) for rank in ranks])
+    assert [_start_of(result, i) for i in range(len(ranks))] == [
+        "  [input unit 5]",
+        "  [input unit 5, its 2nd best path]",
+        "  [input unit 5, its 3rd best path]",
+        "  [input unit 5, its 11th best path]",
+        "  [input unit 5, its 21st best path]",
+        "  [input unit 5, its 112th best path]",
+    ]
+
+
 def test_every_option_has_help_and_the_examples_parse(capsys) -> None:
     """``semipack explain --help`` documents each option (an option without help showed only
     its name) and its examples are command lines the parser takes."""

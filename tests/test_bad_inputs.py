@@ -258,6 +258,23 @@ class _SumOfTheFirstDim(MinProd):  # reduces dims[0] only (trial 132)
         return (a[0].amin(dims[0], keepdim=keepdim),)
 
 
+class _ZeroOfLogOne(semipack.MaxProd):  # max-times in logs with zero 0 = log 1: an edge above
+    zero = (0.0,)  # 1 hid it (trial 133); zero-weight edges then count as weight 1
+
+    def lift(self, w):
+        return (torch.where(w == 0, 0.0, super().lift(w)[0]),)
+
+
+class _ZeroInFloat32Only(semipack.MaxProd):  # 1e-50 is 0 in float32 only (trial 133)
+    def lift(self, w):
+        return (w.abs().clamp_min(1e-50).log(),)
+
+
+class _SumOfEverything(MinProd):  # reduces every dim whatever dims says (trial 133)
+    def sum(self, a, dims, keepdim=False):
+        return (a[0].amin() if not keepdim else a[0].amin().reshape([1] * a[0].dim()),)
+
+
 class _PerInstance(MinProd):
     """Sets its pieces per instance, as KBest(k) does: each instance is checked."""
 
@@ -278,6 +295,9 @@ class _PerInstance(MinProd):
         (_TimesOfATensor, TypeError, "_TimesOfATensor.times must return a tuple of 1 tensor(s)"),
         (lambda: _PerInstance(2), TypeError, "components names 1 state component(s) ('value',)"),
         (_LeftPlus, TypeError, "_LeftPlus.plus is not commutative: plus(a, b) and plus(b, a)"),
+        (_ZeroOfLogOne, TypeError, "_ZeroOfLogOne.zero (0.0,) is not the identity of plus"),
+        (_ZeroInFloat32Only, TypeError, "_ZeroInFloat32Only.lift must send an exact 0 (no edge)"),
+        (_SumOfEverything, TypeError, "_SumOfEverything.sum must return a tuple of 1 tensor(s)"),
         (_ZeroNotPlusIdentity, TypeError, "_ZeroNotPlusIdentity.zero (0.0,) is not the identity"),
         (_OneNotTimesIdentity, TypeError, "_OneNotTimesIdentity.one (1.0,) is not the identity of"),
         (
@@ -317,6 +337,39 @@ def test_a_semiring_of_ones_own_that_does_not_fit_is_named(semiring, error, word
     (got,) = semipack.grad((x64 * 3).sum(), x64, _Float64Lift())
     torch.testing.assert_close(got, torch.full((2,), 3.0, dtype=torch.float64))  # exp(log 3)
     assert torch.allclose(value, torch.tensor([1.5, 3.5]))  # its readout: exp of the log
+
+
+class _ScaledLogSum(semipack.Semiring):
+    """log Σ |w| / c over paths, c an instance setting: valid; its probe sums lie near 0,
+    where a check at a relative 1e-6 refused it (trial 133)."""
+
+    zero, one = (-math.inf,), (0.0,)
+
+    def __init__(self, c: float) -> None:
+        self.c = c
+
+    def lift(self, w):
+        assert w.dtype == torch.float64  # a float64-only lift, by assert (trial 133)
+        return (torch.where(w == 0, -math.inf, w.abs().log() - math.log(self.c)),)
+
+    def plus(self, a, b):
+        return (torch.logaddexp(a[0], b[0]),)
+
+    def times(self, a, b):
+        return (a[0] + b[0],)
+
+    def sum(self, a, dims, keepdim=False):
+        return (a[0].logsumexp(dims, keepdim=keepdim),)
+
+
+@pytest.mark.parametrize("c", [3.99, 4.0, 4.01, 2.0])
+def test_a_valid_semiring_is_not_refused(c: float) -> None:
+    """The law checks pass a valid log-space sum whose probe values lie near 0, with a lift
+    that takes float64 only; its values are LogSum's less the path length times log c."""
+    x = torch.tensor([2.0, -3.0], dtype=torch.float64, requires_grad=True)
+    (got,) = semipack.grad((x * 3).exp().sum(), x, _ScaledLogSum(c))
+    (flow,) = semipack.grad((x * 3).exp().sum(), x, semipack.LogSum())
+    torch.testing.assert_close(got, flow - 3 * math.log(c))  # three edges per path
 
 
 def test_a_semiring_written_inside_the_package_is_checked_too() -> None:

@@ -794,4 +794,20 @@ def test_a_failed_build_says_so_and_falls_back(tmp_path, monkeypatch, capsys) ->
     with pytest.warns(RuntimeWarning, match="building the native max-plus kernel failed"):
         assert native._build_locked(False) is None
     assert "semipack: building the native kernels for this CPU" in capsys.readouterr().err
-    assert list(tmp_path.iterdir()) == []
+    assert [p.name for p in tmp_path.iterdir()] == ["build.lock"]  # nothing of the build
+
+
+def test_a_build_sweeps_what_an_interrupted_one_left(tmp_path, monkeypatch, capsys) -> None:
+    """A build stopped by a signal left its objects' folder in the cache folder for good
+    (trial 133): the next build, holding the lock, removes it and any partial library. CC
+    may carry arguments, as make reads it ("ccache gcc")."""
+    if not native.native_available():
+        pytest.skip("no native build on this machine")
+    monkeypatch.setenv("SEMIPACK_CACHE_DIR", str(tmp_path))
+    (tmp_path / "build-abc").mkdir()
+    (tmp_path / "build-abc" / "maxplus.o").write_bytes(b"half")
+    (tmp_path / "kernels-0123.1.2.partial.so").write_bytes(b"half")
+    monkeypatch.setenv("CC", "false --an-argument")  # split into a program and its argument
+    with pytest.warns(RuntimeWarning, match="building the native max-plus kernel failed"):
+        assert native._build_locked(False) is None
+    assert [p.name for p in tmp_path.iterdir()] == ["build.lock"]

@@ -22,18 +22,21 @@ wider build, so they round differently.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
+import fcntl
 import functools
 import hashlib
 import os
 import platform
+import shlex
 import shutil
 import subprocess
 import sys
 import tempfile
 import threading
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, TypeVar
@@ -233,7 +236,32 @@ def _build(avx512: bool) -> ctypes.CDLL | None:
         return _build_locked(avx512)
 
 
-def _compile(compiler: str, flags: Sequence[str], out: Path) -> None:
+@contextlib.contextmanager
+def _build_lock(folder: Path) -> Iterator[None]:
+    """Hold the cache folder's build lock for the block: best effort, a file system without
+    locks builds without one (as before the lock: each process builds, the atomic rename
+    keeps the library whole)."""
+    with open(folder / "build.lock", "w") as lock:
+        with contextlib.suppress(OSError):
+            fcntl.flock(lock, fcntl.LOCK_EX)
+        yield
+
+
+def _sweep_interrupted_builds(folder: Path) -> None:
+    """Remove what an interrupted build left in the cache folder (its objects' folder, a
+    partial library): called holding the build lock, so no build is running (trial 133: a
+    first build stopped by a signal left its objects there for good)."""
+    for left in folder.glob(_BUILD_PREFIX + "*"):
+        shutil.rmtree(left, ignore_errors=True)
+    for left in folder.glob("kernels-*.partial.so"):
+        left.unlink(missing_ok=True)
+
+
+#: The name of a build's folder of objects in the cache folder (``_compile``).
+_BUILD_PREFIX = "build-"
+
+
+def _compile(compiler: Sequence[str], flags: Sequence[str], out: Path) -> None:
     """Compile the sources into the shared library ``out``: one object per source, as many at
     once as the CPU has cores, then one link. The build runs once per source version (a few
     tens of seconds to minutes, most of it ``depthwise.c``); it says so on stderr, since a
@@ -245,17 +273,17 @@ def _compile(compiler: str, flags: Sequence[str], out: Path) -> None:
         flush=True,
     )
     compile_flags = [f for f in flags if f != "-shared"]
-    with tempfile.TemporaryDirectory(dir=out.parent) as folder:
+    with tempfile.TemporaryDirectory(prefix=_BUILD_PREFIX, dir=out.parent) as folder:
         objects = [Path(folder) / f"{source.stem}.o" for source in _SOURCES]
 
         def one(source: Path, obj: Path) -> None:
-            command = [compiler, *compile_flags, "-c", str(source), "-o", str(obj)]
+            command = [*compiler, *compile_flags, "-c", str(source), "-o", str(obj)]
             subprocess.run(command, check=True, capture_output=True, timeout=600)
 
         with ThreadPoolExecutor(max_workers=max(1, os.cpu_count() or 1)) as pool:
             for done in [pool.submit(one, s, o) for s, o in zip(_SOURCES, objects, strict=True)]:
                 done.result()  # the first failure raises here
-        link = [compiler, *flags, *map(str, objects), "-o", str(out), "-lm"]
+        link = [*compiler, *flags, *map(str, objects), "-o", str(out), "-lm"]
         subprocess.run(link, check=True, capture_output=True, timeout=300)
 
 
@@ -264,8 +292,10 @@ def _build_locked(avx512: bool) -> ctypes.CDLL | None:
         return None
     if _cpu_capability() not in ("AVX2", "AVX512"):
         return None
-    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-    if compiler is None:
+    # CC may carry arguments ("ccache gcc", "gcc -O2"), as make reads it (trial 133)
+    given = shlex.split(os.environ.get("CC", ""))
+    compiler = given or [found for found in (shutil.which("cc") or shutil.which("gcc"),) if found]
+    if not compiler:
         return None
     flags = (*_FLAGS, *_AVX512_FLAGS) if avx512 else _FLAGS
     source = b"".join(path.read_bytes() for path in (*_SOURCES, *_HEADERS))
@@ -274,10 +304,15 @@ def _build_locked(avx512: bool) -> ctypes.CDLL | None:
     try:
         if not target.exists():
             target.parent.mkdir(parents=True, exist_ok=True)
-            tag = f"{os.getpid()}.{threading.get_ident()}"  # other processes build too
-            partial = target.with_name(f"{target.stem}.{tag}.partial.so")
-            _compile(compiler, flags, partial)
-            os.replace(partial, target)  # atomic: parallel test workers may race here
+            # one build at a time per cache folder: processes started together (test workers)
+            # wait for the first one's library instead of each building it (trial 133)
+            with _build_lock(target.parent):
+                if not target.exists():
+                    _sweep_interrupted_builds(target.parent)
+                    tag = f"{os.getpid()}.{threading.get_ident()}"
+                    partial = target.with_name(f"{target.stem}.{tag}.partial.so")
+                    _compile(compiler, flags, partial)
+                    os.replace(partial, target)  # atomic: the library appears whole
         lib = ctypes.CDLL(str(target))
     except (OSError, subprocess.SubprocessError) as exc:
         detail = getattr(exc, "stderr", b"") or b""

@@ -879,7 +879,7 @@ class _Files:
     def __init__(
         self, log_dir: Path, tensorboard: bool, flush_secs: float, earlier: list[Record]
     ) -> None:
-        self.events = _Events(log_dir) if tensorboard else None
+        self.events = _Events(log_dir, after_earlier=bool(earlier)) if tensorboard else None
         #: a resumed run's earlier records are in the file until the first new step's come
         self.resumed = bool(earlier)
         self.csv_file = open(log_dir / "monitor.csv", "w", newline="")  # noqa: SIM115
@@ -963,6 +963,22 @@ class _Files:
             self.events.close()
 
 
+def _after_earlier_event_files(log_dir: Path) -> None:
+    """Wait, if need be, until the clock's second is past the newest event file's in
+    ``log_dir``. TensorBoard reads a folder's event files in name order, and a name holds the
+    second it was made, then the process and a counter: a run resumed in the same second by
+    the same process (a notebook after an exception) got a name that sorted before the
+    earlier run's ("...10" < "...9"), and its restart marker came before the steps it drops
+    (the test of ``restart_at`` met it in CI). At most one second, and only then."""
+    made = []
+    for path in log_dir.glob("events.out.tfevents.*"):
+        part = path.name.split(".")[3:4]
+        if part and part[0].isdigit():
+            made.append(int(part[0]))
+    while made and int(time.time()) <= max(made):
+        time.sleep(0.05)
+
+
 class _Events:
     """TensorBoard's event file: each step's scalars go in as one ``Summary`` of one event.
 
@@ -971,7 +987,9 @@ class _Events:
     the monitor's own cost at ``every=1``. One event holding every value of the step carries
     the same tags, steps and values (read back by ``tests/test_monitor.py``)."""
 
-    def __init__(self, log_dir: Path) -> None:
+    def __init__(self, log_dir: Path, after_earlier: bool = False) -> None:
+        if after_earlier:
+            _after_earlier_event_files(log_dir)
         try:
             from tensorboard.compat.proto.summary_pb2 import Summary
             from torch.utils.tensorboard import SummaryWriter

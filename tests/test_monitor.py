@@ -870,12 +870,22 @@ def test_a_resumed_run_s_events_read_back_as_its_csv(tmp_path: Path) -> None:
     TensorBoard reads, as its CSV rows are (trial 130: both runs' values stood at steps 2 and
     up, and the events no longer equalled the CSV)."""
     pytest.importorskip("tensorboard")
+    from tensorboard.summary.writer import event_file_writer
+
+    # the two runs' files numbered 9 and 10 by the process's counter of event files, as in
+    # CI: by name, "10" sorts before "9"
+    counter = event_file_writer._global_uid
+    while counter._value % 10 != 9:  # the next file's number
+        counter.get()
     batches = _batches(4)
     first = semipack.Monitor(_model(), every=1, log_dir=tmp_path)
     for step, (x, y) in enumerate(batches):  # steps 0-3; the checkpoint is at step 2
         with first.step(step):
             nn.functional.cross_entropy(first.model(x), y).backward()
     first.close()
+    # at once, in the same process: the new event file's name must still sort after the
+    # first's (TensorBoard reads them in name order; within one second a counter decides, and
+    # "10" sorts before "9": the resumed run's file was read first, in CI)
     again = semipack.Monitor(_model(), every=1, log_dir=tmp_path, resume=True)
     for step, (x, y) in zip((2, 3), batches[2:], strict=True):
         with again.step(step):

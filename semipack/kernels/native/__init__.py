@@ -237,14 +237,17 @@ def _build(avx512: bool) -> ctypes.CDLL | None:
 
 
 @contextlib.contextmanager
-def _build_lock(folder: Path) -> Iterator[None]:
-    """Hold the cache folder's build lock for the block: best effort, a file system without
-    locks builds without one (as before the lock: each process builds, the atomic rename
-    keeps the library whole)."""
+def _build_lock(folder: Path) -> Iterator[bool]:
+    """Hold the cache folder's build lock for the block, giving whether it holds it: best
+    effort, a file system without locks builds without one (as before the lock: each process
+    builds, the atomic rename keeps the library whole)."""
     with open(folder / "build.lock", "w") as lock:
-        with contextlib.suppress(OSError):
+        try:
             fcntl.flock(lock, fcntl.LOCK_EX)
-        yield
+        except OSError:
+            yield False
+        else:
+            yield True
 
 
 def _sweep_interrupted_builds(folder: Path) -> None:
@@ -306,9 +309,10 @@ def _build_locked(avx512: bool) -> ctypes.CDLL | None:
             target.parent.mkdir(parents=True, exist_ok=True)
             # one build at a time per cache folder: processes started together (test workers)
             # wait for the first one's library instead of each building it (trial 133)
-            with _build_lock(target.parent):
+            with _build_lock(target.parent) as alone:
                 if not target.exists():
-                    _sweep_interrupted_builds(target.parent)
+                    if alone:  # no other build runs: what is there was interrupted
+                        _sweep_interrupted_builds(target.parent)
                     tag = f"{os.getpid()}.{threading.get_ident()}"
                     partial = target.with_name(f"{target.stem}.{tag}.partial.so")
                     _compile(compiler, flags, partial)

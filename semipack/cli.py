@@ -187,8 +187,6 @@ class Explanation:
     tokens: list[str]
     flows: dict[str, LayerFlow]
     routes: list[LayerRoute]
-    #: the token each route starts from, where the routes are one per token (TopPath's)
-    sources: list[int] | None = None
     #: the input entry each route starts from, (token, unit), and the route's rank among that
     #: entry's own paths (0: its best): two of KBest's routes may read alike layer by layer
     #: (the same token, residual hops) and still be other paths (trial 124)
@@ -252,7 +250,6 @@ def run(
     passes = [*semiring_names, "paths"]
     flows: dict[str, LayerFlow] = {}
     routes: list[LayerRoute] = []
-    sources: list[int] | None = None
     starts: list[tuple[int, int, int]] | None = None
     for name in tqdm(passes, desc="semiring passes", disable=not sys.stderr.isatty()):
         if name != "paths":
@@ -278,10 +275,9 @@ def run(
         else:  # the best path from each token (its best hidden unit)
             units = words.semiring_grad[0].argmax(-1).tolist()
             found = [finder.path(words, (0, t, u)) for t, u in enumerate(units)]
-            sources = list(range(len(units)))
             starts = [(t, u, 0) for t, u in enumerate(units)]
         routes = layer_routes(found, layers)
-    return Explanation(tokens, flows, routes, sources, starts)
+    return Explanation(tokens, flows, routes, starts)
 
 
 def _start_of(result: Explanation, i: int) -> str:
@@ -339,7 +335,7 @@ def report(result: Explanation, out: Path | None) -> None:
     if result.routes:
         print("\nbest paths from the input embeddings, layer by layer:")
         for i, route in enumerate(result.routes):
-            source = None if result.sources is None else tokens[result.sources[i]]
+            source = None if result.starts is None else tokens[result.starts[i][0]]
             if source is not None and route.value == 0:  # no path from this token at all
                 print(f"  -  from {source}: no path")
             elif source is not None and not route.hops:

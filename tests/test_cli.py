@@ -439,7 +439,7 @@ def test_a_route_line_names_its_input_unit_and_rank() -> None:
     from semipack.cli import Explanation, _start_of
 
     ranks = (0, 1, 2, 10, 20, 111)
-    result = Explanation([], {}, [], None, [(0, 5, rank) for rank in ranks])
+    result = Explanation([], {}, [], [(0, 5, rank) for rank in ranks])
     assert [_start_of(result, i) for i in range(len(ranks))] == [
         "  [input unit 5]",
         "  [input unit 5, its 2nd best path]",

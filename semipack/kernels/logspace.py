@@ -13,7 +13,6 @@ from .compiled import FUSED_MIN_ELEMENTS, compile_enabled, compiled
 from .native import (
     exp_block_f32,
     log_block_f32,
-    log_plus_block_f32,
     log_plus_f32,
     native_available,
 )
@@ -268,7 +267,7 @@ def log_magnitude_plus_(mag: Tensor, shift: Tensor | float) -> Tensor:
     ):
         return log_magnitude_(mag).add_(shift)
     if shift.numel() == 1 and _native_block(mag):  # the common case, one bare call
-        log_plus_block_f32(mag, shift)
+        log_block_f32(mag, shift)
         return mag
     # flat (``_flat``): one compiled variant per dtype and kind of shift, whatever the rank
     # and the order of the dims in memory

@@ -221,17 +221,12 @@ def _other_mixing(stack: list[Any], seen: set[int], tail: set[int], batches: fro
     """The other nodes inside the model that mix the examples, below those ``check_graph``
     has walked (``stack`` and ``seen``), for its refusal: each one is a layer the user must
     change (trial 120: a ResNet in train mode named its last batch norm alone)."""
-    found: list[str] = []
-    pending, visited = list(stack), set(seen)
-    while pending:
-        node = pending.pop()
-        if node is None or id(node) in visited:
-            continue
-        visited.add(id(node))
-        module = _module_of(node)
-        if module is not None and mixing_reason(node, id(node) in tail, batches) is not None:
-            found.append(f"{node.name()} (created by {module})")
-        pending.extend(nxt for nxt, _ in node.next_functions)
+    found = [
+        f"{node.name()} (created by {module})"
+        for node in _walk(stack, seen)
+        if (module := _module_of(node)) is not None
+        and mixing_reason(node, id(node) in tail, batches) is not None
+    ]
     if not found:
         return ""
     shown = ", ".join(found[:3]) + (f" and {len(found) - 3} more" if len(found) > 3 else "")
@@ -418,19 +413,23 @@ def _unseen_input(node) -> str | None:
     return None
 
 
+def _walk(starts: Sequence[Any], seen: set[int] = frozenset()) -> Iterator[Any]:
+    """Each node among ``starts`` and the nodes they were computed from, once, depth first
+    along ``next_functions``, leaving out those whose ids are in ``seen``."""
+    stack, visited = list(starts), set(seen)
+    while stack:
+        node = stack.pop()
+        if node is None or id(node) in visited:
+            continue
+        visited.add(id(node))
+        yield node
+        stack.extend(nxt for nxt, _ in node.next_functions)
+
+
 def _upstream(node, found: Callable[[Any], bool]) -> Any:
     """The first node ``found`` accepts among ``node`` and the nodes it was computed from
     (a depth-first walk of ``next_functions``), or None."""
-    stack, visited = [node], set()
-    while stack:
-        n = stack.pop()
-        if n is None or id(n) in visited:
-            continue
-        visited.add(id(n))
-        if found(n):
-            return n
-        stack.extend(m for m, _ in n.next_functions)
-    return None
+    return next((n for n in _walk([node]) if found(n)), None)
 
 
 def _scalar_output(node) -> bool:

@@ -654,21 +654,20 @@ def exp_block_f32(x: Tensor, out: Tensor) -> None:
     _library().semipack_exp_f32(x.data_ptr(), out.data_ptr(), n, 0.0, _elementwise_threads(n))
 
 
-def log_block_f32(mag: Tensor) -> None:
-    """``mag = log(mag)`` in place over the memory of a float32 CPU tensor whose entries are one
-    dense block, unchecked as ``exp_block_f32``."""
-    n = mag.numel()
-    _library().semipack_log_plus_f32(mag.data_ptr(), None, 1, n, 0, 0, _elementwise_threads(n))
-
-
-def log_plus_block_f32(mag: Tensor, shift: Tensor) -> None:
-    """``mag = log(mag) + shift`` in place over the memory of a float32 CPU tensor whose
-    entries are one dense block, ``shift`` one float32 CPU entry; unchecked as
+def log_block_f32(mag: Tensor, shift: Tensor | None = None) -> None:
+    """``mag = log(mag)`` (``+ shift``, one float32 CPU entry, where given) in place over the
+    memory of a float32 CPU tensor whose entries are one dense block, unchecked as
     ``exp_block_f32`` (the checked ``log_plus_f32`` and its flat views cost 20-40 us a call,
     a hundred calls in a small model's LogSum pass)."""
     n = mag.numel()
     _library().semipack_log_plus_f32(
-        mag.data_ptr(), shift.data_ptr(), 1, n, 0, 0, _elementwise_threads(n)
+        mag.data_ptr(),
+        None if shift is None else shift.data_ptr(),
+        1,
+        n,
+        0,
+        0,
+        _elementwise_threads(n),
     )
 
 
